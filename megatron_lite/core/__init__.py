@@ -1,0 +1,1 @@
+"""Plain-PyTorch core of megatron-lite. Never imports Lightning."""

@@ -1,0 +1,147 @@
+"""Sharded state dicts for DCP.
+
+A tensor-parallel shard is presented to ``torch.distributed.checkpoint`` as a DTensor over the TP
+mesh dimension (Shard along its split dim, with fused blocks seen as an extra dimension), so DCP
+writes the global tensor; replicated tensors are plain and DCP keeps one copy. The views share
+storage with the live parameters and optimizer state, so loading writes straight into them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.optim import Optimizer
+
+from megatron_lite.core.parallel.layout import ParallelLayout
+
+
+def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
+    shard = getattr(param, "tp_shard", None)
+    if shard is None or shard.size == 1 or layout.mesh is None:
+        return tensor
+    from torch.distributed.tensor import DTensor, Shard
+
+    view, global_shape, dim = shard.blocked_view(tensor)
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(view, layout.mesh["tp"], [Shard(dim)], run_check=False,
+                              shape=torch.Size(global_shape), stride=stride)
+
+
+def sharded_model_state(module: nn.Module, layout: ParallelLayout) -> dict[str, Any]:
+    """Parameters (as global views) and persistent buffers of ``module``."""
+    state: dict[str, Any] = {}
+    for name, param in module.named_parameters():
+        state[name] = _global_view(param.data, param, layout)
+    for name, buf in module.named_buffers():
+        short = name.rsplit(".", 1)[-1]
+        owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        if short not in owner._non_persistent_buffers_set:
+            state[name] = buf
+    return state
+
+
+def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer, layout: ParallelLayout) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name (layout-independent), tensors as global views."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    params = {id(p): p for p in module.parameters()}
+    state: dict[str, Any] = {}
+    for pid, pstate in ((id(p), optimizer.state.get(p, {})) for g in optimizer.param_groups for p in g["params"]):
+        name = names[pid]
+        for key, value in pstate.items():
+            if torch.is_tensor(value) and value.shape == params[pid].shape and value.ndim > 0:
+                value = _global_view(value, params[pid], layout)
+            state[f"state.{name}.{key}"] = value
+    groups = []
+    for g in optimizer.param_groups:
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]})
+    state["param_groups"] = groups
+    return state
+
+
+@torch.no_grad()
+def ensure_optimizer_state(optimizer: Optimizer) -> None:
+    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so a checkpoint
+    can be loaded into them in place."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    saved_grads = [p.grad for p in params]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved_lrs):
+        g["lr"] = lr
+    for p, grad in zip(params, saved_grads):
+        p.grad = grad
+
+
+def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
+    """Restore hyperparameters of each param group (lr, betas, ...) saved by sharded_optimizer_state."""
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _broadcast_str(value: str) -> str:
+    if not dist.is_initialized():
+        return value
+    obj = [value]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None) -> Path:
+    """Write ``state`` with DCP (and ``extra`` with torch.save from rank 0) under ``path``, atomically.
+
+    Everything goes to a temporary sibling directory first; rank 0 renames it into place only after
+    every rank has finished, so a crash mid-save never leaves a broken checkpoint at ``path``.
+    """
+    path = Path(path)
+    tmp = Path(_broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")))
+    if _is_rank0():
+        tmp.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    if _is_rank0() and extra is not None:
+        torch.save(extra, tmp / "meta.pt")
+    if dist.is_initialized():
+        dist.barrier()
+    if _is_rank0():
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            path.rename(old)
+        tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict:
+    """Load ``state`` in place from a checkpoint written by :func:`save_sharded`; returns ``extra``."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a megatron-lite checkpoint directory (no DCP .metadata inside); pass the "
+            f"directory that trainer.save_checkpoint() or ModelCheckpoint wrote.")
+    dcp.load(state, checkpoint_id=str(path))
+    meta = path / "meta.pt"
+    return torch.load(meta, weights_only=False) if meta.is_file() else {}

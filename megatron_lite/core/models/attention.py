@@ -1,0 +1,69 @@
+"""Self-attention with a fused, tensor-parallel QKV projection and grouped-query attention."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.rope import apply_rotary
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.random import RNGStatesTracker
+from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention over ``[s, b, h]`` activations.
+
+    The QKV weight uses Megatron's layout ``[groups, (heads_per_group + 2), head_dim]`` along its
+    output dimension, so a contiguous TP split hands each rank whole query groups with their keys
+    and values.
+    """
+
+    def __init__(self, config: GPTConfig, layout: ParallelLayout, output_init_std: float):
+        super().__init__()
+        tp = layout.tp_size
+        self.head_dim = config.kv_channels
+        self.groups_per_rank = config.num_query_groups // tp
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        self.attention_dropout = config.attention_dropout
+        qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, layout, bias=config.add_bias_linear or config.add_qkv_bias,
+            init_std=config.init_method_std)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * config.kv_channels, config.hidden_size, layout,
+            bias=config.add_bias_linear, init_std=output_init_std)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                rng: Optional[RNGStatesTracker]) -> torch.Tensor:
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.groups_per_rank * self.q_per_group, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=2)
+            v = v.repeat_interleave(self.q_per_group, dim=2)
+        # [s, b, n, d] -> [b, n, s, d] for SDPA
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        dropout = self.attention_dropout if self.training else 0.0
+        if dropout > 0.0 and rng is not None:
+            # Heads are split over TP: each rank needs its own dropout stream.
+            with rng.fork():
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(out)
+
+
+def scaled_init_std(config: GPTConfig) -> float:
+    """Megatron's init for the output projections of residual branches: std / sqrt(2 L)."""
+    return config.init_method_std / math.sqrt(2.0 * config.num_layers)

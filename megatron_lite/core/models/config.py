@@ -1,0 +1,152 @@
+"""GPTConfig: the model's shape, with Megatron's field names and validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+@dataclass
+class GPTConfig:
+    """Shape and options of a GPT model (defaults: a tiny Llama-style model)."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means one per query head (MHA)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; None means 4 x hidden_size."""
+    kv_channels: Optional[int] = None
+    """Width of one attention head; None means hidden_size / num_attention_heads."""
+    vocab_size: int = 1024
+    """Tokenizer vocabulary size (padded internally, see make_vocab_size_divisible_by)."""
+    seq_length: int = 128
+    """Training sequence length."""
+    max_position_embeddings: Optional[int] = None
+    """Size of the learned position table; None means seq_length."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Normalization layer."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of the normalization layers."""
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP activation: gated SiLU (Llama) or GeLU (GPT-2)."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """Rotary position embedding or a learned absolute position table."""
+    rotary_base: int = 10000
+    """RoPE base frequency."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the output layer to the word embedding."""
+    add_bias_linear: bool = False
+    """Biases in the linear layers (GPT-2 style)."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection only (Qwen style)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches and the embedding."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2L))."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the TP size (Megatron's padding)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                     "make_vocab_size_divisible_by"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels", "max_position_embeddings"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}), or set kv_channels explicitly.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
+                f"({self.num_query_groups}).")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding_type!r}")
+        if (self.position_embedding_type == "learned_absolute"
+                and self.max_position_embeddings < self.seq_length):
+            raise ValueError(
+                f"max_position_embeddings ({self.max_position_embeddings}) must be >= seq_length ({self.seq_length}).")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ValueError(f"RoPE needs an even head width, got kv_channels={self.kv_channels}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
+
+    def validate_parallelism(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                             context_parallel_size: int = 1, sequence_parallel: bool = False) -> None:
+        """Raise a ValueError naming the fix if this model cannot be split this way."""
+        tp = tensor_model_parallel_size
+        checks = [
+            (self.num_attention_heads, "num_attention_heads"),
+            (self.num_query_groups, "num_query_groups"),
+            (self.ffn_hidden_size, "ffn_hidden_size"),
+        ]
+        for value, name in checks:
+            if value % tp != 0:
+                raise ValueError(
+                    f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
+                    f"choose a tensor_model_parallel_size that divides {value} or change {name}.")
+        if self.num_layers % pipeline_model_parallel_size != 0:
+            raise ValueError(
+                f"num_layers ({self.num_layers}) must be divisible by pipeline_model_parallel_size "
+                f"({pipeline_model_parallel_size}).")
+        if sequence_parallel and self.seq_length % tp != 0:
+            raise ValueError(
+                f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size ({tp}) "
+                f"with sequence_parallel=True.")
+        if context_parallel_size > 1 and self.seq_length % (2 * context_parallel_size) != 0:
+            raise ValueError(
+                f"seq_length ({self.seq_length}) must be divisible by 2 x context_parallel_size "
+                f"({2 * context_parallel_size}).")
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """The vocabulary size the embedding and output layer actually use (Megatron's padding)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def num_parameters(self) -> int:
+        """Parameters of the unpadded-vocabulary model (for reports and FLOPs)."""
+        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.padded_vocab_size()
+        q = self.num_attention_heads * self.kv_channels
+        kv = 2 * self.num_query_groups * self.kv_channels
+        attn = h * (q + kv) + q * h
+        mlp = h * f * (2 if self.activation == "swiglu" else 1) + f * h
+        per_layer = attn + mlp + 2 * h
+        emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
+        out = 0 if self.share_embeddings_and_output_weights else v * h
+        return L * per_layer + emb + out + h
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

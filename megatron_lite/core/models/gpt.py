@@ -1,0 +1,151 @@
+"""GPTModel: embedding, a stack of pre-norm transformer layers, and a vocab-parallel output layer.
+
+Activations flow as ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) like Megatron, so
+the sequence split is a contiguous slice. Layers are keyed by their global index, so parameter
+names do not depend on the layout.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.core.models.attention import SelfAttention, scaled_init_std
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.mlp import MLP
+from megatron_lite.core.models.norms import Norm
+from megatron_lite.core.models.rope import RotaryEmbedding
+from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.mappings import (
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron_lite.core.parallel.random import RNGStatesTracker, model_parallel_rng_tracker
+from megatron_lite.core.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    initialize_parameters,
+    mark_parameter,
+)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: GPTConfig, layout: ParallelLayout):
+        super().__init__()
+        sp = layout.sequence_parallel
+        out_std = scaled_init_std(config)
+        self.input_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
+        self.self_attention = SelfAttention(config, layout, out_std)
+        self.pre_mlp_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
+        self.mlp = MLP(config, layout, out_std)
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sp
+
+    def _dropout(self, x: torch.Tensor, rng: Optional[RNGStatesTracker]) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        # Under SP each rank holds a different slice, so it draws from its own stream.
+        ctx = rng.fork() if (self.sequence_parallel and rng is not None) else nullcontext()
+        with ctx:
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def forward(self, x, rope, rng):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng), rng)
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), rng)
+
+
+class GPTModel(nn.Module):
+    """A decoder-only transformer built for one rank of ``layout``.
+
+    ``forward(tokens)`` returns this rank's logits ``[b, s, V_padded/tp]``; ``forward(tokens, labels)``
+    returns the per-token loss ``[b, s]`` (identical on every TP rank).
+    """
+
+    def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234):
+        super().__init__()
+        layout = layout or ParallelLayout.single()
+        config.validate_parallelism(layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
+        self.config, self.layout, self.seed = config, layout, seed
+        self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)
+        self.tp_group = layout.group("tp")
+        self.sequence_parallel = layout.sequence_parallel
+
+        self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, layout,
+                                                init_std=config.init_method_std)
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
+            self.rotary = None
+        else:
+            self.position_embeddings = None
+            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layout) for i in range(config.num_layers)})
+        self.final_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
+                                    layout.sequence_parallel)
+        self.output_layer = ColumnParallelLinear(
+            config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
+            init_std=config.init_method_std, skip_weight_param=config.share_embeddings_and_output_weights)
+        self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank)
+        initialize_parameters(self, seed)
+
+    def to(self, *args, **kwargs):  # keep the dropout streams on the model's device
+        out = super().to(*args, **kwargs)
+        device = next(self.parameters()).device
+        if device != self.rng_tracker.device:
+            self.rng_tracker = model_parallel_rng_tracker(self.seed, self.layout.tp_rank, device)
+        return out
+
+    def set_sequence_parallel(self, enabled: bool) -> None:
+        """Switch sequence parallelism on or off (e.g. off for generation at arbitrary lengths).
+
+        The weights are the same either way; only where activations are split changes.
+        """
+        if enabled and not self.layout.sequence_parallel:
+            raise ValueError("this model was not built with sequence_parallel=True")
+        for module in self.modules():
+            if hasattr(module, "sequence_parallel"):
+                module.sequence_parallel = enabled
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.t()  # [s, b]
+        x = self.embedding(ids)
+        if self.position_embeddings is not None:
+            pos = self.position_embeddings(torch.arange(ids.shape[0], device=ids.device)).unsqueeze(1)
+            if self.sequence_parallel:
+                pos = scatter_to_sequence_parallel_region(pos, self.tp_group)
+            x = x + pos
+        if self.training and self.config.hidden_dropout > 0.0:
+            ctx = self.rng_tracker.fork() if self.sequence_parallel else nullcontext()
+            with ctx:
+                x = F.dropout(x, self.config.hidden_dropout, training=True)
+        return x
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``."""
+        s = tokens.shape[1]
+        if self.sequence_parallel and self.layout.tp_size > 1 and s % self.layout.tp_size:
+            raise ValueError(f"sequence length {s} must be divisible by tensor_model_parallel_size "
+                             f"({self.layout.tp_size}) under sequence parallelism")
+        rope = self.rotary(torch.arange(s, device=tokens.device)) if self.rotary is not None else None
+        x = self._embed(tokens)
+        for layer in self.layers.values():
+            x = layer(x, rope, self.rng_tracker)
+        x = self.final_layernorm(x)
+        weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
+        logits = self.output_layer(x, weight)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.embedding.vocab_start)
+        return loss.t()
+
+    @torch.no_grad()
+    def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits over the real vocabulary ``[b, s, vocab_size]``, gathered across TP."""
+        logits = gather_from_tensor_parallel_region(self.forward(tokens), self.tp_group)
+        return logits[..., : self.config.vocab_size]

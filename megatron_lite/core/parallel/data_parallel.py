@@ -1,0 +1,61 @@
+"""Gradient reduction after the backward passes of a step (Megatron's finalize_model_grads).
+
+Coalesced into flat buffers so that a step issues a few large collectives, not one per parameter.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_lite.core.parallel.layout import ParallelLayout
+
+_BUCKET_BYTES = 40 * 1024 * 1024
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    if group is None or dist.get_world_size(group) == 1 or not grads:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same_dtype in by_dtype.values():
+        bucket, size = [], 0
+        for g in same_dtype:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= _BUCKET_BYTES:
+                _reduce_bucket(bucket, group)
+                bucket, size = [], 0
+        if bucket:
+            _reduce_bucket(bucket, group)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], group) -> None:
+    flat = _flatten_dense_tensors(bucket)
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        g.copy_(reduced)
+
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.requires_grad and p.grad is not None]
+
+
+@torch.no_grad()
+def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
+    """Make every rank's gradients the gradients of the global-batch loss.
+
+    1. Under sequence parallelism, replicated parameters that saw only this rank's slice of the
+       sequence (norm weights, row-parallel biases) get their gradient summed over TP.
+    2. All gradients are summed over data (and context) parallel ranks. The loss was already
+       divided by the global token count, so the sum is the mean.
+    """
+    params = list(model.parameters())
+    if layout.sequence_parallel:
+        _all_reduce_coalesced(_grads(p for p in params if getattr(p, "sequence_parallel_grad", False)),
+                              layout.group("tp"))
+    _all_reduce_coalesced(_grads(params), layout.group("dp_cp"))

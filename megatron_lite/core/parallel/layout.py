@@ -1,0 +1,217 @@
+"""The parallel layout: sizes, rank coordinates, DeviceMesh and process groups.
+
+One object, built once by the strategy and passed down explicitly (no module-level globals).
+Rank order is Megatron's default ``tp-cp-ep-dp-pp``: TP varies fastest so that tensor-parallel
+neighbours share a node, PP varies slowest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# Mesh dimension names, slowest-varying first (the DeviceMesh convention), i.e. ``tp-cp-ep-dp-pp``
+# read right to left.
+MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel sizes; the data-parallel size follows from the world size."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer's weights (Megatron TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layers into stages (Megatron PP)."""
+    context_parallel_size: int = 1
+    """Ranks that split the sequence inside attention (Megatron CP)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of MoE layers (Megatron EP)."""
+    sequence_parallel: bool = False
+    """Shard activations outside TP regions along the sequence (needs TP > 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_model_parallel_size > 1 (sequence parallelism "
+                "shards the activations of the tensor-parallel group); set sequence_parallel=False "
+                "or raise tensor_model_parallel_size."
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one replica of the model."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size * self.expert_model_parallel_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks, or a ValueError that says what to change."""
+        mp = self.model_parallel_size
+        if world_size % mp != 0:
+            raise ValueError(
+                f"The world size ({world_size} processes) must be divisible by the model-parallel size "
+                f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size x "
+                f"expert_model_parallel_size = {self.tensor_model_parallel_size} x "
+                f"{self.pipeline_model_parallel_size} x {self.context_parallel_size} x "
+                f"{self.expert_model_parallel_size} = {mp}; use a number of devices x nodes that is a "
+                f"multiple of {mp} or change the parallel sizes."
+            )
+        return world_size // mp
+
+
+@dataclass
+class ParallelLayout:
+    """Sizes, this rank's coordinates, the DeviceMesh and the process groups of one run.
+
+    Built by :meth:`build` after ``torch.distributed`` is initialised, or :meth:`single` for a
+    process that runs alone (no process group needed).
+    """
+
+    config: ParallelConfig
+    """The model-parallel sizes."""
+    world_size: int
+    """Total number of ranks."""
+    rank: int
+    """This process's global rank."""
+    mesh: Optional[object] = None
+    """torch DeviceMesh with dims ``MESH_DIMS``; None when running alone."""
+    coords: dict = field(default_factory=dict)
+    """This rank's index along each mesh dimension."""
+    groups: dict = field(default_factory=dict)
+    """Process group per dimension name (and 'mp', 'dp_cp'); None entries mean 'alone'."""
+
+    @classmethod
+    def single(cls, config: Optional[ParallelConfig] = None) -> "ParallelLayout":
+        """A layout for one process: every group has size 1 and no collective is issued."""
+        config = config or ParallelConfig()
+        if config.model_parallel_size != 1:
+            raise ValueError("ParallelLayout.single() needs all model-parallel sizes equal to 1.")
+        return cls(config=config, world_size=1, rank=0, coords={d: 0 for d in MESH_DIMS},
+                   groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")})
+
+    @classmethod
+    def build(cls, config: ParallelConfig, device_type: str = "cpu") -> "ParallelLayout":
+        """Create the DeviceMesh and the groups over the initialised default process group."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ParallelLayout.build() needs torch.distributed to be initialised first.")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        dp = config.data_parallel_size(world_size)
+        if world_size == 1:
+            return cls.single(config)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (config.pipeline_model_parallel_size, dp, config.expert_model_parallel_size,
+                 config.context_parallel_size, config.tensor_model_parallel_size)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        coords = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+        groups = {name: mesh.get_group(name) for name in MESH_DIMS}
+        # Flattened groups: every rank of one model replica ("mp") and the gradient-reduction group
+        # of data plus context parallelism ("dp_cp"), as in Megatron.
+        groups["mp"] = _new_subgroups(mesh, keep=("pp", "ep", "cp", "tp"))
+        groups["dp_cp"] = _new_subgroups(mesh, keep=("dp", "cp"))
+        return cls(config=config, world_size=world_size, rank=rank, mesh=mesh, coords=coords,
+                   groups=groups)
+
+    # --- sizes and ranks -------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size."""
+        return self.config.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline-parallel size."""
+        return self.config.pipeline_model_parallel_size
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel size."""
+        return self.config.context_parallel_size
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel size."""
+        return self.config.expert_model_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size."""
+        return self.world_size // self.config.model_parallel_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether activations are sharded along the sequence outside TP regions."""
+        return self.config.sequence_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group."""
+        return self.coords.get("tp", 0)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.coords.get("pp", 0)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group."""
+        return self.coords.get("cp", 0)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index."""
+        return self.coords.get("dp", 0)
+
+    @property
+    def is_first_pipeline_stage(self) -> bool:
+        """Whether this rank holds the embedding."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pipeline_stage(self) -> bool:
+        """Whether this rank holds the output layer and computes the loss."""
+        return self.pp_rank == self.pp_size - 1
+
+    def group(self, name: str):
+        """The process group of dimension ``name``; None when that dimension has size 1."""
+        return self.groups.get(name)
+
+    def describe(self) -> str:
+        """One line for logs: sizes and this rank's coordinates."""
+        sizes = f"tp={self.tp_size} cp={self.cp_size} ep={self.ep_size} dp={self.dp_size} pp={self.pp_size}"
+        return f"rank {self.rank}/{self.world_size} [{sizes}] coords={self.coords}"
+
+
+def _new_subgroups(mesh, keep: tuple[str, ...]):
+    """The group of ranks that differ from this one only along the ``keep`` dimensions.
+
+    Every rank must call this in the same order (``new_group`` is collective); the rank tensor of
+    the mesh gives the partition.
+    """
+    names = list(MESH_DIMS)
+    ranks = mesh.mesh  # tensor of global ranks, dims in MESH_DIMS order
+    other = [i for i, n in enumerate(names) if n not in keep]
+    kept = [i for i, n in enumerate(names) if n in keep]
+    perm = ranks.permute(*other, *kept).reshape(-1, _prod(ranks.shape[i] for i in kept))
+    my_group = None
+    me = dist.get_rank()
+    for row in perm.tolist():
+        group = dist.new_group(ranks=row, use_local_synchronization=False)
+        if me in row:
+            my_group = group
+    return my_group
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

@@ -1,0 +1,197 @@
+"""Autograd functions for the tensor- and sequence-parallel collectives (Megatron's mappings.py).
+
+Each is the identity when its group is None (size 1), so the same model code runs alone.
+Sequence-parallel activations are laid out ``[s, b, h]`` and sharded along dim 0.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=0)[dist.get_rank(group)].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    out = torch.empty((x.shape[0] * n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n != 0:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward: all-reduce. Backward: identity (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone() if _size(group) > 1 else x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Forward: all-gather the last dim. Backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: keep this rank's chunk of the sequence. Backward: all-gather the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """Forward: all-gather the sequence. Backward: reduce-scatter (the consumer is tensor-parallel)
+    or split (the consumer is replicated, e.g. the loss on gathered logits)."""
+
+    @staticmethod
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return _reduce_scatter_first(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: reduce-scatter along the sequence. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward, all-reduce backward."""
+    return x if group is None else _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce forward, identity backward."""
+    return x if group is None else _ReduceFromTensorParallel.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Split the last dim forward, all-gather backward."""
+    return x if group is None else _ScatterToTensorParallel.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather the last dim forward, split backward."""
+    return x if group is None else _GatherFromTensorParallel.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Split dim 0 forward, all-gather backward."""
+    return x if group is None else _ScatterToSequenceParallel.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group,
+                                         grad_is_partial: bool = True) -> torch.Tensor:
+    """All-gather dim 0 forward; reduce-scatter (or split) backward."""
+    return x if group is None else _GatherFromSequenceParallel.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Reduce-scatter dim 0 forward, all-gather backward."""
+    return x if group is None else _ReduceScatterToSequenceParallel.apply(x, group)

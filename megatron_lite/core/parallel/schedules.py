@@ -1,0 +1,102 @@
+"""Forward/backward over the microbatches of one optimizer step.
+
+The loss of a step is the mean per-token loss over the *global* batch, whatever the layout: each
+microbatch's summed loss is divided by the number of loss tokens in the whole global batch (all
+DP ranks), so that summing gradients over microbatches and over DP ranks gives exactly the
+gradient of the global mean. A pipeline schedule takes the place of :func:`forward_backward_no_pipelining`
+with the same inputs and outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.core.parallel.layout import ParallelLayout
+
+# (model, microbatch) -> (sum of per-token losses, number of loss tokens)
+LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepLoss:
+    """Loss of one step, already averaged over the global batch (the same value on every rank)."""
+
+    loss: torch.Tensor
+    """Mean per-token loss over the global batch."""
+    num_tokens: torch.Tensor
+    """Loss tokens in the global batch."""
+
+
+def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
+    """Cut one step's batch (every tensor has the sample dim first) into microbatches."""
+    size = next(iter(batch.values())).shape[0]
+    if size % micro_batch_size != 0:
+        raise ValueError(
+            f"this rank's batch of {size} samples is not a whole number of microbatches of "
+            f"micro_batch_size={micro_batch_size}; the dataloader's batch must be global_batch_size / dp")
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
+
+
+def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss of a ``{"tokens": [b, s+1], "loss_mask"?: [b, s]}`` microbatch."""
+    tokens = microbatch["tokens"]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    per_token = model(inputs, labels)
+    mask = microbatch.get("loss_mask")
+    if mask is None:
+        return per_token.sum(), torch.tensor(float(labels.numel()), device=per_token.device)
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum(), mask.sum()
+
+
+def _count_tokens(microbatch: dict) -> float:
+    mask = microbatch.get("loss_mask")
+    if mask is not None:
+        return float(mask.sum())
+    tokens = microbatch["tokens"]
+    return float(tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+def _sum_over_dp(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    group = layout.group("dp_cp")
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict], layout: ParallelLayout,
+                                   loss_fn: LossFn = gpt_loss, forward_only: bool = False,
+                                   device: Optional[torch.device] = None) -> StepLoss:
+    """Run every microbatch forward (and backward unless ``forward_only``), accumulating gradients.
+
+    Gradients are left un-reduced across DP: :func:`finalize_model_grads` does that once per step.
+    """
+    device = device or next(model.parameters()).device
+    local_tokens = sum(_count_tokens(mb) for mb in microbatches)
+    global_tokens = _sum_over_dp(torch.tensor(local_tokens, dtype=torch.float64, device=device), layout)
+    if global_tokens.item() == 0:
+        raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0)")
+    denominator = global_tokens.to(torch.float32)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for microbatch in microbatches:
+        if forward_only:
+            with torch.no_grad():
+                mb_loss, _ = loss_fn(model, microbatch)
+        else:
+            mb_loss, _ = loss_fn(model, microbatch)
+            (mb_loss / denominator).backward()
+        loss_sum += mb_loss.detach().to(torch.float64)
+    loss_sum = _sum_over_dp(loss_sum, layout)
+    return StepLoss(loss=(loss_sum / global_tokens).to(torch.float32), num_tokens=global_tokens)
+
+
+def get_forward_backward_func(layout: ParallelLayout) -> Callable[..., StepLoss]:
+    """The schedule for this layout (the pipeline schedules slot in here when pp > 1)."""
+    if layout.pp_size > 1:
+        raise NotImplementedError(
+            "pipeline_model_parallel_size > 1 has no schedule yet; use pipeline_model_parallel_size=1")
+    return forward_backward_no_pipelining

@@ -1,0 +1,225 @@
+"""Tensor-parallel layers (Megatron's ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding).
+
+Each layer holds its local shard as a plain parameter and records how that shard sits in the global
+tensor (:class:`TPShard`), so that initialisation is independent of the layout (the full tensor is
+drawn from the seed, then sharded) and checkpoints can be written as global tensors.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Where a tensor-parallel shard sits in its global tensor."""
+
+    dim: int
+    """Dimension split across the TP group."""
+    stride: int
+    """Number of equal blocks along ``dim`` that are each split separately (2 for fused gate/up)."""
+    global_shape: tuple
+    """Shape of the full tensor."""
+    rank: int
+    """This shard's TP rank."""
+    size: int
+    """TP group size."""
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full``."""
+        if self.size == 1:
+            return full
+        blocks = full.chunk(self.stride, dim=self.dim)
+        return torch.cat([b.chunk(self.size, dim=self.dim)[self.rank] for b in blocks], dim=self.dim)
+
+    def blocked_view(self, local: torch.Tensor) -> tuple[torch.Tensor, tuple, int]:
+        """``local`` reshaped so that the shard is one contiguous slice of a global tensor.
+
+        Returns (view, global shape of the view, dim along which the view is sharded): with stride
+        s the global tensor is seen as ``[..., s, n/s, ...]`` and the shard as ``[..., s, n/(s*tp), ...]``.
+        """
+        if self.stride == 1:
+            return local, tuple(self.global_shape), self.dim
+        d = self.dim
+        gshape = list(self.global_shape)
+        view = local.reshape(*local.shape[:d], self.stride, local.shape[d] // self.stride, *local.shape[d + 1:])
+        global_view = (*gshape[:d], self.stride, gshape[d] // self.stride, *gshape[d + 1:])
+        return view, global_view, d + 1
+
+
+def mark_parameter(param: nn.Parameter, init: tuple, shard: Optional[TPShard] = None,
+                   sequence_parallel_grad: bool = False) -> nn.Parameter:
+    """Attach the metadata every parameter of our models carries.
+
+    ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
+    parameters; ``sequence_parallel_grad`` marks replicated parameters whose gradient is partial
+    per TP rank under sequence parallelism (norm weights, row-parallel biases).
+    """
+    param.init_spec = init
+    param.tp_shard = shard
+    param.sequence_parallel_grad = sequence_parallel_grad
+    return param
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a genuine TP shard (not a replica)."""
+    shard = getattr(param, "tp_shard", None)
+    return shard is not None and shard.size > 1
+
+
+def _seed_for(seed: int, name: str) -> int:
+    # A stable per-parameter seed: the same name gets the same weights at any layout.
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def initialize_parameters(module: nn.Module, seed: int) -> None:
+    """Draw every parameter's full tensor from (seed, name), then keep this rank's shard."""
+    for name, param in module.named_parameters():
+        spec = getattr(param, "init_spec", None)
+        if spec is None:
+            raise ValueError(f"parameter {name} has no init_spec; build it with mark_parameter()")
+        shard = getattr(param, "tp_shard", None)
+        shape = tuple(shard.global_shape) if shard is not None else tuple(param.shape)
+        if spec[0] == "zeros":
+            param.zero_()
+            continue
+        if spec[0] == "ones":
+            param.fill_(1.0)
+            continue
+        gen = torch.Generator().manual_seed(_seed_for(seed, name))
+        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, spec[1], generator=gen)
+        local = shard.shard(full) if shard is not None else full
+        param.copy_(local.to(dtype=param.dtype, device=param.device))
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{what} ({n}) must be divisible by tensor_model_parallel_size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its output dimension over the TP group.
+
+    Under sequence parallelism the input arrives sharded along the sequence and is all-gathered
+    first; otherwise it is replicated and its gradient all-reduced.
+    """
+
+    def __init__(self, input_size: int, output_size: int, layout: ParallelLayout, *, bias: bool = True,
+                 gather_output: bool = False, init_std: float = 0.02, stride: int = 1,
+                 skip_weight_param: bool = False, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.tp_group = layout.group("tp")
+        self.sequence_parallel = layout.sequence_parallel
+        tp = layout.tp_size
+        self.output_size_per_partition = _divide(output_size, tp, "output size")
+        if stride > 1 and output_size % (stride * tp) != 0:
+            raise ValueError(f"output size {output_size} must be divisible by {stride} x tensor_model_parallel_size")
+        wshard = TPShard(0, stride, (output_size, input_size), layout.tp_rank, tp)
+        if skip_weight_param:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = mark_parameter(
+                nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype)),
+                ("normal", init_std), wshard)
+        if bias:
+            self.bias = mark_parameter(
+                nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype)),
+                ("zeros",), TPShard(0, stride, (output_size,), layout.tp_rank, tp))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_parallel_region(y, self.tp_group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along its input dimension; partial outputs are summed
+    (all-reduce, or reduce-scatter along the sequence under sequence parallelism)."""
+
+    def __init__(self, input_size: int, output_size: int, layout: ParallelLayout, *, bias: bool = True,
+                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_group = layout.group("tp")
+        self.sequence_parallel = layout.sequence_parallel
+        tp = layout.tp_size
+        self.input_size_per_partition = _divide(input_size, tp, "input size")
+        self.weight = mark_parameter(
+            nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype)),
+            ("normal", init_std), TPShard(1, 1, (output_size, input_size), layout.tp_rank, tp))
+        if bias:
+            self.bias = mark_parameter(nn.Parameter(torch.empty(output_size, dtype=params_dtype)), ("zeros",),
+                                       None, sequence_parallel_grad=self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary; each rank looks up its range and the partial
+    results are summed (or reduce-scattered along the sequence under sequence parallelism)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, layout: ParallelLayout, *,
+                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        tp = layout.tp_size
+        self.tp_group = layout.group("tp")
+        self.sequence_parallel = layout.sequence_parallel
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = _divide(num_embeddings, tp, "padded vocabulary size")
+        self.vocab_start = layout.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
+        self.weight = mark_parameter(
+            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype)),
+            ("normal", init_std), TPShard(0, 1, (num_embeddings, embedding_dim), layout.tp_rank, tp))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` [s, b] -> embeddings [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
+        if self.tp_group is None:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        return reduce_from_tensor_parallel_region(out, self.tp_group)
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's padding: round up to a multiple of ``divisible_by x tp_size``."""
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -1,0 +1,36 @@
+"""Checks of a run's parallel configuration that run before any process group or weight exists."""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_lite.core.parallel.layout import ParallelConfig
+
+
+def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, micro_batch_size: Optional[int] = None,
+                 global_batch_size: Optional[int] = None, seq_length: Optional[int] = None) -> int:
+    """Validate sizes against the world, the model and the batch geometry; return the DP size.
+
+    Every failure is a ValueError whose message says what to change.
+    """
+    dp = parallel.data_parallel_size(world_size)
+    if model_config is not None:
+        model_config.validate_parallelism(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                          parallel.context_parallel_size, parallel.sequence_parallel)
+    if micro_batch_size is not None and global_batch_size is not None:
+        if global_batch_size % (micro_batch_size * dp) != 0:
+            unit = micro_batch_size * dp
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) "
+                f"x data-parallel size ({dp}) = {unit}; set global_batch_size to a multiple of {unit} "
+                f"(e.g. {max(unit, global_batch_size // unit * unit)}) or change micro_batch_size / the device count.")
+    if model_config is not None and seq_length is not None and seq_length != model_config.seq_length:
+        if model_config.position_embedding_type == "learned_absolute" and seq_length > model_config.max_position_embeddings:
+            raise ValueError(
+                f"the data's seq_length ({seq_length}) exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings}); make them equal.")
+    if (model_config is not None and seq_length is not None and parallel.sequence_parallel
+            and seq_length % parallel.tensor_model_parallel_size):
+        raise ValueError(
+            f"the data's seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
+            f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True.")
+    return dp

@@ -1,0 +1,121 @@
+"""GPTModule: the thin LightningModule around the core GPT model.
+
+One Lightning batch is one optimizer step's worth of samples for this data-parallel rank. The
+step runs the microbatch schedule (which does the backward passes), reduces gradients over DP,
+clips the global norm and steps the optimizer. That is why the module uses Lightning's manual
+optimization: Lightning must not run a second backward.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from megatron_lite.core.models import GPTConfig, GPTModel
+from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig, build_optimizer, clip_grad_norm
+from megatron_lite.core.parallel.data_parallel import finalize_model_grads
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.schedules import StepLoss, get_forward_backward_func, gpt_loss, split_microbatches
+
+
+class GPTModule(pl.LightningModule):
+    """Train a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or alone).
+
+    Override :meth:`loss_fn` to change the objective, or :meth:`build_model` to change the model.
+    """
+
+    def __init__(self, config: Optional[GPTConfig] = None, optimizer: Optional[OptimizerConfig] = None,
+                 seed: int = 1234):
+        super().__init__()
+        self.config = config if config is not None else GPTConfig()
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        self.seed = seed
+        self.save_hyperparameters({"config": self.config, "optimizer": self.optimizer_config, "seed": seed})
+        self.automatic_optimization = False
+        self.model: Optional[nn.Module] = None
+
+    # --- layout and model -----------------------------------------------------------------
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """The strategy's layout, or a one-process layout when running without MegatronStrategy."""
+        layout = getattr(self.trainer.strategy, "parallel_layout", None) if self._trainer is not None else None
+        return layout if layout is not None else ParallelLayout.single()
+
+    def build_model(self, layout: ParallelLayout) -> nn.Module:
+        """The model for this rank; called once from :meth:`configure_model`."""
+        return GPTModel(self.config, layout, seed=self.seed)
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self._check_vocab()
+        self.model = self.build_model(self.parallel_layout)
+
+    def _check_vocab(self) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the data's vocabulary ({data_vocab} tokens) is larger than the model's vocab_size "
+                f"({self.config.vocab_size}); set model.config.vocab_size={data_vocab}.")
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(tokens, labels)
+
+    # --- the step -------------------------------------------------------------------------
+    def loss_fn(self, model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-token losses, number of loss tokens) of one microbatch."""
+        return gpt_loss(model, microbatch)
+
+    def micro_batch_size(self, batch: dict) -> int:
+        """Samples per microbatch: the datamodule's ``micro_batch_size``, else the whole batch."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        mbs = getattr(datamodule, "micro_batch_size", None)
+        return mbs if mbs is not None else next(iter(batch.values())).shape[0]
+
+    def run_schedule(self, batch: dict, forward_only: bool = False) -> StepLoss:
+        """Forward (and backward) over the microbatches of ``batch``; the loss is the global-batch mean."""
+        layout = self.parallel_layout
+        schedule = get_forward_backward_func(layout)
+        microbatches = split_microbatches(batch, self.micro_batch_size(batch))
+        return schedule(self.model, microbatches, layout, self.loss_fn, forward_only=forward_only)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        layout = self.parallel_layout
+        optimizer.zero_grad(set_to_none=True)
+        step = self.run_schedule(batch)
+        finalize_model_grads(self.model, layout)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.optimizer_config.clip_grad, layout)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        self.log("train/loss", step.loss, prog_bar=True)
+        self.log("train/lr", lr, prog_bar=True)
+        self.log("train/grad_norm", grad_norm)
+        return step.loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        step = self.run_schedule(batch, forward_only=True)
+        self.log("val/loss", step.loss, prog_bar=True)
+        return step.loss
+
+    # --- optimizer ------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        cfg = self.optimizer_config
+        decay_iters = cfg.lr_decay_iters
+        if decay_iters is None:
+            max_steps = self.trainer.max_steps if self._trainer is not None else -1
+            if max_steps is None or max_steps < 0:
+                if cfg.lr_decay_style != "constant":
+                    raise ValueError(
+                        f"lr_decay_style={cfg.lr_decay_style!r} needs a decay length: set "
+                        f"optimizer.lr_decay_iters or Trainer(max_steps=...).")
+                max_steps = 1
+            decay_iters = max_steps
+        optimizer = build_optimizer(self.model, cfg)
+        scheduler = MegatronLRScheduler(optimizer, cfg, decay_iters)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

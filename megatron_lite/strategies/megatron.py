@@ -1,0 +1,281 @@
+"""MegatronStrategy: Megatron-style tensor, sequence and data parallelism for Lightning's Trainer.
+
+The strategy is thin: it launches processes, builds the :class:`ParallelLayout` (process groups
+over a DeviceMesh), tells Lightning how to split data over DP ranks, and writes distributed
+checkpoints. The training step itself (microbatch schedule, gradient reduction, clipping) lives in
+``megatron_lite.core`` and is driven by the LightningModule (see :class:`megatron_lite.GPTModule`).
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from megatron_lite.core.checkpoint.sharded import (
+    ensure_optimizer_state,
+    load_optimizer_groups,
+    load_sharded,
+    save_sharded,
+    sharded_model_state,
+    sharded_optimizer_state,
+)
+from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
+from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.strategies._lightning_private import make_launcher
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class MegatronStrategy(ParallelStrategy):
+    """Tensor (+ sequence) and data parallelism with Megatron's argument names.
+
+    Args:
+        tensor_model_parallel_size: ranks that split every layer's weights (heads, FFN, vocabulary).
+        sequence_parallel: shard LayerNorm/dropout activations along the sequence inside TP groups.
+        process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
+        timeout: collective timeout.
+        start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
+            (notebooks and tests) or ``"spawn"``. Ignored under torchrun / SLURM, which start the ranks.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        accelerator=None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        # Validates sizes (and sequence_parallel without TP) at construction, before anything starts.
+        self.parallel_config = ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
+                                              sequence_parallel=sequence_parallel)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._layout: Optional[ParallelLayout] = None
+
+    # --- sizes and devices ----------------------------------------------------------------
+    @property
+    def parallel_layout(self) -> Optional[ParallelLayout]:
+        """The layout of this run (None until the process group exists)."""
+        return self._layout
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Data is split over DP ranks only: TP ranks of one replica read the same samples.
+        if self._layout is None:
+            dp = self.parallel_config.data_parallel_size(self.num_nodes * self.num_processes)
+            return {"num_replicas": dp, "rank": self.global_rank // self.parallel_config.model_parallel_size}
+        return {"num_replicas": self._layout.dp_size, "rank": self._layout.dp_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # --- launch and set-up ----------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = None  # torchrun / SLURM started every rank already
+            return
+        self._launcher = make_launcher(self, self._start_method, self._validate_launch_args)
+
+    def _validate_launch_args(self, args: tuple, kwargs: dict) -> None:
+        objects = [*args, *kwargs.values()]
+        module = next((o for o in objects if isinstance(o, LightningModule)), None)
+        datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
+        self.validate(module, datamodule, self.num_nodes * self.num_processes)
+
+    def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
+                 world_size: int) -> int:
+        """Check the layout against the world size, the model config and the data geometry."""
+        model_config = getattr(module, "config", None)
+        if model_config is not None and not hasattr(model_config, "validate_parallelism"):
+            model_config = None
+        return validate_run(
+            self.parallel_config, world_size, model_config,
+            micro_batch_size=getattr(datamodule, "micro_batch_size", None),
+            global_batch_size=getattr(datamodule, "global_batch_size", None),
+            seq_length=getattr(datamodule, "seq_length", None),
+        )
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.validate(self.lightning_module, getattr(self.lightning_module.trainer, "datamodule", None)
+                      if self.lightning_module is not None and self.lightning_module._trainer is not None else None,
+                      self.num_nodes * self.num_processes)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
+        log.info("megatron-lite layout: %s", self._layout.describe())
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.barrier()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # --- collectives ----------------------------------------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src)
+        return holder[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[str, Any]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        super().teardown()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def _require_layout(self) -> ParallelLayout:
+        return self._layout if self._layout is not None else ParallelLayout.single()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return sharded_model_state(self.lightning_module, self._require_layout())
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        assert self.lightning_module is not None
+        return sharded_optimizer_state(self.lightning_module, optimizer, self._require_layout())
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options (it writes with DCP)")
+        path = Path(self.broadcast(str(filepath)))
+        state = {"model": checkpoint.pop("state_dict")}
+        groups = []
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            groups.append(opt_state.pop("param_groups"))
+            state[f"optimizer_{i}"] = opt_state
+        checkpoint["optimizer_param_groups"] = groups
+        checkpoint["megatron_lite_layout"] = {
+            "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size,
+            "sequence_parallel": self.parallel_config.sequence_parallel,
+            "world_size": self.world_size,
+        }
+        save_sharded(state, path, extra=checkpoint)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        layout = self._require_layout()
+        state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout)}
+        fitting = self.lightning_module.trainer.state.fn == "fit" if self.lightning_module._trainer else False
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        for i, opt in enumerate(optimizers):
+            ensure_optimizer_state(opt)
+            opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
+            opt_state.pop("param_groups")
+            state[f"optimizer_{i}"] = opt_state
+        extra = load_sharded(state, path)
+        for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
+            load_optimizer_groups(opt, groups)
+        return extra
+
+
+def register_megatron_strategy() -> None:
+    """Make ``Trainer(strategy="megatron")`` resolve to :class:`MegatronStrategy` (idempotent)."""
+    if "megatron" not in StrategyRegistry:
+        StrategyRegistry.register("megatron", MegatronStrategy,
+                                  description="Megatron-style tensor/sequence/data parallelism (megatron-lite)")
