@@ -223,3 +223,20 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     """Megatron's padding: round up to a multiple of ``divisible_by x tp_size``."""
     multiple = divisible_by * tp_size
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def gather_full(local: torch.Tensor, shard: Optional[TPShard], group) -> torch.Tensor:
+    """The full tensor from every TP rank's ``local`` piece (the inverse of :meth:`TPShard.shard`).
+
+    Collective over ``group``: every TP rank must call it.
+    """
+    if shard is None or shard.size == 1 or group is None:
+        return local
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(local) for _ in range(shard.size)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    blocks_per_rank = [p.chunk(shard.stride, dim=shard.dim) for p in pieces]
+    blocks = [torch.cat([rank_blocks[b] for rank_blocks in blocks_per_rank], dim=shard.dim)
+              for b in range(shard.stride)]
+    return torch.cat(blocks, dim=shard.dim)
