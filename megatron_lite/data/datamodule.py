@@ -1,0 +1,126 @@
+"""Shared base for pretraining datamodules: geometry, DP size from the trainer, resumable loaders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+
+from megatron_lite.data.geometry import DataGeometry
+from megatron_lite.data.samplers import MegatronPretrainingSampler
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that tells Lightning it resumes exactly mid-epoch.
+
+    Its position lives in the sampler's ``consumed_samples``, which the datamodule sets when it builds the
+    loader (from the restored state or ``trainer.global_step``), so there is nothing for Lightning to save
+    here. Implementing ``state_dict``/``load_state_dict`` only stops Lightning from warning that a mid-epoch
+    resume "can cause unreliable results", which is not true of these loaders.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the datamodule's own state holds the resume position."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here (see the class docstring)."""
+
+
+class PretrainingDataModule(pl.LightningDataModule):
+    """Base class: each train/val batch is ``{"tokens": LongTensor[gbs // dp, seq_length + 1]}``.
+
+    One batch is one optimizer step's worth of samples for this data-parallel rank; the training step
+    splits it into microbatches. The train loader starts where the run left off: at the
+    ``consumed_samples`` restored from a checkpoint, else at ``trainer.global_step * global_batch_size``
+    (Lightning restores ``global_step`` before it builds dataloaders), so a resumed run sees exactly the
+    batches an uninterrupted run would.
+    """
+
+    def __init__(self, seq_length: int, micro_batch_size: int, global_batch_size: int, num_workers: int) -> None:
+        """Validate the geometry now, before Lightning spawns any process."""
+        super().__init__()
+        self._geometry = DataGeometry(
+            micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length
+        )
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.num_workers = num_workers
+        # consumed_samples loaded from a checkpoint; used once, by the next train_dataloader()
+        self._restored_consumed_samples: int | None = None
+
+    @property
+    def geometry(self) -> DataGeometry:
+        """Micro/global batch size and sequence length of this datamodule."""
+        return self._geometry
+
+    def _dp_size_and_rank(self) -> tuple[int, int]:
+        """Data-parallel size and rank from the attached trainer's strategy; (1, 0) without one."""
+        trainer = self.trainer
+        # SingleDeviceStrategy has no distributed_sampler_kwargs at all, hence getattr
+        kw = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if not kw:
+            return 1, 0
+        num_replicas = kw.get("num_replicas")
+        rank = kw.get("rank")
+        return (1 if num_replicas is None else int(num_replicas)), (0 if rank is None else int(rank))
+
+    def _consumed_at_start(self) -> int:
+        """Samples already consumed when training (re)starts: restored state, else global_step * gbs."""
+        if self._restored_consumed_samples is not None:
+            consumed, self._restored_consumed_samples = self._restored_consumed_samples, None
+            return consumed
+        if self.trainer is not None:
+            return int(self.trainer.global_step) * self.global_batch_size
+        return 0
+
+    def _loader(self, dataset: Dataset, split: str, consumed_samples: int = 0) -> ResumableDataLoader:
+        """A DataLoader whose batches are this rank's slice of one global batch of ``split``.
+
+        Evaluation splits rewind to their start on every run so val/loss stays comparable across runs.
+        """
+        total_samples = len(dataset)  # type: ignore[arg-type]
+        dp_size, rank = self._dp_size_and_rank()
+        local_batch = self._geometry.local_batch_size(dp_size)
+        if total_samples < self.global_batch_size:
+            raise ValueError(
+                f"the {split} split has {total_samples} samples of {self.seq_length + 1} tokens, fewer than one "
+                f"global batch ({self.global_batch_size}); {self._too_small_hint(split)}"
+            )
+        sampler = MegatronPretrainingSampler(
+            total_samples=total_samples,
+            consumed_samples=consumed_samples,
+            global_batch_size=self.global_batch_size,
+            num_replicas=dp_size,
+            rank=rank,
+            rewind=split != "train",
+        )
+        return ResumableDataLoader(
+            dataset,
+            batch_size=local_batch,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            drop_last=True,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _too_small_hint(self, split: str) -> str:
+        """How to fix a split that holds less than one global batch (subclasses name their knobs)."""
+        return "lower global_batch_size or seq_length"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints: samples consumed by the optimizer steps taken so far."""
+        if self.trainer is not None:
+            return {"consumed_samples": int(self.trainer.global_step) * self.global_batch_size}
+        if self._restored_consumed_samples is not None:
+            return {"consumed_samples": self._restored_consumed_samples}
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``consumed_samples``; the next train_dataloader() starts there."""
+        if "consumed_samples" in state_dict:
+            self._restored_consumed_samples = int(state_dict["consumed_samples"])

@@ -1,0 +1,162 @@
+"""SentencePiece tokenizer (Llama-style models, or one trained on a corpus with ``train_sentencepiece``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import sentencepiece as spm
+
+from megatron_lite.tokenizers.base import Tokenizer
+
+# byte-fallback models reserve 256 byte pieces plus unk/bos/eos and the "\n" user symbol
+MIN_BYTE_FALLBACK_VOCAB = 256 + 4
+# sentences longer than this many bytes are dropped by the trainer; lines are short, this is a backstop
+_MAX_SENTENCE_BYTES = 1 << 16
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """Wraps a SentencePiece ``.model`` file. ``bos``/``eos``/``pad`` are None when the model lacks them."""
+
+    def __init__(self, model_path: str) -> None:
+        """Load ``model_path``; raises FileNotFoundError naming the path if it is missing."""
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(f"SentencePiece model {model_path} does not exist; pass the path of a .model file")
+        self.model_path = model_path
+        """Path the model was loaded from."""
+        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+
+    # the processor is a C++ object; ship the model bytes so the tokenizer survives pickling (spawned ranks)
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable state: the path and the serialized model."""
+        return {"model_path": self.model_path, "proto": self._sp.serialized_model_proto()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the processor from the serialized model."""
+        self.model_path = state["model_path"]
+        self._sp = spm.SentencePieceProcessor(model_proto=state["proto"])
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        return self._sp.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text; SentencePiece encodes a list in one native call."""
+        return self._sp.encode(list(texts), out_type=int)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        return self._sp.decode([int(i) for i in ids])
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces in the model."""
+        return int(self._sp.get_piece_size())
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id: the EOS id; raises ValueError if the model has no EOS piece."""
+        eos = self.eos
+        if eos is None:
+            raise ValueError(f"SentencePiece model {self.model_path} has no EOS piece to mark document ends; "
+                             f"use a model trained with eos_id >= 0")
+        return eos
+
+    @property
+    def bos(self) -> int | None:
+        """BOS id, or None if the model has none."""
+        return _optional_id(self._sp.bos_id())
+
+    @property
+    def eos(self) -> int | None:
+        """EOS id, or None if the model has none."""
+        return _optional_id(self._sp.eos_id())
+
+    @property
+    def pad(self) -> int | None:
+        """PAD id, or None if the model has none (SentencePiece's default, and Llama's)."""
+        return _optional_id(self._sp.pad_id())
+
+    @property
+    def unk(self) -> int | None:
+        """UNK id, or None if the model has none."""
+        return _optional_id(self._sp.unk_id())
+
+
+def _optional_id(value: int) -> int | None:
+    """SentencePiece reports a missing special piece as -1."""
+    return None if value < 0 else int(value)
+
+
+def _lines(texts: Iterable[str]) -> Iterator[str]:
+    """Non-empty lines of every text: the trainer drops over-long sentences, and whole documents are long."""
+    for text in texts:
+        for line in text.split("\n"):
+            if line:
+                yield line
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    model_prefix: str,
+    vocab_size: int,
+    *,
+    model_type: str = "bpe",
+    input_sentence_size: int = 2_000_000,
+    num_threads: int = 1,
+) -> str:
+    """Train a lossless byte-fallback model on ``texts``; returns ``<model_prefix>.model``.
+
+    The settings make ``detokenize(tokenize(t)) == t`` for any text: identity normalization, whitespace
+    kept as is, bytes for unseen characters, and "\\n" as its own piece (training sees lines, so newlines
+    never reach the trainer otherwise). The files appear atomically: concurrent callers never see a
+    half-written model.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BYTE_FALLBACK_VOCAB:
+        raise ValueError(
+            f"vocab_size must be >= {MIN_BYTE_FALLBACK_VOCAB} for a byte-fallback SentencePiece model "
+            f"(plus one piece per distinct character), got {vocab_size!r}; use vocab_size >= 512"
+        )
+    directory = os.path.dirname(os.path.abspath(model_prefix))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".spm-train-") as tmp:
+        tmp_prefix = os.path.join(tmp, "model")
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_lines(texts),
+                model_prefix=tmp_prefix,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                byte_fallback=True,
+                user_defined_symbols=["\n"],
+                input_sentence_size=input_sentence_size,
+                shuffle_input_sentence=True,
+                max_sentence_length=_MAX_SENTENCE_BYTES,
+                num_threads=num_threads,
+                minloglevel=2,
+            )
+        except RuntimeError as err:
+            raise ValueError(_explain_training_error(str(err), vocab_size)) from err
+        # .vocab first: a present .model is the signal that training finished
+        os.replace(tmp_prefix + ".vocab", model_prefix + ".vocab")
+        os.replace(tmp_prefix + ".model", model_prefix + ".model")
+    return model_prefix + ".model"
+
+
+def _explain_training_error(message: str, vocab_size: int) -> str:
+    """Turn SentencePiece's trainer errors into advice."""
+    needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
+    if needed:
+        return (f"vocab_size {vocab_size} is too small for this corpus: it needs at least {needed.group(2)} "
+                f"pieces (256 bytes + special pieces + one per character); raise vocab_size")
+    if "Vocabulary size too high" in message:
+        return (f"vocab_size {vocab_size} is larger than this corpus can fill ({message.strip()}); "
+                f"lower vocab_size or use more text")
+    if "Corpus" in message or "empty" in message.lower():
+        return f"no text to train the tokenizer on ({message.strip()}); pass a non-empty corpus"
+    return f"SentencePiece training failed: {message.strip()}"
