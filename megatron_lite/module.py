@@ -7,6 +7,7 @@ optimization: Lightning must not run a second backward.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -19,6 +20,8 @@ from megatron_lite.core.parallel.data_parallel import finalize_model_grads
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import StepLoss, get_forward_backward_func, gpt_loss, split_microbatches
 
+_DEFAULT_OPTIMIZER = OptimizerConfig()
+
 
 class GPTModule(pl.LightningModule):
     """Train a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or alone).
@@ -26,11 +29,13 @@ class GPTModule(pl.LightningModule):
     Override :meth:`loss_fn` to change the objective, or :meth:`build_model` to change the model.
     """
 
-    def __init__(self, config: Optional[GPTConfig] = None, optimizer: Optional[OptimizerConfig] = None,
-                 seed: int = 1234):
+    def __init__(self, config: GPTConfig, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER, seed: int = 1234):
         super().__init__()
-        self.config = config if config is not None else GPTConfig()
-        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a megatron_lite.GPTConfig, got {type(config).__name__}")
+        # Copies: the optimizer default is a shared instance, and a module must own its configs.
+        self.config = dataclasses.replace(config)
+        self.optimizer_config = dataclasses.replace(optimizer if optimizer is not None else OptimizerConfig())
         self.seed = seed
         self.save_hyperparameters({"config": self.config, "optimizer": self.optimizer_config, "seed": seed})
         self.automatic_optimization = False
@@ -104,18 +109,26 @@ class GPTModule(pl.LightningModule):
         return step.loss
 
     # --- optimizer ------------------------------------------------------------------------
+    def lr_decay_iters(self, max_steps: Optional[int]) -> int:
+        """Steps of the LR decay: ``lr_decay_iters``, else the Trainer's ``max_steps``."""
+        cfg = self.optimizer_config
+        if cfg.lr_decay_iters is not None:
+            return cfg.lr_decay_iters
+        if max_steps is None or max_steps < 0:
+            if cfg.lr_decay_style != "constant":
+                raise ValueError(
+                    f"lr_decay_style={cfg.lr_decay_style!r} needs a decay length: set "
+                    f"optimizer.lr_decay_iters or Trainer(max_steps=...).")
+            return 1
+        return max_steps
+
+    def validate_configuration(self, trainer: "pl.Trainer") -> None:
+        """Checks that need the Trainer; MegatronStrategy calls this before it starts any process."""
+        self.optimizer_config.check_decay(self.lr_decay_iters(trainer.max_steps))
+
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
-        decay_iters = cfg.lr_decay_iters
-        if decay_iters is None:
-            max_steps = self.trainer.max_steps if self._trainer is not None else -1
-            if max_steps is None or max_steps < 0:
-                if cfg.lr_decay_style != "constant":
-                    raise ValueError(
-                        f"lr_decay_style={cfg.lr_decay_style!r} needs a decay length: set "
-                        f"optimizer.lr_decay_iters or Trainer(max_steps=...).")
-                max_steps = 1
-            decay_iters = max_steps
+        decay_iters = self.lr_decay_iters(self.trainer.max_steps if self._trainer is not None else None)
         optimizer = build_optimizer(self.model, cfg)
         scheduler = MegatronLRScheduler(optimizer, cfg, decay_iters)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 class ValidatingLauncher(_Launcher):
     """Delegates to Lightning's launcher after ``validate(args)`` passed."""
 
-    def __init__(self, inner: _Launcher, validate: Callable[[tuple, dict], None]):
+    def __init__(self, inner: _Launcher, validate: Callable[[tuple, dict, Any], None]):
         self.inner, self.validate = inner, validate
 
     @property
@@ -24,14 +24,14 @@ class ValidatingLauncher(_Launcher):
         return self.inner.is_interactive_compatible
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        self.validate(args, kwargs)
+        self.validate(args, kwargs, trainer)
         return self.inner.launch(function, *args, trainer=trainer, **kwargs)
 
     def kill(self, signum) -> None:
         self.inner.kill(signum)
 
 
-def make_launcher(strategy, start_method: str, validate: Callable[[tuple, dict], None]) -> _Launcher:
+def make_launcher(strategy, start_method: str, validate: Callable[[tuple, dict, Any], None]) -> _Launcher:
     """Lightning's subprocess-script launcher ('popen') or multiprocessing launcher, validated."""
     if start_method == "popen":
         inner = _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)

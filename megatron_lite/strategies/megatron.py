@@ -140,11 +140,14 @@ class MegatronStrategy(ParallelStrategy):
             return
         self._launcher = make_launcher(self, self._start_method, self._validate_launch_args)
 
-    def _validate_launch_args(self, args: tuple, kwargs: dict) -> None:
+    def _validate_launch_args(self, args: tuple, kwargs: dict, trainer) -> None:
         objects = [*args, *kwargs.values()]
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
         self.validate(module, datamodule, self.num_nodes * self.num_processes)
+        hook = getattr(module, "validate_configuration", None)
+        if callable(hook) and trainer is not None:
+            hook(trainer)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int) -> int:
