@@ -8,7 +8,10 @@ shows the full resolved configuration.
 """
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
@@ -27,8 +30,42 @@ class MegatronLiteCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
 
 
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_CONFIG_ERRORS = (ValueError, TypeError, FileNotFoundError)
+
+
+def _configuration_error(exc: BaseException) -> Optional[BaseException]:
+    """The root cause of ``exc`` if it is one of our own validation errors, else None.
+
+    Our checks raise ValueError/TypeError/FileNotFoundError with a message that names the fix; a
+    user should see that message, not the stack of jsonargparse and Lightning wrapped around it.
+    Anything raised elsewhere is a bug and keeps its traceback.
+    """
+    root = exc
+    while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__
+    if not isinstance(root, _CONFIG_ERRORS) or root.__traceback__ is None:
+        return None
+    raised_in = traceback.extract_tb(root.__traceback__)[-1].filename
+    return root if raised_in.startswith(_PACKAGE_DIR) else None
+
+
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``megatron-lite`` console script and ``python -m megatron_lite``."""
+    """Entry point of the ``megatron-lite`` console script and ``python -m megatron_lite``.
+
+    Set ``MEGATRON_LITE_DEBUG=1`` to see full tracebacks of configuration errors.
+    """
+    try:
+        _run_cli(args)
+    except Exception as exc:  # noqa: BLE001 - filtered below, everything else is re-raised
+        error = None if os.environ.get("MEGATRON_LITE_DEBUG") else _configuration_error(exc)
+        if error is None:
+            raise
+        print(f"megatron-lite: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run_cli(args: Optional[list[str]]) -> None:
     MegatronLiteCLI(
         GPTModule,
         PretrainingDataModule,

@@ -55,11 +55,10 @@ class GPTModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self._check_vocab()
+        self._check_vocab(getattr(self._trainer, "datamodule", None) if self._trainer is not None else None)
         self.model = self.build_model(self.parallel_layout)
 
-    def _check_vocab(self) -> None:
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+    def _check_vocab(self, datamodule) -> None:
         data_vocab = getattr(datamodule, "vocab_size", None)
         if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
             raise ValueError(
@@ -122,9 +121,10 @@ class GPTModule(pl.LightningModule):
             return 1
         return max_steps
 
-    def validate_configuration(self, trainer: "pl.Trainer") -> None:
-        """Checks that need the Trainer; MegatronStrategy calls this before it starts any process."""
+    def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
+        """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
         self.optimizer_config.check_decay(self.lr_decay_iters(trainer.max_steps))
+        self._check_vocab(datamodule)
 
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config

@@ -87,7 +87,8 @@ class MockGPTDataModule(PretrainingDataModule):
         self.num_train_samples = num_train_samples
         self.num_val_samples = num_val_samples
         self.tokenizer = None
-        self.save_hyperparameters()
+        # "seed" is left out: Lightning refuses to log hparams when the module saves a different "seed".
+        self.save_hyperparameters(ignore=["seed"])
         self.train_dataset = MockGPTDataset(num_train_samples, seq_length, vocab_size, seed)
         self.val_dataset = MockGPTDataset(num_val_samples, seq_length, vocab_size, seed + _VAL_SEED_OFFSET)
 

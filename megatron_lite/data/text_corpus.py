@@ -219,7 +219,8 @@ class TextCorpusDataModule(PretrainingDataModule):
             raise ValueError(f"vocab_size must be an integer >= {MIN_BYTE_FALLBACK_VOCAB} to train a byte-fallback "
                              f"tokenizer, got {vocab_size!r}; use e.g. vocab_size=4096")
         self.vocab_size: int = vocab_size
-        self.save_hyperparameters()
+        # "seed" is left out: Lightning refuses to log hparams when the module saves a different "seed".
+        self.save_hyperparameters(ignore=["seed"])
         self.train_dataset: TokenWindowDataset | None = None
         self.val_dataset: TokenWindowDataset | None = None
         self.test_dataset: TokenWindowDataset | None = None

@@ -147,7 +147,7 @@ class MegatronStrategy(ParallelStrategy):
         self.validate(module, datamodule, self.num_nodes * self.num_processes)
         hook = getattr(module, "validate_configuration", None)
         if callable(hook) and trainer is not None:
-            hook(trainer)
+            hook(trainer, datamodule)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int) -> int:
@@ -277,8 +277,17 @@ class MegatronStrategy(ParallelStrategy):
         return extra
 
 
+STRATEGY_NAMES = {
+    "megatron": "popen",  # scripts, the CLI, torchrun and SLURM
+    "megatron_fork": "fork",  # notebooks and tests: ranks are forked from this process
+    "megatron_spawn": "spawn",
+}
+
+
 def register_megatron_strategy() -> None:
-    """Make ``Trainer(strategy="megatron")`` resolve to :class:`MegatronStrategy` (idempotent)."""
-    if "megatron" not in StrategyRegistry:
-        StrategyRegistry.register("megatron", MegatronStrategy,
-                                  description="Megatron-style tensor/sequence/data parallelism (megatron-lite)")
+    """Make ``Trainer(strategy="megatron")`` (and ``"megatron_fork"``, ``"megatron_spawn"``) resolve to
+    :class:`MegatronStrategy` with that start method (idempotent)."""
+    for name, start_method in STRATEGY_NAMES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, MegatronStrategy, start_method=start_method,
+                                      description=f"megatron-lite tensor/sequence/data parallelism ({start_method})")

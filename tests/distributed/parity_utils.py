@@ -48,7 +48,7 @@ class Recorder(L.Callback):
 
 def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: int = 10, gbs: int = 8,
         mbs: int = 2, config: Optional[ml.GPTConfig] = None, optimizer: Optional[ml.OptimizerConfig] = None,
-        ckpt_path: Optional[str] = None, save_to: Optional[str] = None, **trainer_kwargs) -> dict:
+        ckpt_path: Optional[str] = None, **trainer_kwargs) -> dict:
     """Train ``steps`` steps and return the recorded results of global rank 0."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,15 +56,17 @@ def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: in
     data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=mbs, global_batch_size=gbs,
                              vocab_size=config.vocab_size, seed=7)
     optimizer = optimizer or ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4)
+    callbacks = [Recorder(out), *trainer_kwargs.pop("callbacks", [])]
+    settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0)
+    settings.update(trainer_kwargs)
+    if any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks):
+        settings["enable_checkpointing"] = True
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method="fork"),
-        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Recorder(out), *trainer_kwargs.pop("callbacks", [])],
-        limit_val_batches=0, **trainer_kwargs)
+        accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks, **settings)
     module = ml.GPTModule(config, optimizer=optimizer, seed=1234)
     trainer.fit(module, data, ckpt_path=ckpt_path)
-    if save_to is not None:
-        raise ValueError("use a SaveAtEnd callback inside the ranks instead")
     return torch.load(out / "result.pt", weights_only=False)
 
 
