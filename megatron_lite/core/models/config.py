@@ -135,17 +135,23 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def num_parameters(self) -> int:
-        """Parameters of the unpadded-vocabulary model (for reports and FLOPs)."""
+        """Parameters of the model with its padded vocabulary at TP=1 (for reports and FLOPs)."""
         h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.padded_vocab_size()
         q = self.num_attention_heads * self.kv_channels
         kv = 2 * self.num_query_groups * self.kv_channels
+        fc1 = f * (2 if self.activation == "swiglu" else 1)
+        norm = 2 * h if self.normalization == "LayerNorm" else h
         attn = h * (q + kv) + q * h
-        mlp = h * f * (2 if self.activation == "swiglu" else 1) + f * h
-        per_layer = attn + mlp + 2 * h
+        mlp = h * fc1 + f * h
+        biases = 0
+        if self.add_bias_linear:
+            biases = (q + kv) + h + fc1 + h
+        elif self.add_qkv_bias:
+            biases = q + kv
+        per_layer = attn + mlp + biases + 2 * norm
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
-        return L * per_layer + emb + out + h
-
+        return L * per_layer + emb + out + norm
 
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
