@@ -104,7 +104,9 @@ class GPTModule(pl.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         step = self.run_schedule(batch, forward_only=True)
-        self.log("val/loss", step.loss, prog_bar=True)
+        # Already the global-batch mean on every rank; sync_dist only keeps Lightning's epoch
+        # aggregation consistent (and quiet) across ranks.
+        self.log("val/loss", step.loss, prog_bar=True, sync_dist=True)
         return step.loss
 
     # --- optimizer ------------------------------------------------------------------------
@@ -123,7 +125,8 @@ class GPTModule(pl.LightningModule):
 
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
         """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
-        self.optimizer_config.check_decay(self.lr_decay_iters(trainer.max_steps))
+        if trainer.state.fn == "fit":
+            self.optimizer_config.check_decay(self.lr_decay_iters(trainer.max_steps))
         self._check_vocab(datamodule)
 
     def configure_optimizers(self) -> Any:

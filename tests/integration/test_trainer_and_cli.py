@@ -89,3 +89,58 @@ def test_logged_step_is_the_optimizer_step(tmp_path):
     rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("train/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     assert {"train/lr", "train/grad_norm"} <= set(rows[0])
+
+
+def test_under_torchrun(tmp_path):
+    out = tmp_path / "result.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                           str(REPO / "tests/integration/train_by_name.py"), str(out)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["world_size"], result["dp"]) == (2, 2) and len(result["losses"]) == 3
+
+
+def test_in_a_slurm_allocation(tmp_path):
+    """Two tasks started the way `srun --ntasks=2` starts them; Lightning's SLURMEnvironment joins them."""
+    out = tmp_path / "result.json"
+    procs, port = [], str(_free_port())
+    for rank in range(2):
+        env = dict(_env(), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank),
+                   SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", MASTER_PORT=port,
+                   SLURM_JOB_NAME="train", SLURM_NODELIST="localhost")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests/integration/train_by_name.py"), str(out)],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["world_size"], result["dp"]) == (2, 2) and len(result["losses"]) == 3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
+    def trainer(**kw):
+        return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+                         accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=2, **kw)
+
+    def data():
+        return MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=8, vocab_size=1000, seed=7)
+
+    fit = trainer(max_steps=3, val_check_interval=3, num_sanity_val_steps=0,
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3)])
+    fit.fit(ml.GPTModule(tiny_config(), ml.OptimizerConfig(lr=1e-2)), data())
+    val_during_fit = float(fit.callback_metrics["val/loss"])
+    (result,) = trainer().validate(ml.GPTModule(tiny_config()), data(), ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
+    fresh = trainer().validate(ml.GPTModule(tiny_config()), data())[0]["val/loss"]
+    assert result["val/loss"] == pytest.approx(val_during_fit, rel=1e-6)
+    assert abs(fresh - val_during_fit) > 1e-3  # the checkpoint's weights were really loaded
