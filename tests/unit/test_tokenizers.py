@@ -13,7 +13,8 @@ import pytest
 from megatron_lite.data import bundled_corpus
 from megatron_lite.tokenizers import SentencePieceTokenizer, Tokenizer, train_sentencepiece
 
-LLAMA_MODEL = Path("/work/shared/data/tokenizers/llama-sp/tokenizer.model")
+# shared/ sits beside the checkout (here and in CI)
+LLAMA_MODEL = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "llama-sp" / "tokenizer.model"
 
 # whitespace runs, leading indentation, tabs, blank lines, characters Shakespeare never used
 TRICKY = "  To be, or not to be:\tthat is the question.\n\n\n   Whether 'tis nobler  é 日本 🙂 ~`|\n"
