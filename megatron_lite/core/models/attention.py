@@ -11,7 +11,7 @@ from torch import nn
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.rope import apply_rotary
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.random import RNGStatesTracker
+from megatron_lite.core.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
@@ -39,7 +39,7 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, init_std=output_init_std)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                rng: Optional[RNGStatesTracker]) -> torch.Tensor:
+                rng: RNGStatesTracker) -> torch.Tensor:
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
@@ -54,9 +54,9 @@ class SelfAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         dropout = self.attention_dropout if self.training else 0.0
-        if dropout > 0.0 and rng is not None:
+        if dropout > 0.0:
             # Heads are split over TP: each rank needs its own dropout stream.
-            with rng.fork():
+            with rng.fork(MODEL_PARALLEL_RNG):
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)

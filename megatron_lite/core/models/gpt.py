@@ -6,7 +6,6 @@ names do not depend on the layout.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -24,13 +23,32 @@ from megatron_lite.core.parallel.mappings import (
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from megatron_lite.core.parallel.random import RNGStatesTracker, model_parallel_rng_tracker
+from megatron_lite.core.parallel.random import (
+    DATA_PARALLEL_RNG,
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    model_parallel_rng_tracker,
+)
 from megatron_lite.core.parallel.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     initialize_parameters,
     mark_parameter,
 )
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
+                   rng: RNGStatesTracker) -> torch.Tensor:
+    """Dropout on residual-stream activations.
+
+    Under SP each TP rank holds a different slice of the sequence and draws its own mask (the
+    model-parallel stream); otherwise the activations are replicated over TP and every TP rank
+    must draw the same mask (the data-parallel stream).
+    """
+    if not training or p == 0.0:
+        return x
+    with rng.fork(MODEL_PARALLEL_RNG if sequence_parallel else DATA_PARALLEL_RNG):
+        return F.dropout(x, p, training=True)
 
 
 class TransformerLayer(nn.Module):
@@ -47,13 +65,8 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
 
-    def _dropout(self, x: torch.Tensor, rng: Optional[RNGStatesTracker]) -> torch.Tensor:
-        if not self.training or self.hidden_dropout == 0.0:
-            return x
-        # Under SP each rank holds a different slice, so it draws from its own stream.
-        ctx = rng.fork() if (self.sequence_parallel and rng is not None) else nullcontext()
-        with ctx:
-            return F.dropout(x, self.hidden_dropout, training=True)
+    def _dropout(self, x: torch.Tensor, rng: RNGStatesTracker) -> torch.Tensor:
+        return hidden_dropout(x, self.hidden_dropout, self.training, self.sequence_parallel, rng)
 
     def forward(self, x, rope, rng):
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng), rng)
@@ -91,14 +104,14 @@ class GPTModel(nn.Module):
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
             init_std=config.init_method_std, skip_weight_param=config.share_embeddings_and_output_weights)
-        self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank)
+        self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
         initialize_parameters(self, seed)
 
     def to(self, *args, **kwargs):  # keep the dropout streams on the model's device
         out = super().to(*args, **kwargs)
         device = next(self.parameters()).device
         if device != self.rng_tracker.device:
-            self.rng_tracker = model_parallel_rng_tracker(self.seed, self.layout.tp_rank, device)
+            self.rng_tracker = model_parallel_rng_tracker(self.seed, self.layout.tp_rank, self.layout.pp_rank, device)
         return out
 
     def set_sequence_parallel(self, enabled: bool) -> None:
@@ -120,11 +133,7 @@ class GPTModel(nn.Module):
             if self.sequence_parallel:
                 pos = scatter_to_sequence_parallel_region(pos, self.tp_group)
             x = x + pos
-        if self.training and self.config.hidden_dropout > 0.0:
-            ctx = self.rng_tracker.fork() if self.sequence_parallel else nullcontext()
-            with ctx:
-                x = F.dropout(x, self.config.hidden_dropout, training=True)
-        return x
+        return hidden_dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel, self.rng_tracker)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``."""

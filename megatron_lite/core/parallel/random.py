@@ -1,8 +1,10 @@
 """RNG streams for dropout under tensor parallelism (Megatron's RNG tracker).
 
 Inside TP regions each TP rank must drop different elements of its shard, so dropout there runs
-in a "model-parallel" stream seeded ``seed + 2718 + tp_rank``; elsewhere the default stream, which
-every TP rank seeds the same, keeps replicated activations identical.
+in a "model-parallel" stream seeded ``seed + 2718 + tp_rank``. Outside them the activations are
+replicated over TP and must be dropped identically, so dropout runs in a "data-parallel" stream
+seeded ``seed + 100 * pp_rank`` (Megatron's default seed), the same on every TP rank. Both streams
+are owned by the model, so neither depends on the global RNG state nor disturbs it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import contextlib
 import torch
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
 
 
 class RNGStatesTracker:
@@ -76,8 +79,11 @@ class RNGStatesTracker:
             self._set_state(saved)
 
 
-def model_parallel_rng_tracker(seed: int, tp_rank: int, device: torch.device | str = "cpu") -> RNGStatesTracker:
-    """A tracker with Megatron's model-parallel stream (``seed + 2718 + tp_rank``)."""
+def model_parallel_rng_tracker(seed: int, tp_rank: int, pp_rank: int = 0,
+                               device: torch.device | str = "cpu") -> RNGStatesTracker:
+    """A tracker with Megatron's streams: model-parallel (``seed + 2718 + tp_rank``) and
+    data-parallel (``seed + 100 * pp_rank``)."""
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    tracker.add(DATA_PARALLEL_RNG, seed + 100 * pp_rank)
     return tracker
