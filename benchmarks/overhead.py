@@ -79,6 +79,7 @@ MODEL_SEED = 1234
 DATA_SEED = 1234
 OVERHEAD_TARGET = 0.03
 THREADS = 1
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
 
 
 def _seed() -> None:
@@ -303,7 +304,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--skip-tp", action="store_true", help="skip the TP2-vs-TP1 comparison (2 forked ranks)")
     p.add_argument("--skip-interleaved", action="store_true", help="skip the step-interleaved comparison")
-    p.add_argument("--out", default="benchmarks/results/overhead.json", help="JSON output path")
+    p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
+                   help="JSON output path (a relative default is under the repository root)")
     args = p.parse_args(argv)
     if args.steps <= args.warmup + 1:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 2")
@@ -352,6 +354,7 @@ def main(argv=None) -> dict:
     if not args.skip_interleaved:
         t = time.perf_counter()
         pair = run_framework(config, opt_cfg, args, steps=args.steps * args.repeats, interleave_plain=True)
+        pair["interval_s"] = []  # each of its intervals holds a plain step too: not a loop interval
         raw["plain_interleaved"], raw["megatron_interleaved"] = [pair.pop("paired_plain")], [pair]
         print(f"  interleaved: {len(pair['step_s'])} pairs ({time.perf_counter() - t:.1f} s)", flush=True)
     # 2. TP2 vs TP1, both fork-launched
@@ -413,6 +416,9 @@ def main(argv=None) -> dict:
               f"{ratios['framework_overhead_interleaved_cpu'] * 100:+.1f}%")
     print("max |loss difference| (same model, data and lr): "
           + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items()))
+    if "tp2" in runs and config.padded_vocab_size(1) != config.padded_vocab_size(2):
+        print(f"  (TP1 and TP2 pad the vocabulary differently, {config.padded_vocab_size(1)} against "
+              f"{config.padded_vocab_size(2)} rows: different models, so their losses differ)")
     met = overhead <= OVERHEAD_TARGET
     verdicts = {"separate runs": met}
     if "framework_overhead_interleaved" in ratios:
@@ -426,9 +432,10 @@ def main(argv=None) -> dict:
               f"machine is noisy (other processes?). Trust the step-interleaved line, or rerun on an idle "
               f"machine / with more --steps and --repeats.")
     if "tp2_vs_tp1" in ratios:
-        print(f"TP2 / TP1 step time: {ratios['tp2_vs_tp1']:.3f}. This is the cost of tensor parallelism's gloo "
-              f"all-reduces on a {os.cpu_count()}-core CPU box ({THREADS} thread per rank): TP is not expected to "
-              f"be faster here, and any other process on the machine stalls one rank and so both.")
+        print(f"TP2 / TP1 step time: {ratios['tp2_vs_tp1']:.3f}. On a {os.cpu_count()}-core CPU box this measures "
+              f"tensor parallelism's gloo all-reduces (plus half the compute per rank, on 2 cores of {THREADS} "
+              f"thread against TP1's one): TP is not expected to be faster here, and any other process on the "
+              f"machine stalls one rank and so both, so this ratio swings widely on a shared machine.")
     print(f"total wall time {time.perf_counter() - started:.0f} s")
 
     result = {
@@ -448,6 +455,8 @@ def main(argv=None) -> dict:
                    "met_step_interleaved": verdicts.get("step-interleaved")},
     }
     out = Path(args.out)
+    if args.out == str(DEFAULT_OUT.relative_to(REPO_ROOT)):
+        out = DEFAULT_OUT  # the default lands in the repository, whatever the working directory
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

@@ -22,10 +22,12 @@ def global_grad_norm(params: Iterable[torch.Tensor], layout: ParallelLayout) -> 
     """L2 norm of the full model's gradient (every shard on every model-parallel rank, once)."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
+    grads = [p.grad.detach() for p in params if _counts_here(p, layout)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if _counts_here(p, layout):
-            sq += p.grad.detach().float().pow(2).sum()
+    if grads:
+        # One fused kernel per dtype/device instead of a temporary per gradient.
+        norms = torch._foreach_norm(grads, 2.0)
+        sq = torch.stack([n.float() for n in norms]).pow(2).sum()
     group = layout.group("mp")
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
@@ -37,8 +39,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, layout: Para
     """Scale gradients so the global norm is at most ``max_norm`` (0 disables); returns the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, layout)
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in params], coef.item())
+    if max_norm > 0 and params:
+        # Always multiply by the clamped coefficient: no host-device sync to decide whether to clip.
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
     return norm

@@ -54,6 +54,8 @@ def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
     2. All gradients are summed over data (and context) parallel ranks. The loss was already
        divided by the global token count, so the sum is the mean.
     """
+    if layout.group("dp_cp") is None and not layout.sequence_parallel:
+        return  # one replica, nothing to reduce
     params = list(model.parameters())
     if layout.sequence_parallel:
         _all_reduce_coalesced(_grads(p for p in params if getattr(p, "sequence_parallel_grad", False)),
