@@ -31,13 +31,15 @@ class SentencePieceTokenizer(Tokenizer):
 
     # the processor is a C++ object; ship the model bytes so the tokenizer survives pickling (spawned ranks)
     def __getstate__(self) -> dict[str, Any]:
-        """Picklable state: the path and the serialized model."""
-        return {"model_path": self.model_path, "proto": self._sp.serialized_model_proto()}
+        """Picklable state: the path, the serialized model and any chat template set on it."""
+        return {"model_path": self.model_path, "proto": self._sp.serialized_model_proto(),
+                "chat_template": getattr(self, "_chat_template_override", None)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the processor from the serialized model."""
         self.model_path = state["model_path"]
         self._sp = spm.SentencePieceProcessor(model_proto=state["proto"])
+        self._chat_template_override = state.get("chat_template")
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS/EOS added)."""
@@ -84,6 +86,20 @@ class SentencePieceTokenizer(Tokenizer):
     def unk(self) -> int | None:
         """UNK id, or None if the model has none."""
         return _optional_id(self._sp.unk_id())
+
+    @property
+    def bos_token(self) -> str | None:
+        """BOS piece (e.g. ``"<s>"``), or None."""
+        return self._piece(self.bos)
+
+    @property
+    def eos_token(self) -> str | None:
+        """EOS piece (e.g. ``"</s>"``), or None."""
+        return self._piece(self.eos)
+
+    def _piece(self, token_id: int | None) -> str | None:
+        """The piece text of ``token_id`` (what chat templates print), or None."""
+        return None if token_id is None else str(self._sp.id_to_piece(token_id))
 
 
 def _optional_id(value: int) -> int | None:

@@ -48,13 +48,14 @@ class Recorder(L.Callback):
 
 def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: int = 10, gbs: int = 8,
         mbs: int = 2, config: Optional[ml.GPTConfig] = None, optimizer: Optional[ml.OptimizerConfig] = None,
-        ckpt_path: Optional[str] = None, **trainer_kwargs) -> dict:
+        ckpt_path: Optional[str] = None, data=None, **trainer_kwargs) -> dict:
     """Train ``steps`` steps and return the recorded results of global rank 0."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = config or tiny_config()
-    data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=mbs, global_batch_size=gbs,
-                             vocab_size=config.vocab_size, seed=7)
+    if data is None:
+        data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=mbs, global_batch_size=gbs,
+                                 vocab_size=config.vocab_size, seed=7)
     optimizer = optimizer or ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4)
     callbacks = [Recorder(out), *trainer_kwargs.pop("callbacks", [])]
     settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

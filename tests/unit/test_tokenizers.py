@@ -94,3 +94,192 @@ def test_shared_llama_model() -> None:
     assert tok.detokenize(ids) == text
     assert tok.detokenize(tok.tokenize(TRICKY)) == TRICKY
     assert tok.detokenize([tok.bos, *tok.tokenize("Hello"), tok.eos]) == "Hello"
+
+
+# --- the interface, chat templates, the null tokenizer and build_tokenizer -------------------------------
+
+from collections.abc import Sequence  # noqa: E402
+
+from megatron_lite.tokenizers import (  # noqa: E402
+    DEFAULT_CHAT_TEMPLATE,
+    TOKENIZER_TYPES,
+    ChatTemplateError,
+    NullTokenizer,
+    build_tokenizer,
+    render_chat_template,
+)
+
+CHAT = [{"role": "system", "content": "Speak as Hamlet."}, {"role": "user", "content": "To be?"}]
+
+
+class _CharTokenizer(Tokenizer):
+    """The smallest backend: code points as ids; only the abstract members are implemented."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return 0x110000
+
+    @property
+    def eod(self) -> int:
+        return 0
+
+
+def test_interface_defaults_and_batch_loop() -> None:
+    tok = _CharTokenizer()
+    assert tok.tokenize_batch(["ab", "", "c"]) == [[97, 98], [], [99]]
+    assert (tok.bos, tok.eos, tok.pad, tok.unk, tok.bos_token, tok.eos_token, tok.chat_template) == (None,) * 7
+    with pytest.raises(ValueError, match=r"_CharTokenizer has no chat template; pass chat_template=\.\.\."):
+        tok.apply_chat_template(CHAT)
+    # a template given per call, then one set on the tokenizer (None restores the model's: none here)
+    assert tok.apply_chat_template(CHAT, chat_template="{{ messages | length }}") == "2"
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    assert tok.apply_chat_template(CHAT).startswith("<|im_start|>system\n")
+    tok.chat_template = None
+    assert tok.chat_template is None
+    with pytest.raises(TypeError, match="Jinja2 string"):
+        tok.chat_template = 3  # type: ignore[assignment]
+
+
+def test_default_chat_template_is_chatml() -> None:
+    text = render_chat_template(DEFAULT_CHAT_TEMPLATE, CHAT)
+    assert text == "<|im_start|>system\nSpeak as Hamlet.<|im_end|>\n<|im_start|>user\nTo be?<|im_end|>\n"
+    prompt = render_chat_template(DEFAULT_CHAT_TEMPLATE, CHAT, add_generation_prompt=True)
+    assert prompt == text + "<|im_start|>assistant\n"
+    assert render_chat_template(DEFAULT_CHAT_TEMPLATE, []) == ""
+
+
+def test_chat_template_variables_and_hf_conventions() -> None:
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+                "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] | tojson }}{{ eos_token }}"
+                "{% endfor %}")
+    text = render_chat_template(template, [{"role": "user", "content": "é <b>"}], bos_token="<s>", eos_token="</s>")
+    assert text == '<s>"é <b>"</s>'  # HF's tojson: no HTML escaping, no ASCII escaping
+    assert render_chat_template(template, CHAT[:1]) == '"Speak as Hamlet."'  # missing tokens render empty
+    with pytest.raises(ChatTemplateError, match="no tools here"):
+        render_chat_template(template, [{"role": "tool", "content": "x"}])
+
+
+def test_chat_template_errors() -> None:
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        render_chat_template("{% for m in messages %}", CHAT)
+    # the sandbox: templates cannot mutate their inputs or reach Python internals
+    with pytest.raises(ChatTemplateError, match="failed to render"):
+        render_chat_template("{{ messages.append(1) }}", CHAT)
+    with pytest.raises(ChatTemplateError, match="failed to render"):
+        render_chat_template("{{ messages.__class__.__mro__ }}", CHAT)
+    with pytest.raises(ValueError, match=r"messages\[1\] = .* must be a dict with 'role' and 'content'"):
+        render_chat_template(DEFAULT_CHAT_TEMPLATE, [CHAT[0], {"content": "no role"}])
+    with pytest.raises(TypeError, match="messages must be a list"):
+        render_chat_template(DEFAULT_CHAT_TEMPLATE, "hello")  # type: ignore[arg-type]
+
+
+def test_null_tokenizer() -> None:
+    tok = NullTokenizer(100)
+    assert (tok.vocab_size, tok.eod, tok.eos, tok.bos, tok.pad) == (100, 99, 99, None, None)
+    assert tok.tokenize("1 2  3\n99") == [1, 2, 3, 99]
+    assert tok.tokenize("") == []
+    assert tok.detokenize([1, 2, 3]) == "1 2 3"
+    assert tok.detokenize(tok.tokenize("0 5 99")) == "0 5 99"
+    assert tok.tokenize_batch(["1", "2 3"]) == [[1], [2, 3]]
+    with pytest.raises(ValueError, match=r"token id 100 is outside \[0, 100\)"):
+        tok.tokenize("1 100")
+    with pytest.raises(ValueError, match=r"token id -1 is outside"):
+        tok.detokenize([-1])
+    with pytest.raises(ValueError, match="whitespace-separated integer ids, got 'x'"):
+        tok.tokenize("1 x")
+    with pytest.raises(ValueError, match="vocab_size >= 1"):
+        NullTokenizer(0)
+    clone = pickle.loads(pickle.dumps(tok))
+    assert (clone.vocab_size, clone.tokenize("7 8")) == (100, [7, 8])
+
+
+def _write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
+    """A JSONL corpus with one object per text."""
+    path.write_text("".join(json.dumps({key: t, "id": i}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    return path
+
+
+def test_build_sentencepiece_trains_on_a_jsonl_corpus(tmp_path: Path) -> None:
+    text = next(iter(_works(1).values()))[:30_000]
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [text[:15_000], "", text[15_000:]])
+    tok = build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=400, output_prefix=tmp_path / "spm",
+                          chat_template=DEFAULT_CHAT_TEMPLATE)
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert (tmp_path / "spm.model").is_file() and tok.vocab_size == 400
+    assert tok.detokenize(tok.tokenize(text)) == text
+    assert tok.apply_chat_template(CHAT[1:], add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.chat_template == DEFAULT_CHAT_TEMPLATE and clone.tokenize(TRICKY) == tok.tokenize(TRICKY)
+    # loading the trained model by type name (any case, - or _) gives the same ids
+    loaded = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "spm.model"))
+    assert loaded.tokenize(TRICKY) == tok.tokenize(TRICKY) and loaded.chat_template is None
+
+
+def test_build_sentencepiece_corpus_errors(tmp_path: Path) -> None:
+    corpus = _write_jsonl(tmp_path / "c.jsonl", ["some text"] * 3, key="content")
+    with pytest.raises(ValueError, match=r"c\.jsonl:1 has no key 'text' \(found \['content', 'id'\]\); pass json_key"):
+        build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=300, output_prefix=tmp_path / "m")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):
+        build_tokenizer("sentencepiece", train_corpus=tmp_path / "bad.jsonl", vocab_size=300,
+                        output_prefix=tmp_path / "m")
+    with pytest.raises(ValueError, match="needs vocab_size and output_prefix"):
+        build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=300)
+    with pytest.raises(FileNotFoundError, match=r"train_corpus .*missing\.jsonl does not exist"):
+        build_tokenizer("sentencepiece", train_corpus=tmp_path / "missing.jsonl", vocab_size=300,
+                        output_prefix=tmp_path / "m")
+    with pytest.raises(ValueError, match="not both"):
+        build_tokenizer("sentencepiece", tokenizer_model="x.model", train_corpus=corpus)
+    assert not (tmp_path / "m.model").exists()
+
+
+def test_build_tokenizer_argument_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown tokenizer_type 'bert'; use one of " + ", ".join(TOKENIZER_TYPES)):
+        build_tokenizer("bert")
+    with pytest.raises(ValueError, match="SentencePieceTokenizer needs tokenizer_model"):
+        build_tokenizer("SentencePieceTokenizer")
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs vocab_file and merge_file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file="vocab.json")
+    with pytest.raises(ValueError, match="HuggingFaceTokenizer needs tokenizer_model"):
+        build_tokenizer("hf")
+    with pytest.raises(ValueError, match="TikTokenizer needs tokenizer_model"):
+        build_tokenizer("tiktoken")
+    with pytest.raises(ValueError, match="NullTokenizer needs vocab_size"):
+        build_tokenizer("null")
+    missing = tmp_path / "nope.model"
+    with pytest.raises(FileNotFoundError, match=f"SentencePiece tokenizer_model {missing} does not exist"):
+        build_tokenizer("sentencepiece", tokenizer_model=missing)
+    with pytest.raises(FileNotFoundError, match="'meta-llama/Llama-2-7b' is not a local path; megatron-lite never "
+                                                "downloads tokenizers — download it once"):
+        build_tokenizer("sentencepiece", tokenizer_model="meta-llama/Llama-2-7b")
+
+
+def test_build_null_tokenizer_with_chat_template_file(tmp_path: Path) -> None:
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}", encoding="utf-8")
+    tok = build_tokenizer("Null_Tokenizer", vocab_size=10, chat_template=str(tmp_path / "t.jinja"))
+    assert isinstance(tok, NullTokenizer) and tok.eod == 9
+    text = tok.apply_chat_template([{"role": "user", "content": "1 2"}, {"role": "assistant", "content": "3"}])
+    assert tok.tokenize(text) == [1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="chat_template file"):
+        build_tokenizer("null", vocab_size=10, chat_template=str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.skipif(not LLAMA_MODEL.is_file(), reason=f"shared Llama SentencePiece model {LLAMA_MODEL} is absent")
+def test_build_shared_llama_model() -> None:
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=LLAMA_MODEL)
+    assert isinstance(tok, SentencePieceTokenizer) and (tok.vocab_size, tok.eod) == (32000, 2)
+    text = next(iter(_works(2).values()))[:20_000]
+    assert tok.detokenize(tok.tokenize(text)) == text
+    assert tok.tokenize_batch([text, "Hello"]) == [tok.tokenize(text), tok.tokenize("Hello")]
+    assert pickle.loads(pickle.dumps(tok)).tokenize(text) == tok.tokenize(text)
+    # chat templates print the model's own BOS/EOS pieces
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
+    rendered = tok.apply_chat_template(CHAT[1:], chat_template="{{ bos_token }}[INST] {{ messages[0]['content'] }} "
+                                                             "[/INST]{{ eos_token }}")
+    assert rendered == "<s>[INST] To be? [/INST]</s>"

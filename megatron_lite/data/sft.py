@@ -1,0 +1,206 @@
+"""Supervised fine-tuning data: chat conversations, loss on the assistant's turns, packing.
+
+Each JSONL line holds ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``.
+A conversation is rendered with the tokenizer's chat template (or ``DEFAULT_CHAT_TEMPLATE``) turn
+by turn: the text each turn adds is tokenized on its own, so every token knows whether it belongs
+to an assistant reply (trained) or to the prompt and the role headers (not trained).
+
+Packed samples concatenate whole conversations up to ``seq_length + 1`` tokens and carry
+``cu_seqlens`` (start offsets of each conversation, then the packed length, padded with -1) and
+``position_ids`` restarting at 0 per conversation, for packed-sequence attention. Every item is
+``{"tokens": [s+1], "loss_mask": [s], "position_ids": [s], "cu_seqlens": [max_seqs + 1]}`` where
+``loss_mask[j]`` says whether predicting ``tokens[j+1]`` counts.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from megatron_lite.data.datamodule import PretrainingDataModule
+from megatron_lite.data.text_corpus import _open_text, _split_boundaries, parse_split
+from megatron_lite.tokenizers.base import Tokenizer
+
+Render = Callable[[Sequence[dict], bool], str]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_conversations(path: str, messages_key: str = "messages") -> list[list[dict]]:
+    """Conversations of a JSONL(.gz) file, validated: a list of {role, content} with an assistant turn."""
+    conversations = []
+    with _open_text(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where} is not valid JSON ({err})") from err
+            messages = obj.get(messages_key) if isinstance(obj, dict) else None
+            if not isinstance(messages, list) or not messages:
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f"{where} has no non-empty list under {messages_key!r} (found {keys}); each line "
+                                 f"must be {{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+            for m in messages:
+                if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                    raise ValueError(f"{where}: every message needs a role in {ROLES} and a string content, got {m!r}")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ValueError(f"{where}: the conversation has no assistant turn, so nothing would be trained")
+            conversations.append(messages)
+    if not conversations:
+        raise ValueError(f"{path} holds no conversations")
+    return conversations
+
+
+def tokenize_conversation(messages: Sequence[dict], render: Render, tokenize: Callable[[str], list[int]],
+                          eod: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, per-token train mask) of one conversation, EOD appended (and trained)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    shown = ""
+
+    def add(text: str, train: bool) -> None:
+        nonlocal shown
+        if not text.startswith(shown):
+            raise ValueError(
+                "the chat template is not prefix-stable (rendering the first k turns is not a prefix of rendering "
+                "k+1 turns), so prompt and reply tokens cannot be told apart; use a template without that property")
+        piece = tokenize(text[len(shown):]) if len(text) > len(shown) else []
+        ids.extend(piece)
+        mask.extend([int(train)] * len(piece))
+        shown = text
+
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            add(render(messages[:i], True), False)  # the prompt, up to and including the assistant header
+            add(render(messages[: i + 1], False), True)  # the reply and its end marker
+        else:
+            add(render(messages[: i + 1], False), False)
+    ids.append(eod)
+    mask.append(1)
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64)
+
+
+def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Greedy in-order packing of items (indices) into bins of ``capacity`` tokens."""
+    bins: list[list[int]] = []
+    used = capacity
+    for i, n in enumerate(lengths):
+        n = min(n, capacity)
+        if used + n > capacity:
+            bins.append([])
+            used = 0
+        bins[-1].append(i)
+        used += n
+    return bins
+
+
+class SFTDataset(Dataset):
+    """Tokenized (optionally packed) chat conversations; see the module docstring for the items."""
+
+    def __init__(self, conversations: Sequence[Sequence[dict]], tokenizer, seq_length: int, *, pack_sequences: bool = True,
+                 chat_template: Optional[str] = None, seed: int = 1234):
+        if seq_length < 2:
+            raise ValueError(f"seq_length must be >= 2, got {seq_length}")
+        self.seq_length = seq_length
+        self.pad = tokenizer.pad if tokenizer.pad is not None else tokenizer.eod
+        render = _renderer(tokenizer, chat_template)
+        order = np.random.RandomState(seed).permutation(len(conversations))
+        tokenized = [tokenize_conversation(conversations[i], render, tokenizer.tokenize, tokenizer.eod) for i in order]
+        capacity = seq_length + 1
+        self.num_truncated = sum(len(ids) > capacity for ids, _ in tokenized)
+        bins = pack([len(ids) for ids, _ in tokenized], capacity) if pack_sequences else [[i] for i in range(len(tokenized))]
+        self.max_seqs = max(len(b) for b in bins)
+        self.samples = [self._build(b, tokenized, capacity) for b in bins]
+
+    def _build(self, members: list[int], tokenized, capacity: int) -> dict[str, torch.Tensor]:
+        tokens = np.full(capacity, self.pad, dtype=np.int64)
+        train = np.zeros(capacity, dtype=np.int64)
+        positions = np.zeros(capacity, dtype=np.int64)
+        cu = np.full(self.max_seqs + 1, -1, dtype=np.int32)
+        offset = 0
+        for k, i in enumerate(members):
+            ids, mask = tokenized[i]
+            n = min(len(ids), capacity - offset)
+            tokens[offset:offset + n] = ids[:n]
+            train[offset:offset + n] = mask[:n]
+            positions[offset:offset + n] = np.arange(n)
+            cu[k] = offset
+            offset += n
+        cu[len(members)] = offset
+        # Never train across a conversation boundary: the first token of the next one is not predictable.
+        train[cu[1:len(members)]] = 0
+        return {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(train[1:]).float(),
+                "position_ids": torch.from_numpy(positions[:-1]), "cu_seqlens": torch.from_numpy(cu)}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.samples[index]
+
+
+def _renderer(tokenizer, chat_template: Optional[str]) -> Render:
+    from megatron_lite.tokenizers.chat import DEFAULT_CHAT_TEMPLATE, render_chat_template
+
+    template = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+    def render(messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        return render_chat_template(template, list(messages), add_generation_prompt=add_generation_prompt,
+                                    bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+
+    return render
+
+
+class SFTDataModule(PretrainingDataModule):
+    """Chat fine-tuning data for GPTModule: a JSONL of conversations split by conversation.
+
+    Batches carry ``loss_mask`` so only the assistant's tokens are trained; the global-batch loss
+    is the mean over those tokens (see ``megatron_lite.core.parallel.schedules``).
+    """
+
+    def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int = 512, micro_batch_size: int = 4,
+                 global_batch_size: int = 16, split: str = "98,2", pack_sequences: bool = True,
+                 chat_template: Optional[str] = None, messages_key: str = "messages", seed: int = 1234,
+                 num_workers: int = 0) -> None:
+        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"SFT data {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file "
+                                    f"of {{\"{messages_key}\": [...]}} lines>")
+        self.path, self.tokenizer, self.split = path, tokenizer, parse_split(split)
+        self.pack_sequences, self.chat_template, self.messages_key, self.seed = (
+            pack_sequences, chat_template, messages_key, seed)
+        self.vocab_size = tokenizer.vocab_size
+        self.datasets: dict[str, SFTDataset] = {}
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.datasets:
+            return
+        conversations = read_conversations(self.path, self.messages_key)
+        order = np.random.RandomState(self.seed).permutation(len(conversations))
+        bounds = _split_boundaries(self.split, len(conversations))
+        for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):
+            if hi > lo:
+                self.datasets[name] = SFTDataset([conversations[i] for i in order[lo:hi]], self.tokenizer,
+                                                 self.seq_length, pack_sequences=self.pack_sequences,
+                                                 chat_template=self.chat_template, seed=self.seed)
+
+    def _split(self, name: str) -> SFTDataset:
+        self.setup()
+        if name not in self.datasets:
+            raise ValueError(f"the {name} split of {self.path} is empty; give it a weight in split (e.g. '90,10')")
+        return self.datasets[name]
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._split("train"), "train", self._consumed_at_start())
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._split("validation"), "validation")
+
+    def _too_small_hint(self, split: str) -> str:
+        return f"add conversations to {self.path}, raise the {split} weight in split, or lower global_batch_size"

@@ -1,0 +1,178 @@
+"""``build_tokenizer``: Megatron's ``--tokenizer-type`` names -> a ``Tokenizer``, from local files only."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import IO
+
+from megatron_lite.tokenizers.base import Tokenizer, require_file
+from megatron_lite.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron_lite.tokenizers.huggingface import HuggingFaceTokenizer, looks_like_hub_id, no_download_error
+from megatron_lite.tokenizers.null_tokenizer import NullTokenizer
+from megatron_lite.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megatron_lite.tokenizers.tiktoken_tokenizer import TikTokenizer
+
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer",
+)
+"""The canonical type names (Megatron's ``--tokenizer-type`` values)."""
+
+# lower-cased, without "-"/"_"; GPTSentencePieceTokenizer is Megatron's name for what our SentencePiece does
+_ALIASES = {
+    "sentencepiecetokenizer": "SentencePieceTokenizer", "sentencepiece": "SentencePieceTokenizer",
+    "spm": "SentencePieceTokenizer", "gptsentencepiecetokenizer": "SentencePieceTokenizer",
+    "gpt2bpetokenizer": "GPT2BPETokenizer", "gpt2bpe": "GPT2BPETokenizer", "gpt2": "GPT2BPETokenizer",
+    "huggingfacetokenizer": "HuggingFaceTokenizer", "huggingface": "HuggingFaceTokenizer", "hf": "HuggingFaceTokenizer",
+    "tiktokenizer": "TikTokenizer", "tiktoken": "TikTokenizer",
+    "nulltokenizer": "NullTokenizer", "null": "NullTokenizer",
+}
+
+
+def canonical_tokenizer_type(tokenizer_type: str) -> str:
+    """The canonical name for ``tokenizer_type`` (case and ``-``/``_`` ignored); ValueError listing the valid ones."""
+    key = str(tokenizer_type).lower().replace("-", "").replace("_", "")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown tokenizer_type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)} "
+                         f"(or the aliases sentencepiece, gpt2, hf, tiktoken, null)")
+    return _ALIASES[key]
+
+
+def _local_file(path: str | os.PathLike[str], what: str, fix: str) -> str:
+    """``path`` if it is a local file; a hub-id-shaped string gets the never-download error."""
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.exists(path) and looks_like_hub_id(path):
+        raise no_download_error(path)
+    return require_file(path, what, fix)
+
+
+def _open_text(path: str) -> IO[str]:
+    """A plain or gzip text file (by magic bytes, not by name)."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+
+
+def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterator[str]:
+    """The non-empty strings under ``json_key``, one JSON object per line; ValueError naming file:line."""
+    with _open_text(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({err}); train_corpus must hold one JSON "
+                                 f"object per line") from err
+            if not isinstance(obj, dict) or json_key not in obj:
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f"{path}:{line_no} has no key {json_key!r} (found {keys}); pass json_key=<the key "
+                                 f"holding the text>")
+            if not isinstance(obj[json_key], str):
+                raise ValueError(f"{path}:{line_no}: {json_key!r} is a {type(obj[json_key]).__name__}, not a string")
+            if obj[json_key]:
+                yield obj[json_key]
+
+
+def _train(train_corpus: str | os.PathLike[str], json_key: str, vocab_size: int | None,
+           output_prefix: str | os.PathLike[str] | None) -> str:
+    """Train a SentencePiece model on a JSONL corpus; returns the ``.model`` path."""
+    if vocab_size is None or output_prefix is None:
+        raise ValueError("SentencePieceTokenizer training (train_corpus given, no tokenizer_model) needs vocab_size "
+                         "and output_prefix (where <output_prefix>.model is written)")
+    corpus = _local_file(train_corpus, "train_corpus", "pass a local .jsonl or .jsonl.gz file")
+    errors: list[Exception] = []
+
+    def texts() -> Iterator[str]:
+        """Remember a corpus error: SentencePiece would bury it inside its own RuntimeError text."""
+        try:
+            yield from iter_jsonl_texts(corpus, json_key)
+        except Exception as err:
+            errors.append(err)
+            raise
+
+    try:
+        return train_sentencepiece(texts(), os.fspath(output_prefix), vocab_size)
+    except ValueError:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def _read_template(chat_template: str) -> str:
+    """A Jinja2 string, or the text of a ``.jinja`` file path."""
+    if chat_template.endswith(".jinja") and "\n" not in chat_template:
+        with open(require_file(chat_template, "chat_template file", "pass a .jinja file or a template string"),
+                  encoding="utf-8") as f:
+            return f.read()
+    return chat_template
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    tokenizer_model: str | os.PathLike[str] | None = None,
+    vocab_file: str | os.PathLike[str] | None = None,
+    merge_file: str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+    chat_template: str | None = None,
+    train_corpus: str | os.PathLike[str] | None = None,
+    json_key: str = "text",
+    output_prefix: str | os.PathLike[str] | None = None,
+    tiktoken_pattern: str = "v2",
+    tiktoken_num_special_tokens: int = 1000,
+    tiktoken_special_tokens: Sequence[str] | None = None,
+) -> Tokenizer:
+    """Build a tokenizer by Megatron type name from local files; ``chat_template`` overrides the model's.
+
+    - ``SentencePieceTokenizer``: ``tokenizer_model`` (a ``.model``), or ``train_corpus`` (JSONL, text under
+      ``json_key``) + ``vocab_size`` + ``output_prefix`` to train one (every call trains; reuse the model after).
+    - ``GPT2BPETokenizer``: ``vocab_file`` + ``merge_file``.
+    - ``HuggingFaceTokenizer``: ``tokenizer_model`` = a directory with ``tokenizer.json``, or that file.
+    - ``TikTokenizer``: ``tokenizer_model`` = a rank file; ``vocab_size`` (optional) truncates as in Megatron.
+    - ``NullTokenizer``: ``vocab_size``.
+
+    ``vocab_size`` is ignored by the types whose files fix it (SentencePiece loading, GPT-2, HF). Missing
+    arguments raise ValueError naming them, missing files FileNotFoundError naming the file.
+    """
+    kind = canonical_tokenizer_type(tokenizer_type)
+    tokenizer: Tokenizer
+    if kind == "SentencePieceTokenizer":
+        if tokenizer_model is not None and train_corpus is not None:
+            raise ValueError("SentencePieceTokenizer takes tokenizer_model (load) or train_corpus (train), not both")
+        if tokenizer_model is not None:
+            tokenizer = SentencePieceTokenizer(_local_file(tokenizer_model, "SentencePiece tokenizer_model",
+                                                           "pass the path of a SentencePiece .model file"))
+        elif train_corpus is not None:
+            tokenizer = SentencePieceTokenizer(_train(train_corpus, json_key, vocab_size, output_prefix))
+        else:
+            raise ValueError("SentencePieceTokenizer needs tokenizer_model (a .model file), or train_corpus + "
+                             "vocab_size + output_prefix to train one")
+    elif kind == "GPT2BPETokenizer":
+        if vocab_file is None or merge_file is None:
+            raise ValueError("GPT2BPETokenizer needs vocab_file and merge_file (GPT-2's vocab.json and merges.txt)")
+        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    elif kind == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("HuggingFaceTokenizer needs tokenizer_model (a local directory with tokenizer.json, "
+                             "or the tokenizer.json file)")
+        tokenizer = HuggingFaceTokenizer(tokenizer_model)
+    elif kind == "TikTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("TikTokenizer needs tokenizer_model (a local tiktoken rank file)")
+        tokenizer = TikTokenizer(
+            _local_file(tokenizer_model, "tiktoken rank file", "pass the path of a local .tiktoken rank file"),
+            pattern=tiktoken_pattern,
+            special_tokens=tiktoken_special_tokens,
+            num_special_tokens=tiktoken_num_special_tokens,
+            vocab_size=vocab_size,
+        )
+    else:
+        if vocab_size is None:
+            raise ValueError("NullTokenizer needs vocab_size (ids 0..vocab_size-1; the last is EOD)")
+        tokenizer = NullTokenizer(vocab_size)
+    if chat_template is not None:
+        tokenizer.chat_template = _read_template(chat_template)
+    return tokenizer
