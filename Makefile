@@ -28,7 +28,8 @@ test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -m "not slow" tests
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/overhead.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/preprocess.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,21 +1,51 @@
 """`make demo`: train a small GPT on Shakespeare with tensor parallelism over 2 CPU processes.
 
-Every rank runs this script (Lightning's default launcher re-runs it per rank), so the
+The Megatron data pipeline end to end: train a SentencePiece tokenizer on the bundled corpus,
+tokenize it into Megatron's .bin/.idx files with 2 worker processes (what
+`megatron-lite preprocess` does), and train on a GPTDataset through PretrainDataModule.
+
+Every rank runs this script (Lightning's default launcher re-runs it per rank): the data is
+prepared by the launching process before any rank starts, the others find it ready; the
 generation at the end runs on both tensor-parallel ranks and rank 0 prints it.
 
-    python examples/demo.py [--max-steps 300] [--devices 2] [--tp 2]
+    python examples/demo.py [--max-steps 800] [--devices 2] [--tp 2]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
 
 import megatron_lite as ml
 from megatron_lite.core.inference import greedy_generate
-from megatron_lite.data import TextCorpusDataModule, bundled_corpus
+from megatron_lite.data import PretrainDataModule, bundled_corpus
+from megatron_lite.data.indexed_dataset import IndexedDataset
+from megatron_lite.data.preprocess import preprocess
+from megatron_lite.tokenizers import Tokenizer, build_tokenizer
+
+VOCAB_SIZE = 2048
+
+
+def prepare_data(out_dir: Path) -> tuple[Tokenizer, str]:
+    """Tokenizer and .bin/.idx prefix of the bundled corpus, built once and reused."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    corpus = bundled_corpus("shakespeare")
+    model = out_dir / "shakespeare_spm.model"
+    launching = os.environ.get("LOCAL_RANK", "0") == "0"
+    if not model.is_file() and launching:
+        build_tokenizer("SentencePieceTokenizer", train_corpus=corpus, vocab_size=VOCAB_SIZE,
+                        output_prefix=str(out_dir / "shakespeare_spm"))
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(model))
+    prefix = str(out_dir / "shakespeare")
+    if not IndexedDataset.exists(f"{prefix}_text_document") and launching:
+        result = preprocess([corpus], prefix, tokenizer, workers=2, append_eod=True, progress=False)
+        print(f"preprocessed {result.documents['text']} documents into {prefix}_text_document.bin/.idx "
+              f"({result.tokens['text']:,} tokens, {result.tokens_per_second:,.0f} tokens/s)")
+    return tokenizer, f"{prefix}_text_document"
 
 
 class LossSummary(L.Callback):
@@ -42,10 +72,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread per rank: the ranks share the machine's cores
 
-    data = TextCorpusDataModule(bundled_corpus("shakespeare"), vocab_size=2048, seq_length=128,
-                                micro_batch_size=8, global_batch_size=16, seed=1234)
+    tokenizer, data_prefix = prepare_data(Path("runs/demo/data"))
+    data = PretrainDataModule([data_prefix], seq_length=128, micro_batch_size=8, global_batch_size=16,
+                              split="98,2", tokenizer=tokenizer, seed=1234)
     config = ml.GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=352, vocab_size=2048, seq_length=128)
+                          ffn_hidden_size=352, vocab_size=tokenizer.vocab_size, seq_length=128)
     module = ml.GPTModule(config, ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=20,
                                                      weight_decay=0.1, adam_beta2=0.95), seed=1234)
     summary = LossSummary()
@@ -57,7 +88,6 @@ def main() -> None:
     trainer.fit(module, data)
     minutes = (time.perf_counter() - start) / 60
 
-    tokenizer = data.tokenizer
     prompt = torch.tensor([tokenizer.tokenize(args.prompt)])
     out = greedy_generate(module.model, prompt, args.new_tokens, eos_id=tokenizer.eod)
     if trainer.global_rank == 0:

@@ -1,7 +1,10 @@
-"""``megatron-lite``: Lightning's CLI (fit / validate / test / predict) with megatron-lite defaults.
+"""``megatron-lite``: Lightning's CLI (fit / validate / test / predict) with megatron-lite defaults,
+plus the data tool ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, and ``merge``).
 
     megatron-lite fit --config examples/configs/gpt_tiny.yaml --trainer.max_steps 100 \
         --trainer.strategy.init_args.tensor_model_parallel_size 2
+    megatron-lite preprocess --input corpus.jsonl.gz --output-prefix data/corpus \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --workers 4 --append-eod
 
 Every strategy, model and data option can be overridden on the command line; ``--print_config``
 shows the full resolved configuration.
@@ -55,6 +58,11 @@ def main(args: Optional[list[str]] = None) -> None:
 
     Set ``MEGATRON_LITE_DEBUG=1`` to see full tracebacks of configuration errors.
     """
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] == "preprocess":
+        from megatron_lite.data.preprocess import main as preprocess_main
+
+        sys.exit(preprocess_main(argv[1:]))
     try:
         _run_cli(args)
     except Exception as exc:  # noqa: BLE001 - filtered below, everything else is re-raised
@@ -72,7 +80,8 @@ def _run_cli(args: Optional[list[str]]) -> None:
         subclass_mode_data=True,
         trainer_defaults={"strategy": "megatron"},
         args=args,
-        parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning", "default_env": False},
+        parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Data tool: "
+                                      "`megatron-lite preprocess --help`.", "default_env": False},
         save_config_kwargs={"overwrite": True},
     )
 

@@ -6,10 +6,17 @@ one optimizer step's worth of samples for this data-parallel rank.
 
 from pathlib import Path
 
+from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.datamodule import PretrainingDataModule
+from megatron_lite.data.fim import FIMDataset, FIMTokens
 from megatron_lite.data.geometry import DataGeometry
+from megatron_lite.data.gpt_dataset import GPTDataset
+from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.data.mock import MockGPTDataModule, MockGPTDataset
+from megatron_lite.data.pretrain import PretrainDataModule, parse_data_path
+from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import MegatronPretrainingSampler
+from megatron_lite.data.sft import SFTDataModule, SFTDataset
 from megatron_lite.data.text_corpus import TextCorpusDataModule, TokenWindowDataset
 
 _CORPORA_DIR = Path(__file__).resolve().parent / "corpora"
@@ -25,12 +32,23 @@ def bundled_corpus(name: str = "shakespeare") -> str:
 
 
 __all__ = [
+    "BlendedDataset",
     "DataGeometry",
+    "FIMDataset",
+    "FIMTokens",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "MegatronPretrainingRandomSampler",
     "MegatronPretrainingSampler",
     "MockGPTDataModule",
     "MockGPTDataset",
+    "PretrainDataModule",
     "PretrainingDataModule",
+    "SFTDataModule",
+    "SFTDataset",
     "TextCorpusDataModule",
     "TokenWindowDataset",
     "bundled_corpus",
+    "parse_data_path",
 ]

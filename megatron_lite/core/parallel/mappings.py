@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 Group = Optional[dist.ProcessGroup]
 
+# torch 2.13 renamed the single-tensor collectives; the old names still work on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -53,7 +57,7 @@ def _gather_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     if n == 1:
         return x
     out = torch.empty((x.shape[0] * n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -64,7 +68,7 @@ def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % n != 0:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

@@ -1,0 +1,527 @@
+"""Tokenize a corpus into Megatron-LM ``.bin``/``.idx`` pairs (``tools/preprocess_data.py``), and merge pairs.
+
+    megatron-lite preprocess --input corpus.jsonl.gz --json-keys text --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --output-prefix out/corpus --workers 4 --append-eod
+    python -m megatron_lite.data.preprocess merge --input out/a_text_document out/b_text_document \\
+        --output-prefix out/ab_text_document
+
+Inputs (``--input``, files or globs): JSON lines (``.jsonl``/``.json``/``.ndjson``, gzipped or not), a JSON
+array file, ``.parquet``, or a local Hugging Face ``datasets`` directory written by ``save_to_disk``; nothing
+is ever fetched from the hub. Each key of ``--json-keys`` gives ``{output_prefix}_{key}_document.bin/.idx``
+(``_sentence`` with ``--split-sentences``). The main process reads the input and writes the output; worker
+processes tokenize chunks of documents, and results are written in input order, so any ``--workers`` gives
+byte-identical files. Documents that tokenize to nothing are skipped and counted. Output goes to temporary
+names and is renamed at the end, so a failed run never leaves a half-written pair.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import glob
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any, Optional
+
+import numpy as np
+
+from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
+
+# a chunk also closes at this many characters: big documents then spread over workers instead of one
+# worker holding a chunk of many big ones at the end of the run
+_CHUNK_CHARS = 1 << 16
+_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class PreprocessError(ValueError):
+    """Bad input or configuration found while preprocessing; the message names the file and the fix."""
+
+
+@dataclass
+class PreprocessResult:
+    """What one run wrote: per JSON key, the output prefix and its counts."""
+
+    output_prefixes: dict[str, str]
+    """``{key: prefix}`` of each written ``.bin``/``.idx`` pair."""
+    documents: dict[str, int]
+    """Documents written per key."""
+    empty_documents: dict[str, int]
+    """Documents skipped per key because they had no tokens."""
+    tokens: dict[str, int]
+    """Tokens written per key (EOD included)."""
+    seconds: float = 0.0
+    """Wall time from the first chunk read to the files renamed."""
+    inputs: list[str] = field(default_factory=list)
+    """The input files read, in order."""
+
+    @property
+    def tokens_per_second(self) -> float:
+        """All keys' tokens over the wall time."""
+        return sum(self.tokens.values()) / max(self.seconds, 1e-9)
+
+
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]\u201d\u2019]*(?=\s|$)|\n[ \t]*\n")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of ``text``: cut after ``.``/``!``/``?`` (and closing quotes) before whitespace, and at blank
+    lines; stripped, empty ones dropped. A plain regex (no nltk download), so "Mr. Smith" is cut too."""
+    sentences, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        piece = text[start:match.end()].strip()
+        if piece:
+            sentences.append(piece)
+        start = match.end()
+    tail = text[start:].strip()
+    return sentences + [tail] if tail else sentences
+
+
+# --- reading the input (main process) ------------------------------------------------------------------
+
+def resolve_inputs(patterns: Sequence[str]) -> list[str]:
+    """Files (or ``save_to_disk`` directories) named or matched by ``patterns``, in order; each must match."""
+    paths: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
+        if not matches or not os.path.exists(matches[0]):
+            raise FileNotFoundError(f"--input {pattern}: no such file or directory; pass a .jsonl[.gz], .parquet or "
+                                    f"a datasets save_to_disk directory (globs allowed)")
+        paths.extend(matches)
+    return paths
+
+
+def _open_text(path: str) -> IO[str]:
+    """A text file, gunzipped when it starts with gzip's magic bytes (whatever its name)."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+
+
+def _input_kind(path: str) -> str:
+    """``"hf"``, ``"parquet"`` or ``"json"``; PreprocessError for anything else."""
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
+            return "hf"
+        raise PreprocessError(f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json or "
+                              f"dataset_dict.json); pass its data files instead, e.g. --input '{path}/*.parquet'")
+    name = path[:-3] if path.endswith(".gz") else path
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(_JSON_SUFFIXES):
+        return "json"
+    raise PreprocessError(f"{path}: unsupported input format; use JSON lines (.jsonl/.json, optionally .gz), "
+                          f".parquet, or a datasets save_to_disk directory")
+
+
+def _check_columns(path: str, present: Sequence[str], keys: Sequence[str]) -> None:
+    """PreprocessError naming the missing keys and the columns that exist."""
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise PreprocessError(f"{path} has no column {', '.join(map(repr, missing))} (columns: {list(present)}); "
+                              f"pass --json-keys with the column that holds the text")
+
+
+def _items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iterator[Any], Optional[int]]:
+    """``(location kind, items, count or None)``: raw JSON lines (kind ``line``) or dict rows (``record``)."""
+    kind = _input_kind(path)
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow's errors do not name the file
+            raise PreprocessError(f"{path} is not a readable parquet file ({err})") from None
+        _check_columns(path, table.schema_arrow.names, keys)
+        batches = table.iter_batches(batch_size=1024, columns=list(keys))
+        return "record", (row for batch in batches for row in batch.to_pylist()), table.metadata.num_rows
+    if kind == "hf":
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # belt and braces: a local directory, never the hub
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as err:  # a damaged directory: say which one
+            raise PreprocessError(f"{path}: cannot load the saved dataset ({err}); save it again with "
+                                  f"save_to_disk") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if hf_split not in ds:
+                raise PreprocessError(f"{path} holds splits {list(ds)}, not {hf_split!r}; pass --hf-split <split>")
+            ds = ds[hf_split]
+        _check_columns(path, ds.column_names, keys)
+        ds = ds.select_columns(list(keys))
+        return "record", (row for batch in ds.iter(batch_size=1024)
+                          for row in (dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys)))), len(ds)
+    with _open_text(path) as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):  # one JSON array of objects rather than JSON lines
+        with _open_text(path) as f:
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as err:
+                raise PreprocessError(f"{path} is not valid JSON ({err}); use one JSON object per line") from err
+        return "record", iter(rows), len(rows)
+
+    def lines() -> Iterator[str]:
+        number = 0
+        try:
+            with _open_text(path) as f:
+                for number, line in enumerate(f, start=1):
+                    yield line
+        except (UnicodeDecodeError, EOFError, OSError) as err:  # mid-file: corrupt or truncated
+            raise PreprocessError(f"{path}:{number + 1} cannot be read ({err}); the file is corrupt or truncated "
+                                  f"(inputs must be UTF-8 text, optionally gzipped)") from None
+    return "line", lines(), None
+
+
+def _chunks(path: str, kind: str, items: Iterator[Any], chunk_size: int) -> Iterator[tuple[str, str, int, list]]:
+    """``(path, kind, number of the first item, items)`` of at most ``chunk_size`` items / ~64 KiB of text."""
+    chunk: list = []
+    chars, first = 0, 1
+    for number, item in enumerate(items, start=1):
+        if not chunk:
+            first = number
+        chunk.append(item)
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            chars += sum(len(v) for v in item.values() if isinstance(v, str))
+        if len(chunk) >= chunk_size or chars >= _CHUNK_CHARS:
+            yield path, kind, first, chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield path, kind, first, chunk
+
+
+# --- tokenizing (worker processes) ---------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(state: dict[str, Any]) -> None:
+    """Pool initializer: keep the tokenizer and options; one tokenizing thread per worker process."""
+    # N workers already use N cores; tokenizers' own thread pool on top would oversubscribe them
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER.clear()
+    _WORKER.update(state)
+
+
+def _texts(item: Any, where: str, keys: Sequence[str]) -> Optional[dict[str, list[str]]]:
+    """``{key: pieces}`` of one record (pieces: the text, or a list of pre-split sentences); None for a blank line."""
+    if isinstance(item, str):
+        if not item.strip():
+            return None
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as err:
+            raise PreprocessError(f"{where} is not valid JSON ({err}); the input must hold one JSON object per "
+                                  f"line") from None
+    if not isinstance(item, dict):
+        raise PreprocessError(f"{where} is a JSON {type(item).__name__}, not an object with a {keys[0]!r} key")
+    out = {}
+    for key in keys:
+        if key not in item:
+            raise PreprocessError(f"{where} has no key {key!r} (keys: {sorted(item)}); pass --json-keys with the key "
+                                  f"that holds the text")
+        value = item[key]
+        if value is None:
+            value = []
+        elif isinstance(value, str):
+            value = [value]
+        elif not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise PreprocessError(f"{where}: {key!r} is a {type(value).__name__}, not a string (or list of strings)")
+        out[key] = value
+    return out
+
+
+def _encode_chunk(chunk: tuple[str, str, int, list]) -> tuple[int, dict[str, tuple[np.ndarray, ...]]]:
+    """Tokenize one chunk: ``(records, {key: (tokens, sequence lengths, sequences per document, empty count)})``."""
+    path, kind, first, items = chunk
+    keys, tok, vocab_size = _WORKER["keys"], _WORKER["tokenizer"], _WORKER["vocab_size"]
+
+    def where(j: int) -> str:
+        return f"{path}:{first + j}" if kind == "line" else f"{path} record {first + j}"
+
+    records = [(j, t) for j, t in ((j, _texts(item, where(j), keys)) for j, item in enumerate(items)) if t is not None]
+    out: dict[str, tuple[np.ndarray, ...]] = {}
+    for key in keys:
+        texts: list[str] = []
+        owners: list[int] = []  # record of each text, for error messages
+        counts: list[int] = []  # texts per record
+        for j, record in records:
+            pieces = [s for p in record[key] for s in (split_sentences(p) if _WORKER["split_sentences"] else [p])]
+            texts.extend(pieces)
+            owners.extend([j] * len(pieces))
+            counts.append(len(pieces))
+        try:
+            batch = tok.tokenize_batch(texts) if hasattr(tok, "tokenize_batch") else [tok.tokenize(t) for t in texts]
+        except Exception:  # find the text at fault, one by one, to name its line
+            for j, text in zip(owners, texts):
+                try:
+                    tok.tokenize(text)
+                except Exception as err:
+                    raise PreprocessError(f"{where(j)}: {type(tok).__name__} cannot tokenize {key!r} ({err})") from None
+            raise
+        tokens: list[int] = []
+        lengths: list[int] = []
+        per_doc: list[int] = []
+        doc_starts: list[tuple[int, int]] = []  # (first token, record) of each written document, for errors
+        empty = pos = 0
+        for (j, _), n in zip(records, counts):
+            doc = [ids for ids in batch[pos:pos + n] if len(ids) > 0]  # Megatron drops empty sentences
+            pos += n
+            if not doc:
+                empty += 1
+                continue
+            doc_starts.append((len(tokens), j))
+            for ids in doc:
+                tokens.extend(ids)
+                lengths.append(len(ids))
+            if _WORKER["append_eod"]:
+                tokens.append(_WORKER["eod"])
+                lengths[-1] += 1
+            per_doc.append(len(doc))
+        ids_array = np.asarray(tokens, dtype=np.int64)
+        if ids_array.size and (int(ids_array.max()) >= vocab_size or int(ids_array.min()) < 0):
+            bad_at = int(np.flatnonzero((ids_array >= vocab_size) | (ids_array < 0))[0])
+            j = next(rec for start, rec in reversed(doc_starts) if start <= bad_at)
+            raise PreprocessError(
+                f"{where(j)}: {type(tok).__name__} produced token id {int(ids_array[bad_at])}, outside its vocabulary "
+                f"of {vocab_size}: the tokenizer files do not match each other (e.g. --vocab-size too small, or a "
+                f"vocab file of another model); fix --tokenizer-model/--vocab-file/--vocab-size")
+        out[key] = (ids_array.astype(_WORKER["dtype"]), np.asarray(lengths, dtype=np.int64),
+                    np.asarray(per_doc, dtype=np.int64), np.int64(empty))
+    return len(records), out
+
+
+# --- the run (main process) ----------------------------------------------------------------------------
+
+def _check_output(output_prefix: str) -> None:
+    """The output directory exists (created if needed) and is writable, else PreprocessError naming it."""
+    if os.path.isdir(output_prefix) or output_prefix.endswith(os.sep):
+        raise PreprocessError(f"--output-prefix {output_prefix} is a directory; give a file prefix such as "
+                              f"{os.path.join(output_prefix, 'corpus')}")
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise PreprocessError(f"cannot create output directory {parent} ({err.strerror}); choose another "
+                              f"--output-prefix") from None
+    if not os.access(parent, os.W_OK):
+        raise PreprocessError(f"output directory {parent} is not writable; choose another --output-prefix")
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    tokenizer: Any,
+    json_keys: Sequence[str] = ("text",),
+    workers: int = 1,
+    append_eod: bool = False,
+    split_sentences: bool = False,
+    chunk_size: int = 256,
+    log_interval: int = 1000,
+    progress: Optional[bool] = None,
+    hf_split: str = "train",
+) -> PreprocessResult:
+    """Tokenize ``inputs`` into one ``.bin``/``.idx`` pair per JSON key; ``progress`` None = a bar on a tty."""
+    if workers < 1 or chunk_size < 1 or log_interval < 1:
+        raise PreprocessError(f"--workers ({workers}), --chunk-size ({chunk_size}) and --log-interval "
+                              f"({log_interval}) must be >= 1")
+    paths = resolve_inputs(inputs)
+    for path in paths:
+        _input_kind(path)  # fail on an unsupported file before any work
+    _check_output(output_prefix)
+    vocab_size = int(tokenizer.vocab_size)
+    eod = int(tokenizer.eod) if append_eod else -1
+    if append_eod and not 0 <= eod < vocab_size:
+        raise PreprocessError(f"{type(tokenizer).__name__}'s eod id {eod} is outside its vocabulary of {vocab_size}")
+    dtype = optimal_dtype(vocab_size)
+    level = "sentence" if split_sentences else "document"
+    finals = {k: f"{output_prefix}_{k}_{level}" for k in json_keys}
+    temps = {k: f"{p}.tmp{os.getpid()}" for k, p in finals.items()}
+    state = {"tokenizer": tokenizer, "keys": list(json_keys), "append_eod": append_eod, "eod": eod,
+             "split_sentences": split_sentences, "vocab_size": vocab_size, "dtype": dtype}
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    result = PreprocessResult(dict(finals), dict.fromkeys(json_keys, 0), dict.fromkeys(json_keys, 0),
+                              dict.fromkeys(json_keys, 0), inputs=paths)
+    start = time.perf_counter()
+    try:
+        for key in json_keys:
+            builders[key] = IndexedDatasetBuilder(temps[key] + ".bin", dtype=dtype)
+        _run(paths, json_keys, hf_split, chunk_size, workers, state, builders, result, log_interval, progress, start)
+        total = sum(result.documents.values()) + sum(result.empty_documents.values())
+        if total == 0:
+            raise PreprocessError(f"no documents found in {', '.join(paths)}; the input is empty")
+        for key in json_keys:
+            if result.documents[key] == 0:
+                raise PreprocessError(f"all {result.empty_documents[key]} documents under {key!r} in "
+                                      f"{', '.join(paths)} are empty; check --json-keys and the input")
+            builders[key].finalize(temps[key] + ".idx")
+        # .bin first: a crash between the renames leaves a pair that fails the size check, never a wrong sample
+        for key in json_keys:
+            os.replace(temps[key] + ".bin", finals[key] + ".bin")
+            os.replace(temps[key] + ".idx", finals[key] + ".idx")
+    except BaseException:
+        for key, builder in builders.items():
+            builder.abort()
+            if os.path.exists(temps[key] + ".idx"):
+                os.remove(temps[key] + ".idx")
+        raise
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run(paths: list[str], keys: Sequence[str], hf_split: str, chunk_size: int, workers: int,
+         state: dict[str, Any], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult,
+         log_interval: int, progress: Optional[bool], start: float) -> None:
+    """Read, tokenize in ``workers`` processes, and write in input order, with a progress bar or log lines."""
+    sources = [(p, *_items(p, keys, hf_split)) for p in paths]
+    known = [n for _, _, _, n in sources]
+    total = sum(known) if all(n is not None for n in known) else None  # type: ignore[misc]
+    chunks = (c for path, kind, items, _ in sources for c in _chunks(path, kind, items, chunk_size))
+    bar = None
+    if progress or (progress is None and sys.stderr.isatty()):
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="doc", desc="preprocess", dynamic_ncols=True, file=sys.stderr)
+    records, next_log = 0, log_interval
+    # fork: workers inherit the tokenizer instead of re-importing the package (seconds per worker otherwise)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(state,)) as pool:
+        pending: deque = deque()
+
+        def consume() -> None:
+            nonlocal records, next_log
+            n, out = pending.popleft().get()
+            for key, (tokens, lengths, per_doc, empty) in out.items():
+                builders[key].add_documents(tokens, lengths, per_doc)
+                result.documents[key] += len(per_doc)
+                result.empty_documents[key] += int(empty)
+                result.tokens[key] += len(tokens)
+            records += n
+            rate = sum(result.tokens.values()) / max(time.perf_counter() - start, 1e-9)
+            if bar is not None:
+                bar.update(n)
+                bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+            elif records >= next_log:
+                print(f"preprocess: {records:,} documents, {sum(result.tokens.values()):,} tokens "
+                      f"({rate:,.0f} tokens/s)", file=sys.stderr, flush=True)
+                next_log = (records // log_interval + 1) * log_interval
+
+        try:
+            # a bounded window of chunks in flight: ordered results, memory independent of the corpus size
+            for chunk in chunks:
+                pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+                if len(pending) >= 4 * workers:
+                    consume()
+            while pending:
+                consume()
+        finally:
+            if bar is not None:
+                bar.close()
+        pool.close()
+        pool.join()
+
+
+# --- command line --------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``preprocess`` argument parser (Megatron-LM's option names)."""
+    p = argparse.ArgumentParser(prog="megatron-lite preprocess", description=__doc__.split("\n\n")[0],
+                                epilog="Merge pairs: megatron-lite preprocess merge --input PREFIX... --output-prefix OUT")
+    p.add_argument("--input", nargs="+", required=True, help="files or globs: .jsonl[.gz], .json, .parquet, "
+                   "or datasets save_to_disk directories")
+    p.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], dest="json_keys",
+                   help="keys (columns) holding the text; one output pair per key")
+    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOD id to every document")
+    p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (regex splitter)")
+    p.add_argument("--tokenizer-type", required=True, help="SentencePieceTokenizer, GPT2BPETokenizer, "
+                   "HuggingFaceTokenizer, TikTokenizer or NullTokenizer")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, HF tokenizer dir/json, or tiktoken file")
+    p.add_argument("--vocab-file", help="GPT-2 vocab.json")
+    p.add_argument("--merge-file", help="GPT-2 merges.txt")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, TikTokenizer)")
+    p.add_argument("--log-interval", type=int, default=1000, help="documents between log lines without a tty")
+    p.add_argument("--chunk-size", type=int, default=256, help="documents per task sent to a worker")
+    p.add_argument("--hf-split", default="train", help="split of a saved DatasetDict")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    return p
+
+
+def _fail(err: BaseException) -> None:
+    """Print a user error as one line and exit 2, unless MEGATRON_LITE_DEBUG asks for the traceback."""
+    if os.environ.get("MEGATRON_LITE_DEBUG"):
+        raise err
+    print(f"megatron-lite preprocess: error: {err}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``megatron-lite preprocess ...`` (and ``... preprocess merge ...``); returns 0, exits 2 on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        from megatron_lite.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+        result = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys, workers=args.workers,
+                            append_eod=args.append_eod, split_sentences=args.split_sentences,
+                            chunk_size=args.chunk_size, log_interval=args.log_interval, progress=args.progress,
+                            hf_split=args.hf_split)
+    except (ValueError, OSError) as err:
+        _fail(err)
+    for key, prefix in result.output_prefixes.items():
+        empty = result.empty_documents[key]
+        print(f"preprocess: {key!r}: {result.documents[key]:,} documents ({empty:,} empty skipped), "
+              f"{result.tokens[key]:,} tokens -> {prefix}.bin/.idx")
+    print(f"preprocess: {sum(result.tokens.values()):,} tokens in {result.seconds:.2f} s "
+          f"({result.tokens_per_second:,.0f} tokens/s, workers={args.workers})")
+    return 0
+
+
+def merge_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``... preprocess merge --input PREFIX... --output-prefix OUT``: concatenate ``.bin``/``.idx`` pairs."""
+    p = argparse.ArgumentParser(prog="megatron-lite preprocess merge",
+                                description="Concatenate indexed datasets (in the order given) into one pair.")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="prefixes (path without .bin/.idx), .idx/.bin files or globs of them, or a directory "
+                        "(all its pairs, sorted by name)")
+    p.add_argument("--output-prefix", required=True, help="writes OUT.bin and OUT.idx")
+    args = p.parse_args(argv)
+    try:
+        prefixes: list[str] = []
+        for pattern in args.input:
+            if os.path.isdir(pattern):
+                found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.idx")))
+                if not found:
+                    raise PreprocessError(f"--input {pattern} is a directory with no .idx files")
+            else:
+                found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+                if not found:
+                    raise PreprocessError(f"--input {pattern} matches no file")
+            for path in found:
+                prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+                if prefix not in prefixes:
+                    prefixes.append(prefix)
+        _check_output(args.output_prefix)
+        merge_datasets(prefixes, args.output_prefix)
+    except (ValueError, OSError) as err:
+        _fail(err)
+    print(f"merge: {len(prefixes)} datasets -> {args.output_prefix}.bin/.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
