@@ -144,3 +144,33 @@ def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
     fresh = trainer().validate(ml.GPTModule(tiny_config()), data())[0]["val/loss"]
     assert result["val/loss"] == pytest.approx(val_during_fit, rel=1e-6)
     assert abs(fresh - val_during_fit) > 1e-3  # the checkpoint's weights were really loaded
+
+
+def test_cli_preprocess_then_fit_on_bin_idx(tmp_path):
+    """The README's two-step pipeline: `megatron-lite preprocess` to .bin/.idx, then `fit` on it (TP2 + SP)."""
+    gpt2 = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
+    if not (gpt2 / "vocab.json").is_file():
+        pytest.skip(f"shared GPT-2 BPE files absent at {gpt2}")
+    prefix = tmp_path / "data" / "shakespeare"
+    pre = subprocess.run([sys.executable, "-m", "megatron_lite", "preprocess", "--input",
+                          str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"), "--output-prefix", str(prefix),
+                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(gpt2 / "vocab.json"),
+                          "--merge-file", str(gpt2 / "merges.txt"), "--workers", "2", "--append-eod", "--no-progress"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    assert (tmp_path / "data" / "shakespeare_text_document.idx").is_file()
+    fit = subprocess.run([sys.executable, "-m", "megatron_lite", "fit", "--config",
+                          str(REPO / "examples/configs/gpt_pretrain_bin.yaml"),
+                          f"--data.init_args.paths=[{prefix}_text_document]",
+                          "--data.init_args.tokenizer.init_args.vocab_file", str(gpt2 / "vocab.json"),
+                          "--data.init_args.tokenizer.init_args.merge_file", str(gpt2 / "merges.txt"),
+                          "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+                          "--model.optimizer.lr_warmup_iters", "1", "--trainer.enable_progress_bar", "false",
+                          "--trainer.default_root_dir", str(tmp_path / "run")],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in fit.stderr + fit.stdout
+    config = next((tmp_path / "run").rglob("config.yaml")).read_text()
+    assert "sequence_parallel: true" in config
+    hparams = next((tmp_path / "run").rglob("hparams.yaml")).read_text()
+    assert "  vocab_size: 50257" in hparams  # the model took its vocabulary from the data's tokenizer
