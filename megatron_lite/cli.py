@@ -45,8 +45,8 @@ def _configuration_error(exc: BaseException) -> Optional[BaseException]:
     Anything raised elsewhere is a bug and keeps its traceback.
     """
     root = exc
-    while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
-        root = root.__cause__ or root.__context__
+    while root.__cause__ is not None:  # explicit `raise ... from` chains only
+        root = root.__cause__
     if not isinstance(root, _CONFIG_ERRORS) or root.__traceback__ is None:
         return None
     raised_in = traceback.extract_tb(root.__traceback__)[-1].filename

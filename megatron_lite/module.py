@@ -42,11 +42,25 @@ class GPTModule(pl.LightningModule):
         self.model: Optional[nn.Module] = None
 
     # --- layout and model -----------------------------------------------------------------
+    def _attached_trainer(self) -> Optional["pl.Trainer"]:
+        try:
+            return self.trainer
+        except RuntimeError:  # not attached to a Trainer
+            return None
+
     @property
     def parallel_layout(self) -> ParallelLayout:
-        """The strategy's layout, or a one-process layout when running without MegatronStrategy."""
-        layout = getattr(self.trainer.strategy, "parallel_layout", None) if self._trainer is not None else None
-        return layout if layout is not None else ParallelLayout.single()
+        """The strategy's layout, or a one-process layout when running alone without MegatronStrategy."""
+        trainer = self._attached_trainer()
+        layout = getattr(trainer.strategy, "parallel_layout", None) if trainer is not None else None
+        if layout is not None:
+            return layout
+        if trainer is not None and trainer.world_size > 1:
+            raise ValueError(
+                f"GPTModule runs its own microbatch schedule and gradient reduction, which need "
+                f"MegatronStrategy for more than one process (got {type(trainer.strategy).__name__} with "
+                f"{trainer.world_size} processes); use Trainer(strategy='megatron').")
+        return ParallelLayout.single()
 
     def build_model(self, layout: ParallelLayout) -> nn.Module:
         """The model for this rank; called once from :meth:`configure_model`."""
@@ -55,7 +69,7 @@ class GPTModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self._check_vocab(getattr(self._trainer, "datamodule", None) if self._trainer is not None else None)
+        self._check_vocab(getattr(self._attached_trainer(), "datamodule", None))
         self.model = self.build_model(self.parallel_layout)
 
     def _check_vocab(self, datamodule) -> None:
@@ -75,8 +89,7 @@ class GPTModule(pl.LightningModule):
 
     def micro_batch_size(self, batch: dict) -> int:
         """Samples per microbatch: the datamodule's ``micro_batch_size``, else the whole batch."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        mbs = getattr(datamodule, "micro_batch_size", None)
+        mbs = getattr(getattr(self._attached_trainer(), "datamodule", None), "micro_batch_size", None)
         return mbs if mbs is not None else next(iter(batch.values())).shape[0]
 
     def run_schedule(self, batch: dict, forward_only: bool = False) -> StepLoss:
@@ -103,11 +116,22 @@ class GPTModule(pl.LightningModule):
         return step.loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: dict, prefix: str) -> torch.Tensor:
         step = self.run_schedule(batch, forward_only=True)
         # Already the global-batch mean on every rank; sync_dist only keeps Lightning's epoch
         # aggregation consistent (and quiet) across ranks.
-        self.log("val/loss", step.loss, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}/loss", step.loss, prog_bar=True, sync_dist=True)
         return step.loss
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        """Next-token logits over the real vocabulary ``[b, s, vocab_size]`` (gathered across TP) for
+        ``batch["tokens"]``; every TP rank returns the same tensor."""
+        return self.model.full_logits(batch["tokens"])
 
     # --- optimizer ------------------------------------------------------------------------
     def lr_decay_iters(self, max_steps: Optional[int]) -> int:
@@ -127,11 +151,21 @@ class GPTModule(pl.LightningModule):
         """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
         if trainer.state.fn == "fit":
             self.optimizer_config.check_decay(self.lr_decay_iters(trainer.max_steps))
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "
+                    f"over microbatches itself; raise the datamodule's global_batch_size instead (it is split into "
+                    f"global_batch_size / (micro_batch_size x dp) microbatches per step).")
+            if trainer.gradient_clip_val:
+                raise ValueError(
+                    f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
+                    f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead.")
         self._check_vocab(datamodule)
 
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
-        decay_iters = self.lr_decay_iters(self.trainer.max_steps if self._trainer is not None else None)
+        trainer = self._attached_trainer()
+        decay_iters = self.lr_decay_iters(trainer.max_steps if trainer is not None else None)
         optimizer = build_optimizer(self.model, cfg)
         scheduler = MegatronLRScheduler(optimizer, cfg, decay_iters)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,40 +1,61 @@
 """The only place that touches private Lightning APIs (pinned: lightning 2.4 - 2.6).
 
-Lightning's launchers are private classes; a custom strategy has no public way to create processes.
-We wrap them to run our configuration checks in the launching process, before any child exists,
-so a bad configuration fails once with a clear message instead of N times from N ranks.
+Lightning's launchers and its process-group helpers are private; a custom strategy has no public
+way to create processes or join a process group. The launchers are subclassed (not wrapped) so
+that Lightning's own ``isinstance`` checks on them (killing child ranks on interrupt, refusing
+``return_predictions`` under fork) keep working; ``launch`` first runs our configuration checks in
+the launching process, before any child exists, so a bad configuration fails once with a clear
+message instead of N times from N ranks.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from lightning.fabric.utilities.distributed import (  # noqa: F401  (re-exported for the strategy)
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+Validate = Callable[[tuple, dict, Any], None]
 
-class ValidatingLauncher(_Launcher):
-    """Delegates to Lightning's launcher after ``validate(args)`` passed."""
 
-    def __init__(self, inner: _Launcher, validate: Callable[[tuple, dict, Any], None]):
-        self.inner, self.validate = inner, validate
+class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's 'popen' launcher (re-runs the script per rank), validated first."""
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return self.inner.is_interactive_compatible
+    def __init__(self, validate: Validate, *args: Any) -> None:
+        super().__init__(*args)
+        self._validate = validate
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        self.validate(args, kwargs, trainer)
-        return self.inner.launch(function, *args, trainer=trainer, **kwargs)
-
-    def kill(self, signum) -> None:
-        self.inner.kill(signum)
+        self._validate(args, kwargs, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-def make_launcher(strategy, start_method: str, validate: Callable[[tuple, dict, Any], None]) -> _Launcher:
+class _ValidatingMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, validated first."""
+
+    def __init__(self, validate: Validate, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._validate = validate
+
+    def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        self._validate(args, kwargs, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def make_launcher(strategy, start_method: str, validate: Validate) -> _Launcher:
     """Lightning's subprocess-script launcher ('popen') or multiprocessing launcher, validated."""
     if start_method == "popen":
-        inner = _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-    else:
-        inner = _MultiProcessingLauncher(strategy, start_method=start_method)
-    return ValidatingLauncher(inner, validate)
+        return _ValidatingSubprocessScriptLauncher(validate, strategy.cluster_environment, strategy.num_processes,
+                                                   strategy.num_nodes)
+    return _ValidatingMultiProcessingLauncher(validate, strategy, start_method=start_method)
+
+
+def attached_trainer(module):
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when detached)."""
+    return getattr(module, "_trainer", None)

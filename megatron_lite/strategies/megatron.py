@@ -14,12 +14,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -37,7 +31,18 @@ from megatron_lite.core.checkpoint.sharded import (
 )
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
-from megatron_lite.strategies._lightning_private import make_launcher
+from megatron_lite.strategies._lightning_private import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+    attached_trainer,
+    make_launcher,
+)
+
+# Precisions the step handles today: fp16 needs loss scaling inside the microbatch schedule and the
+# "-true" half precisions would drop the fp32 master weights (both arrive with the optimization issue).
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed")
 
 log = logging.getLogger(__name__)
 
@@ -144,14 +149,22 @@ class MegatronStrategy(ParallelStrategy):
         objects = [*args, *kwargs.values()]
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
-        self.validate(module, datamodule, self.num_nodes * self.num_processes)
-        hook = getattr(module, "validate_configuration", None)
-        if callable(hook) and trainer is not None:
-            hook(trainer, datamodule)
+        self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
-                 world_size: int) -> int:
-        """Check the layout against the world size, the model config and the data geometry."""
+                 world_size: int, trainer=None) -> int:
+        """Check the layout against the world size, the model config, the data geometry, the
+        precision and the module's own checks (``validate_configuration``)."""
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"MegatronStrategy supports precision {' or '.join(map(repr, SUPPORTED_PRECISIONS))} today, got "
+                f"{precision!r}: fp16 loss scaling and half-precision weights with fp32 master copies are not "
+                f"implemented yet. Use Trainer(precision='bf16-mixed') for mixed precision.")
+        if trainer is not None and module is not None:
+            hook = getattr(module, "validate_configuration", None)
+            if callable(hook):
+                hook(trainer, datamodule)
         model_config = getattr(module, "config", None)
         if model_config is not None and not hasattr(model_config, "validate_parallelism"):
             model_config = None
@@ -164,9 +177,10 @@ class MegatronStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.validate(self.lightning_module, getattr(self.lightning_module.trainer, "datamodule", None)
-                      if self.lightning_module is not None and self.lightning_module._trainer is not None else None,
-                      self.num_nodes * self.num_processes)
+        # Again in every rank: under torchrun or SLURM no launcher ran the checks before.
+        trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
+                      trainer)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
@@ -264,7 +278,8 @@ class MegatronStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         layout = self._require_layout()
         state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout)}
-        fitting = self.lightning_module.trainer.state.fn == "fit" if self.lightning_module._trainer else False
+        trainer = attached_trainer(self.lightning_module)
+        fitting = trainer is not None and trainer.state.fn == "fit"
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         for i, opt in enumerate(optimizers):
             ensure_optimizer_state(opt)

@@ -57,10 +57,10 @@ def _reference_lr(n, max_lr, min_lr, warmup, decay, style, init=0.0, wsd=None, w
         return init + (max_lr - init) * n / warmup
     if style == "constant":
         return max_lr
-    if style == "inverse-square-root":
-        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
     if n > decay:
         return min_lr
+    if style == "inverse-square-root":
+        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
     r = (n - warmup) / (decay - warmup)
     if style == "linear":
         c = 1 - r

@@ -24,11 +24,15 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 
 def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
     shard = getattr(param, "tp_shard", None)
-    if shard is None or shard.size == 1 or layout.mesh is None:
+    if shard is None:
         return tensor
+    view, global_shape, dim = shard.blocked_view(tensor)
+    if shard.size == 1 or layout.mesh is None:
+        # Still the blocked view (e.g. [2, ffn, h] for fused gate/up): the saved shape must not
+        # depend on the TP size, or a TP1 checkpoint could not be loaded at TP2.
+        return view
     from torch.distributed.tensor import DTensor, Shard
 
-    view, global_shape, dim = shard.blocked_view(tensor)
     stride = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(view, layout.mesh["tp"], [Shard(dim)], run_check=False,
                               shape=torch.Size(global_shape), stride=stride)

@@ -56,7 +56,7 @@ class SelfAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         if dropout > 0.0:
             # Heads are split over TP: each rank needs its own dropout stream.
-            with rng.fork(MODEL_PARALLEL_RNG):
+            with rng.fork(MODEL_PARALLEL_RNG, q.device):
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)

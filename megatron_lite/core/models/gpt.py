@@ -47,7 +47,7 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     """
     if not training or p == 0.0:
         return x
-    with rng.fork(MODEL_PARALLEL_RNG if sequence_parallel else DATA_PARALLEL_RNG):
+    with rng.fork(MODEL_PARALLEL_RNG if sequence_parallel else DATA_PARALLEL_RNG, x.device):
         return F.dropout(x, p, training=True)
 
 
@@ -83,6 +83,10 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234):
         super().__init__()
         layout = layout or ParallelLayout.single()
+        if layout.cp_size > 1 or layout.ep_size > 1:
+            raise NotImplementedError(
+                f"GPTModel has no context- or expert-parallel implementation yet (layout has cp={layout.cp_size}, "
+                f"ep={layout.ep_size}); build the layout with context_parallel_size=1 and expert_model_parallel_size=1")
         config.validate_parallelism(layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
         self.config, self.layout, self.seed = config, layout, seed
         self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)
@@ -106,13 +110,6 @@ class GPTModel(nn.Module):
             init_std=config.init_method_std, skip_weight_param=config.share_embeddings_and_output_weights)
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
         initialize_parameters(self, seed)
-
-    def to(self, *args, **kwargs):  # keep the dropout streams on the model's device
-        out = super().to(*args, **kwargs)
-        device = next(self.parameters()).device
-        if device != self.rng_tracker.device:
-            self.rng_tracker = model_parallel_rng_tracker(self.seed, self.layout.tp_rank, self.layout.pp_rank, device)
-        return out
 
     def set_sequence_parallel(self, enabled: bool) -> None:
         """Switch sequence parallelism on or off (e.g. off for generation at arbitrary lengths).

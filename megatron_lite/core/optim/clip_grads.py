@@ -20,8 +20,9 @@ def _counts_here(param: torch.Tensor, layout: ParallelLayout) -> bool:
 @torch.no_grad()
 def global_grad_norm(params: Iterable[torch.Tensor], layout: ParallelLayout) -> torch.Tensor:
     """L2 norm of the full model's gradient (every shard on every model-parallel rank, once)."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
     params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if _counts_here(p, layout)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if grads:

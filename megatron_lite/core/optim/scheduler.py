@@ -20,11 +20,11 @@ def lr_at_step(n: int, cfg: OptimizerConfig, decay_iters: int) -> float:
         return cfg.lr_warmup_init + (max_lr - cfg.lr_warmup_init) * n / warmup
     if cfg.lr_decay_style == "constant":
         return max_lr
+    if n > decay_iters:
+        return min_lr
     if cfg.lr_decay_style == "inverse-square-root":
         warmup = max(warmup, 1)
         return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(max(n, 1)))
-    if n > decay_iters:
-        return min_lr
     ratio = (n - warmup) / (decay_iters - warmup)
     if cfg.lr_decay_style == "linear":
         coeff = 1.0 - ratio

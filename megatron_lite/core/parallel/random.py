@@ -17,73 +17,71 @@ DATA_PARALLEL_RNG = "data-parallel-rng"
 
 
 class RNGStatesTracker:
-    """Named generator states that can be swapped in for a region of code."""
+    """Named generator streams that can be swapped in for a region of code.
 
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.states: dict[str, torch.Tensor] = {}
+    A stream is a seed; its state is kept per device type (CPU, CUDA) and created on first use
+    on that device, so the model may be moved between devices after it was built.
+    """
+
+    def __init__(self) -> None:
+        self.seeds: dict[str, int] = {}
+        self.states: dict[tuple[str, str], torch.Tensor] = {}
 
     def add(self, name: str, seed: int) -> None:
         """Register a stream ``name`` seeded with ``seed``."""
-        if name in self.states:
+        if name in self.seeds:
             raise ValueError(f"RNG stream {name!r} already exists")
-        with self._default_state_preserved():
-            self._manual_seed(seed)
-            self.states[name] = self._get_state()
+        self.seeds[name] = seed
 
     @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Run the block with stream ``name`` as the default generator, then restore."""
-        if name not in self.states:
+    def fork(self, name: str = MODEL_PARALLEL_RNG, device: torch.device | str = "cpu"):
+        """Run the block with stream ``name`` as ``device``'s default generator, then restore it."""
+        if name not in self.seeds:
             raise KeyError(f"RNG stream {name!r} was not added; call add() first")
-        saved = self._get_state()
-        self._set_state(self.states[name])
+        device = torch.device(device)
+        key = (name, str(device))
+        saved = _get_state(device)
+        if key not in self.states:
+            self.states[key] = _seeded_state(self.seeds[name], device)
+        _set_state(self.states[key], device)
         try:
             yield
         finally:
-            self.states[name] = self._get_state()
-            self._set_state(saved)
+            self.states[key] = _get_state(device)
+            _set_state(saved, device)
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        """A copy of every stream's state (for checkpoints)."""
-        return {k: v.clone() for k, v in self.states.items()}
+        """A copy of every stream's state, keyed ``name@device`` (for checkpoints)."""
+        return {f"{n}@{d}": v.clone() for (n, d), v in self.states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Restore states saved by :meth:`get_states`."""
-        self.states = {k: v.clone() for k, v in states.items()}
-
-    # The device-specific parts: the CUDA generator only when the model lives on CUDA.
-    def _get_state(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set_state(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    def _manual_seed(self, seed: int) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-
-    @contextlib.contextmanager
-    def _default_state_preserved(self):
-        saved = self._get_state()
-        try:
-            yield
-        finally:
-            self._set_state(saved)
+        self.states = {tuple(k.split("@", 1)): v.clone() for k, v in states.items()}
 
 
-def model_parallel_rng_tracker(seed: int, tp_rank: int, pp_rank: int = 0,
-                               device: torch.device | str = "cpu") -> RNGStatesTracker:
+# The device-specific parts: CUDA calls only for CUDA devices.
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _seeded_state(seed: int, device: torch.device) -> torch.Tensor:
+    # A fresh generator of the device's kind: seeding it leaves the global generators untouched.
+    return torch.Generator(device=device).manual_seed(seed).get_state()
+
+
+def model_parallel_rng_tracker(seed: int, tp_rank: int, pp_rank: int = 0) -> RNGStatesTracker:
     """A tracker with Megatron's streams: model-parallel (``seed + 2718 + tp_rank``) and
     data-parallel (``seed + 100 * pp_rank``)."""
-    tracker = RNGStatesTracker(device)
+    tracker = RNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     tracker.add(DATA_PARALLEL_RNG, seed + 100 * pp_rank)
     return tracker

@@ -1,10 +1,11 @@
 """Forward/backward over the microbatches of one optimizer step.
 
-The loss of a step is the mean per-token loss over the *global* batch, whatever the layout: each
-microbatch's summed loss is divided by the number of loss tokens in the whole global batch (all
-DP ranks), so that summing gradients over microbatches and over DP ranks gives exactly the
-gradient of the global mean. A pipeline schedule takes the place of :func:`forward_backward_no_pipelining`
-with the same inputs and outputs.
+The loss of a step is the mean per-token loss over the *global* batch, whatever the layout
+(Megatron's per-token loss): each microbatch's *summed* loss is back-propagated, the token counts
+that the loss function returns are summed on the device and over DP ranks once per step, and the
+gradients are divided by that total, so summing gradients over microbatches and DP ranks gives
+exactly the gradient of the global mean, whatever mask a custom loss function applies. A pipeline
+schedule takes the place of :func:`forward_backward_no_pipelining` with the same inputs and outputs.
 """
 from __future__ import annotations
 
@@ -48,17 +49,9 @@ def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Te
     per_token = model(inputs, labels)
     mask = microbatch.get("loss_mask")
     if mask is None:
-        return per_token.sum(), torch.tensor(float(labels.numel()), device=per_token.device)
+        return per_token.sum(), torch.full((), float(labels.numel()), device=per_token.device)
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(), mask.sum()
-
-
-def _count_tokens(microbatch: dict) -> float:
-    mask = microbatch.get("loss_mask")
-    if mask is not None:
-        return float(mask.sum())
-    tokens = microbatch["tokens"]
-    return float(tokens.shape[0] * (tokens.shape[1] - 1))
 
 
 def _sum_over_dp(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
@@ -73,25 +66,29 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict
                                    device: Optional[torch.device] = None) -> StepLoss:
     """Run every microbatch forward (and backward unless ``forward_only``), accumulating gradients.
 
-    Gradients are left un-reduced across DP: :func:`finalize_model_grads` does that once per step.
+    On return the gradients are this rank's share of the gradient of the global-batch mean loss
+    (they expect to start from zero); :func:`finalize_model_grads` sums them over DP.
     """
     device = device or next(model.parameters()).device
-    local_tokens = sum(_count_tokens(mb) for mb in microbatches)
-    global_tokens = _sum_over_dp(torch.tensor(local_tokens, dtype=torch.float64, device=device), layout)
-    if global_tokens.item() == 0:
-        raise ValueError("the global batch has no loss tokens (every loss_mask entry is 0)")
-    denominator = global_tokens.to(torch.float32)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    num_tokens = torch.zeros((), dtype=torch.float64, device=device)
     for microbatch in microbatches:
         if forward_only:
             with torch.no_grad():
-                mb_loss, _ = loss_fn(model, microbatch)
+                mb_loss, mb_tokens = loss_fn(model, microbatch)
         else:
-            mb_loss, _ = loss_fn(model, microbatch)
-            (mb_loss / denominator).backward()
+            mb_loss, mb_tokens = loss_fn(model, microbatch)
+            mb_loss.backward()
         loss_sum += mb_loss.detach().to(torch.float64)
-    loss_sum = _sum_over_dp(loss_sum, layout)
-    return StepLoss(loss=(loss_sum / global_tokens).to(torch.float32), num_tokens=global_tokens)
+        num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
+    # One collective for both sums; no host sync in the step.
+    totals = _sum_over_dp(torch.stack([loss_sum, num_tokens]), layout)
+    global_tokens = totals[1].clamp(min=1.0)  # an all-masked global batch contributes no gradient
+    if not forward_only:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, (1.0 / global_tokens).to(grads[0].dtype))
+    return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1])
 
 
 def get_forward_backward_func(layout: ParallelLayout) -> Callable[..., StepLoss]:

@@ -103,7 +103,9 @@ def initialize_parameters(module: nn.Module, seed: int) -> None:
             param.fill_(1.0)
             continue
         gen = torch.Generator().manual_seed(_seed_for(seed, name))
-        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, spec[1], generator=gen)
+        # Drawn on the CPU with a CPU generator even when Lightning builds the model under a CUDA
+        # default device: the same numbers on every device and layout.
+        full = torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, spec[1], generator=gen)
         local = shard.shard(full) if shard is not None else full
         param.copy_(local.to(dtype=param.dtype, device=param.device))
 
