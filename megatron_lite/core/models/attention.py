@@ -39,7 +39,8 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, init_std=output_init_std)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                rng: RNGStatesTracker) -> torch.Tensor:
+                rng: RNGStatesTracker, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``attn_mask`` [b, 1, s, s] (True = may attend) replaces the plain causal mask for packed samples."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
@@ -54,12 +55,13 @@ class SelfAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         dropout = self.attention_dropout if self.training else 0.0
+        causal = attn_mask is None
         if dropout > 0.0:
             # Heads are split over TP: each rank needs its own dropout stream.
             with rng.fork(MODEL_PARALLEL_RNG, q.device):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(out)
 

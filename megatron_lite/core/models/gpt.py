@@ -68,8 +68,8 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x: torch.Tensor, rng: RNGStatesTracker) -> torch.Tensor:
         return hidden_dropout(x, self.hidden_dropout, self.training, self.sequence_parallel, rng)
 
-    def forward(self, x, rope, rng):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng), rng)
+    def forward(self, x, rope, rng, attn_mask=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng, attn_mask), rng)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), rng)
 
 
@@ -122,26 +122,40 @@ class GPTModel(nn.Module):
             if hasattr(module, "sequence_parallel"):
                 module.sequence_parallel = enabled
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         ids = tokens.t()  # [s, b]
         x = self.embedding(ids)
         if self.position_embeddings is not None:
-            pos = self.position_embeddings(torch.arange(ids.shape[0], device=ids.device)).unsqueeze(1)
+            if position_ids is None:
+                pos = self.position_embeddings(torch.arange(ids.shape[0], device=ids.device)).unsqueeze(1)
+            else:
+                pos = self.position_embeddings(position_ids).transpose(0, 1)  # [s, b, h]
             if self.sequence_parallel:
                 pos = scatter_to_sequence_parallel_region(pos, self.tp_group)
             x = x + pos
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel, self.rng_tracker)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``."""
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``.
+
+        Packed samples pass ``position_ids`` [b, s] (restarting at 0 per sequence) and
+        ``segment_ids`` [b, s] (which sequence each token belongs to): a token then attends only to
+        earlier tokens of its own sequence.
+        """
         s = tokens.shape[1]
         if self.sequence_parallel and self.layout.tp_size > 1 and s % self.layout.tp_size:
             raise ValueError(f"sequence length {s} must be divisible by tensor_model_parallel_size "
                              f"({self.layout.tp_size}) under sequence parallelism")
-        rope = self.rotary(torch.arange(s, device=tokens.device)) if self.rotary is not None else None
-        x = self._embed(tokens)
+        positions = position_ids if position_ids is not None else torch.arange(s, device=tokens.device)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        attn_mask = None
+        if segment_ids is not None:
+            causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+            attn_mask = (causal & (segment_ids[:, :, None] == segment_ids[:, None, :])).unsqueeze(1)
+        x = self._embed(tokens, position_ids)
         for layer in self.layers.values():
-            x = layer(x, rope, self.rng_tracker)
+            x = layer(x, rope, self.rng_tracker, attn_mask)
         x = self.final_layernorm(x)
         weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
         logits = self.output_layer(x, weight)  # [s, b, V/tp]

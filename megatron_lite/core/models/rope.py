@@ -17,9 +17,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` [s] -> (cos, sin), each [s, 1, 1, dim] to broadcast over [s, b, heads, dim]."""
-        freqs = torch.outer(positions.to(self.inv_freq.dtype), self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        """``positions`` [s] or per sample [b, s] -> (cos, sin), each [s, 1 or b, 1, dim] to
+        broadcast over activations [s, b, heads, dim]."""
+        freqs = positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # [(b,) s, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = emb[:, None, None, :] if emb.ndim == 2 else emb.transpose(0, 1)[:, :, None, :]
         return emb.cos(), emb.sin()
 
 

@@ -42,11 +42,24 @@ def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
     return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-token sequence index [b, length] of packed samples from their ``cu_seqlens`` [b, k]
+    (sequence start offsets then the packed length, padded with -1); padding after the packed
+    length gets an index of its own."""
+    boundaries = cu_seqlens[:, 1:].to(torch.long)
+    positions = torch.arange(length, device=cu_seqlens.device)
+    crossed = (boundaries[:, None, :] >= 0) & (boundaries[:, None, :] <= positions[None, :, None])
+    return crossed.sum(dim=-1)
+
+
 def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss of a ``{"tokens": [b, s+1], "loss_mask"?: [b, s]}`` microbatch."""
+    """Next-token loss of a ``{"tokens": [b, s+1], "loss_mask"?: [b, s]}`` microbatch; packed
+    samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k]."""
     tokens = microbatch["tokens"]
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    per_token = model(inputs, labels)
+    cu_seqlens = microbatch.get("cu_seqlens")
+    segments = segment_ids_from_cu_seqlens(cu_seqlens, inputs.shape[1]) if cu_seqlens is not None else None
+    per_token = model(inputs, labels, position_ids=microbatch.get("position_ids"), segment_ids=segments)
     mask = microbatch.get("loss_mask")
     if mask is None:
         return per_token.sum(), torch.full((), float(labels.numel()), device=per_token.device)

@@ -1,0 +1,32 @@
+"""Packed samples: a sequence's loss inside a packed sample equals its loss on its own."""
+import pytest
+import torch
+
+import megatron_lite as ml
+from megatron_lite.core.parallel.schedules import gpt_loss, segment_ids_from_cu_seqlens
+
+
+def test_segment_ids():
+    cu = torch.tensor([[0, 3, 7, -1], [0, 5, -1, -1]], dtype=torch.int32)
+    assert segment_ids_from_cu_seqlens(cu, 8).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0] * 5 + [1] * 3]
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
+                                             activation="gelu")])
+def test_packed_loss_equals_separate_losses(kwargs):
+    config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
+                          make_vocab_size_divisible_by=4, **kwargs)
+    model = ml.GPTModel(config, seed=0)
+    a, b = torch.randint(0, 100, (7,)), torch.randint(0, 100, (10,))  # 7 + 10 = 17 = seq_length + 1
+    packed = {"tokens": torch.cat([a, b])[None], "position_ids": torch.cat([torch.arange(7), torch.arange(9)])[None],
+              "cu_seqlens": torch.tensor([[0, 7, 17]], dtype=torch.int32)}
+    mask = torch.ones(1, 16)
+    mask[0, 6] = 0  # predicting b's first token from a's last is not a real target
+    loss_sum, n = gpt_loss(model, {**packed, "loss_mask": mask})
+    alone_a, na = gpt_loss(model, {"tokens": a[None]})
+    alone_b, nb = gpt_loss(model, {"tokens": b[None]})
+    assert n == na + nb == 15
+    torch.testing.assert_close(loss_sum, alone_a + alone_b, rtol=1e-5, atol=1e-5)
+    # Without the packing information the second sequence would see the first: a different loss.
+    unpacked_sum, _ = gpt_loss(model, {"tokens": packed["tokens"], "loss_mask": mask})
+    assert not torch.allclose(unpacked_sum, loss_sum, rtol=1e-4)
