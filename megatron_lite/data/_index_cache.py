@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no locking; the atomic renames still keep readers safe
-    fcntl = None  # type: ignore[assignment]
 
 import numpy as np
 import torch
+
+from megatron_lite.utils.files import locked, write_atomic
 
 # bump when the layout or the meaning of a cached array changes, so old caches are not reused
 CACHE_VERSION = 1
@@ -39,33 +34,6 @@ def _distributed() -> tuple[bool, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return True, torch.distributed.get_rank()
     return False, 0
-
-
-@contextlib.contextmanager
-def _locked(lock_path: str) -> Iterator[None]:
-    """Exclusive advisory lock so processes outside one process group still build an entry once."""
-    if fcntl is None:
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _write_atomic(path: str, write: Callable[[Any], None]) -> None:
-    """Write through a temporary name and rename, so a reader never sees a partial file."""
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 def _writable(cache_dir: str) -> bool:
@@ -104,14 +72,15 @@ def load_or_build(
             return f.read() == description
 
     def build_and_save() -> None:
-        with _locked(base + ".lock"):
+        # the barrier orders ranks of one process group; the lock makes processes outside it build once too
+        with locked(base + ".lock"):
             if hit():
                 return
             arrays = build()
             for name, path in paths.items():
-                _write_atomic(path, lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
+                write_atomic(path, lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
             # the description is written last: its presence (with matching text) marks a complete entry
-            _write_atomic(description_path, lambda f: f.write(description.encode()))
+            write_atomic(description_path, lambda f: f.write(description.encode()))
 
     distributed, rank = _distributed()
     if distributed:

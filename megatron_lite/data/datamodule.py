@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
 from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.samplers import MegatronPretrainingSampler
@@ -81,7 +82,7 @@ class PretrainingDataModule(pl.LightningDataModule):
     def _loader(self, dataset: Dataset, split: str, consumed_samples: int = 0) -> ResumableDataLoader:
         """A DataLoader whose batches are this rank's slice of one global batch of ``split``.
 
-        Evaluation splits rewind to their start on every run so val/loss stays comparable across runs.
+        The order comes from ``_make_sampler``, which subclasses override to use another sampler.
         """
         total_samples = len(dataset)  # type: ignore[arg-type]
         dp_size, rank = self._dp_size_and_rank()
@@ -91,14 +92,7 @@ class PretrainingDataModule(pl.LightningDataModule):
                 f"the {split} split has {total_samples} samples of {self.seq_length + 1} tokens, fewer than one "
                 f"global batch ({self.global_batch_size}); {self._too_small_hint(split)}"
             )
-        sampler = MegatronPretrainingSampler(
-            total_samples=total_samples,
-            consumed_samples=consumed_samples,
-            global_batch_size=self.global_batch_size,
-            num_replicas=dp_size,
-            rank=rank,
-            rewind=split != "train",
-        )
+        sampler = self._make_sampler(total_samples, consumed_samples, dp_size, rank, split)
         return ResumableDataLoader(
             dataset,
             batch_size=local_batch,
@@ -106,6 +100,21 @@ class PretrainingDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             drop_last=True,
             persistent_workers=self.num_workers > 0,
+        )
+
+    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int,
+                      split: str) -> DistributedSampler:
+        """The sampler of ``_loader``: Megatron's sequential one, for every split.
+
+        Evaluation splits rewind to their start on every run so val/loss stays comparable across runs.
+        """
+        return MegatronPretrainingSampler(
+            total_samples=total_samples,
+            consumed_samples=consumed_samples,
+            global_batch_size=self.global_batch_size,
+            num_replicas=dp_size,
+            rank=rank,
+            rewind=split != "train",
         )
 
     def _too_small_hint(self, split: str) -> str:

@@ -16,31 +16,23 @@ names and is renamed at the end, so a failed run never leaves a half-written pai
 from __future__ import annotations
 
 import argparse
-import gzip
 import glob
-import json
 import multiprocessing as mp
 import os
 import re
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+# PreprocessError and resolve_inputs are part of this module's interface; they live with the input readers
+from megatron_lite.data.corpus_readers import PreprocessError, chunk_items, input_kind, read_items, resolve_inputs
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
-
-# a chunk also closes at this many characters: big documents then spread over workers instead of one
-# worker holding a chunk of many big ones at the end of the run
-_CHUNK_CHARS = 1 << 16
-_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
-
-
-class PreprocessError(ValueError):
-    """Bad input or configuration found while preprocessing; the message names the file and the fix."""
+from megatron_lite.utils.jsonl import parse_object_line, require_object
 
 
 @dataclass
@@ -82,122 +74,6 @@ def split_sentences(text: str) -> list[str]:
     return sentences + [tail] if tail else sentences
 
 
-# --- reading the input (main process) ------------------------------------------------------------------
-
-def resolve_inputs(patterns: Sequence[str]) -> list[str]:
-    """Files (or ``save_to_disk`` directories) named or matched by ``patterns``, in order; each must match."""
-    paths: list[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
-        if not matches or not os.path.exists(matches[0]):
-            raise FileNotFoundError(f"--input {pattern}: no such file or directory; pass a .jsonl[.gz], .parquet or "
-                                    f"a datasets save_to_disk directory (globs allowed)")
-        paths.extend(matches)
-    return paths
-
-
-def _open_text(path: str) -> IO[str]:
-    """A text file, gunzipped when it starts with gzip's magic bytes (whatever its name)."""
-    with open(path, "rb") as raw:
-        gzipped = raw.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
-
-
-def _input_kind(path: str) -> str:
-    """``"hf"``, ``"parquet"`` or ``"json"``; PreprocessError for anything else."""
-    if os.path.isdir(path):
-        if any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
-            return "hf"
-        raise PreprocessError(f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json or "
-                              f"dataset_dict.json); pass its data files instead, e.g. --input '{path}/*.parquet'")
-    name = path[:-3] if path.endswith(".gz") else path
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(_JSON_SUFFIXES):
-        return "json"
-    raise PreprocessError(f"{path}: unsupported input format; use JSON lines (.jsonl/.json, optionally .gz), "
-                          f".parquet, or a datasets save_to_disk directory")
-
-
-def _check_columns(path: str, present: Sequence[str], keys: Sequence[str]) -> None:
-    """PreprocessError naming the missing keys and the columns that exist."""
-    missing = [k for k in keys if k not in present]
-    if missing:
-        raise PreprocessError(f"{path} has no column {', '.join(map(repr, missing))} (columns: {list(present)}); "
-                              f"pass --json-keys with the column that holds the text")
-
-
-def _items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iterator[Any], Optional[int]]:
-    """``(location kind, items, count or None)``: raw JSON lines (kind ``line``) or dict rows (``record``)."""
-    kind = _input_kind(path)
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.ParquetFile(path)
-        except Exception as err:  # pyarrow's errors do not name the file
-            raise PreprocessError(f"{path} is not a readable parquet file ({err})") from None
-        _check_columns(path, table.schema_arrow.names, keys)
-        batches = table.iter_batches(batch_size=1024, columns=list(keys))
-        return "record", (row for batch in batches for row in batch.to_pylist()), table.metadata.num_rows
-    if kind == "hf":
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # belt and braces: a local directory, never the hub
-        import datasets
-
-        try:
-            ds = datasets.load_from_disk(path)
-        except Exception as err:  # a damaged directory: say which one
-            raise PreprocessError(f"{path}: cannot load the saved dataset ({err}); save it again with "
-                                  f"save_to_disk") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if hf_split not in ds:
-                raise PreprocessError(f"{path} holds splits {list(ds)}, not {hf_split!r}; pass --hf-split <split>")
-            ds = ds[hf_split]
-        _check_columns(path, ds.column_names, keys)
-        ds = ds.select_columns(list(keys))
-        return "record", (row for batch in ds.iter(batch_size=1024)
-                          for row in (dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys)))), len(ds)
-    with _open_text(path) as f:
-        head = f.read(4096).lstrip()
-    if head.startswith("["):  # one JSON array of objects rather than JSON lines
-        with _open_text(path) as f:
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as err:
-                raise PreprocessError(f"{path} is not valid JSON ({err}); use one JSON object per line") from err
-        return "record", iter(rows), len(rows)
-
-    def lines() -> Iterator[str]:
-        number = 0
-        try:
-            with _open_text(path) as f:
-                for number, line in enumerate(f, start=1):
-                    yield line
-        except (UnicodeDecodeError, EOFError, OSError) as err:  # mid-file: corrupt or truncated
-            raise PreprocessError(f"{path}:{number + 1} cannot be read ({err}); the file is corrupt or truncated "
-                                  f"(inputs must be UTF-8 text, optionally gzipped)") from None
-    return "line", lines(), None
-
-
-def _chunks(path: str, kind: str, items: Iterator[Any], chunk_size: int) -> Iterator[tuple[str, str, int, list]]:
-    """``(path, kind, number of the first item, items)`` of at most ``chunk_size`` items / ~64 KiB of text."""
-    chunk: list = []
-    chars, first = 0, 1
-    for number, item in enumerate(items, start=1):
-        if not chunk:
-            first = number
-        chunk.append(item)
-        if isinstance(item, str):
-            chars += len(item)
-        elif isinstance(item, dict):
-            chars += sum(len(v) for v in item.values() if isinstance(v, str))
-        if len(chunk) >= chunk_size or chars >= _CHUNK_CHARS:
-            yield path, kind, first, chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield path, kind, first, chunk
-
-
 # --- tokenizing (worker processes) ---------------------------------------------------------------------
 
 _WORKER: dict[str, Any] = {}
@@ -213,16 +89,12 @@ def _init_worker(state: dict[str, Any]) -> None:
 
 def _texts(item: Any, where: str, keys: Sequence[str]) -> Optional[dict[str, list[str]]]:
     """``{key: pieces}`` of one record (pieces: the text, or a list of pre-split sentences); None for a blank line."""
-    if isinstance(item, str):
-        if not item.strip():
+    if isinstance(item, str):  # a raw JSON line
+        item = parse_object_line(item, where, keys[0], what="the input", error=PreprocessError)
+        if item is None:
             return None
-        try:
-            item = json.loads(item)
-        except json.JSONDecodeError as err:
-            raise PreprocessError(f"{where} is not valid JSON ({err}); the input must hold one JSON object per "
-                                  f"line") from None
-    if not isinstance(item, dict):
-        raise PreprocessError(f"{where} is a JSON {type(item).__name__}, not an object with a {keys[0]!r} key")
+    else:  # a row of a JSON array, parquet file or saved dataset
+        item = require_object(item, where, keys[0], error=PreprocessError)
     out = {}
     for key in keys:
         if key not in item:
@@ -335,7 +207,7 @@ def preprocess(
                               f"({log_interval}) must be >= 1")
     paths = resolve_inputs(inputs)
     for path in paths:
-        _input_kind(path)  # fail on an unsupported file before any work
+        input_kind(path)  # fail on an unsupported file before any work
     _check_output(output_prefix)
     vocab_size = int(tokenizer.vocab_size)
     eod = int(tokenizer.eod) if append_eod else -1
@@ -381,10 +253,10 @@ def _run(paths: list[str], keys: Sequence[str], hf_split: str, chunk_size: int, 
          state: dict[str, Any], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult,
          log_interval: int, progress: Optional[bool], start: float) -> None:
     """Read, tokenize in ``workers`` processes, and write in input order, with a progress bar or log lines."""
-    sources = [(p, *_items(p, keys, hf_split)) for p in paths]
+    sources = [(p, *read_items(p, keys, hf_split)) for p in paths]
     known = [n for _, _, _, n in sources]
     total = sum(known) if all(n is not None for n in known) else None  # type: ignore[misc]
-    chunks = (c for path, kind, items, _ in sources for c in _chunks(path, kind, items, chunk_size))
+    chunks = (c for path, kind, items, _ in sources for c in chunk_items(path, kind, items, chunk_size))
     bar = None
     if progress or (progress is None and sys.stderr.isatty()):
         from tqdm import tqdm

@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 
 from megatron_lite.data.blended import BlendedDataset, normalize_weights, samples_needed
-from megatron_lite.data.datamodule import PretrainingDataModule, ResumableDataLoader
+from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
-from megatron_lite.data.text_corpus import _split_boundaries, parse_split
+from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 
 _SPLIT_NAMES = ("train", "validation", "test")
@@ -142,7 +143,7 @@ class PretrainDataModule(PretrainingDataModule):
         tokens, max_ids = [], []
         for prefix in self.prefixes:
             data = IndexedDataset(prefix)
-            bounds = _split_boundaries(self.split_fractions, len(data))
+            bounds = split_boundaries(self.split_fractions, len(data))
             if bounds[1] == 0:
                 raise ValueError(
                     f"split {split!r} leaves the train split of {prefix} with 0 of its {len(data)} documents; "
@@ -204,7 +205,7 @@ class PretrainDataModule(PretrainingDataModule):
         per_file = []
         for prefix in self.prefixes:
             data = IndexedDataset(prefix)
-            bounds = _split_boundaries(self.split_fractions, len(data))
+            bounds = split_boundaries(self.split_fractions, len(data))
             if bounds[which + 1] <= bounds[which]:
                 raise ValueError(
                     f"the {split} split of {prefix} is empty ({len(data)} documents, split={self.split!r}); "
@@ -287,22 +288,14 @@ class PretrainDataModule(PretrainingDataModule):
         """Test batches for this DP rank (needs a test weight in ``split``, e.g. '969,30,1')."""
         return self._loader(self._dataset("test"), "test")
 
-    def _loader(self, dataset: Dataset, split: str, consumed_samples: int = 0) -> ResumableDataLoader:
-        """The base class's sequential loader, or one with the cyclic random sampler for training."""
+    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int,
+                      split: str) -> DistributedSampler:
+        """The base class's sequential sampler, or the cyclic random sampler for training."""
         if split != "train" or self.sampler == "sequential":
-            return super()._loader(dataset, split, consumed_samples)
-        total_samples = len(dataset)  # type: ignore[arg-type]
-        if total_samples < self.global_batch_size:
-            raise ValueError(
-                f"the {split} split has {total_samples} samples of {self.seq_length + 1} tokens, fewer than one "
-                f"global batch ({self.global_batch_size}); {self._too_small_hint(split)}")
-        dp_size, rank = self._dp_size_and_rank()
-        sampler = MegatronPretrainingRandomSampler(
+            return super()._make_sampler(total_samples, consumed_samples, dp_size, rank, split)
+        return MegatronPretrainingRandomSampler(
             total_samples=total_samples, consumed_samples=consumed_samples, global_batch_size=self.global_batch_size,
             num_replicas=dp_size, rank=rank, seed=self.seed, data_sharding=self.data_sharding)
-        return ResumableDataLoader(
-            dataset, batch_size=self._geometry.local_batch_size(dp_size), sampler=sampler,
-            num_workers=self.num_workers, drop_last=True, persistent_workers=self.num_workers > 0)
 
     def _too_small_hint(self, split: str) -> str:
         """Name the knobs that grow a split."""

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data.distributed import DistributedSampler
+
+from megatron_lite.data.samplers import GlobalBatchSampler
 
 
-class MegatronPretrainingRandomSampler(DistributedSampler):
+class MegatronPretrainingRandomSampler(GlobalBatchSampler):
     """Yields this rank's sample indices of each global batch in a random order that changes every epoch.
 
     An epoch is the ``usable = total_samples - total_samples % global_batch_size`` samples of complete global
@@ -24,9 +25,6 @@ class MegatronPretrainingRandomSampler(DistributedSampler):
     takes the ``r``-th contiguous slice of each: the global order is independent of the DP size, so a resume
     after a DP change is exact (Megatron strides each rank through the permutation per microbatch instead; the
     samples of a step are the same, their assignment to ranks differs).
-
-    It subclasses ``DistributedSampler`` only so Lightning keeps it instead of wrapping or replacing it; the
-    parent's ``__init__`` is not called (it needs a dataset and a process group this sampler does not use).
     """
 
     def __init__(
@@ -41,53 +39,14 @@ class MegatronPretrainingRandomSampler(DistributedSampler):
         drop_last: bool = True,
     ) -> None:
         """Validate the sizes; see the class docstring for the order produced."""
-        for name, value, minimum in (
-            ("total_samples", total_samples, 1),
-            ("global_batch_size", global_batch_size, 1),
-            ("num_replicas", num_replicas, 1),
-            ("consumed_samples", consumed_samples, 0),
-            ("rank", rank, 0),
-            ("seed", seed, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-        if rank >= num_replicas:
-            raise ValueError(f"rank ({rank}) must be < num_replicas ({num_replicas}); pass the data-parallel rank")
-        if global_batch_size % num_replicas != 0:
-            raise ValueError(
-                f"global_batch_size ({global_batch_size}) must be divisible by the data-parallel size "
-                f"({num_replicas}); change global_batch_size to a multiple of {num_replicas}")
-        if total_samples < global_batch_size:
-            raise ValueError(
-                f"the dataset has {total_samples} samples, fewer than one global batch ({global_batch_size}); "
-                f"lower global_batch_size or seq_length, or use more data")
-        if not drop_last:
-            # a trailing partial global batch would give DP ranks different batch sizes and hang collectives
-            raise ValueError("MegatronPretrainingRandomSampler only supports drop_last=True; pass drop_last=True")
-        self.total_samples = total_samples
-        """Samples in the dataset."""
-        self.consumed_samples = consumed_samples
-        """Samples (over all ranks) consumed so far, counted across epochs; advanced while iterating."""
-        self.global_batch_size = global_batch_size
-        """Samples per optimizer step over all data-parallel ranks."""
-        self.num_replicas = num_replicas
-        """Data-parallel size."""
-        self.rank = rank
-        """Data-parallel rank of this process."""
+        super().__init__(total_samples, consumed_samples, global_batch_size, num_replicas, rank, drop_last,
+                         more_integers=[("seed", seed, 0)])
         self.seed = seed
         """Epoch ``e`` is shuffled with ``seed + e``."""
         self.data_sharding = data_sharding
         """Whether each rank draws from its own contiguous bucket (Megatron's default) or from one permutation."""
-        self.drop_last = drop_last
-        """Always True: incomplete trailing global batches are skipped."""
         self.shuffle = True
         """Kept for code that inspects DistributedSampler attributes."""
-        self.local_batch_size = global_batch_size // num_replicas
-        """Samples this rank receives per global batch."""
-        self.usable_samples = total_samples - total_samples % global_batch_size
-        """Samples in complete global batches: the length of one epoch."""
-        self.num_samples = self.usable_samples // num_replicas
-        self.total_size = self.usable_samples
 
     @property
     def epoch(self) -> int:
@@ -96,10 +55,6 @@ class MegatronPretrainingRandomSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: Lightning calls it each epoch, but the epoch here follows from ``consumed_samples``."""
-
-    def __len__(self) -> int:
-        """Indices this rank yields in one full epoch (constant, independent of the resume point)."""
-        return self.num_samples
 
     def _permutation(self, size: int, epoch: int) -> list[int]:
         """The permutation of ``range(size)`` for ``epoch``."""
@@ -136,7 +91,3 @@ class MegatronPretrainingRandomSampler(DistributedSampler):
         """The resume position and the layout it was reached with (a sharded order depends on the DP size)."""
         return {"consumed_samples": self.consumed_samples, "num_replicas": self.num_replicas,
                 "data_sharding": self.data_sharding, "seed": self.seed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the position saved by ``state_dict``."""
-        self.consumed_samples = int(state_dict["consumed_samples"])

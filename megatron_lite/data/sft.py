@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.data.datamodule import PretrainingDataModule
-from megatron_lite.data.text_corpus import _open_text, _split_boundaries, parse_split
+from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
+from megatron_lite.utils.jsonl import open_text
 
 Render = Callable[[Sequence[dict], bool], str]
 ROLES = ("system", "user", "assistant", "tool")
@@ -32,7 +33,7 @@ ROLES = ("system", "user", "assistant", "tool")
 def read_conversations(path: str, messages_key: str = "messages") -> list[list[dict]]:
     """Conversations of a JSONL(.gz) file, validated: a list of {role, content} with an assistant turn."""
     conversations = []
-    with _open_text(path) as f:
+    with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -183,7 +184,7 @@ class SFTDataModule(PretrainingDataModule):
             return
         conversations = read_conversations(self.path, self.messages_key)
         order = np.random.RandomState(self.seed).permutation(len(conversations))
-        bounds = _split_boundaries(self.split, len(conversations))
+        bounds = split_boundaries(self.split, len(conversations))
         for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):
             if hi > lo:
                 self.datasets[name] = SFTDataset([conversations[i] for i in order[lo:hi]], self.tokenizer,

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-import gzip
 import hashlib
 import itertools
-import json
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no locking; the atomic renames still keep readers safe
-    fcntl = None  # type: ignore[assignment]
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.data.datamodule import PretrainingDataModule
+from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.sentencepiece_tokenizer import MIN_BYTE_FALLBACK_VOCAB
+from megatron_lite.utils.files import locked, write_atomic
+from megatron_lite.utils.jsonl import iter_jsonl_texts
 
 # bump when the tokenizer settings or the array layout change, so old caches are not reused
 _CACHE_VERSION = "1"
@@ -56,36 +49,9 @@ class TokenWindowDataset(Dataset):
         return {"tokens": torch.from_numpy(window)}
 
 
-def _open_text(path: str) -> IO[str]:
-    """Open a plain or gzip-compressed text file (detected by its magic bytes, not its name)."""
-    with open(path, "rb") as raw:
-        magic = raw.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
 def _iter_documents(path: str, json_key: str) -> Iterator[str]:
     """Non-empty texts under ``json_key``, one per JSON line; malformed lines raise ValueError with the line."""
-    with _open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({err}); the corpus must hold one JSON "
-                                 f"object per line") from err
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{line_no} holds a {type(obj).__name__}, not a JSON object")
-            if json_key not in obj:
-                raise ValueError(f"{path}:{line_no} has no key {json_key!r} (its keys: {sorted(obj)}); "
-                                 f"pass data.json_key=<one of them>")
-            text = obj[json_key]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{line_no}: {json_key!r} is a {type(text).__name__}, not a string")
-            if text:
-                yield text
+    return iter_jsonl_texts(path, json_key, option="data.json_key")
 
 
 def _check_corpus(path: str, json_key: str) -> None:
@@ -96,32 +62,6 @@ def _check_corpus(path: str, json_key: str) -> None:
         return
     raise ValueError(f"corpus {path} holds no non-empty text under key {json_key!r}; pass a corpus with text, "
                      f"or the json_key its objects use")
-
-
-def parse_split(split: str) -> tuple[float, float, float]:
-    """``"98,2"`` or ``"969,30,1"`` (also with ``/``) -> normalised (train, validation, test) fractions."""
-    try:
-        weights = [float(part) for part in split.replace("/", ",").split(",")]
-    except (AttributeError, ValueError) as err:
-        raise ValueError(f"split {split!r} is not a list of numbers; use e.g. split='98,2' or '969,30,1'") from err
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {split!r} needs 1-3 non-negative weights (train,validation[,test]) with a "
-                         f"positive sum; use e.g. split='98,2'")
-    if weights[0] <= 0:
-        raise ValueError(f"split {split!r} leaves the train split empty; give train a positive weight, "
-                         f"e.g. split='98,2'")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return (weights[0] / total, weights[1] / total, weights[2] / total)
-
-
-def _split_boundaries(fractions: tuple[float, ...], size: int) -> list[int]:
-    """Megatron's rounding of split fractions into index boundaries over ``size`` items."""
-    bounds = [0]
-    for fraction in fractions:
-        bounds.append(bounds[-1] + int(round(fraction * size)))
-    diff = bounds[-1] - size
-    return [bounds[0]] + [b - diff for b in bounds[1:]]
 
 
 def _default_cache_dir(path: str) -> str:
@@ -142,34 +82,6 @@ def _file_sha256(path: str) -> str:
     """Content hash of a (small) file: identifies a tokenizer model independent of its path."""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-@contextlib.contextmanager
-def _locked(lock_path: str) -> Iterator[None]:
-    """Exclusive advisory lock so concurrent ranks build a cache entry once; readers need no lock."""
-    if fcntl is None:
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _save_atomic(array: np.ndarray, path: str) -> None:
-    """Write ``array`` to ``path`` via a temporary file and rename, so readers never see a partial file."""
-    # a plain exclusive open (not mkstemp) so the file gets the umask's permissions and the cache can be shared
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{uuid.uuid4().hex}.npy")
-    try:
-        with open(tmp, "xb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 class TextCorpusDataModule(PretrainingDataModule):
@@ -250,7 +162,7 @@ class TextCorpusDataModule(PretrainingDataModule):
         tokenizer_path = self._tokenizer_path()
         if self.tokenizer_model is None and not os.path.isfile(tokenizer_path):
             os.makedirs(self.cache_dir, exist_ok=True)
-            with _locked(tokenizer_path + ".lock"):
+            with locked(tokenizer_path + ".lock"):
                 if not os.path.isfile(tokenizer_path):
                     train_sentencepiece(_iter_documents(self.path, self.json_key),
                                         tokenizer_path[: -len(".model")], self.vocab_size)
@@ -260,7 +172,7 @@ class TextCorpusDataModule(PretrainingDataModule):
         paths = self._token_paths(tokenizer_path)
         if not all(os.path.isfile(p) for p in paths.values()):
             os.makedirs(self.cache_dir, exist_ok=True)
-            with _locked(paths["train"] + ".lock"):
+            with locked(paths["train"] + ".lock"):
                 if not all(os.path.isfile(p) for p in paths.values()):
                     self._tokenize_corpus(paths)
         return paths
@@ -276,7 +188,7 @@ class TextCorpusDataModule(PretrainingDataModule):
             docs.extend(np.concatenate([np.asarray(ids, dtype=dtype), eod])
                         for ids in self.tokenizer.tokenize_batch(chunk))
         order = np.random.default_rng(self.seed).permutation(len(docs))
-        bounds = _split_boundaries(self.split_fractions, len(docs))
+        bounds = split_boundaries(self.split_fractions, len(docs))
         if bounds[1] == 0:
             raise ValueError(f"split {self.split!r} gives the train split 0 of the corpus's {len(docs)} "
                              f"documents; raise the train weight of split")
@@ -284,7 +196,7 @@ class TextCorpusDataModule(PretrainingDataModule):
         for i, name in enumerate(_SPLIT_NAMES):
             members = [docs[j] for j in order[bounds[i] : bounds[i + 1]]]
             tokens = np.concatenate(members) if members else np.zeros(0, dtype=dtype)
-            _save_atomic(tokens, paths[name])
+            write_atomic(paths[name], lambda f, a=tokens: np.save(f, a))
 
     # ---- Lightning hooks ---------------------------------------------------------------------------------
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import IO
 
 from megatron_lite.tokenizers.base import Tokenizer, require_file
 from megatron_lite.tokenizers.gpt2_bpe import GPT2BPETokenizer
@@ -14,6 +11,7 @@ from megatron_lite.tokenizers.huggingface import HuggingFaceTokenizer, looks_lik
 from megatron_lite.tokenizers.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.tiktoken_tokenizer import TikTokenizer
+from megatron_lite.utils.jsonl import iter_jsonl_texts
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer",
@@ -48,34 +46,6 @@ def _local_file(path: str | os.PathLike[str], what: str, fix: str) -> str:
     return require_file(path, what, fix)
 
 
-def _open_text(path: str) -> IO[str]:
-    """A plain or gzip text file (by magic bytes, not by name)."""
-    with open(path, "rb") as raw:
-        gzipped = raw.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
-
-
-def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterator[str]:
-    """The non-empty strings under ``json_key``, one JSON object per line; ValueError naming file:line."""
-    with _open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({err}); train_corpus must hold one JSON "
-                                 f"object per line") from err
-            if not isinstance(obj, dict) or json_key not in obj:
-                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise ValueError(f"{path}:{line_no} has no key {json_key!r} (found {keys}); pass json_key=<the key "
-                                 f"holding the text>")
-            if not isinstance(obj[json_key], str):
-                raise ValueError(f"{path}:{line_no}: {json_key!r} is a {type(obj[json_key]).__name__}, not a string")
-            if obj[json_key]:
-                yield obj[json_key]
-
-
 def _train(train_corpus: str | os.PathLike[str], json_key: str, vocab_size: int | None,
            output_prefix: str | os.PathLike[str] | None) -> str:
     """Train a SentencePiece model on a JSONL corpus; returns the ``.model`` path."""
@@ -88,7 +58,7 @@ def _train(train_corpus: str | os.PathLike[str], json_key: str, vocab_size: int 
     def texts() -> Iterator[str]:
         """Remember a corpus error: SentencePiece would bury it inside its own RuntimeError text."""
         try:
-            yield from iter_jsonl_texts(corpus, json_key)
+            yield from iter_jsonl_texts(corpus, json_key, what="train_corpus")
         except Exception as err:
             errors.append(err)
             raise

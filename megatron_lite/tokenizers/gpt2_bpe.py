@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from megatron_lite.tokenizers.base import Tokenizer, require_file
+from megatron_lite.tokenizers._hf_backed import HFBackedTokenizer
+from megatron_lite.tokenizers.base import require_file
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 """GPT-2's only special token: it ends documents (and sequences)."""
 
 
-class GPT2BPETokenizer(Tokenizer):
+class GPT2BPETokenizer(HFBackedTokenizer):
     """GPT-2 BPE (Megatron's ``GPT2BPETokenizer``): ids equal tiktoken's ``gpt2``; ``eod = eos = <|endoftext|>``.
 
     Text is always encoded as plain text, so a literal ``"<|endoftext|>"`` inside a document becomes
     ordinary pieces, never the EOD id (as Megatron and tiktoken's ``encode_ordinary`` do): only the data
-    pipeline decides where documents end. GPT-2 has no BOS, PAD or UNK (byte-level BPE covers every byte).
+    pipeline decides where documents end; decoding turns the EOD id back into ``"<|endoftext|>"``. GPT-2 has
+    no BOS, PAD or UNK (byte-level BPE covers every byte).
     """
 
     def __init__(self, vocab_file: str | os.PathLike[str], merge_file: str | os.PathLike[str]) -> None:
@@ -46,18 +47,6 @@ class GPT2BPETokenizer(Tokenizer):
                              f"GPT-2's vocab.json (for another BPE vocabulary use HuggingFaceTokenizer)")
         self._tok = tok
         self._eod = int(eod)
-
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added or recognised)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text, encoded in parallel by the Rust library."""
-        return [enc.ids for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``; the EOD id decodes to ``"<|endoftext|>"``."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from megatron_lite.tokenizers.base import Tokenizer
+from megatron_lite.tokenizers._hf_backed import HFBackedTokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 """The special-token entries read from ``tokenizer_config.json`` / ``special_tokens_map.json``."""
@@ -67,7 +67,7 @@ def _pick_template(value: Any, source: str) -> str | None:
     raise ValueError(f"{source}: chat_template must be a string or a list of named templates; fix the file")
 
 
-class HuggingFaceTokenizer(Tokenizer):
+class HuggingFaceTokenizer(HFBackedTokenizer):
     """A ``tokenizer.json`` (file, or a directory holding it) plus the special tokens and chat template
     from ``tokenizer_config.json`` / ``special_tokens_map.json`` / ``chat_template.jinja`` beside it.
 
@@ -142,18 +142,6 @@ class HuggingFaceTokenizer(Tokenizer):
             with open(jinja, encoding="utf-8") as f:
                 template = f.read()
         return tokens, template
-
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no BOS/EOS added)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text, encoded in parallel by the Rust library."""
-        return [enc.ids for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens included."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:

@@ -25,7 +25,7 @@ from megatron_lite.data import (
     TextCorpusDataModule,
     bundled_corpus,
 )
-from megatron_lite.data.text_corpus import parse_split
+from megatron_lite.data.splits import parse_split
 
 # ---------------------------------------------------------------------------------------------- geometry
 

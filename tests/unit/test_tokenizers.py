@@ -223,7 +223,8 @@ def test_build_sentencepiece_trains_on_a_jsonl_corpus(tmp_path: Path) -> None:
 
 def test_build_sentencepiece_corpus_errors(tmp_path: Path) -> None:
     corpus = _write_jsonl(tmp_path / "c.jsonl", ["some text"] * 3, key="content")
-    with pytest.raises(ValueError, match=r"c\.jsonl:1 has no key 'text' \(found \['content', 'id'\]\); pass json_key"):
+    with pytest.raises(ValueError,
+                       match=r"c\.jsonl:1 has no key 'text' \(its keys: \['content', 'id'\]\); pass json_key"):
         build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=300, output_prefix=tmp_path / "m")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):

@@ -1,0 +1,130 @@
+"""Reading preprocessing inputs (main process): JSON lines, JSON arrays, parquet, saved ``datasets``, in chunks.
+
+JSON lines are handed on raw (the tokenizing workers parse them, so parsing runs in parallel), everything
+else as dict rows; chunks of them are what the workers receive. Nothing is ever fetched from the hub.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+from megatron_lite.utils.jsonl import open_text
+
+# a chunk also closes at this many characters: big documents then spread over workers instead of one
+# worker holding a chunk of many big ones at the end of the run
+_CHUNK_CHARS = 1 << 16
+_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class PreprocessError(ValueError):
+    """Bad input or configuration found while preprocessing; the message names the file and the fix."""
+
+
+def resolve_inputs(patterns: Sequence[str]) -> list[str]:
+    """Files (or ``save_to_disk`` directories) named or matched by ``patterns``, in order; each must match."""
+    paths: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
+        if not matches or not os.path.exists(matches[0]):
+            raise FileNotFoundError(f"--input {pattern}: no such file or directory; pass a .jsonl[.gz], .parquet or "
+                                    f"a datasets save_to_disk directory (globs allowed)")
+        paths.extend(matches)
+    return paths
+
+
+def input_kind(path: str) -> str:
+    """``"hf"``, ``"parquet"`` or ``"json"``; PreprocessError for anything else."""
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
+            return "hf"
+        raise PreprocessError(f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json or "
+                              f"dataset_dict.json); pass its data files instead, e.g. --input '{path}/*.parquet'")
+    name = path[:-3] if path.endswith(".gz") else path
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(_JSON_SUFFIXES):
+        return "json"
+    raise PreprocessError(f"{path}: unsupported input format; use JSON lines (.jsonl/.json, optionally .gz), "
+                          f".parquet, or a datasets save_to_disk directory")
+
+
+def _check_columns(path: str, present: Sequence[str], keys: Sequence[str]) -> None:
+    """PreprocessError naming the missing keys and the columns that exist."""
+    missing = [k for k in keys if k not in present]
+    if missing:
+        raise PreprocessError(f"{path} has no column {', '.join(map(repr, missing))} (columns: {list(present)}); "
+                              f"pass --json-keys with the column that holds the text")
+
+
+def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iterator[Any], Optional[int]]:
+    """``(location kind, items, count or None)``: raw JSON lines (kind ``line``) or dict rows (``record``)."""
+    kind = input_kind(path)
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow's errors do not name the file
+            raise PreprocessError(f"{path} is not a readable parquet file ({err})") from None
+        _check_columns(path, table.schema_arrow.names, keys)
+        batches = table.iter_batches(batch_size=1024, columns=list(keys))
+        return "record", (row for batch in batches for row in batch.to_pylist()), table.metadata.num_rows
+    if kind == "hf":
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # belt and braces: a local directory, never the hub
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as err:  # a damaged directory: say which one
+            raise PreprocessError(f"{path}: cannot load the saved dataset ({err}); save it again with "
+                                  f"save_to_disk") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if hf_split not in ds:
+                raise PreprocessError(f"{path} holds splits {list(ds)}, not {hf_split!r}; pass --hf-split <split>")
+            ds = ds[hf_split]
+        _check_columns(path, ds.column_names, keys)
+        ds = ds.select_columns(list(keys))
+        return "record", (row for batch in ds.iter(batch_size=1024)
+                          for row in (dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys)))), len(ds)
+    with open_text(path) as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):  # one JSON array of objects rather than JSON lines
+        with open_text(path) as f:
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as err:
+                raise PreprocessError(f"{path} is not valid JSON ({err}); use one JSON object per line") from err
+        return "record", iter(rows), len(rows)
+
+    def lines() -> Iterator[str]:
+        number = 0
+        try:
+            with open_text(path) as f:
+                for number, line in enumerate(f, start=1):
+                    yield line
+        except (UnicodeDecodeError, EOFError, OSError) as err:  # mid-file: corrupt or truncated
+            raise PreprocessError(f"{path}:{number + 1} cannot be read ({err}); the file is corrupt or truncated "
+                                  f"(inputs must be UTF-8 text, optionally gzipped)") from None
+    return "line", lines(), None
+
+
+def chunk_items(path: str, kind: str, items: Iterator[Any], chunk_size: int) -> Iterator[tuple[str, str, int, list]]:
+    """``(path, kind, number of the first item, items)`` of at most ``chunk_size`` items / ~64 KiB of text."""
+    chunk: list = []
+    chars, first = 0, 1
+    for number, item in enumerate(items, start=1):
+        if not chunk:
+            first = number
+        chunk.append(item)
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            chars += sum(len(v) for v in item.values() if isinstance(v, str))
+        if len(chunk) >= chunk_size or chars >= _CHUNK_CHARS:
+            yield path, kind, first, chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield path, kind, first, chunk
