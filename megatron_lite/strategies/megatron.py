@@ -29,6 +29,7 @@ from megatron_lite.core.checkpoint.sharded import (
     sharded_model_state,
     sharded_optimizer_state,
 )
+from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.strategies._lightning_private import (
@@ -271,6 +272,8 @@ class MegatronStrategy(ParallelStrategy):
             "sequence_parallel": self.parallel_config.sequence_parallel,
             "world_size": self.world_size,
         }
+        assert self.lightning_module is not None
+        state.update(rng_state(self.lightning_module, self.global_rank))
         save_sharded(state, path, extra=checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -286,10 +289,24 @@ class MegatronStrategy(ParallelStrategy):
             opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
             opt_state.pop("param_groups")
             state[f"optimizer_{i}"] = opt_state
+        rng = self._rng_placeholders(path) if fitting else {}
+        state.update(rng)
         extra = load_sharded(state, path)
         for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
             load_optimizer_groups(opt, groups)
+        if rng:
+            restore_rng_state(self.lightning_module, {k: state[k] for k in rng}, self.global_rank)
         return extra
+
+    def _rng_placeholders(self, path: Path) -> dict[str, Tensor]:
+        """This rank's saved RNG states, when the checkpoint was written by as many ranks as now."""
+        if not (path / ".metadata").is_file():
+            return {}  # load_sharded reports the bad path
+        saved = torch.load(path / "meta.pt", weights_only=False).get("megatron_lite_layout", {}) \
+            if (path / "meta.pt").is_file() else {}
+        if saved.get("world_size") != self.world_size:
+            return {}
+        return rng_placeholders(path, self.global_rank)
 
 
 STRATEGY_NAMES = {

@@ -192,3 +192,16 @@ def test_test_and_predict(tmp_path):
     (logits,) = predictor.predict(module, torch.utils.data.DataLoader([{"tokens": t} for t in tokens], batch_size=3))
     assert logits.shape == (3, 32, 1000)
     torch.testing.assert_close(logits, module.model(tokens)[..., :1000])
+
+
+def test_resume_with_dropout_is_exact(tmp_path):
+    """With dropout on, a resumed TP2 run draws the same masks as the uninterrupted one: each rank's
+    dropout streams (different per TP rank) are saved in the checkpoint and restored."""
+    config = tiny_config(hidden_dropout=0.2, attention_dropout=0.2)
+    full = run(tmp_path / "full", devices=2, tp=2, steps=6, config=config)
+    ckpt_dir = tmp_path / "ckpts"
+    run(tmp_path / "first", devices=2, tp=2, steps=3, config=config,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)])
+    resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=6, config=config,
+                  ckpt_path=str(ckpt_dir / "epoch=0-step=3.ckpt"))
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=0)
