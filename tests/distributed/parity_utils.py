@@ -38,7 +38,7 @@ class Recorder(L.Callback):
         group = pl_module.parallel_layout.group("tp")
         self.grads = {}
         for name, p in pl_module.model.named_parameters():
-            self.grads[name] = gather_full(p.grad.detach().clone(), getattr(p, "tp_shard", None), group)
+            self.grads[name] = gather_full(p.grad.detach().clone(), getattr(p, "tp_shard", None), group).cpu()
 
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
@@ -48,7 +48,8 @@ class Recorder(L.Callback):
 
 def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: int = 10, gbs: int = 8,
         mbs: int = 2, config: Optional[ml.GPTConfig] = None, optimizer: Optional[ml.OptimizerConfig] = None,
-        ckpt_path: Optional[str] = None, data=None, **trainer_kwargs) -> dict:
+        ckpt_path: Optional[str] = None, data=None, accelerator: str = "cpu", start_method: str = "fork",
+        **trainer_kwargs) -> dict:
     """Train ``steps`` steps and return the recorded results of global rank 0."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,8 +65,8 @@ def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: in
     if any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks):
         settings["enable_checkpointing"] = True
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method="fork"),
-        accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks, **settings)
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method=start_method),
+        accelerator=accelerator, devices=devices, max_steps=steps, callbacks=callbacks, **settings)
     module = ml.GPTModule(config, optimizer=optimizer, seed=1234)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return torch.load(out / "result.pt", weights_only=False)

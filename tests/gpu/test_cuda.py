@@ -1,0 +1,72 @@
+"""GPU paths: CUDA model building, dropout streams on CUDA, NCCL tensor parallelism.
+
+Skipped where there is no NVIDIA GPU (our CI machines); run them on a GPU machine with
+`pytest tests/gpu`. TF32 is switched off so results compare with the fp32 CPU reference.
+"""
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+import megatron_lite as ml
+from megatron_lite.core.parallel.random import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, model_parallel_rng_tracker
+from megatron_lite.data import MockGPTDataModule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from parity_utils import assert_same_training, run, tiny_config  # noqa: E402
+
+NO_CUDA = "needs CUDA: no NVIDIA GPU visible on this machine"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def test_model_built_under_a_cuda_default_device_has_the_cpu_weights():
+    config = tiny_config()
+    cpu = ml.GPTModel(config, seed=5)
+    with torch.device("cuda"):  # what Lightning does around configure_model
+        gpu = ml.GPTModel(config, seed=5)
+    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+        assert b.is_cuda
+        torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0, msg=name)
+
+
+def test_dropout_streams_drive_cuda_dropout_and_restore_the_global_generator():
+    tracker = model_parallel_rng_tracker(seed=3, tp_rank=0)
+    x = torch.ones(4096, device="cuda")
+    before = torch.cuda.get_rng_state()
+    with tracker.fork(MODEL_PARALLEL_RNG, x.device):
+        a = torch.nn.functional.dropout(x, 0.5)
+    with tracker.fork(DATA_PARALLEL_RNG, x.device):
+        b = torch.nn.functional.dropout(x, 0.5)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    assert not torch.equal(a, b)
+    again = model_parallel_rng_tracker(seed=3, tp_rank=0)
+    with again.fork(MODEL_PARALLEL_RNG, x.device):
+        assert torch.equal(torch.nn.functional.dropout(x, 0.5), a)
+
+
+def test_one_gpu_matches_the_cpu_run(tmp_path):
+    cpu = run(tmp_path / "cpu", devices=1, steps=5)
+    gpu = run(tmp_path / "gpu", devices=1, steps=5, accelerator="gpu", start_method="spawn")
+    assert_same_training(gpu, cpu, rtol=1e-4)
+
+
+def test_bf16_mixed_on_one_gpu_trains(tmp_path):
+    result = run(tmp_path, devices=1, steps=10, accelerator="gpu", start_method="spawn", precision="bf16-mixed")
+    losses = torch.tensor(result["losses"])
+    assert torch.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for NCCL tensor parallelism")
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_tp2_over_nccl_matches_one_gpu(tmp_path, sp):
+    reference = run(tmp_path / "one", devices=1, steps=5, accelerator="gpu", start_method="spawn")
+    result = run(tmp_path / "two", devices=2, tp=2, sp=sp, steps=5, accelerator="gpu", start_method="spawn")
+    assert_same_training(result, reference, rtol=1e-4)
