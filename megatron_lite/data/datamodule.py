@@ -90,7 +90,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         if total_samples < self.global_batch_size:
             raise ValueError(
                 f"the {split} split has {total_samples} samples of {self.seq_length + 1} tokens, fewer than one "
-                f"global batch ({self.global_batch_size}); {self._too_small_hint(split)}"
+                f"global batch ({self.global_batch_size}); {self._too_small_hint(split)}{eval_skip_hint(split)}"
             )
         sampler = self._make_sampler(total_samples, consumed_samples, dp_size, rank, split)
         return ResumableDataLoader(
@@ -133,3 +133,10 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Restore ``consumed_samples``; the next train_dataloader() starts there."""
         if "consumed_samples" in state_dict:
             self._restored_consumed_samples = int(state_dict["consumed_samples"])
+
+
+def eval_skip_hint(split: str) -> str:
+    """An evaluation split can also just be skipped."""
+    if split == "train":
+        return ""
+    return f"; or skip it with Trainer(limit_{'val' if split == 'validation' else 'test'}_batches=0)"

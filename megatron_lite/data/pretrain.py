@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from megatron_lite.data.blended import BlendedDataset, normalize_weights, samples_needed
-from megatron_lite.data.datamodule import PretrainingDataModule
+from megatron_lite.data.datamodule import PretrainingDataModule, eval_skip_hint
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
@@ -209,7 +209,7 @@ class PretrainDataModule(PretrainingDataModule):
             if bounds[which + 1] <= bounds[which]:
                 raise ValueError(
                     f"the {split} split of {prefix} is empty ({len(data)} documents, split={self.split!r}); "
-                    f"{self._too_small_hint(split)}")
+                    f"{self._too_small_hint(split)}{eval_skip_hint(split)}")
             per_file.append((prefix, data, np.arange(bounds[which], bounds[which + 1], dtype=np.int64)))
         eod = self.tokenizer.eod if self.eod_mask_loss else None
 
@@ -299,11 +299,8 @@ class PretrainDataModule(PretrainingDataModule):
 
     def _too_small_hint(self, split: str) -> str:
         """Name the knobs that grow a split."""
-        hint = (f"give the {split} split a larger share of split={self.split!r} (weights over documents: "
+        return (f"give the {split} split a larger share of split={self.split!r} (weights over documents: "
                 f"train,validation,test), lower global_batch_size or seq_length, or add data to {self.prefixes}")
-        if split != "train":
-            hint += f"; or skip it with Trainer(limit_{'val' if split == 'validation' else 'test'}_batches=0)"
-        return hint
 
     # ---- checkpoint state --------------------------------------------------------------------------------
 

@@ -236,8 +236,5 @@ class TextCorpusDataModule(PretrainingDataModule):
 
     def _too_small_hint(self, split: str) -> str:
         """Name the knobs that grow a split."""
-        hint = (f"give the {split} split a larger share of split={self.split!r} (weights are over documents: "
+        return (f"give the {split} split a larger share of split={self.split!r} (weights are over documents: "
                 f"train,validation,test), lower global_batch_size or seq_length, or use a larger corpus")
-        if split != "train":
-            hint += f"; or skip it with Trainer(limit_{'val' if split == 'validation' else 'test'}_batches=0)"
-        return hint

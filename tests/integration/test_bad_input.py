@@ -91,13 +91,17 @@ def test_data_vocabulary_larger_than_the_model():
         trainer.fit(ml.GPTModule(_config()), data)
 
 
+def _fit_two_ranks(strategy: str = "megatron_fork", **trainer_kwargs):
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1, logger=False,
+                        enable_checkpointing=False, **trainer_kwargs)
+    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256)
+    trainer.fit(ml.GPTModule(_config()), data)
+
+
 @pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
 def test_unsupported_precision(precision):
-    trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=2, max_steps=1, logger=False,
-                        precision=precision, enable_checkpointing=False)
-    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256)
     with pytest.raises(ValueError, match=rf"supports precision '32-true' or 'bf16-mixed' today, got '{precision}'"):
-        trainer.fit(ml.GPTModule(_config()), data)
+        _fit_two_ranks(precision=precision)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -105,16 +109,11 @@ def test_unsupported_precision(precision):
     (dict(gradient_clip_val=1.0), r"set OptimizerConfig\(clip_grad=...\) instead"),
 ])
 def test_lightning_options_that_the_step_does_itself(kwargs, message):
-    trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=2, max_steps=1, logger=False,
-                        enable_checkpointing=False, **kwargs)
-    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256)
     with pytest.raises(ValueError, match=message):
-        trainer.fit(ml.GPTModule(_config()), data)
+        _fit_two_ranks(**kwargs)
 
 
 def test_gpt_module_under_another_multiprocess_strategy():
-    trainer = L.Trainer(strategy="ddp_fork", accelerator="cpu", devices=2, max_steps=1, logger=False,
-                        enable_checkpointing=False)
-    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256)
+    # Raised inside the ranks (Lightning's DDP has no hook before launch), so it arrives wrapped.
     with pytest.raises(Exception, match=r"need MegatronStrategy for more than one process .* use Trainer\(strategy='megatron'\)"):
-        trainer.fit(ml.GPTModule(_config()), data)
+        _fit_two_ranks(strategy="ddp_fork")
