@@ -15,8 +15,11 @@ import torch
 from torch import nn
 
 from megatron_lite.core.models import GPTConfig, GPTModel
-from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig, build_optimizer, clip_grad_norm
-from megatron_lite.core.parallel.data_parallel import finalize_model_grads
+from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
+from megatron_lite.core.optim.scheduler import schedule_lengths
+from megatron_lite.core.optim.distributed import DistributedOptimizer
+from megatron_lite.core.optim.optimizer import MegatronOptimizer
+from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import StepLoss, get_forward_backward_func, gpt_loss, split_microbatches
 
@@ -40,6 +43,7 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters({"config": self.config, "optimizer": self.optimizer_config, "seed": seed})
         self.automatic_optimization = False
         self.model: Optional[nn.Module] = None
+        self.megatron_optimizer: Optional[MegatronOptimizer] = None
 
     # --- layout and model -----------------------------------------------------------------
     def _attached_trainer(self) -> Optional["pl.Trainer"]:
@@ -71,6 +75,16 @@ class GPTModule(pl.LightningModule):
             return
         self._check_vocab(getattr(self._attached_trainer(), "datamodule", None))
         self.model = self.build_model(self.parallel_layout)
+        if self._strategy_option("use_torch_fsdp2", False):
+            apply_fsdp2(self.model, self.parallel_layout)
+
+    def _strategy_option(self, name: str, default: Any) -> Any:
+        trainer = self._attached_trainer()
+        return getattr(trainer.strategy, name, default) if trainer is not None else default
+
+    def _precision(self) -> str:
+        trainer = self._attached_trainer()
+        return str(trainer.precision) if trainer is not None else "32-true"
 
     def _check_vocab(self, datamodule) -> None:
         data_vocab = getattr(datamodule, "vocab_size", None)
@@ -92,28 +106,37 @@ class GPTModule(pl.LightningModule):
         mbs = getattr(getattr(self._attached_trainer(), "datamodule", None), "micro_batch_size", None)
         return mbs if mbs is not None else next(iter(batch.values())).shape[0]
 
-    def run_schedule(self, batch: dict, forward_only: bool = False) -> StepLoss:
+    def run_schedule(self, batch: dict, forward_only: bool = False, **schedule_kwargs: Any) -> StepLoss:
         """Forward (and backward) over the microbatches of ``batch``; the loss is the global-batch mean."""
         layout = self.parallel_layout
         schedule = get_forward_backward_func(layout)
         microbatches = split_microbatches(batch, self.micro_batch_size(batch))
-        return schedule(self.model, microbatches, layout, self.loss_fn, forward_only=forward_only)
+        return schedule(self.model, microbatches, layout, self.loss_fn, forward_only=forward_only, **schedule_kwargs)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        layout = self.parallel_layout
-        optimizer.zero_grad(set_to_none=True)
-        step = self.run_schedule(batch)
-        finalize_model_grads(self.model, layout)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.optimizer_config.clip_grad, layout)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
+        mopt = self.megatron_optimizer
+        mopt.zero_grad()
+        # Gradients stay unnormalised until the optimizer has reduced them into fp32 main gradients.
+        step = self.run_schedule(batch, loss_scale=mopt.loss_scale, scale_grads=False)
+        result = mopt.prepare_step(step.grad_scale)
+        lr = scheduler.current_lr  # before any per-group multiplier (a ZeRO-1 rank may hold only scaled groups)
+        optimizer.step()  # a skipped (overflowing) step has no main gradients: parameters stay unchanged
+        mopt.finish_step(result)
+        if not result.skipped:  # Megatron advances the schedule only on steps that updated the weights
+            scheduler.step(increment=self._global_batch_samples(batch) if self.optimizer_config.sample_based else None)
         self.log("train/loss", step.loss, prog_bar=True)
         self.log("train/lr", lr, prog_bar=True)
-        self.log("train/grad_norm", grad_norm)
+        self.log("train/grad_norm", result.grad_norm)
+        self.log("train/skipped_steps", float(mopt.skipped_steps))
+        if result.loss_scale is not None:
+            self.log("train/loss_scale", result.loss_scale)
         return step.loss
+
+    def _global_batch_samples(self, batch: dict) -> int:
+        """Samples in this step's global batch (every DP rank receives the same share)."""
+        return next(iter(batch.values())).shape[0] * self.parallel_layout.dp_size
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._evaluate(batch, "val")
@@ -134,23 +157,10 @@ class GPTModule(pl.LightningModule):
         return self.model.full_logits(batch["tokens"])
 
     # --- optimizer ------------------------------------------------------------------------
-    def lr_decay_iters(self, max_steps: Optional[int]) -> int:
-        """Steps of the LR decay: ``lr_decay_iters``, else the Trainer's ``max_steps``."""
-        cfg = self.optimizer_config
-        if cfg.lr_decay_iters is not None:
-            return cfg.lr_decay_iters
-        if max_steps is None or max_steps < 0:
-            if cfg.lr_decay_style != "constant":
-                raise ValueError(
-                    f"lr_decay_style={cfg.lr_decay_style!r} needs a decay length: set "
-                    f"optimizer.lr_decay_iters or Trainer(max_steps=...).")
-            return 1
-        return max_steps
-
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
         """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
         if trainer.state.fn == "fit":
-            self.optimizer_config.check_decay(self.lr_decay_iters(trainer.max_steps))
+            schedule_lengths(self.optimizer_config, trainer.max_steps)  # every schedule check, in its unit
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(
                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "
@@ -165,7 +175,15 @@ class GPTModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
         trainer = self._attached_trainer()
-        decay_iters = self.lr_decay_iters(trainer.max_steps if trainer is not None else None)
-        optimizer = build_optimizer(self.model, cfg)
-        scheduler = MegatronLRScheduler(optimizer, cfg, decay_iters)
+        layout = self.parallel_layout
+        fp16 = self._precision().startswith("16")
+        if cfg.use_distributed_optimizer:
+            self.megatron_optimizer = DistributedOptimizer(self.model, cfg, layout, fp16=fp16,
+                                                           bucket_size=self._strategy_option("ddp_bucket_size", None))
+        else:
+            fsdp = self._strategy_option("use_torch_fsdp2", False)
+            self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16,
+                                                        grad_reduction="fsdp" if fsdp else "all_reduce")
+        optimizer = self.megatron_optimizer.optimizer
+        scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

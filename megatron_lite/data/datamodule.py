@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
+from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, consumed_samples_after
 from megatron_lite.data.geometry import DataGeometry
-from megatron_lite.data.samplers import MegatronPretrainingSampler
+from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler, RankBatchSampler
 
 
 class ResumableDataLoader(DataLoader):
@@ -29,27 +29,54 @@ class ResumableDataLoader(DataLoader):
         """Nothing to restore here (see the class docstring)."""
 
 
+class RampupDataLoader(ResumableDataLoader):
+    """The train loader under a batch-size ramp-up: its ``batch_sampler`` (a :class:`RankBatchSampler`) gives
+    each step's batch, whose size changes as the batch ramps up.
+
+    ``sampler`` reports the :class:`GlobalBatchSampler` inside the batch sampler. Lightning looks there to see
+    that the data is already split over the data-parallel ranks; finding DataLoader's default sequential
+    sampler instead, it would rebuild the loader around a ``DistributedSampler`` of its own.
+    """
+
+    @property  # type: ignore[override]
+    def sampler(self) -> GlobalBatchSampler:
+        """The global-batch sampler that the batch sampler draws from."""
+        return self.batch_sampler.sampler  # type: ignore[union-attr]
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:
+        """Ignore the default sampler that ``DataLoader.__init__`` stores (it is never used with a batch sampler)."""
+
+
 class PretrainingDataModule(pl.LightningDataModule):
     """Base class: each train/val batch is ``{"tokens": LongTensor[gbs // dp, seq_length + 1]}``.
 
     One batch is one optimizer step's worth of samples for this data-parallel rank; the training step
     splits it into microbatches. The train loader starts where the run left off: at the
-    ``consumed_samples`` restored from a checkpoint, else at ``trainer.global_step * global_batch_size``
-    (Lightning restores ``global_step`` before it builds dataloaders), so a resumed run sees exactly the
-    batches an uninterrupted run would.
+    ``consumed_samples`` restored from a checkpoint, else at the samples the first ``trainer.global_step``
+    steps consumed (Lightning restores ``global_step`` before it builds dataloaders), so a resumed run sees
+    exactly the batches an uninterrupted run would.
+
+    ``rampup_batch_size = [start, increment, rampup_samples]`` (Megatron's ``--rampup-batch-size``) makes the
+    training batches grow from ``start`` to ``global_batch_size`` in steps of ``increment`` over
+    ``rampup_samples`` consumed samples: a train batch is then ``gbs(consumed) // dp`` samples. Evaluation
+    batches stay at ``global_batch_size``.
     """
 
-    def __init__(self, seq_length: int, micro_batch_size: int, global_batch_size: int, num_workers: int) -> None:
-        """Validate the geometry now, before Lightning spawns any process."""
+    def __init__(self, seq_length: int, micro_batch_size: int, global_batch_size: int, num_workers: int,
+                 rampup_batch_size: Optional[list[int]] = None) -> None:
+        """Validate the geometry (and the ramp-up) now, before Lightning spawns any process."""
         super().__init__()
         self._geometry = DataGeometry(
-            micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length
+            micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length,
+            rampup_batch_size=rampup_batch_size,
         )
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
+        self.rampup_batch_size = None if rampup_batch_size is None else list(rampup_batch_size)
         self.num_workers = num_workers
         # consumed_samples loaded from a checkpoint; used once, by the next train_dataloader()
         self._restored_consumed_samples: int | None = None
@@ -70,19 +97,25 @@ class PretrainingDataModule(pl.LightningDataModule):
         rank = kw.get("rank")
         return (1 if num_replicas is None else int(num_replicas)), (0 if rank is None else int(rank))
 
+    def _consumed_after(self, steps: int) -> int:
+        """Samples the first ``steps`` optimizer steps consume: ``steps * global_batch_size`` without ramp-up."""
+        # batch sizes do not depend on the DP size (only whether they divide by it), so DP 1 serves every layout
+        return consumed_samples_after(self._geometry.num_microbatches_calculator(1), steps)
+
     def _consumed_at_start(self) -> int:
-        """Samples already consumed when training (re)starts: restored state, else global_step * gbs."""
+        """Samples already consumed when training (re)starts: restored state, else those of global_step steps."""
         if self._restored_consumed_samples is not None:
             consumed, self._restored_consumed_samples = self._restored_consumed_samples, None
             return consumed
         if self.trainer is not None:
-            return int(self.trainer.global_step) * self.global_batch_size
+            return self._consumed_after(int(self.trainer.global_step))
         return 0
 
     def _loader(self, dataset: Dataset, split: str, consumed_samples: int = 0) -> ResumableDataLoader:
         """A DataLoader whose batches are this rank's slice of one global batch of ``split``.
 
-        The order comes from ``_make_sampler``, which subclasses override to use another sampler.
+        The order comes from ``_make_sampler``, which subclasses override to use another sampler. Under a
+        ramp-up the train loader is a :class:`RampupDataLoader` whose batch sizes follow the ramp.
         """
         total_samples = len(dataset)  # type: ignore[arg-type]
         dp_size, rank = self._dp_size_and_rank()
@@ -92,19 +125,19 @@ class PretrainingDataModule(pl.LightningDataModule):
                 f"the {split} split has {total_samples} samples of {self.seq_length + 1} tokens, fewer than one "
                 f"global batch ({self.global_batch_size}); {self._too_small_hint(split)}{eval_skip_hint(split)}"
             )
-        sampler = self._make_sampler(total_samples, consumed_samples, dp_size, rank, split)
-        return ResumableDataLoader(
-            dataset,
-            batch_size=local_batch,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            drop_last=True,
-            persistent_workers=self.num_workers > 0,
-        )
+        calculator = None
+        if split == "train" and self.rampup_batch_size is not None:
+            calculator = self._geometry.num_microbatches_calculator(dp_size)
+        sampler = self._make_sampler(total_samples, consumed_samples, dp_size, rank, split, calculator)
+        workers = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        if calculator is not None:
+            return RampupDataLoader(dataset, batch_sampler=RankBatchSampler(sampler), **workers)
+        return ResumableDataLoader(dataset, batch_size=local_batch, sampler=sampler, drop_last=True, **workers)
 
-    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int,
-                      split: str) -> DistributedSampler:
-        """The sampler of ``_loader``: Megatron's sequential one, for every split.
+    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int, split: str,
+                      calculator: Optional[NumMicroBatchesCalculator] = None) -> GlobalBatchSampler:
+        """The sampler of ``_loader``: Megatron's sequential one, for every split; ``calculator`` (train under a
+        ramp-up) gives each step's global batch size.
 
         Evaluation splits rewind to their start on every run so val/loss stays comparable across runs.
         """
@@ -115,6 +148,7 @@ class PretrainingDataModule(pl.LightningDataModule):
             num_replicas=dp_size,
             rank=rank,
             rewind=split != "train",
+            calculator=calculator,
         )
 
     def _too_small_hint(self, split: str) -> str:
@@ -124,7 +158,7 @@ class PretrainingDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning checkpoints: samples consumed by the optimizer steps taken so far."""
         if self.trainer is not None:
-            return {"consumed_samples": int(self.trainer.global_step) * self.global_batch_size}
+            return {"consumed_samples": self._consumed_after(int(self.trainer.global_step))}
         if self._restored_consumed_samples is not None:
             return {"consumed_samples": self._restored_consumed_samples}
         return {}

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
+
+from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, build_num_microbatches_calculator
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -21,9 +25,14 @@ class DataGeometry:
     """Samples per optimizer step over all data-parallel ranks."""
     seq_length: int
     """Tokens per sample fed to the model (each stored sample holds seq_length + 1 tokens)."""
+    rampup_batch_size: Optional[Sequence[int]] = None
+    """Megatron's ``[start, increment, rampup_samples]``: training batches grow from ``start`` to
+    ``global_batch_size`` over ``rampup_samples`` consumed samples; None keeps ``global_batch_size`` throughout.
+    Stored as a tuple."""
 
     def __post_init__(self) -> None:
-        """Reject non-positive sizes and a global batch that is not a whole number of microbatches."""
+        """Reject non-positive sizes, a global batch that is not a whole number of microbatches, and a ramp-up
+        whose batches are not (the checks that need the data-parallel size run in ``num_microbatches_calculator``)."""
         _check_positive_int("micro_batch_size", self.micro_batch_size)
         _check_positive_int("global_batch_size", self.global_batch_size)
         _check_positive_int("seq_length", self.seq_length)
@@ -33,6 +42,11 @@ class DataGeometry:
                 f"({self.micro_batch_size}); change global_batch_size to a multiple of {self.micro_batch_size} "
                 f"or micro_batch_size to a divisor of {self.global_batch_size}"
             )
+        if self.rampup_batch_size is not None:
+            ramp = self.rampup_batch_size
+            # a tuple keeps the frozen geometry hashable; a malformed value is left for the calculator to reject
+            object.__setattr__(self, "rampup_batch_size", tuple(ramp) if isinstance(ramp, (list, tuple)) else ramp)
+            self.num_microbatches_calculator(1)
 
     def num_microbatches(self, dp_size: int) -> int:
         """Microbatches per optimizer step on each data-parallel rank: gbs // (mbs * dp)."""
@@ -50,3 +64,10 @@ class DataGeometry:
     def local_batch_size(self, dp_size: int) -> int:
         """Samples one data-parallel rank receives per optimizer step (gbs // dp); validates divisibility."""
         return self.num_microbatches(dp_size) * self.micro_batch_size
+
+    def num_microbatches_calculator(self, dp_size: int) -> NumMicroBatchesCalculator:
+        """The batch-size schedule of training at data-parallel size ``dp_size`` (constant without ramp-up);
+        raises ValueError naming the fix when a batch is not whole microbatches on every rank."""
+        _check_positive_int("dp_size", dp_size)
+        return build_num_microbatches_calculator(self.global_batch_size, self.micro_batch_size, dp_size,
+                                                 self.rampup_batch_size)

@@ -62,12 +62,14 @@ class MockGPTDataModule(PretrainingDataModule):
         num_train_samples: int | None = None,
         num_val_samples: int | None = None,
         num_workers: int = 0,
+        rampup_batch_size: list[int] | None = None,
     ) -> None:
         """Validate everything here so a bad config fails before processes are spawned.
 
         ``num_train_samples`` defaults to 10,000 global batches and ``num_val_samples`` to 4.
+        ``rampup_batch_size`` ramps the training batch up (see :class:`PretrainingDataModule`).
         """
-        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers)
+        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}; set vocab_size=<int >= 2>")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:

@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
+from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator
 from megatron_lite.data.blended import BlendedDataset, normalize_weights, samples_needed
 from megatron_lite.data.datamodule import PretrainingDataModule, eval_skip_hint
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
+from megatron_lite.data.samplers import GlobalBatchSampler
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 
@@ -93,6 +94,7 @@ class PretrainDataModule(PretrainingDataModule):
     (exact resume at any data-parallel size); ``"cyclic"`` is its random sampler (a new permutation per epoch;
     with ``data_sharding`` its order depends on the DP size). Evaluation always uses the sequential order.
     ``eod_mask_loss`` (needs a tokenizer) adds a ``loss_mask`` that drops the loss after each EOD input token.
+    ``rampup_batch_size`` ramps the training batch up (see :class:`PretrainingDataModule`).
     """
 
     def __init__(
@@ -112,9 +114,10 @@ class PretrainDataModule(PretrainingDataModule):
         eval_samples: int | None = None,
         data_sharding: bool = True,
         eod_mask_loss: bool = False,
+        rampup_batch_size: list[int] | None = None,
     ) -> None:
         """Validate paths, weights, split and sizes now, before any process is spawned."""
-        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers)
+        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
         raw_prefixes, weights = parse_data_path(paths)
         self.prefixes = [_check_prefix(p) for p in raw_prefixes]
         """Absolute ``.bin``/``.idx`` prefixes, one per dataset."""
@@ -288,14 +291,14 @@ class PretrainDataModule(PretrainingDataModule):
         """Test batches for this DP rank (needs a test weight in ``split``, e.g. '969,30,1')."""
         return self._loader(self._dataset("test"), "test")
 
-    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int,
-                      split: str) -> DistributedSampler:
+    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int, split: str,
+                      calculator: NumMicroBatchesCalculator | None = None) -> GlobalBatchSampler:
         """The base class's sequential sampler, or the cyclic random sampler for training."""
         if split != "train" or self.sampler == "sequential":
-            return super()._make_sampler(total_samples, consumed_samples, dp_size, rank, split)
+            return super()._make_sampler(total_samples, consumed_samples, dp_size, rank, split, calculator)
         return MegatronPretrainingRandomSampler(
             total_samples=total_samples, consumed_samples=consumed_samples, global_batch_size=self.global_batch_size,
-            num_replicas=dp_size, rank=rank, seed=self.seed, data_sharding=self.data_sharding)
+            num_replicas=dp_size, rank=rank, seed=self.seed, data_sharding=self.data_sharding, calculator=calculator)
 
     def _too_small_hint(self, split: str) -> str:
         """Name the knobs that grow a split."""

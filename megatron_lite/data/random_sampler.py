@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from megatron_lite.data.samplers import GlobalBatchSampler
+from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator
+from megatron_lite.data.samplers import GlobalBatchSampler, ramp_position
 
 
 class MegatronPretrainingRandomSampler(GlobalBatchSampler):
@@ -25,6 +25,9 @@ class MegatronPretrainingRandomSampler(GlobalBatchSampler):
     takes the ``r``-th contiguous slice of each: the global order is independent of the DP size, so a resume
     after a DP change is exact (Megatron strides each rank through the permutation per microbatch instead; the
     samples of a step are the same, their assignment to ranks differs).
+
+    Under a ramp-up (``calculator``) each step takes ``size / dp`` samples per rank in the same walk (see
+    :class:`GlobalBatchSampler` for where a pass ends).
     """
 
     def __init__(
@@ -37,55 +40,56 @@ class MegatronPretrainingRandomSampler(GlobalBatchSampler):
         seed: int = 0,
         data_sharding: bool = True,
         drop_last: bool = True,
+        *,
+        calculator: Optional[NumMicroBatchesCalculator] = None,
     ) -> None:
-        """Validate the sizes; see the class docstring for the order produced."""
+        """Validate the sizes; see the class docstring for the order produced and ``GlobalBatchSampler`` for
+        ``calculator`` (a batch-size ramp-up)."""
         super().__init__(total_samples, consumed_samples, global_batch_size, num_replicas, rank, drop_last,
-                         more_integers=[("seed", seed, 0)])
+                         more_integers=[("seed", seed, 0)], calculator=calculator)
         self.seed = seed
         """Epoch ``e`` is shuffled with ``seed + e``."""
         self.data_sharding = data_sharding
         """Whether each rank draws from its own contiguous bucket (Megatron's default) or from one permutation."""
         self.shuffle = True
         """Kept for code that inspects DistributedSampler attributes."""
+        self._cached_order: tuple[int, list[int]] = (-1, [])  # (epoch, its permutation): one draw per epoch
 
     @property
     def epoch(self) -> int:
         """The epoch the next index comes from (derived from ``consumed_samples``)."""
+        if self.calculator is not None:
+            return ramp_position(self.consumed_samples, self.usable_samples, self.calculator)[1]
         return self.consumed_samples // self.usable_samples
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: Lightning calls it each epoch, but the epoch here follows from ``consumed_samples``."""
 
-    def _permutation(self, size: int, epoch: int) -> list[int]:
-        """The permutation of ``range(size)`` for ``epoch``."""
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        return torch.randperm(size, generator=generator).tolist()
+    def _permutation(self, epoch: int) -> list[int]:
+        """This epoch's permutation: of the rank's bucket (``usable / dp`` samples) with sharding, else of all
+        usable samples."""
+        if self._cached_order[0] != epoch:
+            size = self.usable_samples // self.num_replicas if self.data_sharding else self.usable_samples
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            self._cached_order = (epoch, torch.randperm(size, generator=generator).tolist())
+        return self._cached_order[1]
 
-    def __iter__(self) -> Iterator[int]:
-        """Yield this rank's indices from the current position to the end of the epoch."""
-        start = self.consumed_samples % self.usable_samples
-        if start + self.global_batch_size > self.usable_samples or (self.data_sharding and start % self.num_replicas):
-            # off the global-batch grid (the batch size changed): finish this epoch's leftovers by skipping them
-            self.consumed_samples += self.usable_samples - start
-            start = 0
-        epoch = self.epoch
+    def _can_start_at(self, offset: int) -> bool:
+        """With sharding a batch starts at ``offset / dp`` of every bucket, so ``offset`` must divide by dp."""
+        return not (self.data_sharding and offset % self.num_replicas)
+
+    def _rank_indices(self, epoch: int, offset: int, size: int) -> list[int]:
+        """With sharding: the next ``size / dp`` of this rank's bucket walk; else the ``rank``-th contiguous
+        slice of the batch's positions in the epoch's permutation."""
+        local = size // self.num_replicas
+        order = self._permutation(epoch)
         if self.data_sharding:
-            bucket = self.usable_samples // self.num_replicas
-            offset = self.rank * bucket
-            order = [offset + i for i in self._permutation(bucket, epoch)[start // self.num_replicas:]]
-        else:
-            permutation = self._permutation(self.usable_samples, epoch)
-            first = self.rank * self.local_batch_size
-            order = []
-            for batch_start in range(start, self.usable_samples - self.global_batch_size + 1, self.global_batch_size):
-                order += permutation[batch_start + first: batch_start + first + self.local_batch_size]
-        for i in range(0, len(order) - self.local_batch_size + 1, self.local_batch_size):
-            yield from order[i: i + self.local_batch_size - 1]
-            # advance before the last index leaves, so a consumer that stops right after a complete batch
-            # (without resuming the generator) still sees the batch counted
-            self.consumed_samples += self.global_batch_size
-            yield order[i + self.local_batch_size - 1]
+            bucket_start = self.rank * (self.usable_samples // self.num_replicas)
+            position = offset // self.num_replicas
+            return [bucket_start + i for i in order[position: position + local]]
+        begin = offset + self.rank * local
+        return order[begin: begin + local]
 
     def state_dict(self) -> dict[str, Any]:
         """The resume position and the layout it was reached with (a sharded order depends on the DP size)."""

@@ -168,8 +168,8 @@ class SFTDataModule(PretrainingDataModule):
     def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int = 512, micro_batch_size: int = 4,
                  global_batch_size: int = 16, split: str = "98,2", pack_sequences: bool = True,
                  chat_template: Optional[str] = None, messages_key: str = "messages", seed: int = 1234,
-                 num_workers: int = 0) -> None:
-        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers)
+                 num_workers: int = 0, rampup_batch_size: Optional[list[int]] = None) -> None:
+        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"SFT data {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file "
                                     f"of {{\"{messages_key}\": [...]}} lines>")

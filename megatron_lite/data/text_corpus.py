@@ -109,9 +109,11 @@ class TextCorpusDataModule(PretrainingDataModule):
         seed: int = 1234,
         cache_dir: str | None = None,
         num_workers: int = 0,
+        rampup_batch_size: list[int] | None = None,
     ) -> None:
-        """Validate paths, corpus, split and sizes now, before any process is spawned."""
-        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers)
+        """Validate paths, corpus, split and sizes now, before any process is spawned; ``rampup_batch_size``
+        ramps the training batch up (see :class:`PretrainingDataModule`)."""
+        super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
         path = os.fspath(path)
         _check_corpus(path, json_key)
         self.split_fractions = parse_split(split)

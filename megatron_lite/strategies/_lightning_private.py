@@ -9,6 +9,8 @@ message instead of N times from N ranks.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any, Callable
 
 from lightning.fabric.utilities.distributed import (  # noqa: F401  (re-exported for the strategy)
@@ -46,6 +48,25 @@ class _ValidatingMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         self._validate(args, kwargs, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _collect_rank_zero_results(self, trainer, results: Any):
+        # Lightning's logic (2.6), except that rank 0's weights are handed to the launching process
+        # as plain tensors: FSDP2 parameters are DTensors, which a process without the process group
+        # cannot load, so every rank gathers them first (a collective).
+        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        state_dict = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                      for k, v in trainer.lightning_module.state_dict().items()}
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
 def make_launcher(strategy, start_method: str, validate: Validate) -> _Launcher:

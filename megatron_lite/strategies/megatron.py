@@ -22,16 +22,20 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from megatron_lite.core.checkpoint.sharded import (
+    checkpoint_keys,
     ensure_optimizer_state,
     load_optimizer_groups,
     load_sharded,
+    megatron_optimizer_state,
     save_sharded,
     sharded_model_state,
     sharded_optimizer_state,
+    write_back,
 )
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies._lightning_private import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -41,9 +45,6 @@ from megatron_lite.strategies._lightning_private import (
     make_launcher,
 )
 
-# Precisions the step handles today: fp16 needs loss scaling inside the microbatch schedule and the
-# "-true" half precisions would drop the fp32 master weights (both arrive with the optimization issue).
-SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed")
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ class MegatronStrategy(ParallelStrategy):
     Args:
         tensor_model_parallel_size: ranks that split every layer's weights (heads, FFN, vocabulary).
         sequence_parallel: shard LayerNorm/dropout activations along the sequence inside TP groups.
+        use_torch_fsdp2: shard parameters, gradients and optimizer state over the data-parallel ranks
+            with PyTorch's FSDP2 (ZeRO-3), composed with TP. For ZeRO-1 (sharded optimizer state and
+            fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
+        ddp_bucket_size: elements per gradient bucket of the distributed optimizer (Megatron's
+            ``--ddp-bucket-size``; default max(40M, 1M x dp)).
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: collective timeout.
         start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
@@ -68,6 +74,8 @@ class MegatronStrategy(ParallelStrategy):
         self,
         tensor_model_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        use_torch_fsdp2: bool = False,
+        ddp_bucket_size: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -85,6 +93,10 @@ class MegatronStrategy(ParallelStrategy):
         # Validates sizes (and sequence_parallel without TP) at construction, before anything starts.
         self.parallel_config = ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
                                               sequence_parallel=sequence_parallel)
+        if ddp_bucket_size is not None and ddp_bucket_size <= 0:
+            raise ValueError(f"ddp_bucket_size must be a positive number of elements, got {ddp_bucket_size}")
+        self.use_torch_fsdp2 = bool(use_torch_fsdp2)
+        self.ddp_bucket_size = ddp_bucket_size
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -101,6 +113,17 @@ class MegatronStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def precision_plugin(self) -> MegatronPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else MegatronPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        # Lightning installs its own plugin for Trainer(precision=...); ours keeps the dtype choice
+        # and leaves loss scaling to the core optimizer (see strategies/precision.py).
+        self._precision_plugin = None if plugin is None else as_megatron_precision(plugin)
 
     @property
     def num_nodes(self) -> int:
@@ -156,12 +179,16 @@ class MegatronStrategy(ParallelStrategy):
                  world_size: int, trainer=None) -> int:
         """Check the layout against the world size, the model config, the data geometry, the
         precision and the module's own checks (``validate_configuration``)."""
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISIONS:
+        precision = self.precision_plugin.precision  # MegatronPrecision refused unsupported ones already
+        if self.use_torch_fsdp2 and precision.endswith("-true") and precision != "32-true":
             raise ValueError(
-                f"MegatronStrategy supports precision {' or '.join(map(repr, SUPPORTED_PRECISIONS))} today, got "
-                f"{precision!r}: fp16 loss scaling and half-precision weights with fp32 master copies are not "
-                f"implemented yet. Use Trainer(precision='bf16-mixed') for mixed precision.")
+                f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
+                f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
+        optimizer_config = getattr(module, "optimizer_config", None)
+        if self.use_torch_fsdp2 and getattr(optimizer_config, "use_distributed_optimizer", False):
+            raise ValueError(
+                "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "
+                "OptimizerConfig(use_distributed_optimizer=False) or drop use_torch_fsdp2.")
         if trainer is not None and module is not None:
             hook = getattr(module, "validate_configuration", None)
             if callable(hook):
@@ -189,6 +216,8 @@ class MegatronStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        self.precision_plugin.device_type = self.root_device.type
+        self.precision_plugin.check_device(self.root_device)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
         log.info("megatron-lite layout: %s", self._layout.describe())
@@ -211,6 +240,10 @@ class MegatronStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
+        if self.use_torch_fsdp2:
+            # fully_shard already placed the shards on the mesh's device; Module.to() would replace
+            # every DTensor parameter with a new Parameter and drop our TP metadata on it.
+            return
         self.model.to(self.root_device)
 
     # --- collectives ----------------------------------------------------------------------
@@ -246,9 +279,29 @@ class MegatronStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return sharded_model_state(self.lightning_module, self._require_layout())
 
+    def _megatron_optimizer(self):
+        """The module's core optimizer wrapper (fp32 masters, ZeRO-1, loss scaler), if it has one."""
+        return getattr(self.lightning_module, "megatron_optimizer", None)
+
+    def _megatron_optimizer_state(self, mopt, writebacks=None, only_keys=None, index: int = 0) -> dict[str, Any]:
+        per_param = mopt.checkpoint_state()
+        if only_keys is not None:  # e.g. no fp32 masters in a checkpoint written without them
+            per_param = {name: {k: v for k, v in entry.items()
+                                if k != "master" or f"optimizer_{index}.state.model.{name}.{k}" in only_keys}
+                         for name, entry in per_param.items()}
+        params = dict(mopt.model.named_parameters())
+        state = megatron_optimizer_state(mopt, params, self._require_layout(), per_param, prefix="model.",
+                                         writebacks=writebacks)
+        if only_keys is not None and not any(k.startswith(f"optimizer_{index}.extra") for k in only_keys):
+            state.pop("extra")  # written before loss scaling existed
+        return state, per_param
+
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
         assert self.lightning_module is not None
+        mopt = self._megatron_optimizer()
+        if mopt is not None:
+            return self._megatron_optimizer_state(mopt)[0]
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
         return sharded_optimizer_state(self.lightning_module, optimizer, self._require_layout())
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
@@ -280,18 +333,30 @@ class MegatronStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         layout = self._require_layout()
-        state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout)}
+        writebacks: list = []
+        state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout, writebacks)}
         trainer = attached_trainer(self.lightning_module)
         fitting = trainer is not None and trainer.state.fn == "fit"
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        mopt = self._megatron_optimizer() if fitting else None
+        per_param = None
         for i, opt in enumerate(optimizers):
-            ensure_optimizer_state(opt)
-            opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
+            if mopt is not None and i == 0:
+                mopt.ensure_state()
+                keys = checkpoint_keys(path) if (path / ".metadata").is_file() else None
+                opt_state, per_param = self._megatron_optimizer_state(mopt, writebacks, keys)
+            else:
+                ensure_optimizer_state(opt)
+                opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
             opt_state.pop("param_groups")
             state[f"optimizer_{i}"] = opt_state
         rng = self._rng_placeholders(path) if fitting else {}
         state.update(rng)
         extra = load_sharded(state, path)
+        write_back(writebacks)
+        if mopt is not None and per_param is not None:
+            mopt.load_checkpoint_state(per_param)
+            mopt.load_state_dict_extra(state["optimizer_0"].get("extra", {}))
         for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
             load_optimizer_groups(opt, groups)
         if rng:

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 
 import megatron_lite as ml
+from megatron_lite.core.parallel.fsdp import full_local_tensor
 from megatron_lite.core.parallel.tensor_parallel import gather_full
 from megatron_lite.data import MockGPTDataModule
 
@@ -21,35 +22,50 @@ def tiny_config(**overrides) -> ml.GPTConfig:
     return ml.GPTConfig(**base)
 
 
+def full_tensors(pl_module, which) -> dict:
+    """Full (TP-gathered, FSDP-gathered) fp32 copies of ``which(param)`` for every parameter."""
+    group = pl_module.parallel_layout.group("tp")
+    out = {}
+    for name, p in pl_module.model.named_parameters():
+        t = which(p)
+        if t is None:
+            continue
+        t = full_local_tensor(t.detach()).clone().float()
+        out[name] = gather_full(t, getattr(p, "tp_shard", None), group).cpu()
+    return out
+
+
 class Recorder(L.Callback):
-    """Saves losses per optimizer step and the first step's full gradients from global rank 0."""
+    """Saves losses per optimizer step, the first step's full gradients (where the model holds them:
+    the distributed optimizer moves them into its shards) and the final parameters from global rank 0."""
 
     def __init__(self, out: Path):
         self.out = Path(out)
         self.losses: list[float] = []
         self.grads: Optional[dict] = None
+        self.grad_norms: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.grad_norms.append(float(trainer.callback_metrics["train/grad_norm"]))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.grads is not None:
-            return
-        group = pl_module.parallel_layout.group("tp")
-        self.grads = {}
-        for name, p in pl_module.model.named_parameters():
-            self.grads[name] = gather_full(p.grad.detach().clone(), getattr(p, "tp_shard", None), group).cpu()
+        if self.grads is None:
+            self.grads = full_tensors(pl_module, lambda p: p.grad)
 
     def on_train_end(self, trainer, pl_module):
+        params = full_tensors(pl_module, lambda p: p)
+        mopt = pl_module.megatron_optimizer
         if trainer.global_rank == 0:
-            torch.save({"losses": self.losses, "grads": self.grads, "global_step": trainer.global_step},
+            torch.save({"losses": self.losses, "grads": self.grads, "global_step": trainer.global_step,
+                        "params": params, "grad_norms": self.grad_norms, "skipped_steps": mopt.skipped_steps, "loss_scale": mopt.loss_scale},
                        self.out / "result.pt")
 
 
 def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: int = 10, gbs: int = 8,
         mbs: int = 2, config: Optional[ml.GPTConfig] = None, optimizer: Optional[ml.OptimizerConfig] = None,
         ckpt_path: Optional[str] = None, data=None, accelerator: str = "cpu", start_method: str = "fork",
-        **trainer_kwargs) -> dict:
+        strategy_kwargs: Optional[dict] = None, **trainer_kwargs) -> dict:
     """Train ``steps`` steps and return the recorded results of global rank 0."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,16 +81,33 @@ def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: in
     if any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks):
         settings["enable_checkpointing"] = True
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method=start_method),
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method=start_method,
+                                     **(strategy_kwargs or {})),
         accelerator=accelerator, devices=devices, max_steps=steps, callbacks=callbacks, **settings)
     module = ml.GPTModule(config, optimizer=optimizer, seed=1234)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return torch.load(out / "result.pt", weights_only=False)
 
 
-def assert_same_training(result: dict, reference: dict, rtol: float = 1e-5) -> None:
-    """Per-step losses and the first step's gradients equal the reference (fp32 tolerance)."""
+def assert_same_params(result: dict, reference: dict, rtol: float = 1e-5) -> None:
+    """Final parameters equal the reference's: per tensor, ||a - b|| <= rtol ||b||. (Element-wise
+    tolerances do not suit Adam: a near-zero gradient summed in another order flips the sign of
+    m/sqrt(v) and moves that element by ~lr, while the tensor as a whole agrees to fp32 precision.)"""
+    assert result["params"].keys() == reference["params"].keys()
+    for name, ref in reference["params"].items():
+        error = (result["params"][name] - ref).norm() / ref.norm().clamp(min=1e-30)
+        assert error <= rtol, f"parameter {name}: relative error {error:.3g} > {rtol}"
+
+
+def assert_same_training(result: dict, reference: dict, rtol: float = 1e-5, grads: bool = True,
+                         params: bool = True) -> None:
+    """Per-step losses, the first step's gradients (unless ``grads=False``) and the final parameters
+    (unless ``params=False``) equal the reference (fp32 tolerance)."""
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=0)
+    if params:
+        assert_same_params(result, reference, rtol)
+    if not grads:
+        return
     assert result["grads"].keys() == reference["grads"].keys()
     for name, grad in reference["grads"].items():
         scale = grad.abs().max().item()

@@ -53,7 +53,8 @@ def test_dropout_streams_drive_cuda_dropout_and_restore_the_global_generator():
 
 
 def test_one_gpu_matches_the_cpu_run(tmp_path):
-    cpu = run(tmp_path / "cpu", devices=1, steps=5)
+    # spawn: a forked child cannot use CUDA once this process has initialised it
+    cpu = run(tmp_path / "cpu", devices=1, steps=5, start_method="spawn")
     gpu = run(tmp_path / "gpu", devices=1, steps=5, accelerator="gpu", start_method="spawn")
     assert_same_training(gpu, cpu, rtol=1e-4)
 

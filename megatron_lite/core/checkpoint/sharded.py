@@ -19,7 +19,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim import Optimizer
 
+from megatron_lite.core.parallel.fsdp import copy_into_sharded, full_local_tensor, is_dtensor
 from megatron_lite.core.parallel.layout import ParallelLayout
+
+# (live tensor, full tensor that DCP loads into): FSDP-sharded tensors are checkpointed through a
+# gathered copy, which must be written back into the shard after loading.
+WriteBacks = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
@@ -38,11 +43,28 @@ def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayo
                               shape=torch.Size(global_shape), stride=stride)
 
 
-def sharded_model_state(module: nn.Module, layout: ParallelLayout) -> dict[str, Any]:
+def _checkpoint_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout,
+                     writebacks: Optional[WriteBacks]) -> torch.Tensor:
+    if is_dtensor(tensor):
+        full = full_local_tensor(tensor)
+        if writebacks is not None:
+            writebacks.append((tensor, full))
+        tensor = full
+    return _global_view(tensor, param, layout)
+
+
+def write_back(writebacks: WriteBacks) -> None:
+    """After a load: copy the loaded full tensors into their FSDP shards."""
+    for live, full in writebacks:
+        copy_into_sharded(live, full)
+
+
+def sharded_model_state(module: nn.Module, layout: ParallelLayout,
+                        writebacks: Optional[WriteBacks] = None) -> dict[str, Any]:
     """Parameters (as global views) and persistent buffers of ``module``."""
     state: dict[str, Any] = {}
     for name, param in module.named_parameters():
-        state[name] = _global_view(param.data, param, layout)
+        state[name] = _checkpoint_view(param.data, param, layout, writebacks)
     for name, buf in module.named_buffers():
         short = name.rsplit(".", 1)[-1]
         owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
@@ -69,6 +91,30 @@ def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer, layout: Par
     return state
 
 
+def megatron_optimizer_state(optimizer, params_by_name: dict[str, torch.Tensor], layout: ParallelLayout,
+                             per_param: dict[str, dict[str, torch.Tensor]], prefix: str = "",
+                             writebacks: Optional[WriteBacks] = None) -> dict[str, Any]:
+    """A :class:`megatron_lite.core.optim.MegatronOptimizer`'s state in the same keys as
+    :func:`sharded_optimizer_state` (``state.<param name>.<key>``), from its ``checkpoint_state()``,
+    plus ``extra`` (loss scaler, skipped steps) and the param groups' hyperparameters."""
+    state: dict[str, Any] = {}
+    for name, entry in per_param.items():
+        param = params_by_name[name]
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.ndim > 0:
+                value = _checkpoint_view(value, param, layout, writebacks)
+            state[f"state.{prefix}{name}.{key}"] = value
+    state["extra"] = optimizer.state_dict_extra()
+    state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+    return state
+
+
+def checkpoint_keys(path: str | os.PathLike) -> set[str]:
+    """Flattened keys stored in a DCP checkpoint (to load only what it has)."""
+    reader = dcp.FileSystemReader(str(path))
+    return set(reader.read_metadata().state_dict_metadata.keys())
+
+
 @torch.no_grad()
 def ensure_optimizer_state(optimizer: Optimizer) -> None:
     """Create the optimizer's state tensors (a step with zero gradients and lr 0) so a checkpoint
@@ -90,11 +136,23 @@ def ensure_optimizer_state(optimizer: Optimizer) -> None:
 
 
 def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
-    """Restore hyperparameters of each param group (lr, betas, ...) saved by sharded_optimizer_state."""
+    """Restore hyperparameters of each param group (lr, betas, ...) saved by sharded_optimizer_state.
+
+    Groups are matched by their (wd_mult, lr_mult) multipliers when they carry them: a ZeRO-1 rank
+    holds only the groups its shard touches, so group counts differ between ranks and layouts."""
+    def key(group: dict):
+        return (group.get("wd_mult"), group.get("lr_mult"))
+
+    if all(key(g) != (None, None) for g in [*groups, *optimizer.param_groups]):
+        saved = {key(g): g for g in groups}
+        for group in optimizer.param_groups:
+            if key(group) in saved:
+                group.update({k: v for k, v in saved[key(group)].items() if k != "params"})
+        return
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
-    for group, saved in zip(optimizer.param_groups, groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    for group, saved_group in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
 def _is_rank0() -> bool:

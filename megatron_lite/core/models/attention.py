@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.recompute import checkpoint, recompute_active
 from megatron_lite.core.models.rope import apply_rotary
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
@@ -29,7 +30,10 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.groups_per_rank = config.num_query_groups // tp
         self.q_per_group = config.num_attention_heads // config.num_query_groups
-        self.attention_dropout = config.attention_dropout
+        self.core_attention = CoreAttention(config.attention_dropout, self.q_per_group)
+        # 'selective' recompute: the s x s attention scores/probabilities are the largest activations
+        # and the cheapest to rebuild (Korthikanti et al. 2022), so only this part is checkpointed.
+        self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, layout, bias=config.add_bias_linear or config.add_qkv_bias,
@@ -49,6 +53,29 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.recompute_core_attention and recompute_active(self):
+            out = checkpoint(self.core_attention, q, k, v, rng, attn_mask, rng_tracker=rng)
+        else:
+            out = self.core_attention(q, k, v, rng, attn_mask)
+        return self.linear_proj(out)
+
+
+class CoreAttention(nn.Module):
+    """``softmax(QK^T / sqrt(d)) V`` with attention dropout: the part 'selective' recompute reruns.
+
+    Takes ``q`` [s, b, heads, d] and ``k``, ``v`` [s, b, groups, d] (this rank's heads) and returns
+    [s, b, heads * d]. The GQA expansion of k/v happens inside, so a checkpoint keeps only the
+    unexpanded tensors.
+    """
+
+    def __init__(self, attention_dropout: float, queries_per_group: int):
+        super().__init__()
+        self.attention_dropout = attention_dropout
+        self.q_per_group = queries_per_group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng: RNGStatesTracker,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        s, b = q.shape[:2]
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=2)
             v = v.repeat_interleave(self.q_per_group, dim=2)
@@ -62,8 +89,7 @@ class SelfAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        return self.linear_proj(out)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def scaled_init_std(config: GPTConfig) -> float:

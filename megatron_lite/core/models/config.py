@@ -7,6 +7,8 @@ from typing import Literal, Optional
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass
@@ -57,6 +59,12 @@ class GPTConfig:
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2L))."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the TP size (Megatron's padding)."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recomputation in training: whole layers ('full'), only the core attention ('selective'), or none."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With 'full': checkpoint groups of recompute_num_layers layers ('uniform') or the first ones ('block')."""
+    recompute_num_layers: Optional[int] = None
+    """With 'full': layers per checkpointed group ('uniform') or layers checkpointed one by one ('block')."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -101,6 +109,35 @@ class GPTConfig:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        """Megatron's rules for the three recompute options (and no silently ignored option)."""
+        granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"recompute_granularity must be None or one of {RECOMPUTE_GRANULARITIES}, "
+                             f"got {granularity!r}")
+        if method is not None and method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute_method must be None or one of {RECOMPUTE_METHODS}, got {method!r}")
+        if count is not None:
+            _positive_int("recompute_num_layers", count)
+        if granularity != "full":
+            for name, value in (("recompute_method", method), ("recompute_num_layers", count)):
+                if value is not None:
+                    raise ValueError(
+                        f"{name}={value!r} only applies to recompute_granularity='full' (got {granularity!r}); "
+                        f"set recompute_granularity='full' or leave {name} unset.")
+            return
+        if method is None:
+            raise ValueError("recompute_granularity='full' needs recompute_method: set it to 'uniform' "
+                             "(checkpoint groups of recompute_num_layers layers) or 'block' (checkpoint the first "
+                             "recompute_num_layers layers).")
+        if count is None:
+            raise ValueError("recompute_granularity='full' needs recompute_num_layers: set it to a number of "
+                             f"layers between 1 and num_layers ({self.num_layers}).")
+        if count > self.num_layers:
+            raise ValueError(f"recompute_num_layers ({count}) must be <= num_layers ({self.num_layers}); "
+                             f"lower recompute_num_layers.")
 
     def validate_parallelism(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                              context_parallel_size: int = 1, sequence_parallel: bool = False) -> None:

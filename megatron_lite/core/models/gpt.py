@@ -16,6 +16,7 @@ from megatron_lite.core.models.attention import SelfAttention, scaled_init_std
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.norms import Norm
+from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -73,6 +74,13 @@ class TransformerLayer(nn.Module):
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), rng)
 
 
+def _run_layers(layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGStatesTracker,
+                attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, rope, rng, attn_mask)
+    return x
+
+
 class GPTModel(nn.Module):
     """A decoder-only transformer built for one rank of ``layout``.
 
@@ -109,6 +117,8 @@ class GPTModel(nn.Module):
             config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
             init_std=config.init_method_std, skip_weight_param=config.share_embeddings_and_output_weights)
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
+        # Positions in self.layers, grouped for 'full' recompute (one plain group otherwise).
+        self.layer_groups = full_recompute_groups(config, len(self.layers))
         initialize_parameters(self, seed)
 
     def set_sequence_parallel(self, enabled: bool) -> None:
@@ -154,8 +164,13 @@ class GPTModel(nn.Module):
             causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
             attn_mask = (causal & (segment_ids[:, :, None] == segment_ids[:, None, :])).unsqueeze(1)
         x = self._embed(tokens, position_ids)
-        for layer in self.layers.values():
-            x = layer(x, rope, self.rng_tracker, attn_mask)
+        layers, rng = list(self.layers.values()), self.rng_tracker
+        for positions, checkpointed in self.layer_groups:
+            group = [layers[i] for i in positions]
+            if checkpointed and recompute_active(self):
+                x = checkpoint(_run_layers, group, x, rope, rng, attn_mask, rng_tracker=rng)
+            else:
+                x = _run_layers(group, x, rope, rng, attn_mask)
         x = self.final_layernorm(x)
         weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
         logits = self.output_layer(x, weight)  # [s, b, V/tp]

@@ -1,7 +1,11 @@
-"""Global gradient norm and clipping across every model-parallel shard (Megatron's clip_grads)."""
+"""Global gradient norm and clipping across every shard (Megatron's clip_grads).
+
+One norm over the whole model: every tensor-parallel shard, every data-parallel shard (distributed
+optimizer, FSDP), each replicated gradient counted exactly once.
+"""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -10,29 +14,59 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
 
 
-def _counts_here(param: torch.Tensor, layout: ParallelLayout) -> bool:
-    # A replicated parameter has the same gradient on every TP (and CP) rank: count it once.
+def counts_in_norm(model_param: torch.Tensor, layout: ParallelLayout) -> bool:
+    """Whether this rank's copy of ``model_param``'s gradient enters the global norm: a replicated
+    parameter has the same gradient on every TP (and CP) rank, so only rank 0 of those counts it."""
     if layout.cp_rank != 0:
         return False
-    return is_tensor_parallel(param) or layout.tp_rank == 0
+    return is_tensor_parallel(model_param) or layout.tp_rank == 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP gradients are DTensors over the data-parallel mesh: the local shard is what this rank owns.
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @torch.no_grad()
-def global_grad_norm(params: Iterable[torch.Tensor], layout: ParallelLayout) -> torch.Tensor:
-    """L2 norm of the full model's gradient (every shard on every model-parallel rank, once)."""
-    params = list(params)
-    device = params[0].device if params else torch.device("cpu")
-    params = [p for p in params if p.grad is not None]
-    grads = [p.grad.detach() for p in params if _counts_here(p, layout)]
+def grad_norm_of(grads: list[torch.Tensor], group: Optional[dist.ProcessGroup], device: torch.device,
+                 all_ranks: bool = False) -> torch.Tensor:
+    """L2 norm of ``grads`` summed in squares over ``group`` (or over every rank with ``all_ranks``)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
+    grads = [_local(g) for g in grads]
+    grads = [g for g in grads if g.numel() > 0]
     if grads:
         # One fused kernel per dtype/device instead of a temporary per gradient.
         norms = torch._foreach_norm(grads, 2.0)
         sq = torch.stack([n.float() for n in norms]).pow(2).sum()
-    group = layout.group("mp")
-    if group is not None and dist.get_world_size(group) > 1:
+    if all_ranks:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+    elif group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     return sq.sqrt()
+
+
+@torch.no_grad()
+def global_grad_norm(params: Iterable[torch.Tensor], layout: ParallelLayout) -> torch.Tensor:
+    """L2 norm of the full model's gradient when gradients are replicated over DP (plain DP)."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    grads = [p.grad.detach() for p in params if p.grad is not None and counts_in_norm(p, layout)]
+    return grad_norm_of(grads, layout.group("mp"), device)
+
+
+@torch.no_grad()
+def scale_grads(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient in place by a 0-d ``factor`` (no host sync)."""
+    grads = [_local(g) for g in grads if g is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor.to(device=grads[0].device, dtype=torch.float32))
+
+
+@torch.no_grad()
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / norm)``: always multiplied in, so no host-device sync decides whether to clip."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 @torch.no_grad()
@@ -41,7 +75,5 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, layout: Para
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, layout)
     if max_norm > 0 and params:
-        # Always multiply by the clamped coefficient: no host-device sync to decide whether to clip.
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
+        scale_grads([p.grad for p in params], clip_coefficient(norm, max_norm))
     return norm

@@ -57,7 +57,16 @@ def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
     if layout.group("dp_cp") is None and not layout.sequence_parallel:
         return  # one replica, nothing to reduce
     params = list(model.parameters())
-    if layout.sequence_parallel:
-        _all_reduce_coalesced(_grads(p for p in params if getattr(p, "sequence_parallel_grad", False)),
-                              layout.group("tp"))
+    reduce_sequence_parallel_grads(params, layout)
     _all_reduce_coalesced(_grads(params), layout.group("dp_cp"))
+
+
+@torch.no_grad()
+def reduce_sequence_parallel_grads(params: Iterable[torch.Tensor], layout: ParallelLayout) -> None:
+    """Sum over TP the gradients of replicated parameters that saw only this rank's slice of the
+    sequence (norm weights, row-parallel biases). Works on FSDP's sharded gradients too: TP ranks
+    at the same DP position hold the same shard, and the sums over TP and over DP commute."""
+    if not layout.sequence_parallel:
+        return
+    grads = _grads(p for p in params if getattr(p, "sequence_parallel_grad", False))
+    _all_reduce_coalesced([g.to_local() if hasattr(g, "to_local") else g for g in grads], layout.group("tp"))

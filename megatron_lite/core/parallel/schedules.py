@@ -30,6 +30,9 @@ class StepLoss:
     """Mean per-token loss over the global batch."""
     num_tokens: torch.Tensor
     """Loss tokens in the global batch."""
+    grad_scale: Optional[torch.Tensor] = None
+    """Factor that turns the accumulated gradients into those of the global-batch mean loss (times
+    the loss scale, if any); already applied unless the schedule ran with ``scale_grads=False``."""
 
 
 def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
@@ -76,32 +79,43 @@ def _sum_over_dp(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
 
 def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict], layout: ParallelLayout,
                                    loss_fn: LossFn = gpt_loss, forward_only: bool = False,
-                                   device: Optional[torch.device] = None) -> StepLoss:
+                                   device: Optional[torch.device] = None, loss_scale: Optional[float] = None,
+                                   scale_grads: bool = True) -> StepLoss:
     """Run every microbatch forward (and backward unless ``forward_only``), accumulating gradients.
 
     On return the gradients are this rank's share of the gradient of the global-batch mean loss
-    (they expect to start from zero); :func:`finalize_model_grads` sums them over DP.
+    (they expect to start from zero); :func:`finalize_model_grads` sums them over DP. With
+    ``loss_scale`` (fp16) the backward runs on ``loss x loss_scale / tokens per microbatch`` so that
+    half-precision gradients stay in range; with ``scale_grads=False`` the gradients are left
+    unnormalised and ``StepLoss.grad_scale`` says what to multiply them by (an optimizer that
+    reduces or copies gradients first applies it once, on fp32 main gradients).
     """
     device = device or next(model.parameters()).device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
+    backward_scale = 1.0
+    if loss_scale is not None and microbatches:
+        # Any constant works (it is divided out below); the microbatch's size keeps the scaled
+        # loss near a per-token mean, whatever the batch geometry.
+        backward_scale = loss_scale / max(1, next(iter(microbatches[0].values())).numel())
     for microbatch in microbatches:
         if forward_only:
             with torch.no_grad():
                 mb_loss, mb_tokens = loss_fn(model, microbatch)
         else:
             mb_loss, mb_tokens = loss_fn(model, microbatch)
-            mb_loss.backward()
+            (mb_loss * backward_scale if backward_scale != 1.0 else mb_loss).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
     # One collective for both sums; no host sync in the step.
     totals = _sum_over_dp(torch.stack([loss_sum, num_tokens]), layout)
     global_tokens = totals[1].clamp(min=1.0)  # an all-masked global batch contributes no gradient
-    if not forward_only:
+    grad_scale = ((loss_scale or 1.0) / (global_tokens * backward_scale)).to(torch.float32)
+    if not forward_only and scale_grads:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, (1.0 / global_tokens).to(grads[0].dtype))
-    return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1])
+            torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
+    return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1], grad_scale=grad_scale)
 
 
 def get_forward_backward_func(layout: ParallelLayout) -> Callable[..., StepLoss]:

@@ -1,14 +1,18 @@
 """Checks of a run's parallel configuration that run before any process group or weight exists."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.microbatches import build_num_microbatches_calculator
 
 
 def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, micro_batch_size: Optional[int] = None,
-                 global_batch_size: Optional[int] = None, seq_length: Optional[int] = None) -> int:
-    """Validate sizes against the world, the model and the batch geometry; return the DP size.
+                 global_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
+                 rampup_batch_size: Optional[Sequence[int]] = None) -> int:
+    """Validate sizes against the world, the model and the batch geometry (every batch of a ramp-up
+    ``[start, increment, rampup_samples]`` included); return the DP size.
 
     Every failure is a ValueError whose message says what to change.
     """
@@ -23,6 +27,8 @@ def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, m
                 f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) "
                 f"x data-parallel size ({dp}) = {unit}; set global_batch_size to a multiple of {unit} "
                 f"(e.g. {max(unit, global_batch_size // unit * unit)}) or change micro_batch_size / the device count.")
+        if rampup_batch_size is not None:
+            build_num_microbatches_calculator(global_batch_size, micro_batch_size, dp, rampup_batch_size)
     if model_config is not None and seq_length is not None and seq_length != model_config.seq_length:
         if model_config.position_embedding_type == "learned_absolute" and seq_length > model_config.max_position_embeddings:
             raise ValueError(

@@ -1,0 +1,292 @@
+"""MegatronMetrics: throughput, MFU, memory, consumed samples, perplexity and Megatron's timers,
+logged once per optimizer step interval, plus Megatron's one-line console log.
+
+Steps. GPTModule takes one optimizer step per Lightning batch, so every ``on_train_batch_end`` is
+one optimizer step and the metrics are logged through ``pl_module.log`` from that hook: they land in
+the same row, at the same step, as the module's ``train/loss`` (Lightning's logged step, the number
+of optimizer steps taken *before* this one; ``trainer.global_step`` counts this one too). Lightning
+writes only every ``log_every_n_steps`` and loggers write only on global rank 0, so nothing is
+written twice; ``rank_zero_only=True`` skips a pointless cross-rank sync of values every rank
+already has.
+
+Timing. The time of a step is the wall clock between consecutive ``on_train_batch_end`` calls
+(Megatron's ``interval-time``), averaged over the steps since the last log. The first step of a
+``fit`` is warm-up and never counted; validation inside the epoch is paused out.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from megatron_lite.callbacks.peak_flops import (
+    cuda_tf32_enabled,
+    known_gpu_peak_tflops,
+    measure_matmul_tflops,
+    precision_dtype,
+)
+from megatron_lite.core.estimator.flops import training_flops_per_step
+from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.timers import LogOption, Timers
+
+# Megatron's timer names and levels (0: always on; 1: per-step phases; 2: finest).
+INTERVAL_TIMER = ("interval-time", 0)
+FORWARD_BACKWARD_TIMER = ("forward-backward", 1)
+OPTIMIZER_TIMER = ("optimizer", 1)
+BATCH_GENERATOR_TIMER = ("batch-generator", 2)
+
+GIB = 2 ** 30
+
+
+def peak_memory_gib(device: torch.device) -> Optional[float]:
+    """Peak memory of this process in GiB: CUDA ``max_memory_allocated`` on a GPU, else the peak
+    resident set size (None where the ``resource`` module does not exist, i.e. Windows)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+
+
+class MegatronMetrics(pl.Callback):
+    """Megatron's training metrics for a Lightning run.
+
+    Logs ``train/consumed_samples``, ``train/tokens_per_sec`` (the whole job's tokens per second),
+    ``train/tflops_per_device``, ``train/mfu``, ``train/mem_peak_gib`` and ``timers/<name>`` (max
+    ms per step across ranks) at every logging step, and ``val/perplexity`` (``exp(val/loss)``)
+    after each validation. FLOPs come from :func:`training_flops_per_step` of the module's
+    ``config`` (a :class:`GPTConfig`) and the datamodule's ``global_batch_size``/``seq_length``.
+
+    Args:
+        peak_tflops_per_device: dense peak TFLOP/s of one device for MFU. None: the data-sheet peak
+            of a known GPU for the training precision, else (CPU, unknown GPU) a measured matmul peak.
+        timing_log_level: Megatron's ``--timing-log-level``: 0 times only whole steps, 1 adds
+            forward-backward and optimizer, 2 adds batch-generator (data loading and the loop around it).
+        timing_log_option: ``"minmax"``, ``"max"`` or ``"all"`` ranks, for the console timer block.
+        console: print Megatron's one-line iteration log (and the timer block) on global rank 0.
+
+    ``timers`` is the :class:`Timers` of the run (bound to the training device at setup): a module
+    may time its own phases with it.
+    """
+
+    def __init__(self, peak_tflops_per_device: Optional[float] = None, timing_log_level: int = 1,
+                 timing_log_option: LogOption = "minmax", console: bool = True) -> None:
+        super().__init__()
+        if peak_tflops_per_device is not None and not (isinstance(peak_tflops_per_device, (int, float))
+                                                       and peak_tflops_per_device > 0):
+            raise ValueError(f"peak_tflops_per_device must be a positive number of TFLOP/s or None (look it up "
+                             f"or measure it), got {peak_tflops_per_device!r}")
+        self.peak_tflops_per_device = peak_tflops_per_device
+        self.timing_log_level = timing_log_level
+        self.timing_log_option = timing_log_option
+        self.console = console
+        self.timers = Timers(timing_log_level, timing_log_option)  # validates both
+        self._measured_peaks: dict[tuple, float] = {}  # (device type, dtype, threads) -> TFLOP/s
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._peak_tflops: Optional[float] = None
+        self._flops_per_step: Optional[float] = None
+        self._global_batch_size: Optional[int] = None
+        self._seq_length: Optional[int] = None
+        self._timed_steps = 0  # steps in the interval timer since the last log
+        self._steps_since_log = 0  # steps since the last log, warm-up included (for the phase timers)
+        self._paused: list = []  # timers stopped for a validation inside training
+
+    # --- set-up ---------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.timers = Timers(self.timing_log_level, self.timing_log_option, device=trainer.strategy.root_device)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._reset_run_state()
+        datamodule = getattr(trainer, "datamodule", None)
+        self._global_batch_size = getattr(datamodule, "global_batch_size", None)
+        self._seq_length = getattr(datamodule, "seq_length", None)
+        config = getattr(pl_module, "config", None)
+        if isinstance(config, GPTConfig) and self._global_batch_size and self._seq_length:
+            layout = getattr(trainer.strategy, "parallel_layout", None)
+            tp = layout.tp_size if layout is not None else 1  # decides the vocabulary padding
+            self._flops_per_step = training_flops_per_step(config, self._global_batch_size, self._seq_length,
+                                                           tensor_model_parallel_size=tp)
+            self._peak_tflops = self._resolve_peak(trainer)
+        else:
+            rank_zero_warn("MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
+                           "datamodule with `global_batch_size` and `seq_length` (e.g. GPTModule + MockGPTDataModule).")
+
+    def _resolve_peak(self, trainer: "pl.Trainer") -> float:
+        if self.peak_tflops_per_device is not None:
+            return float(self.peak_tflops_per_device)
+        device = trainer.strategy.root_device
+        dtype = precision_dtype(trainer.precision)
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            known = known_gpu_peak_tflops(name, dtype, tf32=cuda_tf32_enabled())
+            if known is not None:
+                return known
+            rank_zero_warn(f"no data-sheet peak for {name!r} in {dtype}: MFU uses a measured matmul peak; pass "
+                           f"MegatronMetrics(peak_tflops_per_device=...) for the real one.")
+        key = (str(device), dtype, torch.get_num_threads())
+        if key not in self._measured_peaks:
+            self._measured_peaks[key] = measure_matmul_tflops(device, dtype)
+        return self._measured_peaks[key]
+
+    # --- timing around Lightning's hooks ----------------------------------------------------
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
+        if not batch_generator.started:
+            batch_generator.start()
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
+        if batch_generator.started:
+            batch_generator.stop()
+        self.timers(*FORWARD_BACKWARD_TIMER).start()
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        # Fires inside the module's optimizer.step() (manual optimization too), after gradient
+        # reduction and clipping: those count as forward-backward, like Megatron's grad sync does.
+        forward_backward = self.timers(*FORWARD_BACKWARD_TIMER)
+        if forward_backward.started:
+            forward_backward.stop()
+            self.timers(*OPTIMIZER_TIMER).start()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        for phase in (OPTIMIZER_TIMER, FORWARD_BACKWARD_TIMER):
+            timer = self.timers(*phase)
+            if timer.started:
+                timer.stop()
+        interval = self.timers(*INTERVAL_TIMER)
+        if interval.started:
+            self._timed_steps += 1
+        else:
+            interval.start()  # the first step is warm-up: the interval starts at its end
+        self._steps_since_log += 1
+        every = trainer.log_every_n_steps
+        periodic = every > 0 and trainer.global_step % every == 0
+        if periodic or (every > 0 and trainer.should_stop):
+            self._log_interval(trainer, pl_module, gather_timers=periodic)
+        self.timers(*BATCH_GENERATOR_TIMER).start()
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
+        if batch_generator.started:
+            batch_generator.stop()  # the last fetch of the epoch, which found no batch
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.training or trainer.state.fn != "fit":
+            return
+        names = (INTERVAL_TIMER, BATCH_GENERATOR_TIMER)
+        self._paused = [self.timers(*n) for n in names if self.timers(*n).started]
+        for timer in self._paused:
+            timer.stop()
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        for timer in self._paused:
+            timer.start()
+        self._paused = []
+
+    # --- logging -------------------------------------------------------------------------
+    def _log_interval(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool) -> None:
+        metrics: dict[str, float] = {}
+        if self._global_batch_size:
+            metrics["train/consumed_samples"] = float((trainer.global_step - 1) * self._global_batch_size)
+        ms_per_step = None
+        if self._timed_steps > 0:
+            ms_per_step = self.timers(*INTERVAL_TIMER).elapsed(reset=True) * 1000.0 / self._timed_steps
+            seconds = ms_per_step / 1000.0
+            if self._global_batch_size and self._seq_length:
+                metrics["train/tokens_per_sec"] = self._global_batch_size * self._seq_length / seconds
+            if self._flops_per_step is not None:
+                tflops = self._flops_per_step / seconds / trainer.world_size / 1e12
+                metrics["train/tflops_per_device"] = tflops
+                if self._peak_tflops:
+                    metrics["train/mfu"] = tflops / self._peak_tflops
+            self._timed_steps = 0
+        memory = peak_memory_gib(trainer.strategy.root_device)
+        if memory is not None:
+            metrics["train/mem_peak_gib"] = memory
+        timer_text = ""
+        phase_names = [n for n in self.timers.names if n != INTERVAL_TIMER[0]]
+        if gather_timers and phase_names:
+            # A collective: every rank reaches here at the same global_step.
+            report = self.timers.log(phase_names, normalizer=max(self._steps_since_log, 1))
+            metrics.update(report.metrics())
+            timer_text = report.text
+        self._steps_since_log = 0
+        for name, value in metrics.items():
+            pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
+                          rank_zero_only=True)
+        if self.console and trainer.is_global_zero:
+            self._print(trainer, iteration_line(trainer, metrics, ms_per_step, self._global_batch_size))
+            if timer_text:
+                self._print(trainer, timer_text)
+
+    @staticmethod
+    def _print(trainer: "pl.Trainer", text: str) -> None:
+        bar = trainer.progress_bar_callback
+        if bar is not None and hasattr(bar, "print"):
+            bar.print(text)  # above the progress bar, without breaking it
+        else:
+            print(text, flush=True)
+
+    def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._log_perplexity(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._log_perplexity(trainer, pl_module, "test")
+
+    @staticmethod
+    def _log_perplexity(trainer: "pl.Trainer", pl_module: "pl.LightningModule", prefix: str) -> None:
+        """``exp`` of the epoch's mean loss per token (the module's ``<prefix>/loss``, synced across
+        ranks, so every rank logs the same value; ``sync_dist`` then averages equal numbers, which
+        keeps the metric usable as a ``monitor``)."""
+        if trainer.sanity_checking:
+            return
+        loss = trainer.callback_metrics.get(f"{prefix}/loss")
+        if loss is None:
+            return
+        pl_module.log(f"{prefix}/perplexity", torch.exp(loss.detach().double()), on_step=False, on_epoch=True,
+                      sync_dist=True)
+
+
+def iteration_line(trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[float],
+                   global_batch_size: Optional[int]) -> str:
+    """Megatron's console log of an interval, in Megatron's order: iteration N/M, consumed samples,
+    ms per iteration, TFLOP/s per device, learning rate, global batch size, loss, loss scale, grad
+    norm, skipped iterations. The module's values (``train/lr``, ``train/loss``, ``train/loss_scale``,
+    ``train/grad_norm``, ``train/skipped_steps``) appear when it logged them. N counts the optimizer
+    steps done, like Megatron's ``iteration``."""
+    logged = trainer.callback_metrics
+
+    def module_value(key: str, label: str, fmt: str) -> Optional[str]:
+        if key not in logged:
+            return None
+        value = float(logged[key])
+        return f"{label}: {format(value, fmt) if math.isfinite(value) else value}"
+
+    total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "?"
+    consumed = metrics.get("train/consumed_samples")
+    tflops = metrics.get("train/tflops_per_device")
+    parts = [
+        f"iteration {trainer.global_step:>8d}/{total:>8}",
+        f"consumed samples: {int(consumed):>12d}" if consumed is not None else None,
+        f"elapsed time per iteration (ms): {ms_per_step:.1f}" if ms_per_step is not None else None,
+        f"throughput per device (TFLOP/s/device): {tflops:.3f}" if tflops is not None else None,
+        module_value("train/lr", "learning rate", ".6E"),
+        f"global batch size: {global_batch_size:>5d}" if global_batch_size else None,
+        module_value("train/loss", "loss", ".6E"),
+        module_value("train/loss_scale", "loss scale", ".1f"),
+        module_value("train/grad_norm", "grad norm", ".3f"),
+        module_value("train/skipped_steps", "skipped iterations", ".0f"),
+    ]
+    return " | ".join(p for p in parts if p is not None) + " |"

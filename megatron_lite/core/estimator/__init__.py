@@ -1,0 +1,37 @@
+"""FLOPs and memory of a training run, estimated from the config and measured on a real model.
+
+Plain PyTorch (no Lightning): :mod:`flops` counts model FLOPs per step, :mod:`memory` estimates
+per-rank bytes for a parallel layout, :mod:`probe` measures activation bytes of a real forward.
+"""
+from megatron_lite.core.estimator.flops import (
+    FlopsBreakdown,
+    forward_flops_breakdown,
+    forward_flops_per_token,
+    megatron_formula_flops,
+    training_flops_per_step,
+)
+from megatron_lite.core.estimator.memory import (
+    KERNEL_SAVES,
+    PRECISION_BYTES,
+    ActivationBreakdown,
+    EstimateLayout,
+    MemoryEstimate,
+    ParamShape,
+    activation_breakdown,
+    estimate_for_run,
+    estimate_memory,
+    format_bytes,
+    format_table,
+    korthikanti_activation_bytes_per_layer,
+    normalize_precision,
+    parameter_shapes,
+)
+from megatron_lite.core.estimator.probe import SavedTensorsReport, measure_activation_bytes, measure_saved_tensors
+
+__all__ = [
+    "FlopsBreakdown", "forward_flops_breakdown", "forward_flops_per_token", "megatron_formula_flops",
+    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "EstimateLayout",
+    "MemoryEstimate", "ParamShape", "activation_breakdown", "estimate_for_run", "estimate_memory", "format_bytes",
+    "format_table", "korthikanti_activation_bytes_per_layer", "normalize_precision", "parameter_shapes",
+    "SavedTensorsReport", "measure_activation_bytes", "measure_saved_tensors",
+]

@@ -1,0 +1,100 @@
+"""Model FLOPs of a dense GPT (DESIGN.md section 3, "FLOPs per step").
+
+Conventions (those of Megatron-LM and of MFU):
+
+* Only matrix multiplications are counted, 2 FLOPs per multiply-add; norms, activations, softmax,
+  rotary embedding and the optimizer are left out (they are a fraction of a percent at scale).
+* Causal attention is counted at half: ``QK^T`` and ``attention x V`` cost ``2 s d`` per query head
+  and token each over the full square, and a causal mask needs half of it. Kernels that skip the
+  masked blocks (flash attention) do about that much work; a dense kernel does twice as much.
+* The logits use the padded vocabulary (Megatron's ``padded_vocab_size``): that is the matrix the
+  hardware multiplies. The input embedding is a lookup and costs nothing.
+* Training = forward + backward = 3 x forward (the backward computes the gradients of both the
+  inputs and the weights of every matmul), i.e. ``6 x parameters`` per token plus attention.
+* Activation recomputation does **not** change these numbers: model FLOPs count the work the model
+  needs, not the work the hardware repeats, which is what makes MFU comparable across recompute
+  settings (Megatron's "hardware FLOPs" would add one more forward of the recomputed part).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from megatron_lite.core.models.config import GPTConfig
+
+FORWARD_AND_BACKWARD = 3  # backward = gradient w.r.t. the inputs + gradient w.r.t. the weights
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """Forward FLOPs per token of the whole model, by part (matmuls only, 2 FLOPs per multiply-add)."""
+
+    qkv: float
+    """Query/key/value projection of every layer (with GQA the keys and values are narrower)."""
+    attention: float
+    """``QK^T`` and ``attention x V`` of every layer; causal attention counted at half unless asked otherwise."""
+    projection: float
+    """Attention output projection of every layer."""
+    mlp: float
+    """MLP of every layer (the fused gate/up projection of SwiGLU is 3/2 of a plain ``h -> ffn -> h`` MLP)."""
+    logits: float
+    """Output layer over the padded vocabulary."""
+
+    @property
+    def total(self) -> float:
+        """Sum of all parts."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def matmul_with_weights(self) -> float:
+        """Every part that multiplies by a weight matrix (all but ``attention``): ``2 x`` those parameters."""
+        return self.total - self.attention
+
+
+def forward_flops_breakdown(config: GPTConfig, seq_length: Optional[int] = None, *,
+                            tensor_model_parallel_size: int = 1, causal: bool = True) -> FlopsBreakdown:
+    """Forward FLOPs per token of ``config`` at ``seq_length`` (default: the config's).
+
+    ``tensor_model_parallel_size`` only decides the vocabulary padding (Megatron pads to a multiple
+    of ``make_vocab_size_divisible_by x tp``). ``causal=False`` counts the full attention square, as
+    a dense attention kernel (or ``torch.utils.flop_counter``) does.
+    """
+    s = config.seq_length if seq_length is None else seq_length
+    h, layers, d = config.hidden_size, config.num_layers, config.kv_channels
+    q_width = config.num_attention_heads * d
+    kv_width = 2 * config.num_query_groups * d
+    gated = 2 if config.activation == "swiglu" else 1  # SwiGLU's fc1 holds gate and up
+    vocab = config.padded_vocab_size(tensor_model_parallel_size)
+    attention_square = 2 * (2 * s * q_width)  # QK^T and AV over all s keys, per query token
+    return FlopsBreakdown(
+        qkv=layers * 2.0 * h * (q_width + kv_width),
+        attention=layers * float(attention_square) / (2 if causal else 1),
+        projection=layers * 2.0 * q_width * h,
+        mlp=layers * 2.0 * (h * gated * config.ffn_hidden_size + config.ffn_hidden_size * h),
+        logits=2.0 * h * vocab,
+    )
+
+
+def forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None, *,
+                            tensor_model_parallel_size: int = 1) -> float:
+    """Forward FLOPs per token (causal attention at half, padded vocabulary, matmuls only)."""
+    return forward_flops_breakdown(config, seq_length, tensor_model_parallel_size=tensor_model_parallel_size).total
+
+
+def training_flops_per_step(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None, *,
+                            tensor_model_parallel_size: int = 1) -> float:
+    """Model FLOPs of one optimizer step over ``global_batch_size`` samples: ``3 x forward``, summed
+    over every rank (divide by the number of devices for per-device FLOPs). Recompute is not counted."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
+    s = config.seq_length if seq_length is None else seq_length
+    per_token = forward_flops_per_token(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
+    return FORWARD_AND_BACKWARD * per_token * global_batch_size * s
+
+
+def megatron_formula_flops(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                           vocab_size: int) -> float:
+    """``72 B s L h^2 (1 + s/(12h) + V/(12 L h))``: training FLOPs of a GPT with ffn = 4h, no GQA, a
+    plain (non-gated) MLP and causal attention at half (Narayanan et al. 2021 without recompute)."""
+    b, s, layers, h, v = batch_size, seq_length, num_layers, hidden_size, vocab_size
+    return 72.0 * b * s * layers * h * h * (1.0 + s / (12.0 * h) + v / (12.0 * layers * h))

@@ -1,0 +1,535 @@
+"""Per-rank memory estimate of a training run: weights, gradients, optimizer state, activations.
+
+Weights, gradients and optimizer state are counted from the model's real parameter tensors
+(:func:`parameter_shapes` mirrors :class:`~megatron_lite.core.models.gpt.GPTModel`: TP shards of the
+column/row-parallel weights and of the padded vocabulary, replicated norms and row-parallel biases),
+times the bytes per parameter of the precision (:data:`PRECISION_BYTES`, the one table to edit when
+the precision handling changes).
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): add up, layer by layer, every tensor that autograd keeps for the backward pass. Their
+``s b h (34 + 5 a s / h)`` per layer assumes GPT-3's blocks (LayerNorm, GeLU, dropout, a dense
+softmax) in 16-bit and is :func:`korthikanti_activation_bytes_per_layer`; :func:`activation_breakdown`
+applies the same accounting to what this code base's model really saves (RMSNorm or LayerNorm,
+SwiGLU or GeLU, GQA, RoPE, a fused QKV output that ``v`` is a view of, flash attention that keeps no
+``s x s`` matrix, fp32 residual stream under autocast, the autocast's bf16 weight copies, the fp32
+softmax of the loss) and is checked against :mod:`megatron_lite.core.estimator.probe` in the tests.
+Temporaries freed during the forward or backward (e.g. the gradient of the logits) are not counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_lite.core.models.config import GPTConfig
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of what a precision setting keeps."""
+
+    weight: int
+    """Each parameter as the model holds it."""
+    grad: int
+    """Its gradient (Megatron keeps fp32 "main grads" for half-precision weights)."""
+    master: int
+    """An fp32 master copy held by the optimizer (0 when the parameters are already fp32)."""
+    moment: int
+    """Each optimizer moment (Adam keeps two, SGD with momentum one)."""
+    compute: int
+    """Matmul inputs and outputs (what autocast casts to)."""
+    residual: int
+    """The residual stream and the norms' inputs (autocast leaves additions and norms in fp32)."""
+
+
+# Bytes per element for each Lightning precision string. The strategy runs "32-true" and "bf16-mixed"
+# today. "*-mixed" is torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes (the
+# distributed optimizer shards the 8 of Adam: 8 + 8/dp). "*-true" is entered as Megatron's
+# mixed-precision layout (half parameters, fp32 main grads, fp32 master copy + Adam): 2 + 4 + 4 + 8 = 18,
+# or 6 + 12/dp with the distributed optimizer (DESIGN.md); if half gradients are kept instead, set
+# grad=2 here (16 bytes).
+PRECISION_BYTES = {
+    "32-true": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=4, residual=4),
+    "bf16-mixed": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=2, residual=4),
+    "16-mixed": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=2, residual=4),
+    "bf16-true": PrecisionBytes(weight=2, grad=4, master=4, moment=4, compute=2, residual=2),
+    "16-true": PrecisionBytes(weight=2, grad=4, master=4, moment=4, compute=2, residual=2),
+    "64-true": PrecisionBytes(weight=8, grad=8, master=0, moment=8, compute=8, residual=8),
+}
+# Lightning's short spellings (Trainer(precision=...)).
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "half": "16-true"}
+
+
+@dataclass(frozen=True)
+class KernelSaves:
+    """What the kernels of a device type keep for backward, where CPU and CUDA differ (measured)."""
+
+    rms_norm_saves_normalized: bool
+    """RMSNorm also keeps ``x * rstd`` (an extra ``s b h`` tensor) for the weight gradient."""
+    dropout_mask_bytes: Optional[int]
+    """Bytes per element of a dropout mask; None: the mask has the activation's dtype."""
+    attention_dropout_materializes_scores: bool
+    """Attention with dropout falls back to the dense kernel that keeps ``s x s`` scores and masks."""
+    dense_attention_in_fp32: bool
+    """That dense kernel computes 16-bit attention in fp32 (CPU's math kernel upcasts q, k and v)."""
+
+
+KERNEL_SAVES = {
+    "cpu": KernelSaves(rms_norm_saves_normalized=True, dropout_mask_bytes=None,
+                       attention_dropout_materializes_scores=True, dense_attention_in_fp32=True),
+    "cuda": KernelSaves(rms_norm_saves_normalized=False, dropout_mask_bytes=1,
+                        attention_dropout_materializes_scores=False, dense_attention_in_fp32=False),
+}
+
+
+def normalize_precision(precision) -> str:
+    """Lightning's precision spelling (``"bf16"``, ``16``, ``"32-true"``, ...) as a key of :data:`PRECISION_BYTES`."""
+    key = str(precision)
+    key = PRECISION_ALIASES.get(key, key)
+    if key not in PRECISION_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; use one of {sorted(PRECISION_BYTES)}")
+    return key
+
+
+@dataclass
+class EstimateLayout:
+    """How one training run is laid out over its ranks (what the estimate depends on besides the model)."""
+
+    micro_batch_size: int
+    """Samples per microbatch."""
+    seq_length: int
+    """Tokens per sample."""
+    tensor_model_parallel_size: int = 1
+    """TP size."""
+    data_parallel_size: int = 1
+    """DP size."""
+    pipeline_model_parallel_size: int = 1
+    """PP size (stages of equal layer counts; the estimate is for the most loaded stage)."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout activations along the sequence inside TP groups."""
+    precision: str = "32-true"
+    """Lightning precision string (see :data:`PRECISION_BYTES`)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state (and master weights) over DP (ZeRO-1)."""
+    use_torch_fsdp2: bool = False
+    """Shard weights, gradients and optimizer state over DP (FSDP2, ZeRO-3)."""
+    optimizer: str = "adam"
+    """'adam' (two moments) or 'sgd'."""
+    sgd_momentum: float = 0.9
+    """SGD momentum (0 keeps no state)."""
+    num_microbatches: int = 1
+    """Microbatches per optimizer step on each DP rank."""
+    device_type: str = "cuda"
+    """'cuda' or 'cpu': which kernels' saved tensors to assume (:data:`KERNEL_SAVES`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "seq_length", "tensor_model_parallel_size", "data_parallel_size",
+                     "pipeline_model_parallel_size", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.precision = normalize_precision(self.precision)
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.device_type not in KERNEL_SAVES:
+            raise ValueError(f"device_type must be one of {sorted(KERNEL_SAVES)}, got {self.device_type!r}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1; set sequence_parallel=False")
+        if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
+            raise ValueError(f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size "
+                             f"({self.tensor_model_parallel_size}) with sequence_parallel=True")
+        if self.use_distributed_optimizer and self.use_torch_fsdp2:
+            raise ValueError("use_distributed_optimizer and use_torch_fsdp2 are alternatives (FSDP2 already shards "
+                             "the optimizer state); set one of them")
+
+
+# --- parameters -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter tensor as a rank holds it."""
+
+    name: str
+    """Name in ``GPTModel.named_parameters()``."""
+    shape: tuple
+    """Local (per-rank) shape."""
+    is_matmul_weight: bool
+    """Multiplied as a matrix (autocast keeps a low-precision copy of it during the step)."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the local tensor."""
+        return math.prod(self.shape)
+
+
+def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                     pipeline_stage: int = 0) -> list:
+    """The :class:`ParamShape` of every parameter one rank of ``pipeline_stage`` holds, in the model's order.
+
+    With pipelining the first stage holds the embedding, the last the final norm and the output
+    layer (with tied embeddings a copy of the word embedding, as Megatron does).
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    config.validate_parallelism(tp, pp)
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    vocab = config.padded_vocab_size(tp)
+    qkv = d * (config.num_attention_heads + 2 * config.num_query_groups)
+    fc1 = f * (2 if config.activation == "swiglu" else 1)
+    first, last = pipeline_stage == 0, pipeline_stage == pp - 1
+    out: list = []
+
+    def norm(prefix: str) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (h,), False))
+        if config.normalization == "LayerNorm":
+            out.append(ParamShape(f"{prefix}.bias", (h,), False))
+
+    def linear(prefix: str, rows: int, cols: int, bias: Optional[tuple]) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (rows, cols), True))
+        if bias is not None:
+            out.append(ParamShape(f"{prefix}.bias", bias, False))
+
+    bias = config.add_bias_linear
+    if first:
+        out.append(ParamShape("embedding.weight", (vocab // tp, h), False))
+        if config.position_embedding_type == "learned_absolute":
+            out.append(ParamShape("position_embeddings.weight", (config.max_position_embeddings, h), False))
+    per_stage = config.num_layers // pp
+    for i in range(pipeline_stage * per_stage, (pipeline_stage + 1) * per_stage):
+        p = f"layers.{i}"
+        norm(f"{p}.input_layernorm")
+        # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
+        linear(f"{p}.self_attention.linear_qkv", qkv // tp, h,
+               (qkv // tp,) if bias or config.add_qkv_bias else None)
+        linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, (h,) if bias else None)
+        norm(f"{p}.pre_mlp_layernorm")
+        linear(f"{p}.mlp.linear_fc1", fc1 // tp, h, (fc1 // tp,) if bias else None)
+        linear(f"{p}.mlp.linear_fc2", h, f // tp, (h,) if bias else None)
+    if last:
+        norm("final_layernorm")
+        if not config.share_embeddings_and_output_weights or not first:
+            name = "output_layer.weight" if not config.share_embeddings_and_output_weights else "embedding.weight"
+            out.append(ParamShape(name, (vocab // tp, h), True))
+        else:
+            # Tied on one stage: the output layer multiplies by the embedding table itself.
+            out[0] = ParamShape("embedding.weight", (vocab // tp, h), True)
+    return out
+
+
+# --- activations ----------------------------------------------------------------------------------
+@dataclass
+class ActivationBreakdown:
+    """Bytes one rank keeps for backward, by part (one microbatch unless said otherwise)."""
+
+    embedding: int = 0
+    """Token/position ids, embedding dropout mask, rotary tables."""
+    per_layer: int = 0
+    """One transformer layer without recompute."""
+    layers: int = 0
+    """All layers of this rank's stage, with the recompute setting applied."""
+    output: int = 0
+    """Final norm, output-layer input and the fp32 softmax the loss keeps."""
+    microbatches_in_flight: int = 1
+    """Microbatches whose activations are alive at once (1 without pipelining; 1F1B: up to pp)."""
+    recompute_working_set: int = 0
+    """During backward, the recomputed chunk's full activations (once, not per microbatch)."""
+    autocast_weight_copies: int = 0
+    """Autocast's low-precision copies of the matmul weights, kept until backward (once per step)."""
+    parts: dict = field(default_factory=dict)
+    """Per-layer bytes by tensor (for reports and tests)."""
+
+    @property
+    def total(self) -> int:
+        """Peak activation bytes of the rank."""
+        per_microbatch = self.embedding + self.layers + self.output
+        return self.microbatches_in_flight * per_microbatch + self.recompute_working_set + self.autocast_weight_copies
+
+
+def _layer_parts(config: GPTConfig, layout: EstimateLayout) -> dict:
+    """Bytes one layer saves, by tensor, for one microbatch on one rank (see the module docstring)."""
+    tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
+    kernels = KERNEL_SAVES[layout.device_type]
+    s, b, h, d = layout.seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
+    tokens = s * b  # inside TP regions every rank sees the whole sequence ...
+    local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
+    c, r = pb.compute, pb.residual
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    ffn = config.ffn_hidden_size // tp
+    gqa, rope = heads != groups, config.position_embedding_type == "rope"
+    math_attention = config.attention_dropout > 0 and kernels.attention_dropout_materializes_scores
+
+    def mask(element_bytes: int) -> int:
+        return kernels.dropout_mask_bytes or element_bytes
+
+    parts: dict = {}
+    norm = local * h * r + local * 4 * (2 if config.normalization == "LayerNorm" else 1)
+    if config.normalization == "RMSNorm" and kernels.rms_norm_saves_normalized:
+        norm += local * h * r
+    parts["norms"] = 2 * norm
+    parts["linear_inputs"] = 2 * tokens * h * c  # QKV and fc1 inputs, all-gathered under SP
+    # q, k, v as attention receives them: RoPE makes new q and k, GQA repeats k and v to every head,
+    # and whatever is still a view keeps the whole fused QKV output alive.
+    qkv_out = tokens * (heads + 2 * groups) * d * c
+    q = tokens * heads * d * c if rope or gqa else None  # with GQA, cutting q out of the groups copies it
+    k = tokens * heads * d * c if gqa else (tokens * groups * d * c if rope else None)
+    v = tokens * heads * d * c if gqa else None
+    dense = 4 if kernels.dense_attention_in_fp32 else c
+    if math_attention:  # the dense kernel keeps scaled copies of q and k (and an upcast v), not the originals
+        q = k = tokens * heads * d * dense
+        v = tokens * heads * d * dense if dense != c else v
+    parts["qkv"] = sum(x for x in (q, k, v) if x is not None) + (qkv_out if None in (q, k, v) else 0)
+    attn_out = tokens * heads * d * c
+    if math_attention:
+        probs = b * heads * s * s
+        parts["attention_scores"] = probs * (2 * dense + mask(dense))  # softmax, dropout mask, dropped probs
+        parts["attention_out"] = attn_out  # the projection's input
+    else:
+        parts["attention_out"] = attn_out  # also the projection's input
+        parts["logsumexp"] = b * heads * s * 4
+    gated = config.activation == "swiglu"
+    parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
+    if config.hidden_dropout > 0:
+        branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
+        parts["dropout_masks"] = 2 * local * h * mask(branch)
+    return parts
+
+
+def _rope_bytes(config: GPTConfig, layout: EstimateLayout, layers: int) -> int:
+    if config.position_embedding_type != "rope":
+        return 0
+    rot = int(config.kv_channels * config.rotary_percent)
+    rot -= rot % 2
+    c = PRECISION_BYTES[layout.precision].compute
+    if c == 4:
+        return 2 * layout.seq_length * rot * 4  # cos and sin, shared by every layer
+    return layers * 4 * layout.seq_length * rot * c  # each q/k rotation casts its own cos/sin copy
+
+
+def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_stage: int = 0) -> ActivationBreakdown:
+    """Activation bytes of one rank of ``pipeline_stage`` (see the module docstring)."""
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    pb = PRECISION_BYTES[layout.precision]
+    kernels = KERNEL_SAVES[layout.device_type]
+    tokens = layout.seq_length * layout.micro_batch_size
+    local = tokens // tp if layout.sequence_parallel else tokens
+    h = config.hidden_size
+    parts = _layer_parts(config, layout)
+    per_layer = sum(parts.values())
+    stage_layers = config.num_layers // pp
+    layers, working_set = _apply_recompute(config, stage_layers, parts, local * h * pb.residual)
+    first, last = pipeline_stage == 0, pipeline_stage == pp - 1
+    embedding = _rope_bytes(config, layout, stage_layers)
+    if first:
+        embedding += tokens * 8 + (tokens if tp > 1 else 0)  # ids (+ the out-of-shard mask under TP)
+        if config.position_embedding_type == "learned_absolute":
+            embedding += layout.seq_length * 8
+        if config.hidden_dropout > 0:
+            embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
+    output = 0
+    if last:
+        norm = local * h * pb.residual + local * 4 * (2 if config.normalization == "LayerNorm" else 1)
+        if config.normalization == "RMSNorm" and kernels.rms_norm_saves_normalized:
+            norm += local * h * pb.residual
+        vocab = config.padded_vocab_size(tp) // tp
+        output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
+    copies = 0
+    if pb.compute < pb.weight:
+        copies = sum(p.numel for p in parameter_shapes(config, tp, pp, pipeline_stage) if p.is_matmul_weight)
+        copies *= pb.compute
+    in_flight = min(pp - pipeline_stage, layout.num_microbatches)
+    return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=layers, output=output,
+                               microbatches_in_flight=in_flight, recompute_working_set=working_set,
+                               autocast_weight_copies=copies, parts=parts)
+
+
+def _apply_recompute(config: GPTConfig, stage_layers: int, parts: dict, layer_input: int) -> tuple:
+    """(bytes kept by the stage's layers, bytes of the chunk recomputed during backward).
+
+    Read with getattr so that configs without the recompute fields work. Full recompute keeps only
+    each chunk's input; 'uniform' chunks ``recompute_num_layers`` layers together, 'block' recomputes
+    the first ``recompute_num_layers`` layers of the stage and stores the rest. Selective recompute
+    (core attention) drops the ``s x s`` scores and the logsumexp, which flash attention does not keep.
+    """
+    granularity = getattr(config, "recompute_granularity", None)
+    method = getattr(config, "recompute_method", None) or "uniform"
+    chunk = getattr(config, "recompute_num_layers", None) or 1
+    per_layer = sum(parts.values())
+    if granularity is None:
+        return stage_layers * per_layer, 0
+    if granularity == "selective":
+        kept = per_layer - parts.get("attention_scores", 0) - parts.get("logsumexp", 0)
+        return stage_layers * kept, 0
+    if granularity != "full":
+        raise ValueError(f"recompute_granularity must be 'full', 'selective' or None, got {granularity!r}")
+    if method == "block":
+        recomputed = min(chunk, stage_layers)
+        return recomputed * layer_input + (stage_layers - recomputed) * per_layer, per_layer if recomputed else 0
+    chunks = -(-stage_layers // chunk)
+    return chunks * layer_input, min(chunk, stage_layers) * per_layer
+
+
+def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
+                                           num_attention_heads: int, tensor_model_parallel_size: int = 1,
+                                           sequence_parallel: bool = False, selective_recompute: bool = False) -> float:
+    """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations, 1-byte dropout masks, ffn = 4h, dense softmax):
+    ``s b h (10 + 24/t + 5 a s/(h t))``, ``s b h (34 + 5 a s/h)/t`` with SP, the ``5 a s/h`` term dropped
+    by selective recompute."""
+    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tensor_model_parallel_size
+    scores = 0.0 if selective_recompute else 5.0 * a * s / h
+    if sequence_parallel:
+        return s * b * h * (34.0 + scores) / t
+    return s * b * h * (10.0 + 24.0 / t + scores / t)
+
+
+# --- the estimate ---------------------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    """Memory of one rank (the most loaded pipeline stage), in bytes unless said otherwise."""
+
+    params: int
+    """Parameters of this rank's TP/PP shard of the model (before any DP sharding)."""
+    model_params: int
+    """Parameters of the whole model (padded vocabulary at this TP size)."""
+    weights_bytes: int
+    """Parameters as held (divided over DP under FSDP2)."""
+    grads_bytes: int
+    """Gradients."""
+    optimizer_bytes: int
+    """Optimizer state (moments and master weights) with the configured optimizer sharding."""
+    optimizer_bytes_replicated: int
+    """Optimizer state without the distributed optimizer."""
+    optimizer_bytes_distributed: int
+    """Optimizer state with the distributed optimizer (sharded over DP)."""
+    optimizer_host_bytes: int
+    """torch's Adam keeps one fp32 step counter per tensor in host memory (counted in the total on CPU)."""
+    activation_bytes: int
+    """Activations kept for backward at the peak (see :class:`ActivationBreakdown`)."""
+    total_bytes: int
+    """Sum of the above on the device."""
+    pipeline_stage: int
+    """The stage this estimate is for."""
+    activations: ActivationBreakdown
+    """Activation bytes by part."""
+    layout: EstimateLayout
+    """What the estimate was made for."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (bytes as integers)."""
+        out = {name: getattr(self, name) for name in (
+            "params", "model_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "optimizer_bytes_replicated",
+            "optimizer_bytes_distributed", "optimizer_host_bytes", "activation_bytes", "total_bytes",
+            "pipeline_stage")}
+        acts = self.activations
+        out["activation_breakdown"] = {
+            "per_layer": acts.per_layer, "layers": acts.layers, "embedding": acts.embedding, "output": acts.output,
+            "microbatches_in_flight": acts.microbatches_in_flight, "recompute_working_set": acts.recompute_working_set,
+            "autocast_weight_copies": acts.autocast_weight_copies}
+        out["layout"] = {k: getattr(self.layout, k) for k in self.layout.__dataclass_fields__}
+        return out
+
+
+def _optimizer_moments(layout: EstimateLayout) -> int:
+    if layout.optimizer == "adam":
+        return 2
+    return 1 if layout.sgd_momentum > 0 else 0
+
+
+def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> MemoryEstimate:
+    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    pb = PRECISION_BYTES[layout.precision]
+    shapes = parameter_shapes(config, tp, pp, stage)
+    params = sum(p.numel for p in shapes)
+    state_per_param = pb.master + _optimizer_moments(layout) * pb.moment
+    if layout.use_torch_fsdp2:  # every tensor split along dim 0 (rank 0 holds the rounded-up share)
+        held = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in shapes)
+        weights, grads = held * pb.weight, held * pb.grad
+        replicated = distributed = optimizer = held * state_per_param
+    else:
+        weights, grads = params * pb.weight, params * pb.grad
+        replicated = params * state_per_param
+        distributed = -(-params // dp) * state_per_param
+        optimizer = distributed if layout.use_distributed_optimizer else replicated
+    host = 4 * len(shapes) if layout.optimizer == "adam" else 0
+    acts = activation_breakdown(config, layout, stage)
+    total = weights + grads + optimizer + acts.total + (host if layout.device_type == "cpu" else 0)
+    model_params = sum(p.numel for s in range(pp) for p in parameter_shapes(config, tp, pp, s)) * tp
+    return MemoryEstimate(params=params, model_params=model_params, weights_bytes=weights, grads_bytes=grads,
+                          optimizer_bytes=optimizer, optimizer_bytes_replicated=replicated,
+                          optimizer_bytes_distributed=distributed, optimizer_host_bytes=host,
+                          activation_bytes=acts.total, total_bytes=total, pipeline_stage=stage, activations=acts,
+                          layout=layout)
+
+
+def estimate_memory(config: GPTConfig, layout: EstimateLayout) -> MemoryEstimate:
+    """Per-rank memory of ``config`` trained with ``layout``: the pipeline stage with the largest total."""
+    config.validate_parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, 1,
+                                layout.sequence_parallel)
+    stages = [_stage_estimate(config, layout, s) for s in range(layout.pipeline_model_parallel_size)]
+    return max(stages, key=lambda e: e.total_bytes)
+
+
+def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_size: Optional[int] = None,
+                     seq_length: Optional[int] = None, tensor_model_parallel_size: int = 1, data_parallel_size: int = 1,
+                     pipeline_model_parallel_size: int = 1, sequence_parallel: bool = False,
+                     precision="32-true", optimizer=None, use_distributed_optimizer: Optional[bool] = None,
+                     use_torch_fsdp2: bool = False, device_type: str = "cuda") -> MemoryEstimate:
+    """The estimate for a run described the way the strategy and the datamodule describe it.
+
+    ``optimizer`` is an :class:`~megatron_lite.core.optim.config.OptimizerConfig` (or None for Adam);
+    ``use_distributed_optimizer`` defaults to its field of that name. ``global_batch_size`` gives the
+    number of microbatches per step (it matters with pipelining only).
+    """
+    if use_distributed_optimizer is None:
+        use_distributed_optimizer = bool(getattr(optimizer, "use_distributed_optimizer", False))
+    num_microbatches = 1
+    if global_batch_size is not None:
+        unit = micro_batch_size * data_parallel_size
+        if global_batch_size % unit:
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size x "
+                             f"data-parallel size = {unit}")
+        num_microbatches = global_batch_size // unit
+    layout = EstimateLayout(
+        micro_batch_size=micro_batch_size, seq_length=config.seq_length if seq_length is None else seq_length,
+        tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
+        precision=precision, use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
+        optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
+        num_microbatches=num_microbatches, device_type=device_type)
+    return estimate_memory(config, layout)
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.0 MiB``, ``512 B``."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = None) -> str:
+    """A human-readable per-rank table of ``estimate`` (and the step's FLOPs when given)."""
+    lay, acts = estimate.layout, estimate.activations
+    world = lay.tensor_model_parallel_size * lay.pipeline_model_parallel_size * lay.data_parallel_size
+    recompute_note = "" if not acts.recompute_working_set else f", incl. {format_bytes(acts.recompute_working_set)} " \
+                                                               "recomputed during backward"
+    sharding = "FSDP2 (weights, grads, optimizer / dp)" if lay.use_torch_fsdp2 else (
+        "distributed optimizer" if lay.use_distributed_optimizer else "replicated optimizer")
+    rows = [
+        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {lay.pipeline_model_parallel_size} x dp "
+        f"{lay.data_parallel_size}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, {sharding}",
+        f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}, microbatches/step={lay.num_microbatches}"
+        f", kernels of {lay.device_type}",
+        f"per rank (pipeline stage {estimate.pipeline_stage}):",
+        f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",
+        f"  weights                  {format_bytes(estimate.weights_bytes):>16}",
+        f"  gradients                {format_bytes(estimate.grads_bytes):>16}",
+        f"  optimizer state          {format_bytes(estimate.optimizer_bytes):>16}   (without distributed optimizer "
+        f"{format_bytes(estimate.optimizer_bytes_replicated)}, with {format_bytes(estimate.optimizer_bytes_distributed)})",
+        f"  activations              {format_bytes(estimate.activation_bytes):>16}   ({acts.microbatches_in_flight} "
+        f"microbatch(es) x {format_bytes(acts.embedding + acts.layers + acts.output)}{recompute_note})",
+        f"  total                    {format_bytes(estimate.total_bytes):>16}",
+    ]
+    if flops_per_step is not None:
+        rows.append(f"FLOPs per step: {flops_per_step:.3e} (model), {flops_per_step / world:.3e} per rank")
+    return "\n".join(rows)

@@ -1,0 +1,247 @@
+"""Megatron's distributed optimizer (ZeRO-1): fp32 main parameters and optimizer state sharded over
+the data-parallel ranks.
+
+Parameters are grouped into buckets (contiguous runs of parameters, ``bucket_size`` elements or
+more); each bucket's flattened gradient is padded to a multiple of the DP size and reduce-scattered,
+so rank r receives the summed gradient of slice r of every bucket. The rank keeps fp32 main
+parameters (and the torch optimizer's state) for exactly those slices, steps them, and all-gathers
+the updated slices back into every rank's model parameters. A parameter's slice on a rank is a
+1-D view into the rank's flat fp32 shard; it joins the torch optimizer's parameter group of its
+model parameter (weight decay and lr multipliers are decided from the model parameter).
+
+Per rank: fp32 master + Adam state = 12 bytes x params / dp (``6 + 12/dp`` bytes per parameter with
+half-precision weights and gradients, Megatron's formula).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.core.optim.build import build_optimizer
+from megatron_lite.core.optim.config import OptimizerConfig
+from megatron_lite.core.optim.optimizer import MegatronOptimizer
+from megatron_lite.core.parallel.data_parallel import reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_first
+from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default (at least 1M x dp)
+
+
+@dataclass
+class _Piece:
+    """The part of one model parameter that this rank's shard owns."""
+
+    name: str
+    param: torch.Tensor
+    param_lo: int
+    """First owned element in the parameter's flattened order."""
+    param_hi: int
+    shard_lo: int
+    """Where the owned elements start in this rank's shard of the bucket."""
+    main: Optional[torch.Tensor] = None
+    """The fp32 main-parameter view the torch optimizer steps."""
+
+
+@dataclass
+class _Bucket:
+    params: list[tuple[str, torch.Tensor]]
+    offsets: list[int]
+    numel: int
+    padded: int
+    shard_size: int
+    dtype: torch.dtype
+    pieces: list[_Piece] = field(default_factory=list)
+    main_shard: Optional[torch.Tensor] = None
+
+
+def _make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    current: list[tuple[str, torch.Tensor]] = []
+
+    def close() -> None:
+        if not current:
+            return
+        offsets, total = [], 0
+        for _, p in current:
+            offsets.append(total)
+            total += p.numel()
+        padded = -(-total // dp) * dp
+        buckets.append(_Bucket(list(current), offsets, total, padded, padded // dp, current[0][1].dtype))
+        current.clear()
+
+    size = 0
+    for name, param in named_params:
+        if current and (param.dtype != current[0][1].dtype or size >= bucket_size):
+            close()
+            size = 0
+        current.append((name, param))
+        size += param.numel()
+    close()
+    return buckets
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """ZeRO-1 over the data(-and-context)-parallel group; same step interface as :class:`MegatronOptimizer`.
+
+    Args:
+        bucket_size: elements per gradient bucket (one reduce-scatter and one all-gather each).
+    """
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
+                 bucket_size: Optional[int] = None, build: Callable = build_optimizer) -> None:
+        self.dp_group = layout.group("dp_cp")
+        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+        self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
+        super().__init__(model, config, layout, fp16=fp16, grad_reduction="all_reduce", build=build)
+
+    # --- main parameters: this rank's slices ------------------------------------------------
+    @torch.no_grad()
+    def _main_param_entries(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        self.masters = {}
+        self.buckets = _make_buckets(self.named_params, self.bucket_size, self.dp_size)
+        entries = []
+        for bucket in self.buckets:
+            lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32,
+                                            device=bucket.params[0][1].device)
+            for (name, param), offset in zip(bucket.params, bucket.offsets):
+                start, end = max(lo, offset), min(hi, offset + param.numel())
+                if start >= end:
+                    continue
+                piece = _Piece(name, param, start - offset, end - offset, start - lo)
+                piece.main = bucket.main_shard[piece.shard_lo:piece.shard_lo + end - start]
+                piece.main.copy_(param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
+                bucket.pieces.append(piece)
+                entries.append((name, param, piece.main))
+        return entries
+
+    def _pieces(self):
+        return (piece for bucket in self.buckets for piece in bucket.pieces)
+
+    def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(piece.param, piece.main) for piece in self._pieces()]
+
+    def zero_grad(self) -> None:
+        for _, p in self.named_params:
+            p.grad = None
+        for piece in self._pieces():
+            piece.main.grad = None
+
+    # --- the step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """SP gradients over TP, then each bucket's flat gradient reduce-scattered over DP into the
+        fp32 main gradients of this rank's slices (model gradients are freed)."""
+        reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
+        for bucket in self.buckets:
+            flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.main_shard.device)
+            for (_, param), offset in zip(bucket.params, bucket.offsets):
+                if param.grad is not None:
+                    flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+                    param.grad = None
+            shard = _reduce_scatter_first(flat, self.dp_group).float()
+            for piece in bucket.pieces:
+                piece.main.grad = shard[piece.shard_lo:piece.shard_lo + piece.param_hi - piece.param_lo]
+
+    def collect_main_grads(self) -> None:
+        """Done by :meth:`reduce_gradients` (the reduce-scatter lands in the main gradients)."""
+
+    def norm_inputs(self):
+        # Slices are disjoint across DP ranks; a TP-replicated parameter's slices are the same on
+        # every TP rank, so only TP rank 0 counts them. Summed over every rank.
+        grads = [piece.main.grad for piece in self._pieces() if piece.main.grad is not None
+                 and (is_tensor_parallel(piece.param) or self.layout.tp_rank == 0)]
+        return grads, None, True
+
+    @torch.no_grad()
+    def finish_step(self, result) -> None:
+        """All-gather every bucket's updated slices into the model parameters of every DP rank."""
+        if result.skipped:
+            return
+        self.publish_params()
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        for bucket in self.buckets:
+            full = _gather_first(bucket.main_shard.to(bucket.dtype), self.dp_group)
+            for (_, param), offset in zip(bucket.params, bucket.offsets):
+                param.data.copy_(full[offset:offset + param.numel()].view_as(param))
+
+    # --- checkpoints: gathered to the plain optimizer's per-parameter format ---------------------
+    @torch.no_grad()
+    def _gather_per_param(self, bucket: _Bucket, local_of: Callable[[_Piece], Optional[torch.Tensor]]
+                          ) -> dict[str, torch.Tensor]:
+        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.main_shard.device)
+        for piece in bucket.pieces:
+            value = local_of(piece)
+            if value is not None:
+                shard[piece.shard_lo:piece.shard_lo + value.numel()].copy_(value)
+        full = _gather_first(shard, self.dp_group)
+        return {name: full[offset:offset + p.numel()].view(p.shape).clone()
+                for (name, p), offset in zip(bucket.params, bucket.offsets)}
+
+    @torch.no_grad()
+    def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's optimizer state and fp32 master, gathered over DP into the parameter's
+        shape (fresh tensors: load them with :meth:`load_checkpoint_state` after filling them)."""
+        state: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in self.named_params}
+        keys, scalars = self._state_keys()
+        for bucket in self.buckets:
+            for key in keys:
+                gathered = self._gather_per_param(bucket, lambda pc, k=key: self.optimizer.state.get(pc.main, {}).get(k))
+                for name, value in gathered.items():
+                    state[name][key] = value
+            for name, value in self._gather_per_param(bucket, lambda pc: pc.main).items():
+                state[name]["master"] = value
+        for key, value in scalars.items():
+            for name in state:
+                state[name][key] = value.clone()
+        return state
+
+    def _state_keys(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """Names of per-element state tensors, and the scalar entries (Adam's step), agreed across DP."""
+        keys: list[str] = []
+        scalars: dict[str, torch.Tensor] = {}
+        for piece in self._pieces():
+            for key, value in self.optimizer.state.get(piece.main, {}).items():
+                if torch.is_tensor(value) and value.ndim == 0:
+                    scalars.setdefault(key, value)
+                elif key not in keys:
+                    keys.append(key)
+        # Every rank must run the same gathers even if it owns no slice of some bucket.
+        agreed: list = [None] * self.dp_size
+        if self.dp_size > 1:
+            dist.all_gather_object(agreed, (sorted(keys), {k: float(v) for k, v in scalars.items()}),
+                                   group=self.dp_group)
+        else:
+            agreed = [(sorted(keys), {k: float(v) for k, v in scalars.items()})]
+        all_keys = sorted({k for ks, _ in agreed for k in ks})
+        all_scalars = {}
+        for _, sc in agreed:
+            for k, v in sc.items():
+                all_scalars[k] = torch.tensor(max(v, float(all_scalars.get(k, v))), dtype=torch.float32)
+        return all_keys, all_scalars
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Copy this rank's slices out of full per-parameter tensors (loaded from a checkpoint)."""
+        for piece in self._pieces():
+            entry = state.get(piece.name, {})
+            master = entry.get("master")
+            source = master if master is not None else piece.param.detach()
+            piece.main.copy_(source.reshape(-1)[piece.param_lo:piece.param_hi])
+            opt_state = self.optimizer.state.get(piece.main, {})
+            for key, value in entry.items():
+                if key == "master" or key not in opt_state:
+                    continue
+                if value.ndim == 0:
+                    opt_state[key].copy_(value)
+                else:
+                    opt_state[key].copy_(value.reshape(-1)[piece.param_lo:piece.param_hi])
+        self.publish_params()

@@ -1,0 +1,222 @@
+"""Megatron's optimizer step around a torch optimizer: fp32 main parameters, gradient reduction over
+data parallelism, fp16 loss scaling with skipped steps, and one global gradient-norm clip.
+
+The torch optimizer (AdamW/SGD) updates *main* parameters. With fp32 model parameters (fp32 and the
+``*-mixed`` autocast precisions) the main parameters are the model parameters themselves; with
+half-precision model parameters (``bf16-true``/``16-true``) they are fp32 master copies, and the
+updated masters are copied back into the model after each step. :class:`DistributedOptimizer`
+(ZeRO-1) shards the main parameters and optimizer state over data-parallel ranks; with FSDP the
+parameters are already sharded DTensors and the gradients arrive reduced.
+
+One step::
+
+    opt.zero_grad(); loss = schedule(..., loss_scale=opt.loss_scale)   # backward of the scaled loss
+    result = opt.prepare_step(loss.grad_scale)   # reduce, unscale, inf check, norm, clip
+    opt.optimizer.step()                         # no-op on a skipped step: main grads are None
+    opt.finish_step(result)                      # masters -> model params (all-gather for ZeRO-1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.core.optim.build import build_optimizer
+from megatron_lite.core.optim.clip_grads import clip_coefficient, counts_in_norm, grad_norm_of, scale_grads
+from megatron_lite.core.optim.config import OptimizerConfig
+from megatron_lite.core.optim.grad_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from megatron_lite.core.parallel.data_parallel import finalize_model_grads, reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.layout import ParallelLayout
+
+GradReduction = Literal["all_reduce", "fsdp"]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    grad_norm: torch.Tensor
+    """Global L2 norm of the unscaled gradients, before clipping."""
+    skipped: bool
+    """True when the gradients overflowed (fp16) and the update was skipped."""
+    loss_scale: Optional[float]
+    """The loss scale the step ran with (None without loss scaling)."""
+
+
+def build_loss_scaler(config: OptimizerConfig) -> LossScaler:
+    """A constant scaler when ``loss_scale`` is set, else Megatron's dynamic scaler."""
+    if config.loss_scale is not None:
+        return ConstantLossScaler(config.loss_scale)
+    return DynamicLossScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                             growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+
+
+class MegatronOptimizer:
+    """fp32 main params + DP gradient reduction + loss scaling + global clipping around a torch optimizer.
+
+    Args:
+        model: the (possibly half-precision, possibly FSDP-sharded) model of this rank.
+        config: optimizer, schedule, clipping and loss-scale settings.
+        layout: the parallel layout (groups for the reductions and the norm).
+        fp16: scale the loss (dynamic or constant scaler) and skip steps whose gradients overflow.
+        grad_reduction: ``"all_reduce"`` (plain DP) or ``"fsdp"`` (FSDP reduced in its hooks).
+    """
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
+                 grad_reduction: GradReduction = "all_reduce",
+                 build: Callable = build_optimizer) -> None:
+        self.model, self.config, self.layout = model, config, layout
+        self.grad_reduction = grad_reduction
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._by_name = dict(self.named_params)
+        self.loss_scaler: Optional[LossScaler] = build_loss_scaler(config) if fp16 else None
+        self.skipped_steps = 0
+        entries = self._main_param_entries()
+        self.optimizer = build(entries, config)
+
+    # --- main parameters ------------------------------------------------------------------
+    def _main_param_entries(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(name, model param, main param) for the torch optimizer; masters only for half params."""
+        self.masters: dict[str, torch.Tensor] = {}
+        entries = []
+        for name, param in self.named_params:
+            if param.dtype in (torch.float16, torch.bfloat16):
+                master = param.detach().clone().float()
+                self.masters[name] = master
+                entries.append((name, param, master))
+            else:
+                entries.append((name, param, param))
+        return entries
+
+    def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model param, main param) pairs this rank updates."""
+        return [(p, self.masters.get(n, p)) for n, p in self.named_params]
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.loss_scaler.scale if self.loss_scaler is not None else None
+
+    # --- the step -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for _, p in self.named_params:
+            p.grad = None
+        for master in self.masters.values():
+            master.grad = None
+
+    def reduce_gradients(self) -> None:
+        """Make model gradients those of the global batch (sum over DP; SP norms over TP)."""
+        if self.grad_reduction == "fsdp":
+            reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
+        else:
+            finalize_model_grads(self.model, self.layout)
+
+    def collect_main_grads(self) -> None:
+        """Main gradients in fp32 (model gradients of half params are copied, then freed)."""
+        for name, master in self.masters.items():
+            param = self._by_name[name]
+            master.grad = param.grad.float() if param.grad is not None else torch.zeros_like(master)
+            param.grad = None
+
+    def norm_inputs(self) -> tuple[list[torch.Tensor], Optional[dist.ProcessGroup], bool]:
+        """(gradients counted in the global norm on this rank, group to sum over, whether over all ranks)."""
+        grads = [main.grad for model_param, main in self.main_params()
+                 if main.grad is not None and counts_in_norm(model_param, self.layout)]
+        if self.grad_reduction == "fsdp":
+            return grads, None, True  # disjoint shards on every rank
+        return grads, self.layout.group("mp"), False
+
+    @torch.no_grad()
+    def prepare_step(self, grad_scale: Optional[torch.Tensor] = None) -> StepResult:
+        """Reduce gradients, unscale them (``grad_scale`` from the schedule, divided by the loss
+        scale), check for overflow, compute the global norm and clip. On overflow the main
+        gradients are dropped, so the torch optimizer's step leaves parameters and state untouched."""
+        self.reduce_gradients()
+        self.collect_main_grads()
+        main_grads = [main.grad for _, main in self.main_params() if main.grad is not None]
+        device = main_grads[0].device if main_grads else torch.device("cpu")
+        factor = torch.ones((), dtype=torch.float32, device=device)
+        if grad_scale is not None:
+            factor = factor * grad_scale.to(device=device, dtype=torch.float32)
+        loss_scale = self.loss_scale
+        if loss_scale is not None:
+            factor = factor / loss_scale
+        if grad_scale is not None or loss_scale is not None:
+            scale_grads(main_grads, factor)
+        grads, group, all_ranks = self.norm_inputs()
+        norm = grad_norm_of(grads, group, device, all_ranks=all_ranks)
+        skipped = False
+        if self.loss_scaler is not None:
+            # The norm is inf/NaN exactly when some gradient is: one reduction serves both (Megatron
+            # reduces a separate found-inf flag). The host sync is unavoidable: skipping is a branch.
+            skipped = not bool(torch.isfinite(norm).item())
+            self.loss_scaler.update(skipped)
+        if skipped:
+            self.skipped_steps += 1
+            for _, main in self.main_params():
+                main.grad = None
+        elif self.config.clip_grad > 0 and main_grads:
+            scale_grads(main_grads, clip_coefficient(norm, self.config.clip_grad))
+        return StepResult(grad_norm=norm, skipped=skipped, loss_scale=loss_scale)
+
+    @torch.no_grad()
+    def finish_step(self, result: StepResult) -> None:
+        """Copy updated fp32 masters into the half-precision model parameters."""
+        if result.skipped:
+            return
+        for name, master in self.masters.items():
+            self._by_name[name].data.copy_(master)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Optimizer state per model parameter name, each tensor shaped like the (TP-local) model
+        parameter, plus ``master`` for fp32 master copies: the same format whatever the DP size or
+        sharding, so checkpoints move between the plain and the distributed optimizer."""
+        by_main = {id(main): (name, p) for (name, p), (_, main) in zip(self.named_params, self.main_params())}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for group in self.optimizer.param_groups:
+            for main in group["params"]:
+                name, param = by_main[id(main)]
+                entry = state.setdefault(name, {})
+                for key, value in self.optimizer.state.get(main, {}).items():
+                    entry[key] = value
+        for name, master in self.masters.items():
+            state.setdefault(name, {})["master"] = master
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Counterpart of :meth:`checkpoint_state`; its tensors were loaded in place, so only masters
+        that were absent from the checkpoint need refreshing from the (loaded) model weights."""
+        for name, master in self.masters.items():
+            if "master" not in state.get(name, {}):
+                master.copy_(self._by_name[name].detach().float())
+
+    @torch.no_grad()
+    def ensure_state(self) -> None:
+        """Create optimizer state tensors (a zero-gradient step at lr 0) so a checkpoint loads in place."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if params and all(self.optimizer.state.get(p) for p in params):
+            return
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups]
+        grads = [p.grad for p in params]
+        for g in self.optimizer.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, (lr, wd) in zip(self.optimizer.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+    def state_dict_extra(self) -> dict:
+        """Non-tensor state: the loss scaler and the skipped-step count."""
+        return {"loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict_extra(self, extra: dict) -> None:
+        if self.loss_scaler is not None and extra.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(extra["loss_scaler"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
