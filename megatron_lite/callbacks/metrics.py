@@ -53,7 +53,7 @@ def peak_memory_gib(device: torch.device) -> Optional[float]:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
-    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+    return peak / GIB if sys.platform == "darwin" else peak / GIB
 
 
 class MegatronMetrics(pl.Callback):
@@ -199,7 +199,7 @@ class MegatronMetrics(pl.Callback):
     def _log_interval(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool) -> None:
         metrics: dict[str, float] = {}
         if self._global_batch_size:
-            metrics["train/consumed_samples"] = float((trainer.global_step - 1) * self._global_batch_size)
+            metrics["train/consumed_samples"] = float(trainer.global_step * self._global_batch_size)
         ms_per_step = None
         if self._timed_steps > 0:
             ms_per_step = self.timers(*INTERVAL_TIMER).elapsed(reset=True) * 1000.0 / self._timed_steps

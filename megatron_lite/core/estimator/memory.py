@@ -19,12 +19,10 @@ Temporaries freed during the forward or backward (e.g. the gradient of the logit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
-
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -75,13 +73,23 @@ class KernelSaves:
     """Attention with dropout falls back to the dense kernel that keeps ``s x s`` scores and masks."""
     dense_attention_in_fp32: bool
     """That dense kernel computes 16-bit attention in fp32 (CPU's math kernel upcasts q, k and v)."""
+    fp32_attention_output_is_copied: bool
+    """The fp32 attention kernel returns ``[b, s, heads, d]`` memory, so (for b > 1) the output projection
+    keeps its own ``[s b, h]`` copy besides the kernel's output (CUDA's memory-efficient kernel)."""
+    attention_rng_bytes: int
+    """Bytes the fused attention kernel keeps besides q, k, v, output and logsumexp (CUDA: philox seed, offset)."""
 
 
+# Measured with the probe: torch 2.13 on CPU; torch 2.11 on an H200 (cuDNN attention for bf16, the
+# memory-efficient kernel for fp32). Other CUDA kernels (flash-attention on older GPUs) may differ by
+# one ``s b h`` tensor per layer.
 KERNEL_SAVES = {
     "cpu": KernelSaves(rms_norm_saves_normalized=True, dropout_mask_bytes=None,
-                       attention_dropout_materializes_scores=True, dense_attention_in_fp32=True),
+                       attention_dropout_materializes_scores=True, dense_attention_in_fp32=True,
+                       fp32_attention_output_is_copied=False, attention_rng_bytes=0),
     "cuda": KernelSaves(rms_norm_saves_normalized=False, dropout_mask_bytes=1,
-                        attention_dropout_materializes_scores=False, dense_attention_in_fp32=False),
+                        attention_dropout_materializes_scores=False, dense_attention_in_fp32=False,
+                        fp32_attention_output_is_copied=True, attention_rng_bytes=16),
 }
 
 
@@ -262,11 +270,7 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout) -> dict:
     def mask(element_bytes: int) -> int:
         return kernels.dropout_mask_bytes or element_bytes
 
-    parts: dict = {}
-    norm = local * h * r + local * 4 * (2 if config.normalization == "LayerNorm" else 1)
-    if config.normalization == "RMSNorm" and kernels.rms_norm_saves_normalized:
-        norm += local * h * r
-    parts["norms"] = 2 * norm
+    parts = {"norms": 2 * _norm_bytes(config, kernels, local * h, r)}
     parts["linear_inputs"] = 2 * tokens * h * c  # QKV and fc1 inputs, all-gathered under SP
     # q, k, v as attention receives them: RoPE makes new q and k, GQA repeats k and v to every head,
     # and whatever is still a view keeps the whole fused QKV output alive.
@@ -285,14 +289,22 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout) -> dict:
         parts["attention_scores"] = probs * (2 * dense + mask(dense))  # softmax, dropout mask, dropped probs
         parts["attention_out"] = attn_out  # the projection's input
     else:
-        parts["attention_out"] = attn_out  # also the projection's input
-        parts["logsumexp"] = b * heads * s * 4
+        copied = c == 4 and b > 1 and kernels.fp32_attention_output_is_copied
+        parts["attention_out"] = attn_out * (2 if copied else 1)  # the output is (or is copied into) the projection's input
+        parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
     gated = config.activation == "swiglu"
     parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
     if config.hidden_dropout > 0:
         branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
         parts["dropout_masks"] = 2 * local * h * mask(branch)
     return parts
+
+
+def _norm_bytes(config: GPTConfig, kernels: KernelSaves, elements: int, element_bytes: int) -> int:
+    """A norm keeps its input and fp32 statistics (rstd; LayerNorm also the mean), CPU's RMSNorm also ``x * rstd``."""
+    stats = elements // config.hidden_size * 4 * (2 if config.normalization == "LayerNorm" else 1)
+    normalized = config.normalization == "RMSNorm" and kernels.rms_norm_saves_normalized
+    return elements * element_bytes * (2 if normalized else 1) + stats
 
 
 def _rope_bytes(config: GPTConfig, layout: EstimateLayout, layers: int) -> int:
@@ -328,9 +340,7 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
             embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
     output = 0
     if last:
-        norm = local * h * pb.residual + local * 4 * (2 if config.normalization == "LayerNorm" else 1)
-        if config.normalization == "RMSNorm" and kernels.rms_norm_saves_normalized:
-            norm += local * h * pb.residual
+        norm = _norm_bytes(config, kernels, local * h, pb.residual)
         vocab = config.padded_vocab_size(tp) // tp
         output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
     copies = 0
@@ -390,7 +400,7 @@ class MemoryEstimate:
     params: int
     """Parameters of this rank's TP/PP shard of the model (before any DP sharding)."""
     model_params: int
-    """Parameters of the whole model (padded vocabulary at this TP size)."""
+    """Parameters of the whole model at TP=1 (:meth:`GPTConfig.num_parameters`)."""
     weights_bytes: int
     """Parameters as held (divided over DP under FSDP2)."""
     grads_bytes: int
@@ -416,16 +426,9 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         """JSON-ready summary (bytes as integers)."""
-        out = {name: getattr(self, name) for name in (
-            "params", "model_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "optimizer_bytes_replicated",
-            "optimizer_bytes_distributed", "optimizer_host_bytes", "activation_bytes", "total_bytes",
-            "pipeline_stage")}
-        acts = self.activations
-        out["activation_breakdown"] = {
-            "per_layer": acts.per_layer, "layers": acts.layers, "embedding": acts.embedding, "output": acts.output,
-            "microbatches_in_flight": acts.microbatches_in_flight, "recompute_working_set": acts.recompute_working_set,
-            "autocast_weight_copies": acts.autocast_weight_copies}
-        out["layout"] = {k: getattr(self.layout, k) for k in self.layout.__dataclass_fields__}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("activations", "layout")}
+        out["activation_breakdown"] = asdict(self.activations)
+        out["layout"] = asdict(self.layout)
         return out
 
 
@@ -453,8 +456,7 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
     host = 4 * len(shapes) if layout.optimizer == "adam" else 0
     acts = activation_breakdown(config, layout, stage)
     total = weights + grads + optimizer + acts.total + (host if layout.device_type == "cpu" else 0)
-    model_params = sum(p.numel for s in range(pp) for p in parameter_shapes(config, tp, pp, s)) * tp
-    return MemoryEstimate(params=params, model_params=model_params, weights_bytes=weights, grads_bytes=grads,
+    return MemoryEstimate(params=params, model_params=config.num_parameters(), weights_bytes=weights, grads_bytes=grads,
                           optimizer_bytes=optimizer, optimizer_bytes_replicated=replicated,
                           optimizer_bytes_distributed=distributed, optimizer_host_bytes=host,
                           activation_bytes=acts.total, total_bytes=total, pipeline_stage=stage, activations=acts,
@@ -497,39 +499,3 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
         optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
         num_microbatches=num_microbatches, device_type=device_type)
     return estimate_memory(config, layout)
-
-
-def format_bytes(n: float) -> str:
-    """``1.50 GiB``, ``12.0 MiB``, ``512 B``."""
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = None) -> str:
-    """A human-readable per-rank table of ``estimate`` (and the step's FLOPs when given)."""
-    lay, acts = estimate.layout, estimate.activations
-    world = lay.tensor_model_parallel_size * lay.pipeline_model_parallel_size * lay.data_parallel_size
-    recompute_note = "" if not acts.recompute_working_set else f", incl. {format_bytes(acts.recompute_working_set)} " \
-                                                               "recomputed during backward"
-    sharding = "FSDP2 (weights, grads, optimizer / dp)" if lay.use_torch_fsdp2 else (
-        "distributed optimizer" if lay.use_distributed_optimizer else "replicated optimizer")
-    rows = [
-        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {lay.pipeline_model_parallel_size} x dp "
-        f"{lay.data_parallel_size}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, {sharding}",
-        f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}, microbatches/step={lay.num_microbatches}"
-        f", kernels of {lay.device_type}",
-        f"per rank (pipeline stage {estimate.pipeline_stage}):",
-        f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",
-        f"  weights                  {format_bytes(estimate.weights_bytes):>16}",
-        f"  gradients                {format_bytes(estimate.grads_bytes):>16}",
-        f"  optimizer state          {format_bytes(estimate.optimizer_bytes):>16}   (without distributed optimizer "
-        f"{format_bytes(estimate.optimizer_bytes_replicated)}, with {format_bytes(estimate.optimizer_bytes_distributed)})",
-        f"  activations              {format_bytes(estimate.activation_bytes):>16}   ({acts.microbatches_in_flight} "
-        f"microbatch(es) x {format_bytes(acts.embedding + acts.layers + acts.output)}{recompute_note})",
-        f"  total                    {format_bytes(estimate.total_bytes):>16}",
-    ]
-    if flops_per_step is not None:
-        rows.append(f"FLOPs per step: {flops_per_step:.3e} (model), {flops_per_step / world:.3e} per rank")
-    return "\n".join(rows)
