@@ -2,7 +2,9 @@
 the data-parallel ranks.
 
 Parameters are grouped into buckets (contiguous runs of parameters, ``bucket_size`` elements or
-more); each bucket's flattened gradient is padded to a multiple of the DP size and reduce-scattered,
+more). Each bucket owns a flat fp32 gradient buffer, padded to a multiple of the DP size, into which
+a hook accumulates every parameter's gradient over the microbatches (Megatron's ``main_grad``); the
+buffer is reduce-scattered,
 so rank r receives the summed gradient of slice r of every bucket. The rank keeps fp32 main
 parameters (and the torch optimizer's state) for exactly those slices, steps them, and all-gathers
 the updated slices back into every rank's model parameters. A parameter's slice on a rank is a
@@ -24,7 +26,7 @@ from torch import nn
 from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
-from megatron_lite.core.parallel.data_parallel import reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_first
 from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
@@ -57,6 +59,8 @@ class _Bucket:
     dtype: torch.dtype
     pieces: list[_Piece] = field(default_factory=list)
     main_shard: Optional[torch.Tensor] = None
+    grad_buffer: Optional[torch.Tensor] = None
+    """Flat fp32 gradients of the whole bucket (padded), accumulated over microbatches."""
 
 
 def _make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[_Bucket]:
@@ -108,9 +112,11 @@ class DistributedOptimizer(MegatronOptimizer):
         entries = []
         for bucket in self.buckets:
             lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
-            bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32,
-                                            device=bucket.params[0][1].device)
+            device = bucket.params[0][1].device
+            bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
+            bucket.grad_buffer = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
             for (name, param), offset in zip(bucket.params, bucket.offsets):
+                self._accumulate_in(param, bucket.grad_buffer[offset:offset + param.numel()])
                 start, end = max(lo, offset), min(hi, offset + param.numel())
                 if start >= end:
                     continue
@@ -130,22 +136,24 @@ class DistributedOptimizer(MegatronOptimizer):
     def zero_grad(self) -> None:
         for _, p in self.named_params:
             p.grad = None
+        for bucket in self.buckets:
+            bucket.grad_buffer.zero_()
         for piece in self._pieces():
             piece.main.grad = None
 
     # --- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """SP gradients over TP, then each bucket's flat gradient reduce-scattered over DP into the
-        fp32 main gradients of this rank's slices (model gradients are freed)."""
-        reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
+        """SP gradients over TP, then each bucket's fp32 gradient buffer reduce-scattered over DP into
+        the main gradients of this rank's slices."""
+        if self.layout.sequence_parallel:
+            all_reduce_coalesced([bucket.grad_buffer[offset:offset + p.numel()]
+                                  for bucket in self.buckets for (_, p), offset in zip(bucket.params, bucket.offsets)
+                                  if getattr(p, "sequence_parallel_grad", False)], self.layout.group("tp"))
         for bucket in self.buckets:
-            flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.main_shard.device)
-            for (_, param), offset in zip(bucket.params, bucket.offsets):
-                if param.grad is not None:
-                    flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
-                    param.grad = None
-            shard = _reduce_scatter_first(flat, self.dp_group).float()
+            shard = _reduce_scatter_first(bucket.grad_buffer, self.dp_group)
+            if shard.data_ptr() == bucket.grad_buffer.data_ptr():
+                shard = shard[:bucket.shard_size]  # one DP rank: the buffer is the shard
             for piece in bucket.pieces:
                 piece.main.grad = shard[piece.shard_lo:piece.shard_lo + piece.param_hi - piece.param_lo]
 

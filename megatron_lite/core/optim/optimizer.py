@@ -4,7 +4,10 @@ data parallelism, fp16 loss scaling with skipped steps, and one global gradient-
 The torch optimizer (AdamW/SGD) updates *main* parameters. With fp32 model parameters (fp32 and the
 ``*-mixed`` autocast precisions) the main parameters are the model parameters themselves; with
 half-precision model parameters (``bf16-true``/``16-true``) they are fp32 master copies, and the
-updated masters are copied back into the model after each step. :class:`DistributedOptimizer`
+updated masters are copied back into the model after each step. As in Megatron, the gradients of
+half-precision parameters are accumulated over microbatches in fp32 ``main_grad`` buffers (a hook
+moves each fresh half-precision gradient into the buffer), so accumulation and the DP reduction run
+in fp32. :class:`DistributedOptimizer`
 (ZeRO-1) shards the main parameters and optimizer state over data-parallel ranks; with FSDP the
 parameters are already sharded DTensors and the gradients arrive reduced.
 
@@ -28,7 +31,7 @@ from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.clip_grads import clip_coefficient, counts_in_norm, grad_norm_of, scale_grads
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.grad_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megatron_lite.core.parallel.data_parallel import finalize_model_grads, reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced, reduce_sequence_parallel_grads
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 GradReduction = Literal["all_reduce", "fsdp"]
@@ -81,15 +84,30 @@ class MegatronOptimizer:
     def _main_param_entries(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """(name, model param, main param) for the torch optimizer; masters only for half params."""
         self.masters: dict[str, torch.Tensor] = {}
+        self.main_grads: dict[str, torch.Tensor] = {}
         entries = []
         for name, param in self.named_params:
             if param.dtype in (torch.float16, torch.bfloat16):
                 master = param.detach().clone().float()
                 self.masters[name] = master
+                self.main_grads[name] = torch.zeros_like(master)
+                self._accumulate_in(param, self.main_grads[name])
                 entries.append((name, param, master))
             else:
                 entries.append((name, param, param))
         return entries
+
+    def _accumulate_in(self, param: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Add each gradient of ``param`` into the fp32 ``buffer`` and free it (Megatron's main_grad)."""
+        def move(p: torch.Tensor) -> None:
+            buffer.add_(p.grad.reshape(buffer.shape))
+            p.grad = None
+
+        param.register_post_accumulate_grad_hook(move)
+
+    def _model_grad(self, name: str, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where ``param``'s accumulated gradient is: its fp32 main_grad buffer, else ``param.grad``."""
+        return self.main_grads.get(name, param.grad)
 
     def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model param, main param) pairs this rank updates."""
@@ -103,22 +121,28 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         for _, p in self.named_params:
             p.grad = None
-        for master in self.masters.values():
+        for name, master in self.masters.items():
             master.grad = None
+            self.main_grads[name].zero_()
 
     def reduce_gradients(self) -> None:
-        """Make model gradients those of the global batch (sum over DP; SP norms over TP)."""
+        """Make the gradients those of the global batch: under sequence parallelism the partial
+        gradients of replicated parameters are summed over TP, then everything over DP (FSDP has
+        already reduce-scattered over DP in its backward hooks)."""
         if self.grad_reduction == "fsdp":
             reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
-        else:
-            finalize_model_grads(self.model, self.layout)
+            return
+        grads = [(p, self._model_grad(n, p)) for n, p in self.named_params]
+        grads = [(p, g) for p, g in grads if g is not None]
+        if self.layout.sequence_parallel:
+            all_reduce_coalesced([g for p, g in grads if getattr(p, "sequence_parallel_grad", False)],
+                                 self.layout.group("tp"))
+        all_reduce_coalesced([g for _, g in grads], self.layout.group("dp_cp"))
 
     def collect_main_grads(self) -> None:
-        """Main gradients in fp32 (model gradients of half params are copied, then freed)."""
+        """Point the fp32 masters' gradients at their main_grad buffers."""
         for name, master in self.masters.items():
-            param = self._by_name[name]
-            master.grad = param.grad.float() if param.grad is not None else torch.zeros_like(master)
-            param.grad = None
+            master.grad = self.main_grads[name]
 
     def norm_inputs(self) -> tuple[list[torch.Tensor], Optional[dist.ProcessGroup], bool]:
         """(gradients counted in the global norm on this rank, group to sum over, whether over all ranks)."""

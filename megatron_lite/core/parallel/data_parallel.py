@@ -16,7 +16,7 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 _BUCKET_BYTES = 40 * 1024 * 1024
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+def all_reduce_coalesced(grads: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
     if group is None or dist.get_world_size(group) == 1 or not grads:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -58,7 +58,7 @@ def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
         return  # one replica, nothing to reduce
     params = list(model.parameters())
     reduce_sequence_parallel_grads(params, layout)
-    _all_reduce_coalesced(_grads(params), layout.group("dp_cp"))
+    all_reduce_coalesced(_grads(params), layout.group("dp_cp"))
 
 
 @torch.no_grad()
@@ -69,4 +69,4 @@ def reduce_sequence_parallel_grads(params: Iterable[torch.Tensor], layout: Paral
     if not layout.sequence_parallel:
         return
     grads = _grads(p for p in params if getattr(p, "sequence_parallel_grad", False))
-    _all_reduce_coalesced([g.to_local() if hasattr(g, "to_local") else g for g in grads], layout.group("tp"))
+    all_reduce_coalesced([g.to_local() if hasattr(g, "to_local") else g for g in grads], layout.group("tp"))
