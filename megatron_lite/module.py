@@ -119,7 +119,7 @@ class GPTModule(pl.LightningModule):
         mopt = self.megatron_optimizer
         mopt.zero_grad()
         # Gradients stay unnormalised until the optimizer has reduced them into fp32 main gradients.
-        step = self.run_schedule(batch, loss_scale=mopt.loss_scale, scale_grads=False)
+        step = self.run_schedule(batch, loss_scale=mopt.loss_scale, scale_grads=False, no_sync=mopt.no_sync)
         result = mopt.prepare_step(step.grad_scale)
         lr = scheduler.current_lr  # before any per-group multiplier (a ZeRO-1 rank may hold only scaled groups)
         optimizer.step()  # a skipped (overflowing) step has no main gradients: parameters stay unchanged
@@ -178,8 +178,9 @@ class GPTModule(pl.LightningModule):
         layout = self.parallel_layout
         fp16 = self._precision().startswith("16")
         if cfg.use_distributed_optimizer:
-            self.megatron_optimizer = DistributedOptimizer(self.model, cfg, layout, fp16=fp16,
-                                                           bucket_size=self._strategy_option("ddp_bucket_size", None))
+            self.megatron_optimizer = DistributedOptimizer(
+                self.model, cfg, layout, fp16=fp16, bucket_size=self._strategy_option("ddp_bucket_size", None),
+                overlap_grad_reduce=self._strategy_option("overlap_grad_reduce", False))
         else:
             fsdp = self._strategy_option("use_torch_fsdp2", False)
             self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16,

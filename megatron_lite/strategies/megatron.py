@@ -62,6 +62,9 @@ class MegatronStrategy(ParallelStrategy):
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
         ddp_bucket_size: elements per gradient bucket of the distributed optimizer (Megatron's
             ``--ddp-bucket-size``; default max(40M, 1M x dp)).
+        overlap_grad_reduce: with the distributed optimizer, reduce-scatter each gradient bucket
+            asynchronously during the backward of the last microbatch (Megatron's
+            ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: collective timeout.
         start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
@@ -76,6 +79,7 @@ class MegatronStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         use_torch_fsdp2: bool = False,
         ddp_bucket_size: Optional[int] = None,
+        overlap_grad_reduce: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -97,6 +101,7 @@ class MegatronStrategy(ParallelStrategy):
             raise ValueError(f"ddp_bucket_size must be a positive number of elements, got {ddp_bucket_size}")
         self.use_torch_fsdp2 = bool(use_torch_fsdp2)
         self.ddp_bucket_size = ddp_bucket_size
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -185,6 +190,11 @@ class MegatronStrategy(ParallelStrategy):
                 f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
                 f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
         optimizer_config = getattr(module, "optimizer_config", None)
+        if self.overlap_grad_reduce and not getattr(optimizer_config, "use_distributed_optimizer", False) \
+                and not self.use_torch_fsdp2:
+            raise ValueError(
+                "overlap_grad_reduce=True overlaps the distributed optimizer's reduce-scatter; set "
+                "OptimizerConfig(use_distributed_optimizer=True) (FSDP2 overlaps on its own), or drop it.")
         if self.use_torch_fsdp2 and getattr(optimizer_config, "use_distributed_optimizer", False):
             raise ValueError(
                 "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "

@@ -58,7 +58,8 @@ class Recorder(L.Callback):
         mopt = pl_module.megatron_optimizer
         if trainer.global_rank == 0:
             torch.save({"losses": self.losses, "grads": self.grads, "global_step": trainer.global_step,
-                        "params": params, "grad_norms": self.grad_norms, "skipped_steps": mopt.skipped_steps, "loss_scale": mopt.loss_scale},
+                        "params": params, "grad_norms": self.grad_norms, "skipped_steps": mopt.skipped_steps,
+                        "overlapped_reductions": getattr(mopt, "overlapped_reductions", 0), "loss_scale": mopt.loss_scale},
                        self.out / "result.pt")
 
 

@@ -31,6 +31,9 @@ DISTRIBUTED_OPTIMIZER = {
     "dp2_small_buckets": dict(devices=2, strategy_kwargs=dict(ddp_bucket_size=3000)),
     "dp4": dict(devices=4, mbs=1),
     "tp2_dp2_sp": dict(devices=4, tp=2, sp=True),
+    # 4 microbatches a step; buckets reduce-scatter asynchronously during the last one's backward
+    "dp2_overlap": dict(devices=2, mbs=1, strategy_kwargs=dict(ddp_bucket_size=3000, overlap_grad_reduce=True)),
+    "tp2_dp2_sp_overlap": dict(devices=4, tp=2, sp=True, mbs=1, strategy_kwargs=dict(overlap_grad_reduce=True)),
 }
 
 
@@ -38,6 +41,8 @@ DISTRIBUTED_OPTIMIZER = {
 def test_distributed_optimizer_matches_single_process(name, reference, tmp_path):
     result = run(tmp_path, optimizer=optimizer(use_distributed_optimizer=True), **DISTRIBUTED_OPTIMIZER[name])
     assert result["global_step"] == 10
+    if name.endswith("overlap"):  # every bucket of every step was reduced during the backward
+        assert result["overlapped_reductions"] >= 10 and result["overlapped_reductions"] % 10 == 0
     # The reduced gradients live in the optimizer's DP shards, not in the model.
     assert_same_training(result, reference, grads=False)
     torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),

@@ -15,6 +15,7 @@ from megatron_lite.core.estimator.memory import (
     PRECISION_BYTES,
     ActivationBreakdown,
     EstimateLayout,
+    KernelSaves,
     MemoryEstimate,
     ParamShape,
     activation_breakdown,
@@ -28,7 +29,7 @@ from megatron_lite.core.estimator.probe import SavedTensorsReport, measure_activ
 
 __all__ = [
     "FlopsBreakdown", "forward_flops_breakdown", "forward_flops_per_token", "megatron_formula_flops",
-    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "EstimateLayout",
+    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "EstimateLayout", "KernelSaves",
     "MemoryEstimate", "ParamShape", "activation_breakdown", "estimate_for_run", "estimate_memory",
     "korthikanti_activation_bytes_per_layer", "normalize_precision", "parameter_shapes",
     "SavedTensorsReport", "measure_activation_bytes", "measure_saved_tensors",

@@ -132,6 +132,8 @@ class EstimateLayout:
     """Microbatches per optimizer step on each DP rank."""
     device_type: str = "cuda"
     """'cuda' or 'cpu': which kernels' saved tensors to assume (:data:`KERNEL_SAVES`)."""
+    kernels: Optional[KernelSaves] = None
+    """Overrides ``KERNEL_SAVES[device_type]`` (other attention kernels, or Korthikanti's assumptions)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_length", "tensor_model_parallel_size", "data_parallel_size",
@@ -244,6 +246,8 @@ class ActivationBreakdown:
     """During backward, the recomputed chunk's full activations (once, not per microbatch)."""
     autocast_weight_copies: int = 0
     """Autocast's low-precision copies of the matmul weights, kept until backward (once per step)."""
+    recompute: str = "none"
+    """The recompute setting applied, in words."""
     parts: dict = field(default_factory=dict)
     """Per-layer bytes by tensor (for reports and tests)."""
 
@@ -257,7 +261,7 @@ class ActivationBreakdown:
 def _layer_parts(config: GPTConfig, layout: EstimateLayout) -> dict:
     """Bytes one layer saves, by tensor, for one microbatch on one rank (see the module docstring)."""
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
-    kernels = KERNEL_SAVES[layout.device_type]
+    kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     s, b, h, d = layout.seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
     tokens = s * b  # inside TP regions every rank sees the whole sequence ...
     local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
@@ -322,14 +326,14 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
     """Activation bytes of one rank of ``pipeline_stage`` (see the module docstring)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     pb = PRECISION_BYTES[layout.precision]
-    kernels = KERNEL_SAVES[layout.device_type]
+    kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     tokens = layout.seq_length * layout.micro_batch_size
     local = tokens // tp if layout.sequence_parallel else tokens
     h = config.hidden_size
     parts = _layer_parts(config, layout)
     per_layer = sum(parts.values())
     stage_layers = config.num_layers // pp
-    layers, working_set = _apply_recompute(config, stage_layers, parts, local * h * pb.residual)
+    layers, working_set, recompute = _apply_recompute(config, stage_layers, parts, local * h * pb.residual)
     first, last = pipeline_stage == 0, pipeline_stage == pp - 1
     embedding = _rope_bytes(config, layout, stage_layers)
     if first:
@@ -350,11 +354,11 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
     in_flight = min(pp - pipeline_stage, layout.num_microbatches)
     return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=layers, output=output,
                                microbatches_in_flight=in_flight, recompute_working_set=working_set,
-                               autocast_weight_copies=copies, parts=parts)
+                               autocast_weight_copies=copies, recompute=recompute, parts=parts)
 
 
 def _apply_recompute(config: GPTConfig, stage_layers: int, parts: dict, layer_input: int) -> tuple:
-    """(bytes kept by the stage's layers, bytes of the chunk recomputed during backward).
+    """(bytes kept by the stage's layers, bytes of the chunk recomputed during backward, description).
 
     Read with getattr so that configs without the recompute fields work. Full recompute keeps only
     each chunk's input; 'uniform' chunks ``recompute_num_layers`` layers together, 'block' recomputes
@@ -366,17 +370,18 @@ def _apply_recompute(config: GPTConfig, stage_layers: int, parts: dict, layer_in
     chunk = getattr(config, "recompute_num_layers", None) or 1
     per_layer = sum(parts.values())
     if granularity is None:
-        return stage_layers * per_layer, 0
+        return stage_layers * per_layer, 0, "none"
     if granularity == "selective":
         kept = per_layer - parts.get("attention_scores", 0) - parts.get("logsumexp", 0)
-        return stage_layers * kept, 0
+        return stage_layers * kept, 0, "selective (core attention)"
     if granularity != "full":
         raise ValueError(f"recompute_granularity must be 'full', 'selective' or None, got {granularity!r}")
     if method == "block":
         recomputed = min(chunk, stage_layers)
-        return recomputed * layer_input + (stage_layers - recomputed) * per_layer, per_layer if recomputed else 0
+        return (recomputed * layer_input + (stage_layers - recomputed) * per_layer, per_layer if recomputed else 0,
+                f"full, block: first {recomputed} of {stage_layers} layers")
     chunks = -(-stage_layers // chunk)
-    return chunks * layer_input, min(chunk, stage_layers) * per_layer
+    return chunks * layer_input, min(chunk, stage_layers) * per_layer, f"full, uniform: chunks of {chunk} layer(s)"
 
 
 def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,

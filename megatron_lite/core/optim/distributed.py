@@ -16,8 +16,9 @@ half-precision weights and gradients, Megatron's formula).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_first
+from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_single
 from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default (at least 1M x dp)
@@ -61,6 +62,10 @@ class _Bucket:
     main_shard: Optional[torch.Tensor] = None
     grad_buffer: Optional[torch.Tensor] = None
     """Flat fp32 gradients of the whole bucket (padded), accumulated over microbatches."""
+    ready: int = 0
+    """Parameters whose gradient of the last microbatch has arrived (overlapped reduction)."""
+    pending: Optional[tuple] = None
+    """(async work, output shard) of a reduce-scatter launched during the backward."""
 
 
 def _make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[_Bucket]:
@@ -94,10 +99,18 @@ class DistributedOptimizer(MegatronOptimizer):
 
     Args:
         bucket_size: elements per gradient bucket (one reduce-scatter and one all-gather each).
+        overlap_grad_reduce: launch each bucket's reduce-scatter asynchronously as soon as the last
+            microbatch's backward has produced all of its gradients, overlapping the communication
+            with the rest of the backward (Megatron's ``--overlap-grad-reduce``).
     """
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
-                 bucket_size: Optional[int] = None, build: Callable = build_optimizer) -> None:
+                 bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
+                 build: Callable = build_optimizer) -> None:
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlapped_reductions = 0
+        """Bucket reductions launched during a backward so far (observability, tests)."""
+        self._sync = True
         self.dp_group = layout.group("dp_cp")
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
@@ -116,7 +129,8 @@ class DistributedOptimizer(MegatronOptimizer):
             bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
             bucket.grad_buffer = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
             for (name, param), offset in zip(bucket.params, bucket.offsets):
-                self._accumulate_in(param, bucket.grad_buffer[offset:offset + param.numel()])
+                then = (lambda b=bucket: self._on_grad_ready(b)) if self.overlap_grad_reduce else None
+                self._accumulate_in(param, bucket.grad_buffer[offset:offset + param.numel()], then)
                 start, end = max(lo, offset), min(hi, offset + param.numel())
                 if start >= end:
                     continue
@@ -133,11 +147,21 @@ class DistributedOptimizer(MegatronOptimizer):
     def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(piece.param, piece.main) for piece in self._pieces()]
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Microbatches before the last only accumulate: no reduction is launched during them."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def zero_grad(self) -> None:
         for _, p in self.named_params:
             p.grad = None
         for bucket in self.buckets:
             bucket.grad_buffer.zero_()
+            bucket.ready, bucket.pending = 0, None
         for piece in self._pieces():
             piece.main.grad = None
 
@@ -146,16 +170,35 @@ class DistributedOptimizer(MegatronOptimizer):
     def reduce_gradients(self) -> None:
         """SP gradients over TP, then each bucket's fp32 gradient buffer reduce-scattered over DP into
         the main gradients of this rank's slices."""
-        if self.layout.sequence_parallel:
-            all_reduce_coalesced([bucket.grad_buffer[offset:offset + p.numel()]
-                                  for bucket in self.buckets for (_, p), offset in zip(bucket.params, bucket.offsets)
-                                  if getattr(p, "sequence_parallel_grad", False)], self.layout.group("tp"))
         for bucket in self.buckets:
-            shard = _reduce_scatter_first(bucket.grad_buffer, self.dp_group)
-            if shard.data_ptr() == bucket.grad_buffer.data_ptr():
-                shard = shard[:bucket.shard_size]  # one DP rank: the buffer is the shard
+            if bucket.pending is None:  # not overlapped (or a parameter got no gradient this step)
+                self._launch(bucket, async_op=False)
+            work, shard = bucket.pending
+            if work is not None:
+                work.wait()
             for piece in bucket.pieces:
                 piece.main.grad = shard[piece.shard_lo:piece.shard_lo + piece.param_hi - piece.param_lo]
+
+    def _on_grad_ready(self, bucket: _Bucket) -> None:
+        if not self._sync:
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket, async_op=True)
+            self.overlapped_reductions += 1
+
+    def _launch(self, bucket: _Bucket, async_op: bool) -> None:
+        """SP gradients of the bucket over TP, then the bucket's reduce-scatter over DP."""
+        if self.layout.sequence_parallel:
+            all_reduce_coalesced([bucket.grad_buffer[offset:offset + p.numel()]
+                                  for (_, p), offset in zip(bucket.params, bucket.offsets)
+                                  if getattr(p, "sequence_parallel_grad", False)], self.layout.group("tp"))
+        if self.dp_size == 1:
+            bucket.pending = (None, bucket.grad_buffer[:bucket.shard_size])
+            return
+        shard = torch.empty(bucket.shard_size, dtype=bucket.grad_buffer.dtype, device=bucket.grad_buffer.device)
+        work = _reduce_scatter_single(shard, bucket.grad_buffer, group=self.dp_group, async_op=async_op)
+        bucket.pending = (work if async_op else None, shard)
 
     def collect_main_grads(self) -> None:
         """Done by :meth:`reduce_gradients` (the reduce-scatter lands in the main gradients)."""

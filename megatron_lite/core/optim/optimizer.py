@@ -20,8 +20,9 @@ One step::
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -97,11 +98,15 @@ class MegatronOptimizer:
                 entries.append((name, param, param))
         return entries
 
-    def _accumulate_in(self, param: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Add each gradient of ``param`` into the fp32 ``buffer`` and free it (Megatron's main_grad)."""
+    def _accumulate_in(self, param: torch.Tensor, buffer: torch.Tensor,
+                       then: Optional[Callable[[], None]] = None) -> None:
+        """Add each gradient of ``param`` into the fp32 ``buffer`` and free it (Megatron's main_grad);
+        ``then`` runs after each accumulation (the distributed optimizer's overlapped reduction)."""
         def move(p: torch.Tensor) -> None:
             buffer.add_(p.grad.reshape(buffer.shape))
             p.grad = None
+            if then is not None:
+                then()
 
         param.register_post_accumulate_grad_hook(move)
 
@@ -118,6 +123,19 @@ class MegatronOptimizer:
         return self.loss_scaler.scale if self.loss_scaler is not None else None
 
     # --- the step -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Around the backward of every microbatch but the last: accumulate without reducing (FSDP2
+        would otherwise reduce-scatter after every microbatch)."""
+        if self.grad_reduction != "fsdp":
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
     def zero_grad(self) -> None:
         for _, p in self.named_params:
             p.grad = None

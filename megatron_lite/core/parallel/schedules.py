@@ -9,8 +9,9 @@ schedule takes the place of :func:`forward_backward_no_pipelining` with the same
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,8 @@ def _sum_over_dp(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
 def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict], layout: ParallelLayout,
                                    loss_fn: LossFn = gpt_loss, forward_only: bool = False,
                                    device: Optional[torch.device] = None, loss_scale: Optional[float] = None,
-                                   scale_grads: bool = True) -> StepLoss:
+                                   scale_grads: bool = True,
+                                   no_sync: Optional[Callable[[], ContextManager]] = None) -> StepLoss:
     """Run every microbatch forward (and backward unless ``forward_only``), accumulating gradients.
 
     On return the gradients are this rank's share of the gradient of the global-batch mean loss
@@ -88,7 +90,9 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict
     ``loss_scale`` (fp16) the backward runs on ``loss x loss_scale / tokens per microbatch`` so that
     half-precision gradients stay in range; with ``scale_grads=False`` the gradients are left
     unnormalised and ``StepLoss.grad_scale`` says what to multiply them by (an optimizer that
-    reduces or copies gradients first applies it once, on fp32 main gradients).
+    reduces or copies gradients first applies it once, on fp32 main gradients). ``no_sync`` (Megatron's
+    ``no_sync_func``) wraps the backward of every microbatch but the last, so gradient reductions
+    hooked into the backward (FSDP, overlapped reduce-scatter) run once per step.
     """
     device = device or next(model.parameters()).device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -98,13 +102,15 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict
         # Any constant works (it is divided out below); the microbatch's size keeps the scaled
         # loss near a per-token mean, whatever the batch geometry.
         backward_scale = loss_scale / max(1, next(iter(microbatches[0].values())).numel())
-    for microbatch in microbatches:
+    for index, microbatch in enumerate(microbatches):
         if forward_only:
             with torch.no_grad():
                 mb_loss, mb_tokens = loss_fn(model, microbatch)
         else:
-            mb_loss, mb_tokens = loss_fn(model, microbatch)
-            (mb_loss * backward_scale if backward_scale != 1.0 else mb_loss).backward()
+            last = index == len(microbatches) - 1
+            with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
+                mb_loss, mb_tokens = loss_fn(model, microbatch)
+                (mb_loss * backward_scale if backward_scale != 1.0 else mb_loss).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
     # One collective for both sums; no host sync in the step.
