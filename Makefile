@@ -30,6 +30,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/overhead.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/preprocess.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
