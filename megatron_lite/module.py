@@ -75,8 +75,12 @@ class GPTModule(pl.LightningModule):
             return
         self._check_vocab(getattr(self._attached_trainer(), "datamodule", None))
         self.model = self.build_model(self.parallel_layout)
-        if self._strategy_option("use_torch_fsdp2", False):
+        if self._fsdp():
             apply_fsdp2(self.model, self.parallel_layout)
+
+    def _fsdp(self) -> bool:
+        # With one data-parallel rank there is nothing to shard: FSDP2 would only add its hooks.
+        return bool(self._strategy_option("use_torch_fsdp2", False)) and self.parallel_layout.dp_size > 1
 
     def _strategy_option(self, name: str, default: Any) -> Any:
         trainer = self._attached_trainer()
@@ -182,9 +186,8 @@ class GPTModule(pl.LightningModule):
                 self.model, cfg, layout, fp16=fp16, bucket_size=self._strategy_option("ddp_bucket_size", None),
                 overlap_grad_reduce=self._strategy_option("overlap_grad_reduce", False))
         else:
-            fsdp = self._strategy_option("use_torch_fsdp2", False)
             self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16,
-                                                        grad_reduction="fsdp" if fsdp else "all_reduce")
+                                                        grad_reduction="fsdp" if self._fsdp() else "all_reduce")
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -250,7 +250,7 @@ class MegatronStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.use_torch_fsdp2:
+        if self.use_torch_fsdp2 and self._layout is not None and self._layout.dp_size > 1:
             # fully_shard already placed the shards on the mesh's device; Module.to() would replace
             # every DTensor parameter with a new Parameter and drop our TP metadata on it.
             return

@@ -71,3 +71,54 @@ def test_tp2_over_nccl_matches_one_gpu(tmp_path, sp):
     reference = run(tmp_path / "one", devices=1, steps=5, accelerator="gpu", start_method="spawn")
     result = run(tmp_path / "two", devices=2, tp=2, sp=sp, steps=5, accelerator="gpu", start_method="spawn")
     assert_same_training(result, reference, rtol=1e-4)
+
+
+def _optimizer(**kwargs):
+    settings = dict(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, clip_grad=0.5)
+    settings.update(kwargs)
+    return ml.OptimizerConfig(**settings)
+
+
+def test_distributed_optimizer_and_fsdp2_on_one_gpu_match_plain(tmp_path):
+    plain = run(tmp_path / "plain", devices=1, steps=5, accelerator="gpu", start_method="spawn", optimizer=_optimizer())
+    zero1 = run(tmp_path / "zero1", devices=1, steps=5, accelerator="gpu", start_method="spawn",
+                optimizer=_optimizer(use_distributed_optimizer=True))
+    assert_same_training(zero1, plain, rtol=1e-5, grads=False)
+    fsdp = run(tmp_path / "fsdp", devices=1, steps=5, accelerator="gpu", start_method="spawn", optimizer=_optimizer(),
+               strategy_kwargs=dict(use_torch_fsdp2=True))
+    assert_same_training(fsdp, plain, rtol=1e-5)
+
+
+def test_fp16_mixed_on_gpu_scales_the_loss_and_trains(tmp_path):
+    """Megatron's default scale 2**32 overflows fp16 at first: those steps are skipped, then it trains."""
+    result = run(tmp_path, devices=1, steps=40, accelerator="gpu", start_method="spawn", precision="16-mixed",
+                 optimizer=_optimizer(lr_decay_style="constant", lr_decay_iters=None))
+    assert 0 < result["skipped_steps"] < 40
+    assert result["loss_scale"] < 2.0 ** 32
+    losses = torch.tensor(result["losses"])
+    assert torch.isfinite(losses[-10:]).all() and losses[-1] < losses[0]
+
+
+def test_bf16_true_on_gpu_tracks_fp32(tmp_path):
+    fp32 = run(tmp_path / "fp32", devices=1, steps=8, accelerator="gpu", start_method="spawn", optimizer=_optimizer())
+    bf16 = run(tmp_path / "bf16", devices=1, steps=8, accelerator="gpu", start_method="spawn", optimizer=_optimizer(),
+               precision="bf16-true")
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="selective"),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1)], ids=["selective", "full"])
+def test_recompute_on_gpu_gives_the_same_gradients(recompute):
+    config = tiny_config(hidden_dropout=0.1, attention_dropout=0.1)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
+    grads = []
+    for cfg in (config, tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **recompute)):
+        with torch.device("cuda"):
+            model = ml.GPTModel(cfg, seed=3).train()
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-7, msg=name)
