@@ -97,7 +97,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         rank = kw.get("rank")
         return (1 if num_replicas is None else int(num_replicas)), (0 if rank is None else int(rank))
 
-    def _consumed_after(self, steps: int) -> int:
+    def consumed_samples_after(self, steps: int) -> int:
         """Samples the first ``steps`` optimizer steps consume: ``steps * global_batch_size`` without ramp-up."""
         # batch sizes do not depend on the DP size (only whether they divide by it), so DP 1 serves every layout
         return consumed_samples_after(self._geometry.num_microbatches_calculator(1), steps)
@@ -108,7 +108,7 @@ class PretrainingDataModule(pl.LightningDataModule):
             consumed, self._restored_consumed_samples = self._restored_consumed_samples, None
             return consumed
         if self.trainer is not None:
-            return self._consumed_after(int(self.trainer.global_step))
+            return self.consumed_samples_after(int(self.trainer.global_step))
         return 0
 
     def _loader(self, dataset: Dataset, split: str, consumed_samples: int = 0) -> ResumableDataLoader:
@@ -158,7 +158,7 @@ class PretrainingDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning checkpoints: samples consumed by the optimizer steps taken so far."""
         if self.trainer is not None:
-            return {"consumed_samples": self._consumed_after(int(self.trainer.global_step))}
+            return {"consumed_samples": self.consumed_samples_after(int(self.trainer.global_step))}
         if self._restored_consumed_samples is not None:
             return {"consumed_samples": self._restored_consumed_samples}
         return {}

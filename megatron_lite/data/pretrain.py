@@ -17,7 +17,7 @@ from megatron_lite.data.datamodule import PretrainingDataModule, eval_skip_hint
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
-from megatron_lite.data.samplers import GlobalBatchSampler
+from megatron_lite.data.samplers import GlobalBatchSampler, ramp_position
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 
@@ -271,7 +271,10 @@ class PretrainDataModule(PretrainingDataModule):
         restored = self._restored_layout
         old_dp, dp_size = restored.get("data_parallel_size"), self._dp_size_and_rank()[0]
         usable = total_samples - total_samples % self.global_batch_size
-        mid_epoch = usable > 0 and consumed % usable != 0
+        if self.rampup_batch_size is None:
+            mid_epoch = usable > 0 and consumed % usable != 0
+        else:  # under a ramp-up passes do not end at multiples of usable: walk the schedule
+            mid_epoch = ramp_position(consumed, usable, self.geometry.num_microbatches_calculator(1))[2] != 0
         if restored.get("sampler") not in (None, self.sampler):
             warnings.warn(f"the checkpoint was trained with sampler={restored['sampler']!r}, this run uses "
                           f"{self.sampler!r}: the resumed order does not continue the old one", stacklevel=3)

@@ -86,7 +86,7 @@ class MegatronPretrainingRandomSampler(GlobalBatchSampler):
         order = self._permutation(epoch)
         if self.data_sharding:
             bucket_start = self.rank * (self.usable_samples // self.num_replicas)
-            position = offset // self.num_replicas // 2
+            position = offset // self.num_replicas
             return [bucket_start + i for i in order[position: position + local]]
         begin = offset + self.rank * local
         return order[begin: begin + local]

@@ -211,6 +211,7 @@ class MegatronStrategy(ParallelStrategy):
             micro_batch_size=getattr(datamodule, "micro_batch_size", None),
             global_batch_size=getattr(datamodule, "global_batch_size", None),
             seq_length=getattr(datamodule, "seq_length", None),
+            rampup_batch_size=getattr(datamodule, "rampup_batch_size", None),
         )
 
     def setup_environment(self) -> None:

@@ -150,11 +150,6 @@ def test_fp16_mixed_on_cpu_falls_back_to_bf16_with_a_warning(tmp_path):
     assert s.scales[-1] is None  # bf16 needs no loss scaling
 
 
-def test_unsupported_precision_names_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true"):
-        fit(ml.GPTModule(ml.GPTConfig(**CONFIG)), 1, "64-true", tmp_path)
-
-
 def test_fsdp2_refuses_half_parameters(tmp_path):
     trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", use_torch_fsdp2=True), devices=2,
                         accelerator="cpu", precision="bf16-true", max_steps=1, logger=False)

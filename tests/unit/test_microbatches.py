@@ -3,8 +3,10 @@ the samplers/datamodules hand every step a global batch of the ramped size, in o
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
@@ -19,7 +21,9 @@ from megatron_lite.core.parallel.microbatches import (
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.data.datamodule import RampupDataLoader
 from megatron_lite.data.geometry import DataGeometry
+from megatron_lite.data.indexed_dataset import write_dataset
 from megatron_lite.data.mock import MockGPTDataModule
+from megatron_lite.data.pretrain import PretrainDataModule
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import MegatronPretrainingSampler, RankBatchSampler
 
@@ -33,9 +37,10 @@ def megatron_batch_size(consumed: int, gbs: int, ramp: list[int]) -> int:
     return start + int(consumed / samples_per_increment) * increment
 
 
-# (gbs, mbs, dp, [start, increment, rampup samples]); the last ones have a non-integer samples-per-increment
+# (gbs, mbs, dp, [start, increment, rampup samples]); the last ones have a non-integer samples-per-increment, and
+# in (32, 2, 2, [4, 4, 58]) float rounding makes Megatron give 28, not 32, at exactly 58 consumed samples
 CONFIGS = [(32, 2, 1, [4, 4, 100]), (32, 2, 2, [8, 8, 96]), (48, 1, 4, [8, 4, 1000]), (64, 2, 4, [16, 8, 77]),
-           (1024, 4, 8, [32, 32, 30000])]
+           (1024, 4, 8, [32, 32, 30000]), (32, 2, 2, [4, 4, 58])]
 
 
 @pytest.mark.parametrize(("gbs", "mbs", "dp", "ramp"), CONFIGS)
@@ -68,6 +73,8 @@ def test_a_ramp_by_hand_and_the_constant_calculator() -> None:
     assert isinstance(constant, ConstantNumMicroBatchesCalculator) and constant.get() == 8
     constant.update(12345, consistency_check=True)
     assert constant.get_current_global_batch_size() == 32 and consumed_samples_after(constant, 7) == 7 * 32
+    rounded = build_num_microbatches_calculator(32, 2, 2, [4, 4, 58])
+    assert [rounded.global_batch_size_at(c) for c in (57, 58, 59)] == [28, 28, 32]  # Megatron's float rule
     flat = build_num_microbatches_calculator(32, 2, 2, [32, 8, 96])  # start == global batch: nothing to ramp
     assert {flat.global_batch_size_at(c) for c in range(200)} == {32}
 
@@ -120,10 +127,10 @@ TOTAL, GBS, MBS, RAMP = 100, 16, 1, [4, 4, 150]  # passes of 96 samples; a batch
 STEPS = 32  # spans 4 passes; the first two end on a batch that no longer fits, the ramp crosses the first end
 
 
-def expected_sequential(steps: int) -> list[list[int]]:
+def expected_sequential(steps: int, total: int = TOTAL) -> list[list[int]]:
     """The order by definition: consecutive batches of the ramped size; one that does not fit in the rest of a
-    pass of 96 samples starts the next pass at 0."""
-    usable, consumed, offset, batches = TOTAL - TOTAL % GBS, 0, 0, []
+    pass (96 samples of 100) starts the next pass at 0."""
+    usable, consumed, offset, batches = total - total % GBS, 0, 0, []
     for _ in range(steps):
         size = megatron_batch_size(consumed, GBS, RAMP)
         if offset + size > usable:
@@ -176,6 +183,7 @@ def test_sequential_ramp_is_the_sequential_order_and_resumes_at_every_step(dp: i
         assert ramp_steps(sequential, dp, STEPS - k, consumed=after[k]) == full[k:], k
     # a position off the schedule (saved with other batch sizes) continues at the next step boundary
     assert ramp_steps(sequential, dp, 3, consumed=after[5] - 1) == full[5:8]
+    assert ramp_steps(sequential, dp, 3, consumed=after[27] - 5) == full[27:30]  # also after the ramp
 
 
 @pytest.mark.parametrize("sharding", [True, False])
@@ -254,3 +262,33 @@ def test_datamodule_batches_follow_the_ramp_and_resume_from_step_or_state() -> N
     assert all(torch.equal(a, b) for a, b in zip(resumed, full[5:]))
     with pytest.raises(ValueError, match=r"rampup_batch_size\[0\] .* \(4\) must be a multiple of .* = 8"):
         _train_batches(8, 0, 1)  # DP 8 cannot split the first batches of 4
+
+
+def test_pretrain_layout_change_warning_follows_the_ramped_passes(tmp_path) -> None:
+    """The cyclic sampler's 'DP size changed mid-epoch' warning knows where ramped passes end."""
+    prefix = str(tmp_path / "corpus")
+    rng = np.random.default_rng(0)
+    write_dataset(prefix, [[rng.integers(1, 500, size=int(rng.integers(5, 60)))] for _ in range(60)],
+                  dtype=np.uint16)
+
+    def resumed(consumed: int) -> PretrainDataModule:
+        dm = PretrainDataModule([prefix], seq_length=16, micro_batch_size=1, global_batch_size=GBS, split="90,10",
+                                sampler="cyclic", vocab_size=500, train_samples=TOTAL, rampup_batch_size=RAMP,
+                                cache_dir=str(tmp_path / "cache"))
+        dm.trainer = SimpleNamespace(  # type: ignore[assignment]
+            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": 0}), global_step=0)
+        dm.load_state_dict({"consumed_samples": consumed, "sampler": "cyclic", "data_sharding": True,
+                            "data_parallel_size": 2})
+        return dm
+
+    probe = resumed(0)
+    probe.setup("fit")
+    total = len(probe.train_dataset)  # type: ignore[arg-type]
+    order = expected_sequential(40, total)
+    second_pass = sum(len(batch) for batch in order[:next(k for k in range(1, 40) if order[k][0] == 0)])
+    assert second_pass % (total - total % GBS) != 0  # where an unramped run would be mid-epoch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed(second_pass).train_dataloader()
+    with pytest.warns(UserWarning, match="data-parallel size 4 after 2, mid-epoch"):
+        resumed(second_pass + 16).train_dataloader()
