@@ -54,13 +54,15 @@ class StepRecorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict,
                            batch_idx: int) -> None:
         self.steps[trainer.global_step - 1]["microbatches"] = pl_module.microbatches
+        self.steps[trainer.global_step - 1]["lr"] = float(trainer.callback_metrics["train/lr"])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(self.steps, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, ckpt_path: str | None = None, checkpoints: Path | None = None) -> dict[int, dict]:
+def _fit(out: Path, ckpt_path: str | None = None, checkpoints: Path | None = None,
+         optimizer: ml.OptimizerConfig | None = None) -> dict[int, dict]:
     """Train to STEPS under DP 2; return per step the global batch (ranks concatenated), epoch and microbatches."""
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ)
     data = MockGPTDataModule(seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=VOCAB, seed=3,
@@ -71,7 +73,7 @@ def _fit(out: Path, ckpt_path: str | None = None, checkpoints: Path | None = Non
     trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=DP, max_steps=STEPS, logger=False,
                         callbacks=callbacks, enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=1, num_sanity_val_steps=0)
-    module = MicrobatchCounter(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"))
+    module = MicrobatchCounter(config, optimizer or ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(DP)]
     assert all(r.keys() == ranks[0].keys() for r in ranks)
@@ -79,7 +81,7 @@ def _fit(out: Path, ckpt_path: str | None = None, checkpoints: Path | None = Non
     for step in ranks[0]:
         assert len({r[step]["microbatches"] for r in ranks}) == 1 and len({r[step]["epoch"] for r in ranks}) == 1
         steps[step] = {"tokens": torch.cat([r[step]["tokens"] for r in ranks]), "epoch": ranks[0][step]["epoch"],
-                       "microbatches": ranks[0][step]["microbatches"]}
+                       "microbatches": ranks[0][step]["microbatches"], "lr": ranks[0][step]["lr"]}
     return steps
 
 
@@ -108,3 +110,22 @@ def test_microbatches_follow_the_ramp_and_resume_mid_ramp_is_exact(tmp_path: Pat
         assert torch.equal(resumed[step]["tokens"], full[step]["tokens"]), step
         assert resumed[step]["microbatches"] == full[step]["microbatches"] and resumed[step]["epoch"] == \
             full[step]["epoch"]
+
+
+def test_sample_based_lr_schedule_follows_the_consumed_samples_under_ramp_up(tmp_path: Path) -> None:
+    """Megatron counts the schedule in samples under ramp-up: the lr of each step is the formula at the
+    samples consumed before it (warmup over 12 samples, then cosine to min_lr at 120 samples)."""
+    import math
+
+    optimizer = ml.OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_samples=12, lr_decay_samples=120,
+                                   lr_decay_style="cosine")
+    run = _fit(tmp_path, optimizer=optimizer)
+    consumed = 0
+    for step in range(STEPS):
+        if consumed <= 12:
+            expected = 1e-3 * consumed / 12
+        else:
+            ratio = min(1.0, (consumed - 12) / (120 - 12))
+            expected = 1e-4 + 0.5 * (math.cos(math.pi * ratio) + 1) * (1e-3 - 1e-4)
+        assert math.isclose(run[step]["lr"], expected, rel_tol=1e-6, abs_tol=1e-12), (step, consumed)
+        consumed += megatron_batch_size(consumed)
