@@ -1,16 +1,20 @@
 """``megatron-lite``: Lightning's CLI (fit / validate / test / predict) with megatron-lite defaults,
-plus the data tool ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, and ``merge``).
+plus the tools ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, and ``merge``),
+``estimate`` (memory and FLOPs of a config, before launch) and ``plot`` (PNG of a run's curves).
 
     megatron-lite fit --config examples/configs/gpt_tiny.yaml --trainer.max_steps 100 \
         --trainer.strategy.init_args.tensor_model_parallel_size 2
     megatron-lite preprocess --input corpus.jsonl.gz --output-prefix data/corpus \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --workers 4 --append-eod
+    megatron-lite estimate --config examples/configs/gpt_tiny.yaml --devices 8 [--json]
+    megatron-lite plot runs/lightning_logs/version_0
 
 Every strategy, model and data option can be overridden on the command line; ``--print_config``
 shows the full resolved configuration.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
@@ -53,16 +57,24 @@ def _configuration_error(exc: BaseException) -> Optional[BaseException]:
     return root if raised_in.startswith(_PACKAGE_DIR) else None
 
 
+# Subcommands that are tools rather than LightningCLI runs: name -> (module, function(argv) -> exit code).
+_TOOLS = {
+    "preprocess": ("megatron_lite.data.preprocess", "main"),
+    "estimate": ("megatron_lite.estimate", "main"),
+    "plot": ("megatron_lite.plot", "main"),
+}
+
+
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``megatron-lite`` console script and ``python -m megatron_lite``.
 
     Set ``MEGATRON_LITE_DEBUG=1`` to see full tracebacks of configuration errors.
     """
     argv = list(sys.argv[1:] if args is None else args)
-    if argv and argv[0] == "preprocess":
-        from megatron_lite.data.preprocess import main as preprocess_main
-
-        sys.exit(preprocess_main(argv[1:]))
+    if argv and argv[0] in _TOOLS:
+        module_name, function = _TOOLS[argv[0]]
+        tool = getattr(importlib.import_module(module_name), function)
+        sys.exit(tool(argv[1:]))
     try:
         _run_cli(args)
     except Exception as exc:  # noqa: BLE001 - filtered below, everything else is re-raised
@@ -80,8 +92,8 @@ def _run_cli(args: Optional[list[str]]) -> None:
         subclass_mode_data=True,
         trainer_defaults={"strategy": "megatron"},
         args=args,
-        parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Data tool: "
-                                      "`megatron-lite preprocess --help`.", "default_env": False},
+        parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
+                                      "`megatron-lite preprocess|estimate|plot --help`.", "default_env": False},
         save_config_kwargs={"overwrite": True},
     )
 
