@@ -24,6 +24,8 @@ LR_TAG = "train/lr"
 THROUGHPUT_TAG = "train/tokens_per_sec"
 TFLOPS_TAG = "train/tflops_per_device"
 MFU_TAG = "train/mfu"
+FIGURE_INCHES = (8, 9)
+DPI = 100
 PLOTTED_TAGS = tuple(tag for tag, _ in LOSS_TAGS) + (LR_TAG, THROUGHPUT_TAG)
 
 
@@ -119,14 +121,15 @@ def _not_logged(axes, what: str) -> None:
     axes.text(0.5, 0.5, f"{what} not logged", ha="center", va="center", transform=axes.transAxes, color="gray")
 
 
-def plot_run(run: RunMetrics, out: Path, title: str) -> None:
-    """Three panels over the optimizer step: loss (train and validation), learning rate, throughput."""
+def plot_run(run: RunMetrics, out: Path, title: str):
+    """Three panels over the optimizer step: loss (train and validation), learning rate, throughput.
+    Writes ``out`` and returns the matplotlib Figure."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise PlotError("matplotlib is not installed; pip install matplotlib (or megatron-lite[logging])") from exc
-    figure = Figure(figsize=(8, 9), layout="constrained")
+    figure = Figure(figsize=FIGURE_INCHES, layout="constrained")
     FigureCanvasAgg(figure)  # attaches the headless canvas that savefig renders with
     loss_axes, lr_axes, speed_axes = figure.subplots(3, 1, sharex=True)
     figure.suptitle(title)
@@ -159,7 +162,8 @@ def plot_run(run: RunMetrics, out: Path, title: str) -> None:
     else:
         _not_logged(speed_axes, "throughput")
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
+    figure.savefig(out, dpi=DPI)
+    return figure
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ def peak_memory_gib(device: torch.device) -> Optional[float]:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
-    return peak / GIB if sys.platform == "darwin" else peak / GIB
+    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
 
 
 class MegatronMetrics(pl.Callback):
@@ -89,7 +89,7 @@ class MegatronMetrics(pl.Callback):
         self.timing_log_option = timing_log_option
         self.console = console
         self.timers = Timers(timing_log_level, timing_log_option)  # validates both
-        self._measured_peaks: dict[tuple, float] = {}  # (device type, dtype, threads) -> TFLOP/s
+        self._measured_peaks: dict[tuple, float] = {}  # (device, dtype, threads) -> TFLOP/s
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:

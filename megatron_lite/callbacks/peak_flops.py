@@ -58,7 +58,7 @@ def cuda_tf32_enabled() -> bool:
 
 
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: Optional[int] = None,
-                          min_seconds: float = 0.2) -> float:
+                          min_seconds: float = 0.05) -> float:
     """Best TFLOP/s of one ``size x size`` matmul in ``dtype`` on ``device`` over about ``min_seconds``.
 
     The default size keeps one product around a millisecond or more on a CPU thread, long enough to
