@@ -98,6 +98,9 @@ class MegatronMetrics(pl.Callback):
         self._global_batch_size: Optional[int] = None
         self._seq_length: Optional[int] = None
         self._timed_steps = 0  # steps in the interval timer since the last log
+        self._timed_samples = 0  # global samples of those steps (varies under batch-size ramp-up)
+        self._flops_per_sample: Optional[float] = None
+        self._dp_size = 1
         self._steps_since_log = 0  # steps since the last log, warm-up included (for the phase timers)
         self._paused: list = []  # timers stopped for a validation inside training
 
@@ -116,6 +119,8 @@ class MegatronMetrics(pl.Callback):
             tp = layout.tp_size if layout is not None else 1  # decides the vocabulary padding
             self._flops_per_step = training_flops_per_step(config, self._global_batch_size, self._seq_length,
                                                            tensor_model_parallel_size=tp)
+            self._flops_per_sample = self._flops_per_step / self._global_batch_size  # linear in the batch
+            self._dp_size = layout.dp_size if layout is not None else 1
             self._peak_tflops = self._resolve_peak(trainer)
         else:
             rank_zero_warn("MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
@@ -168,6 +173,7 @@ class MegatronMetrics(pl.Callback):
         interval = self.timers(*INTERVAL_TIMER)
         if interval.started:
             self._timed_steps += 1
+            self._timed_samples += _batch_samples(batch) * self._dp_size
         else:
             interval.start()  # the first step is warm-up: the interval starts at its end
         self._steps_since_log += 1
@@ -199,19 +205,24 @@ class MegatronMetrics(pl.Callback):
     def _log_interval(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool) -> None:
         metrics: dict[str, float] = {}
         if self._global_batch_size:
-            metrics["train/consumed_samples"] = float(trainer.global_step * self._global_batch_size)
+            datamodule = getattr(trainer, "datamodule", None)
+            consumed_after = getattr(datamodule, "consumed_samples_after", None)  # knows the batch-size ramp-up
+            consumed = consumed_after(trainer.global_step) if callable(consumed_after) else \
+                trainer.global_step * self._global_batch_size
+            metrics["train/consumed_samples"] = float(consumed)
         ms_per_step = None
         if self._timed_steps > 0:
-            ms_per_step = self.timers(*INTERVAL_TIMER).elapsed(reset=True) * 1000.0 / self._timed_steps
-            seconds = ms_per_step / 1000.0
-            if self._global_batch_size and self._seq_length:
-                metrics["train/tokens_per_sec"] = self._global_batch_size * self._seq_length / seconds
-            if self._flops_per_step is not None:
-                tflops = self._flops_per_step / seconds / trainer.world_size / 1e12
+            seconds_total = self.timers(*INTERVAL_TIMER).elapsed(reset=True)
+            ms_per_step = seconds_total * 1000.0 / self._timed_steps
+            if self._timed_samples and self._seq_length:
+                metrics["train/tokens_per_sec"] = self._timed_samples * self._seq_length / seconds_total
+            if self._flops_per_sample is not None and self._timed_samples:
+                tflops = self._flops_per_sample * self._timed_samples / seconds_total / trainer.world_size / 1e12
                 metrics["train/tflops_per_device"] = tflops
                 if self._peak_tflops:
                     metrics["train/mfu"] = tflops / self._peak_tflops
             self._timed_steps = 0
+            self._timed_samples = 0
         memory = peak_memory_gib(trainer.strategy.root_device)
         if memory is not None:
             metrics["train/mem_peak_gib"] = memory
@@ -290,3 +301,12 @@ def iteration_line(trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[f
         module_value("train/skipped_steps", "skipped iterations", ".0f"),
     ]
     return " | ".join(p for p in parts if p is not None) + " |"
+
+
+def _batch_samples(batch: Any) -> int:
+    """Samples this rank received in one step (the first dimension of the batch's first tensor)."""
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()), None)
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    return int(batch.shape[0]) if torch.is_tensor(batch) and batch.ndim else 0

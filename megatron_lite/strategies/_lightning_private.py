@@ -9,7 +9,9 @@ message instead of N times from N ranks.
 """
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -47,7 +49,7 @@ class _ValidatingMultiProcessingLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         self._validate(args, kwargs, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        return super().launch(functools.partial(_run_then_finish_wandb, function), *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer, results: Any):
         # Lightning's logic (2.6), except that rank 0's weights are handed to the launching process
@@ -67,6 +69,19 @@ class _ValidatingMultiProcessingLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _run_then_finish_wandb(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run ``function`` in a forked/spawned rank, then close the rank's W&B run: such a rank ends
+    without the interpreter exit that would flush it, and an unfinished offline run keeps no history.
+    (Module level so that ``spawn`` can pickle it.)"""
+    try:
+        return function(*args, **kwargs)
+    finally:
+        wandb = sys.modules.get("wandb")
+        run = getattr(wandb, "run", None) if wandb is not None else None
+        if run is not None:
+            run.finish()
 
 
 def make_launcher(strategy, start_method: str, validate: Validate) -> _Launcher:

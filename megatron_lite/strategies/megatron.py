@@ -62,6 +62,9 @@ class MegatronStrategy(ParallelStrategy):
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
         ddp_bucket_size: elements per gradient bucket of the distributed optimizer (Megatron's
             ``--ddp-bucket-size``; default max(40M, 1M x dp)).
+        log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` callback (throughput, TFLOP/s,
+            MFU, memory, timers, a Megatron-style console line) unless the Trainer already has one;
+            ``False`` removes it.
         overlap_grad_reduce: with the distributed optimizer, reduce-scatter each gradient bucket
             asynchronously during the backward of the last microbatch (Megatron's
             ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
@@ -80,6 +83,7 @@ class MegatronStrategy(ParallelStrategy):
         use_torch_fsdp2: bool = False,
         ddp_bucket_size: Optional[int] = None,
         overlap_grad_reduce: bool = False,
+        log_metrics: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -102,6 +106,7 @@ class MegatronStrategy(ParallelStrategy):
         self.use_torch_fsdp2 = bool(use_torch_fsdp2)
         self.ddp_bucket_size = ddp_bucket_size
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self.log_metrics = bool(log_metrics)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -220,6 +225,7 @@ class MegatronStrategy(ParallelStrategy):
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
         self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
                       trainer)
+        self._add_metrics_callback(trainer)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
@@ -232,6 +238,14 @@ class MegatronStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
         log.info("megatron-lite layout: %s", self._layout.describe())
+
+    def _add_metrics_callback(self, trainer) -> None:
+        # Here, in every rank before Lightning calls the callbacks' setup: the timers' gather is a
+        # collective, so every rank needs the callback.
+        from megatron_lite.callbacks import MegatronMetrics
+
+        if self.log_metrics and trainer is not None and not any(isinstance(c, MegatronMetrics) for c in trainer.callbacks):
+            trainer.callbacks.append(MegatronMetrics())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -238,8 +238,6 @@ def _wandb_history(path: Path) -> list:
     return rows
 
 
-@pytest.mark.xfail(strict=True, reason="fork/spawn ranks exit without wandb.finish(), so an offline run's records "
-                                       "are never written; the strategy's launcher must finish logger experiments")
 def test_wandb_history_has_the_metrics_at_the_optimizer_steps(dp2_run):
     run_file = next((dp2_run["root"] / "wandb").glob("offline-run-*/run-*.wandb"))
     rows = _wandb_history(run_file)
@@ -288,3 +286,16 @@ def test_bad_arguments_name_the_fix():
         MegatronMetrics(peak_tflops_per_device=0)
     with pytest.raises(ValueError, match="log_level must be an integer in 0..2"):
         MegatronMetrics(timing_log_level=5)
+
+
+@pytest.mark.parametrize("log_metrics", [True, False], ids=["default_on", "removed"])
+def test_the_strategy_adds_the_metrics_callback_by_default(tmp_path, log_metrics):
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", log_metrics=log_metrics), devices=1,
+                        accelerator="cpu", max_steps=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(ml.GPTModule(tiny_config(), optimizer()), tiny_data())
+    columns = set(next(csv.DictReader(open(next(tmp_path.rglob("metrics.csv"))))))
+    assert "train/loss" in columns
+    assert ("train/tokens_per_sec" in columns) == log_metrics
+    assert ("train/consumed_samples" in columns) == log_metrics
