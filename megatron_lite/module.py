@@ -21,6 +21,7 @@ from megatron_lite.core.optim.distributed import DistributedOptimizer
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.timers import Timers
 from megatron_lite.core.parallel.schedules import StepLoss, get_forward_backward_func, gpt_loss, split_microbatches
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
@@ -85,6 +86,12 @@ class GPTModule(pl.LightningModule):
     def _strategy_option(self, name: str, default: Any) -> Any:
         trainer = self._attached_trainer()
         return getattr(trainer.strategy, name, default) if trainer is not None else default
+
+    def _timers(self) -> Optional[Timers]:
+        """The run's Megatron timers (held by the MegatronMetrics callback), if any."""
+        trainer = self._attached_trainer()
+        callbacks = trainer.callbacks if trainer is not None else []
+        return next((c.timers for c in callbacks if isinstance(getattr(c, "timers", None), Timers)), None)
 
     def _precision(self) -> str:
         trainer = self._attached_trainer()
@@ -188,6 +195,7 @@ class GPTModule(pl.LightningModule):
         else:
             self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16,
                                                         grad_reduction="fsdp" if self._fsdp() else "all_reduce")
+        self.megatron_optimizer.timers = self._timers()
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

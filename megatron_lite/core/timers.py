@@ -12,9 +12,10 @@ gather runs over any process group and works on gloo, and ``log`` returns a :cla
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Optional, Union
+from typing import Iterable, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -252,3 +253,17 @@ class Timers:
             per_rank = local.unsqueeze(0)
         per_rank_ms = (per_rank / normalizer).tolist()
         return TimerReport(names=names, per_rank_ms=per_rank_ms, log_option=self.log_option)
+
+
+@contextlib.contextmanager
+def timed(timers: Optional["Timers"], name: str, log_level: int = 1) -> Iterator[None]:
+    """Time the block with ``timers(name, log_level)``; nothing when ``timers`` is None."""
+    if timers is None:
+        yield
+        return
+    timer = timers(name, log_level=log_level)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.stop()

@@ -35,6 +35,7 @@ from megatron_lite.core.checkpoint.sharded import (
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.core.timers import timed
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies._lightning_private import (
     _distributed_is_initialized,
@@ -352,7 +353,9 @@ class MegatronStrategy(ParallelStrategy):
         }
         assert self.lightning_module is not None
         state.update(rng_state(self.lightning_module, self.global_rank))
-        save_sharded(state, path, extra=checkpoint)
+        timers = self.lightning_module._timers() if hasattr(self.lightning_module, "_timers") else None
+        with timed(timers, "save-checkpoint", log_level=0):
+            save_sharded(state, path, extra=checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -299,3 +299,5 @@ def test_the_strategy_adds_the_metrics_callback_by_default(tmp_path, log_metrics
     assert "train/loss" in columns
     assert ("train/tokens_per_sec" in columns) == log_metrics
     assert ("train/consumed_samples" in columns) == log_metrics
+    # the optimizer's phases, timed with Megatron's names through the callback's timers
+    assert ({"timers/all-grads-sync", "timers/optimizer-clip-main-grad"} <= columns) == log_metrics

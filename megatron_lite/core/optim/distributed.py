@@ -31,6 +31,7 @@ from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_single
 from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
+from megatron_lite.core.timers import timed
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default (at least 1M x dp)
 
@@ -215,7 +216,8 @@ class DistributedOptimizer(MegatronOptimizer):
         """All-gather every bucket's updated slices into the model parameters of every DP rank."""
         if result.skipped:
             return
-        self.publish_params()
+        with timed(self.timers, "params-all-gather"):
+            self.publish_params()
 
     @torch.no_grad()
     def publish_params(self) -> None:

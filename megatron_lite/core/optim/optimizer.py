@@ -34,6 +34,7 @@ from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.grad_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced, reduce_sequence_parallel_grads
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.timers import timed
 
 GradReduction = Literal["all_reduce", "fsdp"]
 
@@ -78,6 +79,8 @@ class MegatronOptimizer:
         self._by_name = dict(self.named_params)
         self.loss_scaler: Optional[LossScaler] = build_loss_scaler(config) if fp16 else None
         self.skipped_steps = 0
+        self.timers = None
+        """Optional :class:`megatron_lite.core.timers.Timers`: the step's phases are timed with Megatron's names."""
         entries = self._main_param_entries()
         self.optimizer = build(entries, config)
 
@@ -175,7 +178,8 @@ class MegatronOptimizer:
         """Reduce gradients, unscale them (``grad_scale`` from the schedule, divided by the loss
         scale), check for overflow, compute the global norm and clip. On overflow the main
         gradients are dropped, so the torch optimizer's step leaves parameters and state untouched."""
-        self.reduce_gradients()
+        with timed(self.timers, "all-grads-sync"):
+            self.reduce_gradients()
         self.collect_main_grads()
         main_grads = [main.grad for _, main in self.main_params() if main.grad is not None]
         device = main_grads[0].device if main_grads else torch.device("cpu")
@@ -187,8 +191,9 @@ class MegatronOptimizer:
             factor = factor / loss_scale
         if grad_scale is not None or loss_scale is not None:
             scale_grads(main_grads, factor)
-        grads, group, all_ranks = self.norm_inputs()
-        norm = grad_norm_of(grads, group, device, all_ranks=all_ranks)
+        with timed(self.timers, "optimizer-clip-main-grad"):
+            grads, group, all_ranks = self.norm_inputs()
+            norm = grad_norm_of(grads, group, device, all_ranks=all_ranks)
         skipped = False
         if self.loss_scaler is not None:
             # The norm is inf/NaN exactly when some gradient is: one reduction serves both (Megatron
@@ -208,8 +213,9 @@ class MegatronOptimizer:
         """Copy updated fp32 masters into the half-precision model parameters."""
         if result.skipped:
             return
-        for name, master in self.masters.items():
-            self._by_name[name].data.copy_(master)
+        with timed(self.timers, "optimizer-copy-main-to-model-params"):
+            for name, master in self.masters.items():
+                self._by_name[name].data.copy_(master)
 
     # --- checkpoints ----------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
