@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from megatron_lite.callbacks.energy import EnergyMeter
 from megatron_lite.callbacks.peak_flops import (
     cuda_tf32_enabled,
     known_gpu_peak_tflops,
@@ -101,6 +102,8 @@ class MegatronMetrics(pl.Callback):
         self._timed_samples = 0  # global samples of those steps (varies under batch-size ramp-up)
         self._flops_per_sample: Optional[float] = None
         self._dp_size = 1
+        self._energy: Optional[EnergyMeter] = None
+        self._interval_joules = 0.0  # energy of the timed steps since the last log (validation excluded)
         self._steps_since_log = 0  # steps since the last log, warm-up included (for the phase timers)
         self._paused: list = []  # timers stopped for a validation inside training
 
@@ -176,6 +179,7 @@ class MegatronMetrics(pl.Callback):
             self._timed_samples += _batch_samples(batch) * self._dp_size
         else:
             interval.start()  # the first step is warm-up: the interval starts at its end
+            self._start_energy(trainer)
         self._steps_since_log += 1
         every = trainer.log_every_n_steps
         periodic = every > 0 and trainer.global_step % every == 0
@@ -188,15 +192,28 @@ class MegatronMetrics(pl.Callback):
         if batch_generator.started:
             batch_generator.stop()  # the last fetch of the epoch, which found no batch
 
+    def _start_energy(self, trainer: "pl.Trainer") -> None:
+        if self._energy is None:
+            self._energy = EnergyMeter(trainer.strategy.root_device)
+            if not self._energy.available:
+                rank_zero_warn(f"MegatronMetrics logs no train/energy_per_step_j: {self._energy.reason}")
+        else:
+            self._energy.joules_since_last()  # a new interval: drop what came before
+        self._interval_joules = 0.0
+
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.training or trainer.state.fn != "fit":
             return
+        if self._energy is not None and self._energy.available:
+            self._interval_joules += self._energy.joules_since_last()
         names = (INTERVAL_TIMER, BATCH_GENERATOR_TIMER)
         self._paused = [self.timers(*n) for n in names if self.timers(*n).started]
         for timer in self._paused:
             timer.stop()
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._paused and self._energy is not None and self._energy.available:
+            self._energy.joules_since_last()  # validation's energy is not the steps'
         for timer in self._paused:
             timer.start()
         self._paused = []
@@ -221,6 +238,10 @@ class MegatronMetrics(pl.Callback):
                 metrics["train/tflops_per_device"] = tflops
                 if self._peak_tflops:
                     metrics["train/mfu"] = tflops / self._peak_tflops
+            if self._energy is not None and self._energy.available:
+                joules = self._interval_joules + self._energy.joules_since_last()
+                metrics["train/energy_per_step_j"] = joules / self._timed_steps
+                self._interval_joules = 0.0
             self._timed_steps = 0
             self._timed_samples = 0
         memory = peak_memory_gib(trainer.strategy.root_device)

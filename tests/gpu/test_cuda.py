@@ -122,3 +122,17 @@ def test_recompute_on_gpu_gives_the_same_gradients(recompute):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_metrics_on_gpu_log_mfu_against_the_data_sheet_and_energy(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    import csv
+
+    run(tmp_path, devices=1, steps=6, accelerator="gpu", start_method="spawn", precision="bf16-mixed",
+        logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=2)
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("train/mfu")]
+    assert rows, "no MFU logged"
+    for row in rows:
+        assert 0 < float(row["train/mfu"]) < 1
+        assert float(row["train/energy_per_step_j"]) > 0  # NVML's energy counter moved during the steps
+        assert float(row["train/mem_peak_gib"]) > 0

@@ -301,3 +301,12 @@ def test_the_strategy_adds_the_metrics_callback_by_default(tmp_path, log_metrics
     assert ("train/consumed_samples" in columns) == log_metrics
     # the optimizer's phases, timed with Megatron's names through the callback's timers
     assert ({"timers/all-grads-sync", "timers/optimizer-clip-main-grad"} <= columns) == log_metrics
+
+
+def test_energy_is_absent_on_cpu_with_the_reason(dp2_run):
+    from megatron_lite.callbacks.energy import EnergyMeter
+
+    meter = EnergyMeter(torch.device("cpu"))
+    assert not meter.available and "needs an NVIDIA GPU" in meter.reason
+    assert meter.joules_since_last() is None
+    assert all("train/energy_per_step_j" not in row for row in dp2_run["csv"])
