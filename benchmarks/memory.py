@@ -120,7 +120,7 @@ def activation_rows() -> list[dict]:
                                                                 precision="32-true", device_type="cpu"))
         # The probe sees what is held at the end of the forward; the estimate's total adds the
         # working set of the one region being recomputed during the backward (its peak).
-        held = breakdown.total - breakdown.recompute_working_set
+        held = breakdown.held_after_forward
         rows.append(dict(recompute=name, measured_bytes=measured, estimated_bytes=held,
                          estimated_peak_bytes=breakdown.total, ratio_measured_to_estimate=measured / held))
     for row in rows:

@@ -25,12 +25,17 @@ from megatron_lite.core.estimator.memory import (
     normalize_precision,
     parameter_shapes,
 )
-from megatron_lite.core.estimator.probe import SavedTensorsReport, measure_activation_bytes, measure_saved_tensors
+from megatron_lite.core.estimator.probe import (
+    SavedTensorsReport,
+    measure_activation_bytes,
+    measure_retained_tensors,
+    measure_saved_tensors,
+)
 
 __all__ = [
     "FlopsBreakdown", "forward_flops_breakdown", "forward_flops_per_token", "megatron_formula_flops",
-    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "EstimateLayout", "KernelSaves",
-    "MemoryEstimate", "ParamShape", "activation_breakdown", "estimate_for_run", "estimate_memory",
+    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "EstimateLayout",
+    "KernelSaves", "MemoryEstimate", "ParamShape", "activation_breakdown", "estimate_for_run", "estimate_memory",
     "korthikanti_activation_bytes_per_layer", "normalize_precision", "parameter_shapes",
-    "SavedTensorsReport", "measure_activation_bytes", "measure_saved_tensors",
+    "SavedTensorsReport", "measure_activation_bytes", "measure_retained_tensors", "measure_saved_tensors",
 ]

@@ -1,20 +1,15 @@
 """Per-rank memory estimate of a training run: weights, gradients, optimizer state, activations.
 
-Weights, gradients and optimizer state are counted from the model's real parameter tensors
-(:func:`parameter_shapes` mirrors :class:`~megatron_lite.core.models.gpt.GPTModel`: TP shards of the
-column/row-parallel weights and of the padded vocabulary, replicated norms and row-parallel biases),
-times the bytes per parameter of the precision (:data:`PRECISION_BYTES`, the one table to edit when
-the precision handling changes).
+Weights, gradients and optimizer state come from the model's real parameter tensors (:func:`parameter_shapes`
+mirrors ``GPTModel``: TP shards, padded vocabulary, replicated norms and row-parallel biases) times the bytes
+per parameter of the precision (:data:`PRECISION_BYTES`, the one table to edit when precision handling changes).
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models"): add up, layer by layer, every tensor that autograd keeps for the backward pass. Their
-``s b h (34 + 5 a s / h)`` per layer assumes GPT-3's blocks (LayerNorm, GeLU, dropout, a dense
-softmax) in 16-bit and is :func:`korthikanti_activation_bytes_per_layer`; :func:`activation_breakdown`
-applies the same accounting to what this code base's model really saves (RMSNorm or LayerNorm,
-SwiGLU or GeLU, GQA, RoPE, a fused QKV output that ``v`` is a view of, flash attention that keeps no
-``s x s`` matrix, fp32 residual stream under autocast, the autocast's bf16 weight copies, the fp32
-softmax of the loss) and is checked against :mod:`megatron_lite.core.estimator.probe` in the tests.
-Temporaries freed during the forward or backward (e.g. the gradient of the logits) are not counted.
+Activations follow Korthikanti et al. 2022: add up, layer by layer, every tensor autograd keeps for the
+backward. Their ``s b h (34 + 5 a s/h)`` assumes GPT-3 blocks in 16-bit (``korthikanti_activation_bytes_per_layer``);
+:func:`activation_breakdown` applies the same accounting to what this model really keeps (RMSNorm/LayerNorm,
+SwiGLU/GeLU, GQA, RoPE, ``v`` as a view of the fused QKV output, flash attention without ``s x s`` scores, the
+fp32 residual stream and bf16 weight copies of autocast, the fp32 softmax of the loss, recompute), checked
+against :mod:`megatron_lite.core.estimator.probe` on CPU and on an H200.
 """
 from __future__ import annotations
 
@@ -23,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.recompute import full_recompute_groups
 
 
 @dataclass(frozen=True)
@@ -43,12 +39,10 @@ class PrecisionBytes:
     """The residual stream and the norms' inputs (autocast leaves additions and norms in fp32)."""
 
 
-# Bytes per element for each Lightning precision string. The strategy runs "32-true" and "bf16-mixed"
-# today. "*-mixed" is torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes (the
-# distributed optimizer shards the 8 of Adam: 8 + 8/dp). "*-true" is entered as Megatron's
-# mixed-precision layout (half parameters, fp32 main grads, fp32 master copy + Adam): 2 + 4 + 4 + 8 = 18,
-# or 6 + 12/dp with the distributed optimizer (DESIGN.md); if half gradients are kept instead, set
-# grad=2 here (16 bytes).
+# Bytes per element for each Lightning precision string, as core/optim keeps them. "*-mixed" is
+# torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes. "*-true" is Megatron's
+# layout: half parameters, fp32 main grads, fp32 master copy + Adam: 2 + 4 + 4 + 8 = 18 (DESIGN.md).
+# With the distributed optimizer see DISTRIBUTED_*_BYTES: 6 + 12/dp for "*-true", 8 + 12/dp for fp32.
 PRECISION_BYTES = {
     "32-true": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=4, residual=4),
     "bf16-mixed": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=2, residual=4),
@@ -57,6 +51,10 @@ PRECISION_BYTES = {
     "16-true": PrecisionBytes(weight=2, grad=4, master=4, moment=4, compute=2, residual=2),
     "64-true": PrecisionBytes(weight=8, grad=8, master=0, moment=8, compute=8, residual=8),
 }
+# The distributed optimizer (core/optim/distributed.py) keeps fp32 main parameters for its shard and a
+# flat fp32 gradient buffer whatever the model's dtype: 4 + (4 + 8)/dp bytes beyond the weights.
+DISTRIBUTED_MAIN_BYTES = 4
+DISTRIBUTED_GRAD_BYTES = 4
 # Lightning's short spellings (Trainer(precision=...)).
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "half": "16-true"}
 
@@ -74,8 +72,7 @@ class KernelSaves:
     dense_attention_in_fp32: bool
     """That dense kernel computes 16-bit attention in fp32 (CPU's math kernel upcasts q, k and v)."""
     fp32_attention_output_is_copied: bool
-    """The fp32 attention kernel returns ``[b, s, heads, d]`` memory, so (for b > 1) the output projection
-    keeps its own ``[s b, h]`` copy besides the kernel's output (CUDA's memory-efficient kernel)."""
+    """The fp32 kernel's ``[b, s, ...]`` output makes the projection keep its own ``[s b, h]`` copy (b > 1)."""
     attention_rng_bytes: int
     """Bytes the fused attention kernel keeps besides q, k, v, output and logsumexp (CUDA: philox seed, offset)."""
 
@@ -156,7 +153,6 @@ class EstimateLayout:
                              "the optimizer state); set one of them")
 
 
-# --- parameters -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ParamShape:
     """One parameter tensor as a rank holds it."""
@@ -227,15 +223,14 @@ def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pip
     return out
 
 
-# --- activations ----------------------------------------------------------------------------------
 @dataclass
 class ActivationBreakdown:
     """Bytes one rank keeps for backward, by part (one microbatch unless said otherwise)."""
 
     embedding: int = 0
-    """Token/position ids, embedding dropout mask, rotary tables."""
+    """Shard-local token ids (TP), position ids, embedding dropout mask, rotary tables (not the batch)."""
     per_layer: int = 0
-    """One transformer layer without recompute."""
+    """One transformer layer (selective recompute applied; full recompute rebuilds this per layer)."""
     layers: int = 0
     """All layers of this rank's stage, with the recompute setting applied."""
     output: int = 0
@@ -243,7 +238,10 @@ class ActivationBreakdown:
     microbatches_in_flight: int = 1
     """Microbatches whose activations are alive at once (1 without pipelining; 1F1B: up to pp)."""
     recompute_working_set: int = 0
-    """During backward, the recomputed chunk's full activations (once, not per microbatch)."""
+    """Extra bytes at the backward's peak while a recomputed chunk is rebuilt (once, not per microbatch)."""
+    loss_transient: int = 0
+    """Extra bytes while the loss is computed: the logits and their max-shifted fp32 copy beside the kept
+    softmax (once; the forward's peak, measured on an H200)."""
     autocast_weight_copies: int = 0
     """Autocast's low-precision copies of the matmul weights, kept until backward (once per step)."""
     recompute: str = "none"
@@ -252,13 +250,23 @@ class ActivationBreakdown:
     """Per-layer bytes by tensor (for reports and tests)."""
 
     @property
-    def total(self) -> int:
-        """Peak activation bytes of the rank."""
+    def held_after_forward(self) -> int:
+        """What the forward leaves for the backward (what the probe measures, per microbatch in flight)."""
         per_microbatch = self.embedding + self.layers + self.output
-        return self.microbatches_in_flight * per_microbatch + self.recompute_working_set + self.autocast_weight_copies
+        return self.microbatches_in_flight * per_microbatch + self.autocast_weight_copies
+
+    @property
+    def total(self) -> int:
+        """Held after the forward plus the chunk rebuilt by recompute (the backward's peak)."""
+        return self.held_after_forward + self.recompute_working_set
+
+    @property
+    def peak(self) -> int:
+        """Peak activation bytes: the loss computation in the forward or a rebuilt chunk in the backward."""
+        return self.held_after_forward + max(self.loss_transient, self.recompute_working_set)
 
 
-def _layer_parts(config: GPTConfig, layout: EstimateLayout) -> dict:
+def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = False) -> dict:
     """Bytes one layer saves, by tensor, for one microbatch on one rank (see the module docstring)."""
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
@@ -276,25 +284,28 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout) -> dict:
 
     parts = {"norms": 2 * _norm_bytes(config, kernels, local * h, r)}
     parts["linear_inputs"] = 2 * tokens * h * c  # QKV and fc1 inputs, all-gathered under SP
-    # q, k, v as attention receives them: RoPE makes new q and k, GQA repeats k and v to every head,
-    # and whatever is still a view keeps the whole fused QKV output alive.
+    # q, k, v as the attention kernel keeps them: RoPE makes new q and k, cutting q out of GQA groups
+    # copies it, GQA repeats k and v to every head, and whatever is still a view keeps the whole fused
+    # QKV output alive. Under selective recompute the checkpoint keeps q, k, v before the GQA repeat
+    # (v is then always a view) and everything inside the kernel is rebuilt in backward.
     qkv_out = tokens * (heads + 2 * groups) * d * c
-    q = tokens * heads * d * c if rope or gqa else None  # with GQA, cutting q out of the groups copies it
-    k = tokens * heads * d * c if gqa else (tokens * groups * d * c if rope else None)
-    v = tokens * heads * d * c if gqa else None
+    q = tokens * heads * d * c if rope or gqa else None
+    k = tokens * (groups if selective else heads) * d * c if rope or (gqa and not selective) else None
+    v = tokens * heads * d * c if gqa and not selective else None
     dense = 4 if kernels.dense_attention_in_fp32 else c
-    if math_attention:  # the dense kernel keeps scaled copies of q and k (and an upcast v), not the originals
+    if math_attention and not selective:  # the dense kernel keeps scaled copies of q, k (and an upcast v)
         q = k = tokens * heads * d * dense
         v = tokens * heads * d * dense if dense != c else v
     parts["qkv"] = sum(x for x in (q, k, v) if x is not None) + (qkv_out if None in (q, k, v) else 0)
     attn_out = tokens * heads * d * c
-    if math_attention:
-        probs = b * heads * s * s
-        parts["attention_scores"] = probs * (2 * dense + mask(dense))  # softmax, dropout mask, dropped probs
+    if selective or math_attention:
         parts["attention_out"] = attn_out  # the projection's input
+        if not selective:
+            # softmax, dropout mask, dropped probabilities
+            parts["attention_scores"] = b * heads * s * s * (2 * dense + mask(dense))
     else:
         copied = c == 4 and b > 1 and kernels.fp32_attention_output_is_copied
-        parts["attention_out"] = attn_out * (2 if copied else 1)  # the output is (or is copied into) the projection's input
+        parts["attention_out"] = attn_out * (2 if copied else 1)  # output = (or copied into) the projection's input
         parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
     gated = config.activation == "swiglu"
     parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
@@ -311,77 +322,77 @@ def _norm_bytes(config: GPTConfig, kernels: KernelSaves, elements: int, element_
     return elements * element_bytes * (2 if normalized else 1) + stats
 
 
-def _rope_bytes(config: GPTConfig, layout: EstimateLayout, layers: int) -> int:
+def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, tables_held: bool) -> int:
+    """cos/sin tables: fp32 attention shares them; 16-bit attention casts a copy per rotation of q and k
+    in every layer that stores its activations; checkpointed layers hold the fp32 tables as inputs."""
     if config.position_embedding_type != "rope":
         return 0
     rot = int(config.kv_channels * config.rotary_percent)
     rot -= rot % 2
+    tables = 2 * layout.seq_length * rot * 4
     c = PRECISION_BYTES[layout.precision].compute
     if c == 4:
-        return 2 * layout.seq_length * rot * 4  # cos and sin, shared by every layer
-    return layers * 4 * layout.seq_length * rot * c  # each q/k rotation casts its own cos/sin copy
+        return tables if stored_layers or tables_held else 0
+    return stored_layers * 4 * layout.seq_length * rot * c + (tables if tables_held else 0)
+
+
+def _recompute_groups(config: GPTConfig, stage_layers: int) -> tuple:
+    """([(layer count, recomputed?)] in forward order, description), grouped as ``GPTModel`` groups its
+    layers for 'full' recompute; 'selective' checkpoints only the core attention (see :func:`_layer_parts`)."""
+    groups = [(len(positions), checkpointed) for positions, checkpointed in full_recompute_groups(config, stage_layers)]
+    k = config.recompute_num_layers
+    if config.recompute_granularity != "full":
+        return groups, "selective (core attention)" if config.recompute_granularity else "none"
+    if config.recompute_method == "block":
+        return groups, f"full, block: first {min(k, stage_layers)} of {stage_layers} layers"
+    return groups, f"full, uniform: chunks of {k} layer(s)"
 
 
 def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_stage: int = 0) -> ActivationBreakdown:
-    """Activation bytes of one rank of ``pipeline_stage`` (see the module docstring)."""
+    """Activation bytes of one rank of ``pipeline_stage`` (see the module docstring).
+
+    A recomputed chunk keeps only its input; in backward it is rebuilt in full while the chunks
+    before it still hold their inputs (the output layer's activations are freed by then), which may
+    exceed what the forward kept (``recompute_working_set``). The forward peaks while the loss is
+    computed (``loss_transient``); transients of the backward (activation gradients) are not counted.
+    """
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     pb = PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     tokens = layout.seq_length * layout.micro_batch_size
     local = tokens // tp if layout.sequence_parallel else tokens
     h = config.hidden_size
-    parts = _layer_parts(config, layout)
+    parts = _layer_parts(config, layout, selective=config.recompute_granularity == "selective")
     per_layer = sum(parts.values())
-    stage_layers = config.num_layers // pp
-    layers, working_set, recompute = _apply_recompute(config, stage_layers, parts, local * h * pb.residual)
+    groups, recompute = _recompute_groups(config, config.num_layers // pp)
+    kept = [local * h * pb.residual if recomputed else n * per_layer for n, recomputed in groups]
+    peak = max(sum(kept[:j]) + n * per_layer for j, (n, _) in enumerate(groups))
+    stored_layers = sum(n for n, recomputed in groups if not recomputed)
     first, last = pipeline_stage == 0, pipeline_stage == pp - 1
-    embedding = _rope_bytes(config, layout, stage_layers)
+    embedding = _rope_bytes(config, layout, stored_layers, tables_held=stored_layers < config.num_layers // pp)
     if first:
-        embedding += tokens * 8 + (tokens if tp > 1 else 0)  # ids (+ the out-of-shard mask under TP)
+        embedding += tokens * (8 + 1) if tp > 1 else 0  # TP: shard-local ids and the out-of-shard mask
         if config.position_embedding_type == "learned_absolute":
             embedding += layout.seq_length * 8
         if config.hidden_dropout > 0:
             embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
-    output = 0
+    output = loss_transient = 0
     if last:
         norm = _norm_bytes(config, kernels, local * h, pb.residual)
         vocab = config.padded_vocab_size(tp) // tp
         output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
+        loss_transient = tokens * vocab * (pb.compute + 4)
     copies = 0
     if pb.compute < pb.weight:
         copies = sum(p.numel for p in parameter_shapes(config, tp, pp, pipeline_stage) if p.is_matmul_weight)
         copies *= pb.compute
     in_flight = min(pp - pipeline_stage, layout.num_microbatches)
-    return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=layers, output=output,
+    # The output layer's activations are gone by the time the first chunk is rebuilt.
+    working_set = max(0, peak - sum(kept) - output)
+    return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=sum(kept), output=output,
                                microbatches_in_flight=in_flight, recompute_working_set=working_set,
+                               loss_transient=loss_transient,
                                autocast_weight_copies=copies, recompute=recompute, parts=parts)
-
-
-def _apply_recompute(config: GPTConfig, stage_layers: int, parts: dict, layer_input: int) -> tuple:
-    """(bytes kept by the stage's layers, bytes of the chunk recomputed during backward, description).
-
-    Read with getattr so that configs without the recompute fields work. Full recompute keeps only
-    each chunk's input; 'uniform' chunks ``recompute_num_layers`` layers together, 'block' recomputes
-    the first ``recompute_num_layers`` layers of the stage and stores the rest. Selective recompute
-    (core attention) drops the ``s x s`` scores and the logsumexp, which flash attention does not keep.
-    """
-    granularity = getattr(config, "recompute_granularity", None)
-    method = getattr(config, "recompute_method", None) or "uniform"
-    chunk = getattr(config, "recompute_num_layers", None) or 1
-    per_layer = sum(parts.values())
-    if granularity is None:
-        return stage_layers * per_layer, 0, "none"
-    if granularity == "selective":
-        kept = per_layer - parts.get("attention_scores", 0) - parts.get("logsumexp", 0)
-        return stage_layers * kept, 0, "selective (core attention)"
-    if granularity != "full":
-        raise ValueError(f"recompute_granularity must be 'full', 'selective' or None, got {granularity!r}")
-    if method == "block":
-        recomputed = min(chunk, stage_layers)
-        return (recomputed * layer_input + (stage_layers - recomputed) * per_layer, per_layer if recomputed else 0,
-                f"full, block: first {recomputed} of {stage_layers} layers")
-    chunks = -(-stage_layers // chunk)
-    return chunks * layer_input, min(chunk, stage_layers) * per_layer, f"full, uniform: chunks of {chunk} layer(s)"
 
 
 def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
@@ -397,7 +408,6 @@ def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: in
     return s * b * h * (10.0 + 24.0 / t + scores / t)
 
 
-# --- the estimate ---------------------------------------------------------------------------------
 @dataclass
 class MemoryEstimate:
     """Memory of one rank (the most loaded pipeline stage), in bytes unless said otherwise."""
@@ -418,10 +428,13 @@ class MemoryEstimate:
     """Optimizer state with the distributed optimizer (sharded over DP)."""
     optimizer_host_bytes: int
     """torch's Adam keeps one fp32 step counter per tensor in host memory (counted in the total on CPU)."""
+    fsdp_unsharded_bytes: int
+    """FSDP2's all-gathered root unit (unsharded from forward to backward), two layers and one layer's
+    gradients (not measured: FSDP needs dp > 1); 0 otherwise."""
     activation_bytes: int
-    """Activations kept for backward at the peak (see :class:`ActivationBreakdown`)."""
+    """Activation bytes at the peak (:attr:`ActivationBreakdown.peak`)."""
     total_bytes: int
-    """Sum of the above on the device."""
+    """Weights, gradients, optimizer state, activations and FSDP2 buffers on the device."""
     pipeline_stage: int
     """The stage this estimate is for."""
     activations: ActivationBreakdown
@@ -437,35 +450,35 @@ class MemoryEstimate:
         return out
 
 
-def _optimizer_moments(layout: EstimateLayout) -> int:
-    if layout.optimizer == "adam":
-        return 2
-    return 1 if layout.sgd_momentum > 0 else 0
-
-
 def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> MemoryEstimate:
     tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     pb = PRECISION_BYTES[layout.precision]
     shapes = parameter_shapes(config, tp, pp, stage)
     params = sum(p.numel for p in shapes)
-    state_per_param = pb.master + _optimizer_moments(layout) * pb.moment
+    moments = (2 if layout.optimizer == "adam" else int(layout.sgd_momentum > 0)) * pb.moment
+    shard = -(-params // dp)  # flat buffers padded to a multiple of dp
+    replicated, distributed = params * (pb.master + moments), shard * (DISTRIBUTED_MAIN_BYTES + moments)
+    unsharded = 0
     if layout.use_torch_fsdp2:  # every tensor split along dim 0 (rank 0 holds the rounded-up share)
         held = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in shapes)
         weights, grads = held * pb.weight, held * pb.grad
-        replicated = distributed = optimizer = held * state_per_param
+        replicated = distributed = optimizer = held * (pb.master + moments)
+        if dp > 1:
+            layer = sum(p.numel for p in shapes if p.name.startswith("layers.")) // (config.num_layers // pp)
+            root = params - layer * (config.num_layers // pp)
+            unsharded = (root + 2 * layer) * pb.weight + layer * pb.grad
+    elif layout.use_distributed_optimizer:
+        weights, grads, optimizer = params * pb.weight, shard * dp * DISTRIBUTED_GRAD_BYTES, distributed
     else:
-        weights, grads = params * pb.weight, params * pb.grad
-        replicated = params * state_per_param
-        distributed = -(-params // dp) * state_per_param
-        optimizer = distributed if layout.use_distributed_optimizer else replicated
+        weights, grads, optimizer = params * pb.weight, params * pb.grad, replicated
     host = 4 * len(shapes) if layout.optimizer == "adam" else 0
     acts = activation_breakdown(config, layout, stage)
-    total = weights + grads + optimizer + acts.total + (host if layout.device_type == "cpu" else 0)
-    return MemoryEstimate(params=params, model_params=config.num_parameters(), weights_bytes=weights, grads_bytes=grads,
-                          optimizer_bytes=optimizer, optimizer_bytes_replicated=replicated,
+    total = weights + grads + optimizer + acts.peak + unsharded + (host if layout.device_type == "cpu" else 0)
+    return MemoryEstimate(params=params, model_params=config.num_parameters(), weights_bytes=weights,
+                          grads_bytes=grads, optimizer_bytes=optimizer, optimizer_bytes_replicated=replicated,
                           optimizer_bytes_distributed=distributed, optimizer_host_bytes=host,
-                          activation_bytes=acts.total, total_bytes=total, pipeline_stage=stage, activations=acts,
-                          layout=layout)
+                          fsdp_unsharded_bytes=unsharded, activation_bytes=acts.peak, total_bytes=total,
+                          pipeline_stage=stage, activations=acts, layout=layout)
 
 
 def estimate_memory(config: GPTConfig, layout: EstimateLayout) -> MemoryEstimate:
@@ -481,12 +494,9 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
                      pipeline_model_parallel_size: int = 1, sequence_parallel: bool = False,
                      precision="32-true", optimizer=None, use_distributed_optimizer: Optional[bool] = None,
                      use_torch_fsdp2: bool = False, device_type: str = "cuda") -> MemoryEstimate:
-    """The estimate for a run described the way the strategy and the datamodule describe it.
-
-    ``optimizer`` is an :class:`~megatron_lite.core.optim.config.OptimizerConfig` (or None for Adam);
-    ``use_distributed_optimizer`` defaults to its field of that name. ``global_batch_size`` gives the
-    number of microbatches per step (it matters with pipelining only).
-    """
+    """The estimate for a run described as the strategy and the datamodule describe it. ``optimizer``: an
+    ``OptimizerConfig`` (None: Adam), whose ``use_distributed_optimizer`` is the default of that argument;
+    ``global_batch_size`` gives the microbatches per step (they matter with pipelining only)."""
     if use_distributed_optimizer is None:
         use_distributed_optimizer = bool(getattr(optimizer, "use_distributed_optimizer", False))
     num_microbatches = 1

@@ -1,26 +1,36 @@
-"""Measure activation memory: the bytes autograd keeps for the backward pass of one forward.
+"""Measure activation memory: the bytes one forward leaves alive for the backward pass.
 
-Runs on any device (CPU included) without a memory allocator's statistics: every tensor an
-operation saves for backward passes through :func:`torch.autograd.graph.saved_tensors_hooks`, and
-we add up the *storages* behind them. Counting storages, not tensors, matters: a view (``q`` cut out
-of the fused QKV output, a transposed weight) shares its storage with its base and must be counted
-once, at the size of the whole storage, because that is what stays allocated.
+Runs on any device (CPU included) without a memory allocator's statistics. Two views of the same
+thing, each adding up distinct *storages* (a view -- ``v`` cut out of the fused QKV output, a
+transposed weight -- shares its base's storage and keeps all of it allocated, so each storage is
+counted once, whole):
 
-Excluded: storages of the model's parameters and buffers (weights are accounted for separately).
-Included: everything else that the graph holds, e.g. the input token ids, the autocast's low-precision
-copies of the weights (they are saved by the matmuls and live until backward), dropout masks, and the
-softmax of the loss. Temporaries that are freed during the forward are *not* counted: this is the
-memory held at the end of the forward, which is the activation part of the peak (the peak itself adds
-the largest transient buffer of the forward or backward on top).
+* :func:`measure_saved_tensors`: every tensor an operation saves for backward, seen through
+  :func:`torch.autograd.graph.saved_tensors_hooks`; it tells *which op* keeps what.
+* :func:`measure_retained_tensors`: every storage an operator created during the forward that is
+  still alive after it (a ``TorchDispatchMode`` keeps weak references). Unlike the hooks it also sees
+  what a non-reentrant ``torch.utils.checkpoint`` region holds (its inputs), so it measures
+  activation recompute too; :func:`measure_activation_bytes` uses it.
+
+Excluded: the model's parameters and buffers (weights are accounted for separately), the caller's
+inputs (the batch) and the forward's output. Included: everything else the graph holds, e.g. the
+autocast's low-precision copies of the weights (saved by the matmuls, alive until backward), dropout
+masks, the softmax of the loss. Temporaries freed during the forward are not counted: this is the
+memory held at the end of the forward, the activation part of the peak (the backward adds its own
+transient buffers on top).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+# TorchDispatchMode is the documented way to see every operator below autograd (FlopCounterMode is built on it).
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ModelInputs = Union[torch.Tensor, tuple, list, dict]
 
@@ -45,6 +55,8 @@ class SavedTensorsReport:
     """Sum of the sizes of the distinct saved storages (parameters and buffers excluded)."""
     storages: list = field(default_factory=list)
     """Every distinct saved storage (:class:`SavedStorage`), in the order first seen."""
+    peak_bytes: Optional[int] = None
+    """Most bytes alive at once during the forward, transients included (:func:`measure_retained_tensors` only)."""
 
     def bytes_by_dtype(self) -> dict:
         """Total bytes per dtype name, e.g. ``{"float32": ..., "bfloat16": ...}``."""
@@ -55,8 +67,8 @@ class SavedTensorsReport:
 
 
 def _storage_key(t: torch.Tensor):
-    """(device, data pointer) of ``t``'s storage; None for tensors without one (e.g. meta, sparse)."""
-    if t.layout != torch.strided or t.device.type == "meta":
+    """(device, data pointer) of ``t``'s storage and its size; None for tensors without one (meta, sparse)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
         return None
     try:
         storage = t.untyped_storage()
@@ -65,18 +77,31 @@ def _storage_key(t: torch.Tensor):
     return (str(t.device), storage.data_ptr()), storage.nbytes()
 
 
+def _call(model: nn.Module, inputs: ModelInputs) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _excluded_storages(model: nn.Module, inputs: ModelInputs) -> set:
+    """Storages that are not activations: parameters, buffers, and the batch the caller holds."""
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves(inputs)]
+    return {key[0] for key in map(_storage_key, tensors) if key is not None}
+
+
 def measure_saved_tensors(model: nn.Module, inputs_fn: Callable[[], ModelInputs]) -> SavedTensorsReport:
-    """Run ``model`` once on ``inputs_fn()`` and report every storage saved for backward.
+    """Every storage that one forward of ``model`` on ``inputs_fn()`` saves for backward.
 
     ``inputs_fn()`` returns the model's arguments: a tensor, a tuple/list (positional) or a dict
     (keyword). Autocast or any other context the caller has entered applies to the forward. The
-    graph is released before returning (no backward runs).
+    graph is released before returning (no backward runs). Tensors kept by a non-reentrant
+    ``torch.utils.checkpoint`` region (its inputs) bypass these hooks: with activation recompute,
+    use :func:`measure_retained_tensors`.
     """
-    excluded = set()
-    for tensor in (*model.parameters(), *model.buffers()):
-        key = _storage_key(tensor)
-        if key is not None:
-            excluded.add(key[0])
+    inputs = inputs_fn()
+    excluded = _excluded_storages(model, inputs)
     seen: dict = {}
 
     def pack(t: torch.Tensor) -> Any:
@@ -85,20 +110,60 @@ def measure_saved_tensors(model: nn.Module, inputs_fn: Callable[[], ModelInputs]
             seen[key[0]] = SavedStorage(nbytes=key[1], dtype=t.dtype, shape=tuple(t.shape))
         return t  # keeping the tensor keeps its storage (and so its data pointer) alive and unique
 
-    inputs = inputs_fn()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if isinstance(inputs, dict):
-            output = model(**inputs)
-        elif isinstance(inputs, (tuple, list)):
-            output = model(*inputs)
-        else:
-            output = model(inputs)
+        output = _call(model, inputs)
     del output  # frees the graph and everything it saved
     storages = list(seen.values())
     return SavedTensorsReport(total_bytes=sum(s.nbytes for s in storages), storages=storages)
 
 
+class _StorageTracker(TorchDispatchMode):
+    """Weak references to every storage an operator returns (below autograd, so the autocast's
+    casts, the kernels' own outputs and everything inside checkpointed regions are seen)."""
+
+    def __init__(self, excluded: set) -> None:
+        super().__init__()
+        self.excluded = excluded
+        self.created: dict = {}  # StorageImpl address -> (weak ref, storage key, SavedStorage)
+        self.peak = 0
+
+    def alive(self) -> dict:
+        """Storage key -> SavedStorage of every tracked storage still allocated (and not excluded)."""
+        return {key: info for ref, key, info in self.created.values() if not ref.expired() and key not in self.excluded}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            key = _storage_key(t)
+            if key is None:
+                continue
+            ref = StorageWeakRef(t.untyped_storage())
+            known = self.created.get(ref.cdata)
+            if known is None or known[0].expired():
+                info = SavedStorage(nbytes=key[1], dtype=t.dtype, shape=tuple(t.shape))
+                self.created[ref.cdata] = (ref, key[0], info)
+        # After each operator: what the forward holds now (its inputs, if no longer referenced, are freed).
+        self.peak = max(self.peak, sum(info.nbytes for info in self.alive().values()))
+        return out
+
+
+def measure_retained_tensors(model: nn.Module, inputs_fn: Callable[[], ModelInputs]) -> SavedTensorsReport:
+    """Every storage created during one forward of ``model`` on ``inputs_fn()`` that is still alive
+    after it, except the output's: what autograd saved plus what checkpointed regions hold (their
+    inputs) -- the activation memory with or without recompute -- and the forward's peak (checked
+    after every operator; kernels' internal workspaces are not tensors and not seen). Same arguments
+    as :func:`measure_saved_tensors`."""
+    inputs = inputs_fn()
+    tracker = _StorageTracker(_excluded_storages(model, inputs))
+    with tracker:
+        output = _call(model, inputs)
+    tracker.excluded |= {key[0] for key in map(_storage_key, pytree.tree_leaves(output)) if key is not None}
+    storages = list(tracker.alive().values())
+    del output
+    return SavedTensorsReport(total_bytes=sum(s.nbytes for s in storages), storages=storages, peak_bytes=tracker.peak)
+
+
 def measure_activation_bytes(model: nn.Module, inputs_fn: Callable[[], ModelInputs]) -> int:
-    """Bytes of the tensors saved for backward by one forward of ``model`` on ``inputs_fn()``,
-    each storage counted once, parameters and buffers excluded (see :func:`measure_saved_tensors`)."""
-    return measure_saved_tensors(model, inputs_fn).total_bytes
+    """Activation bytes of one forward of ``model`` on ``inputs_fn()``: the storages it leaves alive
+    for backward, each counted once (see :func:`measure_retained_tensors`)."""
+    return measure_retained_tensors(model, inputs_fn).total_bytes

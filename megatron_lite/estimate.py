@@ -1,0 +1,318 @@
+"""``megatron-lite estimate``: per-rank memory and FLOPs per step of a training config, before running it.
+
+    megatron-lite estimate --config examples/configs/gpt_tiny.yaml
+    megatron-lite estimate --config run.yaml --devices 8 --json
+
+Reads the same YAML as ``megatron-lite fit`` (``model.config``, ``model.optimizer``, ``data.init_args``
+micro/global batch size and seq_length, ``trainer`` devices/num_nodes/precision/accelerator and the
+strategy's ``init_args``) and prints, per rank: parameters, bytes of weights, gradients, optimizer state
+(with and without the distributed optimizer), activations (with the recompute and sequence-parallel
+settings), the total, and the model FLOPs of one step. Exit code 2 on bad input, with one line that
+says what to change.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from megatron_lite.core.estimator.flops import training_flops_per_step
+from megatron_lite.core.estimator.memory import MemoryEstimate, estimate_for_run
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.optim.config import OptimizerConfig
+from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.validation import validate_run
+
+GIB = 1024**3
+
+
+class EstimateError(ValueError):
+    """Bad input to ``megatron-lite estimate``; the message says what to change."""
+
+
+@dataclass
+class RunDescription:
+    """Everything the estimate needs, read from a ``megatron-lite fit`` YAML."""
+
+    config: GPTConfig
+    """The model."""
+    optimizer: OptimizerConfig
+    """The optimizer settings (its kind and the distributed-optimizer switch matter)."""
+    micro_batch_size: int
+    """Samples per microbatch."""
+    global_batch_size: int
+    """Samples per optimizer step."""
+    seq_length: int
+    """Tokens per sample."""
+    world_size: int
+    """Ranks: devices x nodes."""
+    tensor_model_parallel_size: int
+    """TP size."""
+    pipeline_model_parallel_size: int
+    """PP size."""
+    sequence_parallel: bool
+    """Sequence parallelism on."""
+    use_torch_fsdp2: bool
+    """FSDP2 over the data-parallel ranks."""
+    precision: str
+    """Lightning precision string."""
+    device_type: str
+    """'cuda' or 'cpu'."""
+    vocab_source: str
+    """Where the vocabulary size came from."""
+
+
+def _init_args(node: Any) -> dict:
+    """``{class_path, init_args}`` or a plain mapping -> the arguments; anything else -> {}."""
+    if isinstance(node, dict):
+        return dict(node.get("init_args") or {}) if "class_path" in node else dict(node)
+    return {}
+
+
+def _build_dataclass(cls, values: dict, where: str):
+    """``cls(**values)``, with unknown keys reported in one line (the dataclass validates the values)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise EstimateError(f"{where} has unknown keys {unknown}; valid keys are {sorted(known)}")
+    return cls(**values)
+
+
+def _class_defaults(node: Any) -> dict:
+    """Defaults of the ``__init__`` of ``node['class_path']`` (e.g. a datamodule's micro_batch_size)."""
+    if not isinstance(node, dict) or "class_path" not in node:
+        return {}
+    module_name, _, class_name = str(node["class_path"]).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise EstimateError(f"cannot import {node['class_path']!r} ({err}); fix data.class_path") from err
+    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _vocab_size(data: dict, data_defaults: dict, model_config: dict, override: Optional[int]) -> tuple:
+    """(vocabulary size, where it came from), in the order the run resolves it."""
+    if override is not None:
+        return override, "--vocab-size"
+    tokenizer, model_file = data.get("tokenizer"), data.get("tokenizer_model")
+    try:  # any failure to build the tokenizer has the same fix
+        if isinstance(tokenizer, dict) and "class_path" in tokenizer:
+            module_name, _, class_name = tokenizer["class_path"].rpartition(".")
+            cls = getattr(importlib.import_module(module_name), class_name)
+            return int(cls(**_init_args(tokenizer)).vocab_size), "data tokenizer"
+        if model_file:
+            from megatron_lite.tokenizers import SentencePieceTokenizer
+
+            return SentencePieceTokenizer(model_file).vocab_size, "data.init_args.tokenizer_model"
+    except Exception as err:  # noqa: BLE001
+        raise EstimateError(f"could not build the data's tokenizer to read its vocabulary size "
+                            f"({' '.join(str(err).split())}); fix its paths or pass --vocab-size") from err
+    if data.get("vocab_size") is not None:
+        return int(data["vocab_size"]), "data.init_args.vocab_size"
+    if data_defaults.get("vocab_size") is not None:
+        return int(data_defaults["vocab_size"]), "the datamodule's default vocab_size"
+    if model_config.get("vocab_size") is not None:
+        return int(model_config["vocab_size"]), "model.config.vocab_size"
+    return GPTConfig.vocab_size, "GPTConfig's default vocab_size"
+
+
+def _world_size(trainer: dict, devices: Optional[int], num_nodes: Optional[int]) -> int:
+    per_node = devices if devices is not None else trainer.get("devices", "auto")
+    if isinstance(per_node, (list, tuple)):
+        per_node = len(per_node)
+    elif isinstance(per_node, str) and per_node.strip().lstrip("-").isdigit():
+        per_node = int(per_node)
+    if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
+        raise EstimateError(f"trainer.devices is {per_node!r}: the estimate needs a number of devices; "
+                            f"set trainer.devices or pass --devices N")
+    nodes = num_nodes if num_nodes is not None else int(trainer.get("num_nodes", 1) or 1)
+    return per_node * nodes
+
+
+def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optional[int] = None,
+                 vocab_size: Optional[int] = None, device_type: Optional[str] = None) -> RunDescription:
+    """Read a parsed ``megatron-lite fit`` YAML (overrides as the command-line flags give them)."""
+    if not isinstance(raw, dict):
+        raise EstimateError("the config file must be a YAML mapping with model/data/trainer sections")
+    model = _init_args(raw.get("model"))
+    model_config = _init_args(model.get("config"))
+    data_node = raw.get("data") or {}
+    data = _init_args(data_node)
+    data_defaults = _class_defaults(data_node) if any(
+        k not in data for k in ("micro_batch_size", "global_batch_size", "seq_length", "vocab_size")) else {}
+    trainer = raw.get("trainer") or {}
+    strategy = _init_args(trainer.get("strategy"))
+
+    geometry = {}
+    for key in ("micro_batch_size", "global_batch_size", "seq_length"):
+        value = data.get(key, data_defaults.get(key))
+        if key == "seq_length" and value is None:
+            value = model_config.get("seq_length", GPTConfig.seq_length)
+        if value is None:
+            raise EstimateError(f"data.init_args.{key} is not set; add it to the config")
+        geometry[key] = int(value)
+    vocab, vocab_source = _vocab_size(data, data_defaults, model_config, vocab_size)
+    # The CLI links the data's seq_length and vocabulary into the model config.
+    model_config.update(seq_length=geometry["seq_length"], vocab_size=vocab)
+    config = _build_dataclass(GPTConfig, model_config, "model.config")
+    optimizer = _build_dataclass(OptimizerConfig, _init_args(model.get("optimizer")), "model.optimizer")
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if device_type is None:
+        if accelerator == "auto":
+            import torch
+
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            device_type = "cpu" if accelerator == "cpu" else "cuda"
+    return RunDescription(
+        config=config, optimizer=optimizer, world_size=_world_size(trainer, devices, num_nodes),
+        tensor_model_parallel_size=int(strategy.get("tensor_model_parallel_size", 1)),
+        pipeline_model_parallel_size=int(strategy.get("pipeline_model_parallel_size", 1)),
+        sequence_parallel=bool(strategy.get("sequence_parallel", False)),
+        use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)),
+        precision=str(trainer.get("precision", "32-true")), device_type=device_type, vocab_source=vocab_source,
+        **geometry)
+
+
+def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
+    """(per-rank memory estimate, model FLOPs per step) of ``run``; ValueError naming the fix if invalid."""
+    parallel = ParallelConfig(tensor_model_parallel_size=run.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=run.pipeline_model_parallel_size,
+                              sequence_parallel=run.sequence_parallel)
+    dp = validate_run(parallel, run.world_size, run.config, micro_batch_size=run.micro_batch_size,
+                      global_batch_size=run.global_batch_size, seq_length=run.seq_length)
+    estimate = estimate_for_run(
+        run.config, micro_batch_size=run.micro_batch_size, global_batch_size=run.global_batch_size,
+        seq_length=run.seq_length, tensor_model_parallel_size=run.tensor_model_parallel_size, data_parallel_size=dp,
+        pipeline_model_parallel_size=run.pipeline_model_parallel_size, sequence_parallel=run.sequence_parallel,
+        precision=run.precision, optimizer=run.optimizer, use_torch_fsdp2=run.use_torch_fsdp2,
+        device_type=run.device_type)
+    flops = training_flops_per_step(run.config, run.global_batch_size, run.seq_length,
+                                    tensor_model_parallel_size=run.tensor_model_parallel_size)
+    return estimate, flops
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.00 MiB``, ``512 B``."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = None) -> str:
+    """A human-readable per-rank table of ``estimate`` (and the step's FLOPs when given)."""
+    lay, acts = estimate.layout, estimate.activations
+    world = lay.tensor_model_parallel_size * lay.pipeline_model_parallel_size * lay.data_parallel_size
+    recompute_note = f"recompute: {acts.recompute}"
+    copies = f" + {format_bytes(acts.autocast_weight_copies)} autocast weight copies" if acts.autocast_weight_copies \
+        else ""
+    peak_while = "while the loss is computed" if acts.loss_transient >= acts.recompute_working_set else \
+        "while a recomputed chunk is rebuilt"
+    sharding = "FSDP2 (weights, grads, optimizer / dp)" if lay.use_torch_fsdp2 else (
+        "distributed optimizer" if lay.use_distributed_optimizer else "replicated optimizer")
+    rows = [
+        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {lay.pipeline_model_parallel_size} x dp "
+        f"{lay.data_parallel_size}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, {sharding}",
+        f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}, "
+        f"microbatches/step={lay.num_microbatches}, kernels of {lay.device_type}",
+        f"per rank (pipeline stage {estimate.pipeline_stage}):",
+        f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",
+        f"  weights                  {format_bytes(estimate.weights_bytes):>16}",
+        f"  gradients                {format_bytes(estimate.grads_bytes):>16}",
+        f"  optimizer state          {format_bytes(estimate.optimizer_bytes):>16}   (without distributed optimizer "
+        f"{format_bytes(estimate.optimizer_bytes_replicated)}, "
+        f"with {format_bytes(estimate.optimizer_bytes_distributed)})",
+        f"  activations (peak)       {format_bytes(estimate.activation_bytes):>16}   (held for backward: "
+        f"{acts.microbatches_in_flight} microbatch(es) x {format_bytes(acts.embedding + acts.layers + acts.output)}"
+        f"{copies}; + {format_bytes(acts.peak - acts.held_after_forward)} {peak_while}; {recompute_note})",
+    ]
+    if estimate.fsdp_unsharded_bytes:
+        rows.append(f"  FSDP2 all-gathered       {format_bytes(estimate.fsdp_unsharded_bytes):>16}")
+    rows.append(f"  total                    {format_bytes(estimate.total_bytes):>16}")
+    if flops_per_step is not None:
+        rows.append(f"FLOPs per step: {flops_per_step:.3e} (model), {flops_per_step / world:.3e} per rank")
+    return "\n".join(rows)
+
+
+def default_device_memory_bytes() -> Optional[int]:
+    """Total memory of CUDA device 0 when there is one, else None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def memory_warning(estimate: MemoryEstimate, device_memory_bytes: Optional[float]) -> Optional[str]:
+    """A one-line warning when the per-rank total exceeds the device memory, else None."""
+    if device_memory_bytes is None or estimate.total_bytes <= device_memory_bytes:
+        return None
+    return (f"WARNING: the estimated per-rank total {format_bytes(estimate.total_bytes)} exceeds the device memory "
+            f"{format_bytes(device_memory_bytes)}; raise tensor_model_parallel_size, turn on sequence_parallel, the "
+            f"distributed optimizer or activation recompute, or lower micro_batch_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``megatron-lite estimate`` argument parser."""
+    p = argparse.ArgumentParser(prog="megatron-lite estimate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a `megatron-lite fit` YAML config")
+    p.add_argument("--devices", type=int, help="devices per node (overrides trainer.devices)")
+    p.add_argument("--num-nodes", type=int, help="nodes (overrides trainer.num_nodes)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size (overrides what the data config gives)")
+    p.add_argument("--device-type", choices=("cuda", "cpu"),
+                   help="whose kernels to assume (default: from trainer.accelerator)")
+    p.add_argument("--device-memory-gib", type=float,
+                   help="warn when the per-rank total exceeds this (default: the CUDA device's memory, if any)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``megatron-lite estimate ...``: 0 on success, 2 on bad input (one line on stderr)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        path = Path(args.config)
+        if not path.is_file():
+            raise EstimateError(f"config file {str(path)!r} does not exist; "
+                                f"pass the path of a `megatron-lite fit` YAML")
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise EstimateError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
+        run = describe_run(raw, devices=args.devices, num_nodes=args.num_nodes, vocab_size=args.vocab_size,
+                           device_type=args.device_type)
+        estimate, flops = estimate_run(run)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"megatron-lite estimate: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    device_memory = (args.device_memory_gib * GIB if args.device_memory_gib is not None
+                     else default_device_memory_bytes())
+    warning = memory_warning(estimate, device_memory)
+    world = run.world_size
+    if args.json:
+        out = estimate.to_dict()
+        out.update(flops_per_step=flops, flops_per_rank_per_step=flops / world, world_size=world,
+                   vocab_size=run.config.vocab_size, padded_vocab_size=run.config.padded_vocab_size(
+                       run.tensor_model_parallel_size), vocab_size_source=run.vocab_source,
+                   device_memory_bytes=device_memory, warning=warning)
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"megatron-lite estimate: {args.config} (vocabulary {run.config.vocab_size} from {run.vocab_source})")
+        print(format_table(estimate, flops))
+    if warning:
+        print(warning, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

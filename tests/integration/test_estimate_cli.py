@@ -1,0 +1,118 @@
+"""``megatron-lite estimate``: real YAML configs in, the estimator's numbers out; bad input exits 2 with one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_lite.core.estimator import estimate_for_run, training_flops_per_step
+from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.estimate import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_YAML = REPO / "examples" / "configs" / "gpt_tiny.yaml"
+JSON_KEYS = {"params", "weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes",
+             "flops_per_step", "optimizer_bytes_replicated", "optimizer_bytes_distributed"}
+
+
+def _run_json(capsys, *args: str) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _write(tmp_path: Path, edit) -> Path:
+    raw = yaml.safe_load(TINY_YAML.read_text())
+    edit(raw)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_json_per_rank_numbers_are_the_estimators_for_the_example_config(capsys):
+    out = _run_json(capsys, "--config", str(TINY_YAML), "--device-memory-gib", "80")
+    assert JSON_KEYS <= out.keys()
+    raw = yaml.safe_load(TINY_YAML.read_text())
+    # What `megatron-lite fit` builds from this file: the data's seq_length and vocabulary linked into the model.
+    data = raw["data"]["init_args"]
+    config = GPTConfig(**raw["model"]["config"], seq_length=data["seq_length"], vocab_size=data["vocab_size"])
+    expected = estimate_for_run(
+        config, micro_batch_size=data["micro_batch_size"], global_batch_size=data["global_batch_size"],
+        tensor_model_parallel_size=2, data_parallel_size=1, precision="32-true",
+        optimizer=OptimizerConfig(**raw["model"]["optimizer"]), device_type="cpu")
+    for key in ("params", "weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"):
+        assert out[key] == getattr(expected, key), key
+    assert out["flops_per_step"] == training_flops_per_step(config, data["global_batch_size"],
+                                                            tensor_model_parallel_size=2)
+    assert out["world_size"] == 2 and out["layout"]["tensor_model_parallel_size"] == 2
+    assert out["vocab_size"] == 2048 and out["vocab_size_source"] == "data.init_args.vocab_size"
+    assert out["warning"] is None
+
+
+def test_devices_distributed_optimizer_and_recompute_from_the_yaml(capsys, tmp_path):
+    def edit(raw):
+        raw["model"]["optimizer"]["use_distributed_optimizer"] = True
+        raw["model"]["config"].update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+    plain = _run_json(capsys, "--config", str(TINY_YAML), "--devices", "4")
+    out = _run_json(capsys, "--config", str(_write(tmp_path, edit)), "--devices", "4")
+    assert out["layout"]["data_parallel_size"] == 2 and out["layout"]["use_distributed_optimizer"]
+    assert out["optimizer_bytes"] == out["optimizer_bytes_distributed"] < out["optimizer_bytes_replicated"]
+    # fp32 main shard + Adam state (4 + 8 bytes) split over 2 ranks
+    assert out["optimizer_bytes_distributed"] == -(-out["params"] // 2) * 12
+    assert out["activation_bytes"] < plain["activation_bytes"]
+    assert out["activation_breakdown"]["recompute"].startswith("full, uniform")
+
+
+def test_table_and_a_warning_when_the_total_exceeds_the_device_memory(capsys):
+    assert main(["--config", str(TINY_YAML), "--device-memory-gib", "0.01"]) == 0
+    captured = capsys.readouterr()
+    for row in ("parameters", "weights", "gradients", "optimizer state", "activations", "total", "FLOPs per step"):
+        assert row in captured.out
+    assert "without distributed optimizer" in captured.out
+    warning = [line for line in captured.err.splitlines() if line.startswith("WARNING")]
+    assert len(warning) == 1 and "exceeds the device memory 10.24 MiB" in warning[0]
+    assert main(["--config", str(TINY_YAML), "--device-memory-gib", "80"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, args, message", [
+    (lambda raw: raw["trainer"]["strategy"]["init_args"].update(tensor_model_parallel_size=8), ["--devices", "8"],
+     "num_attention_heads (4) must be divisible by tensor_model_parallel_size (8)"),
+    (None, ["--devices", "3"], "must be divisible by the model-parallel size"),
+    (lambda raw: raw["data"]["init_args"].update(global_batch_size=12), ["--devices", "4"],
+     "global_batch_size (12) must be divisible by micro_batch_size (8) x data-parallel size (2)"),
+    (lambda raw: raw["model"]["config"].update(hidden_sise=64), [], "model.config has unknown keys ['hidden_sise']"),
+    (lambda raw: raw["trainer"].update(devices="auto"), [], "pass --devices N"),
+    (lambda raw: raw["trainer"].update(precision="fp8"), [], "unknown precision 'fp8'"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_fix(capsys, tmp_path, edit, args, message):
+    path = _write(tmp_path, edit) if edit is not None else TINY_YAML
+    assert main(["--config", str(path), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1 and message in captured.err
+
+
+def test_missing_and_unparsable_files_exit_2(capsys, tmp_path):
+    assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is not valid YAML" in err
+
+
+def test_module_entry_point_prints_the_same_json(capsys):
+    in_process = _run_json(capsys, "--config", str(TINY_YAML))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "megatron_lite.estimate", "--config", str(TINY_YAML), "--json"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == in_process

@@ -1,0 +1,373 @@
+"""FLOPs and memory estimator against published numbers, torch's FLOP counter, real models and optimizers,
+and the saved-tensor probe (single-process and tensor-parallel ranks)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_lite.core.estimator import (
+    EstimateLayout,
+    KernelSaves,
+    activation_breakdown,
+    estimate_for_run,
+    estimate_memory,
+    forward_flops_breakdown,
+    korthikanti_activation_bytes_per_layer,
+    measure_activation_bytes,
+    measure_retained_tensors,
+    measure_saved_tensors,
+    megatron_formula_flops,
+    parameter_shapes,
+    training_flops_per_step,
+)
+from megatron_lite.core.models import GPTConfig, GPTModel
+from megatron_lite.core.optim import OptimizerConfig, build_optimizer
+from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, ParallelLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from spawn_utils import run_ranks  # noqa: E402
+
+GPT3_175B = dict(num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=50257, seq_length=2048,
+                 normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
+                 add_bias_linear=True)
+LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, vocab_size=32000,
+                 seq_length=4096)
+LLAMA2_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,
+                  vocab_size=32000, seq_length=4096)
+
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=300, seq_length=32)
+# Small models covering every branch of the activation accounting (all at b=2, s=32).
+VARIANTS = {
+    "llama_gqa": dict(num_query_groups=2),
+    "llama_mha": dict(),
+    "gpt2_dropout": dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
+                         add_bias_linear=True, hidden_dropout=0.1, attention_dropout=0.1),
+    "learned_gqa": dict(num_query_groups=2, position_embedding_type="learned_absolute"),
+    "mqa_tied_qkv_bias_half_rope": dict(num_query_groups=1, rotary_percent=0.5, add_qkv_bias=True, hidden_dropout=0.1,
+                                        share_embeddings_and_output_weights=True),
+}
+
+
+# --- FLOPs ----------------------------------------------------------------------------------------
+def test_gpt3_175b_matches_the_megatron_formula_and_the_papers_compute():
+    config = GPTConfig(**GPT3_175B)
+    batch, s, vocab = 1536, 2048, config.padded_vocab_size()
+    assert vocab == 50304  # Megatron pads 50257 to a multiple of 128
+    ours = training_flops_per_step(config, batch)
+    assert ours == pytest.approx(megatron_formula_flops(batch, s, 96, 12288, vocab), rel=1e-12)
+    # Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) counts a 4th (recompute) pass over the
+    # layers and the full attention square; the logits are not recomputed.
+    parts = forward_flops_breakdown(config, causal=False)
+    layers = parts.qkv + parts.projection + parts.mlp + parts.attention
+    eq3 = 96.0 * batch * s * 96 * 12288**2 * (1 + s / (6 * 12288) + vocab / (16 * 96 * 12288))
+    assert batch * s * (4 * layers + 3 * parts.logits) == pytest.approx(eq3, rel=1e-12)
+    # Brown et al. 2020, Table D.1: 3.14e23 FLOPs for 300B tokens, counting 6 N per token without attention;
+    # ours adds causal attention (~1.4%).
+    total = ours / (batch * s) * 300e9
+    assert 3.14e23 < total < 3.14e23 * 1.02
+
+
+@pytest.mark.parametrize("shape, published_params", [(LLAMA2_7B, 6_738_415_616), (LLAMA2_70B, 68_976_648_192)])
+def test_llama2_flops_are_six_n_per_token_plus_causal_attention(shape, published_params):
+    config = GPTConfig(**shape)
+    assert config.num_parameters() == published_params  # the HF checkpoints' parameter counts
+    h, layers, s, gbs = config.hidden_size, config.num_layers, config.seq_length, 1024
+    # Every parameter but the input embedding (a lookup) and the norms is one multiply-add per token forward.
+    matmul_params = published_params - config.vocab_size * h - (2 * layers + 1) * h
+    attention = 6 * layers * s * config.num_attention_heads * config.kv_channels  # 3 x (QK^T + AV) / 2 (causal)
+    expected = (6 * matmul_params + attention) * gbs * s
+    assert training_flops_per_step(config, gbs) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "gpt2_dropout"])
+def test_flop_counter_agrees_on_one_forward_and_backward(variant):
+    config = GPTConfig(**TINY, **VARIANTS[variant])
+    model = GPTModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (2, 32))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).sum().backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    weight_matmuls = counts.pop("aten.mm", 0) + counts.pop("aten.addmm", 0)
+    attention = sum(counts.values())  # bmm of the dense kernel; CPU's flash kernel is not counted by torch
+    per_token = forward_flops_breakdown(config, 32, causal=False)  # the counter sees the full s x s square
+    tokens_per_step = tokens.numel()
+    assert weight_matmuls == pytest.approx(3 * tokens_per_step * per_token.matmul_with_weights, rel=1e-9)
+    if config.attention_dropout > 0:  # the dense (math) kernel runs, as bmm
+        assert attention == pytest.approx(3 * tokens_per_step * per_token.attention, rel=1e-9)
+    causal = forward_flops_breakdown(config, 32)
+    assert causal.attention == per_token.attention / 2
+    assert training_flops_per_step(config, 2) == 3 * tokens_per_step * causal.total
+
+
+# --- parameters and static memory -----------------------------------------------------------------
+def _tp_layout(tp: int, rank: int) -> ParallelLayout:
+    """The layout rank ``rank`` of a TP group would have; building a model issues no collective, so no
+    process group is needed to look at its shard shapes."""
+    coords = {d: 0 for d in MESH_DIMS} | {"tp": rank}
+    return ParallelLayout(config=ParallelConfig(tensor_model_parallel_size=tp), world_size=tp, rank=rank,
+                          coords=coords, groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")})
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parameter_shapes_are_the_real_models_at_tp1_and_its_shards_at_tp2(variant):
+    config = GPTConfig(**TINY, **VARIANTS[variant])
+    model = GPTModel(config)
+    expected = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert [(p.name, p.shape) for p in parameter_shapes(config)] == expected
+    assert sum(p.numel for p in parameter_shapes(config)) == config.num_parameters()
+    if config.num_query_groups % 2:
+        return  # one KV group (MQA) cannot be split over two TP ranks
+    for rank in range(2):
+        shard = GPTModel(config, _tp_layout(2, rank))
+        assert [(p.name, p.shape) for p in parameter_shapes(config, 2)] == \
+               [(n, tuple(p.shape)) for n, p in shard.named_parameters()]
+        for name, param in shard.named_parameters():  # and the TP metadata agrees: shards are 1/2 of the global
+            meta = getattr(param, "tp_shard", None)
+            if meta is not None:
+                assert 2 * param.numel() == torch.Size(meta.global_shape).numel(), name
+
+
+@pytest.mark.parametrize("optimizer", [OptimizerConfig(), OptimizerConfig(optimizer="sgd", sgd_momentum=0.9)])
+def test_weights_grads_and_optimizer_state_equal_the_bytes_after_one_step(optimizer):
+    config = GPTConfig(**TINY, **VARIANTS["gpt2_dropout"])
+    model = GPTModel(config)
+    opt = build_optimizer(model, optimizer)
+    tokens = torch.randint(0, config.vocab_size, (2, 32))
+    model(tokens, tokens).mean().backward()
+    opt.step()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    est = estimate_for_run(config, micro_batch_size=2, optimizer=optimizer, device_type="cpu")
+    assert (est.weights_bytes, est.grads_bytes) == (weights, grads)
+    assert est.optimizer_bytes + est.optimizer_host_bytes == state  # moments + Adam's per-tensor step counters
+
+
+def _optimizer_bytes_after_a_step(rank: int, world: int, shape: dict, precision: str, distributed: bool) -> dict:
+    """Bytes of weights, gradients (as held at the end of a backward) and optimizer state of the real
+    Megatron optimizer (masters, main-grad buffers, ZeRO-1 shards, torch optimizer state)."""
+    from megatron_lite.core.optim.distributed import DistributedOptimizer
+    from megatron_lite.core.optim.optimizer import MegatronOptimizer
+
+    config = GPTConfig(**shape)
+    layout = ParallelLayout.build(ParallelConfig()) if world > 1 else ParallelLayout.single()
+    model = GPTModel(config, layout)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    cls = DistributedOptimizer if distributed else MegatronOptimizer
+    opt = cls(model, OptimizerConfig(use_distributed_optimizer=distributed), layout)
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):  # the second backward leaves the gradients as they are at a step's peak
+        opt.zero_grad()
+        model(tokens, tokens).float().mean().backward()
+        if opt.optimizer.state:
+            break
+        result = opt.prepare_step()  # reduce, clip
+        opt.optimizer.step()  # creates the optimizer state
+        opt.finish_step(result)  # masters back into the model
+
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    grads = [p.grad for p in model.parameters()] + list(opt.main_grads.values()) if not distributed else \
+        [b.grad_buffer for b in opt.buckets] + [p.grad for p in model.parameters()]
+    masters = list(opt.masters.values()) if not distributed else [b.main_shard for b in opt.buckets]
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    moments, counters = [v for v in state if v.ndim], [v for v in state if not v.ndim]  # Adam's step is 0-d
+    return dict(weights=size(model.parameters()), grads=size(grads), optimizer=size(masters) + size(moments),
+                counters=size(counters))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("dp, distributed", [(1, False), (2, True)])
+def test_weights_grads_and_optimizer_state_of_the_megatron_optimizer(precision, dp, distributed):
+    """18 (or 6 + 12/dp) bytes per parameter with half weights, 16 (or 8 + 12/dp) with fp32 weights,
+    checked on the real optimizer: fp32 masters and main-grad buffers, ZeRO-1's flat fp32 shards."""
+    shape = dict(TINY, **VARIANTS["gpt2_dropout"])
+    if dp == 1:
+        measured = [_optimizer_bytes_after_a_step(0, 1, shape, precision, distributed)]
+    else:
+        measured = run_ranks(_optimizer_bytes_after_a_step, dp, shape, precision, distributed)
+    est = estimate_for_run(GPTConfig(**shape), micro_batch_size=2, precision=precision, data_parallel_size=dp,
+                           use_distributed_optimizer=distributed, device_type="cpu")
+    for rank in measured:
+        assert (rank["weights"], rank["grads"], rank["optimizer"]) == \
+               (est.weights_bytes, est.grads_bytes, est.optimizer_bytes)
+        # one step counter per tensor; a ZeRO-1 rank only steps the pieces of tensors in its shard
+        assert rank["counters"] == est.optimizer_host_bytes if not distributed else \
+            0 < rank["counters"] <= est.optimizer_host_bytes
+
+
+@pytest.mark.parametrize("precision, dp, per_param", [
+    ("32-true", 1, 16), ("bf16-mixed", 8, 8 + 12 / 8), ("bf16-true", 1, 18), ("bf16-true", 8, 6 + 12 / 8)])
+def test_bytes_per_parameter_follow_the_design_table(precision, dp, per_param):
+    """DESIGN.md: 18 and 6 + 12/dp with half weights; fp32 weights (autocast) 16, and 8 + 12/dp under ZeRO-1,
+    which keeps an fp32 main shard beside the fp32 weights."""
+    config = GPTConfig(**LLAMA2_7B)
+    est = estimate_for_run(config, micro_batch_size=1, precision=precision, data_parallel_size=dp,
+                           use_distributed_optimizer=dp > 1)
+    assert est.params % dp == 0
+    assert (est.weights_bytes + est.grads_bytes + est.optimizer_bytes) / est.params == per_param
+    fsdp = estimate_for_run(config, micro_batch_size=1, precision=precision, data_parallel_size=dp,
+                            use_torch_fsdp2=True)  # ZeRO-3: everything divided over DP (dims divisible here)
+    assert (fsdp.weights_bytes + fsdp.grads_bytes + fsdp.optimizer_bytes) * dp / fsdp.params == \
+           (16 if precision != "bf16-true" else 18)
+
+
+# --- activations ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_activation_estimate_matches_the_probe(variant, precision):
+    """The probe adds up every storage one forward (with the loss) leaves alive for backward; the
+    estimate must account for all of it. It is exact on torch 2.13 CPU (up to a few hundred bytes with
+    dropout under autocast); 2% leaves room for tiny tensors a torch update might add, while a missing
+    s*b*h tensor (~5% here) still fails. Both views of the probe agree without recompute."""
+    config = GPTConfig(**TINY, **VARIANTS[variant])
+    model = GPTModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        measured = measure_activation_bytes(model, lambda: (tokens, tokens))
+        saved = measure_saved_tensors(model, lambda: (tokens, tokens)).total_bytes
+    assert saved == pytest.approx(measured, rel=0.002)
+    est = estimate_for_run(config, micro_batch_size=2, precision=precision, device_type="cpu")
+    assert est.activations.held_after_forward == pytest.approx(measured, rel=0.02)
+
+
+RECOMPUTE = {
+    "selective": dict(recompute_granularity="selective"),
+    "uniform2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "uniform3": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
+    "block1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("variant", ["llama_gqa", "learned_gqa", "gpt2_dropout"])
+def test_activation_estimate_with_recompute_matches_the_probe(variant, recompute, precision):
+    """What a 4-layer model keeps after the forward with recompute: the checkpointed regions' inputs
+    (only the dispatch-level probe sees those) plus everything outside them. With dropout each region
+    also keeps the model's RNG states (5 KB each on CPU, not modelled): the dropout model is wider so
+    that they stay under 1%."""
+    shape = dict(TINY, num_layers=4, **VARIANTS[variant], **RECOMPUTE[recompute])
+    if variant == "gpt2_dropout":
+        shape.update(hidden_size=256, seq_length=128)
+    config = GPTConfig(**shape)
+    model = GPTModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        measured = measure_activation_bytes(model, lambda: (tokens, tokens))
+    est = estimate_for_run(config, micro_batch_size=2, precision=precision, device_type="cpu")
+    assert est.activations.held_after_forward == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("variant, recompute", [("llama_gqa", None), ("gpt2_dropout", None), ("llama_gqa", "uniform2")])
+def test_forward_peaks_while_the_loss_is_computed(variant, recompute, precision):
+    """The forward's peak (live storages after every operator) is what it keeps plus the logits and their
+    fp32 shifted copy beside the kept softmax; a 2000-token vocabulary makes that term large here."""
+    shape = dict(TINY, num_layers=4, vocab_size=2000, **VARIANTS[variant], **RECOMPUTE.get(recompute, {}))
+    config = GPTConfig(**shape)
+    model = GPTModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        report = measure_retained_tensors(model, lambda: (tokens, tokens))
+    acts = estimate_for_run(config, micro_batch_size=2, precision=precision, device_type="cpu").activations
+    assert acts.loss_transient > 0.3 * acts.held_after_forward
+    assert acts.held_after_forward + acts.loss_transient == pytest.approx(report.peak_bytes, rel=0.02)
+    assert acts.peak == acts.held_after_forward + max(acts.loss_transient, acts.recompute_working_set)
+
+
+def _tp_probe(rank: int, world: int, shape: dict, sequence_parallel: bool) -> int:
+    config = GPTConfig(**shape)
+    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sequence_parallel))
+    model = GPTModel(config, layout).train()
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return measure_activation_bytes(model, lambda: (tokens, tokens))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_activation_estimate_matches_the_probe_on_tensor_parallel_ranks(sequence_parallel):
+    shape = dict(TINY, **VARIANTS["gpt2_dropout"])
+    measured = run_ranks(_tp_probe, 2, shape, sequence_parallel)
+    est = estimate_for_run(GPTConfig(**shape), micro_batch_size=2, tensor_model_parallel_size=2,
+                           sequence_parallel=sequence_parallel, precision="bf16-mixed", device_type="cpu")
+    for rank_bytes in measured:
+        assert est.activations.held_after_forward == pytest.approx(rank_bytes, rel=0.02)
+
+
+KORTHIKANTI_KERNELS = KernelSaves(rms_norm_saves_normalized=False, dropout_mask_bytes=1,
+                                  attention_dropout_materializes_scores=True, dense_attention_in_fp32=False,
+                                  fp32_attention_output_is_copied=False, attention_rng_bytes=0)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (4, False), (4, True)])
+@pytest.mark.parametrize("selective", [False, True])
+def test_per_layer_count_reduces_to_korthikanti_under_their_assumptions(tp, sp, selective):
+    """GPT-3 blocks in 16-bit with 1-byte dropout masks and a dense softmax: our count is the paper's
+    plus known differences. Without recompute the kernel keeps scaled copies of q and k while v stays a
+    view of the fused QKV output (3h instead of h at 2 bytes: +4 s b h / t); under selective recompute
+    the checkpoint keeps q, k, v as views of that output, which is exactly the paper's Q, K, V. Under
+    SP our linear layers keep their all-gathered input where Megatron keeps the shard and gathers again
+    in backward (+2 x 2 s b h (1 - 1/t)). Plus the LayerNorm statistics (fp32 mean and rstd)."""
+    s, b, h, a = 256, 2, 1024, 16
+    config = GPTConfig(num_layers=2, hidden_size=h, num_attention_heads=a, seq_length=s, normalization="LayerNorm",
+                       activation="gelu", position_embedding_type="learned_absolute", hidden_dropout=0.1,
+                       attention_dropout=0.1)
+    if selective:
+        config.recompute_granularity = "selective"
+    layout = EstimateLayout(micro_batch_size=b, seq_length=s, tensor_model_parallel_size=tp, sequence_parallel=sp,
+                            precision="bf16-true", kernels=KORTHIKANTI_KERNELS)
+    acts = activation_breakdown(config, layout)
+    local_tokens = s * b // tp if sp else s * b
+    extra = (0 if selective else 4 * s * b * h / tp) + (4 * s * b * h * (1 - 1 / tp) if sp else 0) \
+        + 2 * 2 * 4 * local_tokens
+    paper = korthikanti_activation_bytes_per_layer(s, b, h, a, tp, sp, selective_recompute=selective)
+    assert acts.layers / config.num_layers == pytest.approx(paper + extra, rel=1e-12)
+
+
+def test_recompute_keeps_layer_inputs_and_peaks_while_rebuilding_a_chunk():
+    config = GPTConfig(**dict(TINY, num_layers=4))
+    layout = EstimateLayout(micro_batch_size=2, seq_length=32, device_type="cpu")
+    plain = activation_breakdown(config, layout)
+    layer, layer_input = plain.per_layer, 2 * 32 * 64 * 4  # under full recompute a layer keeps its fp32 input
+    config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 2
+    uniform = activation_breakdown(config, layout)
+    # backward of the last chunk: the first chunk's input + the last chunk rebuilt (2 layers); the output
+    # layer's activations are freed by then
+    peak = uniform.layers + uniform.output + uniform.recompute_working_set
+    assert (uniform.layers, peak) == (2 * layer_input, layer_input + 2 * layer)
+    config.recompute_method, config.recompute_num_layers = "block", 1
+    block = activation_breakdown(config, layout)
+    # the 3 stored layers are freed before layer 0 is rebuilt: the peak is the end of the forward
+    assert (block.layers, block.recompute_working_set) == (layer_input + 3 * layer, 0)
+    assert uniform.total < block.total < plain.total
+    config.recompute_granularity = "selective"
+    selective = activation_breakdown(config, layout)
+    assert selective.layers == 4 * (layer - plain.parts["logsumexp"])  # flash attention keeps no s x s scores
+
+
+def test_pipeline_stages_split_the_parameters_and_the_first_stage_holds_most_activations():
+    config = GPTConfig(**dict(TINY, num_layers=4))
+    stages = [parameter_shapes(config, 1, 2, stage) for stage in range(2)]
+    assert sum(p.numel for stage in stages for p in stage) == config.num_parameters()
+    layout = EstimateLayout(micro_batch_size=2, seq_length=32, pipeline_model_parallel_size=2, num_microbatches=8)
+    first, last = (activation_breakdown(config, layout, stage) for stage in range(2))
+    assert (first.microbatches_in_flight, last.microbatches_in_flight) == (2, 1)  # 1F1B warm-up depth
+    assert estimate_memory(config, layout).pipeline_stage in (0, 1)
+
+
+def test_layout_errors_name_the_fix():
+    with pytest.raises(ValueError, match="needs tensor_model_parallel_size > 1"):
+        EstimateLayout(micro_batch_size=1, seq_length=32, sequence_parallel=True)
+    with pytest.raises(ValueError, match="unknown precision"):
+        EstimateLayout(micro_batch_size=1, seq_length=32, precision="fp8")
+    with pytest.raises(ValueError, match="num_attention_heads .* divisible by tensor_model_parallel_size"):
+        estimate_for_run(GPTConfig(**TINY), micro_batch_size=1, tensor_model_parallel_size=3)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        estimate_for_run(GPTConfig(**TINY), micro_batch_size=2, global_batch_size=6, data_parallel_size=2)
