@@ -63,8 +63,8 @@ def test_devices_distributed_optimizer_and_recompute_from_the_yaml(capsys, tmp_p
     out = _run_json(capsys, "--config", str(_write(tmp_path, edit)), "--devices", "4")
     assert out["layout"]["data_parallel_size"] == 2 and out["layout"]["use_distributed_optimizer"]
     assert out["optimizer_bytes"] == out["optimizer_bytes_distributed"] < out["optimizer_bytes_replicated"]
-    # fp32 main shard + Adam state (4 + 8 bytes) split over 2 ranks
-    assert out["optimizer_bytes_distributed"] == -(-out["params"] // 2) * 12
+    # fp32 weights are their own main copy: Adam's two moments (8 bytes) split over 2 ranks
+    assert out["optimizer_bytes_distributed"] == -(-out["params"] // 2) * 8
     assert out["activation_bytes"] < plain["activation_bytes"]
     assert out["activation_breakdown"]["recompute"].startswith("full, uniform")
 

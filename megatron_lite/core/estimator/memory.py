@@ -51,8 +51,9 @@ PRECISION_BYTES = {
     "16-true": PrecisionBytes(weight=2, grad=4, master=4, moment=4, compute=2, residual=2),
     "64-true": PrecisionBytes(weight=8, grad=8, master=0, moment=8, compute=8, residual=8),
 }
-# The distributed optimizer (core/optim/distributed.py) keeps fp32 main parameters for its shard and a
-# flat fp32 gradient buffer whatever the model's dtype: 4 + (4 + 8)/dp bytes beyond the weights.
+# The distributed optimizer (core/optim/distributed.py) keeps a flat fp32 gradient buffer whatever the
+# model's dtype, and fp32 main parameters for its shard only beside half-precision weights (fp32 weights
+# are their own main copy): 4 + (4 + 8)/dp bytes beyond half weights, 4 + 8/dp beyond fp32 ones.
 DISTRIBUTED_MAIN_BYTES = 4
 DISTRIBUTED_GRAD_BYTES = 4
 # Lightning's short spellings (Trainer(precision=...)).
@@ -457,7 +458,9 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
     params = sum(p.numel for p in shapes)
     moments = (2 if layout.optimizer == "adam" else int(layout.sgd_momentum > 0)) * pb.moment
     shard = -(-params // dp)  # flat buffers padded to a multiple of dp
-    replicated, distributed = params * (pb.master + moments), shard * (DISTRIBUTED_MAIN_BYTES + moments)
+    # ZeRO-1 keeps an fp32 master shard only beside half-precision weights (fp32 weights are their own main copy).
+    main_bytes = DISTRIBUTED_MAIN_BYTES if pb.weight < 4 else 0
+    replicated, distributed = params * (pb.master + moments), shard * (main_bytes + moments)
     unsharded = 0
     if layout.use_torch_fsdp2:  # every tensor split along dim 0 (rank 0 holds the rounded-up share)
         held = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in shapes)

@@ -11,8 +11,9 @@ the updated slices back into every rank's model parameters. A parameter's slice 
 1-D view into the rank's flat fp32 shard; it joins the torch optimizer's parameter group of its
 model parameter (weight decay and lr multipliers are decided from the model parameter).
 
-Per rank: fp32 master + Adam state = 12 bytes x params / dp (``6 + 12/dp`` bytes per parameter with
-half-precision weights and gradients, Megatron's formula).
+Per rank, with half-precision weights: 2 (weights) + 4 (fp32 gradient buffers) + 12/dp (fp32 master and
+Adam's moments) = ``6 + 12/dp`` bytes per parameter, Megatron's formula. fp32 weights are their own
+master copy (the optimizer steps views into them): 4 + 4 + 8/dp.
 """
 from __future__ import annotations
 
@@ -127,7 +128,10 @@ class DistributedOptimizer(MegatronOptimizer):
         for bucket in self.buckets:
             lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
             device = bucket.params[0][1].device
-            bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
+            # fp32 weights are their own main copy (the slices are views into them, as in Megatron);
+            # half-precision weights get an fp32 master shard.
+            if bucket.dtype != torch.float32:
+                bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
             bucket.grad_buffer = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
             for (name, param), offset in zip(bucket.params, bucket.offsets):
                 then = (lambda b=bucket: self._on_grad_ready(b)) if self.overlap_grad_reduce else None
@@ -136,8 +140,11 @@ class DistributedOptimizer(MegatronOptimizer):
                 if start >= end:
                     continue
                 piece = _Piece(name, param, start - offset, end - offset, start - lo)
-                piece.main = bucket.main_shard[piece.shard_lo:piece.shard_lo + end - start]
-                piece.main.copy_(param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
+                if bucket.main_shard is None:
+                    piece.main = param.data.view(-1)[piece.param_lo:piece.param_hi]
+                else:
+                    piece.main = bucket.main_shard[piece.shard_lo:piece.shard_lo + end - start]
+                    piece.main.copy_(param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
                 bucket.pieces.append(piece)
                 entries.append((name, param, piece.main))
         return entries
@@ -219,10 +226,22 @@ class DistributedOptimizer(MegatronOptimizer):
         with timed(self.timers, "params-all-gather"):
             self.publish_params()
 
+    def _owned_shard(self, bucket: _Bucket) -> torch.Tensor:
+        """This rank's slice of the bucket as one flat fp32 tensor (assembled from the views into
+        fp32 weights when there is no separate master shard)."""
+        if bucket.main_shard is not None:
+            return bucket.main_shard
+        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_buffer.device)
+        for piece in bucket.pieces:
+            shard[piece.shard_lo:piece.shard_lo + piece.main.numel()].copy_(piece.main)
+        return shard
+
     @torch.no_grad()
     def publish_params(self) -> None:
         for bucket in self.buckets:
-            full = _gather_first(bucket.main_shard.to(bucket.dtype), self.dp_group)
+            if self.dp_size == 1 and bucket.main_shard is None:
+                continue  # the only rank updated the weights in place
+            full = _gather_first(self._owned_shard(bucket).to(bucket.dtype), self.dp_group)
             for (_, param), offset in zip(bucket.params, bucket.offsets):
                 param.data.copy_(full[offset:offset + param.numel()].view_as(param))
 
@@ -230,7 +249,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _gather_per_param(self, bucket: _Bucket, local_of: Callable[[_Piece], Optional[torch.Tensor]]
                           ) -> dict[str, torch.Tensor]:
-        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.main_shard.device)
+        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_buffer.device)
         for piece in bucket.pieces:
             value = local_of(piece)
             if value is not None:
@@ -250,8 +269,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 gathered = self._gather_per_param(bucket, lambda pc, k=key: self.optimizer.state.get(pc.main, {}).get(k))
                 for name, value in gathered.items():
                     state[name][key] = value
-            for name, value in self._gather_per_param(bucket, lambda pc: pc.main).items():
-                state[name]["master"] = value
+            if bucket.main_shard is not None:  # fp32 weights are their own master: saved with the model
+                for name, value in self._gather_per_param(bucket, lambda pc: pc.main).items():
+                    state[name]["master"] = value
         for key, value in scalars.items():
             for name in state:
                 state[name][key] = value.clone()
@@ -288,7 +308,8 @@ class DistributedOptimizer(MegatronOptimizer):
             entry = state.get(piece.name, {})
             master = entry.get("master")
             source = master if master is not None else piece.param.detach()
-            piece.main.copy_(source.reshape(-1)[piece.param_lo:piece.param_hi])
+            if source.data_ptr() != piece.param.data_ptr():
+                piece.main.copy_(source.reshape(-1)[piece.param_lo:piece.param_hi])
             opt_state = self.optimizer.state.get(piece.main, {})
             for key, value in entry.items():
                 if key == "master" or key not in opt_state:
