@@ -17,7 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -33,6 +33,9 @@ from megatron_lite.core.checkpoint.sharded import (
     write_back,
 )
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
+from megatron_lite.core.estimator.flops import training_flops_per_step
+from megatron_lite.core.estimator.memory import estimate_for_run
+from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
@@ -113,6 +116,8 @@ class MegatronStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
+        self.memory_estimate = None
+        """The per-rank memory estimate logged when ``fit`` starts (a MemoryEstimate), if one could be made."""
 
     # --- sizes and devices ----------------------------------------------------------------
     @property
@@ -256,6 +261,8 @@ class MegatronStrategy(ParallelStrategy):
 
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        if trainer.state.fn == "fit":
+            self.memory_estimate = self._log_memory_estimate(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -263,6 +270,36 @@ class MegatronStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.barrier()
+
+    def _log_memory_estimate(self, trainer):
+        """Megatron-style start-up report: per-rank memory and FLOPs per step from the configs, with a
+        warning when it exceeds the device's memory. Never stops a run: an estimate it cannot make is
+        a warning."""
+        module, datamodule = self.lightning_module, getattr(trainer, "datamodule", None)
+        config = getattr(module, "config", None)
+        geometry = {k: getattr(datamodule, k, None) for k in ("micro_batch_size", "global_batch_size", "seq_length")}
+        if not hasattr(config, "validate_parallelism") or None in geometry.values() or self._layout is None:
+            return None
+        try:
+            optimizer = getattr(module, "optimizer_config", None)
+            layout = self._layout
+            estimate = estimate_for_run(
+                config, **geometry, tensor_model_parallel_size=layout.tp_size, data_parallel_size=layout.dp_size,
+                sequence_parallel=layout.sequence_parallel, precision=self.precision_plugin.precision,
+                optimizer=optimizer, use_distributed_optimizer=getattr(optimizer, "use_distributed_optimizer", False),
+                use_torch_fsdp2=self.use_torch_fsdp2 and layout.dp_size > 1, device_type=self.root_device.type)
+            flops = training_flops_per_step(config, geometry["global_batch_size"], geometry["seq_length"],
+                                            tensor_model_parallel_size=layout.tp_size)
+        except (ValueError, TypeError) as error:
+            rank_zero_warn(f"megatron-lite: no memory estimate for this run ({error})")
+            return None
+        rank_zero_info("megatron-lite memory estimate (before the first step):\n" + format_table(estimate, flops))
+        total = torch.cuda.get_device_properties(self.root_device).total_memory \
+            if self.root_device.type == "cuda" else None
+        warning = memory_warning(estimate, total)
+        if warning:
+            rank_zero_warn(warning)
+        return estimate
 
     def model_to_device(self) -> None:
         assert self.model is not None

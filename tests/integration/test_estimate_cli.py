@@ -116,3 +116,29 @@ def test_module_entry_point_prints_the_same_json(capsys):
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == in_process
+
+
+def test_the_strategy_makes_the_estimate_when_fit_starts(tmp_path):
+    """The strategy estimates the run from the live configs before the first step (and logs the table):
+    the same numbers as the estimator called with the run's sizes."""
+    import lightning as L
+    import torch
+
+    import megatron_lite as ml
+    from megatron_lite.core.estimator.memory import estimate_for_run
+    from megatron_lite.data import MockGPTDataModule
+
+    class Keep(L.Callback):
+        def on_fit_start(self, trainer, pl_module):  # in the forked rank: hand the estimate back
+            torch.save(trainer.strategy.memory_estimate.to_dict(), tmp_path / "estimate.pt")
+
+    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
+    optimizer = ml.OptimizerConfig(use_distributed_optimizer=True)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False), devices=2,
+                        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Keep()])
+    trainer.fit(ml.GPTModule(config, optimizer),
+                MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8, vocab_size=256))
+    expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=8, seq_length=16, data_parallel_size=2,
+                                optimizer=optimizer, use_distributed_optimizer=True, device_type="cpu").to_dict()
+    assert torch.load(tmp_path / "estimate.pt", weights_only=False) == expected
