@@ -205,3 +205,42 @@ def test_resume_with_dropout_is_exact(tmp_path):
     resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=6, config=config,
                   ckpt_path=str(ckpt_dir / "epoch=0-step=3.ckpt"))
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=0)
+
+
+def test_cli_loggers_then_plot_and_estimate(tmp_path):
+    """TensorBoard + CSV + offline W&B configured from YAML, Megatron's metrics in them, then `plot` and
+    `estimate` on the same config."""
+    import yaml
+
+    run_dir = tmp_path / "runs"
+    loggers = yaml.safe_load((REPO / "examples/configs/loggers.yaml").read_text())  # the example, saving here
+    for logger in loggers["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(run_dir)
+    (tmp_path / "loggers.yaml").write_text(yaml.safe_dump(loggers))
+    cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
+           "--config", str(tmp_path / "loggers.yaml"),
+           "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+           "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
+           "--trainer.enable_progress_bar", "false", "--model.optimizer.lr_warmup_iters", "1",
+           "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.vocab_size", "512"]
+    env = dict(_env(), WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((run_dir / "tb").rglob("events.out.tfevents*"))
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    import csv
+
+    rows = list(csv.DictReader(open(next((run_dir / "csv").rglob("metrics.csv")))))
+    steps = sorted({int(r["step"]) for r in rows if r.get("train/tokens_per_sec")})
+    assert steps and steps == sorted(set(steps)) and max(steps) <= 3  # optimizer steps, once each
+    assert any(r.get("val/perplexity") for r in rows)
+    png = tmp_path / "curves.png"
+    plot = subprocess.run([sys.executable, "-m", "megatron_lite", "plot", str(run_dir), "--out", str(png)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    assert png.stat().st_size > 10_000
+    estimate = subprocess.run([sys.executable, "-m", "megatron_lite", "estimate", "--config",
+                               str(REPO / "examples/configs/gpt_tiny.yaml"), "--json"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert estimate.returncode == 0, estimate.stderr[-2000:]
+    assert json.loads(estimate.stdout)["flops_per_step"] > 0
