@@ -72,7 +72,7 @@ def get_bin_path(path_prefix: str) -> str:
 def _missing_files_error(path_prefix: str) -> FileNotFoundError:
     """The error for a prefix whose .bin and/or .idx is absent, naming exactly which."""
     missing = [p for p in (get_bin_path(path_prefix), get_idx_path(path_prefix)) if not os.path.isfile(p)]
-    hint = f"; create the pair with `megatron-lite preprocess --output-prefix ...`"
+    hint = "; create the pair with `megatron-lite preprocess --output-prefix ...`"
     if path_prefix.endswith((".bin", ".idx")):
         hint = f"; pass the prefix without the extension ({path_prefix[:-4]!r}, not {path_prefix!r})"
     elif len(missing) == 1:

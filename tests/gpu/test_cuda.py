@@ -6,13 +6,11 @@ Skipped where there is no NVIDIA GPU (our CI machines); run them on a GPU machin
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 import megatron_lite as ml
 from megatron_lite.core.parallel.random import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, model_parallel_rng_tracker
-from megatron_lite.data import MockGPTDataModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from parity_utils import assert_same_training, run, tiny_config  # noqa: E402

@@ -16,7 +16,7 @@ from megatron_lite.data import MockGPTDataModule
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed"))
-from parity_utils import Recorder, run, tiny_config  # noqa: E402
+from parity_utils import run, tiny_config  # noqa: E402
 
 
 def _env():
