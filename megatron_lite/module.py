@@ -145,6 +145,11 @@ class GPTModule(pl.LightningModule):
             self.log("train/loss_scale", result.loss_scale)
         return step.loss
 
+    def on_fit_end(self) -> None:
+        # After training a backward (user code, evaluation tools) should leave its gradients in param.grad.
+        if self.megatron_optimizer is not None:
+            self.megatron_optimizer.remove_hooks()
+
     def _global_batch_samples(self, batch: dict) -> int:
         """Samples in this step's global batch (every DP rank receives the same share)."""
         return next(iter(batch.values())).shape[0] * self.parallel_layout.dp_size
@@ -188,6 +193,8 @@ class GPTModule(pl.LightningModule):
         trainer = self._attached_trainer()
         layout = self.parallel_layout
         fp16 = self._precision().startswith("16")
+        if self.megatron_optimizer is not None:  # a second fit on this module: detach the previous one
+            self.megatron_optimizer.remove_hooks()
         if cfg.use_distributed_optimizer:
             self.megatron_optimizer = DistributedOptimizer(
                 self.model, cfg, layout, fp16=fp16, bucket_size=self._strategy_option("ddp_bucket_size", None),

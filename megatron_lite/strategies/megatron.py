@@ -348,15 +348,21 @@ class MegatronStrategy(ParallelStrategy):
 
     def _megatron_optimizer_state(self, mopt, writebacks=None, only_keys=None, index: int = 0) -> dict[str, Any]:
         per_param = mopt.checkpoint_state()
-        if only_keys is not None:  # e.g. no fp32 masters in a checkpoint written without them
-            per_param = {name: {k: v for k, v in entry.items()
-                                if k != "master" or f"optimizer_{index}.state.model.{name}.{k}" in only_keys}
-                         for name, entry in per_param.items()}
+        absent: set[str] = set()
+        if only_keys is not None:
+            # Load what the checkpoint has: no fp32 masters when written at another precision, no state
+            # for parameters that had not been stepped (every step so far skipped by fp16 overflow).
+            present = {name: {k: v for k, v in entry.items() if f"optimizer_{index}.state.model.{name}.{k}" in only_keys}
+                       for name, entry in per_param.items()}
+            absent = {name for name, entry in present.items()
+                      if not any(k != "master" for k in entry) and any(k != "master" for k in per_param[name])}
+            per_param = present
         params = dict(mopt.model.named_parameters())
         state = megatron_optimizer_state(mopt, params, self._require_layout(), per_param, prefix="model.",
                                          writebacks=writebacks)
         if only_keys is not None and not any(k.startswith(f"optimizer_{index}.extra") for k in only_keys):
             state.pop("extra")  # written before loss scaling existed
+        mopt.checkpoint_absent = absent
         return state, per_param
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
@@ -421,6 +427,7 @@ class MegatronStrategy(ParallelStrategy):
         write_back(writebacks)
         if mopt is not None and per_param is not None:
             mopt.load_checkpoint_state(per_param)
+            mopt.drop_state(getattr(mopt, "checkpoint_absent", set()))
             mopt.load_state_dict_extra(state["optimizer_0"].get("extra", {}))
         for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
             load_optimizer_groups(opt, groups)

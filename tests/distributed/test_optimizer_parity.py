@@ -110,3 +110,19 @@ def test_bf16_weights_with_zero1_track_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(zero1["losses"]), torch.tensor(single["losses"]), rtol=5e-3, atol=0)
     for name, ref in single["params"].items():
         assert (zero1["params"][name] - ref).norm() <= 1e-2 * ref.norm(), name
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "zero1"])
+def test_fp16_checkpoint_written_while_every_step_overflowed_resumes(tmp_path, distributed):
+    """Megatron's 2**32 start skips the first steps: a checkpoint then holds no optimizer state for any
+    parameter (only the loss scaler's); resuming must load what is there and continue the backing-off."""
+    fp16 = optimizer(use_distributed_optimizer=distributed, initial_loss_scale=2.0 ** 40, hysteresis=1)
+    ckpt_dir = tmp_path / "ckpts"
+    first = run(tmp_path / "first", devices=2, steps=2, optimizer=fp16, precision="16-true",
+                callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)])
+    assert first["skipped_steps"] == 2 and first["loss_scale"] == 2.0 ** 38
+    resumed = run(tmp_path / "resumed", devices=2, steps=4, optimizer=fp16, precision="16-true",
+                  ckpt_path=str(ckpt_dir / "epoch=0-step=2.ckpt"))
+    full = run(tmp_path / "full", devices=2, steps=4, optimizer=fp16, precision="16-true")
+    assert resumed["loss_scale"] == full["loss_scale"] and resumed["skipped_steps"] == full["skipped_steps"]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][2:]), rtol=1e-3, atol=0)

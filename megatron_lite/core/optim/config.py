@@ -78,6 +78,8 @@ class OptimizerConfig:
     """fp16 dynamic loss scaling: steps without overflow before the scale doubles."""
     hysteresis: int = 2
     """fp16 dynamic loss scaling: overflowing steps tolerated before the scale halves."""
+    check_for_nan_in_grad: bool = True
+    """Stop with an error when the gradient norm is NaN/Inf and no fp16 loss scaler skips the step."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):

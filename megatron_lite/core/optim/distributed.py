@@ -96,6 +96,11 @@ def _make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int
     return buckets
 
 
+def _is_view_of(main: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a main slice is a view into the weight itself (fp32 weights), not a master shard."""
+    return main.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+
+
 class DistributedOptimizer(MegatronOptimizer):
     """ZeRO-1 over the data(-and-context)-parallel group; same step interface as :class:`MegatronOptimizer`.
 
@@ -178,8 +183,17 @@ class DistributedOptimizer(MegatronOptimizer):
     def reduce_gradients(self) -> None:
         """SP gradients over TP, then each bucket's fp32 gradient buffer reduce-scattered over DP into
         the main gradients of this rank's slices."""
+        if self.overlap_grad_reduce:
+            missed = [i for i, bucket in enumerate(self.buckets) if bucket.pending is None]
+            if missed and len(missed) < len(self.buckets):
+                # Launching these now would order the collectives differently from ranks that launched
+                # them during the backward (Megatron asserts the same).
+                raise RuntimeError(
+                    f"overlap_grad_reduce: gradient bucket(s) {missed} did not receive every parameter's "
+                    f"gradient during the backward (parameters unused in this step?); set "
+                    f"MegatronStrategy(overlap_grad_reduce=False) for models with unused parameters.")
         for bucket in self.buckets:
-            if bucket.pending is None:  # not overlapped (or a parameter got no gradient this step)
+            if bucket.pending is None:  # not overlapped
                 self._launch(bucket, async_op=False)
             work, shard = bucket.pending
             if work is not None:
@@ -307,8 +321,9 @@ class DistributedOptimizer(MegatronOptimizer):
         for piece in self._pieces():
             entry = state.get(piece.name, {})
             master = entry.get("master")
-            source = master if master is not None else piece.param.detach()
-            if source.data_ptr() != piece.param.data_ptr():
+            if master is not None or not _is_view_of(piece.main, piece.param):
+                # A separate fp32 master shard: from the checkpoint's masters, else from the loaded weights.
+                source = master if master is not None else piece.param.detach()
                 piece.main.copy_(source.reshape(-1)[piece.param_lo:piece.param_hi])
             opt_state = self.optimizer.state.get(piece.main, {})
             for key, value in entry.items():

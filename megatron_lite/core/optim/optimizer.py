@@ -77,6 +77,7 @@ class MegatronOptimizer:
         self.grad_reduction = grad_reduction
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._by_name = dict(self.named_params)
+        self._hooks: list = []  # gradient hooks on the model's parameters, removed by remove_hooks()
         self.loss_scaler: Optional[LossScaler] = build_loss_scaler(config) if fp16 else None
         self.skipped_steps = 0
         self.timers = None
@@ -111,7 +112,33 @@ class MegatronOptimizer:
             if then is not None:
                 then()
 
-        param.register_post_accumulate_grad_hook(move)
+        self._hooks.append(param.register_post_accumulate_grad_hook(move))
+
+    def __getstate__(self) -> dict:
+        # Hook handles belong to this process's parameters (and hold closures that cannot be pickled):
+        # a copied or pickled module (deepcopy, torch.save of the module) carries no hooks.
+        state = dict(self.__dict__)
+        state["_hooks"] = []
+        return state
+
+    def remove_hooks(self) -> None:
+        """Detach from the model's parameters (before another optimizer is built on the same model, and
+        after training, so that a later backward leaves its gradients in ``param.grad``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def drop_state(self, names: set[str]) -> None:
+        """Forget the optimizer state of these parameters (absent from a loaded checkpoint: a parameter
+        that had not been stepped yet), so that their first real step starts Adam from scratch."""
+        for model_param, main in self.main_params():
+            if self._name_of(model_param) in names:
+                self.optimizer.state.pop(main, None)
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        if not hasattr(self, "_names"):
+            self._names = {id(p): n for n, p in self.named_params}
+        return self._names[id(param)]
 
     def _model_grad(self, name: str, param: torch.Tensor) -> Optional[torch.Tensor]:
         """Where ``param``'s accumulated gradient is: its fp32 main_grad buffer, else ``param.grad``."""
@@ -151,10 +178,17 @@ class MegatronOptimizer:
         gradients of replicated parameters are summed over TP, then everything over DP (FSDP has
         already reduce-scattered over DP in its backward hooks)."""
         if self.grad_reduction == "fsdp":
+            for _, param in self.named_params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
             reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
             return
+        for name, param in self.named_params:
+            if name not in self.main_grads and param.grad is None:
+                # As Megatron's gradient buffers: a parameter that got no gradient still takes a step
+                # (weight decay, Adam's moments), the same under every optimizer and precision.
+                param.grad = torch.zeros_like(param)
         grads = [(p, self._model_grad(n, p)) for n, p in self.named_params]
-        grads = [(p, g) for p, g in grads if g is not None]
         if self.layout.sequence_parallel:
             all_reduce_coalesced([g for p, g in grads if getattr(p, "sequence_parallel_grad", False)],
                                  self.layout.group("tp"))
@@ -182,7 +216,8 @@ class MegatronOptimizer:
             self.reduce_gradients()
         self.collect_main_grads()
         main_grads = [main.grad for _, main in self.main_params() if main.grad is not None]
-        device = main_grads[0].device if main_grads else torch.device("cpu")
+        # The model's device even on a ZeRO-1 rank that owns no slice (NCCL reduces only device tensors).
+        device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
         factor = torch.ones((), dtype=torch.float32, device=device)
         if grad_scale is not None:
             factor = factor * grad_scale.to(device=device, dtype=torch.float32)
@@ -200,6 +235,13 @@ class MegatronOptimizer:
             # reduces a separate found-inf flag). The host sync is unavoidable: skipping is a branch.
             skipped = not bool(torch.isfinite(norm).item())
             self.loss_scaler.update(skipped)
+        elif self.config.check_for_nan_in_grad and not bool(torch.isfinite(norm).item()):
+            # Without loss scaling nothing would skip the update: every weight would turn NaN.
+            raise FloatingPointError(
+                f"the global gradient norm is {norm.item()} (NaN/Inf gradients) and this run has no fp16 loss "
+                f"scaler to skip the step: lower the learning rate or check the data; set "
+                f"OptimizerConfig(check_for_nan_in_grad=False) to train on regardless (Megatron's "
+                f"--no-check-for-nan-in-loss-and-grad).")
         if skipped:
             self.skipped_steps += 1
             for _, main in self.main_params():
