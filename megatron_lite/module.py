@@ -13,6 +13,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torchmetrics.aggregation import MeanMetric
 
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
@@ -45,6 +46,8 @@ class GPTModule(pl.LightningModule):
         self.automatic_optimization = False
         self.model: Optional[nn.Module] = None
         self.megatron_optimizer: Optional[MegatronOptimizer] = None
+        self.val_loss_metric = MeanMetric()
+        self.test_loss_metric = MeanMetric()
 
     # --- layout and model -----------------------------------------------------------------
     def _attached_trainer(self) -> Optional["pl.Trainer"]:
@@ -162,9 +165,11 @@ class GPTModule(pl.LightningModule):
 
     def _evaluate(self, batch: dict, prefix: str) -> torch.Tensor:
         step = self.run_schedule(batch, forward_only=True)
-        # Already the global-batch mean on every rank; sync_dist only keeps Lightning's epoch
-        # aggregation consistent (and quiet) across ranks.
-        self.log(f"{prefix}/loss", step.loss, prog_bar=True, sync_dist=True)
+        # The epoch's loss is the mean over every loss token of the split (a token-weighted mean of
+        # the batches' global means, which are the same on every rank), so its exp is the perplexity.
+        metric = self.val_loss_metric if prefix == "val" else self.test_loss_metric
+        metric.update(step.loss.detach(), weight=step.num_tokens.to(step.loss.dtype))
+        self.log(f"{prefix}/loss", metric, prog_bar=True, on_step=False, on_epoch=True)
         return step.loss
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

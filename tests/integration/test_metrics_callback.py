@@ -310,3 +310,34 @@ def test_energy_is_absent_on_cpu_with_the_reason(dp2_run):
     assert not meter.available and "needs an NVIDIA GPU" in meter.reason
     assert meter.joules_since_last() is None
     assert all("train/energy_per_step_j" not in row for row in dp2_run["csv"])
+
+
+def test_validation_loss_is_the_mean_over_every_loss_token_and_perplexity_its_exp(tmp_path):
+    """Two validation batches with very different numbers of loss tokens: the epoch's val/loss is the
+    token-weighted mean (torchmetrics MeanMetric), not the mean of the two batch means."""
+    from torch.utils.data import DataLoader
+
+    config = tiny_config()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (2, 4, config.seq_length + 1), generator=gen)
+    masks = torch.zeros(2, 4, config.seq_length)
+    masks[0, :, :] = 1  # every token counts
+    masks[1, 0, :2] = 1  # two tokens count
+    batches = [{"tokens": tokens[i], "loss_mask": masks[i]} for i in range(2)]
+
+    class Data(L.LightningDataModule):
+        micro_batch_size, global_batch_size, seq_length = 4, 4, config.seq_length
+
+        def val_dataloader(self):
+            return DataLoader(batches, batch_size=None)
+
+    module = ml.GPTModule(config, optimizer(), seed=3)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), devices=1, accelerator="cpu",
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (metrics,) = trainer.validate(module, Data())
+    reference = ml.GPTModel(config, seed=3).eval()
+    with torch.no_grad():
+        per_token = [reference(b["tokens"][:, :-1], b["tokens"][:, 1:]) * b["loss_mask"] for b in batches]
+    expected = sum(t.sum() for t in per_token) / masks.sum()
+    assert metrics["val/loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert metrics["val/perplexity"] == pytest.approx(math.exp(float(expected)), rel=1e-5)
