@@ -31,6 +31,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/overhead.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/preprocess.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
