@@ -126,8 +126,11 @@ def test_metrics_on_gpu_log_mfu_against_the_data_sheet_and_energy(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
     import csv
 
-    run(tmp_path, devices=1, steps=6, accelerator="gpu", start_method="spawn", precision="bf16-mixed",
-        logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=2)
+    # big enough that an interval of steps lasts long enough for NVML's energy counter to tick
+    config = tiny_config(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, seq_length=1024,
+                         vocab_size=32000, make_vocab_size_divisible_by=128)
+    run(tmp_path, devices=1, steps=30, gbs=32, mbs=8, config=config, accelerator="gpu", start_method="spawn",
+        precision="bf16-mixed", logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=10)
     rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("train/mfu")]
     assert rows, "no MFU logged"
     for row in rows:
