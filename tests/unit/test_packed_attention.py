@@ -17,7 +17,8 @@ def test_packed_loss_equals_separate_losses(kwargs):
     config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
                           make_vocab_size_divisible_by=4, **kwargs)
     model = ml.GPTModel(config, seed=0)
-    a, b = torch.randint(0, 100, (7,)), torch.randint(0, 100, (10,))  # 7 + 10 = 17 = seq_length + 1
+    gen = torch.Generator().manual_seed(0)  # fixed tokens: the test must not depend on what ran before it
+    a, b = torch.randint(0, 100, (7,), generator=gen), torch.randint(0, 100, (10,), generator=gen)  # 7 + 10 = 17
     packed = {"tokens": torch.cat([a, b])[None], "position_ids": torch.cat([torch.arange(7), torch.arange(9)])[None],
               "cu_seqlens": torch.tensor([[0, 7, 17]], dtype=torch.int32)}
     mask = torch.ones(1, 16)
@@ -29,4 +30,5 @@ def test_packed_loss_equals_separate_losses(kwargs):
     torch.testing.assert_close(loss_sum, alone_a + alone_b, rtol=1e-5, atol=1e-5)
     # Without the packing information the second sequence would see the first: a different loss.
     unpacked_sum, _ = gpt_loss(model, {"tokens": packed["tokens"], "loss_mask": mask})
-    assert not torch.allclose(unpacked_sum, loss_sum, rtol=1e-4)
+    # (a tiny random model attends almost uniformly, so the difference is small but far above fp32 noise)
+    assert (unpacked_sum - loss_sum).abs() > 1e-3
