@@ -177,7 +177,8 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.embedding.vocab_start)
-        return loss.t()
+        # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
+        return loss.t().contiguous()
 
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
