@@ -182,6 +182,14 @@ class GPTModule(pl.LightningModule):
         """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
         if trainer.state.fn == "fit":
             schedule_lengths(self.optimizer_config, trainer.max_steps)  # every schedule check, in its unit
+            cfg = self.optimizer_config
+            if getattr(datamodule, "rampup_batch_size", None) and not cfg.sample_based and \
+                    (cfg.lr_decay_style != "constant" or cfg.lr_warmup_iters > 0):
+                # Megatron refuses iteration-based schedules with ramp-up: steps of different sizes.
+                raise ValueError(
+                    "rampup_batch_size with an iteration-based LR schedule: steps consume different numbers of "
+                    "samples during the ramp, so set the schedule in samples (lr_warmup_samples, lr_decay_samples, "
+                    "lr_wsd_decay_samples) or use lr_decay_style='constant' without warmup.")
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(
                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "

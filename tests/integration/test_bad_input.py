@@ -117,3 +117,12 @@ def test_gpt_module_under_another_multiprocess_strategy():
     # Raised inside the ranks (Lightning's DDP has no hook before launch), so it arrives wrapped.
     with pytest.raises(Exception, match=r"need MegatronStrategy for more than one process .* use Trainer\(strategy='megatron'\)"):
         _fit_two_ranks(strategy="ddp_fork")
+
+
+def test_ramp_up_with_an_iteration_based_schedule_is_refused_before_launch():
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), devices=2, accelerator="cpu", max_steps=4,
+                        logger=False, enable_checkpointing=False)
+    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8, vocab_size=256,
+                             rampup_batch_size=[4, 4, 16])
+    with pytest.raises(ValueError, match="set the schedule in samples"):
+        trainer.fit(ml.GPTModule(_config(), ml.OptimizerConfig(lr_warmup_iters=1)), data)
