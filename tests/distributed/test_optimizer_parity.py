@@ -126,3 +126,32 @@ def test_fp16_checkpoint_written_while_every_step_overflowed_resumes(tmp_path, d
     full = run(tmp_path / "full", devices=2, steps=4, optimizer=fp16, precision="16-true")
     assert resumed["loss_scale"] == full["loss_scale"] and resumed["skipped_steps"] == full["skipped_steps"]
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][2:]), rtol=1e-3, atol=0)
+
+
+def test_fsdp2_predict_gives_the_full_model_logits(tmp_path):
+    """predict_step under FSDP2 (DP2): the sharded model all-gathers in its hooks and returns the logits
+    of the unsharded model."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import megatron_lite as ml
+    from parity_utils import tiny_config
+
+    config = tiny_config()
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(1))
+
+    class Save(L.Callback):
+        def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            if trainer.global_rank == 0:
+                torch.save(outputs.cpu(), tmp_path / "logits.pt")
+
+    class Data(L.LightningDataModule):
+        def predict_dataloader(self):
+            return DataLoader([{"tokens": tokens}], batch_size=None)
+
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", use_torch_fsdp2=True, log_metrics=False),
+                        devices=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        use_distributed_sampler=False, callbacks=[Save()])
+    trainer.predict(ml.GPTModule(config, seed=1234), Data(), return_predictions=False)
+    expected = ml.GPTModel(config, seed=1234).eval().full_logits(tokens)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-5, atol=1e-5)

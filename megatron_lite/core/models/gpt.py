@@ -183,5 +183,6 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary ``[b, s, vocab_size]``, gathered across TP."""
-        logits = gather_from_tensor_parallel_region(self.forward(tokens), self.tp_group)
+        # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
+        logits = gather_from_tensor_parallel_region(self(tokens), self.tp_group)
         return logits[..., : self.config.vocab_size]
