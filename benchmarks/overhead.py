@@ -247,6 +247,16 @@ def run_framework(config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args, *, de
 
 
 # --- statistics and report -----------------------------------------------------------------------
+def write_result(result: dict, out_arg: str, default_out: Path) -> Path:
+    """Write ``result`` as JSON to ``out_arg``; the default path lands in the repository whatever the
+    working directory. Shared by the benchmarks that import this module."""
+    out = default_out if out_arg == str(default_out.relative_to(REPO_ROOT)) else Path(out_arg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 def _summary(reps: list[dict], warmup: int, tokens_per_step: int) -> dict:
     steps = [t for rep in reps for t in rep["step_s"][warmup:]]
     cpu = [t for rep in reps for t in rep["cpu_s"][warmup:]]
@@ -454,12 +464,7 @@ def main(argv=None) -> dict:
         "target": {"framework_overhead_max": OVERHEAD_TARGET, "met": met,
                    "met_step_interleaved": verdicts.get("step-interleaved")},
     }
-    out = Path(args.out)
-    if args.out == str(DEFAULT_OUT.relative_to(REPO_ROOT)):
-        out = DEFAULT_OUT  # the default lands in the repository, whatever the working directory
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(result, args.out, DEFAULT_OUT)
     return result
 
 

@@ -478,10 +478,7 @@ def main(argv=None) -> dict:
         "checks": checks,
         "metrics_callback": callback,
     }
-    out = DEFAULT_OUT if args.out == str(DEFAULT_OUT.relative_to(REPO_ROOT)) else Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    overhead.write_result(result, args.out, DEFAULT_OUT)
     return result
 
 
