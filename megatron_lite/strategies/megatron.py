@@ -346,7 +346,9 @@ class MegatronStrategy(ParallelStrategy):
         """The module's core optimizer wrapper (fp32 masters, ZeRO-1, loss scaler), if it has one."""
         return getattr(self.lightning_module, "megatron_optimizer", None)
 
-    def _megatron_optimizer_state(self, mopt, writebacks=None, only_keys=None, index: int = 0) -> dict[str, Any]:
+    def _megatron_optimizer_state(self, mopt, writebacks=None, only_keys=None,
+                                  index: int = 0) -> tuple[dict[str, Any], dict, set[str]]:
+        """(DCP state, per-parameter tensors to load into, names whose state the checkpoint lacks)."""
         per_param = mopt.checkpoint_state()
         absent: set[str] = set()
         if only_keys is not None:
@@ -362,8 +364,7 @@ class MegatronStrategy(ParallelStrategy):
                                          writebacks=writebacks)
         if only_keys is not None and not any(k.startswith(f"optimizer_{index}.extra") for k in only_keys):
             state.pop("extra")  # written before loss scaling existed
-        mopt.checkpoint_absent = absent
-        return state, per_param
+        return state, per_param, absent
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -410,12 +411,12 @@ class MegatronStrategy(ParallelStrategy):
         fitting = trainer is not None and trainer.state.fn == "fit"
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         mopt = self._megatron_optimizer() if fitting else None
-        per_param = None
+        per_param, absent = None, set()
         for i, opt in enumerate(optimizers):
             if mopt is not None and i == 0:
                 mopt.ensure_state()
                 keys = checkpoint_keys(path) if (path / ".metadata").is_file() else None
-                opt_state, per_param = self._megatron_optimizer_state(mopt, writebacks, keys)
+                opt_state, per_param, absent = self._megatron_optimizer_state(mopt, writebacks, keys)
             else:
                 ensure_optimizer_state(opt)
                 opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
@@ -427,7 +428,7 @@ class MegatronStrategy(ParallelStrategy):
         write_back(writebacks)
         if mopt is not None and per_param is not None:
             mopt.load_checkpoint_state(per_param)
-            mopt.drop_state(getattr(mopt, "checkpoint_absent", set()))
+            mopt.drop_state(absent)
             mopt.load_state_dict_extra(state["optimizer_0"].get("extra", {}))
         for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
             load_optimizer_groups(opt, groups)

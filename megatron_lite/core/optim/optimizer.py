@@ -131,14 +131,10 @@ class MegatronOptimizer:
     def drop_state(self, names: set[str]) -> None:
         """Forget the optimizer state of these parameters (absent from a loaded checkpoint: a parameter
         that had not been stepped yet), so that their first real step starts Adam from scratch."""
+        dropped = {id(p) for n, p in self.named_params if n in names}
         for model_param, main in self.main_params():
-            if self._name_of(model_param) in names:
+            if id(model_param) in dropped:
                 self.optimizer.state.pop(main, None)
-
-    def _name_of(self, param: torch.Tensor) -> str:
-        if not hasattr(self, "_names"):
-            self._names = {id(p): n for n, p in self.named_params}
-        return self._names[id(param)]
 
     def _model_grad(self, name: str, param: torch.Tensor) -> Optional[torch.Tensor]:
         """Where ``param``'s accumulated gradient is: its fp32 main_grad buffer, else ``param.grad``."""
