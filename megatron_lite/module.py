@@ -1,9 +1,10 @@
-"""GPTModule: the thin LightningModule around the core GPT model.
+"""GPTModule: the thin LightningModule around the core GPT model and the training engine.
 
 One Lightning batch is one optimizer step's worth of samples for this data-parallel rank. The
-step runs the microbatch schedule (which does the backward passes), reduces gradients over DP,
-clips the global norm and steps the optimizer. That is why the module uses Lightning's manual
-optimization: Lightning must not run a second backward.
+engine (``megatron_lite.core.engine``) runs the schedule (no pipelining, or a pipeline schedule that
+does the backward passes), reduces gradients, clips the global norm and steps the optimizer; the
+module supplies only the model, a stage forward and the loss. That is why the module uses
+Lightning's manual optimization: Lightning must not run a second backward.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
+from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
 from megatron_lite.core.optim.scheduler import schedule_lengths
@@ -23,7 +25,15 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
-from megatron_lite.core.parallel.schedules import StepLoss, get_forward_backward_func, gpt_loss, split_microbatches
+from megatron_lite.core.inference.generate import greedy_generate
+from megatron_lite.core.parallel.mappings import gather_from_tensor_parallel_region
+from megatron_lite.core.parallel.schedules import (
+    StepLoss,
+    gpt_forward_step,
+    gpt_loss,
+    masked_token_loss,
+    split_microbatches,
+)
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 
@@ -31,7 +41,9 @@ _DEFAULT_OPTIMIZER = OptimizerConfig()
 class GPTModule(pl.LightningModule):
     """Train a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or alone).
 
-    Override :meth:`loss_fn` to change the objective, or :meth:`build_model` to change the model.
+    The engine calls :meth:`forward_step` on each model chunk and :meth:`loss` on the last stage's
+    output; override those (they work under pipeline parallelism) or, without pipelining, the
+    one-call :meth:`loss_fn`; :meth:`build_model` changes the model.
     """
 
     def __init__(self, config: GPTConfig, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER, seed: int = 1234):
@@ -46,6 +58,7 @@ class GPTModule(pl.LightningModule):
         self.automatic_optimization = False
         self.model: Optional[nn.Module] = None
         self.megatron_optimizer: Optional[MegatronOptimizer] = None
+        self._engine: Optional[TrainingEngine] = None
         self.val_loss_metric = MeanMetric()
         self.test_loss_metric = MeanMetric()
 
@@ -71,8 +84,20 @@ class GPTModule(pl.LightningModule):
         return ParallelLayout.single()
 
     def build_model(self, layout: ParallelLayout) -> nn.Module:
-        """The model for this rank; called once from :meth:`configure_model`."""
+        """The model for this rank (its pipeline stages' layers only); called once from :meth:`configure_model`."""
         return GPTModel(self.config, layout, seed=self.seed)
+
+    @property
+    def engine(self) -> TrainingEngine:
+        """The engine that runs this module's steps (rebuilt when the model or optimizer changes)."""
+        if self.model is None:
+            raise RuntimeError("the model is not built yet: the Trainer calls configure_model() first")
+        engine = self._engine
+        if engine is None or engine.model is not self.model:
+            engine = self._engine = TrainingEngine(self.model, self.parallel_layout, self)
+        engine.optimizer = self.megatron_optimizer
+        engine.timers = self._timers()
+        return engine
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -110,10 +135,28 @@ class GPTModule(pl.LightningModule):
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(tokens, labels)
 
-    # --- the step -------------------------------------------------------------------------
+    # --- the objective: a stage forward and the last stage's loss ----------------------------
+    def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> Any:
+        """One model chunk's forward: activations for the next stage, or the per-token loss [b, s] on
+        the last stage."""
+        if self._overrides_loss_fn():
+            return self.loss_fn(self.model, microbatch)  # the whole model in one call (no pipelining)
+        return gpt_forward_step(part, microbatch, input_tensor)
+
+    def loss(self, output: Any, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the per-token losses where ``loss_mask`` is set, their number)."""
+        if self._overrides_loss_fn():
+            return output  # loss_fn returned (sum, count) already
+        return masked_token_loss(output, microbatch)
+
     def loss_fn(self, model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-token losses, number of loss tokens) of one microbatch."""
+        """(sum of per-token losses, number of loss tokens) of one microbatch through the whole model.
+        Overriding it is the short way to change the objective without pipeline parallelism; with
+        pipeline stages override :meth:`forward_step` and :meth:`loss` instead."""
         return gpt_loss(model, microbatch)
+
+    def _overrides_loss_fn(self) -> bool:
+        return type(self).loss_fn is not GPTModule.loss_fn
 
     def micro_batch_size(self, batch: dict) -> int:
         """Samples per microbatch: the datamodule's ``micro_batch_size``, else the whole batch."""
@@ -122,28 +165,20 @@ class GPTModule(pl.LightningModule):
 
     def run_schedule(self, batch: dict, forward_only: bool = False, **schedule_kwargs: Any) -> StepLoss:
         """Forward (and backward) over the microbatches of ``batch``; the loss is the global-batch mean."""
-        layout = self.parallel_layout
-        schedule = get_forward_backward_func(layout)
         microbatches = split_microbatches(batch, self.micro_batch_size(batch))
-        return schedule(self.model, microbatches, layout, self.loss_fn, forward_only=forward_only, **schedule_kwargs)
+        return self.engine.forward_backward(microbatches, forward_only=forward_only, **schedule_kwargs)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        mopt = self.megatron_optimizer
-        mopt.zero_grad()
-        # Gradients stay unnormalised until the optimizer has reduced them into fp32 main gradients.
-        step = self.run_schedule(batch, loss_scale=mopt.loss_scale, scale_grads=False, no_sync=mopt.no_sync)
-        result = mopt.prepare_step(step.grad_scale)
         lr = scheduler.current_lr  # before any per-group multiplier (a ZeRO-1 rank may hold only scaled groups)
-        optimizer.step()  # a skipped (overflowing) step has no main gradients: parameters stay unchanged
-        mopt.finish_step(result)
+        microbatches = split_microbatches(batch, self.micro_batch_size(batch))
+        step, result = self.engine.train_step(microbatches, optimizer_step=self.optimizers().step)
         if not result.skipped:  # Megatron advances the schedule only on steps that updated the weights
             scheduler.step(increment=self._global_batch_samples(batch) if self.optimizer_config.sample_based else None)
         self.log("train/loss", step.loss, prog_bar=True)
         self.log("train/lr", lr, prog_bar=True)
         self.log("train/grad_norm", result.grad_norm)
-        self.log("train/skipped_steps", float(mopt.skipped_steps))
+        self.log("train/skipped_steps", float(self.megatron_optimizer.skipped_steps))
         if result.loss_scale is not None:
             self.log("train/loss_scale", result.loss_scale)
         return step.loss
@@ -174,8 +209,22 @@ class GPTModule(pl.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Next-token logits over the real vocabulary ``[b, s, vocab_size]`` (gathered across TP) for
-        ``batch["tokens"]``; every TP rank returns the same tensor."""
-        return self.model.full_logits(batch["tokens"])
+        ``batch["tokens"]``; every TP rank and pipeline stage returns the same tensor."""
+        return self.full_logits(batch["tokens"])
+
+    @torch.no_grad()
+    def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits over the real vocabulary ``[b, s, vocab_size]`` for ``tokens`` [b, s], on every rank
+        (through the pipeline's stages when there are several)."""
+        if self.parallel_layout.pp_size == 1:
+            return self.model.full_logits(tokens)
+        logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
+        full = gather_from_tensor_parallel_region(logits, self.parallel_layout.group("tp"))
+        return full[..., : self.config.vocab_size]
+
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, eos_id: Optional[int] = None) -> torch.Tensor:
+        """Greedy continuation of ``prompt`` [b, s] (every rank must call it with the same prompt)."""
+        return greedy_generate(self.model, prompt, max_new_tokens, eos_id=eos_id, logits_fn=self.full_logits)
 
     # --- optimizer ------------------------------------------------------------------------
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
@@ -195,11 +244,27 @@ class GPTModule(pl.LightningModule):
                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "
                     f"over microbatches itself; raise the datamodule's global_batch_size instead (it is split into "
                     f"global_batch_size / (micro_batch_size x dp) microbatches per step).")
+            self._check_pipeline(trainer)
             if trainer.gradient_clip_val:
                 raise ValueError(
                     f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
                     f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead.")
         self._check_vocab(datamodule)
+
+    def _check_pipeline(self, trainer: "pl.Trainer") -> None:
+        parallel = getattr(trainer.strategy, "parallel_config", None)
+        if parallel is None or parallel.pipeline_model_parallel_size == 1:
+            return
+        if self._overrides_loss_fn():
+            raise ValueError(
+                f"{type(self).__name__} overrides loss_fn, which runs the whole model in one call; under pipeline "
+                f"parallelism each stage runs only its layers: override forward_step(part, microbatch, input_tensor) "
+                f"and loss(output, microbatch) instead, or set pipeline_model_parallel_size=1.")
+        if (self.config.share_embeddings_and_output_weights and self._strategy_option("overlap_grad_reduce", False)):
+            raise ValueError(
+                "overlap_grad_reduce=True with tied embeddings under pipeline parallelism: the embedding's gradient "
+                "must be summed over the first and last stage before its bucket is reduced; set "
+                "share_embeddings_and_output_weights=False or overlap_grad_reduce=False.")
 
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
@@ -219,3 +284,8 @@ class GPTModule(pl.LightningModule):
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _logits_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    """A stage forward that ends in this TP rank's logits (no labels: no loss)."""
+    return part(microbatch["tokens"], hidden_states=input_tensor)

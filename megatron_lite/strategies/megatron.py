@@ -56,11 +56,17 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class MegatronStrategy(ParallelStrategy):
-    """Tensor (+ sequence) and data parallelism with Megatron's argument names.
+    """Tensor (+ sequence), pipeline and data parallelism with Megatron's argument names.
 
     Args:
         tensor_model_parallel_size: ranks that split every layer's weights (heads, FFN, vocabulary).
         sequence_parallel: shard LayerNorm/dropout activations along the sequence inside TP groups.
+        pipeline_model_parallel_size: ranks that split the layers into consecutive stages.
+        virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved schedule).
+        pipeline_schedule: ``"1f1b"`` (default), ``"interleaved_1f1b"`` (default with virtual stages) or
+            ``"gpipe"``.
+        num_layers_in_first_pipeline_stage: layers of the first stage for an uneven cut.
+        num_layers_in_last_pipeline_stage: layers of the last stage for an uneven cut.
         use_torch_fsdp2: shard parameters, gradients and optimizer state over the data-parallel ranks
             with PyTorch's FSDP2 (ZeRO-3), composed with TP. For ZeRO-1 (sharded optimizer state and
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
@@ -84,6 +90,11 @@ class MegatronStrategy(ParallelStrategy):
         self,
         tensor_model_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int = 1,
+        pipeline_schedule: Optional[str] = None,
+        num_layers_in_first_pipeline_stage: Optional[int] = None,
+        num_layers_in_last_pipeline_stage: Optional[int] = None,
         use_torch_fsdp2: bool = False,
         ddp_bucket_size: Optional[int] = None,
         overlap_grad_reduce: bool = False,
@@ -103,8 +114,13 @@ class MegatronStrategy(ParallelStrategy):
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         # Validates sizes (and sequence_parallel without TP) at construction, before anything starts.
-        self.parallel_config = ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
-                                              sequence_parallel=sequence_parallel)
+        self.parallel_config = ParallelConfig(
+            tensor_model_parallel_size=tensor_model_parallel_size, sequence_parallel=sequence_parallel,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            pipeline_schedule=pipeline_schedule,
+            num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage)
         if ddp_bucket_size is not None and ddp_bucket_size <= 0:
             raise ValueError(f"ddp_bucket_size must be a positive number of elements, got {ddp_bucket_size}")
         self.use_torch_fsdp2 = bool(use_torch_fsdp2)
@@ -206,6 +222,11 @@ class MegatronStrategy(ParallelStrategy):
             raise ValueError(
                 "overlap_grad_reduce=True overlaps the distributed optimizer's reduce-scatter; set "
                 "OptimizerConfig(use_distributed_optimizer=True) (FSDP2 overlaps on its own), or drop it.")
+        if self.use_torch_fsdp2 and self.parallel_config.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "use_torch_fsdp2=True with pipeline_model_parallel_size > 1 is not composed yet (FSDP2 gathers and "
+                "reduces in module hooks that the pipeline schedule would have to drive per stage); use the "
+                "distributed optimizer, OptimizerConfig(use_distributed_optimizer=True), with pipeline parallelism.")
         if self.use_torch_fsdp2 and getattr(optimizer_config, "use_distributed_optimizer", False):
             raise ValueError(
                 "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "
@@ -393,6 +414,8 @@ class MegatronStrategy(ParallelStrategy):
         checkpoint["megatron_lite_layout"] = {
             "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size,
             "sequence_parallel": self.parallel_config.sequence_parallel,
+            "pipeline_model_parallel_size": self.parallel_config.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": self.parallel_config.virtual_pipeline_model_parallel_size,
             "world_size": self.world_size,
         }
         assert self.lightning_module is not None

@@ -23,8 +23,10 @@ def tiny_config(**overrides) -> ml.GPTConfig:
 
 
 def full_tensors(pl_module, which) -> dict:
-    """Full (TP-gathered, FSDP-gathered) fp32 copies of ``which(param)`` for every parameter."""
-    group = pl_module.parallel_layout.group("tp")
+    """Full (TP-gathered, FSDP-gathered, from every pipeline stage) fp32 copies of ``which(param)`` for
+    every parameter. A tied embedding's copies on the first and last stage must be equal."""
+    layout = pl_module.parallel_layout
+    group = layout.group("tp")
     out = {}
     for name, p in pl_module.model.named_parameters():
         t = which(p)
@@ -32,6 +34,15 @@ def full_tensors(pl_module, which) -> dict:
             continue
         t = full_local_tensor(t.detach()).clone().float()
         out[name] = gather_full(t, getattr(p, "tp_shard", None), group).cpu()
+    if layout.pp_size > 1:
+        stages = [None] * layout.pp_size
+        torch.distributed.all_gather_object(stages, out, group=layout.group("pp"))
+        out = {}
+        for stage in stages:
+            for name, value in stage.items():
+                if name in out:
+                    torch.testing.assert_close(value, out[name], rtol=0, atol=0, msg=f"copies of {name} differ")
+                out.setdefault(name, value)
     return out
 
 
@@ -63,7 +74,8 @@ class Recorder(L.Callback):
                        self.out / "result.pt")
 
 
-def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: int = 10, gbs: int = 8,
+def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, pp: int = 1, vpp: int = 1, steps: int = 10,
+        gbs: int = 8,
         mbs: int = 2, config: Optional[ml.GPTConfig] = None, optimizer: Optional[ml.OptimizerConfig] = None,
         ckpt_path: Optional[str] = None, data=None, accelerator: str = "cpu", start_method: str = "fork",
         strategy_kwargs: Optional[dict] = None, **trainer_kwargs) -> dict:
@@ -83,6 +95,7 @@ def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, steps: in
         settings["enable_checkpointing"] = True
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method=start_method,
+                                     pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
                                      **(strategy_kwargs or {})),
         accelerator=accelerator, devices=devices, max_steps=steps, callbacks=callbacks, **settings)
     module = ml.GPTModule(config, optimizer=optimizer, seed=1234)

@@ -153,10 +153,8 @@ class GPTConfig:
                 raise ValueError(
                     f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
                     f"choose a tensor_model_parallel_size that divides {value} or change {name}.")
-        if self.num_layers % pipeline_model_parallel_size != 0:
-            raise ValueError(
-                f"num_layers ({self.num_layers}) must be divisible by pipeline_model_parallel_size "
-                f"({pipeline_model_parallel_size}).")
+        # How the layers split over pipeline stages (even, uneven, virtual) is checked by
+        # ParallelConfig.stage_chunks, which knows the cut.
         if sequence_parallel and self.seq_length % tp != 0:
             raise ValueError(
                 f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size ({tp}) "

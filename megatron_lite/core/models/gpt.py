@@ -20,6 +20,7 @@ from megatron_lite.core.models.recompute import checkpoint, full_recompute_group
 from megatron_lite.core.models.rope import RotaryEmbedding
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.pipeline.stages import StageChunk
 from megatron_lite.core.parallel.mappings import (
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -81,14 +82,50 @@ def _run_layers(layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGS
     return x
 
 
+class ModelChunk:
+    """One (virtual) pipeline stage of a :class:`GPTModel`: calling it runs that chunk's layers (with
+    the embedding on the first stage, the output layer and loss on the last).
+
+    Deliberately not a registered submodule: parameter names stay those of the whole model (layers
+    keyed by their global index), whatever the cut, so checkpoints and the optimizer see one model.
+    """
+
+    def __init__(self, model: "GPTModel", index: int, stage: StageChunk):
+        self.model, self.index, self.stage = model, index, stage
+
+    @property
+    def pre_process(self) -> bool:
+        """Whether this chunk embeds the tokens (it takes no activations from a previous stage)."""
+        return self.stage.pre_process
+
+    @property
+    def post_process(self) -> bool:
+        """Whether this chunk ends the model (output layer and loss; it sends nothing onward)."""
+        return self.stage.post_process
+
+    def __call__(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                 hidden_states: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                 segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(tokens, labels, position_ids=position_ids, segment_ids=segment_ids,
+                          hidden_states=hidden_states, chunk=self.index)
+
+    def __repr__(self) -> str:
+        return f"ModelChunk(virtual_stage={self.stage.virtual_stage}, layers={self.stage.layers})"
+
+
 class GPTModel(nn.Module):
     """A decoder-only transformer built for one rank of ``layout``.
 
     ``forward(tokens)`` returns this rank's logits ``[b, s, V_padded/tp]``; ``forward(tokens, labels)``
-    returns the per-token loss ``[b, s]`` (identical on every TP rank).
+    returns the per-token loss ``[b, s]`` (identical on every TP rank). Under pipeline parallelism the
+    rank holds only its stages' layers (``self.chunks``, one per virtual stage); a chunk that is not
+    the last returns its activations ``[s(/tp), b, h]`` for the next stage.
+    ``output_layer=False`` leaves out the vocabulary projection: the last stage then returns the final
+    norm's output ``[s(/tp), b, h]`` (for objectives with their own head, e.g. a reward model).
     """
 
-    def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234):
+    def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234,
+                 output_layer: bool = True):
         super().__init__()
         layout = layout or ParallelLayout.single()
         if layout.cp_size > 1 or layout.ep_size > 1:
@@ -100,25 +137,46 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)
         self.tp_group = layout.group("tp")
         self.sequence_parallel = layout.sequence_parallel
+        stages = layout.config.stage_chunks(config.num_layers, layout.pp_rank)
+        self.pre_process = any(stage.pre_process for stage in stages)
+        self.post_process = any(stage.post_process for stage in stages)
+        tied = config.share_embeddings_and_output_weights and output_layer
+        self.has_output_layer = output_layer
 
-        self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, layout,
-                                                init_std=config.init_method_std)
+        self.embedding = None
+        if self.pre_process or (self.post_process and tied):
+            # The last stage of a pipeline keeps its own copy of a tied embedding (drawn from the same
+            # seed and name, so equal); their gradients are summed over the first and last stage.
+            self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, layout,
+                                                    init_std=config.init_method_std)
+            if tied and layout.pp_size > 1:
+                self.embedding.weight.shared_embedding = True
+                self.embedding.weight.pipeline_duplicate = not self.pre_process
+        self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
+            if self.pre_process:
+                self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
             self.rotary = None
         else:
-            self.position_embeddings = None
             self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layout) for i in range(config.num_layers)})
-        self.final_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                                    layout.sequence_parallel)
-        self.output_layer = ColumnParallelLinear(
-            config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
-            init_std=config.init_method_std, skip_weight_param=config.share_embeddings_and_output_weights)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layout)
+                                     for stage in stages for i in stage.layers})
+        self.final_layernorm = self.output_layer = None
+        if self.post_process:
+            self.final_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
+                                        layout.sequence_parallel)
+            if output_layer:
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
+                    init_std=config.init_method_std, skip_weight_param=tied)
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
-        # Positions in self.layers, grouped for 'full' recompute (one plain group otherwise).
-        self.layer_groups = full_recompute_groups(config, len(self.layers))
+        self.chunks = [ModelChunk(self, index, stage) for index, stage in enumerate(stages)]
+        # Per chunk: groups of its layers (global indices) for 'full' recompute (one plain group otherwise).
+        self.layer_groups = [
+            [([stage.layers[i] for i in positions], checkpointed)
+             for positions, checkpointed in full_recompute_groups(config, len(stage.layers))]
+            for stage in stages]
         initialize_parameters(self, seed)
 
     def set_sequence_parallel(self, enabled: bool) -> None:
@@ -146,13 +204,17 @@ class GPTModel(nn.Module):
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel, self.rng_tracker)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
         """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``.
 
         Packed samples pass ``position_ids`` [b, s] (restarting at 0 per sequence) and
         ``segment_ids`` [b, s] (which sequence each token belongs to): a token then attends only to
-        earlier tokens of its own sequence.
+        earlier tokens of its own sequence. Under pipeline parallelism ``chunk`` picks the virtual
+        stage to run and ``hidden_states`` are the previous stage's activations (every stage sees the
+        tokens: they give the sequence length, the positions and the mask).
         """
+        stage = self.chunks[chunk].stage
         s = tokens.shape[1]
         if self.sequence_parallel and self.layout.tp_size > 1 and s % self.layout.tp_size:
             raise ValueError(f"sequence length {s} must be divisible by tensor_model_parallel_size "
@@ -163,26 +225,45 @@ class GPTModel(nn.Module):
         if segment_ids is not None:
             causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
             attn_mask = (causal & (segment_ids[:, :, None] == segment_ids[:, None, :])).unsqueeze(1)
-        x = self._embed(tokens, position_ids)
-        layers, rng = list(self.layers.values()), self.rng_tracker
-        for positions, checkpointed in self.layer_groups:
-            group = [layers[i] for i in positions]
+        if stage.pre_process:
+            x = self._embed(tokens, position_ids)
+        elif hidden_states is None:
+            raise ValueError(f"chunk {chunk} (virtual stage {stage.virtual_stage}) starts inside the model: pass the "
+                             f"previous stage's activations as hidden_states")
+        else:
+            x = hidden_states
+        rng = self.rng_tracker
+        for layer_ids, checkpointed in self.layer_groups[chunk]:
+            group = [self.layers[str(i)] for i in layer_ids]
             if checkpointed and recompute_active(self):
                 x = checkpoint(_run_layers, group, x, rope, rng, attn_mask, rng_tracker=rng)
             else:
                 x = _run_layers(group, x, rope, rng, attn_mask)
+        if not stage.post_process:
+            return x
         x = self.final_layernorm(x)
+        if self.output_layer is None:
+            return x
         weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
         logits = self.output_layer(x, weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.embedding.vocab_start)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
         return loss.t().contiguous()
 
+    @property
+    def vocab_start(self) -> int:
+        """First vocabulary row of this TP rank's slice of the output layer."""
+        return self.layout.tp_rank * (self.padded_vocab_size // self.layout.tp_size)
+
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits over the real vocabulary ``[b, s, vocab_size]``, gathered across TP."""
+        """Logits over the real vocabulary ``[b, s, vocab_size]``, gathered across TP (one pipeline
+        stage only: under pipeline parallelism the engine's forward-only pipeline gives them)."""
+        if len(self.chunks) != 1 or not (self.pre_process and self.post_process):
+            raise RuntimeError("full_logits runs the whole model on one rank; under pipeline parallelism use "
+                               "megatron_lite.core.engine.pipeline_full_logits (GPTModule.predict_step does)")
         # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
         logits = gather_from_tensor_parallel_region(self(tokens), self.tp_group)
         return logits[..., : self.config.vocab_size]

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.core.optim.build import build_optimizer
+from megatron_lite.core.optim.clip_grads import counts_in_norm
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_single
-from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
 from megatron_lite.core.timers import timed
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default (at least 1M x dp)
@@ -154,6 +154,14 @@ class DistributedOptimizer(MegatronOptimizer):
                 entries.append((name, param, piece.main))
         return entries
 
+    def gradient_buffer(self, name: str) -> torch.Tensor:
+        """``name``'s slice of its bucket's fp32 gradient buffer (before the reduce-scatter)."""
+        for bucket in self.buckets:
+            for (param_name, param), offset in zip(bucket.params, bucket.offsets):
+                if param_name == name:
+                    return bucket.grad_buffer[offset:offset + param.numel()]
+        raise KeyError(name)
+
     def _pieces(self):
         return (piece for bucket in self.buckets for piece in bucket.pieces)
 
@@ -229,7 +237,7 @@ class DistributedOptimizer(MegatronOptimizer):
         # Slices are disjoint across DP ranks; a TP-replicated parameter's slices are the same on
         # every TP rank, so only TP rank 0 counts them. Summed over every rank.
         grads = [piece.main.grad for piece in self._pieces() if piece.main.grad is not None
-                 and (is_tensor_parallel(piece.param) or self.layout.tp_rank == 0)]
+                 and counts_in_norm(piece.param, self.layout)]
         return grads, None, True
 
     @torch.no_grad()

@@ -140,6 +140,16 @@ class MegatronOptimizer:
         """Where ``param``'s accumulated gradient is: its fp32 main_grad buffer, else ``param.grad``."""
         return self.main_grads.get(name, param.grad)
 
+    def gradient_buffer(self, name: str) -> torch.Tensor:
+        """The tensor that holds ``name``'s accumulated, not yet reduced gradient (its fp32 main_grad
+        buffer, else ``param.grad``, created as zeros if the parameter got none): collectives that
+        must run before the DP reduction (the tied-embedding sum over pipeline stages) work on it."""
+        param = self._by_name[name]
+        grad = self._model_grad(name, param)
+        if grad is None:
+            param.grad = grad = torch.zeros_like(param)
+        return grad
+
     def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model param, main param) pairs this rank updates."""
         return [(p, self.masters.get(n, p)) for n, p in self.named_params]

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.parallel.pipeline.stages import PIPELINE_SCHEDULES, StageChunk, stage_chunks
+
 # Mesh dimension names, slowest-varying first (the DeviceMesh convention), i.e. ``tp-cp-ep-dp-pp``
 # read right to left.
 MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
@@ -31,6 +33,14 @@ class ParallelConfig:
     """Ranks that split the experts of MoE layers (Megatron EP)."""
     sequence_parallel: bool = False
     """Shard activations outside TP regions along the sequence (needs TP > 1)."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks (virtual stages) per pipeline rank, for the interleaved schedule (Megatron VPP)."""
+    pipeline_schedule: Optional[str] = None
+    """'1f1b', 'interleaved_1f1b' or 'gpipe'; None means 1f1b (interleaved_1f1b with virtual stages)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers of the first pipeline stage for an uneven cut (the others share the rest evenly)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers of the last pipeline stage for an uneven cut."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -44,6 +54,50 @@ class ParallelConfig:
                 "shards the activations of the tensor-parallel group); set sequence_parallel=False "
                 "or raise tensor_model_parallel_size."
             )
+        self._validate_pipeline()
+
+    def _validate_pipeline(self) -> None:
+        pp, vpp, schedule = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, \
+            self.pipeline_schedule
+        if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size must be a positive integer, got {vpp!r}.")
+        if vpp > 1 and pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 (virtual "
+                f"stages interleave chunks over pipeline ranks); raise pipeline_model_parallel_size or set it to 1.")
+        if schedule is not None and schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES} (or None for the default), "
+                             f"got {schedule!r}.")
+        if schedule in ("zbv", "dualpipev"):
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} is not offered yet: the zero-bubble schedules split every backward "
+                f"into an input-gradient and a weight-gradient pass, which our gradient hooks (fp32 main_grad "
+                f"buffers, ZeRO-1 buckets) do not support yet; use '1f1b' or 'interleaved_1f1b'.")
+        if schedule == "interleaved_1f1b" and vpp == 1:
+            raise ValueError("pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_model_parallel_size > 1; "
+                             "set it (e.g. 2) or use pipeline_schedule='1f1b'.")
+        if schedule in ("1f1b", "gpipe") and vpp > 1:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} runs one model chunk per rank, but "
+                f"virtual_pipeline_model_parallel_size={vpp}; use pipeline_schedule='interleaved_1f1b' or drop the "
+                f"virtual stages.")
+        if schedule is not None and pp == 1:
+            raise ValueError(f"pipeline_schedule={schedule!r} needs pipeline_model_parallel_size > 1.")
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule that runs: 'none' without PP, else the chosen or default one."""
+        if self.pipeline_model_parallel_size == 1:
+            return "none"
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
+
+    def stage_chunks(self, num_layers: int, pp_rank: int) -> list[StageChunk]:
+        """The (virtual) stages pipeline rank ``pp_rank`` holds for a model of ``num_layers`` layers."""
+        return stage_chunks(num_layers, self.pipeline_model_parallel_size, pp_rank,
+                            self.virtual_pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
+                            self.num_layers_in_last_pipeline_stage)
 
     @property
     def model_parallel_size(self) -> int:
@@ -94,7 +148,7 @@ class ParallelLayout:
         if config.model_parallel_size != 1:
             raise ValueError("ParallelLayout.single() needs all model-parallel sizes equal to 1.")
         return cls(config=config, world_size=1, rank=0, coords={d: 0 for d in MESH_DIMS},
-                   groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")})
+                   groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding", "pp_backward")})
 
     @classmethod
     def build(cls, config: ParallelConfig, device_type: str = "cpu") -> "ParallelLayout":
@@ -116,6 +170,11 @@ class ParallelLayout:
         # of data plus context parallelism ("dp_cp"), as in Megatron.
         groups["mp"] = _new_subgroups(mesh, keep=("pp", "ep", "cp", "tp"))
         groups["dp_cp"] = _new_subgroups(mesh, keep=("dp", "cp"))
+        # A second pipeline group for gradients travelling backward: activations and gradients then never
+        # share a communicator, so their messages cannot be matched out of order (NCCL ignores tags).
+        groups["pp_backward"] = _new_subgroups(mesh, keep=("pp",)) if config.pipeline_model_parallel_size > 1 else None
+        # First and last pipeline stage of one replica: tied embedding weights are summed over it.
+        groups["embedding"] = _embedding_subgroups(mesh) if config.pipeline_model_parallel_size > 1 else None
         return cls(config=config, world_size=world_size, rank=rank, mesh=mesh, coords=coords,
                    groups=groups)
 
@@ -206,6 +265,21 @@ def _new_subgroups(mesh, keep: tuple[str, ...]):
     for row in perm.tolist():
         group = dist.new_group(ranks=row, use_local_synchronization=False)
         if me in row:
+            my_group = group
+    return my_group
+
+
+def _embedding_subgroups(mesh):
+    """The group of the first and the last pipeline stage that share this rank's other coordinates
+    (every rank calls ``new_group`` for every such pair, in the same order)."""
+    ranks = mesh.mesh
+    pp_last = ranks.permute(*range(1, ranks.ndim), 0).reshape(-1, ranks.shape[0])
+    my_group = None
+    me = dist.get_rank()
+    for row in pp_last.tolist():
+        members = [row[0], row[-1]]
+        group = dist.new_group(ranks=members, use_local_synchronization=False)
+        if me in members:
             my_group = group
     return my_group
 

@@ -5,7 +5,7 @@ The loss of a step is the mean per-token loss over the *global* batch, whatever 
 that the loss function returns are summed on the device and over DP ranks once per step, and the
 gradients are divided by that total, so summing gradients over microbatches and DP ranks gives
 exactly the gradient of the global mean, whatever mask a custom loss function applies. A pipeline
-schedule takes the place of :func:`forward_backward_no_pipelining` with the same inputs and outputs.
+schedule (``megatron_lite.core.engine``) produces the same :class:`StepLoss`.
 """
 from __future__ import annotations
 
@@ -56,19 +56,34 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.
     return crossed.sum(dim=-1)
 
 
-def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss of a ``{"tokens": [b, s+1], "loss_mask"?: [b, s]}`` microbatch; packed
-    samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k]."""
+def gpt_forward_step(part, microbatch: dict, hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One stage's forward of a ``{"tokens": [b, s+1], ...}`` microbatch: the per-token loss [b, s] on
+    the last stage, the activations for the next stage elsewhere. ``part`` is a GPTModel (one stage)
+    or one of its ``chunks``; packed samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k]."""
     tokens = microbatch["tokens"]
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    inputs = tokens[:, :-1]
+    labels = tokens[:, 1:] if getattr(part, "post_process", True) else None
     cu_seqlens = microbatch.get("cu_seqlens")
     segments = segment_ids_from_cu_seqlens(cu_seqlens, inputs.shape[1]) if cu_seqlens is not None else None
-    per_token = model(inputs, labels, position_ids=microbatch.get("position_ids"), segment_ids=segments)
+    if hidden_states is None:
+        return part(inputs, labels, position_ids=microbatch.get("position_ids"), segment_ids=segments)
+    return part(inputs, labels, position_ids=microbatch.get("position_ids"), segment_ids=segments,
+                hidden_states=hidden_states)
+
+
+def masked_token_loss(per_token: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the per-token losses where ``loss_mask`` is set, number of such tokens)."""
     mask = microbatch.get("loss_mask")
     if mask is None:
-        return per_token.sum(), torch.full((), float(labels.numel()), device=per_token.device)
+        return per_token.sum(), torch.full((), float(per_token.numel()), device=per_token.device)
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(), mask.sum()
+
+
+def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss of a ``{"tokens": [b, s+1], "loss_mask"?: [b, s]}`` microbatch through the whole
+    model; packed samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k]."""
+    return masked_token_loss(gpt_forward_step(model, microbatch), microbatch)
 
 
 def _sum_over_dp(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
@@ -97,11 +112,7 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict
     device = device or next(model.parameters()).device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
-    backward_scale = 1.0
-    if loss_scale is not None and microbatches:
-        # Any constant works (it is divided out below); the microbatch's size keeps the scaled
-        # loss near a per-token mean, whatever the batch geometry.
-        backward_scale = loss_scale / max(1, next(iter(microbatches[0].values())).numel())
+    backward_scale = backward_scale_for(loss_scale, microbatches)
     for index, microbatch in enumerate(microbatches):
         if forward_only:
             with torch.no_grad():
@@ -113,20 +124,33 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict
                 (mb_loss * backward_scale if backward_scale != 1.0 else mb_loss).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
-    # One collective for both sums; no host sync in the step.
+    step = finish_step_loss(loss_sum, num_tokens, layout, loss_scale, backward_scale)
+    if not forward_only and scale_grads:
+        scale_model_grads(model, step.grad_scale)
+    return step
+
+
+def backward_scale_for(loss_scale: Optional[float], microbatches: Sequence[dict]) -> float:
+    """The constant a microbatch's summed loss is multiplied by before its backward (fp16 only): the
+    loss scale over the microbatch's size keeps the scaled loss near a per-token mean; any constant
+    works, it is divided out again by the step's ``grad_scale``."""
+    if loss_scale is None or not microbatches:
+        return 1.0
+    return loss_scale / max(1, next(iter(microbatches[0].values())).numel())
+
+
+def finish_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, layout: ParallelLayout,
+                     loss_scale: Optional[float], backward_scale: float) -> StepLoss:
+    """Sum this rank's loss and token totals over DP (and CP) ranks in one collective (no host sync)
+    and derive the factor that turns accumulated gradients into those of the global-batch mean."""
     totals = _sum_over_dp(torch.stack([loss_sum, num_tokens]), layout)
     global_tokens = totals[1].clamp(min=1.0)  # an all-masked global batch contributes no gradient
     grad_scale = ((loss_scale or 1.0) / (global_tokens * backward_scale)).to(torch.float32)
-    if not forward_only and scale_grads:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
     return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1], grad_scale=grad_scale)
 
 
-def get_forward_backward_func(layout: ParallelLayout) -> Callable[..., StepLoss]:
-    """The schedule for this layout (the pipeline schedules slot in here when pp > 1)."""
-    if layout.pp_size > 1:
-        raise NotImplementedError(
-            "pipeline_model_parallel_size > 1 has no schedule yet; use pipeline_model_parallel_size=1")
-    return forward_backward_no_pipelining
+def scale_model_grads(model: nn.Module, grad_scale: torch.Tensor) -> None:
+    """Multiply the gradients left in ``param.grad`` by ``grad_scale`` (0-d tensor, no host sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))

@@ -20,6 +20,7 @@ def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, m
     if model_config is not None:
         model_config.validate_parallelism(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                           parallel.context_parallel_size, parallel.sequence_parallel)
+        parallel.stage_chunks(model_config.num_layers, 0)  # the layers split into the pipeline stages
     if micro_batch_size is not None and global_batch_size is not None:
         if global_batch_size % (micro_batch_size * dp) != 0:
             unit = micro_batch_size * dp
@@ -29,6 +30,8 @@ def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, m
                 f"(e.g. {max(unit, global_batch_size // unit * unit)}) or change micro_batch_size / the device count.")
         if rampup_batch_size is not None:
             build_num_microbatches_calculator(global_batch_size, micro_batch_size, dp, rampup_batch_size)
+        if parallel.schedule == "interleaved_1f1b":
+            _check_interleaved_microbatches(parallel, micro_batch_size, dp, global_batch_size, rampup_batch_size)
     if model_config is not None and seq_length is not None and seq_length != model_config.seq_length:
         if model_config.position_embedding_type == "learned_absolute" and seq_length > model_config.max_position_embeddings:
             raise ValueError(
@@ -40,3 +43,21 @@ def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, m
             f"the data's seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
             f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True.")
     return dp
+
+
+def _check_interleaved_microbatches(parallel: ParallelConfig, micro_batch_size: int, dp: int, global_batch_size: int,
+                                    rampup_batch_size: Optional[Sequence[int]]) -> None:
+    """Megatron's interleaved schedule runs microbatches in groups of pipeline_model_parallel_size."""
+    pp = parallel.pipeline_model_parallel_size
+    sizes = [global_batch_size]
+    if rampup_batch_size is not None:
+        start, increment, _ = rampup_batch_size
+        sizes = list(range(start, global_batch_size + 1, increment)) + [global_batch_size]
+    for size in sizes:
+        microbatches = size // (micro_batch_size * dp)
+        if microbatches % pp:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs the number of microbatches per step to be a multiple of "
+                f"pipeline_model_parallel_size ({pp}), got {microbatches} (global batch {size} / (micro_batch_size "
+                f"{micro_batch_size} x dp {dp})); set global_batch_size to a multiple of {micro_batch_size * dp * pp} "
+                f"(and so every ramp-up size) or use pipeline_schedule='1f1b'.")

@@ -1,0 +1,80 @@
+"""Point-to-point transfers between neighbouring pipeline stages.
+
+Activations go to the next rank of the pipeline ring and gradients to the previous one, each on its
+own process group, tagged with the receiving virtual stage. Sends are asynchronous (waited for at
+the end of the step) and a receive blocks only when its data is needed, so any valid schedule order
+runs without deadlock. A forward transfer is preceded by a small header (shape and dtype): stages
+need not know each other's activation shapes (variable sequence lengths, other objectives). A
+backward transfer has the shape of the activation it answers, which the receiver holds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.timers import Timers, timed
+
+_MAX_DIMS = 6
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+class PipelineP2P:
+    """Send/receive activations and gradients between this rank and its pipeline neighbours."""
+
+    def __init__(self, layout: ParallelLayout, device: torch.device, timers: Optional[Timers] = None):
+        self.forward_group = layout.group("pp")
+        self.backward_group = layout.group("pp_backward")
+        size, rank = layout.pp_size, layout.pp_rank
+        self.next_rank = dist.get_global_rank(self.forward_group, (rank + 1) % size)
+        self.prev_rank = dist.get_global_rank(self.forward_group, (rank - 1) % size)
+        self.device = device
+        self.timers = timers
+        if timers is not None:  # every stage has every timer, so their cross-rank report lines up
+            for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"):
+                timers(name, log_level=2)
+        self._pending: list = []  # (work, tensor kept alive until the send completes)
+
+    def send_forward(self, tensor: torch.Tensor, to_virtual_stage: int) -> None:
+        """Activations for ``to_virtual_stage`` (held by the next rank of the ring)."""
+        with timed(self.timers, "forward-send", log_level=2):
+            tensor = tensor.detach().contiguous()
+            header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+            header[0], header[1] = tensor.ndim, DTYPES.index(tensor.dtype)
+            header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
+            self._isend(header.to(self.device), self.next_rank, self.forward_group, to_virtual_stage)
+            self._isend(tensor, self.next_rank, self.forward_group, to_virtual_stage)
+
+    def recv_forward(self, virtual_stage: int) -> torch.Tensor:
+        """The previous stage's activations for this rank's ``virtual_stage`` (blocks until they arrive)."""
+        with timed(self.timers, "forward-recv", log_level=2):
+            header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+            dist.recv(header, self.prev_rank, group=self.forward_group, tag=virtual_stage)
+            header = header.cpu()
+            ndim, dtype = int(header[0]), DTYPES[int(header[1])]
+            out = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
+            dist.recv(out, self.prev_rank, group=self.forward_group, tag=virtual_stage)
+            return out
+
+    def send_backward(self, grad: torch.Tensor, to_virtual_stage: int) -> None:
+        """The gradient of this stage's input, for ``to_virtual_stage`` (held by the previous rank)."""
+        with timed(self.timers, "backward-send", log_level=2):
+            self._isend(grad.detach().contiguous(), self.prev_rank, self.backward_group, to_virtual_stage)
+
+    def recv_backward(self, virtual_stage: int, like: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``like`` (this stage's output) from the next stage (blocks)."""
+        with timed(self.timers, "backward-recv", log_level=2):
+            out = torch.empty_like(like, memory_format=torch.contiguous_format)
+            dist.recv(out, self.next_rank, group=self.backward_group, tag=virtual_stage)
+            return out
+
+    def _isend(self, tensor: torch.Tensor, dst: int, group, tag: int) -> None:
+        self._pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
+
+    def wait(self) -> None:
+        """Complete every send of this step (before its buffers may be reused)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()

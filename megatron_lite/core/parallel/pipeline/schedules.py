@@ -1,0 +1,184 @@
+"""Pipeline schedules: the order of every microbatch's forward (F) and backward (B) on each stage,
+and one executor that runs any such order with point-to-point transfers between stages.
+
+Why our own straight-line schedules rather than ``torch.distributed.pipelining``'s: every stage here
+needs per-microbatch inputs besides the activations (positions, packed-sequence masks, loss masks;
+pipelining passes extra inputs to the first stage only), gradients accumulate through our hooks
+into fp32 ``main_grad`` buffers and ZeRO-1 buckets whose reductions must be enabled for the last
+backward of each model chunk only (pipelining's ``no_sync`` handling knows DDP and FSDP), and the
+loss is the per-token mean over the global batch, whose token count is only known on the last stage
+after every microbatch (pipelining scales by the number of microbatches). The orders are Megatron's.
+
+The executor posts sends asynchronously and blocks on a receive only when the data is needed; in a
+valid order (each of these is) every receive's send is eventually posted, so it cannot deadlock.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional, Protocol, Sequence
+
+import torch
+
+from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P
+
+Action = tuple[str, int, int]
+"""("F" or "B", model chunk index on this rank, microbatch index)."""
+
+
+def gpipe_order(num_microbatches: int) -> list[Action]:
+    """All forwards, then all backwards (in the same order)."""
+    return [("F", 0, m) for m in range(num_microbatches)] + [("B", 0, m) for m in range(num_microbatches)]
+
+
+def one_f_one_b_order(num_microbatches: int, pp_size: int, pp_rank: int) -> list[Action]:
+    """Megatron's 1F1B: ``P - rank - 1`` warm-up forwards, then alternate one forward and one backward,
+    then the remaining backwards; at most ``P - rank`` microbatches' activations are alive."""
+    warmup = min(pp_size - pp_rank - 1, num_microbatches)
+    order: list[Action] = [("F", 0, m) for m in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [("F", 0, warmup + i), ("B", 0, i)]
+    order += [("B", 0, m) for m in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def interleaved_order(num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int) -> list[Action]:
+    """Megatron's interleaved 1F1B over ``num_chunks`` virtual stages per rank.
+
+    Microbatches go through the chunks in groups of ``pp_size``: virtual microbatch ``k`` is chunk
+    ``(k // P) % V`` (backward: ``V - 1 -`` that) of microbatch ``(k // (P·V))·P + k % P``.
+    """
+    P, V, M = pp_size, num_chunks, num_microbatches
+    if M % P:
+        raise ValueError(f"the interleaved schedule needs the number of microbatches ({M}) to be a multiple of "
+                         f"pipeline_model_parallel_size ({P})")
+    total = M * V
+    if M == P:
+        warmup = total  # Megatron: with one group all forwards run first
+    else:
+        warmup = min((P - pp_rank - 1) * 2 + (V - 1) * P, total)
+
+    def action(kind: str, k: int) -> Action:
+        chunk = (k // P) % V
+        if kind == "B":
+            chunk = V - 1 - chunk
+        return (kind, chunk, (k // (P * V)) * P + k % P)
+
+    order = [action("F", k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [action("F", warmup + i), action("B", i)]
+    order += [action("B", k) for k in range(total - warmup, total)]
+    return order
+
+
+def schedule_order(schedule: str, num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int,
+                   forward_only: bool = False) -> list[Action]:
+    """The action order of ``schedule`` on pipeline rank ``pp_rank``. Forward-only (evaluation,
+    prediction) runs every microbatch through this rank's chunks in turn, for any microbatch count."""
+    if forward_only:
+        return [("F", chunk, m) for m in range(num_microbatches) for chunk in range(num_chunks)]
+    if schedule == "gpipe":
+        order = gpipe_order(num_microbatches)
+    elif schedule == "1f1b":
+        order = one_f_one_b_order(num_microbatches, pp_size, pp_rank)
+    elif schedule == "interleaved_1f1b":
+        order = interleaved_order(num_microbatches, pp_size, pp_rank, num_chunks)
+    else:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    return order
+
+
+class StagePart(Protocol):
+    """A model chunk as the executor sees it."""
+
+    pre_process: bool
+    post_process: bool
+    stage: object  # has .virtual_stage
+
+
+ForwardStep = Callable[[StagePart, dict, Optional[torch.Tensor]], torch.Tensor]
+LossStep = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class PipelineEvent:
+    """One forward or backward of one microbatch on this rank (wall-clock seconds, ``time.time()``:
+    comparable across the ranks of one machine)."""
+
+    kind: str
+    chunk: int
+    virtual_stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class PipelineResult:
+    """What the last stage summed over its microbatches (zeros on other stages)."""
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    outputs: list = field(default_factory=list)
+    """Last-stage outputs per microbatch with ``keep_outputs`` (forward-only runs)."""
+    events: list = field(default_factory=list)
+
+
+def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatches: Sequence[dict],
+                 forward_step: ForwardStep, loss_step: Optional[LossStep], p2p: PipelineP2P,
+                 device: torch.device, forward_only: bool = False, backward_scale: float = 1.0,
+                 no_sync: Optional[Callable[[], ContextManager]] = None, keep_outputs: bool = False,
+                 record_events: bool = False) -> PipelineResult:
+    """Run ``order`` on this rank.
+
+    The last stage turns each microbatch's output into (summed loss, token count) with ``loss_step``
+    and back-propagates ``summed loss x backward_scale``; other stages back-propagate the gradient
+    received from the next stage. ``no_sync`` wraps every backward but the last one of each chunk,
+    so that reductions hooked into the backward run once per chunk and step.
+    """
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    num_tokens = torch.zeros((), dtype=torch.float64, device=device)
+    result = PipelineResult(loss_sum, num_tokens)
+    last_backward = {}
+    for kind, chunk, mb in order:
+        if kind == "B":
+            last_backward[chunk] = mb
+    saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    for kind, chunk, mb in order:
+        part = parts[chunk]
+        stage = part.stage.virtual_stage
+        start = time.time() if record_events else 0.0
+        if kind == "F":
+            x = None if part.pre_process else p2p.recv_forward(stage)
+            if x is not None and not forward_only:
+                x.requires_grad_(True)
+            with grad_mode:
+                out = forward_step(part, microbatches[mb], x)
+                if part.post_process:
+                    if loss_step is not None:
+                        mb_loss, mb_tokens = loss_step(out, microbatches[mb])
+                        loss_sum += mb_loss.detach().to(torch.float64)
+                        num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
+                        if keep_outputs:
+                            result.outputs.append(out.detach())
+                        out = mb_loss * backward_scale if backward_scale != 1.0 else mb_loss
+                    elif keep_outputs:
+                        result.outputs.append(out.detach())
+            if not part.post_process:
+                p2p.send_forward(out, stage + 1)
+            if not forward_only:
+                saved[(chunk, mb)] = (x, out)
+        else:
+            x, out = saved.pop((chunk, mb))
+            grad = None if part.post_process else p2p.recv_backward(stage, out)
+            sync = no_sync is None or last_backward[chunk] == mb
+            with contextlib.nullcontext() if sync else no_sync():
+                torch.autograd.backward(out, grad_tensors=grad)
+            if not part.pre_process:
+                p2p.send_backward(x.grad, stage - 1)
+        if record_events:
+            result.events.append(PipelineEvent(kind, chunk, stage, mb, start, time.time()))
+    p2p.wait()
+    return result

@@ -1,0 +1,88 @@
+"""How a model's layers are cut into pipeline stages (and virtual stages).
+
+Virtual stage ``s = v * P + p`` is chunk ``v`` of pipeline rank ``p`` (Megatron's interleaved
+order): the layers are dealt out in that order, so consecutive virtual stages live on consecutive
+ranks and activations travel around the pipeline ring V times. The first virtual stage holds the
+embedding, the last the final norm, the output layer and the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class StageChunk:
+    """One (virtual) pipeline stage held by a rank."""
+
+    virtual_stage: int
+    """Index ``v * P + p`` in the pipeline order."""
+    num_virtual_stages: int
+    """``P * V``: how many virtual stages the model is cut into."""
+    layers: range
+    """Global indices of the transformer layers of this chunk."""
+
+    @property
+    def pre_process(self) -> bool:
+        """Whether this chunk holds the embedding (the first virtual stage)."""
+        return self.virtual_stage == 0
+
+    @property
+    def post_process(self) -> bool:
+        """Whether this chunk holds the output layer and the loss (the last virtual stage)."""
+        return self.virtual_stage == self.num_virtual_stages - 1
+
+
+def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,
+                             last: Optional[int] = None) -> list[int]:
+    """Layer counts of the ``pp * vpp`` virtual stages, in pipeline order; a ValueError names the fix.
+
+    ``first``/``last`` (Megatron's ``num_layers_in_first/last_pipeline_stage``) fix the first and last
+    stage's layer counts; the others share the rest evenly.
+    """
+    stages = pp * vpp
+    if (first is not None or last is not None) and vpp > 1:
+        raise ValueError(
+            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage are supported without "
+            "virtual pipeline stages only; drop virtual_pipeline_model_parallel_size or the uneven cut.")
+    if (first is not None or last is not None) and pp == 1:
+        raise ValueError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1.")
+    for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if first is None and last is None:
+        if num_layers % stages:
+            what = f"pipeline_model_parallel_size ({pp})" if vpp == 1 else \
+                f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size ({pp} x {vpp} = {stages})"
+            raise ValueError(
+                f"num_layers ({num_layers}) must be divisible by {what}; change num_layers or the pipeline sizes, "
+                f"or cut unevenly with num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage.")
+        return [num_layers // stages] * stages
+    fixed = (first or 0) + (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - fixed
+    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
+        raise ValueError(
+            f"num_layers ({num_layers}) minus the first/last stage's layers ({fixed}) must split evenly over the "
+            f"{middle} other pipeline stage(s); change num_layers_in_first/last_pipeline_stage.")
+    even = rest // middle if middle else 0
+    counts = [even] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_chunks(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first: Optional[int] = None,
+                 last: Optional[int] = None) -> list[StageChunk]:
+    """The chunks (virtual stages) pipeline rank ``pp_rank`` holds, in chunk order ``v = 0 .. V-1``."""
+    counts = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    chunks = []
+    for v in range(vpp):
+        s = v * pp + pp_rank
+        chunks.append(StageChunk(s, pp * vpp, range(starts[s], starts[s] + counts[s])))
+    return chunks
