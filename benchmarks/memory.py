@@ -45,7 +45,7 @@ MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=40
 
 
 def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
@@ -63,12 +63,8 @@ def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
     opt.optimizer.step()
     opt.finish_step(result)
     params = sum(p.numel() for p in model.parameters())
-    if distributed:
-        grads = _bytes(b.grad_buffer for b in opt.buckets)
-        masters = _bytes(b.main_shard for b in opt.buckets)
-    else:
-        grads = _bytes(opt.main_grads.values())
-        masters = _bytes(opt.masters.values())
+    grads = _bytes(b.buffer for b in opt.grad_buffers.buckets)
+    masters = _bytes(s.main_shard for s in opt.shards) if distributed else _bytes(opt.masters.values())
     state = _bytes(v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     row = dict(dp=world, distributed_optimizer=distributed, params=params,
                weights_bytes=_bytes(model.parameters()), grads_bytes=grads, master_bytes=masters,

@@ -273,13 +273,14 @@ class GPTModule(pl.LightningModule):
         fp16 = self._precision().startswith("16")
         if self.megatron_optimizer is not None:  # a second fit on this module: detach the previous one
             self.megatron_optimizer.remove_hooks()
+        buckets = dict(bucket_size=self._strategy_option("ddp_bucket_size", None),
+                       overlap_grad_reduce=self._strategy_option("overlap_grad_reduce", False))
         if cfg.use_distributed_optimizer:
-            self.megatron_optimizer = DistributedOptimizer(
-                self.model, cfg, layout, fp16=fp16, bucket_size=self._strategy_option("ddp_bucket_size", None),
-                overlap_grad_reduce=self._strategy_option("overlap_grad_reduce", False))
+            self.megatron_optimizer = DistributedOptimizer(self.model, cfg, layout, fp16=fp16, **buckets)
+        elif self._fsdp():
+            self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16, grad_reduction="fsdp")
         else:
-            self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16,
-                                                        grad_reduction="fsdp" if self._fsdp() else "all_reduce")
+            self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16, **buckets)
         self.megatron_optimizer.timers = self._timers()
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)

@@ -70,14 +70,14 @@ class MegatronStrategy(ParallelStrategy):
         use_torch_fsdp2: shard parameters, gradients and optimizer state over the data-parallel ranks
             with PyTorch's FSDP2 (ZeRO-3), composed with TP. For ZeRO-1 (sharded optimizer state and
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
-        ddp_bucket_size: elements per gradient bucket of the distributed optimizer (Megatron's
-            ``--ddp-bucket-size``; default max(40M, 1M x dp)).
+        ddp_bucket_size: elements per gradient bucket (Megatron's ``--ddp-bucket-size``; default
+            max(40M, 1M x dp)).
         log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` callback (throughput, TFLOP/s,
             MFU, memory, timers, a Megatron-style console line) unless the Trainer already has one;
             ``False`` removes it.
-        overlap_grad_reduce: with the distributed optimizer, reduce-scatter each gradient bucket
-            asynchronously during the backward of the last microbatch (Megatron's
-            ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
+        overlap_grad_reduce: reduce each gradient bucket over DP (all-reduce, or reduce-scatter with
+            the distributed optimizer) asynchronously during the backward of the last microbatch
+            (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: collective timeout.
         start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
@@ -217,11 +217,6 @@ class MegatronStrategy(ParallelStrategy):
                 f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
                 f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
         optimizer_config = getattr(module, "optimizer_config", None)
-        if self.overlap_grad_reduce and not getattr(optimizer_config, "use_distributed_optimizer", False) \
-                and not self.use_torch_fsdp2:
-            raise ValueError(
-                "overlap_grad_reduce=True overlaps the distributed optimizer's reduce-scatter; set "
-                "OptimizerConfig(use_distributed_optimizer=True) (FSDP2 overlaps on its own), or drop it.")
         if self.use_torch_fsdp2 and self.parallel_config.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "use_torch_fsdp2=True with pipeline_model_parallel_size > 1 is not composed yet (FSDP2 gathers and "

@@ -64,6 +64,22 @@ def test_fsdp2_matches_single_process(name, reference, tmp_path):
                                rtol=1e-5, atol=0)
 
 
+PLAIN_OVERLAP = {
+    # Plain DP: each bucket is all-reduced asynchronously during the last microbatch's backward.
+    "dp2_overlap": dict(devices=2, mbs=1, strategy_kwargs=dict(ddp_bucket_size=3000, overlap_grad_reduce=True)),
+    "tp2_dp2_sp_overlap": dict(devices=4, tp=2, sp=True, mbs=1, strategy_kwargs=dict(overlap_grad_reduce=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_OVERLAP))
+def test_plain_dp_overlapped_all_reduce_matches_single_process(name, reference, tmp_path):
+    result = run(tmp_path, optimizer=optimizer(), **PLAIN_OVERLAP[name])
+    assert result["overlapped_reductions"] >= 10 and result["overlapped_reductions"] % 10 == 0
+    assert_same_training(result, reference)
+    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
+                               rtol=1e-5, atol=0)
+
+
 def test_plain_dp_and_tp_clip_like_the_single_process(reference, tmp_path):
     result = run(tmp_path, devices=4, tp=2, sp=True, optimizer=optimizer())
     assert_same_training(result, reference)

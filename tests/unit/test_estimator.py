@@ -171,11 +171,12 @@ def _optimizer_bytes_after_a_step(rank: int, world: int, shape: dict, precision:
         opt.finish_step(result)  # masters back into the model
 
     def size(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        # Each storage once: the main parameters' gradients are views into the gradient buffers.
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        return sum(storages.values())
 
-    grads = [p.grad for p in model.parameters()] + list(opt.main_grads.values()) if not distributed else \
-        [b.grad_buffer for b in opt.buckets] + [p.grad for p in model.parameters()]
-    masters = list(opt.masters.values()) if not distributed else [b.main_shard for b in opt.buckets]
+    grads = [b.buffer for b in opt.grad_buffers.buckets] + [p.grad for p in model.parameters()]
+    masters = list(opt.masters.values()) if not distributed else [s.main_shard for s in opt.shards]
     state = [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     moments, counters = [v for v in state if v.ndim], [v for v in state if not v.ndim]  # Adam's step is 0-d
     return dict(weights=size(model.parameters()), grads=size(grads), optimizer=size(masters) + size(moments),

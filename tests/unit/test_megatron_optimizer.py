@@ -60,11 +60,20 @@ def test_a_new_optimizer_on_the_same_model_detaches_the_old_one(cls):
     first.remove_hooks()  # what GPTModule does before building the next one (a second fit)
     second = cls(model, config(), LAYOUT)
     _step(second, model)
-    buffers = (lambda o: list(o.main_grads.values()) if cls is MegatronOptimizer else [b.grad_buffer for b in o.buckets])
+    buffers = (lambda o: [b.buffer for b in o.grad_buffers.buckets])
     assert all(b.abs().sum() == 0 for b in buffers(first)), "the old optimizer still receives gradients"
     assert any(b.abs().sum() > 0 for b in buffers(second))
     # a deep copy (or pickle) of the optimizer carries no hook handles
-    assert copy.deepcopy(second)._hooks == []
+    assert copy.deepcopy(second).grad_buffers._hooks == []
+
+
+def test_two_optimizers_on_one_model_without_detaching_fail_with_the_fix():
+    model = TwoLinears()
+    MegatronOptimizer(model, config(), LAYOUT)
+    second = MegatronOptimizer(model, config(), LAYOUT)
+    second.zero_grad()
+    with pytest.raises(RuntimeError, match="call remove_hooks"):
+        model(torch.ones(2, 4)).backward()
 
 
 def test_zero1_master_shard_is_refreshed_from_loaded_weights_when_the_checkpoint_has_no_masters():
@@ -77,7 +86,7 @@ def test_zero1_master_shard_is_refreshed_from_loaded_weights_when_the_checkpoint
             p.fill_(7.0)  # what DCP writes into the weights
     opt.load_checkpoint_state({})
     assert all(torch.all(p == 7.0) for p in model.parameters())
-    assert all(torch.all(b.main_shard[:b.numel] == 7.0) for b in opt.buckets)
+    assert all(torch.all(s.main_shard[:s.bucket.numel] == 7.0) for s in opt.shards)
 
 
 def test_non_finite_gradients_without_a_loss_scaler_stop_with_the_fix():
@@ -88,6 +97,7 @@ def test_non_finite_gradients_without_a_loss_scaler_stop_with_the_fix():
     with pytest.raises(FloatingPointError, match="check_for_nan_in_grad=False"):
         opt.prepare_step()
     before = model.used.weight.detach().clone()
+    opt.remove_hooks()  # a second optimizer on the same model takes over its gradients
     lenient = MegatronOptimizer(model, config(check_for_nan_in_grad=False), LAYOUT)
     lenient.zero_grad()
     (model(torch.ones(2, 4)) * float("inf")).backward()
@@ -100,7 +110,7 @@ def test_overlap_refuses_a_step_in_which_a_bucket_missed_gradients():
     model = TwoLinears()
     opt = DistributedOptimizer(model, config(use_distributed_optimizer=True), LAYOUT, bucket_size=16,
                                overlap_grad_reduce=True)
-    assert len(opt.buckets) == 2  # one bucket per 16-element parameter
+    assert len(opt.grad_buffers.buckets) == 2  # one bucket per 16-element parameter
     opt.zero_grad()
     model(torch.ones(2, 4)).backward()
     with pytest.raises(RuntimeError, match="overlap_grad_reduce=False"):

@@ -17,9 +17,8 @@ master copy (the optimizer steps views into them): 4 + 4 + 8/dp.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,13 +28,10 @@ from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.clip_grads import counts_in_norm
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
-from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
+from megatron_lite.core.parallel.grad_buffers import Bucket, Reduction
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.mappings import _gather_first, _reduce_scatter_single
+from megatron_lite.core.parallel.mappings import _gather_first
 from megatron_lite.core.timers import timed
-
-DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default (at least 1M x dp)
-
 
 @dataclass
 class _Piece:
@@ -53,47 +49,13 @@ class _Piece:
 
 
 @dataclass
-class _Bucket:
-    params: list[tuple[str, torch.Tensor]]
-    offsets: list[int]
-    numel: int
-    padded: int
-    shard_size: int
-    dtype: torch.dtype
+class _Shard:
+    """This rank's slice of one gradient bucket: the parameters' owned pieces and their fp32 masters."""
+
+    bucket: Bucket
     pieces: list[_Piece] = field(default_factory=list)
     main_shard: Optional[torch.Tensor] = None
-    grad_buffer: Optional[torch.Tensor] = None
-    """Flat fp32 gradients of the whole bucket (padded), accumulated over microbatches."""
-    ready: int = 0
-    """Parameters whose gradient of the last microbatch has arrived (overlapped reduction)."""
-    pending: Optional[tuple] = None
-    """(async work, output shard) of a reduce-scatter launched during the backward."""
-
-
-def _make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[_Bucket]:
-    buckets: list[_Bucket] = []
-    current: list[tuple[str, torch.Tensor]] = []
-
-    def close() -> None:
-        if not current:
-            return
-        offsets, total = [], 0
-        for _, p in current:
-            offsets.append(total)
-            total += p.numel()
-        padded = -(-total // dp) * dp
-        buckets.append(_Bucket(list(current), offsets, total, padded, padded // dp, current[0][1].dtype))
-        current.clear()
-
-    size = 0
-    for name, param in named_params:
-        if current and (param.dtype != current[0][1].dtype or size >= bucket_size):
-            close()
-            size = 0
-        current.append((name, param))
-        size += param.numel()
-    close()
-    return buckets
+    """fp32 master slice for half-precision weights (fp32 weights are their own master)."""
 
 
 def _is_view_of(main: torch.Tensor, param: torch.Tensor) -> bool:
@@ -111,78 +73,58 @@ class DistributedOptimizer(MegatronOptimizer):
             with the rest of the backward (Megatron's ``--overlap-grad-reduce``).
     """
 
+    buffer_reduction: Reduction = "reduce_scatter"
+
     def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  build: Callable = build_optimizer) -> None:
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.overlapped_reductions = 0
-        """Bucket reductions launched during a backward so far (observability, tests)."""
-        self._sync = True
         self.dp_group = layout.group("dp_cp")
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
-        self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
-        super().__init__(model, config, layout, fp16=fp16, grad_reduction="all_reduce", build=build)
+        super().__init__(model, config, layout, fp16=fp16, grad_reduction="all_reduce", build=build,
+                         bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
+
+    @property
+    def bucket_size(self) -> int:
+        return self.grad_buffers.bucket_size
 
     # --- main parameters: this rank's slices ------------------------------------------------
     @torch.no_grad()
     def _main_param_entries(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         self.masters = {}
-        self.buckets = _make_buckets(self.named_params, self.bucket_size, self.dp_size)
+        self.shards: list[_Shard] = []
         entries = []
-        for bucket in self.buckets:
+        for bucket in self.grad_buffers.buckets:
+            shard = _Shard(bucket)
+            self.shards.append(shard)
             lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
-            device = bucket.params[0][1].device
             # fp32 weights are their own main copy (the slices are views into them, as in Megatron);
             # half-precision weights get an fp32 master shard.
             if bucket.dtype != torch.float32:
-                bucket.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
-            bucket.grad_buffer = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
+                device = bucket.params[0][1].device
+                shard.main_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
             for (name, param), offset in zip(bucket.params, bucket.offsets):
-                then = (lambda b=bucket: self._on_grad_ready(b)) if self.overlap_grad_reduce else None
-                self._accumulate_in(param, bucket.grad_buffer[offset:offset + param.numel()], then)
                 start, end = max(lo, offset), min(hi, offset + param.numel())
                 if start >= end:
                     continue
                 piece = _Piece(name, param, start - offset, end - offset, start - lo)
-                if bucket.main_shard is None:
+                if shard.main_shard is None:
                     piece.main = param.data.view(-1)[piece.param_lo:piece.param_hi]
                 else:
-                    piece.main = bucket.main_shard[piece.shard_lo:piece.shard_lo + end - start]
+                    piece.main = shard.main_shard[piece.shard_lo:piece.shard_lo + end - start]
                     piece.main.copy_(param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
-                bucket.pieces.append(piece)
+                shard.pieces.append(piece)
                 entries.append((name, param, piece.main))
         return entries
 
-    def gradient_buffer(self, name: str) -> torch.Tensor:
-        """``name``'s slice of its bucket's fp32 gradient buffer (before the reduce-scatter)."""
-        for bucket in self.buckets:
-            for (param_name, param), offset in zip(bucket.params, bucket.offsets):
-                if param_name == name:
-                    return bucket.grad_buffer[offset:offset + param.numel()]
-        raise KeyError(name)
-
     def _pieces(self):
-        return (piece for bucket in self.buckets for piece in bucket.pieces)
+        return (piece for shard in self.shards for piece in shard.pieces)
 
     def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(piece.param, piece.main) for piece in self._pieces()]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Microbatches before the last only accumulate: no reduction is launched during them."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
     def zero_grad(self) -> None:
-        for _, p in self.named_params:
-            p.grad = None
-        for bucket in self.buckets:
-            bucket.grad_buffer.zero_()
-            bucket.ready, bucket.pending = 0, None
+        super().zero_grad()
         for piece in self._pieces():
             piece.main.grad = None
 
@@ -191,44 +133,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def reduce_gradients(self) -> None:
         """SP gradients over TP, then each bucket's fp32 gradient buffer reduce-scattered over DP into
         the main gradients of this rank's slices."""
-        if self.overlap_grad_reduce:
-            missed = [i for i, bucket in enumerate(self.buckets) if bucket.pending is None]
-            if missed and len(missed) < len(self.buckets):
-                # Launching these now would order the collectives differently from ranks that launched
-                # them during the backward (Megatron asserts the same).
-                raise RuntimeError(
-                    f"overlap_grad_reduce: gradient bucket(s) {missed} did not receive every parameter's "
-                    f"gradient during the backward (parameters unused in this step?); set "
-                    f"MegatronStrategy(overlap_grad_reduce=False) for models with unused parameters.")
-        for bucket in self.buckets:
-            if bucket.pending is None:  # not overlapped
-                self._launch(bucket, async_op=False)
-            work, shard = bucket.pending
-            if work is not None:
-                work.wait()
-            for piece in bucket.pieces:
-                piece.main.grad = shard[piece.shard_lo:piece.shard_lo + piece.param_hi - piece.param_lo]
-
-    def _on_grad_ready(self, bucket: _Bucket) -> None:
-        if not self._sync:
-            return
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket, async_op=True)
-            self.overlapped_reductions += 1
-
-    def _launch(self, bucket: _Bucket, async_op: bool) -> None:
-        """SP gradients of the bucket over TP, then the bucket's reduce-scatter over DP."""
-        if self.layout.sequence_parallel:
-            all_reduce_coalesced([bucket.grad_buffer[offset:offset + p.numel()]
-                                  for (_, p), offset in zip(bucket.params, bucket.offsets)
-                                  if getattr(p, "sequence_parallel_grad", False)], self.layout.group("tp"))
-        if self.dp_size == 1:
-            bucket.pending = (None, bucket.grad_buffer[:bucket.shard_size])
-            return
-        shard = torch.empty(bucket.shard_size, dtype=bucket.grad_buffer.dtype, device=bucket.grad_buffer.device)
-        work = _reduce_scatter_single(shard, bucket.grad_buffer, group=self.dp_group, async_op=async_op)
-        bucket.pending = (work if async_op else None, shard)
+        self.grad_buffers.reduce()
+        for shard in self.shards:
+            reduced = self.grad_buffers.reduced_shard(shard.bucket)
+            for piece in shard.pieces:
+                piece.main.grad = reduced[piece.shard_lo:piece.shard_lo + piece.param_hi - piece.param_lo]
 
     def collect_main_grads(self) -> None:
         """Done by :meth:`reduce_gradients` (the reduce-scatter lands in the main gradients)."""
@@ -248,35 +157,37 @@ class DistributedOptimizer(MegatronOptimizer):
         with timed(self.timers, "params-all-gather"):
             self.publish_params()
 
-    def _owned_shard(self, bucket: _Bucket) -> torch.Tensor:
+    def _owned_shard(self, shard: _Shard) -> torch.Tensor:
         """This rank's slice of the bucket as one flat fp32 tensor (assembled from the views into
         fp32 weights when there is no separate master shard)."""
-        if bucket.main_shard is not None:
-            return bucket.main_shard
-        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_buffer.device)
-        for piece in bucket.pieces:
-            shard[piece.shard_lo:piece.shard_lo + piece.main.numel()].copy_(piece.main)
-        return shard
+        if shard.main_shard is not None:
+            return shard.main_shard
+        flat = torch.zeros(shard.bucket.shard_size, dtype=torch.float32, device=shard.bucket.buffer.device)
+        for piece in shard.pieces:
+            flat[piece.shard_lo:piece.shard_lo + piece.main.numel()].copy_(piece.main)
+        return flat
 
     @torch.no_grad()
     def publish_params(self) -> None:
-        for bucket in self.buckets:
-            if self.dp_size == 1 and bucket.main_shard is None:
+        for shard in self.shards:
+            bucket = shard.bucket
+            if self.dp_size == 1 and shard.main_shard is None:
                 continue  # the only rank updated the weights in place
-            full = _gather_first(self._owned_shard(bucket).to(bucket.dtype), self.dp_group)
+            full = _gather_first(self._owned_shard(shard).to(bucket.dtype), self.dp_group)
             for (_, param), offset in zip(bucket.params, bucket.offsets):
                 param.data.copy_(full[offset:offset + param.numel()].view_as(param))
 
     # --- checkpoints: gathered to the plain optimizer's per-parameter format ---------------------
     @torch.no_grad()
-    def _gather_per_param(self, bucket: _Bucket, local_of: Callable[[_Piece], Optional[torch.Tensor]]
+    def _gather_per_param(self, shard: _Shard, local_of: Callable[[_Piece], Optional[torch.Tensor]]
                           ) -> dict[str, torch.Tensor]:
-        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_buffer.device)
-        for piece in bucket.pieces:
+        bucket = shard.bucket
+        flat = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.buffer.device)
+        for piece in shard.pieces:
             value = local_of(piece)
             if value is not None:
-                shard[piece.shard_lo:piece.shard_lo + value.numel()].copy_(value)
-        full = _gather_first(shard, self.dp_group)
+                flat[piece.shard_lo:piece.shard_lo + value.numel()].copy_(value)
+        full = _gather_first(flat, self.dp_group)
         return {name: full[offset:offset + p.numel()].view(p.shape).clone()
                 for (name, p), offset in zip(bucket.params, bucket.offsets)}
 
@@ -286,13 +197,13 @@ class DistributedOptimizer(MegatronOptimizer):
         shape (fresh tensors: load them with :meth:`load_checkpoint_state` after filling them)."""
         state: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in self.named_params}
         keys, scalars = self._state_keys()
-        for bucket in self.buckets:
+        for shard in self.shards:
             for key in keys:
-                gathered = self._gather_per_param(bucket, lambda pc, k=key: self.optimizer.state.get(pc.main, {}).get(k))
+                gathered = self._gather_per_param(shard, lambda pc, k=key: self.optimizer.state.get(pc.main, {}).get(k))
                 for name, value in gathered.items():
                     state[name][key] = value
-            if bucket.main_shard is not None:  # fp32 weights are their own master: saved with the model
-                for name, value in self._gather_per_param(bucket, lambda pc: pc.main).items():
+            if shard.main_shard is not None:  # fp32 weights are their own master: saved with the model
+                for name, value in self._gather_per_param(shard, lambda pc: pc.main).items():
                     state[name]["master"] = value
         for key, value in scalars.items():
             for name in state:

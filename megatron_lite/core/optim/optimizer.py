@@ -7,8 +7,10 @@ half-precision model parameters (``bf16-true``/``16-true``) they are fp32 master
 updated masters are copied back into the model after each step. As in Megatron, the gradients of
 half-precision parameters are accumulated over microbatches in fp32 ``main_grad`` buffers (a hook
 moves each fresh half-precision gradient into the buffer), so accumulation and the DP reduction run
-in fp32. :class:`DistributedOptimizer`
-(ZeRO-1) shards the main parameters and optimizer state over data-parallel ranks; with FSDP the
+in fp32. The buffers and their reduction (all-reduce, overlappable with the backward) are
+:class:`megatron_lite.core.parallel.grad_buffers.GradBuffers`, which the schedules drive through
+:meth:`MegatronOptimizer.no_sync`. :class:`DistributedOptimizer` (ZeRO-1) shards the main parameters
+and optimizer state over data-parallel ranks (the buffers are reduce-scattered); with FSDP the
 parameters are already sharded DTensors and the gradients arrive reduced.
 
 One step::
@@ -32,7 +34,8 @@ from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.clip_grads import clip_coefficient, counts_in_norm, grad_norm_of, scale_grads
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.grad_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced, reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.data_parallel import reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.grad_buffers import GradBuffers, Reduction
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import timed
 
@@ -70,14 +73,19 @@ class MegatronOptimizer:
         grad_reduction: ``"all_reduce"`` (plain DP) or ``"fsdp"`` (FSDP reduced in its hooks).
     """
 
+    buffer_reduction: Reduction = "all_reduce"
+    """How the gradient buffers are reduced over DP (the distributed optimizer reduce-scatters)."""
+
     def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
-                 grad_reduction: GradReduction = "all_reduce",
-                 build: Callable = build_optimizer) -> None:
+                 grad_reduction: GradReduction = "all_reduce", build: Callable = build_optimizer,
+                 bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False) -> None:
         self.model, self.config, self.layout = model, config, layout
         self.grad_reduction = grad_reduction
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._by_name = dict(self.named_params)
-        self._hooks: list = []  # gradient hooks on the model's parameters, removed by remove_hooks()
+        # FSDP reduce-scatters in its own hooks and leaves sharded gradients in param.grad.
+        self.grad_buffers: Optional[GradBuffers] = None if grad_reduction == "fsdp" else GradBuffers(
+            self.named_params, layout, self.buffer_reduction, bucket_size, overlap_grad_reduce)
         self.loss_scaler: Optional[LossScaler] = build_loss_scaler(config) if fp16 else None
         self.skipped_steps = 0
         self.timers = None
@@ -89,44 +97,25 @@ class MegatronOptimizer:
     def _main_param_entries(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """(name, model param, main param) for the torch optimizer; masters only for half params."""
         self.masters: dict[str, torch.Tensor] = {}
-        self.main_grads: dict[str, torch.Tensor] = {}
         entries = []
         for name, param in self.named_params:
             if param.dtype in (torch.float16, torch.bfloat16):
-                master = param.detach().clone().float()
-                self.masters[name] = master
-                self.main_grads[name] = torch.zeros_like(master)
-                self._accumulate_in(param, self.main_grads[name])
-                entries.append((name, param, master))
+                self.masters[name] = param.detach().clone().float()
+                entries.append((name, param, self.masters[name]))
             else:
                 entries.append((name, param, param))
         return entries
 
-    def _accumulate_in(self, param: torch.Tensor, buffer: torch.Tensor,
-                       then: Optional[Callable[[], None]] = None) -> None:
-        """Add each gradient of ``param`` into the fp32 ``buffer`` and free it (Megatron's main_grad);
-        ``then`` runs after each accumulation (the distributed optimizer's overlapped reduction)."""
-        def move(p: torch.Tensor) -> None:
-            buffer.add_(p.grad.reshape(buffer.shape))
-            p.grad = None
-            if then is not None:
-                then()
-
-        self._hooks.append(param.register_post_accumulate_grad_hook(move))
-
-    def __getstate__(self) -> dict:
-        # Hook handles belong to this process's parameters (and hold closures that cannot be pickled):
-        # a copied or pickled module (deepcopy, torch.save of the module) carries no hooks.
-        state = dict(self.__dict__)
-        state["_hooks"] = []
-        return state
+    @property
+    def overlapped_reductions(self) -> int:
+        """Bucket reductions launched during a backward so far (observability, tests)."""
+        return self.grad_buffers.overlapped_reductions if self.grad_buffers is not None else 0
 
     def remove_hooks(self) -> None:
         """Detach from the model's parameters (before another optimizer is built on the same model, and
         after training, so that a later backward leaves its gradients in ``param.grad``)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        if self.grad_buffers is not None:
+            self.grad_buffers.remove_hooks()
 
     def drop_state(self, names: set[str]) -> None:
         """Forget the optimizer state of these parameters (absent from a loaded checkpoint: a parameter
@@ -137,8 +126,8 @@ class MegatronOptimizer:
                 self.optimizer.state.pop(main, None)
 
     def _model_grad(self, name: str, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """Where ``param``'s accumulated gradient is: its fp32 main_grad buffer, else ``param.grad``."""
-        return self.main_grads.get(name, param.grad)
+        """Where ``param``'s accumulated gradient is: its fp32 main_grad buffer, else (FSDP) ``param.grad``."""
+        return self.grad_buffers.main_grad(name) if self.grad_buffers is not None else param.grad
 
     def gradient_buffer(self, name: str) -> torch.Tensor:
         """The tensor that holds ``name``'s accumulated, not yet reduced gradient (its fp32 main_grad
@@ -146,7 +135,7 @@ class MegatronOptimizer:
         must run before the DP reduction (the tied-embedding sum over pipeline stages) work on it."""
         param = self._by_name[name]
         grad = self._model_grad(name, param)
-        if grad is None:
+        if grad is None:  # FSDP: a parameter without a gradient
             param.grad = grad = torch.zeros_like(param)
         return grad
 
@@ -163,8 +152,9 @@ class MegatronOptimizer:
     def no_sync(self) -> Iterator[None]:
         """Around the backward of every microbatch but the last: accumulate without reducing (FSDP2
         would otherwise reduce-scatter after every microbatch)."""
-        if self.grad_reduction != "fsdp":
-            yield
+        if self.grad_buffers is not None:
+            with self.grad_buffers.no_sync():
+                yield
             return
         self.model.set_requires_gradient_sync(False)
         try:
@@ -175,9 +165,10 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         for _, p in self.named_params:
             p.grad = None
-        for name, master in self.masters.items():
+        for master in self.masters.values():
             master.grad = None
-            self.main_grads[name].zero_()
+        if self.grad_buffers is not None:
+            self.grad_buffers.zero()
 
     def reduce_gradients(self) -> None:
         """Make the gradients those of the global batch: under sequence parallelism the partial
@@ -189,21 +180,16 @@ class MegatronOptimizer:
                     param.grad = torch.zeros_like(param)
             reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
             return
-        for name, param in self.named_params:
-            if name not in self.main_grads and param.grad is None:
-                # As Megatron's gradient buffers: a parameter that got no gradient still takes a step
-                # (weight decay, Adam's moments), the same under every optimizer and precision.
-                param.grad = torch.zeros_like(param)
-        grads = [(p, self._model_grad(n, p)) for n, p in self.named_params]
-        if self.layout.sequence_parallel:
-            all_reduce_coalesced([g for p, g in grads if getattr(p, "sequence_parallel_grad", False)],
-                                 self.layout.group("tp"))
-        all_reduce_coalesced([g for _, g in grads], self.layout.group("dp_cp"))
+        # A parameter that got no gradient keeps a zero buffer slice and still takes a step (weight
+        # decay, Adam's moments), as with Megatron's buffers, the same under every optimizer and precision.
+        self.grad_buffers.reduce()
 
     def collect_main_grads(self) -> None:
-        """Point the fp32 masters' gradients at their main_grad buffers."""
-        for name, master in self.masters.items():
-            master.grad = self.main_grads[name]
+        """Point the main parameters' gradients at their (reduced) fp32 buffer slices."""
+        if self.grad_buffers is None:
+            return
+        for name, param in self.named_params:
+            self.masters.get(name, param).grad = self.grad_buffers.main_grad(name)
 
     def norm_inputs(self) -> tuple[list[torch.Tensor], Optional[dist.ProcessGroup], bool]:
         """(gradients counted in the global norm on this rank, group to sum over, whether over all ranks)."""
