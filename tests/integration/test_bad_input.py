@@ -313,3 +313,11 @@ def test_text_corpus_with_the_wrong_key_names_the_option():
     with tempfile.TemporaryDirectory() as tmp, pytest.raises(
             ValueError, match=r"corpus.jsonl:1 has no key 'text' \(its keys: \['body'\]\); pass data.json_key=<one of them>"):
         _text_corpus(Path(tmp), [{"body": "whether tis nobler"}])
+
+
+@pytest.mark.parametrize("field, value", [("init_method_std", math.nan), ("layernorm_epsilon", math.inf),
+                                          ("hidden_dropout", math.nan)])
+def test_model_config_refuses_non_finite_numbers(field, value):
+    # init_method_std=nan used to pass (nan <= 0 is False) and give NaN weights after launch.
+    with pytest.raises(ValueError, match=rf"GPTConfig\({field}={value}\): {field} must be a finite number"):
+        _config(**{field: value})
