@@ -176,6 +176,15 @@ def _refused_before_launch(module, data, match: str, marker: Path) -> ValueError
     return info.value
 
 
+def test_the_fork_probe_sees_a_launch(fork_marker):
+    """The probe the tests below rely on: a good run at devices=2 does fork its ranks."""
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2,
+                        max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(ml.GPTModule(_config()), _mock_data())
+    assert fork_marker.exists()
+
+
 def _mock_data(seq_length: int = 16) -> MockGPTDataModule:
     return MockGPTDataModule(seq_length=seq_length, micro_batch_size=2, global_batch_size=4, vocab_size=256)
 
