@@ -12,6 +12,14 @@ already has.
 Timing. The time of a step is the wall clock between consecutive ``on_train_batch_end`` calls
 (Megatron's ``interval-time``), averaged over the steps since the last log. The first step of a
 ``fit`` is warm-up and never counted; validation inside the epoch is paused out.
+
+Console. The iteration line and the timer block go through the progress bar's ``print`` (tqdm's
+``write``: the bar is cleared, the text printed, the bar redrawn below it), so they never split a bar
+line; without an enabled bar, through ``print``. The timer block is 6+ lines, so it comes less often
+than the iteration line (every ``timers_interval`` steps, by default 10 log intervals): printed at
+every log interval, as Megatron does with ``--timing-log-level`` > 0, it buries the iteration lines
+and the bar. Loggers still get ``timers/<name>`` at every log interval. Warnings are raised in
+``setup``, before any bar is drawn: a warning goes to stderr and would land in the middle of one.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from megatron_lite.callbacks.peak_flops import (
 )
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.models import GPTConfig
-from megatron_lite.core.timers import LogOption, Timers
+from megatron_lite.core.timers import LogOption, TimerReport, Timers
 
 # Megatron's timer names and levels (0: always on; 1: per-step phases; 2: finest).
 INTERVAL_TIMER = ("interval-time", 0)
@@ -73,22 +81,39 @@ class MegatronMetrics(pl.Callback):
             forward-backward and optimizer, 2 adds batch-generator (data loading and the loop around it).
         timing_log_option: ``"minmax"``, ``"max"`` or ``"all"`` ranks, for the console timer block.
         console: print Megatron's one-line iteration log (and the timer block) on global rank 0.
+        log_interval: steps between measurements: the console's iteration line and the logged metrics
+            (Megatron's ``--log-interval``). None: the Trainer's ``log_every_n_steps``. The loggers
+            write a value only at a step where Lightning writes too (a multiple of ``log_every_n_steps``).
+        timers_interval: steps between the console's timer blocks, a multiple of ``log_interval``; the
+            block holds each timer's per-step (min, max) over those steps. None: 10 x ``log_interval``;
+            0: never on the console (loggers still get ``timers/<name>``).
 
     ``timers`` is the :class:`Timers` of the run (bound to the training device at setup): a module
     may time its own phases with it.
     """
 
     def __init__(self, peak_tflops_per_device: Optional[float] = None, timing_log_level: int = 1,
-                 timing_log_option: LogOption = "minmax", console: bool = True) -> None:
+                 timing_log_option: LogOption = "minmax", console: bool = True, log_interval: Optional[int] = None,
+                 timers_interval: Optional[int] = None) -> None:
         super().__init__()
         if peak_tflops_per_device is not None and not (isinstance(peak_tflops_per_device, (int, float))
+                                                       and math.isfinite(peak_tflops_per_device)
                                                        and peak_tflops_per_device > 0):
             raise ValueError(f"peak_tflops_per_device must be a positive number of TFLOP/s or None (look it up "
                              f"or measure it), got {peak_tflops_per_device!r}")
+        if log_interval is not None and not _is_int(log_interval, minimum=1):
+            raise ValueError(f"log_interval must be a positive number of steps or None (the Trainer's "
+                             f"log_every_n_steps), got {log_interval!r}")
+        if timers_interval is not None and not _is_int(timers_interval, minimum=0):
+            raise ValueError(f"timers_interval must be a number of steps >= 0 (0: no timer block on the console) or "
+                             f"None (10 x log_interval), got {timers_interval!r}")
         self.peak_tflops_per_device = peak_tflops_per_device
         self.timing_log_level = timing_log_level
         self.timing_log_option = timing_log_option
         self.console = console
+        self.log_interval = log_interval
+        self.timers_interval = timers_interval
+        self._energy: Optional[EnergyMeter] = None  # made in setup, for one fit
         self.timers = Timers(timing_log_level, timing_log_option)  # validates both
         self._measured_peaks: dict[tuple, float] = {}  # (device, dtype, threads) -> TFLOP/s
         self._reset_run_state()
@@ -102,14 +127,38 @@ class MegatronMetrics(pl.Callback):
         self._timed_samples = 0  # global samples of those steps (varies under batch-size ramp-up)
         self._flops_per_sample: Optional[float] = None
         self._dp_size = 1
-        self._energy: Optional[EnergyMeter] = None
         self._interval_joules = 0.0  # energy of the timed steps since the last log (validation excluded)
         self._steps_since_log = 0  # steps since the last log, warm-up included (for the phase timers)
         self._paused: list = []  # timers stopped for a validation inside training
+        # per-rank ms summed over the steps since the last console timer block, per timer name
+        self._block_ms: dict[str, list[float]] = {}
+        self._block_steps = 0
 
     # --- set-up ---------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.timers = Timers(self.timing_log_level, self.timing_log_option, device=trainer.strategy.root_device)
+        if stage != "fit":
+            return
+        log_every, timers_every = self._intervals(trainer)
+        if timers_every and log_every and timers_every % log_every:
+            raise ValueError(f"MegatronMetrics(timers_interval={timers_every}) must be a multiple of the log interval "
+                             f"({log_every}): timers are gathered at log steps only; set timers_interval="
+                             f"{max(1, round(timers_every / log_every)) * log_every}.")
+        # Here, before any progress bar is drawn: a warning raised during training lands inside a bar line.
+        self._energy = EnergyMeter(trainer.strategy.root_device)
+        if not self._energy.available:
+            rank_zero_warn(f"MegatronMetrics logs no train/energy_per_step_j: {self._energy.reason}")
+        datamodule = getattr(trainer, "datamodule", None)
+        if not (isinstance(getattr(pl_module, "config", None), GPTConfig)
+                and getattr(datamodule, "global_batch_size", None) and getattr(datamodule, "seq_length", None)):
+            rank_zero_warn("MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
+                           "datamodule with `global_batch_size` and `seq_length` (e.g. GPTModule + MockGPTDataModule).")
+
+    def _intervals(self, trainer: "pl.Trainer") -> tuple[int, int]:
+        """(log interval, console timer-block interval) in steps; 0 means never."""
+        log_every = self.log_interval if self.log_interval is not None else trainer.log_every_n_steps
+        timers_every = self.timers_interval if self.timers_interval is not None else 10 * log_every
+        return log_every, timers_every
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._reset_run_state()
@@ -125,9 +174,6 @@ class MegatronMetrics(pl.Callback):
             self._flops_per_sample = self._flops_per_step / self._global_batch_size  # linear in the batch
             self._dp_size = layout.dp_size if layout is not None else 1
             self._peak_tflops = self._resolve_peak(trainer)
-        else:
-            rank_zero_warn("MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
-                           "datamodule with `global_batch_size` and `seq_length` (e.g. GPTModule + MockGPTDataModule).")
 
     def _resolve_peak(self, trainer: "pl.Trainer") -> float:
         if self.peak_tflops_per_device is not None:
@@ -181,10 +227,11 @@ class MegatronMetrics(pl.Callback):
             interval.start()  # the first step is warm-up: the interval starts at its end
             self._start_energy(trainer)
         self._steps_since_log += 1
-        every = trainer.log_every_n_steps
+        every, timers_every = self._intervals(trainer)
         periodic = every > 0 and trainer.global_step % every == 0
         if periodic or (every > 0 and trainer.should_stop):
-            self._log_interval(trainer, pl_module, gather_timers=periodic)
+            timer_block = periodic and timers_every > 0 and trainer.global_step % timers_every == 0
+            self._log_interval(trainer, pl_module, gather_timers=periodic, timer_block=timer_block)
         self.timers(*BATCH_GENERATOR_TIMER).start()
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -193,11 +240,9 @@ class MegatronMetrics(pl.Callback):
             batch_generator.stop()  # the last fetch of the epoch, which found no batch
 
     def _start_energy(self, trainer: "pl.Trainer") -> None:
-        if self._energy is None:
+        if self._energy is None:  # fit without setup (never under a Trainer): measure, without a warning
             self._energy = EnergyMeter(trainer.strategy.root_device)
-            if not self._energy.available:
-                rank_zero_warn(f"MegatronMetrics logs no train/energy_per_step_j: {self._energy.reason}")
-        else:
+        if self._energy.available:
             self._energy.joules_since_last()  # a new interval: drop what came before
         self._interval_joules = 0.0
 
@@ -219,7 +264,8 @@ class MegatronMetrics(pl.Callback):
         self._paused = []
 
     # --- logging -------------------------------------------------------------------------
-    def _log_interval(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool) -> None:
+    def _log_interval(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool,
+                      timer_block: bool = False) -> None:
         metrics: dict[str, float] = {}
         if self._global_batch_size:
             datamodule = getattr(trainer, "datamodule", None)
@@ -251,9 +297,12 @@ class MegatronMetrics(pl.Callback):
         phase_names = [n for n in self.timers.names if n != INTERVAL_TIMER[0]]
         if gather_timers and phase_names:
             # A collective: every rank reaches here at the same global_step.
-            report = self.timers.log(phase_names, normalizer=max(self._steps_since_log, 1))
+            steps = max(self._steps_since_log, 1)
+            report = self.timers.log(phase_names, normalizer=steps)
             metrics.update(report.metrics())
-            timer_text = report.text
+            self._add_to_timer_block(report, steps)
+        if timer_block:
+            timer_text = self._take_timer_block()
         self._steps_since_log = 0
         for name, value in metrics.items():
             pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
@@ -263,12 +312,33 @@ class MegatronMetrics(pl.Callback):
             if timer_text:
                 self._print(trainer, timer_text)
 
+    def _add_to_timer_block(self, report: TimerReport, steps: int) -> None:
+        """Add a log interval's per-step times (``steps`` steps) to the next console timer block."""
+        for i, name in enumerate(report.names):
+            sums = self._block_ms.setdefault(name, [0.0] * len(report.per_rank_ms))
+            for rank, row in enumerate(report.per_rank_ms):
+                sums[rank] += row[i] * steps
+        self._block_steps += steps
+
+    def _take_timer_block(self) -> str:
+        """Megatron's timer block over the steps since the last one (per-step ms), and start a new one."""
+        if not self._block_steps:
+            return ""
+        names = list(self._block_ms)
+        per_rank = [[self._block_ms[n][rank] / self._block_steps for n in names]
+                    for rank in range(len(next(iter(self._block_ms.values()))))]
+        self._block_ms, self._block_steps = {}, 0
+        return TimerReport(names=names, per_rank_ms=per_rank, log_option=self.timing_log_option).text
+
     @staticmethod
     def _print(trainer: "pl.Trainer", text: str) -> None:
         bar = trainer.progress_bar_callback
-        if bar is not None and hasattr(bar, "print"):
-            bar.print(text)  # above the progress bar, without breaking it
+        if bar is not None and bar.is_enabled:
+            # Lightning's bars print above themselves: TQDMProgressBar through tqdm.write (clear the bar,
+            # write, redraw it below), RichProgressBar through its live console's stdout redirection.
+            bar.print(text)
         else:
+            # No bar, or a disabled one (refresh_rate=0), whose print() finds no active bar and drops the text.
             print(text, flush=True)
 
     def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -322,6 +392,10 @@ def iteration_line(trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[f
         module_value("train/skipped_steps", "skipped iterations", ".0f"),
     ]
     return " | ".join(p for p in parts if p is not None) + " |"
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def _batch_samples(batch: Any) -> int:

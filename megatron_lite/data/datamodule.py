@@ -86,6 +86,11 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Micro/global batch size and sequence length of this datamodule."""
         return self._geometry
 
+    def validate_inputs(self) -> None:
+        """Check the input files; MegatronStrategy calls this in the launching process before any rank
+        starts, so a bad file fails once, with one message, instead of in every rank after launch.
+        Subclasses that read files override it (nothing to check here)."""
+
     def _dp_size_and_rank(self) -> tuple[int, int]:
         """Data-parallel size and rank from the attached trainer's strategy; (1, 0) without one."""
         trainer = self.trainer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,9 +30,9 @@ Render = Callable[[Sequence[dict], bool], str]
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def read_conversations(path: str, messages_key: str = "messages") -> list[list[dict]]:
-    """Conversations of a JSONL(.gz) file, validated: a list of {role, content} with an assistant turn."""
-    conversations = []
+def iter_conversations(path: str, messages_key: str = "messages") -> Iterator[list[dict]]:
+    """Conversations of a JSONL(.gz) file, one by one, validated: a list of {role, content} with an
+    assistant turn. A bad line raises ValueError naming ``path:line`` and what the line must hold."""
     with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -41,21 +41,35 @@ def read_conversations(path: str, messages_key: str = "messages") -> list[list[d
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where} is not valid JSON ({err})") from err
+                raise ValueError(f"{where} is not valid JSON ({err}); {_LINE_FORMAT.format(key=messages_key)}") \
+                    from err
             messages = obj.get(messages_key) if isinstance(obj, dict) else None
             if not isinstance(messages, list) or not messages:
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise ValueError(f"{where} has no non-empty list under {messages_key!r} (found {keys}); each line "
-                                 f"must be {{\"{messages_key}\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+                hint = " (or pass messages_key=<the key that holds them>)" if isinstance(obj, dict) else ""
+                raise ValueError(f"{where} has no non-empty list under {messages_key!r} (found {keys}); "
+                                 f"{_LINE_FORMAT.format(key=messages_key)}{hint}")
             for m in messages:
                 if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                     raise ValueError(f"{where}: every message needs a role in {ROLES} and a string content, got {m!r}")
             if not any(m["role"] == "assistant" for m in messages):
                 raise ValueError(f"{where}: the conversation has no assistant turn, so nothing would be trained")
-            conversations.append(messages)
+            yield messages
+
+
+_LINE_FORMAT = 'each line must be {{"{key}": [{{"role": ..., "content": ...}}, ...]}}'
+
+
+def read_conversations(path: str, messages_key: str = "messages") -> list[list[dict]]:
+    """Every conversation of a JSONL(.gz) file (see :func:`iter_conversations`); an empty file is refused."""
+    conversations = list(iter_conversations(path, messages_key))
     if not conversations:
-        raise ValueError(f"{path} holds no conversations")
+        raise ValueError(_no_conversations(path, messages_key))
     return conversations
+
+
+def _no_conversations(path: str, messages_key: str) -> str:
+    return f"{path} holds no conversations; {_LINE_FORMAT.format(key=messages_key)}"
 
 
 def tokenize_conversation(messages: Sequence[dict], render: Render, tokenize: Callable[[str], list[int]],
@@ -178,6 +192,25 @@ class SFTDataModule(PretrainingDataModule):
             pack_sequences, chat_template, messages_key, seed)
         self.vocab_size = tokenizer.vocab_size
         self.datasets: dict[str, SFTDataset] = {}
+        self._validated_inputs: Optional[tuple] = None  # (path, size, mtime, key) of the file validate_inputs read
+
+    def validate_inputs(self) -> None:
+        """Read the whole file once and refuse it, naming the line and the fix, if it is empty, holds no
+        ``messages_key`` list, a malformed message, or too few conversations for a train split. Every
+        rank parses the whole file in ``setup`` anyway; this pass, in the launching process, makes a bad
+        file fail before any rank starts. Remembered per file version, so a second fit skips it."""
+        stat = os.stat(self.path)
+        identity = (os.path.abspath(self.path), stat.st_size, stat.st_mtime_ns, self.messages_key)
+        if self._validated_inputs == identity:
+            return
+        count = sum(1 for _ in iter_conversations(self.path, self.messages_key))
+        if count == 0:
+            raise ValueError(_no_conversations(self.path, self.messages_key))
+        bounds = split_boundaries(self.split, count)
+        if bounds[1] == bounds[0]:
+            raise ValueError(f"{self.path} holds {count} conversation(s), which leaves the train split empty "
+                             f"(split fractions {self.split}); add conversations or raise the train weight of split")
+        self._validated_inputs = identity
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.datasets:

@@ -138,6 +138,7 @@ class TextCorpusDataModule(PretrainingDataModule):
         self.train_dataset: TokenWindowDataset | None = None
         self.val_dataset: TokenWindowDataset | None = None
         self.test_dataset: TokenWindowDataset | None = None
+        self._validated_inputs: tuple[object, ...] | None = None  # _corpus_identity() validate_inputs read
 
     # ---- cache -------------------------------------------------------------------------------------------
 
@@ -199,6 +200,25 @@ class TextCorpusDataModule(PretrainingDataModule):
             members = [docs[j] for j in order[bounds[i] : bounds[i + 1]]]
             tokens = np.concatenate(members) if members else np.zeros(0, dtype=dtype)
             write_atomic(paths[name], lambda f, a=tokens: np.save(f, a))
+
+    def _cache_is_built(self) -> bool:
+        """Whether the tokenizer and every token array of this corpus version are cached already."""
+        tokenizer_path = self._tokenizer_path()
+        return os.path.isfile(tokenizer_path) and all(
+            os.path.isfile(p) for p in self._token_paths(tokenizer_path).values())
+
+    def validate_inputs(self) -> None:
+        """Refuse a corpus with a malformed line (not JSON, not an object, no ``json_key``, not a string),
+        naming ``file:line`` and the fix, before any rank starts. The constructor read only up to the first
+        text; building the cache reads every line, so the whole file is checked here, once, unless this
+        version of the corpus is cached already (then it was read whole before)."""
+        identity = self._corpus_identity()
+        if self._validated_inputs == identity:
+            return
+        if not self._cache_is_built():
+            for _ in _iter_documents(self.path, self.json_key):
+                pass
+        self._validated_inputs = identity
 
     # ---- Lightning hooks ---------------------------------------------------------------------------------
 

@@ -210,13 +210,16 @@ class MegatronStrategy(ParallelStrategy):
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int, trainer=None) -> int:
         """Check the layout against the world size, the model config, the data geometry, the
-        precision and the module's own checks (``validate_configuration``)."""
+        precision, the optimizer config, the module's own checks (``validate_configuration``) and the
+        datamodule's input files (``validate_inputs``)."""
         precision = self.precision_plugin.precision  # MegatronPrecision refused unsupported ones already
         if self.use_torch_fsdp2 and precision.endswith("-true") and precision != "32-true":
             raise ValueError(
                 f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
                 f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
         optimizer_config = getattr(module, "optimizer_config", None)
+        if callable(getattr(optimizer_config, "validate", None)):
+            optimizer_config.validate()  # again: a field may have been set after construction (lr=nan)
         if self.use_torch_fsdp2 and self.parallel_config.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "use_torch_fsdp2=True with pipeline_model_parallel_size > 1 is not composed yet (FSDP2 gathers and "
@@ -233,13 +236,18 @@ class MegatronStrategy(ParallelStrategy):
         model_config = getattr(module, "config", None)
         if model_config is not None and not hasattr(model_config, "validate_parallelism"):
             model_config = None
-        return validate_run(
+        dp_size = validate_run(
             self.parallel_config, world_size, model_config,
             micro_batch_size=getattr(datamodule, "micro_batch_size", None),
             global_batch_size=getattr(datamodule, "global_batch_size", None),
             seq_length=getattr(datamodule, "seq_length", None),
             rampup_batch_size=getattr(datamodule, "rampup_batch_size", None),
         )
+        # Last: it may read the data files. Here, in the launching process, a bad file fails once, before
+        # any rank exists, instead of in a rank's setup while the others wait in a collective.
+        if callable(getattr(datamodule, "validate_inputs", None)):
+            datamodule.validate_inputs()
+        return dp_size
 
     def setup_environment(self) -> None:
         super().setup_environment()

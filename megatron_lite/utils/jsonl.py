@@ -51,6 +51,7 @@ def iter_jsonl_texts(
     A malformed line raises ValueError naming ``path:line`` and the fix; ``what`` names the input and
     ``option`` the caller's setting for the key (e.g. ``data.json_key``), so the message says what to change.
     """
+    key_seen = False  # once earlier lines had the key, a line without it is the line to fix
     with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             where = f"{path}:{line_no}"
@@ -58,8 +59,10 @@ def iter_jsonl_texts(
             if obj is None:
                 continue
             if json_key not in obj:
-                raise ValueError(f"{where} has no key {json_key!r} (its keys: {sorted(obj)}); "
-                                 f"pass {option}=<one of them>")
+                fix = ("every line needs it: fix or remove this line" if key_seen
+                       else f"pass {option}=<one of them>")
+                raise ValueError(f"{where} has no key {json_key!r} (its keys: {sorted(obj)}); {fix}")
+            key_seen = True
             text = obj[json_key]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: {json_key!r} is a {type(text).__name__}, not a string")

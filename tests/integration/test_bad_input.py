@@ -1,16 +1,24 @@
 """Each invalid setting fails once, in the launching process, with a message that names the fix.
 
 Every test here goes through ``trainer.fit`` with the fork launcher: if validation happened only
-inside the ranks, the error would arrive as a ProcessRaisedException from a child instead.
+inside the ranks, the error would arrive as a ProcessRaisedException from a child instead. The
+bad-input tests at the end also prove that no process was forked at all, that the refusal is one
+line, and that it comes fast.
 """
 import gzip
 import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import pytest
 
 import megatron_lite as ml
-from megatron_lite.data import MockGPTDataModule, TextCorpusDataModule
+from megatron_lite.data import MockGPTDataModule, SFTDataModule, TextCorpusDataModule
+from megatron_lite.tokenizers import NullTokenizer
 
 
 def _fit(config: ml.GPTConfig, tp: int, devices: int, gbs: int = 8, mbs: int = 2, sp: bool = False, **opt):
@@ -126,3 +134,199 @@ def test_ramp_up_with_an_iteration_based_schedule_is_refused_before_launch():
                              rampup_batch_size=[4, 4, 16])
     with pytest.raises(ValueError, match="set the schedule in samples"):
         trainer.fit(ml.GPTModule(_config(), ml.OptimizerConfig(lr_warmup_iters=1)), data)
+
+
+# --- bad input refused before any rank starts --------------------------------------------------------
+# os.fork() runs this in every child it creates (Lightning's fork launcher forks each rank): while a
+# test below runs, a child touching the marker file is proof that a rank was started.
+_FORK_MARKER: Optional[Path] = None
+
+
+def _mark_forked_child() -> None:
+    if _FORK_MARKER is not None:
+        _FORK_MARKER.touch()
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+REFUSED_WITHIN_S = 3.0  # validation reads configs and at most one small file; a launch alone takes longer
+
+
+@pytest.fixture
+def fork_marker(tmp_path):
+    global _FORK_MARKER
+    _FORK_MARKER = tmp_path / "a-rank-was-forked"
+    yield _FORK_MARKER
+    _FORK_MARKER = None
+
+
+def _refused_before_launch(module, data, match: str, marker: Path) -> ValueError:
+    """``trainer.fit`` at devices=2 (fork) raises ValueError matching ``match`` in this process: one line,
+    within REFUSED_WITHIN_S, and no rank forked."""
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2,
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match) as info:
+        trainer.fit(module, data)
+    elapsed = time.perf_counter() - start
+    assert not marker.exists(), "a rank was started before the input was refused"
+    assert "\n" not in str(info.value), f"the message is not one line: {info.value}"
+    assert elapsed < REFUSED_WITHIN_S, f"refused after {elapsed:.1f} s"
+    return info.value
+
+
+def test_the_fork_probe_sees_a_launch(fork_marker):
+    """The probe the tests below rely on: a good run at devices=2 does fork its ranks."""
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2,
+                        max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(ml.GPTModule(_config()), _mock_data())
+    assert fork_marker.exists()
+
+
+def _mock_data(seq_length: int = 16) -> MockGPTDataModule:
+    return MockGPTDataModule(seq_length=seq_length, micro_batch_size=2, global_batch_size=4, vocab_size=256)
+
+
+NON_FINITE_OR_OUT_OF_RANGE = [
+    ("lr", math.nan, r"OptimizerConfig\(lr=nan\): lr must be a finite number; pass a finite lr"),
+    ("lr", math.inf, r"OptimizerConfig\(lr=inf\): lr must be a finite number"),
+    ("min_lr", math.nan, r"OptimizerConfig\(min_lr=nan\): min_lr must be a finite number"),
+    ("min_lr", math.inf, r"OptimizerConfig\(min_lr=inf\): min_lr must be a finite number"),
+    ("lr_warmup_init", math.nan, r"lr_warmup_init must be a finite number"),
+    ("weight_decay", math.nan, r"weight_decay must be a finite number"),
+    ("end_weight_decay", math.inf, r"end_weight_decay must be a finite number"),
+    ("clip_grad", math.nan, r"clip_grad must be a finite number"),
+    ("clip_grad", math.inf, r"clip_grad must be a finite number"),
+    ("adam_beta1", math.nan, r"adam_beta1 must be a finite number"),
+    ("adam_beta2", 1.0, r"adam_beta2 must be in \[0, 1\), got 1.0"),
+    ("adam_eps", math.nan, r"adam_eps must be a finite number"),
+    ("adam_eps", 0.0, r"adam_eps must be positive, got 0.0; e.g. adam_eps=1e-8"),
+    ("sgd_momentum", -math.inf, r"sgd_momentum must be a finite number"),
+    ("loss_scale", math.nan, r"loss_scale must be a finite number"),
+    ("initial_loss_scale", math.inf, r"initial_loss_scale must be a finite number"),
+    ("min_loss_scale", math.nan, r"min_loss_scale must be a finite number"),
+    ("lr_mult", math.nan, r"lr_mult must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", NON_FINITE_OR_OUT_OF_RANGE,
+                         ids=[f"{f}={v}" for f, v, _ in NON_FINITE_OR_OUT_OF_RANGE])
+def test_optimizer_config_refuses_non_finite_numbers(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ml.OptimizerConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lr", math.nan, r"OptimizerConfig\(lr=nan\): lr must be a finite number; pass a finite lr \(the default is 0.0003\)"),
+    ("min_lr", math.nan, r"OptimizerConfig\(min_lr=nan\): min_lr must be a finite number"),
+    ("min_lr", math.inf, r"OptimizerConfig\(min_lr=inf\): min_lr must be a finite number"),
+    ("adam_beta2", 1.0, r"adam_beta2 must be in \[0, 1\)"),
+])
+def test_optimizer_value_set_after_construction_is_refused_before_launch(fork_marker, field, value, message):
+    """A notebook changes a field of the module's config after building it: fit re-checks the config
+    in the launching process (before, lr=nan started both ranks and ended in a 101-line torch traceback)."""
+    module = ml.GPTModule(_config(), ml.OptimizerConfig())
+    setattr(module.optimizer_config, field, value)
+    _refused_before_launch(module, _mock_data(), message, fork_marker)
+
+
+def test_data_longer_than_a_rope_model_is_refused_before_launch(fork_marker):
+    # RoPE would run at any length, so this used to train silently at a length the model was not set up for.
+    error = _refused_before_launch(ml.GPTModule(_config(seq_length=16)), _mock_data(seq_length=32),
+                                   r"the data's seq_length \(32\) is longer than the model's GPTConfig.seq_length "
+                                   r"\(16\) and GPTConfig.max_position_embeddings \(16\)", fork_marker)
+    assert "set GPTConfig(seq_length=32) or the datamodule's seq_length to at most 16" in str(error)
+
+
+def test_data_longer_than_a_learned_position_table_is_refused_before_launch(fork_marker):
+    config = _config(seq_length=16, position_embedding_type="learned_absolute")
+    _refused_before_launch(ml.GPTModule(config), _mock_data(seq_length=32),
+                           r"the data's seq_length \(32\) is longer than the model's learned position table "
+                           r"\(GPTConfig.max_position_embeddings=16, GPTConfig.seq_length=16\)", fork_marker)
+
+
+def test_rope_model_with_a_larger_max_position_embeddings_takes_longer_data():
+    from megatron_lite.core.parallel.validation import check_seq_length
+
+    check_seq_length(32, _config(seq_length=16, max_position_embeddings=32))  # asked for on the model: fine
+    check_seq_length(8, _config(seq_length=16))  # shorter data: fine
+
+
+def _write_jsonl(path: Path, records: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+CHAT = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Good morrow!"}]}
+
+
+def _sft_data(path: str) -> SFTDataModule:
+    return SFTDataModule(path, NullTokenizer(256), seq_length=16, micro_batch_size=2, global_batch_size=4)
+
+
+def test_empty_sft_file_is_refused_before_launch(fork_marker, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    _refused_before_launch(ml.GPTModule(_config()), _sft_data(str(path)),
+                           r"empty.jsonl holds no conversations; each line must be "
+                           r"\{\"messages\": \[\{\"role\": \.\.\., \"content\": \.\.\.\}, \.\.\.\]\}", fork_marker)
+
+
+@pytest.mark.parametrize("bad_line", [1, 3])
+def test_sft_file_without_messages_is_refused_before_launch(fork_marker, tmp_path, bad_line):
+    records = [CHAT] * 4
+    records[bad_line - 1] = {"conversation": CHAT["messages"]}
+    path = _write_jsonl(tmp_path / "chats.jsonl", records)
+    _refused_before_launch(ml.GPTModule(_config()), _sft_data(path),
+                           rf"chats.jsonl:{bad_line} has no non-empty list under 'messages' \(found \['conversation'\]\); "
+                           r"each line must be .* \(or pass messages_key=<the key that holds them>\)", fork_marker)
+
+
+def test_sft_file_is_read_once_per_version():
+    """validate_inputs remembers the file version it read (a second fit, and every forked rank, skip it)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write_jsonl(Path(tmp) / "chats.jsonl", [CHAT] * 2)
+        data = _sft_data(path)
+        data.validate_inputs()
+        assert data._validated_inputs is not None
+        _write_jsonl(Path(path), [{"conversation": []}])  # the file changes: read again, and refused
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+        with pytest.raises(ValueError, match="chats.jsonl:1 has no non-empty list under 'messages'"):
+            data.validate_inputs()
+
+
+def _text_corpus(tmp_path: Path, records: list) -> TextCorpusDataModule:
+    path = tmp_path / "corpus.jsonl"
+    _write_jsonl(path, records)
+    return TextCorpusDataModule(str(path), seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=300,
+                                cache_dir=str(tmp_path / "cache"))
+
+
+def test_text_corpus_line_without_its_key_is_refused_before_launch(fork_marker, tmp_path):
+    # The constructor reads up to the first text only; line 3 used to fail in rank 0's prepare_data while
+    # rank 1 waited, ending in gloo's "Connection closed by peer".
+    data = _text_corpus(tmp_path, [{"text": "to be or not to be"}, {"text": "that is the question"},
+                                   {"body": "whether tis nobler"}])
+    _refused_before_launch(ml.GPTModule(_config(vocab_size=data.vocab_size)), data,
+                           r"corpus.jsonl:3 has no key 'text' \(its keys: \['body'\]\); every line needs it: "
+                           r"fix or remove this line", fork_marker)
+
+
+def test_text_corpus_with_the_wrong_key_names_the_option():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.raises(
+            ValueError, match=r"corpus.jsonl:1 has no key 'text' \(its keys: \['body'\]\); pass data.json_key=<one of them>"):
+        _text_corpus(Path(tmp), [{"body": "whether tis nobler"}])
+
+
+@pytest.mark.parametrize("field, value", [("init_method_std", math.nan), ("layernorm_epsilon", math.inf),
+                                          ("hidden_dropout", math.nan)])
+def test_model_config_refuses_non_finite_numbers(field, value):
+    # init_method_std=nan used to pass (nan <= 0 is False) and give NaN weights after launch.
+    with pytest.raises(ValueError, match=rf"GPTConfig\({field}={value}\): {field} must be a finite number"):
+        _config(**{field: value})

@@ -100,7 +100,8 @@ def dp2_run(tmp_path_factory):
                             log_every_n_steps=EVERY, logger=loggers, val_check_interval=3, limit_val_batches=1,
                             num_sanity_val_steps=0, enable_checkpointing=False, enable_model_summary=False,
                             enable_progress_bar=False,
-                            callbacks=[RankZeroClock(root / "clock.json"), MegatronMetrics(PEAK_TFLOPS)])
+                            callbacks=[RankZeroClock(root / "clock.json"),
+                                       MegatronMetrics(PEAK_TFLOPS, timers_interval=2 * EVERY)])
         with open(root / "console.txt", "w") as console, redirect_stdout(console):
             trainer.fit(ml.GPTModule(tiny_config(), optimizer()), tiny_data())
     csv_rows = list(csv.DictReader(open(next((root / "csv").rglob("metrics.csv")))))
@@ -201,7 +202,15 @@ def test_console_prints_megatrons_iteration_line(dp2_run):
         assert fields["learning rate"] == f"{lr[logged_step]:.6E}"
         assert int(fields["global batch size"]) == GBS
         assert {"throughput per device (TFLOP/s/device)", "grad norm"} <= fields.keys()
-    assert dp2_run["console"].count("(min, max) time across ranks (ms):") == len(LOGGED_TRAIN_STEPS)
+    # The timer block every timers_interval=4 steps only: after iteration 4, with each timer's per-step
+    # times over steps 1-4, so its max across ranks is at most the mean of the two logged interval maxima.
+    console = dp2_run["console"].splitlines()
+    headers = [i for i, line in enumerate(console) if line == "(min, max) time across ranks (ms):"]
+    assert len(headers) == 1 and console[headers[0] - 1].split()[:2] == ["iteration", f"{2 * EVERY}/"]
+    block = {line.split()[0]: line for line in console[headers[0] + 1:] if line.startswith("    ")}
+    low, high = map(float, block["forward-backward"].split(": (")[1].rstrip(")").split(", "))
+    logged = _csv_series(rows, "timers/forward-backward")
+    assert 0 < low <= high <= (logged[LOGGED_TRAIN_STEPS[0]] + logged[LOGGED_TRAIN_STEPS[1]]) / 2 + 0.005
 
 
 def test_wandb_offline_run_is_written_without_network(dp2_run):

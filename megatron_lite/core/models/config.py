@@ -1,7 +1,8 @@
 """GPTConfig: the model's shape, with Megatron's field names and validation."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -67,6 +68,7 @@ class GPTConfig:
     """With 'full': layers per checkpointed group ('uniform') or layers checkpointed one by one ('block')."""
 
     def __post_init__(self) -> None:
+        _refuse_non_finite(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "make_vocab_size_divisible_by"):
             _positive_int(name, getattr(self, name))
@@ -191,3 +193,13 @@ class GPTConfig:
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _refuse_non_finite(config: GPTConfig) -> None:
+    # NaN passes every range check (all comparisons are False) and would surface only after launch, as
+    # NaN weights (init_method_std) or activations (layernorm_epsilon) and a NaN gradient norm.
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"GPTConfig({f.name}={value}): {f.name} must be a finite number; pass a finite "
+                             f"{f.name} (the default is {f.default!r}).")

@@ -1,8 +1,10 @@
 """OptimizerConfig with Megatron's argument names."""
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Literal, Optional
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -82,6 +84,13 @@ class OptimizerConfig:
     """Stop with an error when the gradient norm is NaN/Inf and no fp16 loss scaler skips the step."""
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every check of the config; ``__post_init__`` runs it, and MegatronStrategy again before it
+        launches (a field may have been changed after construction). Each failure is a ValueError whose
+        message names the fix."""
+        self._check_finite()
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -102,6 +111,28 @@ class OptimizerConfig:
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
         self._check_loss_scaling()
+        self._check_optimizer_constants()
+
+    def _check_finite(self) -> None:
+        # NaN passes every `<`/`>` comparison below (all are False), and NaN or inf would only surface
+        # after launch, from torch or as a NaN gradient norm: refuse them first, for every numeric field.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
+                default = "" if f.default is MISSING else f" (the default is {f.default!r})"
+                raise ValueError(f"OptimizerConfig({f.name}={value}): {f.name} must be a finite number; "
+                                 f"pass a finite {f.name}{default}.")
+
+    def _check_optimizer_constants(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}; e.g. adam_beta1=0.9, "
+                                 f"adam_beta2=0.95 or 0.999.")
+        if self.adam_eps <= 0:
+            # Parameters whose gradient is always 0 (padded vocabulary rows) would become 0/0 = NaN.
+            raise ValueError(f"adam_eps must be positive, got {self.adam_eps}; e.g. adam_eps=1e-8.")
+        if self.sgd_momentum < 0:
+            raise ValueError(f"sgd_momentum must be >= 0 (0 disables momentum), got {self.sgd_momentum}")
 
     # --- schedule units ---------------------------------------------------------------------
     @property

@@ -32,11 +32,8 @@ def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, m
             build_num_microbatches_calculator(global_batch_size, micro_batch_size, dp, rampup_batch_size)
         if parallel.schedule == "interleaved_1f1b":
             _check_interleaved_microbatches(parallel, micro_batch_size, dp, global_batch_size, rampup_batch_size)
-    if model_config is not None and seq_length is not None and seq_length != model_config.seq_length:
-        if model_config.position_embedding_type == "learned_absolute" and seq_length > model_config.max_position_embeddings:
-            raise ValueError(
-                f"the data's seq_length ({seq_length}) exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings}); make them equal.")
+    if model_config is not None and seq_length is not None:
+        check_seq_length(seq_length, model_config)
     if (model_config is not None and seq_length is not None and parallel.sequence_parallel
             and seq_length % parallel.tensor_model_parallel_size):
         raise ValueError(
@@ -61,3 +58,28 @@ def _check_interleaved_microbatches(parallel: ParallelConfig, micro_batch_size: 
                 f"pipeline_model_parallel_size ({pp}), got {microbatches} (global batch {size} / (micro_batch_size "
                 f"{micro_batch_size} x dp {dp})); set global_batch_size to a multiple of {micro_batch_size * dp * pp} "
                 f"(and so every ramp-up size) or use pipeline_schedule='1f1b'.")
+
+
+def check_seq_length(seq_length: int, model_config) -> None:
+    """Refuse data sequences longer than the model takes: ``max(seq_length, max_position_embeddings)``
+    of its config (a shorter data ``seq_length`` is fine).
+
+    A learned position table has no row past ``max_position_embeddings``. RoPE would run at any length,
+    but silently: it extrapolates past what the model was configured for, and the FLOPs and memory
+    estimates and the parallel checks read the model's ``seq_length``. Megatron has one ``--seq-length``
+    for both sides; here the longer length must be asked for on the model too.
+    """
+    longest = max(model_config.seq_length, model_config.max_position_embeddings)
+    if seq_length <= longest:
+        return
+    if model_config.position_embedding_type == "learned_absolute":
+        raise ValueError(
+            f"the data's seq_length ({seq_length}) is longer than the model's learned position table "
+            f"(GPTConfig.max_position_embeddings={model_config.max_position_embeddings}, "
+            f"GPTConfig.seq_length={model_config.seq_length}); set the datamodule's seq_length to at most "
+            f"{longest}, or GPTConfig(seq_length={seq_length}) (and max_position_embeddings >= {seq_length}).")
+    raise ValueError(
+        f"the data's seq_length ({seq_length}) is longer than the model's GPTConfig.seq_length "
+        f"({model_config.seq_length}) and GPTConfig.max_position_embeddings ({model_config.max_position_embeddings}), "
+        f"so RoPE would run at positions the model is not configured for; set GPTConfig(seq_length={seq_length}) "
+        f"or the datamodule's seq_length to at most {longest}.")
