@@ -260,7 +260,7 @@ class GPTModule(pl.LightningModule):
                 f"{type(self).__name__} overrides loss_fn, which runs the whole model in one call; under pipeline "
                 f"parallelism each stage runs only its layers: override forward_step(part, microbatch, input_tensor) "
                 f"and loss(output, microbatch) instead, or set pipeline_model_parallel_size=1.")
-        if (self.config.share_embeddings_and_output_weights and self._strategy_option("overlap_grad_reduce", False)):
+        if self.config.share_embeddings_and_output_weights and getattr(trainer.strategy, "overlap_grad_reduce", False):
             raise ValueError(
                 "overlap_grad_reduce=True with tied embeddings under pipeline parallelism: the embedding's gradient "
                 "must be summed over the first and last stage before its bucket is reduced; set "
