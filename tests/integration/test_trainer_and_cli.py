@@ -148,9 +148,7 @@ def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
 
 def test_cli_preprocess_then_fit_on_bin_idx(tmp_path):
     """The README's two-step pipeline: `megatron-lite preprocess` to .bin/.idx, then `fit` on it (TP2 + SP)."""
-    gpt2 = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
-    if not (gpt2 / "vocab.json").is_file():
-        pytest.skip(f"shared GPT-2 BPE files absent at {gpt2}")
+    gpt2 = REPO / "tests" / "data" / "tokenizers" / "gpt2"
     prefix = tmp_path / "data" / "shakespeare"
     pre = subprocess.run([sys.executable, "-m", "megatron_lite", "preprocess", "--input",
                           str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"), "--output-prefix", str(prefix),
