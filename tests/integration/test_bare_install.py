@@ -31,6 +31,8 @@ from megatron_lite.utils.optional import OPTIONAL
 REPO = Path(__file__).resolve().parents[2]
 PROJECT_FILES = ("pyproject.toml", "README.md", "LICENSE")
 DATA_EXTRA_LINE = 'needs the {!r} package: pip install "megatron-lite[data]"'
+# one venv per module: keep its tests on one xdist worker (`make test` runs --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("bare_install")
 
 
 def _build_wheel(dest: Path) -> tuple[Path, str]:
