@@ -3,7 +3,7 @@
 
 1. **Preprocess** (target: >= 1.8x the plain loop with 2 workers). The bundled Shakespeare corpus
    (``megatron_lite/data/corpora/shakespeare.jsonl.gz``, 42 works, ~5 MB of text) and the GPT-2 BPE tokenizer
-   from ``shared/`` (the shared Llama SentencePiece model if GPT-2 is absent):
+   from ``tests/data/tokenizers/gpt2/``:
 
    * *plain loop*: read the gzipped JSON lines, ``json.loads`` each, ``tokenizer.tokenize(text) + [eod]``, and
      collect the ids as one uint16 array -- what a user would hand-write, in this process, one core;
@@ -60,22 +60,15 @@ from megatron_lite.data.preprocess import preprocess  # noqa: E402
 from megatron_lite.tokenizers import build_tokenizer  # noqa: E402
 
 CORPUS = REPO_ROOT / "megatron_lite" / "data" / "corpora" / "shakespeare.jsonl.gz"
-SHARED_TOKENIZERS = REPO_ROOT.parent / "shared" / "data" / "tokenizers"
+GPT2_DIR = REPO_ROOT / "tests" / "data" / "tokenizers" / "gpt2"  # shipped with the tests (tests/data/README.md)
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "preprocess.json"
 TARGET_RATIO = 1.8
 
 
 def load_tokenizer() -> tuple[Any, dict[str, str]]:
-    """GPT-2 BPE from shared/, else the shared Llama SentencePiece model; the CLI arguments that build it."""
-    gpt2 = SHARED_TOKENIZERS / "gpt2"
-    if (gpt2 / "vocab.json").is_file():
-        args = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(gpt2 / "vocab.json"),
-                "merge_file": str(gpt2 / "merges.txt")}
-    else:
-        llama = SHARED_TOKENIZERS / "llama-sp" / "tokenizer.model"
-        if not llama.is_file():
-            sys.exit(f"no tokenizer: neither {gpt2}/vocab.json nor {llama} exists")
-        args = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": str(llama)}
+    """GPT-2 BPE from tests/data; the tokenizer and the CLI arguments that build it."""
+    args = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(GPT2_DIR / "vocab.json"),
+            "merge_file": str(GPT2_DIR / "merges.txt")}
     return build_tokenizer(**args), args
 
 

@@ -22,10 +22,15 @@ from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
+from lightning_utilities.core.imports import RequirementCache
 
 import megatron_lite  # noqa: F401  (registers the "megatron" strategy)
 from megatron_lite.data import PretrainingDataModule
 from megatron_lite.module import GPTModule
+from megatron_lite.utils.optional import MissingDependencyError, missing_dependency
+
+# What LightningCLI checks before it builds its parser (a base dependency; absent after `pip install --no-deps`)
+_JSONARGPARSE = "jsonargparse[signatures]>=4.27.7"
 
 
 class MegatronLiteCLI(LightningCLI):
@@ -38,13 +43,14 @@ class MegatronLiteCLI(LightningCLI):
 
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
-_CONFIG_ERRORS = (ValueError, TypeError, FileNotFoundError)
+_CONFIG_ERRORS = (ValueError, TypeError, FileNotFoundError, MissingDependencyError)
 
 
 def _configuration_error(exc: BaseException) -> Optional[BaseException]:
     """The root cause of ``exc`` if it is one of our own validation errors, else None.
 
-    Our checks raise ValueError/TypeError/FileNotFoundError with a message that names the fix; a
+    Our checks raise ValueError/TypeError/FileNotFoundError (and MissingDependencyError for an optional
+    package a configured class needs) with a message that names the fix; a
     user should see that message, not the stack of jsonargparse and Lightning wrapped around it.
     Anything raised elsewhere is a bug and keeps its traceback.
     """
@@ -71,11 +77,11 @@ def main(args: Optional[list[str]] = None) -> None:
     Set ``MEGATRON_LITE_DEBUG=1`` to see full tracebacks of configuration errors.
     """
     argv = list(sys.argv[1:] if args is None else args)
-    if argv and argv[0] in _TOOLS:
-        module_name, function = _TOOLS[argv[0]]
-        tool = getattr(importlib.import_module(module_name), function)
-        sys.exit(tool(argv[1:]))
     try:
+        if argv and argv[0] in _TOOLS:
+            module_name, function = _TOOLS[argv[0]]
+            tool = getattr(importlib.import_module(module_name), function)
+            sys.exit(tool(argv[1:]))
         _run_cli(args)
     except Exception as exc:  # noqa: BLE001 - filtered below, everything else is re-raised
         error = None if os.environ.get("MEGATRON_LITE_DEBUG") else _configuration_error(exc)
@@ -86,6 +92,8 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def _run_cli(args: Optional[list[str]]) -> None:
+    if not RequirementCache(_JSONARGPARSE):  # else LightningCLI fails with a traceback, even for --help
+        raise missing_dependency(_JSONARGPARSE, "cli", "megatron-lite fit/validate/test/predict")
     MegatronLiteCLI(
         GPTModule,
         PretrainingDataModule,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_lite.utils.optional import MissingDependencyError, require
+
 Series = dict  # step -> value
 
 # (tag, legend label) of the loss panel
@@ -71,12 +73,9 @@ def read_csv_metrics(path: Path, into: RunMetrics) -> None:
 
 def read_tensorboard_metrics(directory: Path, into: RunMetrics) -> None:
     """Every scalar of the event files in ``directory``."""
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError as exc:
-        raise PlotError(f"{directory} holds TensorBoard event files but tensorboard is not installed; "
-                        f"pip install tensorboard (or megatron-lite[logging])") from exc
-    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})  # 0: keep every event
+    reader = require("tensorboard.backend.event_processing.event_accumulator",
+                     f"reading the TensorBoard event files in {directory}")
+    accumulator = reader.EventAccumulator(str(directory), size_guidance={"scalars": 0})  # 0: keep every event
     accumulator.Reload()
     for tag in accumulator.Tags().get("scalars", []):
         for event in accumulator.Scalars(tag):
@@ -124,11 +123,8 @@ def _not_logged(axes, what: str) -> None:
 def plot_run(run: RunMetrics, out: Path, title: str):
     """Three panels over the optimizer step: loss (train and validation), learning rate, throughput.
     Writes ``out`` and returns the matplotlib Figure."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise PlotError("matplotlib is not installed; pip install matplotlib (or megatron-lite[logging])") from exc
+    Figure = require("matplotlib.figure", "megatron-lite plot").Figure
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", "megatron-lite plot").FigureCanvasAgg
     figure = Figure(figsize=FIGURE_INCHES, layout="constrained")
     FigureCanvasAgg(figure)  # attaches the headless canvas that savefig renders with
     loss_axes, lr_axes, speed_axes = figure.subplots(3, 1, sharex=True)
@@ -187,7 +183,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         run = load_run(args.run_dir)
         plot_run(run, out, title=str(args.run_dir))
-    except PlotError as exc:
+    except (PlotError, MissingDependencyError) as exc:
         print(f"megatron-lite plot: error: {exc}", file=sys.stderr)
         return 2
     steps = {step for series in run.series.values() for step in series}

@@ -4,9 +4,8 @@ Every train/val dataloader yields ``{"tokens": LongTensor[global_batch_size // d
 one optimizer step's worth of samples for this data-parallel rank.
 """
 
-from pathlib import Path
-
 from megatron_lite.data.blended import BlendedDataset
+from megatron_lite.data.bundled import bundled_corpora, bundled_corpus, resolve_corpus
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.fim import FIMDataset, FIMTokens
 from megatron_lite.data.geometry import DataGeometry
@@ -18,18 +17,6 @@ from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import MegatronPretrainingSampler
 from megatron_lite.data.sft import SFTDataModule, SFTDataset
 from megatron_lite.data.text_corpus import TextCorpusDataModule, TokenWindowDataset
-
-_CORPORA_DIR = Path(__file__).resolve().parent / "corpora"
-
-
-def bundled_corpus(name: str = "shakespeare") -> str:
-    """Path of a corpus shipped with the package (``"shakespeare"``: 42 works, public domain)."""
-    path = _CORPORA_DIR / f"{name}.jsonl.gz"
-    if not path.is_file():
-        available = sorted(p.name.removesuffix(".jsonl.gz") for p in _CORPORA_DIR.glob("*.jsonl.gz"))
-        raise FileNotFoundError(f"no bundled corpus {name!r}; available: {available}")
-    return str(path)
-
 
 __all__ = [
     "BlendedDataset",
@@ -49,6 +36,8 @@ __all__ = [
     "SFTDataset",
     "TextCorpusDataModule",
     "TokenWindowDataset",
+    "bundled_corpora",
     "bundled_corpus",
     "parse_data_path",
+    "resolve_corpus",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from megatron_lite.utils.jsonl import open_text
+from megatron_lite.utils.optional import require
 
 # a chunk also closes at this many characters: big documents then spread over workers instead of one
 # worker holding a chunk of many big ones at the end of the run
@@ -63,7 +64,7 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
     """``(location kind, items, count or None)``: raw JSON lines (kind ``line``) or dict rows (``record``)."""
     kind = input_kind(path)
     if kind == "parquet":
-        import pyarrow.parquet as pq
+        pq = require("pyarrow.parquet", f"reading parquet input {path}")
 
         try:
             table = pq.ParquetFile(path)
@@ -74,7 +75,7 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
         return "record", (row for batch in batches for row in batch.to_pylist()), table.metadata.num_rows
     if kind == "hf":
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # belt and braces: a local directory, never the hub
-        import datasets
+        datasets = require("datasets", f"reading the saved Hugging Face dataset {path}")
 
         try:
             ds = datasets.load_from_disk(path)

@@ -33,6 +33,7 @@ import numpy as np
 from megatron_lite.data.corpus_readers import PreprocessError, chunk_items, input_kind, read_items, resolve_inputs
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
 from megatron_lite.utils.jsonl import parse_object_line, require_object
+from megatron_lite.utils.optional import MissingDependencyError, require
 
 
 @dataclass
@@ -259,8 +260,7 @@ def _run(paths: list[str], keys: Sequence[str], hf_split: str, chunk_size: int, 
     chunks = (c for path, kind, items, _ in sources for c in chunk_items(path, kind, items, chunk_size))
     bar = None
     if progress or (progress is None and sys.stderr.isatty()):
-        from tqdm import tqdm
-
+        tqdm = require("tqdm", "the preprocess progress bar (or pass --no-progress)").tqdm
         bar = tqdm(total=total, unit="doc", desc="preprocess", dynamic_ncols=True, file=sys.stderr)
     records, next_log = 0, log_interval
     # fork: workers inherit the tokenizer instead of re-importing the package (seconds per worker otherwise)
@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             append_eod=args.append_eod, split_sentences=args.split_sentences,
                             chunk_size=args.chunk_size, log_interval=args.log_interval, progress=args.progress,
                             hf_split=args.hf_split)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, MissingDependencyError) as err:
         _fail(err)
     for key, prefix in result.output_prefixes.items():
         empty = result.empty_documents[key]

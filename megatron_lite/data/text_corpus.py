@@ -12,12 +12,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.data.bundled import resolve_corpus
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.sentencepiece_tokenizer import MIN_BYTE_FALLBACK_VOCAB
 from megatron_lite.utils.files import locked, write_atomic
 from megatron_lite.utils.jsonl import iter_jsonl_texts
+from megatron_lite.utils.optional import require
 
 # bump when the tokenizer settings or the array layout change, so old caches are not reused
 _CACHE_VERSION = "1"
@@ -87,6 +89,8 @@ def _file_sha256(path: str) -> str:
 class TextCorpusDataModule(PretrainingDataModule):
     """GPT pretraining batches from a JSONL corpus (``.gz`` allowed), tokenized once and cached.
 
+    ``path`` is a file or the name of a bundled corpus (``"shakespeare"``, see ``bundled_corpora()``).
+
     Without ``tokenizer_model`` a byte-fallback SentencePiece BPE model of ``vocab_size`` pieces is trained on
     the corpus; with one, ``vocab_size`` is taken from that model. Documents are shuffled with ``seed``,
     divided by ``split`` (train,validation[,test] weights over documents), each split concatenated with an
@@ -114,7 +118,8 @@ class TextCorpusDataModule(PretrainingDataModule):
         """Validate paths, corpus, split and sizes now, before any process is spawned; ``rampup_batch_size``
         ramps the training batch up (see :class:`PretrainingDataModule`)."""
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
-        path = os.fspath(path)
+        path = resolve_corpus(path)  # a file, or a bundled corpus name ("shakespeare") that works from any cwd
+        require("sentencepiece", "TextCorpusDataModule")  # here, before launch, not in every rank's prepare_data
         _check_corpus(path, json_key)
         self.split_fractions = parse_split(split)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 
-from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-
 from megatron_lite.tokenizers._hf_backed import HFBackedTokenizer
 from megatron_lite.tokenizers.base import require_file
+from megatron_lite.utils.optional import require
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 """GPT-2's only special token: it ends documents (and sequences)."""
@@ -25,22 +23,23 @@ class GPT2BPETokenizer(HFBackedTokenizer):
 
     def __init__(self, vocab_file: str | os.PathLike[str], merge_file: str | os.PathLike[str]) -> None:
         """Load the two files; FileNotFoundError / ValueError name the file at fault and the fix."""
+        hf = require("tokenizers", "GPT2BPETokenizer")  # the data extra, not the base install
         self.vocab_file = require_file(vocab_file, "GPT-2 vocab_file", "pass the path of GPT-2's vocab.json")
         """Path of ``vocab.json``."""
         self.merge_file = require_file(merge_file, "GPT-2 merge_file", "pass the path of GPT-2's merges.txt")
         """Path of ``merges.txt``."""
         try:
-            model = models.BPE.from_file(self.vocab_file, self.merge_file)
+            model = hf.models.BPE.from_file(self.vocab_file, self.merge_file)
         except Exception as err:  # tokenizers raises a bare Exception for unreadable files
             raise ValueError(
                 f"cannot read GPT-2 BPE files vocab_file={self.vocab_file} merge_file={self.merge_file} ({err}); "
                 f"vocab_file must be the JSON token->id map (vocab.json) and merge_file the merges list "
                 f"(merges.txt): check they are not swapped"
             ) from err
-        tok = _HFTokenizer(model)
+        tok = hf.Tokenizer(model)
         # GPT-2 never adds a leading space; with it "Hello" would encode as " Hello" and round trips break
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = hf.decoders.ByteLevel()
         eod = tok.token_to_id(GPT2_EOD_TOKEN)
         if eod is None:
             raise ValueError(f"vocab_file {self.vocab_file} has no {GPT2_EOD_TOKEN!r} token; GPT2BPETokenizer needs "

@@ -11,9 +11,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import Tokenizer as _HFTokenizer
-
 from megatron_lite.tokenizers._hf_backed import HFBackedTokenizer
+from megatron_lite.utils.optional import require
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 """The special-token entries read from ``tokenizer_config.json`` / ``special_tokens_map.json``."""
@@ -77,6 +76,7 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
 
     def __init__(self, path: str | os.PathLike[str], *, special_tokens: Mapping[str, str] | None = None) -> None:
         """Load ``path``; ``special_tokens`` (e.g. ``{"eos_token": "</s>"}``) overrides the config files."""
+        hf = require("tokenizers", "HuggingFaceTokenizer")  # the data extra, not the base install
         path = os.path.expanduser(os.fspath(path))
         if not os.path.exists(path):
             if looks_like_hub_id(path):
@@ -99,7 +99,7 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
         self.tokenizer_file = tokenizer_file
         """The ``tokenizer.json`` that was loaded."""
         try:
-            self._tok = _HFTokenizer.from_file(tokenizer_file)
+            self._tok = hf.Tokenizer.from_file(tokenizer_file)
         except Exception as err:  # tokenizers raises a bare Exception for malformed files
             raise ValueError(f"{tokenizer_file} is not a Hugging Face tokenizers file ({err}); pass a "
                              f"tokenizer.json written by tokenizers/transformers") from err

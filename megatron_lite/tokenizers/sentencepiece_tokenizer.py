@@ -6,11 +6,11 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
-import sentencepiece as spm
-
 from megatron_lite.tokenizers.base import Tokenizer
+from megatron_lite.utils.optional import require
 
 # byte-fallback models reserve 256 byte pieces plus unk/bos/eos and the "\n" user symbol
 MIN_BYTE_FALLBACK_VOCAB = 256 + 4
@@ -18,11 +18,17 @@ MIN_BYTE_FALLBACK_VOCAB = 256 + 4
 _MAX_SENTENCE_BYTES = 1 << 16
 
 
+def _spm(purpose: str) -> ModuleType:
+    """The ``sentencepiece`` module, imported on first use: it is in the ``data`` extra, not the base install."""
+    return require("sentencepiece", purpose)
+
+
 class SentencePieceTokenizer(Tokenizer):
     """Wraps a SentencePiece ``.model`` file. ``bos``/``eos``/``pad`` are None when the model lacks them."""
 
     def __init__(self, model_path: str) -> None:
         """Load ``model_path``; raises FileNotFoundError naming the path if it is missing."""
+        spm = _spm("SentencePieceTokenizer")
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"SentencePiece model {model_path} does not exist; pass the path of a .model file")
         self.model_path = model_path
@@ -38,7 +44,7 @@ class SentencePieceTokenizer(Tokenizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the processor from the serialized model."""
         self.model_path = state["model_path"]
-        self._sp = spm.SentencePieceProcessor(model_proto=state["proto"])
+        self._sp = _spm("SentencePieceTokenizer").SentencePieceProcessor(model_proto=state["proto"])
         self._chat_template_override = state.get("chat_template")
 
     def tokenize(self, text: str) -> list[int]:
@@ -136,6 +142,7 @@ def train_sentencepiece(
             f"vocab_size must be >= {MIN_BYTE_FALLBACK_VOCAB} for a byte-fallback SentencePiece model "
             f"(plus one piece per distinct character), got {vocab_size!r}; use vocab_size >= 512"
         )
+    spm = _spm("training a SentencePiece tokenizer")
     directory = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".spm-train-") as tmp:

@@ -21,9 +21,8 @@ import json
 import os
 from collections.abc import Sequence
 
-import tiktoken
-
 from megatron_lite.tokenizers.base import Tokenizer, require_file
+from megatron_lite.utils.optional import require
 
 PATTERNS = {
     # Megatron-LM's --tiktoken-pattern v1 and v2
@@ -94,6 +93,7 @@ class TikTokenizer(Tokenizer):
         vocab_size: int | None = None,
     ) -> None:
         """Load ``path``; ``pattern`` is "v1", "v2", "gpt2" or a regex; errors name the fix."""
+        tiktoken = require("tiktoken", "TikTokenizer")  # the data extra, not the base install
         self.path = require_file(path, "tiktoken rank file", "pass the path of a local .tiktoken rank file "
                                  "(megatron-lite never downloads one)")
         """The rank file."""

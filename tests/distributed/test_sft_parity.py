@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lite.data import bundled_corpus
 from megatron_lite.data.sft import SFTDataModule
 from megatron_lite.tokenizers import GPT2BPETokenizer
 from parity_utils import assert_same_training, run, tiny_config
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
-pytestmark = pytest.mark.skipif(not (SHARED / "tokenizers/gpt2/vocab.json").is_file(),
-                                reason=f"shared GPT-2 BPE files absent under {SHARED}")
+GPT2 = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"  # tests/data/README.md: origin, licence
 
 
 @pytest.fixture(scope="module")
 def sft_file(tmp_path_factory):
-    with gzip.open(SHARED / "corpora/shakespeare.jsonl.gz", "rt") as f:
+    with gzip.open(bundled_corpus("shakespeare"), "rt") as f:
         lines = [l.strip() for l in json.loads(f.readline())["text"].splitlines() if l.strip()][:400]
     path = tmp_path_factory.mktemp("sft") / "chat.jsonl"
     with open(path, "w") as f:
@@ -32,7 +31,7 @@ def sft_file(tmp_path_factory):
 
 
 def _data(path):
-    tokenizer = GPT2BPETokenizer(str(SHARED / "tokenizers/gpt2/vocab.json"), str(SHARED / "tokenizers/gpt2/merges.txt"))
+    tokenizer = GPT2BPETokenizer(str(GPT2 / "vocab.json"), str(GPT2 / "merges.txt"))
     return SFTDataModule(path, tokenizer, seq_length=64, micro_batch_size=2, global_batch_size=8, split="100,0",
                          pack_sequences=True, seed=3)
 

@@ -17,10 +17,7 @@ from megatron_lite.data.preprocess import PreprocessError, main, preprocess, spl
 from megatron_lite.tokenizers import NullTokenizer, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-# shared/ sits beside the checkout (here and in CI)
-GPT2_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "gpt2"
-needs_gpt2 = pytest.mark.skipif(not (GPT2_DIR / "vocab.json").is_file(),
-                                reason=f"shared GPT-2 BPE files are absent from {GPT2_DIR}")
+GPT2_DIR = REPO / "tests" / "data" / "tokenizers" / "gpt2"  # tests/data/README.md: origin and licence
 SHAKESPEARE = REPO / "megatron_lite" / "data" / "corpora" / "shakespeare.jsonl.gz"
 
 # null-tokenizer documents: the text is the ids; vocab 100, so eod = 99 and tokens are uint16
@@ -80,7 +77,6 @@ def test_every_input_format_gives_the_same_files(tmp_path: Path) -> None:
     assert result.documents["text"] == 2 * len(DOCS)
 
 
-@needs_gpt2
 def test_gpt2_one_and_two_workers_are_byte_identical(tmp_path: Path) -> None:
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_DIR / "vocab.json", merge_file=GPT2_DIR / "merges.txt")
     with gzip.open(SHAKESPEARE, "rt") as f:
@@ -97,7 +93,6 @@ def test_gpt2_one_and_two_workers_are_byte_identical(tmp_path: Path) -> None:
     assert all(ds[i].tolist() == ids for i, ids in enumerate(expected))
 
 
-@needs_gpt2
 def test_cli_subprocess_and_merge(tmp_path: Path) -> None:
     halves = [[{"text": "Hello world."}, {"text": "Good night, sweet prince."}], [{"text": "To be, or not to be."}]]
     prefixes = []

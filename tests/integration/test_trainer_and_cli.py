@@ -42,16 +42,21 @@ def test_fork_name_resolves():
     assert trainer.strategy._start_method == "fork"
 
 
-def test_cli_fit_with_example_config(tmp_path):
+def test_cli_fit_with_example_config_from_another_directory(tmp_path):
+    """The example config as written (its corpus named `path: shakespeare`), run from a directory that is not
+    the checkout: the bundled corpus resolves inside the package, not relative to the working directory."""
+    work = tmp_path / "elsewhere"
+    work.mkdir()
     cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
            "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
            "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(tmp_path / "run"),
            "--trainer.enable_progress_bar", "false", "--model.optimizer.lr_warmup_iters", "1",
-           "--data.init_args.path", str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"),
            "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.vocab_size", "512"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=4` reached." in proc.stderr + proc.stdout
     config = next((tmp_path / "run").rglob("config.yaml")).read_text()
+    assert "path: shakespeare" in config
     assert "tensor_model_parallel_size: 2" in config
     assert "vocab_size: 512" in config  # linked from the data into the model
     events = list((tmp_path / "run").rglob("events.out.tfevents*"))
@@ -64,6 +69,7 @@ def test_cli_reports_missing_corpus_before_training(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in proc.stderr
+    assert "or the name of a bundled corpus: shakespeare" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -148,9 +154,7 @@ def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
 
 def test_cli_preprocess_then_fit_on_bin_idx(tmp_path):
     """The README's two-step pipeline: `megatron-lite preprocess` to .bin/.idx, then `fit` on it (TP2 + SP)."""
-    gpt2 = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
-    if not (gpt2 / "vocab.json").is_file():
-        pytest.skip(f"shared GPT-2 BPE files absent at {gpt2}")
+    gpt2 = REPO / "tests" / "data" / "tokenizers" / "gpt2"
     prefix = tmp_path / "data" / "shakespeare"
     pre = subprocess.run([sys.executable, "-m", "megatron_lite", "preprocess", "--input",
                           str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"), "--output-prefix", str(prefix),

@@ -23,7 +23,9 @@ from megatron_lite.data import (
     MockGPTDataModule,
     MockGPTDataset,
     TextCorpusDataModule,
+    bundled_corpora,
     bundled_corpus,
+    resolve_corpus,
 )
 from megatron_lite.data.splits import parse_split
 
@@ -389,3 +391,18 @@ def test_bundled_corpus() -> None:
     assert bundled_corpus().endswith("shakespeare.jsonl.gz") and os.path.isfile(bundled_corpus())
     with pytest.raises(FileNotFoundError, match="available: \\['shakespeare'\\]"):
         bundled_corpus("nope")
+
+
+def test_configs_name_a_bundled_corpus_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``path: shakespeare`` resolves inside the installed package whatever the working directory; a file wins."""
+    monkeypatch.chdir(tmp_path)  # not the checkout: a path relative to the repository would not exist here
+    assert bundled_corpora() == ["shakespeare"]
+    assert resolve_corpus("shakespeare") == bundled_corpus("shakespeare")
+    dm = TextCorpusDataModule("shakespeare", vocab_size=512, cache_dir=str(tmp_path / "cache"))
+    assert dm.path == bundled_corpus("shakespeare")
+    local = _write_jsonl(tmp_path / "shakespeare", [{"text": "a local file of that name"}])
+    assert resolve_corpus("shakespeare") == "shakespeare" and os.path.samefile("shakespeare", local)
+    for missing in ("shakespear", "megatron_lite/data/corpora/shakespeare.jsonl.gz"):
+        with pytest.raises(FileNotFoundError, match=rf"^corpus {missing} does not exist; pass data.path=<a .jsonl or "
+                                                    rf"\.jsonl\.gz file> or the name of a bundled corpus: shakespeare$"):
+            TextCorpusDataModule(missing, vocab_size=512, cache_dir=str(tmp_path / "cache"))

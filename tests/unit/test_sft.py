@@ -8,8 +8,7 @@ import torch
 from megatron_lite.data.sft import SFTDataModule, SFTDataset, pack, read_conversations, tokenize_conversation
 from megatron_lite.tokenizers import DEFAULT_CHAT_TEMPLATE, GPT2BPETokenizer, render_chat_template
 
-GPT2 = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "gpt2"
-needs_gpt2 = pytest.mark.skipif(not (GPT2 / "vocab.json").is_file(), reason=f"shared GPT-2 BPE files absent at {GPT2}")
+GPT2 = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"  # tests/data/README.md: origin, licence
 
 CONVERSATIONS = [
     [{"role": "system", "content": "You speak like Shakespeare."},
@@ -30,7 +29,6 @@ def _render(messages, add_generation_prompt):
     return render_chat_template(DEFAULT_CHAT_TEMPLATE, list(messages), add_generation_prompt=add_generation_prompt)
 
 
-@needs_gpt2
 def test_only_assistant_replies_are_trained(tokenizer):
     ids, mask = tokenize_conversation(CONVERSATIONS[0], _render, tokenizer.tokenize, tokenizer.eod)
     assert tokenizer.detokenize(ids[:-1].tolist()) == _render(CONVERSATIONS[0], False)  # nothing lost or added
@@ -45,7 +43,6 @@ def test_packing_is_in_order_and_respects_capacity():
     assert pack([9], capacity=7) == [[0]]  # truncated, still its own bin
 
 
-@needs_gpt2
 @pytest.mark.parametrize("pack_sequences", [True, False])
 def test_samples_are_fixed_size_and_consistent(tokenizer, pack_sequences):
     conversations = CONVERSATIONS * 6  # 115 and 42 tokens: bins of 161 hold 115+42 or 3x42
@@ -70,7 +67,6 @@ def test_samples_are_fixed_size_and_consistent(tokenizer, pack_sequences):
         assert item["loss_mask"].sum() > 0
 
 
-@needs_gpt2
 def test_long_conversations_are_truncated_and_counted(tokenizer):
     ds = SFTDataset(CONVERSATIONS * 2, tokenizer, seq_length=64, seed=0)
     assert ds.num_truncated == 2 and len(ds) == 4
@@ -89,7 +85,6 @@ def test_bad_files(tmp_path):
         read_conversations(str(path))
 
 
-@needs_gpt2
 def test_datamodule_errors(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match="SFT data .* does not exist"):
         SFTDataModule(str(tmp_path / "none.jsonl"), tokenizer)

@@ -14,6 +14,7 @@ import tiktoken.load
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from megatron_lite.data import bundled_corpus
 from megatron_lite.tokenizers import (
     DEFAULT_CHAT_TEMPLATE,
     GPT2BPETokenizer,
@@ -24,13 +25,9 @@ from megatron_lite.tokenizers import (
 )
 from megatron_lite.tokenizers.tiktoken_tokenizer import PATTERNS
 
-# shared/ sits beside the checkout (here and in CI)
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
-GPT2_DIR = SHARED / "tokenizers" / "gpt2"
-SHAKESPEARE = SHARED / "corpora" / "shakespeare.jsonl.gz"
-needs_gpt2 = pytest.mark.skipif(not (GPT2_DIR / "vocab.json").is_file(),
-                                reason=f"shared GPT-2 BPE files {GPT2_DIR} are absent")
-needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"shared corpus {SHAKESPEARE} is absent")
+# real files shipped with the tests (tests/data/README.md: origin and licences) and the bundled corpus
+GPT2_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"
+SHAKESPEARE = Path(bundled_corpus("shakespeare"))
 
 TRICKY = "  To be, or not to be:\tthat is the question.\n\n\n   Whether 'tis nobler  é 日本 🙂 ~`|\n"
 CHAT = [{"role": "system", "content": "Speak as Hamlet."}, {"role": "user", "content": "To be?"}]
@@ -43,8 +40,6 @@ HF_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ messa
 @pytest.fixture(scope="module")
 def text() -> str:
     """About 40 KB of real text from two works, plus characters Shakespeare never used."""
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"shared corpus {SHAKESPEARE} is absent")
     with gzip.open(SHAKESPEARE, "rt", encoding="utf-8") as f:
         works = [json.loads(next(f))["text"] for _ in range(2)]
     return works[0][:20_000] + works[1][-20_000:] + TRICKY
@@ -53,8 +48,6 @@ def text() -> str:
 @pytest.fixture(scope="module")
 def gpt2_ranks() -> dict[bytes, int]:
     """GPT-2's ranks as tiktoken derives them from merges.txt + vocab.json (tiktoken checks they agree)."""
-    if not (GPT2_DIR / "vocab.json").is_file():
-        pytest.skip(f"shared GPT-2 BPE files {GPT2_DIR} are absent")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIKTOKEN_CACHE_DIR", "")  # "" disables tiktoken's by-path cache of local files
         return tiktoken.load.data_gym_to_mergeable_bpe_ranks(str(GPT2_DIR / "merges.txt"), str(GPT2_DIR / "vocab.json"))
@@ -62,9 +55,7 @@ def gpt2_ranks() -> dict[bytes, int]:
 
 @pytest.fixture(scope="module")
 def gpt2() -> GPT2BPETokenizer:
-    """The shared GPT-2 files, loaded once."""
-    if not (GPT2_DIR / "vocab.json").is_file():
-        pytest.skip(f"shared GPT-2 BPE files {GPT2_DIR} are absent")
+    """The GPT-2 files, loaded once."""
     return GPT2BPETokenizer(GPT2_DIR / "vocab.json", GPT2_DIR / "merges.txt")
 
 
@@ -93,7 +84,6 @@ def test_gpt2_known_ids(gpt2: GPT2BPETokenizer) -> None:
     assert gpt2.eod not in gpt2.tokenize("a<|endoftext|>b")
 
 
-@needs_shakespeare
 def test_gpt2_round_trip_and_agreement_with_tiktoken(gpt2: GPT2BPETokenizer, gpt2_ranks: dict[bytes, int],
                                                     text: str) -> None:
     ids = _assert_round_trip(gpt2, text)
@@ -104,7 +94,6 @@ def test_gpt2_round_trip_and_agreement_with_tiktoken(gpt2: GPT2BPETokenizer, gpt
     assert ids == reference.encode_ordinary(text)
 
 
-@needs_gpt2
 def test_gpt2_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="check they are not swapped"):
         GPT2BPETokenizer(GPT2_DIR / "merges.txt", GPT2_DIR / "vocab.json")
@@ -120,7 +109,6 @@ def test_gpt2_bad_files(tmp_path: Path) -> None:
         GPT2BPETokenizer(tmp_path / "vocab.json", tmp_path / "merges.txt")
 
 
-@needs_gpt2
 def test_build_gpt2_with_chat_template() -> None:
     tok = build_tokenizer("gpt2", vocab_file=GPT2_DIR / "vocab.json", merge_file=GPT2_DIR / "merges.txt",
                           chat_template=DEFAULT_CHAT_TEMPLATE)
@@ -256,7 +244,6 @@ def test_tiktoken_megatron_id_layout(rank_file: Path, gpt2: GPT2BPETokenizer) ->
         tok.detokenize([52000])
 
 
-@needs_shakespeare
 @pytest.mark.parametrize("pattern", ["v1", "v2", "gpt2"])
 def test_tiktoken_round_trip(rank_file: Path, text: str, pattern: str) -> None:
     tok = TikTokenizer(rank_file, pattern=pattern, num_special_tokens=8, special_tokens=["<s>", "</s>", "<unk>"])
@@ -265,7 +252,6 @@ def test_tiktoken_round_trip(rank_file: Path, text: str, pattern: str) -> None:
     assert min(ids) >= 8
 
 
-@needs_shakespeare
 def test_tiktoken_truncation_json_format_and_chat(rank_file: Path, gpt2_ranks: dict[bytes, int], text: str,
                                                   tmp_path: Path) -> None:
     # Megatron's vocab_size keeps the lowest ranks: here only the 256 bytes, still lossless

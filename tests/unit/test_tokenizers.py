@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer: training on real Shakespeare text, exact round trips, the shared Llama model."""
+"""SentencePiece tokenizer: training on real Shakespeare text, exact round trips, the Llama model in tests/data."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from megatron_lite.data import bundled_corpus
 from megatron_lite.tokenizers import SentencePieceTokenizer, Tokenizer, train_sentencepiece
 
-# shared/ sits beside the checkout (here and in CI)
-LLAMA_MODEL = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "llama-sp" / "tokenizer.model"
+# shipped with the tests (tests/data/README.md: origin and licence)
+LLAMA_MODEL = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "llama-sp" / "tokenizer.model"
 
 # whitespace runs, leading indentation, tabs, blank lines, characters Shakespeare never used
 TRICKY = "  To be, or not to be:\tthat is the question.\n\n\n   Whether 'tis nobler  é 日本 🙂 ~`|\n"
@@ -84,8 +84,7 @@ def test_training_errors_name_the_fix(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []  # failed runs leave no temporary directories behind
 
 
-@pytest.mark.skipif(not LLAMA_MODEL.is_file(), reason=f"shared Llama SentencePiece model {LLAMA_MODEL} is absent")
-def test_shared_llama_model() -> None:
+def test_llama_sentencepiece_model() -> None:
     tok = SentencePieceTokenizer(str(LLAMA_MODEL))
     assert tok.vocab_size == 32000
     assert (tok.bos, tok.eos, tok.eod, tok.pad) == (1, 2, 2, None)
@@ -271,8 +270,7 @@ def test_build_null_tokenizer_with_chat_template_file(tmp_path: Path) -> None:
         build_tokenizer("null", vocab_size=10, chat_template=str(tmp_path / "missing.jinja"))
 
 
-@pytest.mark.skipif(not LLAMA_MODEL.is_file(), reason=f"shared Llama SentencePiece model {LLAMA_MODEL} is absent")
-def test_build_shared_llama_model() -> None:
+def test_build_llama_sentencepiece_model() -> None:
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=LLAMA_MODEL)
     assert isinstance(tok, SentencePieceTokenizer) and (tok.vocab_size, tok.eod) == (32000, 2)
     text = next(iter(_works(2).values()))[:20_000]
