@@ -26,7 +26,6 @@ from megatron_lite.core.checkpoint.sharded import (
     ensure_optimizer_state,
     load_optimizer_groups,
     load_sharded,
-    megatron_optimizer_state,
     save_sharded,
     sharded_model_state,
     sharded_optimizer_state,
@@ -370,31 +369,11 @@ class MegatronStrategy(ParallelStrategy):
         """The module's core optimizer wrapper (fp32 masters, ZeRO-1, loss scaler), if it has one."""
         return getattr(self.lightning_module, "megatron_optimizer", None)
 
-    def _megatron_optimizer_state(self, mopt, writebacks=None, only_keys=None,
-                                  index: int = 0) -> tuple[dict[str, Any], dict, set[str]]:
-        """(DCP state, per-parameter tensors to load into, names whose state the checkpoint lacks)."""
-        per_param = mopt.checkpoint_state()
-        absent: set[str] = set()
-        if only_keys is not None:
-            # Load what the checkpoint has: no fp32 masters when written at another precision, no state
-            # for parameters that had not been stepped (every step so far skipped by fp16 overflow).
-            present = {name: {k: v for k, v in entry.items() if f"optimizer_{index}.state.model.{name}.{k}" in only_keys}
-                       for name, entry in per_param.items()}
-            absent = {name for name, entry in present.items()
-                      if not any(k != "master" for k in entry) and any(k != "master" for k in per_param[name])}
-            per_param = present
-        params = dict(mopt.model.named_parameters())
-        state = megatron_optimizer_state(mopt, params, self._require_layout(), per_param, prefix="model.",
-                                         writebacks=writebacks)
-        if only_keys is not None and not any(k.startswith(f"optimizer_{index}.extra") for k in only_keys):
-            state.pop("extra")  # written before loss scaling existed
-        return state, per_param, absent
-
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
         mopt = self._megatron_optimizer()
         if mopt is not None:
-            return self._megatron_optimizer_state(mopt)[0]
+            return mopt.sharded_state_dict()
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return sharded_optimizer_state(self.lightning_module, optimizer, self._require_layout())
 
@@ -437,12 +416,12 @@ class MegatronStrategy(ParallelStrategy):
         fitting = trainer is not None and trainer.state.fn == "fit"
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         mopt = self._megatron_optimizer() if fitting else None
-        per_param, absent = None, set()
         for i, opt in enumerate(optimizers):
             if mopt is not None and i == 0:
                 mopt.ensure_state()
                 keys = checkpoint_keys(path) if (path / ".metadata").is_file() else None
-                opt_state, per_param, absent = self._megatron_optimizer_state(mopt, writebacks, keys)
+                opt_state = mopt.sharded_state_dict(writebacks=writebacks, only_keys=keys,
+                                                    key_prefix=f"optimizer_{i}.")
             else:
                 ensure_optimizer_state(opt)
                 opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
@@ -452,10 +431,8 @@ class MegatronStrategy(ParallelStrategy):
         state.update(rng)
         extra = load_sharded(state, path)
         write_back(writebacks)
-        if mopt is not None and per_param is not None:
-            mopt.load_checkpoint_state(per_param)
-            mopt.drop_state(absent)
-            mopt.load_state_dict_extra(state["optimizer_0"].get("extra", {}))
+        if mopt is not None and optimizers:
+            mopt.load_sharded_state_dict(state["optimizer_0"])
         for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
             load_optimizer_groups(opt, groups)
         if rng:
