@@ -96,7 +96,7 @@ class GPTModule(pl.LightningModule):
         if engine is None or engine.model is not self.model:
             engine = self._engine = TrainingEngine(self.model, self.parallel_layout, self)
         engine.optimizer = self.megatron_optimizer
-        engine.timers = self._timers()
+        engine.timers = self.run_timers()
         return engine
 
     def configure_model(self) -> None:
@@ -115,7 +115,7 @@ class GPTModule(pl.LightningModule):
         trainer = self._attached_trainer()
         return getattr(trainer.strategy, name, default) if trainer is not None else default
 
-    def _timers(self) -> Optional[Timers]:
+    def run_timers(self) -> Optional[Timers]:
         """The run's Megatron timers (held by the MegatronMetrics callback), if any."""
         trainer = self._attached_trainer()
         callbacks = trainer.callbacks if trainer is not None else []
@@ -281,7 +281,7 @@ class GPTModule(pl.LightningModule):
             self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16, grad_reduction="fsdp")
         else:
             self.megatron_optimizer = MegatronOptimizer(self.model, cfg, layout, fp16=fp16, **buckets)
-        self.megatron_optimizer.timers = self._timers()
+        self.megatron_optimizer.timers = self.run_timers()
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

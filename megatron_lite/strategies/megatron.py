@@ -32,6 +32,7 @@ from megatron_lite.core.checkpoint.sharded import (
     write_back,
 )
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
+from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import estimate_for_run
 from megatron_lite.core.estimator.report import format_table, memory_warning
@@ -216,7 +217,8 @@ class MegatronStrategy(ParallelStrategy):
             raise ValueError(
                 f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
                 f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
-        optimizer_config = getattr(module, "optimizer_config", None)
+        engine_module = module if isinstance(module, EngineModule) else None
+        optimizer_config = engine_module.optimizer_config if engine_module is not None else None
         if callable(getattr(optimizer_config, "validate", None)):
             optimizer_config.validate()  # again: a field may have been set after construction (lr=nan)
         if self.use_torch_fsdp2 and self.parallel_config.pipeline_model_parallel_size > 1:
@@ -228,11 +230,9 @@ class MegatronStrategy(ParallelStrategy):
             raise ValueError(
                 "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "
                 "OptimizerConfig(use_distributed_optimizer=False) or drop use_torch_fsdp2.")
-        if trainer is not None and module is not None:
-            hook = getattr(module, "validate_configuration", None)
-            if callable(hook):
-                hook(trainer, datamodule)
-        model_config = getattr(module, "config", None)
+        if trainer is not None and engine_module is not None:
+            engine_module.validate_configuration(trainer, datamodule)
+        model_config = engine_module.config if engine_module is not None else None
         if model_config is not None and not hasattr(model_config, "validate_parallelism"):
             model_config = None
         dp_size = validate_run(
@@ -299,12 +299,14 @@ class MegatronStrategy(ParallelStrategy):
         warning when it exceeds the device's memory. Never stops a run: an estimate it cannot make is
         a warning."""
         module, datamodule = self.lightning_module, getattr(trainer, "datamodule", None)
-        config = getattr(module, "config", None)
+        if not isinstance(module, EngineModule):
+            return None
+        config = module.config
         geometry = {k: getattr(datamodule, k, None) for k in ("micro_batch_size", "global_batch_size", "seq_length")}
         if not hasattr(config, "validate_parallelism") or None in geometry.values() or self._layout is None:
             return None
         try:
-            optimizer = getattr(module, "optimizer_config", None)
+            optimizer = module.optimizer_config
             layout = self._layout
             estimate = estimate_for_run(
                 config, **geometry, tensor_model_parallel_size=layout.tp_size, data_parallel_size=layout.dp_size,
@@ -367,7 +369,8 @@ class MegatronStrategy(ParallelStrategy):
 
     def _megatron_optimizer(self):
         """The module's core optimizer wrapper (fp32 masters, ZeRO-1, loss scaler), if it has one."""
-        return getattr(self.lightning_module, "megatron_optimizer", None)
+        module = self.lightning_module
+        return module.megatron_optimizer if isinstance(module, EngineModule) else None
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -402,7 +405,8 @@ class MegatronStrategy(ParallelStrategy):
         }
         assert self.lightning_module is not None
         state.update(rng_state(self.lightning_module, self.global_rank))
-        timers = self.lightning_module._timers() if hasattr(self.lightning_module, "_timers") else None
+        module = self.lightning_module
+        timers = module.run_timers() if isinstance(module, EngineModule) else None
         with timed(timers, "save-checkpoint", log_level=0):
             save_sharded(state, path, extra=checkpoint)
 

@@ -1,0 +1,33 @@
+"""The contract between a LightningModule that trains through the engine and MegatronStrategy.
+
+Written as a ``typing.Protocol`` so that the strategy checks it once (``isinstance``) and then reads
+plain attributes, instead of probing a module with ``getattr`` look-ups. A LightningModule that does
+not satisfy it still runs under the strategy (``examples/own_lightning_module.py``): it just gets no
+model-aware validation, estimate or optimizer checkpointing.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from megatron_lite.core.optim.optimizer import MegatronOptimizer
+from megatron_lite.core.timers import Timers
+
+
+@runtime_checkable
+class EngineModule(Protocol):
+    """What MegatronStrategy reads from a module (GPTModule, RewardModelModule, ...)."""
+
+    config: Any
+    """The model config: ``validate_parallelism(...)``, ``num_layers`` and the shape for estimates."""
+    optimizer_config: Any
+    """The :class:`OptimizerConfig` (re-validated before launch; ZeRO-1 and overlap checks)."""
+    megatron_optimizer: Optional[MegatronOptimizer]
+    """The optimizer whose ``sharded_state_dict``/``load_sharded_state_dict`` the checkpoints call."""
+
+    def validate_configuration(self, trainer: Any, datamodule: Any) -> None:
+        """The module's own checks, run before any process starts (raise ValueError naming the fix)."""
+        ...
+
+    def run_timers(self) -> Optional[Timers]:
+        """The run's Megatron timers, if a callback keeps them."""
+        ...
