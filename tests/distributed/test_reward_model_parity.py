@@ -1,5 +1,5 @@
 """The reward model (issue 10's second objective on the engine) at TP2, TP2+SP, PP2 (also
-interleaved) and DP2 equals one process through a real Trainer.
+interleaved), DP2 (also FSDP2), TP2xPP2+SP and PP2xDP2 equals one process through a real Trainer.
 
 Same seed, same preference file, same global batch: the per-step Bradley-Terry losses, the first
 step's full gradients (gathered over TP and every pipeline stage), the final parameters (rtol 1e-5)
@@ -27,6 +27,9 @@ LAYOUTS = {
     "pp2": dict(devices=2, pp=2),
     "pp2_vpp2": dict(devices=2, pp=2, vpp=2),
     "dp2": dict(devices=2),
+    "dp2_fsdp2": dict(devices=2, strategy_kwargs=dict(use_torch_fsdp2=True)),
+    "tp2_pp2_sp": dict(devices=4, tp=2, pp=2, sp=True),
+    "pp2_dp2": dict(devices=4, pp=2, mbs=1),
 }
 
 
@@ -54,7 +57,8 @@ def write_pairs(path: Path, n: int, vocab: int, seed: int = 0) -> str:
     return str(path)
 
 
-def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, vpp=1, steps=STEPS, mbs=2, gbs=8) -> dict:
+def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, vpp=1, steps=STEPS, mbs=2, gbs=8,
+          strategy_kwargs=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**CONFIG)
     data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
@@ -64,7 +68,8 @@ def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, vpp=1, 
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, clip_grad=0.0)
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method="fork",
-                                     pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp),
+                                     pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                                     **(strategy_kwargs or {})),
         accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Recorder(out), AccuracyRecorder(out)])
