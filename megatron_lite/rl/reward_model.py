@@ -1,20 +1,19 @@
 """RewardModelModule: a reward model, a second objective on the training engine.
 
-The GPT trunk ends in a scalar head (``core/models/reward.py``) read at each sequence's last real
-token; the loss is Bradley-Terry's ``-log sigmoid(r_chosen - r_rejected)``, averaged over the pairs
-of the global batch. Chosen and rejected run as ONE microbatch (concatenated along the batch), so
-every schedule of the engine, pipelined or not, drives it unchanged. Data: ``PreferenceDataModule``.
-"""
+A GPT trunk with a scalar head (``core/models/reward.py``) read at each sequence's last real token;
+Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)`` averaged over the global batch's pairs.
+Chosen and rejected run as ONE microbatch (concatenated along the batch), so every engine schedule,
+pipelined or not, drives it unchanged. Data: ``megatron_lite.data.PreferenceDataModule``."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from megatron_lite.core.models.reward import RewardModel, last_token_values
-from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.losses import bradley_terry_loss, preference_correct
 
@@ -25,16 +24,16 @@ def _rewards(part: Any, tokens: torch.Tensor, lengths: torch.Tensor, input_tenso
 
 
 class RewardModelModule(GPTModule):
-    """Train a reward model on preference pairs under any layout (GPTModule's optimizer, schedule and
-    validation plumbing). Logs ``train/loss``, ``train/accuracy`` (share of pairs with r_chosen >
-    r_rejected in the global batch), ``val/loss`` and ``val/accuracy``."""
+    """Train a reward model on preference pairs under any layout (GPTModule's optimizer, scheduler and
+    evaluation plumbing). Logs ``train/loss``, ``train/accuracy`` (share of the global batch's pairs
+    with r_chosen > r_rejected), ``val/loss`` and ``val/accuracy`` (and ``test/...``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.val_accuracy_metric, self.test_accuracy_metric = MeanMetric(), MeanMetric()
+        self.accuracy_metrics = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self._tally: Optional[torch.Tensor] = None  # (correct pairs, pairs) seen by loss() this step
 
-    def build_model(self, layout: ParallelLayout) -> RewardModel:
+    def build_model(self, layout) -> RewardModel:
         return RewardModel(self.config, layout, seed=self.seed)
 
     def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
@@ -52,8 +51,8 @@ class RewardModelModule(GPTModule):
         return bradley_terry_loss(chosen, rejected).sum(), pairs
 
     def _accuracy(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accuracy, pairs) of the global batch just run, the same on every rank: loss() ran on the last
-        stage only, so its tally is summed over the pipeline (zeros elsewhere), then over DP; no host sync."""
+        """(accuracy, pairs) of the global batch just run, equal on every rank: loss() ran on the last stage
+        only, so its tally is summed over the pipeline (zeros elsewhere), then over DP; no host sync."""
         tally, self._tally = self._tally, None
         tally = tally if tally is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
         for name in ("pp", "dp_cp"):
@@ -68,18 +67,12 @@ class RewardModelModule(GPTModule):
         self.log("train/accuracy", self._accuracy()[0], prog_bar=True)
         return loss
 
-    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._evaluate_pairs(batch, "val", self.val_accuracy_metric)
-
-    def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._evaluate_pairs(batch, "test", self.test_accuracy_metric)
-
-    def _evaluate_pairs(self, batch: dict, prefix: str, metric: MeanMetric) -> torch.Tensor:
+    def _evaluate(self, batch: dict, prefix: str) -> torch.Tensor:
         self._tally = None
-        loss = self._evaluate(batch, prefix)  # GPTModule's: logs {prefix}/loss, the mean over the split's pairs
+        loss = super()._evaluate(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
         accuracy, pairs = self._accuracy()
-        metric.update(accuracy, weight=pairs.float())
-        self.log(f"{prefix}/accuracy", metric, on_step=False, on_epoch=True)
+        self.accuracy_metrics[prefix].update(accuracy, weight=pairs.float())
+        self.log(f"{prefix}/accuracy", self.accuracy_metrics[prefix], on_step=False, on_epoch=True)
         return loss
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

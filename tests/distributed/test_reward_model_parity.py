@@ -100,3 +100,38 @@ def test_reward_model_layout_matches_single_process(name, reference, data_file, 
     # Accuracy is a share of 8 pairs: the same on every rank and equal to one process's, exactly.
     for rank_values in result["accuracy"]:
         assert rank_values == reference["accuracy"][0]
+
+
+class ValidationRecorder(L.Callback):
+    """Every rank writes the val/ metrics it logged."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+
+    def on_validation_end(self, trainer, pl_module):
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        torch.save(metrics, self.out / f"val_{trainer.global_rank}.pt")
+
+
+def validate(out: Path, data_file: str, *, devices=1, tp=1, pp=1, mbs=2) -> list[dict]:
+    """val/loss and val/accuracy of the untrained model over a 16-pair split (two global batches)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(**CONFIG)
+    data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
+                                micro_batch_size=mbs, global_batch_size=8, split="48,16", seed=3)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     start_method="fork"),
+        accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ValidationRecorder(out)])
+    trainer.validate(RewardModelModule(config, seed=1234), data)
+    return [torch.load(out / f"val_{r}.pt") for r in range(devices)]
+
+
+def test_validation_loss_and_accuracy_match_on_every_rank(data_file, tmp_path):
+    """Forward-only through the pipeline: the last stage's tally reaches every stage and DP rank."""
+    reference = validate(tmp_path / "single", data_file)[0]
+    assert set(reference) >= {"val/loss", "val/accuracy"} and 0 < reference["val/accuracy"] < 1
+    for metrics in validate(tmp_path / "pp2_dp2", data_file, devices=4, pp=2, mbs=1):
+        assert metrics["val/accuracy"] == reference["val/accuracy"]
+        assert metrics["val/loss"] == pytest.approx(reference["val/loss"], rel=1e-5)

@@ -67,3 +67,13 @@ def test_trunk_is_gpt_by_name_and_value_head_is_seeded():
     assert not torch.equal(RewardModel(CONFIG, seed=4).value_head.weight, reward.value_head.weight)
     with pytest.raises(ValueError, match="takes no labels"):
         reward(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_predict_gives_each_sequences_reward():
+    module = RewardModelModule(CONFIG, seed=5)
+    module.configure_model()
+    tokens, lengths = torch.randint(0, CONFIG.vocab_size, (3, 16)), torch.tensor([16, 1, 7])
+    with torch.no_grad():
+        expected = last_token_values(module.model(tokens), lengths)
+    torch.testing.assert_close(module.predict_step({"tokens": tokens, "lengths": lengths}, 0), expected,
+                               rtol=0, atol=0)
