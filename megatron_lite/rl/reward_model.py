@@ -13,14 +13,11 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from megatron_lite.core.models.reward import RewardModel, last_token_values
+from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.models.reward import RewardModel, chunk_rewards
+from megatron_lite.core.optim import OptimizerConfig
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.losses import bradley_terry_loss, preference_correct
-
-
-def _rewards(part: Any, tokens: torch.Tensor, lengths: torch.Tensor, input_tensor: Optional[torch.Tensor]):
-    out = part(tokens, hidden_states=input_tensor)
-    return last_token_values(out, lengths) if part.post_process else out
 
 
 class RewardModelModule(GPTModule):
@@ -28,8 +25,8 @@ class RewardModelModule(GPTModule):
     evaluation plumbing). Logs ``train/loss``, ``train/accuracy`` (share of the global batch's pairs
     with r_chosen > r_rejected), ``val/loss`` and ``val/accuracy`` (and ``test/...``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234):
+        super().__init__(config, optimizer, seed)
         self.accuracy_metrics = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self._tally: Optional[torch.Tensor] = None  # (correct pairs, pairs) seen by loss() this step
 
@@ -40,7 +37,7 @@ class RewardModelModule(GPTModule):
         """Chosen then rejected as one ``[2b, s]`` batch: activations, or on the last stage rewards [2b]."""
         tokens = torch.cat([microbatch["chosen_tokens"], microbatch["rejected_tokens"]])[:, :-1]
         lengths = torch.cat([microbatch["chosen_length"], microbatch["rejected_length"]])
-        return _rewards(part, tokens, lengths, input_tensor)
+        return chunk_rewards(part, tokens, lengths, input_tensor)
 
     def loss(self, rewards: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the pairs' Bradley-Terry losses, number of pairs); tallies the correct pairs too."""
@@ -77,5 +74,5 @@ class RewardModelModule(GPTModule):
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Rewards [b] of ``{"tokens": [b, s], "lengths": [b]}`` on every rank (through every stage)."""
-        step = lambda part, mb, x: _rewards(part, mb["tokens"], mb["lengths"], x)  # noqa: E731
+        step = lambda part, mb, x: chunk_rewards(part, mb["tokens"], mb["lengths"], x)  # noqa: E731
         return self.engine.forward_outputs([batch], forward_step=step)[0]

@@ -60,3 +60,11 @@ def last_token_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     """``values`` [b, s] at each sequence's last real token (index ``lengths - 1``, ``1 <= lengths <= s``)
     -> [b]. Unchecked, so that no host sync interrupts the schedule: the datamodule guarantees the range."""
     return values.gather(1, (lengths.to(torch.long) - 1).unsqueeze(1)).squeeze(1)
+
+
+def chunk_rewards(part, tokens: torch.Tensor, lengths: torch.Tensor,
+                  input_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One pipeline chunk of a :class:`RewardModel` on ``tokens`` [b, s]: its activations for the next
+    stage, or on the last stage the rewards [b] at each sequence's last token (``lengths`` [b])."""
+    out = part(tokens, hidden_states=input_tensor)
+    return last_token_values(out, lengths) if part.post_process else out
