@@ -12,6 +12,7 @@ from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.data.mock import MockGPTDataModule, MockGPTDataset
+from megatron_lite.data.preference import PreferenceDataModule, PreferenceDataset
 from megatron_lite.data.pretrain import PretrainDataModule, parse_data_path
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import MegatronPretrainingSampler

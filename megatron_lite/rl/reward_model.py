@@ -1,0 +1,78 @@
+"""RewardModelModule: a reward model, a second objective on the training engine.
+
+A GPT trunk with a scalar head (``core/models/reward.py``) read at each sequence's last real token;
+Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)`` averaged over the global batch's pairs.
+Chosen and rejected run as ONE microbatch (concatenated along the batch), so every engine schedule,
+pipelined or not, drives it unchanged. Data: ``megatron_lite.data.PreferenceDataModule``."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics.aggregation import MeanMetric
+
+from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.models.reward import RewardModel, chunk_rewards
+from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.module import GPTModule
+from megatron_lite.rl.losses import bradley_terry_loss, preference_correct
+
+
+class RewardModelModule(GPTModule):
+    """Train a reward model on preference pairs under any layout (GPTModule's optimizer, scheduler and
+    evaluation plumbing). Logs ``train/loss``, ``train/accuracy`` (share of the global batch's pairs
+    with r_chosen > r_rejected), ``val/loss`` and ``val/accuracy`` (and ``test/...``)."""
+
+    def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234):
+        super().__init__(config, optimizer, seed)
+        self.accuracy_metrics = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
+        self._tally: Optional[torch.Tensor] = None  # (correct pairs, pairs) seen by loss() this step
+
+    def build_model(self, layout) -> RewardModel:
+        return RewardModel(self.config, layout, seed=self.seed)
+
+    def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """Chosen then rejected as one ``[2b, s]`` batch: activations, or on the last stage rewards [2b]."""
+        tokens = torch.cat([microbatch["chosen_tokens"], microbatch["rejected_tokens"]])[:, :-1]
+        lengths = torch.cat([microbatch["chosen_length"], microbatch["rejected_length"]])
+        return chunk_rewards(part, tokens, lengths, input_tensor)
+
+    def loss(self, rewards: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the pairs' Bradley-Terry losses, number of pairs); tallies the correct pairs too."""
+        chosen, rejected = rewards.chunk(2)
+        pairs = torch.full((), float(chosen.numel()), dtype=torch.float64, device=rewards.device)
+        tally = torch.stack([preference_correct(chosen, rejected).sum().detach().double(), pairs])
+        self._tally = tally if self._tally is None else self._tally + tally
+        return bradley_terry_loss(chosen, rejected).sum(), pairs
+
+    def _accuracy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accuracy, pairs) of the global batch just run, equal on every rank: loss() ran on the last stage
+        only, so its tally is summed over the pipeline (zeros elsewhere), then over DP; no host sync."""
+        tally, self._tally = self._tally, None
+        tally = tally if tally is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
+        for name in ("pp", "dp_cp"):
+            group = self.parallel_layout.group(name)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(tally, group=group)
+        return (tally[0] / tally[1].clamp(min=1.0)).float(), tally[1]
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self._tally = None
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/accuracy", self._accuracy()[0], prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: dict, prefix: str) -> torch.Tensor:
+        self._tally = None
+        loss = super()._evaluate(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
+        accuracy, pairs = self._accuracy()
+        self.accuracy_metrics[prefix].update(accuracy, weight=pairs.float())
+        self.log(f"{prefix}/accuracy", self.accuracy_metrics[prefix], on_step=False, on_epoch=True)
+        return loss
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        """Rewards [b] of ``{"tokens": [b, s], "lengths": [b]}`` on every rank (through every stage)."""
+        step = lambda part, mb, x: chunk_rewards(part, mb["tokens"], mb["lengths"], x)  # noqa: E731
+        return self.engine.forward_outputs([batch], forward_step=step)[0]
