@@ -193,12 +193,12 @@ class GPTModule(pl.LightningModule):
         return next(iter(batch.values())).shape[0] * self.parallel_layout.dp_size
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._evaluate(batch, "val")
+        return self.evaluate_step(batch, "val")
 
     def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._evaluate(batch, "test")
+        return self.evaluate_step(batch, "test")
 
-    def _evaluate(self, batch: dict, prefix: str) -> torch.Tensor:
+    def evaluate_step(self, batch: dict, prefix: str) -> torch.Tensor:
         step = self.run_schedule(batch, forward_only=True)
         # The epoch's loss is the mean over every loss token of the split (a token-weighted mean of
         # the batches' global means, which are the same on every rank), so its exp is the perplexity.

@@ -64,9 +64,9 @@ class RewardModelModule(GPTModule):
         self.log("train/accuracy", self._accuracy()[0], prog_bar=True)
         return loss
 
-    def _evaluate(self, batch: dict, prefix: str) -> torch.Tensor:
+    def evaluate_step(self, batch: dict, prefix: str) -> torch.Tensor:
         self._tally = None
-        loss = super()._evaluate(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
+        loss = super().evaluate_step(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
         accuracy, pairs = self._accuracy()
         self.accuracy_metrics[prefix].update(accuracy, weight=pairs.float())
         self.log(f"{prefix}/accuracy", self.accuracy_metrics[prefix], on_step=False, on_epoch=True)
