@@ -14,19 +14,24 @@ from megatron_lite.core.estimator.memory import (
     KERNEL_SAVES,
     PRECISION_BYTES,
     ActivationBreakdown,
+    ChunkActivations,
     EstimateLayout,
     KernelSaves,
     MemoryEstimate,
     ParamShape,
+    ScheduleMemory,
     activation_breakdown,
     estimate_for_run,
     estimate_memory,
+    estimate_stages,
     korthikanti_activation_bytes_per_layer,
     normalize_precision,
     parameter_shapes,
+    schedule_memory,
 )
 from megatron_lite.core.estimator.probe import (
     SavedTensorsReport,
+    ScheduleActivationProbe,
     measure_activation_bytes,
     measure_retained_tensors,
     measure_saved_tensors,
@@ -34,8 +39,9 @@ from megatron_lite.core.estimator.probe import (
 
 __all__ = [
     "FlopsBreakdown", "forward_flops_breakdown", "forward_flops_per_token", "megatron_formula_flops",
-    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "EstimateLayout",
-    "KernelSaves", "MemoryEstimate", "ParamShape", "activation_breakdown", "estimate_for_run", "estimate_memory",
-    "korthikanti_activation_bytes_per_layer", "normalize_precision", "parameter_shapes",
-    "SavedTensorsReport", "measure_activation_bytes", "measure_retained_tensors", "measure_saved_tensors",
+    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "ChunkActivations",
+    "EstimateLayout", "KernelSaves", "MemoryEstimate", "ParamShape", "ScheduleMemory", "activation_breakdown",
+    "estimate_for_run", "estimate_memory", "estimate_stages", "korthikanti_activation_bytes_per_layer",
+    "normalize_precision", "parameter_shapes", "schedule_memory",
+    "SavedTensorsReport", "ScheduleActivationProbe", "measure_activation_bytes", "measure_retained_tensors", "measure_saved_tensors",
 ]
