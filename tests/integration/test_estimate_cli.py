@@ -168,7 +168,8 @@ def test_pipeline_options_from_the_yaml_give_one_estimate_per_stage(capsys, tmp_
     assert out["total_bytes"] == max(s["total_bytes"] for s in out["stages"])
     assert [[c["first_layer"] + i for c in s["activation_breakdown"]["chunks"] for i in range(c["num_layers"])]
             for s in out["stages"]] == stage_layers
-    assert out["layout"]["virtual_pipeline_model_parallel_size"] == options.get("virtual_pipeline_model_parallel_size", 1)
+    vpp = options.get("virtual_pipeline_model_parallel_size", 1)
+    assert out["layout"]["virtual_pipeline_model_parallel_size"] == vpp
     assert main(["--config", str(path)]) == 0
     table = capsys.readouterr().out
     stage_rows = [line for line in table.splitlines() if line.startswith(("  0 ", "  1 "))]

@@ -43,5 +43,6 @@ __all__ = [
     "EstimateLayout", "KernelSaves", "MemoryEstimate", "ParamShape", "ScheduleMemory", "activation_breakdown",
     "estimate_for_run", "estimate_memory", "estimate_stages", "korthikanti_activation_bytes_per_layer",
     "normalize_precision", "parameter_shapes", "schedule_memory",
-    "SavedTensorsReport", "ScheduleActivationProbe", "measure_activation_bytes", "measure_retained_tensors", "measure_saved_tensors",
+    "SavedTensorsReport", "ScheduleActivationProbe", "measure_activation_bytes", "measure_retained_tensors",
+    "measure_saved_tensors",
 ]

@@ -10,6 +10,13 @@ backward. Their ``s b h (34 + 5 a s/h)`` assumes GPT-3 blocks in 16-bit (``korth
 SwiGLU/GeLU, GQA, RoPE, ``v`` as a view of the fused QKV output, flash attention without ``s x s`` scores, the
 fp32 residual stream and bf16 weight copies of autocast, the fp32 softmax of the loss, recompute), checked
 against :mod:`megatron_lite.core.estimator.probe` on CPU and on an H200.
+
+Under pipeline parallelism every stage gets its own estimate (:func:`estimate_stages`): the parameters of the
+layers ``ParallelConfig.stage_chunks`` gives it (uneven cuts, virtual stages, the embedding on the first
+stage, the output layer and a tied embedding's copy on the last), and activations per model chunk times
+the chunk-microbatches its schedule keeps alive, found by walking the order the executor runs
+(:func:`schedule_memory`: 1F1B keeps ``min(P - stage, M)``, GPipe ``M``, interleaved most on the first rank).
+Checked against a real pipeline run with :class:`~megatron_lite.core.estimator.probe.ScheduleActivationProbe`.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
                 f"flight + {format_bytes(acts.pipeline_buffers)} pipeline send buffers{copies}")
     rows = [
         f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {pp} x dp "
-        f"{lay.data_parallel_size}{pipeline}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, {sharding}",
+        f"{lay.data_parallel_size}{pipeline}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, "
+        f"{sharding}",
         f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}, "
         f"microbatches/step={lay.num_microbatches}, kernels of {lay.device_type}",
         f"per rank (pipeline stage {estimate.pipeline_stage}{', the most loaded' if pp > 1 else ''}):",
