@@ -7,7 +7,9 @@ Reads the same YAML as ``megatron-lite fit`` (``model.config``, ``model.optimize
 micro/global batch size and seq_length, ``trainer`` devices/num_nodes/precision/accelerator and the
 strategy's ``init_args``) and prints, per rank: parameters, bytes of weights, gradients, optimizer state
 (with and without the distributed optimizer), activations (with the recompute and sequence-parallel
-settings), the total, and the model FLOPs of one step. Exit code 2 on bad input, with one line that
+settings), the total, and the model FLOPs of one step. Under pipeline parallelism (the strategy's
+pipeline options: sizes, schedule, uneven cut) the details are the most loaded stage's, followed by one
+line per stage (``stages`` in the JSON). Exit code 2 on bad input, with one line that
 says what to change.
 """
 from __future__ import annotations
@@ -64,6 +66,14 @@ class RunDescription:
     """TP size."""
     pipeline_model_parallel_size: int
     """PP size."""
+    virtual_pipeline_model_parallel_size: int
+    """Model chunks (virtual stages) per pipeline rank."""
+    pipeline_schedule: Optional[str]
+    """The strategy's pipeline schedule (None: its default)."""
+    num_layers_in_first_pipeline_stage: Optional[int]
+    """Layers of the first pipeline stage of an uneven cut."""
+    num_layers_in_last_pipeline_stage: Optional[int]
+    """Layers of the last pipeline stage of an uneven cut."""
     sequence_parallel: bool
     """Sequence parallelism on."""
     use_torch_fsdp2: bool
@@ -144,6 +154,10 @@ def _world_size(trainer: dict, devices: Optional[int], num_nodes: Optional[int])
     return per_node * nodes
 
 
+def _optional_int(value: Any) -> Optional[int]:
+    return None if value is None else int(value)
+
+
 def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optional[int] = None,
                  vocab_size: Optional[int] = None, device_type: Optional[str] = None) -> RunDescription:
     """Read a parsed ``megatron-lite fit`` YAML (overrides as the command-line flags give them)."""
@@ -183,6 +197,10 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
         config=config, optimizer=optimizer, world_size=_world_size(trainer, devices, num_nodes),
         tensor_model_parallel_size=int(strategy.get("tensor_model_parallel_size", 1)),
         pipeline_model_parallel_size=int(strategy.get("pipeline_model_parallel_size", 1)),
+        virtual_pipeline_model_parallel_size=int(strategy.get("virtual_pipeline_model_parallel_size", 1)),
+        pipeline_schedule=strategy.get("pipeline_schedule"),
+        num_layers_in_first_pipeline_stage=_optional_int(strategy.get("num_layers_in_first_pipeline_stage")),
+        num_layers_in_last_pipeline_stage=_optional_int(strategy.get("num_layers_in_last_pipeline_stage")),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)),
         precision=str(trainer.get("precision", "32-true")), device_type=device_type, vocab_source=vocab_source,
@@ -191,17 +209,20 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
 
 def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
     """(per-rank memory estimate, model FLOPs per step) of ``run``; ValueError naming the fix if invalid."""
+    pipeline = dict(pipeline_model_parallel_size=run.pipeline_model_parallel_size,
+                    virtual_pipeline_model_parallel_size=run.virtual_pipeline_model_parallel_size,
+                    pipeline_schedule=run.pipeline_schedule,
+                    num_layers_in_first_pipeline_stage=run.num_layers_in_first_pipeline_stage,
+                    num_layers_in_last_pipeline_stage=run.num_layers_in_last_pipeline_stage)
     parallel = ParallelConfig(tensor_model_parallel_size=run.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=run.pipeline_model_parallel_size,
-                              sequence_parallel=run.sequence_parallel)
+                              sequence_parallel=run.sequence_parallel, **pipeline)
     dp = validate_run(parallel, run.world_size, run.config, micro_batch_size=run.micro_batch_size,
                       global_batch_size=run.global_batch_size, seq_length=run.seq_length)
     estimate = estimate_for_run(
         run.config, micro_batch_size=run.micro_batch_size, global_batch_size=run.global_batch_size,
         seq_length=run.seq_length, tensor_model_parallel_size=run.tensor_model_parallel_size, data_parallel_size=dp,
-        pipeline_model_parallel_size=run.pipeline_model_parallel_size, sequence_parallel=run.sequence_parallel,
-        precision=run.precision, optimizer=run.optimizer, use_torch_fsdp2=run.use_torch_fsdp2,
-        device_type=run.device_type)
+        sequence_parallel=run.sequence_parallel, precision=run.precision, optimizer=run.optimizer,
+        use_torch_fsdp2=run.use_torch_fsdp2, device_type=run.device_type, **pipeline)
     flops = training_flops_per_step(run.config, run.global_batch_size, run.seq_length,
                                     tensor_model_parallel_size=run.tensor_model_parallel_size)
     return estimate, flops

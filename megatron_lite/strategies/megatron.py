@@ -133,7 +133,8 @@ class MegatronStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
         self.memory_estimate = None
-        """The per-rank memory estimate logged when ``fit`` starts (a MemoryEstimate), if one could be made."""
+        """The per-rank memory estimate logged when ``fit`` starts (a MemoryEstimate), if one could be made: the
+        most loaded pipeline stage's, every stage's in ``.stages`` (this rank's: ``.stages[pp_rank]``)."""
 
     # --- sizes and devices ----------------------------------------------------------------
     @property
@@ -307,12 +308,17 @@ class MegatronStrategy(ParallelStrategy):
             return None
         try:
             optimizer = module.optimizer_config
-            layout = self._layout
+            layout, parallel = self._layout, self._layout.config
             estimate = estimate_for_run(
                 config, **geometry, tensor_model_parallel_size=layout.tp_size, data_parallel_size=layout.dp_size,
                 sequence_parallel=layout.sequence_parallel, precision=self.precision_plugin.precision,
                 optimizer=optimizer, use_distributed_optimizer=getattr(optimizer, "use_distributed_optimizer", False),
-                use_torch_fsdp2=self.use_torch_fsdp2 and layout.dp_size > 1, device_type=self.root_device.type)
+                use_torch_fsdp2=self.use_torch_fsdp2 and layout.dp_size > 1, device_type=self.root_device.type,
+                pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+                pipeline_schedule=parallel.pipeline_schedule,
+                num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+                num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage)
             flops = training_flops_per_step(config, geometry["global_batch_size"], geometry["seq_length"],
                                             tensor_model_parallel_size=layout.tp_size)
         except (ValueError, TypeError) as error:

@@ -142,3 +142,78 @@ def test_the_strategy_makes_the_estimate_when_fit_starts(tmp_path):
     expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=8, seq_length=16, data_parallel_size=2,
                                 optimizer=optimizer, use_distributed_optimizer=True, device_type="cpu").to_dict()
     assert torch.load(tmp_path / "estimate.pt", weights_only=False) == expected
+
+
+def _pipeline(raw: dict, **options) -> None:
+    raw["trainer"]["strategy"]["init_args"].update(tensor_model_parallel_size=1, **options)
+    raw["data"]["init_args"].update(micro_batch_size=2, global_batch_size=16)  # 8 microbatches per step
+
+
+@pytest.mark.parametrize("options, stage_layers", [
+    (dict(pipeline_model_parallel_size=2), [[0, 1], [2, 3]]),
+    (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1), [[0], [1, 2, 3]]),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), [[0, 2], [1, 3]]),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="gpipe"), [[0, 1], [2, 3]]),
+])
+def test_pipeline_options_from_the_yaml_give_one_estimate_per_stage(capsys, tmp_path, options, stage_layers):
+    path = _write(tmp_path, lambda raw: _pipeline(raw, **options))
+    out = _run_json(capsys, "--config", str(path))
+    raw = yaml.safe_load(path.read_text())
+    data = raw["data"]["init_args"]
+    config = GPTConfig(**raw["model"]["config"], seq_length=data["seq_length"], vocab_size=data["vocab_size"])
+    expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=16, optimizer=OptimizerConfig(
+        **raw["model"]["optimizer"]), device_type="cpu", **options)
+    assert [s["pipeline_stage"] for s in out["stages"]] == [0, 1]
+    assert out["stages"] == expected.to_dict()["stages"]
+    assert out["total_bytes"] == max(s["total_bytes"] for s in out["stages"])
+    assert [[c["first_layer"] + i for c in s["activation_breakdown"]["chunks"] for i in range(c["num_layers"])]
+            for s in out["stages"]] == stage_layers
+    vpp = options.get("virtual_pipeline_model_parallel_size", 1)
+    assert out["layout"]["virtual_pipeline_model_parallel_size"] == vpp
+    assert main(["--config", str(path)]) == 0
+    table = capsys.readouterr().out
+    stage_rows = [line for line in table.splitlines() if line.startswith(("  0 ", "  1 "))]
+    assert len(stage_rows) == 2 and sum("<- most loaded" in row for row in stage_rows) == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="gpipe"),
+     "use pipeline_schedule='interleaved_1f1b'"),
+    (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=5), "must split evenly"),
+    (dict(pipeline_model_parallel_size=3), "num_layers (4) must be divisible by pipeline_model_parallel_size (3)"),
+])
+def test_bad_pipeline_options_exit_2_with_one_line(capsys, tmp_path, options, message):
+    path = _write(tmp_path, lambda raw: _pipeline(raw, **options))
+    assert main(["--config", str(path), "--devices", str(options.get("pipeline_model_parallel_size", 1))]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_the_strategy_estimates_every_pipeline_stage_when_fit_starts(tmp_path):
+    """PP2 with an uneven cut: the strategy passes its pipeline options, so the start-up estimate is the
+    estimator's per-stage one (the most loaded stage, every stage in .stages)."""
+    import lightning as L
+    import torch
+
+    import megatron_lite as ml
+    from megatron_lite.data import MockGPTDataModule
+
+    class Keep(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            estimate = trainer.strategy.memory_estimate
+            torch.save(estimate.to_dict(), tmp_path / f"estimate{trainer.global_rank}.pt")
+
+    config = ml.GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
+    strategy = dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, **strategy), devices=2,
+                        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Keep()])
+    trainer.fit(ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8,
+                                                        vocab_size=256))
+    expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=8, seq_length=16, device_type="cpu",
+                                **strategy).to_dict()
+    for rank in range(2):
+        assert torch.load(tmp_path / f"estimate{rank}.pt", weights_only=False) == expected
+    assert [s["activation_breakdown"]["chunks"][0]["num_layers"] for s in expected["stages"]] == [1, 2]
+    assert [s["activation_breakdown"]["microbatches_in_flight"] for s in expected["stages"]] == [2, 1]

@@ -2,16 +2,21 @@
 and the saved-tensor probe (single-process and tensor-parallel ranks)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import megatron_lite as ml
+
 from megatron_lite.core.estimator import (
     EstimateLayout,
     KernelSaves,
+    ScheduleActivationProbe,
     activation_breakdown,
     estimate_for_run,
     estimate_memory,
@@ -24,9 +29,11 @@ from megatron_lite.core.estimator import (
     parameter_shapes,
     training_flops_per_step,
 )
+from megatron_lite.core.estimator.report import format_table
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import OptimizerConfig, build_optimizer
 from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, ParallelLayout
+from megatron_lite.core.parallel.pipeline.schedules import schedule_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from spawn_utils import run_ranks  # noqa: E402
@@ -353,14 +360,110 @@ def test_recompute_keeps_layer_inputs_and_peaks_while_rebuilding_a_chunk():
     assert selective.layers == 4 * (layer - plain.parts["logsumexp"])  # flash attention keeps no s x s scores
 
 
-def test_pipeline_stages_split_the_parameters_and_the_first_stage_holds_most_activations():
-    config = GPTConfig(**dict(TINY, num_layers=4))
-    stages = [parameter_shapes(config, 1, 2, stage) for stage in range(2)]
-    assert sum(p.numel for stage in stages for p in stage) == config.num_parameters()
-    layout = EstimateLayout(micro_batch_size=2, seq_length=32, pipeline_model_parallel_size=2, num_microbatches=8)
-    first, last = (activation_breakdown(config, layout, stage) for stage in range(2))
-    assert (first.microbatches_in_flight, last.microbatches_in_flight) == (2, 1)  # 1F1B warm-up depth
-    assert estimate_memory(config, layout).pipeline_stage in (0, 1)
+def _stage_layout(parallel: ParallelConfig, pp_rank: int) -> ParallelLayout:
+    """The layout pipeline rank ``pp_rank`` would have (TP 1): building a stage's model issues no collective."""
+    coords = {d: 0 for d in MESH_DIMS} | {"pp": pp_rank}
+    return ParallelLayout(config=parallel, world_size=parallel.pipeline_model_parallel_size, rank=pp_rank,
+                          coords=coords, groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding",
+                                                                     "pp_backward")})
+
+
+PIPELINE_CUTS = {  # strategy options, model options
+    "pp2": (dict(pipeline_model_parallel_size=2), {}),
+    "pp4": (dict(pipeline_model_parallel_size=4), {}),
+    "pp2_uneven": (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1), {}),
+    "pp3_empty_first_stage": (dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=0,
+                                   num_layers_in_last_pipeline_stage=2), {}),
+    "pp2_vpp2": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), {}),
+    "pp2_tied": (dict(pipeline_model_parallel_size=2), dict(share_embeddings_and_output_weights=True)),
+    "pp2_vpp2_tied_learned": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                              dict(share_embeddings_and_output_weights=True, **VARIANTS["gpt2_dropout"])),
+}
+
+
+@pytest.mark.parametrize("cut", list(PIPELINE_CUTS))
+def test_stage_parameters_are_the_real_stage_models(cut):
+    """Every stage's parameters as GPTModel builds that stage (names, shapes, order): the embedding on the first
+    stage, the final norm and output layer on the last, a tied embedding's own copy on the last stage."""
+    strategy, model = PIPELINE_CUTS[cut]
+    config = GPTConfig(**dict(TINY, num_layers=4, **model))
+    parallel = ParallelConfig(**strategy)
+    pp = parallel.pipeline_model_parallel_size
+    layout = EstimateLayout(micro_batch_size=2, seq_length=32, num_microbatches=2 * pp, **strategy)
+    stages = estimate_memory(config, layout).stages
+    cut_options = {k: v for k, v in strategy.items() if k != "pipeline_model_parallel_size"}
+    total = 0
+    for p in range(pp):
+        real = GPTModel(config, _stage_layout(parallel, p))
+        expected = [(n, tuple(t.shape)) for n, t in real.named_parameters()]
+        assert [(s.name, s.shape) for s in parameter_shapes(config, 1, pp, p, **cut_options)] == expected
+        numel = sum(t.numel() for t in real.parameters())
+        assert (stages[p].params, stages[p].weights_bytes, stages[p].grads_bytes) == (numel, 4 * numel, 4 * numel)
+        assert stages[p].layers == [int(i) for i in real.layers]  # in chunk order
+        total += numel
+    tied_copy = config.padded_vocab_size() * config.hidden_size if config.share_embeddings_and_output_weights else 0
+    assert total == config.num_parameters() + tied_copy
+
+
+def _alive_per_chunk(order: list, chunks: int) -> tuple:
+    """(most chunk-microbatches alive at once, most alive per chunk), counted on the order itself."""
+    alive, most, per, most_per = 0, 0, [0] * chunks, [0] * chunks
+    for kind, chunk, _ in order:
+        step = 1 if kind == "F" else -1
+        alive, per[chunk] = alive + step, per[chunk] + step
+        most, most_per[chunk] = max(most, alive), max(most_per[chunk], per[chunk])
+    return most, tuple(most_per)
+
+
+@pytest.mark.parametrize("schedule, pp, vpp, m", [
+    ("1f1b", 4, 1, 2), ("1f1b", 4, 1, 8), ("gpipe", 4, 1, 5), ("interleaved_1f1b", 4, 2, 8),
+    ("interleaved_1f1b", 2, 2, 2), ("interleaved_1f1b", 2, 3, 8)])
+def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m):
+    """Activations in flight per stage come from the orders the executor runs: 1F1B min(P - stage, M), GPipe M,
+    interleaved most on the first rank; with M > P it is Megatron's count (theoretical_memory_usage: the first
+    stage holds its layers' activations for P microbatches x (1 + (P - 1) / (P V)), i.e. P V + P - 1
+    chunk-microbatches of L / (P V) layers each)."""
+    config = GPTConfig(**dict(TINY, num_layers=2 * pp * vpp))
+    layout = EstimateLayout(micro_batch_size=2, seq_length=32, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vpp, pipeline_schedule=schedule, num_microbatches=m)
+    counts = []
+    for stage in range(pp):
+        acts = activation_breakdown(config, layout, stage)
+        most, per_chunk = _alive_per_chunk(schedule_order(schedule, m, pp, stage, vpp), vpp)
+        assert (acts.microbatches_in_flight, tuple(c.in_flight for c in acts.chunks)) == (most, per_chunk)
+        counts.append(most)
+    if schedule == "1f1b":
+        assert counts == [min(pp - stage, m) for stage in range(pp)]
+    elif schedule == "gpipe":
+        assert counts == [m] * pp
+    elif m == pp:  # one group of microbatches: Megatron runs every forward first
+        assert counts == [m * vpp] * pp
+    else:
+        assert counts == sorted(counts, reverse=True)
+        layers_held = counts[0] * config.num_layers // (pp * vpp)
+        assert layers_held == config.num_layers * (1 + (pp - 1) / (pp * vpp))
+
+
+def test_first_stage_holds_most_activations_under_one_f_one_b_and_the_report_marks_the_most_loaded():
+    config = GPTConfig(**dict(TINY, num_layers=8, vocab_size=64))
+    est = estimate_for_run(config, micro_batch_size=2, global_batch_size=32, pipeline_model_parallel_size=4,
+                           device_type="cpu")
+    held = [stage.activations.held_after_forward for stage in est.stages]
+    assert held == sorted(held, reverse=True) and est.pipeline_stage == 0
+    # 1F1B: stage p keeps P - p microbatches; every stage but the last keeps its 16 sent outputs until the step ends
+    for p, stage in enumerate(est.stages):
+        chunk = stage.activations.chunks[0]
+        lingering = chunk.sent_grad  # the last backward's input, until the next forward returns
+        # the most is held at the end of the last forward: P - p microbatches, 16 outputs sent, 16 - (P - p)
+        # gradients sent back
+        assert stage.activations.held_after_forward == (4 - p) * chunk.per_microbatch + 16 * chunk.sent_output \
+            + (16 - (4 - p)) * chunk.sent_grad + lingering
+    table = format_table(est)
+    rows = [line for line in table.splitlines() if line.lstrip().startswith(("0 ", "1 ", "2 ", "3 "))]
+    assert len(rows) == 4 and "most loaded" in rows[0] and not any("most loaded" in r for r in rows[1:])
+    out = json.loads(json.dumps(est.to_dict()))
+    assert [s["pipeline_stage"] for s in out["stages"]] == [0, 1, 2, 3]
+    assert out["stages"][0]["total_bytes"] == est.total_bytes
 
 
 def test_layout_errors_name_the_fix():
@@ -372,3 +475,79 @@ def test_layout_errors_name_the_fix():
         estimate_for_run(GPTConfig(**TINY), micro_batch_size=1, tensor_model_parallel_size=3)
     with pytest.raises(ValueError, match="global_batch_size"):
         estimate_for_run(GPTConfig(**TINY), micro_batch_size=2, global_batch_size=6, data_parallel_size=2)
+
+
+# --- pipeline stages --------------------------------------------------------------------------------
+class _ProbedGPT(ml.GPTModule):
+    """GPTModule whose stage forwards run under a ScheduleActivationProbe during training steps."""
+
+    probe = None
+
+    def forward_step(self, part, microbatch, input_tensor):
+        step = super().forward_step
+        if self.probe is None:
+            return step(part, microbatch, input_tensor)
+        return self.probe.forward(lambda: step(part, microbatch, input_tensor), microbatch, input_tensor)
+
+
+class _MeasureSchedule(L.Callback):
+    """Measures every training step's activations on each rank; saves (stage, held, peak) of the last step."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.probe = ScheduleActivationProbe(pl_module.model)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        probe, pl_module.probe = pl_module.probe, None
+        torch.save((pl_module.parallel_layout.pp_rank, probe.held_bytes, probe.peak_bytes),
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _fit_and_measure(tmp_path: Path, config: GPTConfig, strategy: dict, precision: str, gbs: int) -> list:
+    """A real fit (2 forked ranks, 2 steps, micro-batch 2): per rank (stage, held, peak) of the last step."""
+    from megatron_lite.data import MockGPTDataModule
+
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, **strategy),
+                        accelerator="cpu", devices=2, precision=precision, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_MeasureSchedule(tmp_path)])
+    trainer.fit(_ProbedGPT(config, ml.OptimizerConfig(lr=1e-3)),
+                MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=2, global_batch_size=gbs,
+                                  vocab_size=config.vocab_size))
+    return sorted(torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+
+
+PIPELINE_RUNS = {  # strategy options, model options, precision, global batch (2 x microbatches)
+    "1f1b": (dict(), dict(), "32-true", 16),
+    "1f1b_bf16_dropout": (dict(), VARIANTS["gpt2_dropout"], "bf16-mixed", 16),
+    "interleaved": (dict(virtual_pipeline_model_parallel_size=2), dict(), "32-true", 16),
+    "gpipe": (dict(pipeline_schedule="gpipe"), dict(), "32-true", 8),
+    "uneven_tied": (dict(num_layers_in_first_pipeline_stage=1), dict(share_embeddings_and_output_weights=True),
+                    "32-true", 16),
+}
+
+
+@pytest.mark.parametrize("run", list(PIPELINE_RUNS))
+def test_per_stage_activations_match_a_measured_pipeline_fit(tmp_path, run):
+    """PP2 through a real Trainer: what each stage's forwards hold for the backwards across a training step
+    (the probe wraps every stage forward: activations, what was received and sent, the gradients sent back)
+    is the per-stage estimate (measured: exact up to a few hundred bytes). The step's peak adds the loss
+    computation on the last stage; the estimate models no other transient of a forward, and the probe sees
+    one more: a residual branch's output beside the layer's output (one s b h fp32 tensor at most)."""
+    strategy, model, precision, gbs = PIPELINE_RUNS[run]
+    config = GPTConfig(**dict(TINY, num_layers=4, **model))
+    strategy = dict(pipeline_model_parallel_size=2, **strategy)
+    measured = _fit_and_measure(tmp_path, config, strategy, precision, gbs)
+    est = estimate_for_run(config, micro_batch_size=2, global_batch_size=gbs, precision=precision,
+                           device_type="cpu", **strategy)
+    branch_output = 2 * config.seq_length * config.hidden_size * 4
+    for stage, held, peak in measured:
+        acts = est.stages[stage].activations
+        assert acts.held_after_forward == pytest.approx(held, rel=0.002), stage
+        assert acts.peak <= peak <= acts.peak * 1.01 + branch_output, stage
+    if run.startswith("1f1b"):  # under 1F1B stage 0 holds P = 2 microbatches, the last stage 1
+        assert measured[0][1] > measured[1][1]
+        assert est.stages[0].activations.microbatches_in_flight == 2
+        assert est.stages[1].activations.microbatches_in_flight == 1

@@ -10,15 +10,25 @@ backward. Their ``s b h (34 + 5 a s/h)`` assumes GPT-3 blocks in 16-bit (``korth
 SwiGLU/GeLU, GQA, RoPE, ``v`` as a view of the fused QKV output, flash attention without ``s x s`` scores, the
 fp32 residual stream and bf16 weight copies of autocast, the fp32 softmax of the loss, recompute), checked
 against :mod:`megatron_lite.core.estimator.probe` on CPU and on an H200.
+
+Under pipeline parallelism every stage gets its own estimate (:func:`estimate_stages`): the parameters of the
+layers ``ParallelConfig.stage_chunks`` gives it (uneven cuts, virtual stages, the embedding on the first
+stage, the output layer and a tied embedding's copy on the last), and activations per model chunk times
+the chunk-microbatches its schedule keeps alive, found by walking the order the executor runs
+(:func:`schedule_memory`: 1F1B keeps ``min(P - stage, M)``, GPipe ``M``, interleaved most on the first rank).
+Checked against a real pipeline run with :class:`~megatron_lite.core.estimator.probe.ScheduleActivationProbe`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.recompute import full_recompute_groups
+from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.pipeline.schedules import schedule_order
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,15 @@ class EstimateLayout:
     data_parallel_size: int = 1
     """DP size."""
     pipeline_model_parallel_size: int = 1
-    """PP size (stages of equal layer counts; the estimate is for the most loaded stage)."""
+    """PP size (the estimate is made for every stage; :func:`estimate_memory` returns the most loaded)."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks (virtual stages) per pipeline rank (interleaved schedule)."""
+    pipeline_schedule: Optional[str] = None
+    """'1f1b', 'interleaved_1f1b' or 'gpipe'; None: the strategy's default (1f1b, interleaved with virtual stages)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers of the first pipeline stage for an uneven cut (None: an even cut)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers of the last pipeline stage for an uneven cut (None: an even cut)."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence inside TP groups."""
     precision: str = "32-true"
@@ -152,6 +170,21 @@ class EstimateLayout:
         if self.use_distributed_optimizer and self.use_torch_fsdp2:
             raise ValueError("use_distributed_optimizer and use_torch_fsdp2 are alternatives (FSDP2 already shards "
                              "the optimizer state); set one of them")
+        self.parallel_config()  # the pipeline options, validated as the strategy validates them
+
+    def parallel_config(self) -> ParallelConfig:
+        """The strategy's :class:`ParallelConfig` of this layout (it knows the layer cut and the schedule)."""
+        return ParallelConfig(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size, sequence_parallel=self.sequence_parallel,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            pipeline_schedule=self.pipeline_schedule,
+            num_layers_in_first_pipeline_stage=self.num_layers_in_first_pipeline_stage,
+            num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage)
+
+    def stage_chunks(self, config: GPTConfig, pipeline_stage: int) -> list:
+        """The (virtual) stages pipeline rank ``pipeline_stage`` holds, cut as ``GPTModel`` cuts them."""
+        return self.parallel_config().stage_chunks(config.num_layers, pipeline_stage)
 
 
 @dataclass(frozen=True)
@@ -172,19 +205,34 @@ class ParamShape:
 
 
 def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                     pipeline_stage: int = 0) -> list:
-    """The :class:`ParamShape` of every parameter one rank of ``pipeline_stage`` holds, in the model's order.
+                     pipeline_stage: int = 0, *, virtual_pipeline_model_parallel_size: int = 1,
+                     num_layers_in_first_pipeline_stage: Optional[int] = None,
+                     num_layers_in_last_pipeline_stage: Optional[int] = None) -> list:
+    """The :class:`ParamShape` of every parameter one rank of pipeline rank ``pipeline_stage`` holds, in the
+    order of ``GPTModel.named_parameters()``.
 
-    With pipelining the first stage holds the embedding, the last the final norm and the output
-    layer (with tied embeddings a copy of the word embedding, as Megatron does).
+    The layers are cut as ``GPTModel`` cuts them (:meth:`ParallelConfig.stage_chunks`: uneven first/last
+    stages, ``V`` virtual stages per rank). The first stage holds the embedding, the last the final norm
+    and the output layer; with tied embeddings the last stage keeps its own copy of the word embedding
+    (Megatron's), which the output layer multiplies by.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     config.validate_parallelism(tp, pp)
+    cut = ParallelConfig(pipeline_model_parallel_size=pp,
+                         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                         num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                         num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage)
+    return _stage_parameter_shapes(config, tp, cut.stage_chunks(config.num_layers, pipeline_stage))
+
+
+def _stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     vocab = config.padded_vocab_size(tp)
     qkv = d * (config.num_attention_heads + 2 * config.num_query_groups)
     fc1 = f * (2 if config.activation == "swiglu" else 1)
-    first, last = pipeline_stage == 0, pipeline_stage == pp - 1
+    first = any(chunk.pre_process for chunk in chunks)
+    last = any(chunk.post_process for chunk in chunks)
+    tied = config.share_embeddings_and_output_weights
     out: list = []
 
     def norm(prefix: str) -> None:
@@ -198,12 +246,12 @@ def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pip
             out.append(ParamShape(f"{prefix}.bias", bias, False))
 
     bias = config.add_bias_linear
-    if first:
-        out.append(ParamShape("embedding.weight", (vocab // tp, h), False))
-        if config.position_embedding_type == "learned_absolute":
-            out.append(ParamShape("position_embeddings.weight", (config.max_position_embeddings, h), False))
-    per_stage = config.num_layers // pp
-    for i in range(pipeline_stage * per_stage, (pipeline_stage + 1) * per_stage):
+    if first or (last and tied):
+        # A lookup on the first stage; on the last stage of tied embeddings the output layer's matrix.
+        out.append(ParamShape("embedding.weight", (vocab // tp, h), last and tied))
+    if first and config.position_embedding_type == "learned_absolute":
+        out.append(ParamShape("position_embeddings.weight", (config.max_position_embeddings, h), False))
+    for i in (i for chunk in chunks for i in chunk.layers):
         p = f"layers.{i}"
         norm(f"{p}.input_layernorm")
         # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
@@ -215,13 +263,36 @@ def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pip
         linear(f"{p}.mlp.linear_fc2", h, f // tp, (h,) if bias else None)
     if last:
         norm("final_layernorm")
-        if not config.share_embeddings_and_output_weights or not first:
-            name = "output_layer.weight" if not config.share_embeddings_and_output_weights else "embedding.weight"
-            out.append(ParamShape(name, (vocab // tp, h), True))
-        else:
-            # Tied on one stage: the output layer multiplies by the embedding table itself.
-            out[0] = ParamShape("embedding.weight", (vocab // tp, h), True)
+        if not tied:
+            out.append(ParamShape("output_layer.weight", (vocab // tp, h), True))
     return out
+
+
+@dataclass
+class ChunkActivations:
+    """Activation bytes of one model chunk (virtual stage) a rank holds, per microbatch it runs."""
+
+    virtual_stage: int
+    """Index ``v * P + p`` in the pipeline order."""
+    first_layer: int
+    """Global index of the chunk's first transformer layer."""
+    num_layers: int
+    """Transformer layers of the chunk."""
+    per_microbatch: int
+    """Bytes one microbatch's forward of this chunk keeps until its backward (embedding and output parts
+    on the first and last chunk, recompute applied)."""
+    sent_output: int = 0
+    """Bytes of the activations handed to the next stage (0 on the last chunk): kept by the schedule for the
+    backward and, as a posted send, until the step ends (``PipelineP2P.wait``)."""
+    sent_grad: int = 0
+    """Bytes of the input gradient each backward sends to the previous stage (0 on the first chunk), kept
+    by the posted send until the step ends."""
+    loss_transient: int = 0
+    """Extra bytes while this chunk's forward computes the loss (the last chunk only)."""
+    recompute_working_set: int = 0
+    """Extra bytes while this chunk's backward rebuilds a recomputed group of layers."""
+    in_flight: int = 1
+    """Most microbatches of this chunk alive at once (forwards run, backwards not yet) in the schedule."""
 
 
 @dataclass
@@ -233,11 +304,12 @@ class ActivationBreakdown:
     per_layer: int = 0
     """One transformer layer (selective recompute applied; full recompute rebuilds this per layer)."""
     layers: int = 0
-    """All layers of this rank's stage, with the recompute setting applied."""
+    """All layers of this rank's chunks for one microbatch, with the recompute setting applied."""
     output: int = 0
     """Final norm, output-layer input and the fp32 softmax the loss keeps."""
     microbatches_in_flight: int = 1
-    """Microbatches whose activations are alive at once (1 without pipelining; 1F1B: up to pp)."""
+    """Chunk-microbatches alive at once when the most is held (1 without pipelining; 1F1B: ``min(P - stage, M)``;
+    interleaved: counted per chunk, see :attr:`chunks`)."""
     recompute_working_set: int = 0
     """Extra bytes at the backward's peak while a recomputed chunk is rebuilt (once, not per microbatch)."""
     loss_transient: int = 0
@@ -245,26 +317,26 @@ class ActivationBreakdown:
     softmax (once; the forward's peak, measured on an H200)."""
     autocast_weight_copies: int = 0
     """Autocast's low-precision copies of the matmul weights, kept until backward (once per step)."""
+    pipeline_buffers: int = 0
+    """Activations sent to the next stage and gradients sent to the previous one, still held by their
+    posted sends when the most is held (0 without pipelining)."""
+    held_after_forward: int = 0
+    """The most bytes the forwards hold for the backwards at once over the schedule, pipeline buffers and
+    autocast copies included (what the probe measures after a forward)."""
+    peak: int = 0
+    """Peak activation bytes: the held bytes plus the loss computation of a forward or a chunk rebuilt by a
+    backward, at the schedule's worst moment."""
     recompute: str = "none"
     """The recompute setting applied, in words."""
+    chunks: list = field(default_factory=list)
+    """Per model chunk held by the rank (:class:`ChunkActivations`), in chunk order."""
     parts: dict = field(default_factory=dict)
     """Per-layer bytes by tensor (for reports and tests)."""
-
-    @property
-    def held_after_forward(self) -> int:
-        """What the forward leaves for the backward (what the probe measures, per microbatch in flight)."""
-        per_microbatch = self.embedding + self.layers + self.output
-        return self.microbatches_in_flight * per_microbatch + self.autocast_weight_copies
 
     @property
     def total(self) -> int:
         """Held after the forward plus the chunk rebuilt by recompute (the backward's peak)."""
         return self.held_after_forward + self.recompute_working_set
-
-    @property
-    def peak(self) -> int:
-        """Peak activation bytes: the loss computation in the forward or a rebuilt chunk in the backward."""
-        return self.held_after_forward + max(self.loss_transient, self.recompute_working_set)
 
 
 def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = False) -> dict:
@@ -350,14 +422,17 @@ def _recompute_groups(config: GPTConfig, stage_layers: int) -> tuple:
 
 
 def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_stage: int = 0) -> ActivationBreakdown:
-    """Activation bytes of one rank of ``pipeline_stage`` (see the module docstring).
+    """Activation bytes of one rank of pipeline rank ``pipeline_stage`` (see the module docstring).
 
-    A recomputed chunk keeps only its input; in backward it is rebuilt in full while the chunks
-    before it still hold their inputs (the output layer's activations are freed by then), which may
-    exceed what the forward kept (``recompute_working_set``). The forward peaks while the loss is
-    computed (``loss_transient``); transients of the backward (activation gradients) are not counted.
+    Each model chunk the rank holds keeps its layers' share per microbatch (plus the embedding's on the
+    first chunk, the loss's on the last); the schedule decides how many chunk-microbatches are alive at
+    once, found by walking its order (:func:`schedule_memory`). A recomputed group keeps only its input;
+    in backward it is rebuilt in full while the groups before it still hold their inputs (the output
+    layer's activations are freed by then), which may exceed what the forward kept (``recompute_working_set``).
+    The forward peaks while the loss is computed (``loss_transient``); transients of the backward
+    (activation gradients) are not counted.
     """
-    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    tp = layout.tensor_model_parallel_size
     pb = PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     tokens = layout.seq_length * layout.micro_batch_size
@@ -365,35 +440,116 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
     h = config.hidden_size
     parts = _layer_parts(config, layout, selective=config.recompute_granularity == "selective")
     per_layer = sum(parts.values())
-    groups, recompute = _recompute_groups(config, config.num_layers // pp)
-    kept = [local * h * pb.residual if recomputed else n * per_layer for n, recomputed in groups]
-    peak = max(sum(kept[:j]) + n * per_layer for j, (n, _) in enumerate(groups))
-    stored_layers = sum(n for n, recomputed in groups if not recomputed)
-    first, last = pipeline_stage == 0, pipeline_stage == pp - 1
-    embedding = _rope_bytes(config, layout, stored_layers, tables_held=stored_layers < config.num_layers // pp)
-    if first:
-        embedding += tokens * (8 + 1) if tp > 1 else 0  # TP: shard-local ids and the out-of-shard mask
-        if config.position_embedding_type == "learned_absolute":
-            embedding += layout.seq_length * 8
-        if config.hidden_dropout > 0:
-            embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
-    output = loss_transient = 0
-    if last:
-        norm = _norm_bytes(config, kernels, local * h, pb.residual)
-        vocab = config.padded_vocab_size(tp) // tp
-        output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
-        loss_transient = tokens * vocab * (pb.compute + 4)
+    stages = layout.stage_chunks(config, pipeline_stage)
+    chunks, embedding, layers, output, loss_transient, recompute = [], 0, 0, 0, 0, "none"
+    for stage in stages:
+        n = len(stage.layers)
+        groups, recompute = _recompute_groups(config, n)
+        kept = [local * h * pb.residual if recomputed else m * per_layer for m, recomputed in groups]
+        peak = max((sum(kept[:j]) + m * per_layer for j, (m, _) in enumerate(groups)), default=0)
+        stored_layers = sum(m for m, recomputed in groups if not recomputed)
+        chunk_embedding = _rope_bytes(config, layout, stored_layers, tables_held=stored_layers < n)
+        if stage.pre_process:
+            # Shard-local ids and the out-of-shard mask: whenever the TP group exists, i.e. in any run of more than
+            # one rank (ParallelLayout.build makes a TP group of size 1 too); alone, a plain lookup.
+            world = tp * layout.pipeline_model_parallel_size * layout.data_parallel_size
+            chunk_embedding += tokens * (8 + 1) if world > 1 else 0
+            if config.position_embedding_type == "learned_absolute":
+                chunk_embedding += layout.seq_length * 8
+            if config.hidden_dropout > 0:
+                chunk_embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
+        chunk_output = chunk_loss = 0
+        if stage.post_process:
+            norm = _norm_bytes(config, kernels, local * h, pb.residual)
+            vocab = config.padded_vocab_size(tp) // tp
+            chunk_output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
+            chunk_loss = tokens * vocab * (pb.compute + 4)
+        boundary = local * h * pb.residual  # the residual stream crossing between stages
+        chunks.append(ChunkActivations(
+            virtual_stage=stage.virtual_stage, first_layer=stage.layers.start, num_layers=n,
+            per_microbatch=chunk_embedding + sum(kept) + chunk_output,
+            sent_output=0 if stage.post_process else boundary, sent_grad=0 if stage.pre_process else boundary,
+            loss_transient=chunk_loss,
+            # The output layer's activations are gone by the time the first group is rebuilt.
+            recompute_working_set=max(0, peak - sum(kept) - chunk_output)))
+        embedding, layers, output, loss_transient = (embedding + chunk_embedding, layers + sum(kept),
+                                                     output + chunk_output, loss_transient + chunk_loss)
     copies = 0
     if pb.compute < pb.weight:
-        copies = sum(p.numel for p in parameter_shapes(config, tp, pp, pipeline_stage) if p.is_matmul_weight)
+        copies = sum(p.numel for p in _stage_parameter_shapes(config, tp, stages) if p.is_matmul_weight)
         copies *= pb.compute
-    in_flight = min(pp - pipeline_stage, layout.num_microbatches)
-    # The output layer's activations are gone by the time the first chunk is rebuilt.
-    working_set = max(0, peak - sum(kept) - output)
-    return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=sum(kept), output=output,
-                               microbatches_in_flight=in_flight, recompute_working_set=working_set,
-                               loss_transient=loss_transient,
-                               autocast_weight_copies=copies, recompute=recompute, parts=parts)
+    walk = schedule_memory(_training_order(layout, pipeline_stage), chunks)
+    return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=layers, output=output,
+                               microbatches_in_flight=walk.in_flight,
+                               recompute_working_set=max(c.recompute_working_set for c in chunks),
+                               loss_transient=loss_transient, autocast_weight_copies=copies,
+                               pipeline_buffers=walk.buffers_when_held, held_after_forward=walk.held + copies,
+                               peak=walk.peak + copies, recompute=recompute, chunks=chunks, parts=parts)
+
+
+def _training_order(layout: EstimateLayout, pipeline_stage: int) -> list:
+    """The order of forwards and backwards the training step runs on this pipeline rank (one microbatch's
+    forward and backward without pipelining: gradient accumulation runs microbatches one after the other)."""
+    parallel = layout.parallel_config()
+    if parallel.pipeline_model_parallel_size == 1:
+        return [("F", 0, 0), ("B", 0, 0)]
+    return schedule_order(parallel.schedule, layout.num_microbatches, parallel.pipeline_model_parallel_size,
+                          pipeline_stage, parallel.virtual_pipeline_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class ScheduleMemory:
+    """What walking a schedule's order says about the activations one rank holds (bytes, no weight copies)."""
+
+    held: int
+    """The most bytes alive at once: chunk-microbatches between their forward and backward, plus pipeline buffers."""
+    peak: int
+    """``held`` at the worst moment plus that moment's transient (a loss computation, a rebuilt recompute group)."""
+    buffers_when_held: int
+    """Pipeline send buffers alive when ``held`` is reached."""
+    in_flight: int
+    """Most chunk-microbatches alive at once."""
+    in_flight_per_chunk: tuple
+    """Most microbatches alive at once, per chunk."""
+
+
+def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
+    """Walk ``order`` (the schedule's ``(kind, chunk, microbatch)`` actions on one rank) over ``chunks``
+    (:class:`ChunkActivations`); sets each chunk's ``in_flight``.
+
+    A forward adds its chunk's per-microbatch bytes, freed by the matching backward. Two things of
+    ``run_pipeline`` (core/parallel/pipeline/schedules.py) are counted as they are: sends are posted
+    asynchronously and their tensors kept until the step's end (``PipelineP2P.wait``), so every output
+    sent forward and every gradient sent backward stays alive for the rest of the step; and the output
+    a backward started from stays referenced until the next forward returns, its graph holding that
+    backward's input activations (``lingering``; measured: one ``s b h`` tensor on non-first stages).
+    """
+    alive = buffers = lingering = held = peak = held_buffers = count = most = 0
+    per_chunk, most_per_chunk = [0] * len(chunks), [0] * len(chunks)
+    for kind, index, _ in order:
+        chunk: ChunkActivations = chunks[index]
+        if kind == "F":
+            alive += chunk.per_microbatch
+            buffers += chunk.sent_output
+            count, per_chunk[index] = count + 1, per_chunk[index] + 1
+            most, most_per_chunk[index] = max(most, count), max(most_per_chunk[index], per_chunk[index])
+            peak = max(peak, alive + buffers + lingering + chunk.loss_transient)
+            now = alive + buffers + lingering  # at the end of the forward, before the last backward's output is let go
+            lingering = 0
+        else:
+            lingering = 0  # the schedule takes this backward's input and output in place of the last ones
+            peak = max(peak, alive + buffers + chunk.recompute_working_set)
+            alive -= chunk.per_microbatch
+            buffers += chunk.sent_grad
+            lingering = chunk.sent_grad  # the input: same bytes as its gradient, 0 on the first chunk
+            count, per_chunk[index] = count - 1, per_chunk[index] - 1
+            now = alive + buffers + lingering
+        if now > held:
+            held, held_buffers = now, buffers
+    for chunk, n in zip(chunks, most_per_chunk):
+        chunk.in_flight = n
+    return ScheduleMemory(held=held, peak=max(peak, held), buffers_when_held=held_buffers, in_flight=most,
+                          in_flight_per_chunk=tuple(most_per_chunk))
 
 
 def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
@@ -411,7 +567,8 @@ def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: in
 
 @dataclass
 class MemoryEstimate:
-    """Memory of one rank (the most loaded pipeline stage), in bytes unless said otherwise."""
+    """Memory of one rank of one pipeline stage (:func:`estimate_memory`: the most loaded), in bytes unless said
+    otherwise."""
 
     params: int
     """Parameters of this rank's TP/PP shard of the model (before any DP sharding)."""
@@ -442,19 +599,32 @@ class MemoryEstimate:
     """Activation bytes by part."""
     layout: EstimateLayout
     """What the estimate was made for."""
+    stages: list = field(default_factory=list)
+    """Every pipeline stage's estimate in stage order, this one among them (set on the estimate
+    :func:`estimate_memory` returns; empty on the entries themselves)."""
+
+    @property
+    def layers(self) -> list:
+        """Global indices of the transformer layers this stage holds (all its chunks, in chunk order)."""
+        return [c.first_layer + i for c in self.activations.chunks for i in range(c.num_layers)]
 
     def to_dict(self) -> dict:
-        """JSON-ready summary (bytes as integers)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("activations", "layout")}
+        """JSON-ready summary (bytes as integers); ``stages`` lists every stage's without the shared layout."""
+        skip = ("activations", "layout", "stages")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["activation_breakdown"] = asdict(self.activations)
         out["layout"] = asdict(self.layout)
+        out["stages"] = [{k: v for k, v in stage.to_dict().items() if k not in ("layout", "stages")}
+                         for stage in self.stages]
         return out
 
 
 def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> MemoryEstimate:
-    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    tp, dp = layout.tensor_model_parallel_size, layout.data_parallel_size
     pb = PRECISION_BYTES[layout.precision]
-    shapes = parameter_shapes(config, tp, pp, stage)
+    chunks = layout.stage_chunks(config, stage)
+    shapes = _stage_parameter_shapes(config, tp, chunks)
+    num_layers = sum(len(chunk.layers) for chunk in chunks)
     params = sum(p.numel for p in shapes)
     moments = (2 if layout.optimizer == "adam" else int(layout.sgd_momentum > 0)) * pb.moment
     shard = -(-params // dp)  # flat buffers padded to a multiple of dp
@@ -467,8 +637,8 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
         weights, grads = held * pb.weight, held * pb.grad
         replicated = distributed = optimizer = held * (pb.master + moments)
         if dp > 1:
-            layer = sum(p.numel for p in shapes if p.name.startswith("layers.")) // (config.num_layers // pp)
-            root = params - layer * (config.num_layers // pp)
+            layer = sum(p.numel for p in shapes if p.name.startswith("layers.")) // max(num_layers, 1)
+            root = params - layer * num_layers
             unsharded = (root + 2 * layer) * pb.weight + layer * pb.grad
     elif layout.use_distributed_optimizer:
         weights, grads, optimizer = params * pb.weight, shard * dp * DISTRIBUTED_GRAD_BYTES, distributed
@@ -484,22 +654,33 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
                           pipeline_stage=stage, activations=acts, layout=layout)
 
 
-def estimate_memory(config: GPTConfig, layout: EstimateLayout) -> MemoryEstimate:
-    """Per-rank memory of ``config`` trained with ``layout``: the pipeline stage with the largest total."""
+def estimate_stages(config: GPTConfig, layout: EstimateLayout) -> list:
+    """The :class:`MemoryEstimate` of a rank of every pipeline stage, in stage order."""
     config.validate_parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, 1,
                                 layout.sequence_parallel)
-    stages = [_stage_estimate(config, layout, s) for s in range(layout.pipeline_model_parallel_size)]
-    return max(stages, key=lambda e: e.total_bytes)
+    return [_stage_estimate(config, layout, s) for s in range(layout.pipeline_model_parallel_size)]
+
+
+def estimate_memory(config: GPTConfig, layout: EstimateLayout) -> MemoryEstimate:
+    """Per-rank memory of ``config`` trained with ``layout``: the pipeline stage with the largest total
+    (the first such stage on a tie), with every stage's estimate in ``stages``."""
+    stages = estimate_stages(config, layout)
+    most = max(stages, key=lambda e: e.total_bytes)
+    return dataclasses.replace(most, stages=stages)
 
 
 def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_size: Optional[int] = None,
                      seq_length: Optional[int] = None, tensor_model_parallel_size: int = 1, data_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1, sequence_parallel: bool = False,
                      precision="32-true", optimizer=None, use_distributed_optimizer: Optional[bool] = None,
-                     use_torch_fsdp2: bool = False, device_type: str = "cuda") -> MemoryEstimate:
-    """The estimate for a run described as the strategy and the datamodule describe it. ``optimizer``: an
-    ``OptimizerConfig`` (None: Adam), whose ``use_distributed_optimizer`` is the default of that argument;
-    ``global_batch_size`` gives the microbatches per step (they matter with pipelining only)."""
+                     use_torch_fsdp2: bool = False, device_type: str = "cuda",
+                     virtual_pipeline_model_parallel_size: int = 1, pipeline_schedule: Optional[str] = None,
+                     num_layers_in_first_pipeline_stage: Optional[int] = None,
+                     num_layers_in_last_pipeline_stage: Optional[int] = None) -> MemoryEstimate:
+    """The estimate for a run described as the strategy and the datamodule describe it (the pipeline
+    options are the strategy's). ``optimizer``: an ``OptimizerConfig`` (None: Adam), whose
+    ``use_distributed_optimizer`` is the default of that argument; ``global_batch_size`` gives the
+    microbatches per step (they matter with pipelining only)."""
     if use_distributed_optimizer is None:
         use_distributed_optimizer = bool(getattr(optimizer, "use_distributed_optimizer", False))
     num_microbatches = 1
@@ -513,7 +694,10 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
         micro_batch_size=micro_batch_size, seq_length=config.seq_length if seq_length is None else seq_length,
         tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-        precision=precision, use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        pipeline_schedule=pipeline_schedule, num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, precision=precision,
+        use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
         optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
         num_microbatches=num_microbatches, device_type=device_type)
     return estimate_memory(config, layout)

@@ -11,6 +11,8 @@ counted once, whole):
   still alive after it (a ``TorchDispatchMode`` keeps weak references). Unlike the hooks it also sees
   what a non-reentrant ``torch.utils.checkpoint`` region holds (its inputs), so it measures
   activation recompute too; :func:`measure_activation_bytes` uses it.
+* :class:`ScheduleActivationProbe`: the same tracking across every stage forward of a pipeline
+  schedule, with what stages send and receive, for the per-stage estimate.
 
 Excluded: the model's parameters and buffers (weights are accounted for separately), the caller's
 inputs (the batch) and the forward's output. Included: everything else the graph holds, e.g. the
@@ -129,7 +131,16 @@ class _StorageTracker(TorchDispatchMode):
 
     def alive(self) -> dict:
         """Storage key -> SavedStorage of every tracked storage still allocated (and not excluded)."""
-        return {key: info for ref, key, info in self.created.values() if not ref.expired() and key not in self.excluded}
+        self.created = {cdata: entry for cdata, entry in self.created.items() if not entry[0].expired()}
+        return {key: info for ref, key, info in self.created.values() if key not in self.excluded}
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage while it is alive, though no operator under this mode created it."""
+        key = _storage_key(t)
+        if key is not None:
+            ref = StorageWeakRef(t.untyped_storage())
+            self.created.setdefault(ref.cdata, (ref, key[0], SavedStorage(nbytes=key[1], dtype=t.dtype,
+                                                                          shape=tuple(t.shape))))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -167,3 +178,42 @@ def measure_activation_bytes(model: nn.Module, inputs_fn: Callable[[], ModelInpu
     """Activation bytes of one forward of ``model`` on ``inputs_fn()``: the storages it leaves alive
     for backward, each counted once (see :func:`measure_retained_tensors`)."""
     return measure_retained_tensors(model, inputs_fn).total_bytes
+
+
+class ScheduleActivationProbe:
+    """The activation bytes one pipeline rank holds across a training step's schedule, measured.
+
+    Wrap every stage forward of the step with :meth:`forward`. Counted while alive: every storage an
+    operator creates inside those forwards (what autograd saves, checkpoint inputs, the activations sent
+    to the next stage), the activations received from the previous stage and the input gradients sent
+    back to it. Not counted: parameters, buffers, the microbatches, and transients of the backwards
+    (nothing is tracked while they run; what they free is seen).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._tracker = _StorageTracker(_excluded_storages(model, ()))
+        self.held_bytes = 0
+        """Most bytes alive at the end of a forward (what the forwards hold for the backwards)."""
+        self.held_storages: list = []
+        """The storages alive when ``held_bytes`` was reached (:class:`SavedStorage`)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes alive after any operator of a forward (the loss computation's transients included)."""
+        return self._tracker.peak
+
+    def forward(self, fn: Callable[[], Any], microbatch: ModelInputs, input_tensor: Optional[torch.Tensor]) -> Any:
+        """``fn()`` (one stage's forward of ``microbatch`` on ``input_tensor``, None on the first stage), tracked."""
+        tracker = self._tracker
+        tracker.excluded |= {key[0] for key in map(_storage_key, pytree.tree_leaves(microbatch)) if key is not None}
+        if input_tensor is not None:
+            tracker.track(input_tensor)
+            if input_tensor.requires_grad and input_tensor.is_leaf:
+                # The gradient sent back to the previous stage (held by the send until the step ends).
+                input_tensor.register_post_accumulate_grad_hook(lambda t: tracker.track(t.grad))
+        with tracker:
+            out = fn()
+        alive = list(tracker.alive().values())
+        if sum(info.nbytes for info in alive) > self.held_bytes:
+            self.held_bytes, self.held_storages = sum(info.nbytes for info in alive), alive
+        return out

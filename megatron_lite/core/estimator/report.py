@@ -18,9 +18,11 @@ def format_bytes(n: float) -> str:
 
 
 def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = None) -> str:
-    """A human-readable per-rank table of ``estimate`` (and the step's FLOPs when given)."""
+    """A human-readable per-rank table of ``estimate`` (and the step's FLOPs when given); under pipeline
+    parallelism the details are the most loaded stage's, followed by one line per stage."""
     lay, acts = estimate.layout, estimate.activations
-    world = lay.tensor_model_parallel_size * lay.pipeline_model_parallel_size * lay.data_parallel_size
+    pp = lay.pipeline_model_parallel_size
+    world = lay.tensor_model_parallel_size * pp * lay.data_parallel_size
     recompute_note = f"recompute: {acts.recompute}"
     copies = f" + {format_bytes(acts.autocast_weight_copies)} autocast weight copies" if acts.autocast_weight_copies \
         else ""
@@ -28,28 +30,72 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
         "while a recomputed chunk is rebuilt"
     sharding = "FSDP2 (weights, grads, optimizer / dp)" if lay.use_torch_fsdp2 else (
         "distributed optimizer" if lay.use_distributed_optimizer else "replicated optimizer")
+    pipeline = ""
+    if pp > 1:
+        vpp = lay.virtual_pipeline_model_parallel_size
+        pipeline = f" (pipeline schedule {lay.parallel_config().schedule}" + (
+            f", {vpp} virtual stages per rank)" if vpp > 1 else ")")
+    # A stage without the loss (and without recompute) peaks when its forwards hold the most: no transient.
+    transient = f"+ {format_bytes(acts.peak - acts.held_after_forward)} {peak_while}; " \
+        if acts.peak > acts.held_after_forward or pp == 1 else ""
+    if pp == 1:
+        held = (f"held for backward: {acts.microbatches_in_flight} microbatch(es) x "
+                f"{format_bytes(acts.embedding + acts.layers + acts.output)}{copies}")
+    else:
+        unit = "chunk-microbatch(es)" if len(acts.chunks) > 1 else "microbatch(es)"
+        in_flight = acts.held_after_forward - acts.pipeline_buffers - acts.autocast_weight_copies
+        held = (f"held for backward: {format_bytes(in_flight)} by up to {acts.microbatches_in_flight} {unit} in "
+                f"flight + {format_bytes(acts.pipeline_buffers)} pipeline send buffers{copies}")
     rows = [
-        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {lay.pipeline_model_parallel_size} x dp "
-        f"{lay.data_parallel_size}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, {sharding}",
+        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {pp} x dp "
+        f"{lay.data_parallel_size}{pipeline}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, "
+        f"{sharding}",
         f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}, "
         f"microbatches/step={lay.num_microbatches}, kernels of {lay.device_type}",
-        f"per rank (pipeline stage {estimate.pipeline_stage}):",
+        f"per rank (pipeline stage {estimate.pipeline_stage}{', the most loaded' if pp > 1 else ''}):",
         f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",
         f"  weights                  {format_bytes(estimate.weights_bytes):>16}",
         f"  gradients                {format_bytes(estimate.grads_bytes):>16}",
         f"  optimizer state          {format_bytes(estimate.optimizer_bytes):>16}   (without distributed optimizer "
         f"{format_bytes(estimate.optimizer_bytes_replicated)}, "
         f"with {format_bytes(estimate.optimizer_bytes_distributed)})",
-        f"  activations (peak)       {format_bytes(estimate.activation_bytes):>16}   (held for backward: "
-        f"{acts.microbatches_in_flight} microbatch(es) x {format_bytes(acts.embedding + acts.layers + acts.output)}"
-        f"{copies}; + {format_bytes(acts.peak - acts.held_after_forward)} {peak_while}; {recompute_note})",
+        f"  activations (peak)       {format_bytes(estimate.activation_bytes):>16}   ({held}; {transient}"
+        f"{recompute_note})",
     ]
     if estimate.fsdp_unsharded_bytes:
         rows.append(f"  FSDP2 all-gathered       {format_bytes(estimate.fsdp_unsharded_bytes):>16}")
     rows.append(f"  total                    {format_bytes(estimate.total_bytes):>16}")
+    if len(estimate.stages) > 1:
+        rows += format_stages(estimate)
     if flops_per_step is not None:
         rows.append(f"FLOPs per step: {flops_per_step:.3e} (model), {flops_per_step / world:.3e} per rank")
     return "\n".join(rows)
+
+
+def _layer_ranges(layers: list) -> str:
+    """``[0, 1, 2, 6, 7]`` -> ``0-2,6-7``; no layers -> ``-``."""
+    spans: list = []
+    for i in layers:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans) or "-"
+
+
+def format_stages(estimate: MemoryEstimate) -> list:
+    """One line per pipeline stage of ``estimate.stages`` (a rank of each), the most loaded one marked."""
+    head = (f"  {'stage':<5} {'layers':<12} {'parameters':>12} {'weights':>11} {'gradients':>11} {'optimizer':>11} "
+            f"{'activations':>11} {'in flight':>9} {'total':>11}")
+    rows = ["per pipeline stage (activations: peak; in flight: (chunk-)microbatches held at once):", head]
+    for stage in estimate.stages:
+        mark = "  <- most loaded" if stage.pipeline_stage == estimate.pipeline_stage else ""
+        rows.append(
+            f"  {stage.pipeline_stage:<5} {_layer_ranges(stage.layers):<12} {stage.params:>12,} "
+            f"{format_bytes(stage.weights_bytes):>11} {format_bytes(stage.grads_bytes):>11} "
+            f"{format_bytes(stage.optimizer_bytes):>11} {format_bytes(stage.activation_bytes):>11} "
+            f"{stage.activations.microbatches_in_flight:>9} {format_bytes(stage.total_bytes):>11}{mark}")
+    return rows
 
 
 def default_device_memory_bytes() -> Optional[int]:
