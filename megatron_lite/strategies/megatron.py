@@ -7,7 +7,9 @@ checkpoints. The training step itself (microbatch schedule, gradient reduction, 
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -17,6 +19,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -32,7 +35,14 @@ from megatron_lite.core.checkpoint.sharded import (
     sharded_optimizer_state,
     write_back,
 )
+from megatron_lite.core.checkpoint.full_state import (
+    gather_full_state,
+    load_full_state,
+    read_full_state,
+    write_full_state,
+)
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
+from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import estimate_for_run
 from megatron_lite.core.estimator.report import format_table, memory_warning
@@ -47,7 +57,9 @@ from megatron_lite.strategies._lightning_private import (
     _sync_ddp_if_available,
     attached_trainer,
     make_launcher,
+    predictions_with_indices,
 )
+from megatron_lite.strategies.rank_failure import failure_file, record_failure
 
 
 log = logging.getLogger(__name__)
@@ -116,6 +128,9 @@ class MegatronStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
+        # Set by the launcher: where the ranks hand results back and record the first failure.
+        self._run_dir: Optional[str] = None
+        self._failure_file: Optional[str] = None
         self.memory_estimate = None
         """The per-rank memory estimate logged when ``fit`` starts (a MemoryEstimate), if one could be made."""
 
@@ -189,6 +204,7 @@ class MegatronStrategy(ParallelStrategy):
         objects = [*args, *kwargs.values()]
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
+        _refuse_without_weights(module)
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
@@ -241,8 +257,14 @@ class MegatronStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         self.precision_plugin.device_type = self.root_device.type
         self.precision_plugin.check_device(self.root_device)
+        created_default_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
+        if self._run_dir is None or self._start_method == "popen":
+            # A process that goes on after the run (a script, torchrun, the launching process itself) may
+            # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
+            # they are destroyed when the process exits, before gloo's own teardown can abort it.
+            atexit.register(_destroy_at_exit, self._layout, created_default_group)
         log.info("megatron-lite layout: %s", self._layout.describe())
 
     def _add_metrics_callback(self, trainer) -> None:
@@ -332,7 +354,83 @@ class MegatronStrategy(ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
+        trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if self._run_dir is not None and self._start_method != "popen" and self._layout is not None:
+            # A rank started by the fork/spawn launcher: hand the results back (collectives, so only on
+            # the success path, where every rank gets here), then release the groups -- the process
+            # ends right after.
+            if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
+                self._hand_back(trainer, self._run_dir)
+            self._layout.destroy()
         super().teardown()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Before the teardown closes this rank's connections: a peer's collective error comes after.
+        record_failure(self._failure_file, self.process_rank, exception)
+
+    # --- the launcher's side: runs, results, failures -------------------------------------
+    @property
+    def process_rank(self) -> int:
+        """This process's global rank, from the launcher's environment (valid before set-up)."""
+        assert self.cluster_environment is not None
+        return self.cluster_environment.node_rank() * self.num_processes + self.cluster_environment.local_rank()
+
+    @property
+    def failure_file(self) -> Optional[str]:
+        """Where this run records its first failure (see ``rank_failure``)."""
+        return self._failure_file
+
+    def begin_launch(self, run_dir: Optional[str], sequence: int) -> None:
+        """Called by the launcher: the run's directory (None once it is over) and its number."""
+        self._run_dir = run_dir
+        self._failure_file = failure_file(run_dir, sequence)
+
+    def _hand_back(self, trainer, run_dir: str) -> None:
+        """In every rank: after fit, the whole model as full tensors (one file per distinct piece); after
+        predict, this replica's predictions with their sample indices."""
+        assert self._layout is not None and self.lightning_module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            state = gather_full_state(self.lightning_module, self._layout)
+            if state is not None:
+                os.makedirs(os.path.join(run_dir, "model"), exist_ok=True)
+                write_full_state(state, os.path.join(run_dir, "model"), self.global_rank)
+        elif trainer.state.fn == TrainerFn.PREDICTING and trainer.predict_loop.return_predictions:
+            layout = self._layout
+            if layout.tp_rank == 0 and layout.cp_rank == 0 and layout.is_last_pipeline_stage:
+                os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
+                _write_predictions(predictions_with_indices(trainer), layout,
+                                   os.path.join(run_dir, "predictions", f"rank{self.global_rank:05d}.safetensors"))
+
+    def receive_results(self, trainer, run_dir: str, rank_zero_result: Any) -> Any:
+        """In the launching process after the ranks finished: load the handed-back model into the module
+        (after fit) and return what ``trainer.<fn>`` should (the merged predictions after predict)."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._receive_model(os.path.join(run_dir, "model"))
+        if trainer.state.fn == TrainerFn.PREDICTING:  # files only where the ranks kept predictions
+            return _merge_predictions(os.path.join(run_dir, "predictions"), rank_zero_result)
+        return rank_zero_result
+
+    def _receive_model(self, directory: str) -> None:
+        module = self.lightning_module
+        assert module is not None
+        try:
+            state = read_full_state(directory)
+            loader = getattr(module, "load_full_state_dict", None)
+            if callable(loader):
+                loader(state)
+            else:
+                load_full_state(module, state)
+        except (ValueError, FileNotFoundError) as error:
+            message = (
+                f"the trained weights of {type(module).__name__} could not be handed back from the forked ranks "
+                f"({error}); validate/test/predict/save_checkpoint here would use stale weights, so they are "
+                f"refused. Build the model in __init__, or give the module a load_full_state_dict(state) method "
+                f"that builds it (GPTModule has one), or save checkpoints during fit (ModelCheckpoint) and pass "
+                f"ckpt_path=...")
+            module._megatron_lite_weights_missing = message
+            rank_zero_warn(message)
+            return
+        module._megatron_lite_weights_missing = None
 
     # --- checkpoints ----------------------------------------------------------------------
     def _require_layout(self) -> ParallelLayout:
@@ -383,6 +481,7 @@ class MegatronStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options (it writes with DCP)")
+        _refuse_without_weights(self.lightning_module)
         path = Path(self.broadcast(str(filepath)))
         state = {"model": checkpoint.pop("state_dict")}
         groups = []
@@ -390,10 +489,17 @@ class MegatronStrategy(ParallelStrategy):
             groups.append(opt_state.pop("param_groups"))
             state[f"optimizer_{i}"] = opt_state
         checkpoint["optimizer_param_groups"] = groups
+        live = self._layout is not None and not self._layout.destroyed and _distributed_is_initialized()
+        if not live and not groups:
+            # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
+            # held the optimizer.
+            rank_zero_warn("megatron-lite: this checkpoint holds the model's weights but no optimizer state (the "
+                           "forked ranks kept it); resuming from it restarts the optimizer. For an exact resume "
+                           "save checkpoints during fit (ModelCheckpoint).")
         checkpoint["megatron_lite_layout"] = {
-            "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size,
-            "sequence_parallel": self.parallel_config.sequence_parallel,
-            "world_size": self.world_size,
+            "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size if live else 1,
+            "sequence_parallel": self.parallel_config.sequence_parallel if live else False,
+            "world_size": self.world_size if live else 1,  # the ranks whose RNG states it holds
         }
         assert self.lightning_module is not None
         state.update(rng_state(self.lightning_module, self.global_rank))
@@ -445,6 +551,71 @@ class MegatronStrategy(ParallelStrategy):
         if saved.get("world_size") != self.world_size:
             return {}
         return rng_placeholders(path, self.global_rank)
+
+
+def _refuse_without_weights(module: Optional[LightningModule]) -> None:
+    message = getattr(module, "_megatron_lite_weights_missing", None)
+    if message:
+        raise RuntimeError(message)
+
+
+def _destroy_at_exit(layout: ParallelLayout, default_group: bool) -> None:
+    layout.destroy()
+    if default_group and _distributed_is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _write_predictions(per_loader, layout: ParallelLayout, path: str) -> None:
+    """One replica's predictions as safetensors: ``<loader>.<batch>`` and ``<loader>.<batch>.index``."""
+    tensors: dict[str, Tensor] = {}
+    metadata = {"loaders": str(len(per_loader)), "dp_rank": str(layout.dp_rank), "dp_size": str(layout.dp_size)}
+    for k, (predictions, indices, batch_size) in enumerate(per_loader):
+        metadata[f"batch_size.{k}"] = str(batch_size or 0)
+        for i, prediction in enumerate(predictions):
+            index = indices[i] if i < len(indices) else None
+            if not isinstance(prediction, Tensor) or index is None or prediction.ndim == 0 \
+                    or prediction.shape[0] != len(index):
+                metadata["not_tensors"] = type(prediction).__name__ if not isinstance(prediction, Tensor) else \
+                    f"a tensor of shape {tuple(prediction.shape)} for a batch of {len(index or [])} samples"
+                save_safetensors({}, path, metadata)
+                return
+            tensors[f"{k}.{i}"] = prediction
+            tensors[f"{k}.{i}.index"] = torch.tensor(index, dtype=torch.int64)
+    save_safetensors(tensors, path, metadata)
+
+
+def _merge_predictions(directory: str, rank_zero_result: Any) -> Any:
+    """Every replica's predictions, one row per sample in the dataset's order, cut into batches of the
+    loader's batch size: what one process would return. Without files (return_predictions=False),
+    rank 0's result."""
+    files = sorted(Path(directory).glob("rank*.safetensors")) if os.path.isdir(directory) else []
+    if not files:
+        return rank_zero_result
+    pieces = [load_safetensors(f) for f in files]
+    odd = next((m["not_tensors"] for _, m in pieces if "not_tensors" in m), None)
+    if odd is not None:
+        if len(pieces) == 1:
+            return rank_zero_result  # one replica: rank 0's predictions are all of them, whatever their type
+        raise TypeError(
+            f"predict_step returned {odd}; with data parallelism the launching process merges the ranks' "
+            f"predictions by sample, which needs a tensor whose first dimension is the batch. Return such a "
+            f"tensor, or write predictions from the ranks with a lightning BasePredictionWriter callback and "
+            f"trainer.predict(..., return_predictions=False).")
+    loaders = int(pieces[0][1]["loaders"])
+    merged: list[list[Tensor]] = []
+    for k in range(loaders):
+        rows: dict[int, Tensor] = {}
+        batch_size = max(int(m.get(f"batch_size.{k}", 0)) for _, m in pieces)
+        for tensors, _ in pieces:
+            i = 0
+            while f"{k}.{i}" in tensors:
+                batch, index = tensors[f"{k}.{i}"], tensors[f"{k}.{i}.index"].tolist()
+                rows.update(zip(index, batch.unbind(0)))
+                batch_size = batch_size or len(index)
+                i += 1
+        ordered = [rows[i] for i in sorted(rows)]
+        merged.append([torch.stack(ordered[j:j + batch_size]) for j in range(0, len(ordered), max(batch_size, 1))])
+    return merged[0] if loaders == 1 else merged
 
 
 STRATEGY_NAMES = {
