@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import functools
 import io
-import itertools
 import json
 import os
 import shutil
@@ -48,13 +47,16 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from megatron_lite.strategies.rank_failure import RUN_DIR_ENV, read_failure, rebuild_exception, record_failure
+from megatron_lite.strategies.rank_failure import (
+    RUN_DIR_ENV,
+    next_run_number,
+    read_failure,
+    rebuild_exception,
+    record_failure,
+)
 
 Validate = Callable[[tuple, dict, Any], None]
 
-# Launches made by this process so far. Every rank of a script re-runs the same script, so the n-th
-# launch of each process is the same run: its failure record is named after n.
-_LAUNCHES = itertools.count()
 # Seconds a failed rank leaves the others to exit on their own (saying why) before they are killed.
 _GRACE_S = 30.0
 
@@ -78,7 +80,7 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
             run_dir = tempfile.mkdtemp(prefix="megatron-lite-run-")
             os.environ[RUN_DIR_ENV] = run_dir
             atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
-        self._strategy.begin_launch(os.environ.get(RUN_DIR_ENV), next(_LAUNCHES))
+        self._strategy.begin_launch(os.environ.get(RUN_DIR_ENV), next_run_number())
         if launching:
             self._call_children_scripts()
             _ChildWatcher(os.getpid(), self.procs).start()
@@ -91,6 +93,8 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
             record_failure(failure, rank, error)  # unless the strategy's on_exception did already
             record = read_failure(failure)
             if record is None or record["rank"] == rank:
+                # Close this rank's connections first, so that ranks waiting on it fail (quietly) now.
+                self._strategy.release_process_groups()
                 self._wait_for_children()
                 raise
             if rank != 0:
@@ -199,10 +203,10 @@ class _MegatronMultiProcessingLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         self._validate(args, kwargs, trainer)
         run_dir = tempfile.mkdtemp(prefix="megatron-lite-run-")
-        self._strategy.begin_launch(run_dir, next(_LAUNCHES))
+        self._strategy.begin_launch(run_dir, next_run_number())
         try:
             try:
-                result = self._launcher.launch(functools.partial(_run_then_finish_wandb, function), *args,
+                result = self._launcher.launch(functools.partial(_run_rank, self._strategy, function), *args,
                                                trainer=trainer, **kwargs)
             except (ProcessRaisedException, ProcessExitedException):
                 record = read_failure(self._strategy.failure_file)
@@ -220,17 +224,35 @@ class _MegatronMultiProcessingLauncher(_Launcher):
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _run_then_finish_wandb(function: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Run ``function`` in a forked/spawned rank, then close the rank's W&B run: such a rank ends
-    without the interpreter exit that would flush it, and an unfinished offline run keeps no history.
-    (Module level so that ``spawn`` can pickle it.)"""
+def _run_rank(strategy, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run ``function`` in a forked/spawned rank (module level so that ``spawn`` can pickle it).
+
+    On an exception: the first failing rank records it (Lightning's error handling runs in the
+    launching process, not here, so the strategy's ``on_exception`` never sees it); it records before
+    this process exits and closes its connections, so the peers' collective errors come later. A rank
+    whose error is such a consequence exits at once and says nothing. In any case the rank's W&B run is
+    closed: such a rank ends without the interpreter exit that would flush it, and an unfinished
+    offline run keeps no history."""
     try:
         return function(*args, **kwargs)
+    except BaseException as error:
+        rank = strategy.process_rank
+        record_failure(strategy.failure_file, rank, error)
+        record = read_failure(strategy.failure_file)
+        if record is not None and record["rank"] != rank:
+            _finish_wandb()
+            sys.stderr.flush()
+            os._exit(1)  # no traceback, no atexit: the launching process reports the first failure
+        raise
     finally:
-        wandb = sys.modules.get("wandb")
-        run = getattr(wandb, "run", None) if wandb is not None else None
-        if run is not None:
-            run.finish()
+        _finish_wandb()
+
+
+def _finish_wandb() -> None:
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is not None:
+        run.finish()
 
 
 def make_launcher(strategy, start_method: str, validate: Validate) -> _Launcher:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -59,7 +60,7 @@ from megatron_lite.strategies._lightning_private import (
     make_launcher,
     predictions_with_indices,
 )
-from megatron_lite.strategies.rank_failure import failure_file, record_failure
+from megatron_lite.strategies.rank_failure import RUN_DIR_ENV, failure_file, next_run_number, read_failure, record_failure
 
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class MegatronStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
+        self._created_default_group = False
         # Set by the launcher: where the ranks hand results back and record the first failure.
         self._run_dir: Optional[str] = None
         self._failure_file: Optional[str] = None
@@ -248,6 +250,9 @@ class MegatronStrategy(ParallelStrategy):
         self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
                       trainer)
         self._add_metrics_callback(trainer)
+        if self._launcher is None and os.environ.get(RUN_DIR_ENV):
+            # A rank re-running the user's script (no launcher of its own): its run directory comes from rank 0.
+            self.begin_launch(os.environ[RUN_DIR_ENV], next_run_number())
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
@@ -257,14 +262,14 @@ class MegatronStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         self.precision_plugin.device_type = self.root_device.type
         self.precision_plugin.check_device(self.root_device)
-        created_default_group = not _distributed_is_initialized()
+        self._created_default_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
         if self._run_dir is None or self._start_method == "popen":
             # A process that goes on after the run (a script, torchrun, the launching process itself) may
             # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
             # they are destroyed when the process exits, before gloo's own teardown can abort it.
-            atexit.register(_destroy_at_exit, self._layout, created_default_group)
+            atexit.register(self.release_process_groups)
         log.info("megatron-lite layout: %s", self._layout.describe())
 
     def _add_metrics_callback(self, trainer) -> None:
@@ -361,12 +366,30 @@ class MegatronStrategy(ParallelStrategy):
             # ends right after.
             if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
                 self._hand_back(trainer, self._run_dir)
+            # Only our groups: the default one stays for whatever Lightning and the callbacks do after teardown.
             self._layout.destroy()
         super().teardown()
 
+    def release_process_groups(self) -> None:
+        """Destroy the layout's process groups, and the default one if this strategy created it. Local
+        (no collective), idempotent. Called when a forked rank's run ends, and at the exit of any other
+        process; the trained model cannot run collectives afterwards."""
+        if self._layout is not None:
+            self._layout.destroy()
+        if self._created_default_group and _distributed_is_initialized():
+            torch.distributed.destroy_process_group()
+        self._created_default_group = False
+
     def on_exception(self, exception: BaseException) -> None:
         # Before the teardown closes this rank's connections: a peer's collective error comes after.
-        record_failure(self._failure_file, self.process_rank, exception)
+        rank = self.process_rank
+        record_failure(self._failure_file, rank, exception)
+        record = read_failure(self._failure_file)
+        if self._launcher is None and rank != 0 and record is not None and record["rank"] != rank:
+            # A rank re-running the user's script whose error is a consequence of another rank's (a
+            # collective that lost its peer): the failing rank and rank 0 report it, this one exits quietly.
+            sys.stderr.flush()
+            os._exit(1)
 
     # --- the launcher's side: runs, results, failures -------------------------------------
     @property
@@ -557,12 +580,6 @@ def _refuse_without_weights(module: Optional[LightningModule]) -> None:
     message = getattr(module, "_megatron_lite_weights_missing", None)
     if message:
         raise RuntimeError(message)
-
-
-def _destroy_at_exit(layout: ParallelLayout, default_group: bool) -> None:
-    layout.destroy()
-    if default_group and _distributed_is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _write_predictions(per_loader, layout: ParallelLayout, path: str) -> None:

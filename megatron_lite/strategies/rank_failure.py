@@ -16,6 +16,7 @@ rank's traceback. The record is JSON: nothing is unpickled.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -25,6 +26,16 @@ from typing import Any, Optional
 
 RUN_DIR_ENV = "MEGATRON_LITE_RUN_DIR"
 """Environment variable naming the run directory, for ranks started as scripts (they inherit it)."""
+
+
+# Runs started by this process so far. Every rank of a script re-runs the same script, so the n-th run
+# of each process is the same run: its failure record is named after n.
+_RUNS = itertools.count()
+
+
+def next_run_number() -> int:
+    """The number of the run this process starts now (0, 1, ...)."""
+    return next(_RUNS)
 
 
 class RankFailure(RuntimeError):
