@@ -57,8 +57,10 @@ from megatron_lite.strategies.rank_failure import (
 
 Validate = Callable[[tuple, dict, Any], None]
 
-# Seconds a failed rank leaves the others to exit on their own (saying why) before they are killed.
+# Seconds the script (rank 0) is left to report a failed child's error before the watcher kills it.
 _GRACE_S = 30.0
+# Seconds the child ranks are left to exit on their own once rank 0 knows the run failed.
+_STOP_GRACE_S = 2.0
 
 
 class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
@@ -93,21 +95,22 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
             record_failure(failure, rank, error)  # unless the strategy's on_exception did already
             record = read_failure(failure)
             if record is None or record["rank"] == rank:
-                # Close this rank's connections first, so that ranks waiting on it fail (quietly) now.
-                self._strategy.release_process_groups()
-                self._wait_for_children()
+                self._stop_children()
                 raise
             if rank != 0:
                 # A consequence of another rank's failure (a collective that lost its peer): that rank
                 # and rank 0 report it; this one exits quietly.
                 raise SystemExit(1) from None
-            self._wait_for_children()
+            self._stop_children()
             first = rebuild_exception(record)
             raise first from first.__cause__
 
-    def _wait_for_children(self) -> None:
-        """Let the child ranks exit on their own (each knows why), then kill what is left."""
-        deadline = time.monotonic() + _GRACE_S
+    def _stop_children(self) -> None:
+        """End the child ranks once rank 0 knows the run failed. Their errors are consequences (the
+        failing child has already exited: rank 0 notices only when its connections close). A child
+        still waiting on rank 0 would wait for the collective timeout: the groups cannot close their
+        sockets while the model holds them, so it is killed after a moment to exit on its own."""
+        deadline = time.monotonic() + _STOP_GRACE_S
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
