@@ -43,7 +43,6 @@ from megatron_lite.core.checkpoint.full_state import (
     write_full_state,
 )
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import estimate_for_run
 from megatron_lite.core.estimator.report import format_table, memory_warning
@@ -51,6 +50,7 @@ from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
+from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 from megatron_lite.strategies._lightning_private import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -60,7 +60,13 @@ from megatron_lite.strategies._lightning_private import (
     make_launcher,
     predictions_with_indices,
 )
-from megatron_lite.strategies.rank_failure import RUN_DIR_ENV, failure_file, next_run_number, read_failure, record_failure
+from megatron_lite.strategies.rank_failure import (
+    RUN_DIR_ENV,
+    failure_file,
+    next_run_number,
+    read_failure,
+    record_failure,
+)
 
 
 log = logging.getLogger(__name__)
@@ -89,6 +95,9 @@ class MegatronStrategy(ParallelStrategy):
         timeout: collective timeout.
         start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
             (notebooks and tests) or ``"spawn"``. Ignored under torchrun / SLURM, which start the ranks.
+            With fork/spawn the ranks hand back to the launching process the whole trained model (full
+            tensors, loaded into a one-process model: ``module.model``), ``callback_metrics``, the fit
+            loop's progress and every data-parallel rank's predictions; a rank's exception is raised there.
     """
 
     strategy_name = "megatron"
@@ -269,7 +278,7 @@ class MegatronStrategy(ParallelStrategy):
             # A process that goes on after the run (a script, torchrun, the launching process itself) may
             # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
             # they are destroyed when the process exits, before gloo's own teardown can abort it.
-            atexit.register(self.release_process_groups)
+            atexit.register(_release, self._layout, self._created_default_group)  # not self: keeps the model alive
         log.info("megatron-lite layout: %s", self._layout.describe())
 
     def _add_metrics_callback(self, trainer) -> None:
@@ -374,10 +383,7 @@ class MegatronStrategy(ParallelStrategy):
         """Destroy the layout's process groups, and the default one if this strategy created it. Local
         (no collective), idempotent. Called when a forked rank's run ends, and at the exit of any other
         process; the trained model cannot run collectives afterwards."""
-        if self._layout is not None:
-            self._layout.destroy()
-        if self._created_default_group and _distributed_is_initialized():
-            torch.distributed.destroy_process_group()
+        _release(self._layout, self._created_default_group)
         self._created_default_group = False
 
     def on_exception(self, exception: BaseException) -> None:
@@ -421,7 +427,7 @@ class MegatronStrategy(ParallelStrategy):
             layout = self._layout
             if layout.tp_rank == 0 and layout.cp_rank == 0 and layout.is_last_pipeline_stage:
                 os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
-                _write_predictions(predictions_with_indices(trainer), layout,
+                write_predictions(predictions_with_indices(trainer), layout,
                                    os.path.join(run_dir, "predictions", f"rank{self.global_rank:05d}.safetensors"))
 
     def receive_results(self, trainer, run_dir: str, rank_zero_result: Any) -> Any:
@@ -430,7 +436,7 @@ class MegatronStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._receive_model(os.path.join(run_dir, "model"))
         if trainer.state.fn == TrainerFn.PREDICTING:  # files only where the ranks kept predictions
-            return _merge_predictions(os.path.join(run_dir, "predictions"), rank_zero_result)
+            return merge_predictions(os.path.join(run_dir, "predictions"), rank_zero_result)
         return rank_zero_result
 
     def _receive_model(self, directory: str) -> None:
@@ -576,63 +582,17 @@ class MegatronStrategy(ParallelStrategy):
         return rng_placeholders(path, self.global_rank)
 
 
+def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
+    if layout is not None:
+        layout.destroy()
+    if default_group and _distributed_is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _refuse_without_weights(module: Optional[LightningModule]) -> None:
     message = getattr(module, "_megatron_lite_weights_missing", None)
     if message:
         raise RuntimeError(message)
-
-
-def _write_predictions(per_loader, layout: ParallelLayout, path: str) -> None:
-    """One replica's predictions as safetensors: ``<loader>.<batch>`` and ``<loader>.<batch>.index``."""
-    tensors: dict[str, Tensor] = {}
-    metadata = {"loaders": str(len(per_loader)), "dp_rank": str(layout.dp_rank), "dp_size": str(layout.dp_size)}
-    for k, (predictions, indices, batch_size) in enumerate(per_loader):
-        metadata[f"batch_size.{k}"] = str(batch_size or 0)
-        for i, prediction in enumerate(predictions):
-            index = indices[i] if i < len(indices) else None
-            if not isinstance(prediction, Tensor) or index is None or prediction.ndim == 0 \
-                    or prediction.shape[0] != len(index):
-                metadata["not_tensors"] = type(prediction).__name__ if not isinstance(prediction, Tensor) else \
-                    f"a tensor of shape {tuple(prediction.shape)} for a batch of {len(index or [])} samples"
-                save_safetensors({}, path, metadata)
-                return
-            tensors[f"{k}.{i}"] = prediction
-            tensors[f"{k}.{i}.index"] = torch.tensor(index, dtype=torch.int64)
-    save_safetensors(tensors, path, metadata)
-
-
-def _merge_predictions(directory: str, rank_zero_result: Any) -> Any:
-    """Every replica's predictions, one row per sample in the dataset's order, cut into batches of the
-    loader's batch size: what one process would return. Without files (return_predictions=False),
-    rank 0's result."""
-    files = sorted(Path(directory).glob("rank*.safetensors")) if os.path.isdir(directory) else []
-    if not files:
-        return rank_zero_result
-    pieces = [load_safetensors(f) for f in files]
-    odd = next((m["not_tensors"] for _, m in pieces if "not_tensors" in m), None)
-    if odd is not None:
-        if len(pieces) == 1:
-            return rank_zero_result  # one replica: rank 0's predictions are all of them, whatever their type
-        raise TypeError(
-            f"predict_step returned {odd}; with data parallelism the launching process merges the ranks' "
-            f"predictions by sample, which needs a tensor whose first dimension is the batch. Return such a "
-            f"tensor, or write predictions from the ranks with a lightning BasePredictionWriter callback and "
-            f"trainer.predict(..., return_predictions=False).")
-    loaders = int(pieces[0][1]["loaders"])
-    merged: list[list[Tensor]] = []
-    for k in range(loaders):
-        rows: dict[int, Tensor] = {}
-        batch_size = max(int(m.get(f"batch_size.{k}", 0)) for _, m in pieces)
-        for tensors, _ in pieces:
-            i = 0
-            while f"{k}.{i}" in tensors:
-                batch, index = tensors[f"{k}.{i}"], tensors[f"{k}.{i}.index"].tolist()
-                rows.update(zip(index, batch.unbind(0)))
-                batch_size = batch_size or len(index)
-                i += 1
-        ordered = [rows[i] for i in sorted(rows)]
-        merged.append([torch.stack(ordered[j:j + batch_size]) for j in range(0, len(ordered), max(batch_size, 1))])
-    return merged[0] if loaders == 1 else merged
 
 
 STRATEGY_NAMES = {

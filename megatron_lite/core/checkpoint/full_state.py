@@ -209,10 +209,10 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
             continue
         if old_shard is not None and old_shard.size > 1:
             if old_shard != new_shard:
+                size, rank = (new_shard.size, new_shard.rank) if new_shard is not None else (1, 0)
                 raise ValueError(
                     f"cannot carry {name} over from tensor-parallel size {old_shard.size} (rank {old_shard.rank}) to "
-                    f"{new_shard.size if new_shard else 1} (rank {new_shard.rank if new_shard else 0}) in place; save a "
-                    f"checkpoint and load it with ckpt_path=... instead")
+                    f"{size} (rank {rank}) in place; save a checkpoint and load it with ckpt_path=... instead")
             _assign(param, source, None)
             continue
         full, mask = _adapt_vocab(name, source, _global_shape(param), vocab_size)
