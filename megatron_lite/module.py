@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
+from megatron_lite.core.checkpoint.full_state import carry_over_state, load_full_state, same_layout
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
@@ -100,12 +101,26 @@ class GPTModule(pl.LightningModule):
         return engine
 
     def configure_model(self) -> None:
-        if self.model is not None:
+        layout = self.parallel_layout
+        built_for = getattr(self.model, "layout", None)  # None: a model of unknown layout, kept as it is
+        if self.model is not None and (built_for is None or same_layout(built_for, layout)):
             return
         self._check_vocab(getattr(self._attached_trainer(), "datamodule", None))
-        self.model = self.build_model(self.parallel_layout)
+        previous, self.model = self.model, self.build_model(layout)
         if self._fsdp():
-            apply_fsdp2(self.model, self.parallel_layout)
+            apply_fsdp2(self.model, layout)
+        if previous is not None:
+            # Built for another layout: the one-process model a forked fit handed back to the notebook, or
+            # the previous run's in this process. Each rank cuts its shard of the weights out of it.
+            carry_over_state(previous, self.model, vocab_size=self.config.vocab_size)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full global tensors keyed like this module's parameters (``model.…``) into the model,
+        built first for one process if there is none: how a forked fit hands the trained model back to
+        the notebook that launched it (MegatronStrategy calls this there)."""
+        if self.model is None:
+            self.model = self.build_model(ParallelLayout.single())
+        load_full_state(self, state, vocab_size=self.config.vocab_size)
 
     def _fsdp(self) -> bool:
         # With one data-parallel rank there is nothing to shard: FSDP2 would only add its hooks.

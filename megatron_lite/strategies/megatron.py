@@ -7,7 +7,10 @@ checkpoints. The training step itself (microbatch schedule, gradient reduction, 
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -17,6 +20,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -31,6 +35,12 @@ from megatron_lite.core.checkpoint.sharded import (
     sharded_optimizer_state,
     write_back,
 )
+from megatron_lite.core.checkpoint.full_state import (
+    gather_full_state,
+    load_full_state,
+    read_full_state,
+    write_full_state,
+)
 from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.flops import training_flops_per_step
@@ -40,6 +50,7 @@ from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
+from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 from megatron_lite.strategies._lightning_private import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -47,6 +58,14 @@ from megatron_lite.strategies._lightning_private import (
     _sync_ddp_if_available,
     attached_trainer,
     make_launcher,
+    predictions_with_indices,
+)
+from megatron_lite.strategies.rank_failure import (
+    RUN_DIR_ENV,
+    failure_file,
+    next_run_number,
+    read_failure,
+    record_failure,
 )
 
 
@@ -82,6 +101,9 @@ class MegatronStrategy(ParallelStrategy):
         timeout: collective timeout.
         start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
             (notebooks and tests) or ``"spawn"``. Ignored under torchrun / SLURM, which start the ranks.
+            With fork/spawn the ranks hand back to the launching process the whole trained model (full
+            tensors, loaded into a one-process model: ``module.model``), ``callback_metrics``, the fit
+            loop's progress and every data-parallel rank's predictions; a rank's exception is raised there.
     """
 
     strategy_name = "megatron"
@@ -132,6 +154,10 @@ class MegatronStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
+        self._created_default_group = False
+        # Set by the launcher: where the ranks hand results back and record the first failure.
+        self._run_dir: Optional[str] = None
+        self._failure_file: Optional[str] = None
         self.memory_estimate = None
         """The per-rank memory estimate logged when ``fit`` starts (a MemoryEstimate), if one could be made: the
         most loaded pipeline stage's, every stage's in ``.stages`` (this rank's: ``.stages[pp_rank]``)."""
@@ -206,6 +232,7 @@ class MegatronStrategy(ParallelStrategy):
         objects = [*args, *kwargs.values()]
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
+        _refuse_without_weights(module)
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
@@ -256,6 +283,9 @@ class MegatronStrategy(ParallelStrategy):
         self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
                       trainer)
         self._add_metrics_callback(trainer)
+        if self._launcher is None and os.environ.get(RUN_DIR_ENV):
+            # A rank re-running the user's script (no launcher of its own): its run directory comes from rank 0.
+            self.begin_launch(os.environ[RUN_DIR_ENV], next_run_number())
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
@@ -265,8 +295,14 @@ class MegatronStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         self.precision_plugin.device_type = self.root_device.type
         self.precision_plugin.check_device(self.root_device)
+        self._created_default_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
+        if self._run_dir is None or self._start_method == "popen":
+            # A process that goes on after the run (a script, torchrun, the launching process itself) may
+            # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
+            # they are destroyed when the process exits, before gloo's own teardown can abort it.
+            atexit.register(_release, self._layout, self._created_default_group)  # not self: keeps the model alive
         log.info("megatron-lite layout: %s", self._layout.describe())
 
     def _add_metrics_callback(self, trainer) -> None:
@@ -363,7 +399,98 @@ class MegatronStrategy(ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
+        trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if self._run_dir is not None and self._start_method != "popen" and self._layout is not None:
+            # A rank started by the fork/spawn launcher: hand the results back (collectives, so only on
+            # the success path, where every rank gets here), then release the groups -- the process
+            # ends right after.
+            if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
+                self._hand_back(trainer, self._run_dir)
+            # Only our groups: the default one stays for whatever Lightning and the callbacks do after teardown.
+            self._layout.destroy()
         super().teardown()
+
+    def release_process_groups(self) -> None:
+        """Destroy the layout's process groups, and the default one if this strategy created it. Local
+        (no collective), idempotent. Called when a forked rank's run ends, and at the exit of any other
+        process; the trained model cannot run collectives afterwards."""
+        _release(self._layout, self._created_default_group)
+        self._created_default_group = False
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Before the teardown closes this rank's connections: a peer's collective error comes after.
+        rank = self.process_rank
+        record_failure(self._failure_file, rank, exception)
+        record = read_failure(self._failure_file)
+        if self._launcher is None and rank != 0 and record is not None and record["rank"] != rank:
+            # A rank re-running the user's script whose error is a consequence of another rank's (a
+            # collective that lost its peer): the failing rank and rank 0 report it, this one exits quietly.
+            sys.stderr.flush()
+            os._exit(1)
+
+    # --- the launcher's side: runs, results, failures -------------------------------------
+    @property
+    def process_rank(self) -> int:
+        """This process's global rank, from the launcher's environment (valid before set-up)."""
+        assert self.cluster_environment is not None
+        return self.cluster_environment.node_rank() * self.num_processes + self.cluster_environment.local_rank()
+
+    @property
+    def failure_file(self) -> Optional[str]:
+        """Where this run records its first failure (see ``rank_failure``)."""
+        return self._failure_file
+
+    def begin_launch(self, run_dir: Optional[str], sequence: int) -> None:
+        """Called by the launcher: the run's directory (None once it is over) and its number."""
+        self._run_dir = run_dir
+        self._failure_file = failure_file(run_dir, sequence)
+
+    def _hand_back(self, trainer, run_dir: str) -> None:
+        """In every rank: after fit, the whole model as full tensors (one file per distinct piece); after
+        predict, this replica's predictions with their sample indices."""
+        assert self._layout is not None and self.lightning_module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            state = gather_full_state(self.lightning_module, self._layout)
+            if state is not None:
+                os.makedirs(os.path.join(run_dir, "model"), exist_ok=True)
+                write_full_state(state, os.path.join(run_dir, "model"), self.global_rank)
+        elif trainer.state.fn == TrainerFn.PREDICTING and trainer.predict_loop.return_predictions:
+            layout = self._layout
+            if layout.tp_rank == 0 and layout.cp_rank == 0 and layout.is_last_pipeline_stage:
+                os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
+                write_predictions(predictions_with_indices(trainer), layout,
+                                   os.path.join(run_dir, "predictions", f"rank{self.global_rank:05d}.safetensors"))
+
+    def receive_results(self, trainer, run_dir: str, rank_zero_result: Any) -> Any:
+        """In the launching process after the ranks finished: load the handed-back model into the module
+        (after fit) and return what ``trainer.<fn>`` should (the merged predictions after predict)."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._receive_model(os.path.join(run_dir, "model"))
+        if trainer.state.fn == TrainerFn.PREDICTING:  # files only where the ranks kept predictions
+            return merge_predictions(os.path.join(run_dir, "predictions"), rank_zero_result)
+        return rank_zero_result
+
+    def _receive_model(self, directory: str) -> None:
+        module = self.lightning_module
+        assert module is not None
+        try:
+            state = read_full_state(directory)
+            loader = getattr(module, "load_full_state_dict", None)
+            if callable(loader):
+                loader(state)
+            else:
+                load_full_state(module, state)
+        except (ValueError, FileNotFoundError) as error:
+            message = (
+                f"the trained weights of {type(module).__name__} could not be handed back from the forked ranks "
+                f"({error}); validate/test/predict/save_checkpoint here would use stale weights, so they are "
+                f"refused. Build the model in __init__, or give the module a load_full_state_dict(state) method "
+                f"that builds it (GPTModule has one), or save checkpoints during fit (ModelCheckpoint) and pass "
+                f"ckpt_path=...")
+            module._megatron_lite_weights_missing = message
+            rank_zero_warn(message)
+            return
+        module._megatron_lite_weights_missing = None
 
     # --- checkpoints ----------------------------------------------------------------------
     def _require_layout(self) -> ParallelLayout:
@@ -395,6 +522,7 @@ class MegatronStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options (it writes with DCP)")
+        _refuse_without_weights(self.lightning_module)
         path = Path(self.broadcast(str(filepath)))
         state = {"model": checkpoint.pop("state_dict")}
         groups = []
@@ -402,12 +530,20 @@ class MegatronStrategy(ParallelStrategy):
             groups.append(opt_state.pop("param_groups"))
             state[f"optimizer_{i}"] = opt_state
         checkpoint["optimizer_param_groups"] = groups
+        live = self._layout is not None and not self._layout.destroyed and _distributed_is_initialized()
+        if not live and not groups:
+            # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
+            # held the optimizer.
+            rank_zero_warn("megatron-lite: this checkpoint holds the model's weights but no optimizer state (the "
+                           "forked ranks kept it); resuming from it restarts the optimizer. For an exact resume "
+                           "save checkpoints during fit (ModelCheckpoint).")
         checkpoint["megatron_lite_layout"] = {
-            "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size,
-            "sequence_parallel": self.parallel_config.sequence_parallel,
-            "pipeline_model_parallel_size": self.parallel_config.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": self.parallel_config.virtual_pipeline_model_parallel_size,
-            "world_size": self.world_size,
+            "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size if live else 1,
+            "sequence_parallel": self.parallel_config.sequence_parallel if live else False,
+            "pipeline_model_parallel_size": self.parallel_config.pipeline_model_parallel_size if live else 1,
+            "virtual_pipeline_model_parallel_size":
+                self.parallel_config.virtual_pipeline_model_parallel_size if live else 1,
+            "world_size": self.world_size if live else 1,  # the ranks whose RNG states it holds
         }
         assert self.lightning_module is not None
         state.update(rng_state(self.lightning_module, self.global_rank))
@@ -458,6 +594,19 @@ class MegatronStrategy(ParallelStrategy):
         if saved.get("world_size") != self.world_size:
             return {}
         return rng_placeholders(path, self.global_rank)
+
+
+def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
+    if layout is not None:
+        layout.destroy()
+    if default_group and _distributed_is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _refuse_without_weights(module: Optional[LightningModule]) -> None:
+    message = getattr(module, "_megatron_lite_weights_missing", None)
+    if message:
+        raise RuntimeError(message)
 
 
 STRATEGY_NAMES = {

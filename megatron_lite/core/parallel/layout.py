@@ -140,6 +140,8 @@ class ParallelLayout:
     """This rank's index along each mesh dimension."""
     groups: dict = field(default_factory=dict)
     """Process group per dimension name (and 'mp', 'dp_cp'); None entries mean 'alone'."""
+    destroyed: bool = False
+    """Whether :meth:`destroy` released the process groups (sizes and coordinates stay readable)."""
 
     @classmethod
     def single(cls, config: Optional[ParallelConfig] = None) -> "ParallelLayout":
@@ -241,7 +243,34 @@ class ParallelLayout:
 
     def group(self, name: str):
         """The process group of dimension ``name``; None when that dimension has size 1."""
+        if self.destroyed:
+            # None would read as "alone" and silently skip the collective.
+            raise RuntimeError(f"the process groups of this layout ({self.describe()}) were destroyed when its run "
+                               f"ended; build the model again under a live layout (a new fit/validate does)")
         return self.groups.get(name)
+
+    def destroy(self) -> None:
+        """Destroy the process groups this layout created (the DeviceMesh's groups and the flattened
+        'mp' and 'dp_cp' groups), leaving the default process group alone. Idempotent; local (no
+        collective). Models built for this layout cannot run collectives afterwards.
+
+        gloo keeps threads and sockets per group; left to the interpreter's exit they are torn down in
+        an arbitrary order, which aborted about one 2-rank run in five ("terminate called without an
+        active exception")."""
+        if self.destroyed or self.mesh is None or not dist.is_initialized():
+            self.destroyed = self.destroyed or self.mesh is not None
+            return
+        seen: set[int] = set()
+        groups = [g for g in self.groups.values() if g is not None]
+        groups += list(self.mesh.get_all_groups())
+        for group in groups:
+            if id(group) in seen or group is dist.GroupMember.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+        self.groups = {name: None for name in self.groups}
+        self.mesh = None
+        self.destroyed = True
 
     def describe(self) -> str:
         """One line for logs: sizes and this rank's coordinates."""
