@@ -47,8 +47,9 @@ class TrainLosses(L.Callback):
             self.path.write_text(json.dumps(self.losses))
 
 
-def _trainer(tp: int, devices: int, **kwargs) -> L.Trainer:
-    return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+def _trainer(tp: int, devices: int, pp: int = 1, **kwargs) -> L.Trainer:
+    return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                  start_method="fork"),
                      accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
@@ -78,13 +79,14 @@ def _first_batch_loss(model: torch.nn.Module) -> float:
     return float(total / count)
 
 
-@pytest.mark.parametrize("tp,devices", [(1, 1), (2, 2), (1, 2)], ids=["devices1", "tp2", "dp2"])
-def test_notebook_session_uses_the_trained_model(tp, devices, reference, tmp_path):
+@pytest.mark.parametrize("tp,pp,devices", [(1, 1, 1), (2, 1, 2), (1, 1, 2), (1, 2, 2)],
+                         ids=["devices1", "tp2", "dp2", "pp2"])
+def test_notebook_session_uses_the_trained_model(tp, pp, devices, reference, tmp_path):
     module, data = _module(), _data()
     fresh_first_loss = _first_batch_loss(_module().build_model(ml.ParallelLayout.single()))
 
     # fit: the trained model, its metrics and its step come back to this process
-    trainer = _trainer(tp, devices, **_fit_kwargs(STEPS))
+    trainer = _trainer(tp, devices, pp, **_fit_kwargs(STEPS))
     trainer.fit(module, data)
     fit_val = float(trainer.callback_metrics["val/loss"])
     assert trainer.global_step == STEPS
@@ -95,13 +97,13 @@ def test_notebook_session_uses_the_trained_model(tp, devices, reference, tmp_pat
     # validate (new ranks, the handed-back weights cut into this layout's shards): the val/loss of fit
     validated = trainer.validate(module, data, verbose=False)[0]["val/loss"]
     assert validated == pytest.approx(fit_val, rel=1e-6)
-    fresh = _trainer(tp, devices, limit_val_batches=2).validate(_module(), data, verbose=False)[0]["val/loss"]
+    fresh = _trainer(tp, devices, pp, limit_val_batches=2).validate(_module(), data, verbose=False)[0]["val/loss"]
     assert abs(fresh - validated) > 0.05, "validate scored an untrained model"
 
     # predict: every sample once, in the dataset's order, batched as the loader batches (5 samples over
     # DP2 give the ranks 3 and 2), equal to this process's trained model
     samples = [{"tokens": (torch.arange(16) * (i + 1)) % 128} for i in range(5)]
-    predictions = _trainer(tp, devices).predict(module, DataLoader(samples, batch_size=2))
+    predictions = _trainer(tp, devices, pp).predict(module, DataLoader(samples, batch_size=2))
     assert [p.shape[0] for p in predictions] == [2, 2, 1]
     tokens = torch.stack([s["tokens"] for s in samples])
     local = module.model.eval().full_logits(tokens)
@@ -114,14 +116,14 @@ def test_notebook_session_uses_the_trained_model(tp, devices, reference, tmp_pat
 
     # save here, load into a fresh module in new ranks: the trained weights
     trainer.save_checkpoint(tmp_path / "notebook.ckpt")
-    restored = _trainer(tp, devices, limit_val_batches=2).validate(
+    restored = _trainer(tp, devices, pp, limit_val_batches=2).validate(
         _module(), data, ckpt_path=str(tmp_path / "notebook.ckpt"), verbose=False)[0]["val/loss"]
     assert restored == pytest.approx(fit_val, rel=1e-6)
 
     # fit again: the new ranks start from the trained weights (step 0's loss is theirs, not a fresh model's)
     trained_first_loss = _first_batch_loss(module.model)
     losses = tmp_path / "losses.json"
-    _trainer(tp, devices, max_steps=2, limit_val_batches=0, callbacks=[TrainLosses(losses)]).fit(module, data)
+    _trainer(tp, devices, pp, max_steps=2, limit_val_batches=0, callbacks=[TrainLosses(losses)]).fit(module, data)
     second_fit = json.loads(losses.read_text())
     assert second_fit[0] == pytest.approx(trained_first_loss, rel=1e-5)
     assert abs(second_fit[0] - fresh_first_loss) > 0.05
