@@ -9,7 +9,7 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
    ``1 - busy / span``, span from the first forward's start to the last backward's end, mean over stages);
    the median over those steps is reported beside the theory, 1F1B ``(P-1)/(M+P-1)``. The same at P=2 with
    the interleaved schedule, V=2 (``(P-1)/(V·M+P-1)``). The last recorded step of every run is drawn to
-   ``--png-dir``. Targets at P=2: within 10 % (relative) of theory for M >= 2P; interleaved at most 0.6x
+   ``--png-dir`` (``pp<P>_m<M>[_v2].png``), and its events are kept in ``pp<P>_m<M>[_v2]/pipeline_events``. Targets at P=2: within 10 % (relative) of theory for M >= 2P; interleaved at most 0.6x
    the 1F1B bubble at the same M.
 2. **Throughput at P=2, M=``--throughput-microbatches``** (8). tokens/s of
    * *one process*: ``MegatronStrategy`` with one device, the same M microbatches, no pipeline (in this process);
@@ -42,6 +42,7 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -236,14 +237,17 @@ def bubble_sweep(args, png_dir: Path, cores: int) -> list[dict]:
     for pp, m, vpp in configs:
         schedule = "1f1b" if vpp == 1 else "interleaved_1f1b"
         t = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="ml_pipeline_events_") as events_dir:
-            run = run_framework(args, pp=pp, num_microbatches=m, vpp=vpp, steps=args.steps, events_dir=Path(events_dir))
-            steps = load_steps(Path(events_dir) / "pipeline_events")
+        # kept beside the picture, so `megatron-lite pipeline-timeline <png-dir>/<name> --step N` redraws any step
+        name = f"pp{pp}_m{m}{f'_v{vpp}' if vpp > 1 else ''}"
+        events_dir = png_dir / name
+        shutil.rmtree(events_dir, ignore_errors=True)  # the callback appends: a rerun must not add to old steps
+        run = run_framework(args, pp=pp, num_microbatches=m, vpp=vpp, steps=args.steps, events_dir=events_dir)
+        steps = load_steps(events_dir / "pipeline_events")
         timelines = [steps[key] for key in sorted(steps)]
         bubbles = [measured_bubble(tl.stages) for tl in timelines]
         theory = theoretical_bubble(schedule, pp, m, vpp)
         measured = statistics.median(b.mean for b in bubbles)
-        png = png_dir / f"pp{pp}_m{m}{f'_v{vpp}' if vpp > 1 else ''}.png"
+        png = png_dir / f"{name}.png"
         plot_timeline(timelines[-1], png)
         tokens_per_step = m * args.micro_batch_size * args.seq_length
         median_ms = float(np.median(run["step_s"][args.warmup:])) * 1e3
@@ -380,7 +384,8 @@ def main(argv=None) -> dict:
           f"{ratios['framework_overhead_cpu_vs_plain_pipelining'] * 100:+.1f}%")
     print("max |loss difference| over the first steps (same weights and data; fp32 rounding only): "
           + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items()))
-    print(f"timelines: {png_dir}/pp<P>_m<M>[_v2].png")
+    print(f"timelines (the last recorded step): {png_dir}/pp<P>_m<M>[_v2].png; every recorded step: megatron-lite "
+          f"pipeline-timeline {png_dir}/pp<P>_m<M>[_v2] --step N")
     print(f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after (a shared machine: other jobs move these numbers)")
 

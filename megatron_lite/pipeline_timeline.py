@@ -219,8 +219,8 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
     bubble = measured_bubble(timeline.stages)
     P, V, M = timeline.pp_size, timeline.virtual_pipeline_size, timeline.num_microbatches
     blocks = M * V * 2  # per row
-    width = min(max(10.0, 4.0 + 0.4 * blocks), 30.0)
-    figure = Figure(figsize=(width, 1.4 + 0.75 * P), layout="constrained")
+    width = min(max(10.0, 4.0 + 0.4 * blocks), 24.0)  # beyond ~60 blocks a row, labels give way to colour
+    figure = Figure(figsize=(width, 1.4 + 0.8 * P), layout="constrained")
     FigureCanvasAgg(figure)  # headless: savefig renders with Agg, no pyplot state
     axes = figure.subplots()
     # tab20 comes in pairs (dark, light) of one hue: a microbatch's backward and forward share a hue.
