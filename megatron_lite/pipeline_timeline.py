@@ -190,7 +190,7 @@ def theory_formula(schedule: str) -> str:
 
 # --- the picture ---------------------------------------------------------------------------------
 DPI = 100
-_LIGHT_BACKWARDS = "#333333"  # text on the dark backward blocks is white, on the light forwards this
+_FORWARD_TEXT = "#333333"  # labels on the light forward blocks (on the dark backwards: white)
 
 
 _AXES_SHARE = 0.8  # of the figure's width that the time axis gets (the rest: stage labels, legend)
@@ -240,7 +240,7 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
             size = _label_size(label, w / span_ms * width * DPI * _AXES_SHARE)
             if size:
                 axes.text(x0 + w / 2, y, label, ha="center", va="center", fontsize=size,
-                          color=_LIGHT_BACKWARDS if forward else "white", fontweight="bold",
+                          color=_FORWARD_TEXT if forward else "white", fontweight="bold",
                           bbox=None if forward else dict(boxstyle="square,pad=0.1", facecolor=palette[2 * hue],
                                                          edgecolor="none"))
     axes.set_yticks(range(P))

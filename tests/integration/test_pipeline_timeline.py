@@ -148,3 +148,15 @@ def test_every_n_steps_and_bad_options():
     assert [s for s in range(6) if timeline.records(s)] == [0, 2, 4]
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
         PipelineTimeline(every_n_steps=0)
+
+
+def test_without_matplotlib_the_bubble_prints_and_one_line_says_what_to_install(run_dir, tmp_path, capsys, monkeypatch):
+    root, _ = run_dir
+    # None in sys.modules makes the import fail as it does where matplotlib is not installed
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main([str(root), "--out", str(tmp_path / "t.png")]) == 2
+    captured = capsys.readouterr()
+    assert "bubble fraction: measured" in captured.out
+    assert captured.err.strip().count("\n") == 0 and 'pip install "megatron-lite[logging]"' in captured.err
+    assert not (tmp_path / "t.png").exists()
