@@ -9,7 +9,8 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
    ``1 - busy / span``, span from the first forward's start to the last backward's end, mean over stages);
    the median over those steps is reported beside the theory, 1F1B ``(P-1)/(M+P-1)``. The same at P=2 with
    the interleaved schedule, V=2 (``(P-1)/(V·M+P-1)``). The last recorded step of every run is drawn to
-   ``--png-dir`` (``pp<P>_m<M>[_v2].png``), and its events are kept in ``pp<P>_m<M>[_v2]/pipeline_events``. Targets at P=2: within 10 % (relative) of theory for M >= 2P; interleaved at most 0.6x
+   ``--png-dir`` (``pp<P>_m<M>[_v2].png``), and its events are kept in ``pp<P>_m<M>[_v2]/pipeline_events``.
+   Targets at P=2: within 10 % (relative) of theory for M >= 2P; interleaved at most 0.6x
    the 1F1B bubble at the same M.
 2. **Throughput at P=2, M=``--throughput-microbatches``** (8). tokens/s of
    * *one process*: ``MegatronStrategy`` with one device, the same M microbatches, no pipeline (in this process);
@@ -261,7 +262,8 @@ def bubble_sweep(args, png_dir: Path, cores: int) -> list[dict]:
                "tokens_per_s": tokens_per_step / (median_ms / 1e3), "step_ms": [s * 1e3 for s in run["step_s"]]}
         rows.append(row)
         print(f"  P={pp} M={m:<3d} {schedule:17s} bubble {measured:.3f} (theory {theory:.3f}, x{measured / theory:.2f})"
-              f"{'  [contended]' if row['contended'] else ''}  {median_ms:7.0f} ms/step  ({time.perf_counter() - t:.1f} s)",
+              f"{'  [contended]' if row['contended'] else ''}  {median_ms:7.0f} ms/step  "
+              f"({time.perf_counter() - t:.1f} s)",
               flush=True)
     return rows
 
@@ -320,7 +322,8 @@ def print_bubble_table(rows: list[dict], targets: dict) -> None:
         key = f"pp2_m{r['num_microbatches']}_{r['schedule']}"
         ok = targets["bubble_within_10pct_of_theory"].get(key) if r["pp"] == 2 else None
         last = r["per_stage"][-1]
-        table.append((str(r["pp"]), str(r["num_microbatches"]), r["schedule"] + (f" V={r['vpp']}" if r["vpp"] > 1 else ""),
+        schedule = r["schedule"] + (f" V={r['vpp']}" if r["vpp"] > 1 else "")
+        table.append((str(r["pp"]), str(r["num_microbatches"]), schedule,
                       f"{r['measured']:.3f}", f"{r['theory']:.3f}", f"{r['measured_over_theory']:.2f}",
                       " ".join(f"{x:.2f}" for x in last), f"{r['median_ms']:.0f}", f"{r['tokens_per_s']:,.0f}",
                       _mark(ok), "contended" if r["contended"] else ""))
@@ -373,7 +376,8 @@ def main(argv=None) -> dict:
         (one["description"], "1", f"{one['median_ms']:.0f}", f"{one['p10_ms']:.0f}", f"{one['p90_ms']:.0f}",
          f"{one['cpu_median_ms']:.0f}", f"{one['tokens_per_s']:,.0f}", "1.000 (base)"),
         (pp2["description"], "2", f"{pp2['median_ms']:.0f}", f"{pp2['p10_ms']:.0f}", f"{pp2['p90_ms']:.0f}",
-         f"{pp2['cpu_median_ms']:.0f}", f"{pp2['tokens_per_s']:,.0f}", f"{ratios['pp2_over_one_process']:.3f} vs 1 proc"),
+         f"{pp2['cpu_median_ms']:.0f}", f"{pp2['tokens_per_s']:,.0f}",
+         f"{ratios['pp2_over_one_process']:.3f} vs 1 proc"),
         (plain["description"], "2", f"{plain['median_ms']:.0f}", f"{plain['p10_ms']:.0f}", f"{plain['p90_ms']:.0f}",
          f"{plain['cpu_median_ms']:.0f}", f"{plain['tokens_per_s']:,.0f}",
          f"{pp2['tokens_per_s'] / plain['tokens_per_s']:.3f} PP2/plain")], headers)

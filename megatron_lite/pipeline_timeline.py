@@ -274,8 +274,9 @@ def report(timeline: StepTimeline) -> str:
     theory = theoretical_bubble(timeline.schedule, P, M, V)
     vpp = f", V={V}" if V > 1 else ""
     lines = [f"step {timeline.step}: {timeline.schedule}, P={P}{vpp}, M={M}, span {bubble.span_s * 1e3:.1f} ms",
-             f"bubble fraction: measured {bubble.mean:.4f} (mean over stages), theory {theory_formula(timeline.schedule)}"
-             f" = {theory:.4f}" + (f", measured/theory {bubble.mean / theory:.2f}" if theory > 0 else "")]
+             f"bubble fraction: measured {bubble.mean:.4f} (mean over stages), "
+             f"theory {theory_formula(timeline.schedule)} = {theory:.4f}"
+             + (f", measured/theory {bubble.mean / theory:.2f}" if theory > 0 else "")]
     for stage in range(P):
         lines.append(f"  stage {stage} (rank {timeline.ranks[stage]}): busy {bubble.busy_s[stage] * 1e3:.1f} ms, "
                      f"bubble {bubble.per_stage[stage]:.4f}")
