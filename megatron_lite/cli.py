@@ -68,6 +68,7 @@ _TOOLS = {
     "preprocess": ("megatron_lite.data.preprocess", "main"),
     "estimate": ("megatron_lite.estimate", "main"),
     "plot": ("megatron_lite.plot", "main"),
+    "pipeline-timeline": ("megatron_lite.pipeline_timeline", "main"),
 }
 
 

@@ -104,7 +104,8 @@ LossStep = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]]
 @dataclass
 class PipelineEvent:
     """One forward or backward of one microbatch on this rank (wall-clock seconds, ``time.time()``:
-    comparable across the ranks of one machine)."""
+    comparable across the ranks of one machine). ``start`` is taken once the input (activations or
+    gradient) has arrived: time spent blocked on a neighbour is bubble, not work."""
 
     kind: str
     chunk: int
@@ -149,9 +150,9 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
     for kind, chunk, mb in order:
         part = parts[chunk]
         stage = part.stage.virtual_stage
-        start = time.time() if record_events else 0.0
         if kind == "F":
             x = None if part.pre_process else p2p.recv_forward(stage)
+            start = time.time() if record_events else 0.0
             if x is not None and not forward_only:
                 x.requires_grad_(True)
             with grad_mode:
@@ -173,6 +174,7 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
         else:
             x, out = saved.pop((chunk, mb))
             grad = None if part.post_process else p2p.recv_backward(stage, out)
+            start = time.time() if record_events else 0.0
             sync = no_sync is None or last_backward[chunk] == mb
             with contextlib.nullcontext() if sync else no_sync():
                 torch.autograd.backward(out, grad_tensors=grad)
