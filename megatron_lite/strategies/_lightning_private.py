@@ -74,6 +74,22 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         self._validate(args, kwargs, trainer)
+        alone = self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally
+        if not alone:
+            return self._launch(function, *args, **kwargs)
+        # One process, run right here (a notebook, a test): Lightning's launch would leave LOCAL_RANK,
+        # WORLD_SIZE, MASTER_PORT... in this process's environment and its one-rank process group alive,
+        # and a later multi-process run from the same process (or a script it starts) would read them as
+        # "launched externally, world size 1". Nothing of this run needs them afterwards.
+        saved = dict(os.environ)
+        try:
+            return self._launch(function, *args, **kwargs)
+        finally:
+            self._strategy.release_process_groups()
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def _launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         # Lightning's launch, except for the run directory (inherited by the child scripts) and the
         # observer of the children (ours waits before it kills; see _ChildWatcher).
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)

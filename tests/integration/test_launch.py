@@ -75,3 +75,33 @@ def test_script_fits_twice_and_exits_cleanly(tmp_path):
     first, second = outputs[0]
     assert first.split(" tokens ")[0] != second.split(" tokens ")[0]  # the second fit went on training
     assert outputs[0] == outputs[1] == outputs[2]  # and the runs are deterministic
+
+
+def test_a_one_process_run_leaves_nothing_behind_for_the_next_launch():
+    """devices=1 with the default ('popen') launcher runs in this process: afterwards neither Lightning's
+    launch variables (LOCAL_RANK, WORLD_SIZE, ...) nor its one-rank process group may remain, or the next
+    multi-process run from this process would take itself for an externally launched world of size 1."""
+    import os
+
+    import torch
+    import lightning as L
+
+    import megatron_lite as ml
+    from megatron_lite.data import MockGPTDataModule
+
+    config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
+                          make_vocab_size_divisible_by=64)
+
+    def fit(devices: int, **strategy) -> L.Trainer:
+        trainer = L.Trainer(strategy=ml.MegatronStrategy(**strategy), accelerator="cpu", devices=devices,
+                            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4,
+                                                            vocab_size=128, seed=3))
+        return trainer
+
+    before = dict(os.environ)
+    fit(1)
+    assert {k: v for k, v in os.environ.items() if before.get(k) != v} == {}
+    assert not torch.distributed.is_initialized()
+    assert fit(2, pipeline_model_parallel_size=2, start_method="fork").global_step == 2
