@@ -30,6 +30,10 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     assert len(result["losses"]) == 10
     assert result["global_step"] == 10
     assert_same_training(result, reference)
+    # Before clipping: clipping and Adam would hide a wrong overall gradient scale (e.g. an SP gradient
+    # summed twice) from the losses and parameters.
+    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
+                               rtol=1e-5, atol=0)
 
 
 def test_gpt2_style_model_with_tp_sp_matches(tmp_path):
