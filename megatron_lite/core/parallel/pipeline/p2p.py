@@ -2,10 +2,13 @@
 
 Activations go to the next rank of the pipeline ring and gradients to the previous one, each on its
 own process group, tagged with the receiving virtual stage. Sends are asynchronous (waited for at
-the end of the step) and a receive blocks only when its data is needed, so any valid schedule order
-runs without deadlock. A forward transfer is preceded by a small header (shape and dtype): stages
-need not know each other's activation shapes (variable sequence lengths, other objectives). A
-backward transfer has the shape of the activation it answers, which the receiver holds.
+the end of the step); a receive can be posted ahead (:meth:`PipelineP2P.post_forward`,
+:meth:`PipelineP2P.post_backward`) so that the transfer runs while this rank computes, and is waited
+for only when its data is needed: any valid schedule order runs without deadlock. The first forward
+transfer to each virtual stage in a step is preceded by a small header (shape and dtype), so stages
+need not know each other's activation shapes; later ones in the step have the same shape (all
+microbatches of a step do), which lets the receiver post them ahead. A backward transfer has the
+shape of the activation it answers, which the receiver holds.
 """
 from __future__ import annotations
 
@@ -36,45 +39,84 @@ class PipelineP2P:
             for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"):
                 timers(name, log_level=2)
         self._pending: list = []  # (work, tensor kept alive until the send completes)
+        self._sent_shapes: dict[int, tuple] = {}  # virtual stage -> (shape, dtype) sent this step
+        self._recv_shapes: dict[int, tuple] = {}  # virtual stage -> (shape, dtype) received this step
 
     def send_forward(self, tensor: torch.Tensor, to_virtual_stage: int) -> None:
         """Activations for ``to_virtual_stage`` (held by the next rank of the ring)."""
         with timed(self.timers, "forward-send", log_level=2):
             tensor = tensor.detach().contiguous()
-            header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
-            header[0], header[1] = tensor.ndim, DTYPES.index(tensor.dtype)
-            header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
-            self._isend(header.to(self.device), self.next_rank, self.forward_group, to_virtual_stage)
+            meta = (tuple(tensor.shape), tensor.dtype)
+            known = self._sent_shapes.get(to_virtual_stage)
+            if known is None:
+                header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+                header[0], header[1] = tensor.ndim, DTYPES.index(tensor.dtype)
+                header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
+                self._isend(header.to(self.device), self.next_rank, self.forward_group, to_virtual_stage)
+                self._sent_shapes[to_virtual_stage] = meta
+            elif known != meta:
+                raise ValueError(f"pipeline activations changed shape within a step ({known} then {meta}): every "
+                                 f"microbatch of a step must have the same shape")
             self._isend(tensor, self.next_rank, self.forward_group, to_virtual_stage)
 
-    def recv_forward(self, virtual_stage: int) -> torch.Tensor:
+    def forward_shape_known(self, virtual_stage: int) -> bool:
+        """Whether this step's activations for ``virtual_stage`` have a known shape (can be posted ahead)."""
+        return virtual_stage in self._recv_shapes
+
+    def post_forward(self, virtual_stage: int) -> "PostedRecv":
+        """Start receiving the previous stage's next activations for ``virtual_stage`` (shape known)."""
+        shape, dtype = self._recv_shapes[virtual_stage]
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        return PostedRecv(dist.irecv(out, self.prev_rank, group=self.forward_group, tag=virtual_stage), out)
+
+    def recv_forward(self, virtual_stage: int, posted: Optional["PostedRecv"] = None) -> torch.Tensor:
         """The previous stage's activations for this rank's ``virtual_stage`` (blocks until they arrive)."""
         with timed(self.timers, "forward-recv", log_level=2):
-            header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
-            dist.recv(header, self.prev_rank, group=self.forward_group, tag=virtual_stage)
-            header = header.cpu()
-            ndim, dtype = int(header[0]), DTYPES[int(header[1])]
-            out = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
-            dist.recv(out, self.prev_rank, group=self.forward_group, tag=virtual_stage)
-            return out
+            if posted is not None:
+                return posted.wait()
+            if virtual_stage not in self._recv_shapes:
+                header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+                dist.recv(header, self.prev_rank, group=self.forward_group, tag=virtual_stage)
+                header = header.cpu()
+                ndim = int(header[0])
+                self._recv_shapes[virtual_stage] = (tuple(header[2:2 + ndim].tolist()), DTYPES[int(header[1])])
+            return self.post_forward(virtual_stage).wait()
 
     def send_backward(self, grad: torch.Tensor, to_virtual_stage: int) -> None:
         """The gradient of this stage's input, for ``to_virtual_stage`` (held by the previous rank)."""
         with timed(self.timers, "backward-send", log_level=2):
             self._isend(grad.detach().contiguous(), self.prev_rank, self.backward_group, to_virtual_stage)
 
-    def recv_backward(self, virtual_stage: int, like: torch.Tensor) -> torch.Tensor:
+    def post_backward(self, virtual_stage: int, like: torch.Tensor) -> "PostedRecv":
+        """Start receiving the gradient of ``like`` (this stage's output) from the next stage."""
+        out = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return PostedRecv(dist.irecv(out, self.next_rank, group=self.backward_group, tag=virtual_stage), out)
+
+    def recv_backward(self, virtual_stage: int, like: torch.Tensor,
+                      posted: Optional["PostedRecv"] = None) -> torch.Tensor:
         """The gradient of ``like`` (this stage's output) from the next stage (blocks)."""
         with timed(self.timers, "backward-recv", log_level=2):
-            out = torch.empty_like(like, memory_format=torch.contiguous_format)
-            dist.recv(out, self.next_rank, group=self.backward_group, tag=virtual_stage)
-            return out
+            return (posted or self.post_backward(virtual_stage, like)).wait()
 
     def _isend(self, tensor: torch.Tensor, dst: int, group, tag: int) -> None:
         self._pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
 
     def wait(self) -> None:
-        """Complete every send of this step (before its buffers may be reused)."""
+        """Complete every send of this step (before its buffers may be reused); the next step starts
+        with fresh shape headers."""
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self._sent_shapes.clear()
+        self._recv_shapes.clear()
+
+
+class PostedRecv:
+    """A receive posted ahead: its buffer and the work to wait for."""
+
+    def __init__(self, work, buffer: torch.Tensor):
+        self.work, self.buffer = work, buffer
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buffer

@@ -9,8 +9,10 @@ backward of each model chunk only (pipelining's ``no_sync`` handling knows DDP a
 loss is the per-token mean over the global batch, whose token count is only known on the last stage
 after every microbatch (pipelining scales by the number of microbatches). The orders are Megatron's.
 
-The executor posts sends asynchronously and blocks on a receive only when the data is needed; in a
-valid order (each of these is) every receive's send is eventually posted, so it cannot deadlock.
+The executor posts sends asynchronously, posts the next action's receive before computing the current
+one (so the transfer overlaps the compute, as Megatron's batched send/receive pairs do) and blocks on
+a receive only when the data is needed; in a valid order (each of these is) every receive's send is
+eventually posted, so it cannot deadlock.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
 
-from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P
+from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P, PostedRecv
 
 Action = tuple[str, int, int]
 """("F" or "B", model chunk index on this rank, microbatch index)."""
@@ -147,11 +149,35 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
             last_backward[chunk] = mb
     saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    for kind, chunk, mb in order:
+    # Receives posted ahead: the next forward's and the next backward's input, each posted as soon as it
+    # can be (its shape known, and for a backward its forward done), so the transfer overlaps compute.
+    # Per direction they are posted in the order they are consumed, which keeps the matching in order.
+    posted: dict[int, PostedRecv] = {}
+    next_of_kind = {"F": [len(order)] * (len(order) + 1), "B": [len(order)] * (len(order) + 1)}
+    for i in range(len(order) - 1, -1, -1):
+        for k in "FB":
+            next_of_kind[k][i] = i if order[i][0] == k else next_of_kind[k][i + 1]
+
+    def post_ahead(after: int) -> None:
+        for k in "FB":
+            index = next_of_kind[k][after]
+            if index >= len(order) or index in posted:
+                continue
+            _, chunk, mb = order[index]
+            part = parts[chunk]
+            stage = part.stage.virtual_stage
+            if k == "F" and not part.pre_process and p2p.forward_shape_known(stage):
+                posted[index] = p2p.post_forward(stage)
+            elif k == "B" and not part.post_process and (chunk, mb) in saved:
+                posted[index] = p2p.post_backward(stage, saved[(chunk, mb)][1])
+
+    for index, (kind, chunk, mb) in enumerate(order):
         part = parts[chunk]
         stage = part.stage.virtual_stage
+        mine = posted.pop(index, None)
         if kind == "F":
-            x = None if part.pre_process else p2p.recv_forward(stage)
+            x = None if part.pre_process else p2p.recv_forward(stage, mine)
+            post_ahead(index + 1)
             start = time.time() if record_events else 0.0
             if x is not None and not forward_only:
                 x.requires_grad_(True)
@@ -171,9 +197,11 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
                 p2p.send_forward(out, stage + 1)
             if not forward_only:
                 saved[(chunk, mb)] = (x, out)
+                post_ahead(index + 1)  # the next backward may be this microbatch's
         else:
             x, out = saved.pop((chunk, mb))
-            grad = None if part.post_process else p2p.recv_backward(stage, out)
+            grad = None if part.post_process else p2p.recv_backward(stage, out, mine)
+            post_ahead(index + 1)
             start = time.time() if record_events else 0.0
             sync = no_sync is None or last_backward[chunk] == mb
             with contextlib.nullcontext() if sync else no_sync():
