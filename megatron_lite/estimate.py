@@ -30,7 +30,6 @@ from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import MemoryEstimate, estimate_for_run
 from megatron_lite.core.estimator.report import (  # noqa: F401  (re-exported: the command's API)
     default_device_memory_bytes,
-    format_bytes,
     format_table,
     memory_warning,
 )

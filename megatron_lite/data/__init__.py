@@ -28,6 +28,8 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "MegatronPretrainingRandomSampler",
+    "PreferenceDataModule",
+    "PreferenceDataset",
     "MegatronPretrainingSampler",
     "MockGPTDataModule",
     "MockGPTDataset",

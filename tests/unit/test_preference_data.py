@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_lite.data import PreferenceDataModule, PreferenceDataset, bundled_corpus
 from megatron_lite.data.preference import read_preferences

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_lite.core.parallel.pipeline.stages import PIPELINE_SCHEDULES, StageChunk, stage_chunks
