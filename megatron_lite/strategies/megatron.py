@@ -8,6 +8,7 @@ checkpoints. The training step itself (microbatch schedule, gradient reduction, 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -30,6 +31,7 @@ from megatron_lite.core.checkpoint.sharded import (
     ensure_optimizer_state,
     load_optimizer_groups,
     load_sharded,
+    read_checkpoint_meta,
     save_sharded,
     sharded_model_state,
     sharded_optimizer_state,
@@ -575,7 +577,7 @@ class MegatronStrategy(ParallelStrategy):
             state[f"optimizer_{i}"] = opt_state
         rng = self._rng_placeholders(path) if fitting else {}
         state.update(rng)
-        extra = load_sharded(state, path)
+        extra = load_sharded(state, path, allowed=self._checkpoint_classes())
         write_back(writebacks)
         if mopt is not None and optimizers:
             mopt.load_sharded_state_dict(state["optimizer_0"])
@@ -585,12 +587,19 @@ class MegatronStrategy(ParallelStrategy):
             restore_rng_state(self.lightning_module, {k: state[k] for k in rng}, self.global_rank)
         return extra
 
+    def _checkpoint_classes(self) -> list[type]:
+        """Classes a checkpoint's metadata may hold besides plain data: the module's config dataclasses
+        (its saved hyperparameters)."""
+        module = self.lightning_module
+        if not isinstance(module, EngineModule):
+            return []
+        return [type(c) for c in (module.config, module.optimizer_config) if dataclasses.is_dataclass(c)]
+
     def _rng_placeholders(self, path: Path) -> dict[str, Tensor]:
         """This rank's saved RNG states, when the checkpoint was written by as many ranks as now."""
         if not (path / ".metadata").is_file():
             return {}  # load_sharded reports the bad path
-        saved = torch.load(path / "meta.pt", weights_only=False).get("megatron_lite_layout", {}) \
-            if (path / "meta.pt").is_file() else {}
+        saved = read_checkpoint_meta(path, self._checkpoint_classes()).get("megatron_lite_layout", {})
         if saved.get("world_size") != self.world_size:
             return {}
         return rng_placeholders(path, self.global_rank)

@@ -8,10 +8,11 @@ storage with the live parameters and optimizer state, so loading writes straight
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -197,13 +198,32 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional
     return path
 
 
-def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict:
-    """Load ``state`` in place from a checkpoint written by :func:`save_sharded`; returns ``extra``."""
+def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequence[type] = ()) -> dict:
+    """Load ``state`` in place from a checkpoint written by :func:`save_sharded`; returns ``extra``
+    (read by :func:`read_checkpoint_meta` with the ``allowed`` classes)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
             f"{path} is not a megatron-lite checkpoint directory (no DCP .metadata inside); pass the "
             f"directory that trainer.save_checkpoint() or ModelCheckpoint wrote.")
     dcp.load(state, checkpoint_id=str(path))
-    meta = path / "meta.pt"
-    return torch.load(meta, weights_only=False) if meta.is_file() else {}
+    return read_checkpoint_meta(path, allowed)
+
+
+def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) -> dict:
+    """The non-tensor part of a checkpoint (``meta.pt``: loops, schedulers, hyperparameters), read with
+    ``weights_only=True``: nothing but tensors, containers, primitives and the ``allowed`` classes (the
+    module's config dataclasses) is reconstructed, so a crafted file cannot run code on load."""
+    meta = Path(path) / "meta.pt"
+    if not meta.is_file():
+        return {}
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(meta, weights_only=True)
+    except pickle.UnpicklingError as error:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(meta))
+        raise ValueError(
+            f"{meta} holds objects of types outside what a checkpoint may contain ({', '.join(unsafe) or error}); "
+            f"megatron-lite never unpickles arbitrary objects. Keep hyperparameters to configs, numbers and "
+            f"strings (or only load checkpoints you wrote yourself after adding their classes with "
+            f"torch.serialization.add_safe_globals).") from None
