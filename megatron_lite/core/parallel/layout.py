@@ -16,6 +16,8 @@ from megatron_lite.core.parallel.pipeline.stages import PIPELINE_SCHEDULES, Stag
 # Mesh dimension names, slowest-varying first (the DeviceMesh convention), i.e. ``tp-cp-ep-dp-pp``
 # read right to left.
 MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+# Ways context-parallel attention exchanges keys and values (Megatron's --cp-comm-type).
+CP_COMM_TYPES = ("p2p", "all_gather")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class ParallelConfig:
     """Layers of the first pipeline stage for an uneven cut (the others share the rest evenly)."""
     num_layers_in_last_pipeline_stage: Optional[int] = None
     """Layers of the last pipeline stage for an uneven cut."""
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention gets the other ranks' keys/values: 'p2p' (passed around the CP
+    ring, the next block in flight while the current one is computed) or 'all_gather' (all at once)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -53,6 +58,8 @@ class ParallelConfig:
                 "shards the activations of the tensor-parallel group); set sequence_parallel=False "
                 "or raise tensor_model_parallel_size."
             )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}.")
         self._validate_pipeline()
 
     def _validate_pipeline(self) -> None:
