@@ -3,7 +3,6 @@ and PretrainDataModule against a plain-Python port of Megatron's semantics, and 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -201,33 +200,3 @@ def test_check_cu_seqlens_refuses_wrong_types_and_shapes() -> None:
     with pytest.raises(ValueError, match="row_length must be a positive integer"):
         check_cu_seqlens(torch.tensor([0, 9]), 0)
 
-
-def test_cli_yaml_reaches_the_options(tmp_path: Path, corpus: str) -> None:
-    """LightningCLI reads the options from a YAML config (jsonargparse takes them from __init__)."""
-    from megatron_lite.cli import MegatronLiteCLI
-    from megatron_lite.data import PretrainingDataModule
-    from megatron_lite.module import GPTModule
-
-    config = tmp_path / "packed.yaml"
-    config.write_text(f"""
-trainer: {{accelerator: cpu, devices: 1, logger: false, enable_progress_bar: false}}
-model: {{config: {{num_layers: 1, hidden_size: 16, num_attention_heads: 2}}}}
-data:
-  class_path: megatron_lite.data.PretrainDataModule
-  init_args:
-    paths: [{corpus}]
-    seq_length: {SEQ}
-    micro_batch_size: 2
-    global_batch_size: 4
-    cache_dir: {corpus}_cache
-    tokenizer: {{class_path: megatron_lite.tokenizers.NullTokenizer, init_args: {{vocab_size: {EOD + 1}}}}}
-    reset_position_ids: true
-    reset_attention_mask: true
-    eod_mask_loss: true
-""")
-    cli = MegatronLiteCLI(GPTModule, PretrainingDataModule, subclass_mode_data=True, run=False,
-                          trainer_defaults={"strategy": "megatron"}, args=["--config", str(config)])
-    dm = cli.datamodule
-    assert isinstance(dm, PretrainDataModule)
-    assert dm.reset_position_ids and dm.reset_attention_mask and dm.eod_mask_loss
-    assert cli.model.config.seq_length == SEQ and cli.model.config.vocab_size == EOD + 1
