@@ -83,7 +83,7 @@ def test_packed_loss_equals_documents_alone(tmp_path: Path, corpus: str, positio
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "packed.yaml"
     config.write_text(f"""
-seed_everything: 7
+seed_everything: false  # the model and the data have their own seeds; keep the test process unseeded
 trainer:
   accelerator: cpu
   devices: 1
