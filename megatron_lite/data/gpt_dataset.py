@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from megatron_lite.core.parallel.packing import cu_seqlens_from_eod, position_ids_from_cu_seqlens
 from megatron_lite.data._index_cache import array_digest, describe, load_or_build
 
 if TYPE_CHECKING:
@@ -110,8 +111,17 @@ class GPTDataset(Dataset):
     """Sample ``i`` is ``{"tokens": LongTensor[seq_length + 1]}`` from the split ``indexed_indices``.
 
     ``num_samples=None`` builds one epoch; otherwise enough whole epochs for ``num_samples`` (``len`` can be
-    larger: every sample of those epochs is kept, as in Megatron). ``eod_mask_token`` adds Megatron's
-    ``eod_mask_loss``: a ``"loss_mask"`` (float ``[seq_length]``) that is 0 where the input token is that id.
+    larger: every sample of those epochs is kept, as in Megatron). Megatron's per-document options, all keyed
+    on the EOD id (``eod_token``, default ``eod_mask_token``); as in Megatron's
+    ``_get_ltor_masks_and_position_ids`` an EOD *input* token is the last token of its document and the next
+    token starts a new one:
+
+    * ``eod_mask_token`` (``eod_mask_loss``): a ``"loss_mask"`` (float ``[seq_length]``) that is 0 where the
+      input token is that id, i.e. the first token of the next document is not trained;
+    * ``reset_position_ids``: ``"position_ids"`` (long ``[seq_length]``) restarting at 0 after each EOD input;
+    * ``reset_attention_mask``: ``"cu_seqlens"`` (int32 ``[seq_length + 2]``, the packed-row format of
+      :mod:`megatron_lite.core.parallel.packing`) so that attention never crosses a document boundary.
+
     The index arrays are cached in ``cache_dir`` (default: ``{dataset_path_prefix}/cache/GPTDataset_indices``,
     Megatron's place), under a hash of everything that determines them.
     """
@@ -127,11 +137,21 @@ class GPTDataset(Dataset):
         split: str = "train",
         cache_dir: str | None = None,
         eod_mask_token: int | None = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+        eod_token: int | None = None,
     ) -> None:
         """Build (or load) the index arrays; errors name the data file and what to change."""
         for name, value, minimum in (("seq_length", seq_length, 1), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if eod_token is not None and eod_mask_token is not None and eod_token != eod_mask_token:
+            raise ValueError(f"eod_token={eod_token} and eod_mask_token={eod_mask_token} name different EOD ids; "
+                             f"documents end with one EOD: pass the same id (or only one of them)")
+        eod_token = eod_token if eod_token is not None else eod_mask_token
+        if (reset_position_ids or reset_attention_mask) and eod_token is None:
+            raise ValueError("reset_position_ids / reset_attention_mask find documents by their EOD token; pass "
+                             "eod_token=tokenizer.eod")
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
                                         or num_samples < 1):
             raise ValueError(f"num_samples must be None (one epoch) or an integer >= 1, got {num_samples!r}")
@@ -142,6 +162,15 @@ class GPTDataset(Dataset):
         self.seed = seed
         self.split = split
         self.eod_mask_token = eod_mask_token
+        self.eod_token = eod_token
+        """The EOD id that ends a document (for the ``reset_*`` options)."""
+        self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
+        # Every input token can be an EOD (documents of a lone EOD are common with `preprocess --append-eod`),
+        # so a row holds up to seq_length + 1 document starts (0, then one after each of the seq_length
+        # inputs) plus its end: seq_length + 2 entries is the smallest fixed length no row can overflow.
+        self.cu_seqlens_length = seq_length + 2
+        """Entries of every sample's ``cu_seqlens`` (with ``reset_attention_mask``)."""
         lengths = indexed_dataset.sequence_lengths
         if len(self.indices) and (self.indices.min() < 0 or self.indices.max() >= len(lengths)):
             raise IndexError(f"{split} split of {self.path_prefix}: document ids must lie in [0, {len(lengths)})")
@@ -155,6 +184,8 @@ class GPTDataset(Dataset):
         """Tokens in one pass over the split's documents."""
         self.num_samples = num_samples
         """Samples asked for (None: one epoch); ``len(self)`` is at least this."""
+        # The reset_* options and the EOD loss mask are left out of the key on purpose: they are computed from a
+        # sample's tokens in __getitem__ and change none of the cached arrays, so every setting shares one cache.
         self.description, self.unique_description_hash = describe({
             "class": type(self).__name__, "dataset_path_prefix": self.path_prefix, "split": split,
             "indices_md5": array_digest(self.indices), "num_documents": len(self.indices),
@@ -191,8 +222,16 @@ class GPTDataset(Dataset):
         return np.concatenate(parts).astype(np.int64, copy=False)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """``{"tokens": LongTensor[seq_length + 1]}`` (plus ``"loss_mask"`` with ``eod_mask_token``)."""
+        """``{"tokens": LongTensor[seq_length + 1]}``, plus ``"loss_mask"`` with ``eod_mask_token``,
+        ``"position_ids"`` with ``reset_position_ids`` and ``"cu_seqlens"`` with ``reset_attention_mask``."""
         tokens = torch.from_numpy(self.tokens(index))
-        if self.eod_mask_token is None:
-            return {"tokens": tokens}
-        return {"tokens": tokens, "loss_mask": (tokens[:-1] != self.eod_mask_token).float()}
+        sample = {"tokens": tokens}
+        if self.eod_mask_token is not None:
+            sample["loss_mask"] = (tokens[:-1] != self.eod_mask_token).float()
+        if self.reset_position_ids or self.reset_attention_mask:
+            cu_seqlens = cu_seqlens_from_eod(tokens, self.eod_token, self.cu_seqlens_length)  # type: ignore[arg-type]
+            if self.reset_position_ids:
+                sample["position_ids"] = position_ids_from_cu_seqlens(cu_seqlens, self.seq_length)
+            if self.reset_attention_mask:
+                sample["cu_seqlens"] = cu_seqlens
+        return sample

@@ -12,6 +12,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator
+from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.blended import BlendedDataset, normalize_weights, samples_needed
 from megatron_lite.data.datamodule import PretrainingDataModule, eval_skip_hint
 from megatron_lite.data.gpt_dataset import GPTDataset
@@ -94,6 +95,12 @@ class PretrainDataModule(PretrainingDataModule):
     (exact resume at any data-parallel size); ``"cyclic"`` is its random sampler (a new permutation per epoch;
     with ``data_sharding`` its order depends on the DP size). Evaluation always uses the sequential order.
     ``eod_mask_loss`` (needs a tokenizer) adds a ``loss_mask`` that drops the loss after each EOD input token.
+    ``reset_position_ids`` (needs a tokenizer) adds ``position_ids`` that restart at 0 after each EOD input
+    token, and ``reset_attention_mask`` (needs a tokenizer) adds ``cu_seqlens`` (each document's start in the
+    row, then ``seq_length + 1``, then -1 padding to ``seq_length + 2`` entries) so that attention never
+    crosses a document boundary: Megatron's ``--reset-position-ids`` / ``--reset-attention-mask``, the EOD
+    ending its document (see :class:`GPTDataset`). The three are independent; together they train each
+    document of a row as if it were alone.
     ``rampup_batch_size`` ramps the training batch up (see :class:`PretrainingDataModule`).
     """
 
@@ -115,6 +122,8 @@ class PretrainDataModule(PretrainingDataModule):
         data_sharding: bool = True,
         eod_mask_loss: bool = False,
         rampup_batch_size: list[int] | None = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
     ) -> None:
         """Validate paths, weights, split and sizes now, before any process is spawned."""
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
@@ -132,14 +141,20 @@ class PretrainDataModule(PretrainingDataModule):
                                       or value < global_batch_size):
                 raise ValueError(f"{name} must be None or an integer >= global_batch_size ({global_batch_size}), "
                                  f"got {value!r}")
-        if eod_mask_loss and tokenizer is None:
-            raise ValueError("eod_mask_loss=True needs the tokenizer (for its EOD id); pass tokenizer=...")
+        for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
+                            ("reset_attention_mask", reset_attention_mask)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+            if value and tokenizer is None:
+                raise ValueError(f"{name}=True needs the tokenizer (for its EOD id); pass tokenizer=...")
         self.seed = seed
         self.sampler = sampler
         self.data_sharding = data_sharding
         self.train_samples = train_samples
         self.eval_samples = eval_samples
         self.eod_mask_loss = eod_mask_loss
+        self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.cache_dir = os.path.abspath(cache_dir) if cache_dir is not None else None
         self.tokenizer = tokenizer
 
@@ -214,11 +229,13 @@ class PretrainDataModule(PretrainingDataModule):
                     f"the {split} split of {prefix} is empty ({len(data)} documents, split={self.split!r}); "
                     f"{self._too_small_hint(split)}{eval_skip_hint(split)}")
             per_file.append((prefix, data, np.arange(bounds[which], bounds[which + 1], dtype=np.int64)))
-        eod = self.tokenizer.eod if self.eod_mask_loss else None
+        eod = self.tokenizer.eod if self.tokenizer is not None else None
 
         def gpt(prefix: str, data: IndexedDataset, docs: np.ndarray, num_samples: int | None) -> GPTDataset:
             return GPTDataset(data, prefix, docs, num_samples, self.seq_length, self.seed, split,
-                              cache_dir=self.cache_dir, eod_mask_token=eod)
+                              cache_dir=self.cache_dir, eod_mask_token=eod if self.eod_mask_loss else None,
+                              reset_position_ids=self.reset_position_ids,
+                              reset_attention_mask=self.reset_attention_mask, eod_token=eod)
 
         if len(per_file) == 1:
             return gpt(*per_file[0], target)
@@ -253,7 +270,11 @@ class PretrainDataModule(PretrainingDataModule):
         """The built dataset of ``split`` (building it when used outside a Trainer)."""
         attribute = {"train": "train_dataset", "validation": "val_dataset", "test": "test_dataset"}[split]
         if getattr(self, attribute) is None:
-            setattr(self, attribute, self._build(split))
+            dataset = self._build(split)
+            if self.reset_attention_mask:  # bad packing fails here, before the first step, not inside attention
+                check_cu_seqlens(dataset[0]["cu_seqlens"], self.seq_length + 1,
+                                 f"the first {split} sample's cu_seqlens")
+            setattr(self, attribute, dataset)
         return getattr(self, attribute)
 
     # ---- loaders -----------------------------------------------------------------------------------------

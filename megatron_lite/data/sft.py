@@ -6,10 +6,11 @@ by turn: the text each turn adds is tokenized on its own, so every token knows w
 to an assistant reply (trained) or to the prompt and the role headers (not trained).
 
 Packed samples concatenate whole conversations up to ``seq_length + 1`` tokens and carry
-``cu_seqlens`` (start offsets of each conversation, then the packed length, padded with -1) and
-``position_ids`` restarting at 0 per conversation, for packed-sequence attention. Every item is
-``{"tokens": [s+1], "loss_mask": [s], "position_ids": [s], "cu_seqlens": [max_seqs + 1]}`` where
-``loss_mask[j]`` says whether predicting ``tokens[j+1]`` counts.
+``cu_seqlens`` (start offsets of each conversation, then the start of the padding if the row is not
+full, then the row length ``seq_length + 1``, padded with -1: the format of
+:mod:`megatron_lite.core.parallel.packing`) and ``position_ids`` restarting at 0 per conversation, for
+packed-sequence attention. Every item is ``{"tokens": [s+1], "loss_mask": [s], "position_ids": [s],
+"cu_seqlens": [cu_seqlens_length]}`` where ``loss_mask[j]`` says whether predicting ``tokens[j+1]`` counts.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
@@ -131,27 +133,37 @@ class SFTDataset(Dataset):
         self.num_truncated = sum(len(ids) > capacity for ids, _ in tokenized)
         bins = pack([len(ids) for ids, _ in tokenized], capacity) if pack_sequences else [[i] for i in range(len(tokenized))]
         self.max_seqs = max(len(b) for b in bins)
-        self.samples = [self._build(b, tokenized, capacity) for b in bins]
+        """Most conversations in one sample."""
+        rows = [self._build(b, tokenized, capacity) for b in bins]
+        self.cu_seqlens_length = max(len(cu) for _, cu in rows)
+        """Entries of every sample's ``cu_seqlens`` (the longest row's, so that rows stack)."""
+        for sample, cu in rows:
+            sample["cu_seqlens"] = torch.tensor(cu + [-1] * (self.cu_seqlens_length - len(cu)), dtype=torch.int32)
+        self.samples = [sample for sample, _ in rows]
 
-    def _build(self, members: list[int], tokenized, capacity: int) -> dict[str, torch.Tensor]:
+    def _build(self, members: list[int], tokenized, capacity: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """(the sample without ``cu_seqlens``, its unpadded ``cu_seqlens``)."""
         tokens = np.full(capacity, self.pad, dtype=np.int64)
         train = np.zeros(capacity, dtype=np.int64)
         positions = np.zeros(capacity, dtype=np.int64)
-        cu = np.full(self.max_seqs + 1, -1, dtype=np.int32)
+        cu: list[int] = []
         offset = 0
-        for k, i in enumerate(members):
+        for i in members:
             ids, mask = tokenized[i]
             n = min(len(ids), capacity - offset)
             tokens[offset:offset + n] = ids[:n]
             train[offset:offset + n] = mask[:n]
             positions[offset:offset + n] = np.arange(n)
-            cu[k] = offset
+            cu.append(offset)
             offset += n
-        cu[len(members)] = offset
+        # Padding is a document of its own (never trained, seen by no real token), so the row always ends
+        # at its length, the one format check_cu_seqlens and packed attention expect.
+        cu += [offset, capacity] if offset < capacity else [capacity]
         # Never train across a conversation boundary: the first token of the next one is not predictable.
         train[cu[1:len(members)]] = 0
-        return {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(train[1:]).float(),
-                "position_ids": torch.from_numpy(positions[:-1]), "cu_seqlens": torch.from_numpy(cu)}
+        sample = {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(train[1:]).float(),
+                  "position_ids": torch.from_numpy(positions[:-1])}
+        return sample, cu
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -220,9 +232,13 @@ class SFTDataModule(PretrainingDataModule):
         bounds = split_boundaries(self.split, len(conversations))
         for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):
             if hi > lo:
-                self.datasets[name] = SFTDataset([conversations[i] for i in order[lo:hi]], self.tokenizer,
-                                                 self.seq_length, pack_sequences=self.pack_sequences,
-                                                 chat_template=self.chat_template, seed=self.seed)
+                dataset = SFTDataset([conversations[i] for i in order[lo:hi]], self.tokenizer,
+                                     self.seq_length, pack_sequences=self.pack_sequences,
+                                     chat_template=self.chat_template, seed=self.seed)
+                # every row is already in memory: check them all at once, before the first step
+                check_cu_seqlens(torch.stack([sample["cu_seqlens"] for sample in dataset.samples]),
+                                 self.seq_length + 1, f"the {name} samples' cu_seqlens")
+                self.datasets[name] = dataset
 
     def _split(self, name: str) -> SFTDataset:
         self.setup()

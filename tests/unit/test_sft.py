@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.sft import SFTDataModule, SFTDataset, pack, read_conversations, tokenize_conversation
 from megatron_lite.tokenizers import DEFAULT_CHAT_TEMPLATE, GPT2BPETokenizer, render_chat_template
 
@@ -55,16 +56,27 @@ def test_samples_are_fixed_size_and_consistent(tokenizer, pack_sequences):
     for item in ds:
         assert item["tokens"].shape == (161,) and item["loss_mask"].shape == (160,) and item["position_ids"].shape == (160,)
         cu = item["cu_seqlens"]
-        assert cu.shape == (ds.max_seqs + 1,)
-        used = cu[cu >= 0]
-        assert used[0] == 0 and torch.all(used[1:] > used[:-1])
-        end = int(used[-1])
-        assert torch.all(item["loss_mask"][end:] == 0)  # padding is never trained
-        for start in used[:-1].tolist():
+        assert cu.shape == (ds.cu_seqlens_length,) and cu.dtype == torch.int32
+        check_cu_seqlens(cu, 161)  # starts at 0, strictly increasing, ends at the row length, then -1
+        used = cu[cu >= 0].tolist()
+        assert len(used) - 1 <= ds.max_seqs + 1  # the conversations, and the padding when the row is not full
+        padding = item["tokens"][used[-2]:] == ds.pad
+        if bool(padding.all()):  # the row's last document is its padding: never trained
+            assert torch.all(item["loss_mask"][used[-2] - 1:] == 0)
+        for start in used[1:-1]:
+            assert item["loss_mask"][start - 1] == 0  # no loss across a conversation boundary
+        for start in used[:-1]:
             assert item["position_ids"][start] == 0
-            if start > 0:
-                assert item["loss_mask"][start - 1] == 0  # no loss across a conversation boundary
         assert item["loss_mask"].sum() > 0
+
+
+def test_a_full_row_ends_without_a_padding_document(tokenizer):
+    # 115 + 42 tokens fill a row of 157 exactly (in either order); two 42-token conversations leave 73 of padding
+    ds = SFTDataset(CONVERSATIONS * 3, tokenizer, seq_length=156, seed=0)
+    rows = {tuple(int(x) for x in item["cu_seqlens"] if x >= 0): item for item in ds}
+    assert set(rows) == {(0, 115, 157), (0, 42, 157), (0, 42, 84, 157)}
+    assert torch.all(rows[(0, 42, 84, 157)]["tokens"][84:] == ds.pad)
+    assert ds.cu_seqlens_length == 4 and all(len(item["cu_seqlens"]) == 4 for item in ds)
 
 
 def test_long_conversations_are_truncated_and_counted(tokenizer):
