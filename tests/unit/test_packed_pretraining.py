@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_lite.core.parallel.packing import check_cu_seqlens
-from megatron_lite.core.parallel.schedules import segment_ids_from_cu_seqlens
+from megatron_lite.core.parallel.context_parallel import document_ranges
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset, write_dataset
 from megatron_lite.data.pretrain import PretrainDataModule
@@ -75,8 +75,8 @@ def test_samples_equal_megatrons_masks_and_positions(corpus: str) -> None:
         assert cu.dtype == torch.int32 and cu.shape == (SEQ + 2,)
         assert cu.tolist() == ref["cu_seqlens"] + [-1] * (SEQ + 2 - len(ref["cu_seqlens"]))
         # what the model makes of cu_seqlens is Megatron's attention mask
-        segments = segment_ids_from_cu_seqlens(cu[None], SEQ)[0]
-        allowed = [[k <= q and bool(segments[q] == segments[k]) for k in range(SEQ)] for q in range(SEQ)]
+        segments = [doc for doc, (start, end) in enumerate(document_ranges(cu.tolist(), SEQ)) for _ in range(start, end)]
+        allowed = [[k <= q and segments[q] == segments[k] for k in range(SEQ)] for q in range(SEQ)]
         assert allowed == ref["allowed"]
         eods = [j for j, t in enumerate(tokens[:-1]) if t == EOD]
         seen["no eod"] += not eods
