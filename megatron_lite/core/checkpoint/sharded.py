@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from megatron_lite.core.checkpoint import meta_json
@@ -34,13 +35,19 @@ from megatron_lite.core.checkpoint.integrity import (
     MANIFEST,
     META,
     ChecksummingFileSystemWriter,
+    CorruptCheckpointError,
     FileRecord,
     manifest_bytes,
     record_bytes,
     verify_checkpoint,
 )
 from megatron_lite.core.checkpoint.rank_zero import gather_to_all, on_rank0
-from megatron_lite.core.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from megatron_lite.core.checkpoint.safe_reader import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    read_dcp_metadata,
+)
 from megatron_lite.core.parallel.fsdp import copy_into_sharded, full_local_tensor, is_dtensor
 from megatron_lite.core.parallel.layout import ParallelLayout
 
@@ -227,7 +234,10 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional
     meta = on_rank0(lambda: meta_json.dumps(extra if extra is not None else {}, allowed), share=False)
     tmp = Path(on_rank0(lambda: str(_begin_save(path, in_flight))))
     writer = ChecksummingFileSystemWriter(tmp)
-    dcp.save(state, storage_writer=writer)
+    try:
+        dcp.save(state, storage_writer=writer)
+    except CheckpointException as error:
+        raise _dcp_error(error, f"writing {path}") from None
     records: dict[str, FileRecord] = {}
     for rank_records in gather_to_all(writer.records):
         records.update(rank_records)
@@ -266,8 +276,23 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequen
     path = resolve_checkpoint(path)
     if verify:
         verify_checkpoint(path)
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    read_dcp_metadata(path / ".metadata")  # a refusal raised here keeps its message (DCP would fold it into another)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    except CheckpointException as error:
+        raise _dcp_error(error, f"loading {path}") from None
     return read_checkpoint_meta(path, allowed)
+
+
+def _dcp_error(error: CheckpointException, doing: str) -> Exception:
+    """DCP gathers every rank's failure into one CheckpointException (a BaseException, which Lightning's
+    error handling does not expect): the failure itself, as the same error on every rank."""
+    failures = sorted(error.failures.items(), key=lambda item: item[0])
+    for _, (exc, _trace) in failures:
+        if isinstance(exc, (UnsafeCheckpointError, CorruptCheckpointError, meta_json.CheckpointMetaError)):
+            return exc
+    rank, (exc, _trace) = failures[0]
+    return RuntimeError(f"torch.distributed.checkpoint failed {doing} on rank {rank}: {type(exc).__name__}: {exc}")
 
 
 def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) -> dict:
