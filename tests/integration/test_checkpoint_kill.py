@@ -25,7 +25,7 @@ from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
 from megatron_lite.data import MockGPTDataModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "distributed"))
-from parity_utils import tiny_config  # noqa: E402
+from parity_utils import run, tiny_config  # noqa: E402
 
 LEFTOVER = re.compile(r"^\..+\.(tmp|old|del)-[0-9a-f]{8}$")
 
@@ -160,4 +160,19 @@ def test_sigkill_during_saves_leaves_a_checkpoint_that_resumes(tmp_path):
     assert process.exitcode == 0
     assert int(start_file.read_text()) == last_step > 0
     assert _check_checkpoints(ckpt_dir) == last_step + 2
+    assert not [p.name for p in ckpt_dir.iterdir() if LEFTOVER.match(p.name)]
+
+
+def test_last_is_recovered_before_the_ranks_look_for_it(tmp_path):
+    """On a file system without an atomic exchange, a kill between the two renames of a replace leaves no
+    last.ckpt, only .last.ckpt.old-* (the previous one): the launching process puts it back before any rank
+    resolves ckpt_path="last", so the run resumes from it instead of starting again at step 0."""
+    ckpt_dir = tmp_path / "ckpts"
+    run(tmp_path / "first", devices=2, steps=3,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True)])
+    (ckpt_dir / "last.ckpt").rename(ckpt_dir / ".last.ckpt.old-0123abcd")
+    resumed = run(tmp_path / "resumed", devices=2, steps=5, ckpt_path="last",
+                  callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True)])
+    assert resumed["global_step"] == 5 and len(resumed["losses"]) == 2  # steps 4 and 5 only
+    assert read_checkpoint_meta(ckpt_dir / "last.ckpt")["global_step"] == 5
     assert not [p.name for p in ckpt_dir.iterdir() if LEFTOVER.match(p.name)]

@@ -164,6 +164,8 @@ def test_latest_names_the_newest_save(tmp_path):
     assert load_sharded(state, tmp_path)["global_step"] == 2  # the directory of checkpoints: its latest
     assert json.loads((tmp_path / LATEST).read_text())["global_step"] == 2
     assert read_checkpoint_meta(tmp_path / "epoch=0-step=1.ckpt")["global_step"] == 1
+    remove_checkpoint(tmp_path / "epoch=0-step=2.ckpt")  # the record names a checkpoint that is gone
+    assert load_sharded(_zeros(), tmp_path)["global_step"] == 1  # the newest complete one
 
 
 def test_checksums_are_crc32_of_the_bytes(tmp_path):

@@ -84,7 +84,7 @@ def _exchange(a: Path, b: Path) -> bool:
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
         return False
     raise OSError(code, os.strerror(code), str(a), None, str(b))
 
@@ -255,3 +255,23 @@ def read_latest(directory: str | os.PathLike) -> Optional[str]:
     if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
         raise ValueError(f"{record} does not name a checkpoint in {directory}")
     return name
+
+
+def latest_in(directory: str | os.PathLike) -> Optional[Path]:
+    """The newest checkpoint in a directory of checkpoints: the one ``latest_checkpoint.json`` names (put
+    back first if a replace of it was interrupted), else -- no record, or it names one that is gone -- the
+    complete checkpoint with the newest manifest (logged). None when there is none."""
+    directory = Path(directory)
+    name = read_latest(directory)
+    if name is not None:
+        recover(directory / name)
+        if (directory / name).is_dir():
+            return directory / name
+    complete = [p for p in directory.iterdir() if not p.name.startswith(".") and p.is_dir() and is_complete(p)]
+    if not complete:
+        return None
+    newest = max(complete, key=_written_at)
+    if name is not None:
+        log.warning("megatron-lite: %s names %s, which is gone; using the newest complete checkpoint there, %s",
+                    directory / LATEST, name, newest.name)
+    return newest

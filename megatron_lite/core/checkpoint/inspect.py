@@ -29,9 +29,9 @@ def locate(path: str | os.PathLike) -> Path:
     FileNotFoundError with what is there instead."""
     path = Path(path)
     if path.is_dir() and not (path / ".metadata").is_file():
-        latest = read_latest(path)
-        if latest is not None:
-            return locate(path / latest)
+        name = read_latest(path)
+        if name is not None and (path / name / ".metadata").is_file():
+            return path / name
     if (path / ".metadata").is_file():
         return path
     if not os.path.lexists(path):

@@ -1,9 +1,14 @@
-"""Sharded state dicts for DCP.
+"""Sharded state dicts for DCP, and saving/loading them safely.
 
 A tensor-parallel shard is presented to ``torch.distributed.checkpoint`` as a DTensor over the TP
 mesh dimension (Shard along its split dim, with fused blocks seen as an extra dimension), so DCP
 writes the global tensor; replicated tensors are plain and DCP keeps one copy. The views share
 storage with the live parameters and optimizer state, so loading writes straight into them.
+
+:func:`save_sharded` / :func:`load_sharded` put the pieces of the on-disk format together (see
+``docs/checkpoint-format.md``): the non-tensor part as JSON (``meta_json``), checksums recorded while
+writing and checked before reading (``integrity``), the atomic commit and recovery (``commit``), and
+DCP reads that never unpickle (``safe_reader``).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from megatron_lite.core.checkpoint.commit import (
     clean_up,
     commit,
     incomplete_leftovers,
-    read_latest,
+    latest_in,
     record_latest,
     recover,
     sibling,
@@ -195,10 +200,10 @@ def _resolve(path: Path) -> Path:
     if not os.path.lexists(path):
         recover(path)
     if path.is_dir() and not (path / ".metadata").is_file():
-        latest = read_latest(path)
+        latest = latest_in(path)
         if latest is not None:
-            log.info("megatron-lite: %s holds checkpoints; loading the latest one, %s", path, latest)
-            return _resolve(path / latest)
+            log.info("megatron-lite: %s holds checkpoints; loading the latest one, %s", path, latest.name)
+            return latest
     if (path / ".metadata").is_file():
         return path
     if not os.path.lexists(path):
