@@ -26,12 +26,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from megatron_lite.core.checkpoint.commit import clean_up, remove_checkpoint
+from megatron_lite.core.checkpoint.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.sharded import (
     checkpoint_keys,
     ensure_optimizer_state,
     load_optimizer_groups,
     load_sharded,
     read_checkpoint_meta,
+    resolve_checkpoint,
     save_sharded,
     sharded_model_state,
     sharded_optimizer_state,
@@ -236,6 +239,7 @@ class MegatronStrategy(ParallelStrategy):
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
         _refuse_without_weights(module)
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
+        _recover_interrupted_saves(trainer)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int, trainer=None) -> int:
@@ -552,10 +556,22 @@ class MegatronStrategy(ParallelStrategy):
         module = self.lightning_module
         timers = module.run_timers() if isinstance(module, EngineModule) else None
         with timed(timers, "save-checkpoint", log_level=0):
-            save_sharded(state, path, extra=checkpoint)
+            save_sharded(state, path, extra=checkpoint, allowed=self._checkpoint_classes())
+
+    def remove_checkpoint(self, filepath) -> None:
+        """Remove a checkpoint directory (ModelCheckpoint's top-k and ``last`` replacement): renamed away at
+        once, then deleted, so a kill mid-removal never leaves a half-deleted checkpoint under its name."""
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # Before anything reads it: the path resolved (an interrupted replace recovered) and every file
+        # checked against the checksums written with it, on all ranks together.
+        path = resolve_checkpoint(self.broadcast(str(checkpoint_path)))
+        verdict = verify_checkpoint(path)
+        if verdict.status == "unverified":
+            rank_zero_warn(f"megatron-lite: {path} has no manifest.json (written before checksums existed, or by "
+                           f"plain DCP); its files are loaded without an integrity check.")
         assert self.lightning_module is not None
         layout = self._require_layout()
         writebacks: list = []
@@ -567,7 +583,7 @@ class MegatronStrategy(ParallelStrategy):
         for i, opt in enumerate(optimizers):
             if mopt is not None and i == 0:
                 mopt.ensure_state()
-                keys = checkpoint_keys(path) if (path / ".metadata").is_file() else None
+                keys = checkpoint_keys(path)
                 opt_state = mopt.sharded_state_dict(writebacks=writebacks, only_keys=keys,
                                                     key_prefix=f"optimizer_{i}.")
             else:
@@ -577,7 +593,7 @@ class MegatronStrategy(ParallelStrategy):
             state[f"optimizer_{i}"] = opt_state
         rng = self._rng_placeholders(path) if fitting else {}
         state.update(rng)
-        extra = load_sharded(state, path, allowed=self._checkpoint_classes())
+        extra = load_sharded(state, path, allowed=self._checkpoint_classes(), verify=False)
         write_back(writebacks)
         if mopt is not None and optimizers:
             mopt.load_sharded_state_dict(state["optimizer_0"])
@@ -588,21 +604,43 @@ class MegatronStrategy(ParallelStrategy):
         return extra
 
     def _checkpoint_classes(self) -> list[type]:
-        """Classes a checkpoint's metadata may hold besides plain data: the module's config dataclasses
-        (its saved hyperparameters)."""
+        """Classes a checkpoint's metadata may hold besides plain data: the config dataclasses of the live
+        module and datamodule (their configs and saved hyperparameters). Taken from the objects the user
+        built, never from names in a checkpoint."""
         module = self.lightning_module
-        if not isinstance(module, EngineModule):
-            return []
-        return [type(c) for c in (module.config, module.optimizer_config) if dataclasses.is_dataclass(c)]
+        trainer = attached_trainer(module) if module is not None else None
+        values: list[Any] = []
+        if isinstance(module, EngineModule):
+            values += [module.config, module.optimizer_config]
+        for owner in (module, getattr(trainer, "datamodule", None)):
+            hparams = getattr(owner, "hparams", None)
+            if isinstance(hparams, dict):
+                values += list(hparams.values())
+        return sorted(_dataclass_types(values), key=lambda c: (c.__module__, c.__qualname__))
 
     def _rng_placeholders(self, path: Path) -> dict[str, Tensor]:
         """This rank's saved RNG states, when the checkpoint was written by as many ranks as now."""
-        if not (path / ".metadata").is_file():
-            return {}  # load_sharded reports the bad path
         saved = read_checkpoint_meta(path, self._checkpoint_classes()).get("megatron_lite_layout", {})
         if saved.get("world_size") != self.world_size:
             return {}
         return rng_placeholders(path, self.global_rank)
+
+
+def _dataclass_types(values: list[Any]) -> set[type]:
+    """The dataclass types among ``values`` and inside them (fields, lists, dicts)."""
+    found: set[type] = set()
+    pending = list(values)
+    while pending:
+        value = pending.pop()
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in found:
+                found.add(type(value))
+                pending += [getattr(value, f.name) for f in dataclasses.fields(value)]
+        elif isinstance(value, dict):
+            pending += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending += list(value)
+    return found
 
 
 def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
@@ -610,6 +648,16 @@ def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
         layout.destroy()
     if default_group and _distributed_is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _recover_interrupted_saves(trainer) -> None:
+    """In the launching process, before any rank resolves ``ckpt_path="last"``: where a save was killed while
+    replacing a checkpoint on a file system that cannot exchange two names atomically, put the complete one
+    back under its name, and remove leftovers of killed saves (ModelCheckpoint directories given by dirpath)."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []) if trainer is not None else []:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath and os.path.isdir(dirpath):
+            clean_up(dirpath)
 
 
 def _refuse_without_weights(module: Optional[LightningModule]) -> None:

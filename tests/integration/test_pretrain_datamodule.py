@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
+from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
 from megatron_lite.data.indexed_dataset import IndexedDataset, write_dataset
 from megatron_lite.data.pretrain import PretrainDataModule
 
@@ -79,7 +80,7 @@ def test_resume_is_exact_also_after_a_dp_change(tmp_path: Path, data: dict[str, 
     assert sorted(full) == list(range(8)) and all(b.shape == (GBS, SEQ + 1) for b in full.values())
     assert torch.equal(full[5], full[0])  # the second pass over the 40 samples repeats the first
     saved = ckpts / "epoch=1-step=6.ckpt"
-    meta = torch.load(saved / "meta.pt", weights_only=False)
+    meta = read_checkpoint_meta(saved)
     assert meta["PretrainDataModule"] == {"consumed_samples": 48, "sampler": "sequential", "data_sharding": True,
                                           "data_parallel_size": 2}
     # the blend: the 40 samples hold 24 from a (tokens < 48) and 16 from b, interleaved by weight

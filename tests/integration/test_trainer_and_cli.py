@@ -80,7 +80,7 @@ def test_checkpoint_resume_gives_the_same_next_losses(tmp_path):
     run(tmp_path / "first", devices=2, tp=2, steps=3,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)])
     saved = ckpt_dir / "epoch=0-step=3.ckpt"
-    assert (saved / ".metadata").is_file() and (saved / "meta.pt").is_file()
+    assert (saved / ".metadata").is_file() and (saved / "meta.json").is_file() and (saved / "manifest.json").is_file()
     assert not [p for p in ckpt_dir.iterdir() if ".tmp-" in p.name], "temporary checkpoint left behind"
     resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=6, ckpt_path=str(saved))
     assert resumed["global_step"] == 6

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_lite.core.checkpoint.safe_reader import read_dcp_metadata
 from megatron_lite.core.parallel.random import RNGStatesTracker
 
 _PREFIX = "rng_rank"
@@ -38,7 +38,7 @@ def rng_state(module: nn.Module, rank: int) -> dict[str, torch.Tensor]:
 
 def rng_placeholders(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
     """Empty tensors for every RNG entry this rank saved in the checkpoint at ``path`` (to load into)."""
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata
     prefix = f"{_PREFIX}{rank}."
     return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
             for k, m in metadata.items() if k.startswith(prefix) and hasattr(m, "size")}

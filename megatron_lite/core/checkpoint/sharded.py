@@ -1,31 +1,66 @@
-"""Sharded state dicts for DCP.
+"""Sharded state dicts for DCP, and saving/loading them safely.
 
 A tensor-parallel shard is presented to ``torch.distributed.checkpoint`` as a DTensor over the TP
 mesh dimension (Shard along its split dim, with fused blocks seen as an extra dimension), so DCP
 writes the global tensor; replicated tensors are plain and DCP keeps one copy. The views share
 storage with the live parameters and optimizer state, so loading writes straight into them.
+
+:func:`save_sharded` / :func:`load_sharded` put the pieces of the on-disk format together (see
+``docs/checkpoint-format.md``): the non-tensor part as JSON (``meta_json``), checksums recorded while
+writing and checked before reading (``integrity``), the atomic commit and recovery (``commit``), and
+DCP reads that never unpickle (``safe_reader``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
+from megatron_lite.core.checkpoint import meta_json
+from megatron_lite.core.checkpoint.commit import (
+    clean_up,
+    commit,
+    incomplete_leftovers,
+    latest_in,
+    record_latest,
+    recover,
+    sibling,
+    write_file_durably,
+)
+from megatron_lite.core.checkpoint.integrity import (
+    LEGACY_META,
+    MANIFEST,
+    META,
+    ChecksummingFileSystemWriter,
+    CorruptCheckpointError,
+    FileRecord,
+    manifest_bytes,
+    record_bytes,
+    verify_checkpoint,
+)
+from megatron_lite.core.checkpoint.rank_zero import gather_to_all, on_rank0
+from megatron_lite.core.checkpoint.safe_reader import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    read_dcp_metadata,
+)
 from megatron_lite.core.parallel.fsdp import copy_into_sharded, full_local_tensor, is_dtensor
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 # (live tensor, full tensor that DCP loads into): FSDP-sharded tensors are checkpointed through a
 # gathered copy, which must be written back into the shard after loading.
 WriteBacks = list[tuple[torch.Tensor, torch.Tensor]]
+
+log = logging.getLogger(__name__)
 
 
 def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
@@ -110,12 +145,6 @@ def megatron_optimizer_state(optimizer, params_by_name: dict[str, torch.Tensor],
     return state
 
 
-def checkpoint_keys(path: str | os.PathLike) -> set[str]:
-    """Flattened keys stored in a DCP checkpoint (to load only what it has)."""
-    reader = dcp.FileSystemReader(str(path))
-    return set(reader.read_metadata().state_dict_metadata.keys())
-
-
 @torch.no_grad()
 def ensure_optimizer_state(optimizer: Optimizer) -> None:
     """Create the optimizer's state tensors (a step with zero gradients and lr 0) so a checkpoint
@@ -156,74 +185,140 @@ def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint directory to load for ``path`` (collective when a process group exists).
+
+    ``path`` itself if it is a checkpoint; the one named by ``latest_checkpoint.json`` if ``path`` is a
+    directory of checkpoints; if ``path`` is missing because a save was killed while replacing it, the
+    complete sibling left behind is put back first (logged). Anything else raises one clear error, on
+    every rank.
+    """
+    return Path(on_rank0(lambda: str(_resolve(Path(path)))))
 
 
-def _broadcast_str(value: str) -> str:
-    if not dist.is_initialized():
-        return value
-    obj = [value]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
+def _resolve(path: Path) -> Path:
+    if not os.path.lexists(path):
+        recover(path)
+    if path.is_dir() and not (path / ".metadata").is_file():
+        latest = latest_in(path)
+        if latest is not None:
+            log.info("megatron-lite: %s holds checkpoints; loading the latest one, %s", path, latest.name)
+            return latest
+    if (path / ".metadata").is_file():
+        return path
+    if not os.path.lexists(path):
+        leftovers = incomplete_leftovers(path)
+        hint = (f" Only the unfinished save(s) {', '.join(p.name for p in leftovers)} are there: the save was killed "
+                f"before it finished, so load an earlier checkpoint." if leftovers else "")
+        raise FileNotFoundError(f"no checkpoint at {path}.{hint}")
+    what = "a file" if path.is_file() else "a directory without DCP .metadata"
+    raise FileNotFoundError(
+        f"{path} is {what}, not a megatron-lite checkpoint; pass the directory that trainer.save_checkpoint() or "
+        f"ModelCheckpoint wrote (it holds .metadata, *.distcp, meta.json and manifest.json).")
 
 
-def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None) -> Path:
-    """Write ``state`` with DCP (and ``extra`` with torch.save from rank 0) under ``path``, atomically.
+def checkpoint_keys(path: str | os.PathLike) -> set[str]:
+    """Flattened keys stored in a DCP checkpoint (to load only what it has)."""
+    return set(read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata.keys())
 
-    Everything goes to a temporary sibling directory first; rank 0 renames it into place only after
-    every rank has finished, so a crash mid-save never leaves a broken checkpoint at ``path``.
+
+def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None,
+                 allowed: Sequence[type] = (), in_flight: Sequence[str | os.PathLike] = ()) -> Path:
+    """Write ``state`` with DCP and ``extra`` (the non-tensor part: loops, schedulers, hyperparameters) as
+    ``meta.json`` under ``path``, atomically; collective when a process group exists.
+
+    ``extra`` may hold what :mod:`megatron_lite.core.checkpoint.meta_json` encodes, with ``allowed`` as the
+    config dataclasses besides the default ones; anything else is refused before a byte is written. Rank 0
+    first recovers or removes leftovers of killed saves next to ``path`` (but not ``in_flight`` ones), then
+    every rank writes into a hidden temporary sibling, recording each file's size and CRC-32 as it writes;
+    rank 0 writes ``meta.json`` and, last, ``manifest.json``, fsyncs, moves the directory into place (an
+    atomic exchange when ``path`` exists, see :mod:`~megatron_lite.core.checkpoint.commit`) and records it
+    in ``latest_checkpoint.json``. A kill at any point leaves the previous checkpoint at ``path``.
     """
     path = Path(path)
-    tmp = Path(_broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")))
-    if _is_rank0():
-        tmp.mkdir(parents=True, exist_ok=True)
-    if dist.is_initialized():
-        dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    if _is_rank0() and extra is not None:
-        torch.save(extra, tmp / "meta.pt")
-    if dist.is_initialized():
-        dist.barrier()
-    if _is_rank0():
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-        tmp.rename(path)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    if dist.is_initialized():
-        dist.barrier()
+    meta = on_rank0(lambda: meta_json.dumps(extra if extra is not None else {}, allowed), share=False)
+    tmp = Path(on_rank0(lambda: str(_begin_save(path, in_flight))))
+    writer = ChecksummingFileSystemWriter(tmp)
+    try:
+        dcp.save(state, storage_writer=writer)
+    except CheckpointException as error:
+        raise _dcp_error(error, f"writing {path}") from None
+    records: dict[str, FileRecord] = {}
+    for rank_records in gather_to_all(writer.records):
+        records.update(rank_records)
+    step = extra.get("global_step") if isinstance(extra, dict) else None
+    on_rank0(lambda: _finish_save(tmp, path, meta, records, step))
     return path
 
 
-def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequence[type] = ()) -> dict:
-    """Load ``state`` in place from a checkpoint written by :func:`save_sharded`; returns ``extra``
-    (read by :func:`read_checkpoint_meta` with the ``allowed`` classes)."""
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a megatron-lite checkpoint directory (no DCP .metadata inside); pass the "
-            f"directory that trainer.save_checkpoint() or ModelCheckpoint wrote.")
-    dcp.load(state, checkpoint_id=str(path))
+def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_up(path.parent, in_flight)
+    tmp = sibling(path, "tmp")
+    tmp.mkdir()
+    return tmp
+
+
+def _finish_save(tmp: Path, path: Path, meta: bytes, records: dict[str, FileRecord], step: Optional[int]) -> None:
+    write_file_durably(tmp / META, meta)
+    records = {**records, META: record_bytes(meta)}
+    missing = [n for n in records if not (tmp / n).is_file()]
+    if missing:
+        raise RuntimeError(f"checkpoint files {missing} were recorded but not written into {tmp}")
+    write_file_durably(tmp / MANIFEST, manifest_bytes(records))
+    commit(tmp, path)
+    record_latest(path, step if isinstance(step, int) else None)
+
+
+def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequence[type] = (),
+                 verify: bool = True) -> dict:
+    """Load ``state`` in place from a checkpoint written by :func:`save_sharded`; returns ``extra``.
+
+    The path is resolved (:func:`resolve_checkpoint`) and every file checked against the manifest first
+    (``verify=False`` when the caller did both); DCP then reads through the allow-list reader and
+    planner, so nothing in the checkpoint is unpickled. Collective when a process group exists.
+    """
+    path = resolve_checkpoint(path)
+    if verify:
+        verify_checkpoint(path)
+    read_dcp_metadata(path / ".metadata")  # a refusal raised here keeps its message (DCP would fold it into another)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    except CheckpointException as error:
+        raise _dcp_error(error, f"loading {path}") from None
     return read_checkpoint_meta(path, allowed)
 
 
+def _dcp_error(error: CheckpointException, doing: str) -> Exception:
+    """DCP gathers every rank's failure into one CheckpointException (a BaseException, which Lightning's
+    error handling does not expect): the failure itself, as the same error on every rank."""
+    failures = sorted(error.failures.items(), key=lambda item: item[0])
+    for _, (exc, _trace) in failures:
+        if isinstance(exc, (UnsafeCheckpointError, CorruptCheckpointError, meta_json.CheckpointMetaError)):
+            return exc
+    rank, (exc, _trace) = failures[0]
+    return RuntimeError(f"torch.distributed.checkpoint failed {doing} on rank {rank}: {type(exc).__name__}: {exc}")
+
+
 def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) -> dict:
-    """The non-tensor part of a checkpoint (``meta.pt``: loops, schedulers, hyperparameters), read with
-    ``weights_only=True``: nothing but tensors, containers, primitives and the ``allowed`` classes (the
-    module's config dataclasses) is reconstructed, so a crafted file cannot run code on load."""
-    meta = Path(path) / "meta.pt"
-    if not meta.is_file():
+    """The non-tensor part of a checkpoint: ``meta.json`` (see :mod:`~megatron_lite.core.checkpoint.meta_json`;
+    dataclasses rebuilt only from the default config classes and ``allowed``), or for checkpoints written
+    before it, ``meta.pt`` read with ``weights_only=True`` and the same classes; ``{}`` if neither is there.
+    Nothing in either file can run code on load."""
+    path = Path(path)
+    if (path / META).is_file():
+        return meta_json.loads((path / META).read_bytes(), allowed, source=str(path / META))
+    legacy = path / LEGACY_META
+    if not legacy.is_file():
         return {}
+    classes = [*meta_json.default_config_classes(), *allowed]
     try:
-        with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(meta, weights_only=True)
+        with torch.serialization.safe_globals(classes):
+            return torch.load(legacy, weights_only=True)
     except pickle.UnpicklingError as error:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(meta))
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(legacy))
         raise ValueError(
-            f"{meta} holds objects of types outside what a checkpoint may contain ({', '.join(unsafe) or error}); "
+            f"{legacy} holds objects of types outside what a checkpoint may contain ({', '.join(unsafe) or error}); "
             f"megatron-lite never unpickles arbitrary objects. Keep hyperparameters to configs, numbers and "
             f"strings (or only load checkpoints you wrote yourself after adding their classes with "
             f"torch.serialization.add_safe_globals).") from None

@@ -1,0 +1,62 @@
+"""File-system steps of a checkpoint that rank 0 does alone, with the outcome shared with every rank.
+
+A step that fails on rank 0 (a refused metadata value, a path that is not a checkpoint) must fail on every
+rank with the same message; otherwise the other ranks would wait for rank 0 in the next collective.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_rank0() -> bool:
+    return not distributed() or dist.get_rank() == 0
+
+
+def _error_types() -> dict[str, type[BaseException]]:
+    from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError
+    from megatron_lite.core.checkpoint.meta_json import CheckpointMetaError
+    from megatron_lite.core.checkpoint.safe_reader import UnsafeCheckpointError
+
+    return {t.__name__: t for t in (FileNotFoundError, ValueError, TypeError, CorruptCheckpointError,
+                                    CheckpointMetaError, UnsafeCheckpointError)}
+
+
+def on_rank0(step: Callable[[], T], share: bool = True) -> T:
+    """Run ``step`` on rank 0; every rank returns its result (``share=False``: None elsewhere) or raises
+    its error (as the same type when it is one of ours or a FileNotFoundError/ValueError/TypeError)."""
+    if not distributed():
+        return step()
+    outcome: list[Any] = [None]
+    error: BaseException | None = None
+    result: Any = None
+    if dist.get_rank() == 0:
+        try:
+            result = step()
+            outcome = [("ok", result if share else None)]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+            outcome = [("error", type(exc).__name__, str(exc))]
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[0][0] == "error":
+        _, kind, message = outcome[0]
+        raise _error_types().get(kind, RuntimeError)(f"{message} (raised on rank 0)")
+    return result if dist.get_rank() == 0 else outcome[0][1]
+
+
+def gather_to_all(value: Any) -> list[Any]:
+    """Every rank's ``value``, on every rank (a list of one without a process group)."""
+    if not distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

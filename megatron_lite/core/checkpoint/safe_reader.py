@@ -1,0 +1,142 @@
+"""Reading DCP checkpoints without unpickling arbitrary objects.
+
+torch's ``FileSystemReader.read_metadata`` reads ``.metadata`` with a plain ``pickle.load``, and its
+``DefaultLoadPlanner.load_bytes`` reads non-tensor entries with ``torch.load(weights_only=False)``: a
+downloaded checkpoint could run any code when opened. :class:`SafeFileSystemReader` unpickles
+``.metadata`` with an allow-list (DCP's metadata dataclasses and the few torch types they hold, looked
+up in a fixed table -- nothing named by the file is imported), and :class:`SafeLoadPlanner` reads the
+non-tensor entries with ``weights_only=True``. Tensor data is already read by torch with
+``weights_only=True``. Every DCP read in megatron-lite goes through both.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+def _layout_by_name(name: str) -> torch.layout:
+    """Stands in for ``torch.serialization._get_layout`` (how a ``torch.layout`` pickles): a table look-up."""
+    if name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+    return _LAYOUTS[name]
+
+
+# (module, name) in the pickle -> the object it may stand for. Found by reading
+# torch/distributed/checkpoint/metadata.py and by listing the globals of checkpoints we write
+# (TP DTensor shards, plain and ZeRO-1 optimizer state, fp32 and bf16).
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout_by_name,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # StorageMeta.checkpoint_id; a pure path does no I/O
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("collections", "OrderedDict"): dict,
+    **{("torch", str(v).removeprefix("torch.")): v for v in vars(torch).values() if isinstance(v, torch.dtype)},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
+    """A checkpoint file names something outside what its format may contain."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise UnsafeCheckpointError(
+                f"{self.source} refers to {module}.{name}, which a DCP checkpoint's metadata never holds; "
+                f"megatron-lite does not unpickle it (a crafted checkpoint could run code that way). Only load "
+                f"checkpoints written by torch.distributed.checkpoint.")
+        return _ALLOWED[(module, name)]
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self.source} holds a persistent id, which DCP metadata never holds")
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
+    """The DCP ``Metadata`` in the file ``path``, unpickled through the allow-list and checked."""
+    source = str(path)
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file, source).load()
+    except UnsafeCheckpointError:
+        raise
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # a truncated or garbled file: pickle raises many types
+        raise UnsafeCheckpointError(f"{source} cannot be read as DCP metadata ({type(error).__name__}: {error}); "
+                                    f"the file is damaged") from None
+    _check_metadata(metadata, source)
+    return metadata
+
+
+def _check_metadata(metadata: Any, source: str) -> None:
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise UnsafeCheckpointError(f"{source} does not hold DCP metadata (found {type(metadata).__name__})")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)):
+            raise UnsafeCheckpointError(f"{source}: entry {key!r} is a {type(entry).__name__}")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"{source} has no storage index")
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
+            raise UnsafeCheckpointError(f"{source}: the storage entry of {index} is a {type(info).__name__}")
+        # DCP writes flat files: a path that leaves the checkpoint directory is crafted
+        if info.relative_path in ("", ".", "..") or os.path.basename(info.relative_path) != info.relative_path:
+            raise UnsafeCheckpointError(f"{source}: storage file {info.relative_path!r} is not a file name inside "
+                                        f"the checkpoint directory")
+
+
+def storage_files(metadata: dcp_metadata.Metadata) -> set[str]:
+    """The data files (``__<rank>_<n>.distcp``) that a checkpoint's metadata refers to."""
+    return {info.relative_path for info in metadata.storage_data.values()}
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is read through the allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor entries with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UnsafeCheckpointError(
+                f"checkpoint entry {fqn!r} holds objects outside plain data ({error}); megatron-lite does not "
+                f"unpickle them.") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
