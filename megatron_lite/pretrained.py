@@ -13,6 +13,7 @@ import dataclasses
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,16 +27,13 @@ from megatron_lite.core.checkpoint.full_checkpoint import (
     read_model_tensors,
 )
 from megatron_lite.core.checkpoint.full_state import load_full_state
-from megatron_lite.core.checkpoint.hf import CONFIG, copy_side_files, is_hf_directory, load_hf
+from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, copy_side_files, is_hf_directory, load_hf
 from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, raise_shape_mismatch
 from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 
-# Inside one of our checkpoints: the HF files a converted model came with (tokenizer, generation config, and
-# its original config.json, whose token ids an export writes back).
-HF_SIDE_DIR = "hf"
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
 
 
@@ -115,12 +113,14 @@ def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional
                                  "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
                                  "world_size": 1},
     }
-    save_sharded({"model": sharded_model_state(module, ParallelLayout.single())}, path, extra=extra)
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_sharded({"model": sharded_model_state(module, ParallelLayout.single())}, path, extra=extra)
     if hf_source is not None:
         hf_source = Path(hf_source)
-        tmp = path / f".{HF_SIDE_DIR}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = path / f".{CHECKPOINT_SIDE_DIR}.tmp-{uuid.uuid4().hex[:8]}"
         copy_side_files(hf_source, tmp)
         tmp.mkdir(exist_ok=True)
         shutil.copyfile(hf_source / CONFIG, tmp / CONFIG)
-        tmp.rename(path / HF_SIDE_DIR)
+        tmp.rename(path / CHECKPOINT_SIDE_DIR)
     return path

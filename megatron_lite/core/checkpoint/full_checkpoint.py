@@ -8,6 +8,7 @@ the checkpoint format is one edit.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,5 +62,7 @@ def read_model_tensors(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> d
              if key.startswith(key_prefix) and isinstance(entry, TensorStorageMetadata)}
     if not state:
         raise ValueError(f"{path} holds no model tensors (no '{key_prefix}*' entries)")
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return {key[len(key_prefix):]: tensor for key, tensor in state.items()}

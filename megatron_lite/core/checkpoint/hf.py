@@ -34,6 +34,9 @@ INDEX = "model.safetensors.index.json"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
               "generation_config.json")
+# Inside one of our checkpoints: the HF files a converted model came with (tokenizer, generation config, and
+# its original config.json, whose token ids and model type an export writes back).
+CHECKPOINT_SIDE_DIR = "hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' long-standing default shard size
 
@@ -126,13 +129,19 @@ def copy_side_files(source: str | os.PathLike, target: str | os.PathLike) -> lis
     return copied
 
 
+def refuse_existing(path: str | os.PathLike, overwrite: bool) -> None:
+    """Raise FileExistsError for an existing non-empty ``path`` unless ``overwrite``."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(f"{path} already exists and is not empty; pass a new output directory or overwrite it")
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """A temporary sibling of ``path`` to fill; renamed to ``path`` when the block succeeds, removed if it fails.
     An existing non-empty ``path`` is refused unless ``overwrite``."""
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-        raise FileExistsError(f"{path} already exists and is not empty; pass a new directory or overwrite it")
+    refuse_existing(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -121,9 +121,22 @@ def _split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torc
     return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
 
 
+class _Tensors:
+    """A mapping whose missing key is a ValueError naming the tensor and where it was looked for."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], where: str):
+        self.tensors, self.where = tensors, where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.where} has no tensor {name!r}; it does not hold a model of its config's shape")
+        return self.tensors[name]
+
+
 def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our full state (GPTModel names, exactly ``vocab_size`` vocabulary rows, the HF dtype) from HF tensors
     whose shapes :func:`check_hf_shapes` accepted."""
+    tensors = _Tensors(tensors, "the HF checkpoint")
     state = {"embedding.weight": tensors["model.embed_tokens.weight"],
              "final_layernorm.weight": tensors["model.norm.weight"]}
     if not config.share_embeddings_and_output_weights:
@@ -149,6 +162,7 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
 def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """HF tensors from our full state (any vocabulary padding; ``linear_fc1`` flat ``[2f, h]`` or blocked
     ``[2, f, h]`` as our checkpoints store it)."""
+    state = _Tensors(state, "the model state")
     v = config.vocab_size
     out = {"model.embed_tokens.weight": fit_vocab_rows(state["embedding.weight"], v),
            "model.norm.weight": state["final_layernorm.weight"]}
