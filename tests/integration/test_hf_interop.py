@@ -146,6 +146,32 @@ def test_import_gives_transformers_logits_at_tp2_under_a_trainer(case, hf_models
     _assert_close(torch.cat(predicted), reference)
 
 
+class FirstLoss(L.Callback):
+    """Rank 0's loss of the first step, written to a file (the callback runs in the forked ranks)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0 and batch_idx == 0:
+            self.path.write_text(json.dumps(float(outputs["loss"])))
+
+
+def test_fine_tuning_at_tp2_starts_from_the_imported_weights(hf_models, tmp_path):
+    """from_pretrained, then fit at TP2: the first step's loss is transformers' cross entropy on that batch."""
+    model, directory = hf_models["llama_gqa_untied"]
+    # make_vocab_size_divisible_by=100: no padded vocabulary rows at TP1 or TP2, whose logits would otherwise
+    # take part in our softmax (until padded logits are masked) and not in transformers'.
+    module = ml.GPTModule.from_pretrained(directory, seq_length=32, make_vocab_size_divisible_by=100,
+                                          optimizer=ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=0))
+    data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=VOCAB, seed=5)
+    tokens = torch.stack([data.train_dataset[i]["tokens"] for i in range(4)])
+    logits = _hf_logits(model, tokens[:, :-1])
+    expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
+    _trainer(2, 2, max_steps=2, limit_val_batches=0, callbacks=[FirstLoss(tmp_path / "loss.json")]).fit(module, data)
+    assert json.loads((tmp_path / "loss.json").read_text()) == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_convert_round_trip_through_our_checkpoint(case, hf_models, tmp_path):
     model, directory = hf_models[case]
@@ -198,6 +224,7 @@ def test_a_model_trained_at_tp2_loads_in_transformers(tmp_path):
     trained = module.model.eval().full_logits(tokens)  # the model the ranks handed back
     assert float((trained - before).norm() / before.norm()) > 1e-2, "training changed nothing"
     _assert_close(trained, _hf_logits(loaded, tokens))
+    _assert_close(ml.GPTModule.from_pretrained(saved).full_logits(tokens), trained)  # the TP2 checkpoint, read whole
 
 
 def test_sharded_safetensors_with_an_index_both_ways(hf_models, tmp_path):
