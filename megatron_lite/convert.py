@@ -1,0 +1,129 @@
+"""``megatron-lite convert``: Hugging Face Llama models to our checkpoints and back.
+
+    megatron-lite convert --from hf --input HF_DIR --output CKPT [--seq-length 4096]
+    megatron-lite convert --to hf --input CKPT --output HF_DIR [--dtype bfloat16] [--tokenizer DIR]
+
+``--from hf`` reads a local HF directory (config.json + safetensors, sharded or not; Llama 2/3, SmolLM, Mistral
+without sliding window, Qwen2) and writes one of our checkpoints holding its weights and config, plus the
+HF tokenizer/generation files in ``CKPT/hf/``. Fine-tune from it with ``GPTModule.from_pretrained(CKPT)``
+and ``trainer.fit(module, data)``; ``trainer.validate/test/predict(..., ckpt_path=CKPT)`` load it directly.
+
+``--to hf`` reads any of our checkpoints, whatever layout (TP/PP/DP, ZeRO-1/FSDP2) wrote it, and writes an HF
+directory that ``transformers`` loads (``AutoModelForCausalLM.from_pretrained(HF_DIR)``), with the tokenizer from
+``--tokenizer DIR`` or the one the checkpoint carries. Nothing is downloaded. Exit code 2 on bad input, with one
+line that says what to change.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_lite.core.checkpoint.full_checkpoint import read_checkpoint_hparams, read_model_tensors
+from megatron_lite.core.checkpoint.hf import (
+    CHECKPOINT_SIDE_DIR,
+    CONFIG,
+    DEFAULT_MAX_SHARD_BYTES,
+    DTYPES,
+    read_hf_config,
+    refuse_existing,
+    save_hf,
+)
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"`` or a number of bytes -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"--max-shard-size must be positive, got {text!r}")
+    return size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-lite convert",
+        description="Convert Hugging Face Llama-architecture models to megatron-lite checkpoints and back.")
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from", dest="source", choices=["hf"], help="read an HF model directory")
+    direction.add_argument("--to", dest="target", choices=["hf"], help="write an HF model directory")
+    parser.add_argument("--input", required=True, help="HF directory (--from hf) or our checkpoint (--to hf)")
+    parser.add_argument("--output", required=True, help="our checkpoint (--from hf) or an HF directory (--to hf)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="--from hf: the model's training sequence length (default: max_position_embeddings)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="--to hf: dtype of the written weights (default float32, lossless)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="--to hf: copy the tokenizer files of this directory (default: the checkpoint's hf/)")
+    parser.add_argument("--max-shard-size", default=None,
+                        help=f"--to hf: largest safetensors file; more files get an index (default "
+                             f"{DEFAULT_MAX_SHARD_BYTES // 1024**3}GiB)")
+    return parser
+
+
+def from_hf(hf_dir: str, output: str, seq_length: Optional[int] = None, overwrite: bool = False) -> str:
+    """HF directory -> our checkpoint; returns a one-line summary."""
+    from megatron_lite.module import GPTModule  # imports Lightning: only for this direction
+    from megatron_lite.pretrained import save_weights_checkpoint
+
+    read_hf_config(hf_dir)  # a missing config.json is named before anything else
+    out = Path(output)
+    refuse_existing(out, overwrite)
+    overrides = {"seq_length": seq_length} if seq_length is not None else {}
+    module = GPTModule.from_pretrained(hf_dir, **overrides)
+    save_weights_checkpoint(module, out, hf_source=hf_dir)
+    c = module.config
+    return (f"wrote {out}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+            f"{'tied' if c.share_embeddings_and_output_weights else 'untied'} embeddings")
+
+
+def to_hf(checkpoint: str, output: str, dtype: str = "float32", tokenizer: Optional[str] = None,
+          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> str:
+    """Our checkpoint -> HF directory; returns a one-line summary."""
+    config = read_checkpoint_hparams(checkpoint)["config"]
+    side = Path(checkpoint) / CHECKPOINT_SIDE_DIR
+    source_config = read_hf_config(side) if (side / CONFIG).is_file() else None
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise FileNotFoundError(f"--tokenizer {tokenizer} is not a directory; pass the folder holding tokenizer.json "
+                                f"(or tokenizer.model)")
+    refuse_existing(output, overwrite)  # before reading any weights
+    state = read_model_tensors(checkpoint)
+    side_files = tokenizer if tokenizer is not None else (side if side.is_dir() else None)
+    save_hf(output, config, state, dtype=dtype, source_config=source_config, side_files_from=side_files,
+            max_shard_bytes=max_shard_bytes, overwrite=True)
+    files = sorted(p.name for p in Path(output).iterdir())
+    return f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype}, files {files}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``megatron-lite convert ...``: 0 on success, 2 on bad input (one line on stderr)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.source == "hf":
+            for flag, value in (("--dtype", args.dtype != "float32"), ("--tokenizer", args.tokenizer),
+                                ("--max-shard-size", args.max_shard_size)):
+                if value:
+                    raise ValueError(f"{flag} applies to --to hf; our checkpoints hold fp32 weights")
+            summary = from_hf(args.input, args.output, seq_length=args.seq_length, overwrite=args.overwrite)
+        else:
+            if args.seq_length is not None:
+                raise ValueError("--seq-length applies to --from hf (an export keeps the checkpoint's config)")
+            shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
+            summary = to_hf(args.input, args.output, dtype=args.dtype, tokenizer=args.tokenizer,
+                            max_shard_bytes=shard, overwrite=args.overwrite)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"megatron-lite convert: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"megatron-lite convert: {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
