@@ -115,23 +115,35 @@ def test_bf16_masters_are_saved_with_the_real_rows_and_load_at_another_padding(t
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(saved["losses"][3:]), rtol=5e-3, atol=0)
 
 
-def _generate(rank, world_size, tp):
-    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16,
-                          make_vocab_size_divisible_by=128)
-    layout = ml.ParallelLayout.build(ml.ParallelConfig(tensor_model_parallel_size=tp))
-    model = ml.GPTModel(config, layout, seed=3)
-    assert model.padded_vocab_size == 256
-    logits = model(torch.tensor([[5, 17, 42]]))  # this rank's slice: rank 1 holds only padding (rows 128-255)
-    padding_is_masked = bool(torch.isneginf(logits[..., max(0, config.vocab_size - model.vocab_start):]).all())
-    return {"tokens": greedy_generate(model, torch.tensor([[5, 17, 42], [7, 7, 7]]), max_new_tokens=20),
-            "padding_is_masked": padding_is_masked}
+PROMPT = torch.tensor([[5, 17, 42], [7, 7, 7]])
 
 
-def test_greedy_generation_at_tp2_equals_tp1_and_never_emits_padding():
-    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16,
-                          make_vocab_size_divisible_by=128)
-    single = greedy_generate(ml.GPTModel(config, seed=3), torch.tensor([[5, 17, 42], [7, 7, 7]]), max_new_tokens=20)
-    for rank, out in enumerate(run_ranks(_generate, 2, 2)):
+def _generation_config(vocab_size: int, divisible_by: int) -> ml.GPTConfig:
+    return ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=vocab_size, seq_length=16,
+                        make_vocab_size_divisible_by=divisible_by)
+
+
+def _generate(rank, world_size, vocab_size, divisible_by):
+    config = _generation_config(vocab_size, divisible_by)
+    model = ml.GPTModel(config, ml.ParallelLayout.build(ml.ParallelConfig(tensor_model_parallel_size=2)), seed=3)
+    logits = model(PROMPT)  # this rank's slice of the padded vocabulary
+    padding = logits[..., max(0, config.vocab_size - model.vocab_start):]
+    return {"tokens": greedy_generate(model, PROMPT, max_new_tokens=20), "full_logits": model.full_logits(PROMPT),
+            "padding_is_masked": bool(torch.isneginf(padding).all()), "padded": model.padded_vocab_size}
+
+
+@pytest.mark.parametrize("vocab_size,divisible_by,padded", [(128, 128, 256), (1001, 100, 1200)],
+                         ids=["rank1_only_padding", "uneven_real_rows"])
+def test_greedy_generation_at_tp2_equals_tp1_and_never_emits_padding(vocab_size, divisible_by, padded):
+    config = _generation_config(vocab_size, divisible_by)
+    single_model = ml.GPTModel(config, seed=3)
+    single = greedy_generate(single_model, PROMPT, max_new_tokens=20)
+    single_logits = single_model.full_logits(PROMPT)
+    for rank, out in enumerate(run_ranks(_generate, 2, vocab_size, divisible_by)):
+        assert out["padded"] == padded
         assert torch.equal(out["tokens"], single), rank
         assert out["padding_is_masked"], rank
-    assert int(single.max()) < 128
+        assert out["full_logits"].shape == (2, 3, vocab_size) and out["full_logits"].is_contiguous()
+        assert out["full_logits"].untyped_storage().nbytes() == out["full_logits"].numel() * 4
+        torch.testing.assert_close(out["full_logits"], single_logits, rtol=1e-5, atol=1e-6)
+    assert int(single.max()) < vocab_size

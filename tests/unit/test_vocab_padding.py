@@ -61,6 +61,8 @@ def test_padding_changes_no_logit_loss_or_gradient(tied):
         assert torch.isneginf(logits[..., VOCAB:]).all(), "padded logits must be -inf in every logits output"
         full = model.full_logits(tokens[:, :-1])
         assert full.shape == (2, 16, VOCAB)
+        # no padding hidden behind a view either (it would be saved, pickled and handed back with it)
+        assert full.untyped_storage().nbytes() == full.numel() * full.element_size()
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters()}

@@ -18,13 +18,10 @@ from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding
-from megatron_lite.core.parallel.cross_entropy import mask_vocab_padding, vocab_parallel_cross_entropy
+from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.pipeline.stages import StageChunk
-from megatron_lite.core.parallel.mappings import (
-    gather_from_tensor_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megatron_lite.core.parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_lite.core.parallel.random import (
     DATA_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
@@ -37,6 +34,7 @@ from megatron_lite.core.parallel.tensor_parallel import (
     initialize_parameters,
     mark_parameter,
 )
+from megatron_lite.core.parallel.vocab_padding import gather_real_vocab, mask_vocab_padding
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
@@ -270,5 +268,4 @@ class GPTModel(nn.Module):
             raise RuntimeError("full_logits runs the whole model on one rank; under pipeline parallelism use "
                                "megatron_lite.core.engine.pipeline_full_logits (GPTModule.predict_step does)")
         # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
-        logits = gather_from_tensor_parallel_region(self(tokens), self.tp_group)
-        return logits[..., : self.config.vocab_size]  # a view: the padding is cut off, not copied around
+        return gather_real_vocab(self(tokens), self.tp_group, self.config.vocab_size)

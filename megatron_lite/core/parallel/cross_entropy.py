@@ -3,11 +3,10 @@
 The full logits are never gathered: the max, the target logit and the sum of exponentials are
 all-reduced over the TP group, which keeps memory at ``V/tp`` per rank.
 
-Vocabulary padding (Megatron pads to a multiple of ``make_vocab_size_divisible_by x tp``) must not change
-the model, so the padded entries never take part in a softmax: given the real ``vocab_size``, they are left
-out of the max and of the sum of exponentials (their probability is exactly 0, so they get no gradient).
-Which entries are padding is known from Python integers (no host sync), and a rank whose slice holds no
-padding runs exactly the unpadded code.
+Vocabulary padding (see ``vocab_padding.py``) never takes part in the softmax: given the real
+``vocab_size``, the padded entries are left out of the max and of the sum of exponentials (their
+probability is exactly 0, so they get no gradient); a rank whose slice holds no padding runs exactly
+the unpadded code.
 """
 from __future__ import annotations
 
@@ -16,28 +15,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.parallel.vocab_padding import local_real_vocab
+
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
-
-
-def local_real_vocab(vocab_local: int, vocab_start: int, vocab_size: Optional[int]) -> int:
-    """How many of a rank's ``vocab_local`` logits, starting at ``vocab_start``, are real tokens (the rest
-    is vocabulary padding): all of them before the padding, none on a rank that holds only padding."""
-    if vocab_size is None:
-        return vocab_local
-    return max(0, min(vocab_local, vocab_size - vocab_start))
-
-
-def mask_vocab_padding(logits: torch.Tensor, vocab_start: int, vocab_size: Optional[int]) -> torch.Tensor:
-    """Set the padded entries of this rank's logits ``[..., V/tp]`` to -inf, in place (no copy; under
-    autograd they get no gradient), so that any softmax, max or argmax over them ignores the padding."""
-    real = local_real_vocab(logits.shape[-1], vocab_start, vocab_size)
-    if real < logits.shape[-1]:
-        logits[..., real:] = float("-inf")
-    return logits
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
