@@ -426,9 +426,6 @@ def main(argv=None) -> dict:
               f"{ratios['framework_overhead_interleaved_cpu'] * 100:+.1f}%")
     print("max |loss difference| (same model, data and lr): "
           + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items()))
-    if "tp2" in runs and config.padded_vocab_size(1) != config.padded_vocab_size(2):
-        print(f"  (TP1 and TP2 pad the vocabulary differently, {config.padded_vocab_size(1)} against "
-              f"{config.padded_vocab_size(2)} rows: different models, so their losses differ)")
     met = overhead <= OVERHEAD_TARGET
     verdicts = {"separate runs": met}
     if "framework_overhead_interleaved" in ratios:

@@ -28,7 +28,7 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
 from megatron_lite.pretrained import load_pretrained
 from megatron_lite.core.inference.generate import greedy_generate
-from megatron_lite.core.parallel.mappings import gather_from_tensor_parallel_region
+from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
     gpt_forward_step,
@@ -249,8 +249,7 @@ class GPTModule(pl.LightningModule):
         if self.parallel_layout.pp_size == 1:
             return self.model.full_logits(tokens)
         logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
-        full = gather_from_tensor_parallel_region(logits, self.parallel_layout.group("tp"))
-        return full[..., : self.config.vocab_size]
+        return gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, eos_id: Optional[int] = None) -> torch.Tensor:
         """Greedy continuation of ``prompt`` [b, s] (every rank must call it with the same prompt)."""

@@ -17,10 +17,10 @@ from megatron_lite.core.inference import greedy_generate
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.data import MockGPTDataModule
 
-# vocab 128 with make_vocab_size_divisible_by=64: the same padded vocabulary (128) at TP1 and TP2, so
-# every layout trains the same model and the numbers can be compared across layouts.
+# vocab 128 with make_vocab_size_divisible_by=128: padded to 128 rows at TP1 and 256 at TP2, which must not
+# change the model (the padding is masked and never handed back), so the numbers compare across layouts.
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
-              make_vocab_size_divisible_by=64)
+              make_vocab_size_divisible_by=128)
 OPTIMIZER = dict(lr=2e-2, lr_warmup_iters=0, lr_decay_style="constant")
 STEPS = 6
 GBS = 4

@@ -36,18 +36,20 @@ def _config(**overrides) -> ml.GPTConfig:
     return ml.GPTConfig(**base)
 
 
-def _reassemble(shards: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """The full tensors behind TP shards, by concatenating each block of each rank's piece."""
+def _reassemble(shards: list[torch.nn.Module], unpad: bool = True) -> dict[str, torch.Tensor]:
+    """The full tensors behind TP shards, by concatenating each block of each rank's piece (without the
+    vocabulary padding unless ``unpad=False``)."""
     out = {}
     for name, p0 in shards[0].named_parameters():
         pieces = [dict(m.named_parameters())[name].detach() for m in shards]
         shard = p0.tp_shard
         if shard is None or shard.size == 1:
-            out[name] = pieces[0]
+            out[name] = shard.unpad(pieces[0]) if shard is not None and unpad else pieces[0]
             continue
         blocks = [p.chunk(shard.stride, dim=shard.dim) for p in pieces]
-        out[name] = torch.cat([torch.cat([b[i] for b in blocks], dim=shard.dim) for i in range(shard.stride)],
-                              dim=shard.dim)
+        full = torch.cat([torch.cat([b[i] for b in blocks], dim=shard.dim) for i in range(shard.stride)],
+                         dim=shard.dim)
+        out[name] = shard.unpad(full) if unpad else full
     return out
 
 
@@ -91,25 +93,42 @@ def test_full_state_loads_into_tp_shards_and_back():
         torch.testing.assert_close(full, state[name], rtol=0, atol=0, msg=name)
 
 
-def test_real_vocabulary_rows_cross_a_change_of_padding(tmp_path):
+def test_full_state_holds_the_real_vocabulary_whatever_the_padding(tmp_path):
     # vocab 100 padded to 128 at TP1 and to 256 at TP2 (make_vocab_size_divisible_by=128)
     config = _config(make_vocab_size_divisible_by=128)
     whole = ml.GPTModel(config, ParallelLayout.single(), seed=7)
     write_full_state(gather_full_state(whole, ParallelLayout.single()), tmp_path, rank=0)
     state = read_full_state(tmp_path)
-    assert state["embedding.weight"].shape == (128, 32)
+    assert state["embedding.weight"].shape == (100, 32) and state["output_layer.weight"].shape == (100, 32)
     shards = [ml.GPTModel(config, _tp_layout(r), seed=99) for r in range(2)]
-    before = _reassemble(shards)["embedding.weight"]
     for shard in shards:
         load_full_state(shard, state, vocab_size=config.vocab_size)
-    after = _reassemble(shards)["embedding.weight"]
-    assert after.shape == (256, 32)
-    torch.testing.assert_close(after[:100], state["embedding.weight"][:100], rtol=0, atol=0)
-    torch.testing.assert_close(after[100:], before[100:], rtol=0, atol=0)  # the padding keeps its values
+    for name in ("embedding.weight", "output_layer.weight"):
+        after = _reassemble(shards, unpad=False)[name]
+        assert after.shape == (256, 32)
+        torch.testing.assert_close(after[:100], state[name], rtol=0, atol=0)
+        assert not after[100:].any()  # the padding rows are zero
     # and back to one process: the real rows again
     back = ml.GPTModel(config, ParallelLayout.single(), seed=5)
     load_full_state(back, _reassemble(shards), vocab_size=config.vocab_size)
     torch.testing.assert_close(back.embedding.weight[:100], whole.embedding.weight[:100], rtol=0, atol=0)
+    assert not back.embedding.weight[100:].any()
+
+
+def test_a_full_state_with_padded_rows_loads_its_real_rows():
+    """A tensor padded by someone else (an older full state, an exporter that pads) gives its first
+    vocab_size rows; the model's padding stays zero."""
+    config = _config(make_vocab_size_divisible_by=128)
+    whole = ml.GPTModel(config, ParallelLayout.single(), seed=7)
+    state = {k: v.clone() for k, v in gather_full_state(whole, ParallelLayout.single()).items()}
+    state["embedding.weight"] = torch.cat([state["embedding.weight"], torch.ones(28, 32)])  # 128 rows
+    back = ml.GPTModel(config, _tp_layout(1), seed=5)  # TP2 rank 1: real rows 100..127 of 256 are none
+    load_full_state(back, state)
+    assert back.embedding.weight.shape == (128, 32) and not back.embedding.weight.any()
+    front = ml.GPTModel(config, _tp_layout(0), seed=5)
+    load_full_state(front, state)
+    torch.testing.assert_close(front.embedding.weight[:100], whole.embedding.weight[:100], rtol=0, atol=0)
+    assert not front.embedding.weight[100:].any()
 
 
 def test_other_shapes_are_refused():
@@ -126,8 +145,8 @@ def test_carry_over_cuts_shards_from_a_whole_model_and_keeps_equal_shards():
     shards = [ml.GPTModel(config, _tp_layout(r), seed=99) for r in range(2)]
     for shard in shards:
         carry_over_state(whole, shard, vocab_size=config.vocab_size)
-    reference = dict(whole.named_parameters())
-    for name, full in _reassemble(shards).items():
+    reference = dict(whole.named_parameters())  # padded alike at TP1 and TP2 (128 rows)
+    for name, full in _reassemble(shards, unpad=False).items():
         torch.testing.assert_close(full, reference[name].detach(), rtol=0, atol=0, msg=name)
     again = ml.GPTModel(config, _tp_layout(1), seed=3)  # the same shard under a new layout object
     carry_over_state(shards[1], again, vocab_size=config.vocab_size)

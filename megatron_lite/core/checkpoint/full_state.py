@@ -13,8 +13,10 @@ them with :func:`write_full_state`, one safetensors file each; :func:`read_full_
 
 Loading (:func:`load_full_state`, :func:`carry_over_state`) is local: each rank cuts its own shard out
 of the full tensor. Vocabulary padding depends on the TP size (Megatron pads to a multiple of
-``make_vocab_size_divisible_by x tp``); the real ``vocab_size`` rows are carried over whatever the
-padding, and the padding rows of the target keep their values when the padded sizes differ.
+``make_vocab_size_divisible_by x tp``) and is no part of the model: a full state holds exactly the real
+``vocab_size`` rows of the embedding and output layer (:attr:`TPShard.real_shape`), and loading pads them
+with zero rows for the layout at hand. A tensor with more rows than that (padded by someone else) is cut
+to its first ``vocab_size`` rows.
 """
 from __future__ import annotations
 
@@ -94,10 +96,17 @@ def read_full_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape a full state holds for ``param``: its global shape without vocabulary padding."""
     shard: Optional[TPShard] = getattr(param, "tp_shard", None)
     if shard is not None:
-        return tuple(shard.global_shape)
+        return shard.real_shape
     return tuple(param.shape)  # a DTensor's shape is its global (unsharded over DP) shape
+
+
+def _vocab_of(param: torch.Tensor, vocab_size: Optional[int]) -> Optional[int]:
+    """The real vocabulary of a padded parameter (known from its shard), else the caller's ``vocab_size``."""
+    shard: Optional[TPShard] = getattr(param, "tp_shard", None)
+    return shard.unpadded_size if shard is not None and shard.unpadded_size is not None else vocab_size
 
 
 def _adapt_vocab(name: str, full: torch.Tensor, shape: tuple[int, ...],
@@ -168,7 +177,7 @@ def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], *, vocab_
             f"the weights do not fit {type(module).__name__}: missing {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     for name, param in params.items():
-        full, mask = _adapt_vocab(name, state[name], _global_shape(param), vocab_size)
+        full, mask = _adapt_vocab(name, state[name], _global_shape(param), _vocab_of(param, vocab_size))
         _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)
     for name, buf in buffers.items():
         full, mask = _adapt_vocab(name, state[name], tuple(buf.shape), vocab_size)
@@ -215,7 +224,9 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
                     f"{size} (rank {rank}) in place; save a checkpoint and load it with ckpt_path=... instead")
             _assign(param, source, None)
             continue
-        full, mask = _adapt_vocab(name, source, _global_shape(param), vocab_size)
+        if old_shard is not None:
+            source = old_shard.unpad(source)  # the real rows of a whole (one-TP-rank) tensor
+        full, mask = _adapt_vocab(name, source, _global_shape(param), _vocab_of(param, vocab_size))
         _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)
     old_buffers = dict(_persistent_buffers(previous))
     for name, buf in _persistent_buffers(model):

@@ -67,6 +67,8 @@ def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayo
     shard = getattr(param, "tp_shard", None)
     if shard is None:
         return tensor
+    if shard.unpadded_size is not None:
+        return _real_rows_view(tensor, shard, layout)
     view, global_shape, dim = shard.blocked_view(tensor)
     if shard.size == 1 or layout.mesh is None:
         # Still the blocked view (e.g. [2, ffn, h] for fused gate/up): the saved shape must not
@@ -77,6 +79,37 @@ def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayo
     stride = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(view, layout.mesh["tp"], [Shard(dim)], run_check=False,
                               shape=torch.Size(global_shape), stride=stride)
+
+
+def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
+    """The global view of a vocabulary-padded tensor holds only its real rows (``shard.real_shape``), so a
+    checkpoint does not depend on the padding, which depends on the TP size.
+
+    Under TP the real rows are split unevenly -- every rank before the padding holds V_padded/tp of them,
+    the rank where the padding starts fewer, later ranks none -- which DTensor's ``Shard`` cannot describe
+    (it assumes ``torch.chunk``'s split). The rank's rows are therefore handed to DCP with their explicit
+    offset, as a DTensor whose local tensor is a ``LocalShardsWrapper`` (torch's wrapper for shards at given
+    offsets, which DTensor delegates DCP's chunk and write-item queries to). Views throughout: loading
+    writes straight into the live tensor's real rows, and its padding rows are left as they are (zero).
+    """
+    dim, real = shard.dim, shard.local_real_size
+    local = tensor.narrow(dim, 0, real)
+    if shard.size == 1 or layout.mesh is None:
+        return local
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    if real > 0:
+        offsets = [0] * tensor.ndim
+        offsets[dim] = shard.local_start
+        rows = LocalShardsWrapper([local], [tuple(offsets)])
+    else:  # this rank holds only padding: nothing of it is written, nothing read into it (the empty
+        # wrapper describes a 2-D tensor: vocabulary tensors are [vocab, hidden])
+        rows = LocalShardsWrapper([], [])
+    global_shape = torch.Size(shard.real_shape)
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(rows, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=global_shape,
+                              stride=stride)
 
 
 def _checkpoint_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout,

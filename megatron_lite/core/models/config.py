@@ -76,7 +76,7 @@ class GPTConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2L))."""
     make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times the TP size (Megatron's padding)."""
+    """Pad the vocabulary to a multiple of this times the TP size (Megatron's padding; masked, never part of the model)."""
     recompute_granularity: Optional[Literal["full", "selective"]] = None
     """Activation recomputation in training: whole layers ('full'), only the core attention ('selective'), or none."""
     recompute_method: Optional[Literal["uniform", "block"]] = None

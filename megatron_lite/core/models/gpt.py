@@ -23,10 +23,7 @@ from megatron_lite.core.parallel.context_parallel import AttentionContext
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.pipeline.stages import StageChunk
-from megatron_lite.core.parallel.mappings import (
-    gather_from_tensor_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megatron_lite.core.parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_lite.core.parallel.random import (
     DATA_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
@@ -39,6 +36,7 @@ from megatron_lite.core.parallel.tensor_parallel import (
     initialize_parameters,
     mark_parameter,
 )
+from megatron_lite.core.parallel.vocab_padding import gather_real_vocab, mask_vocab_padding
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
@@ -118,8 +116,10 @@ class ModelChunk:
 class GPTModel(nn.Module):
     """A decoder-only transformer built for one rank of ``layout``.
 
-    ``forward(tokens)`` returns this rank's logits ``[b, s, V_padded/tp]``; ``forward(tokens, labels)``
-    returns the per-token loss ``[b, s]`` (identical on every TP rank). Under pipeline parallelism the
+    ``forward(tokens)`` returns this rank's logits ``[b, s, V_padded/tp]`` (the vocabulary padding's are
+    -inf); ``forward(tokens, labels)`` returns the per-token loss ``[b, s]`` (identical on every TP rank).
+    The padding never changes the function: its rows are zero, outside every softmax, and the real rows are
+    drawn from the seed as an unpadded model's are, so the same seed is the same model at any TP size. Under pipeline parallelism the
     rank holds only its stages' layers (``self.chunks``, one per virtual stage); a chunk that is not
     the last returns its activations ``[s(/tp), b, h]`` for the next stage.
     ``output_layer=False`` leaves out the vocabulary projection: the last stage then returns the final
@@ -155,7 +155,7 @@ class GPTModel(nn.Module):
             # The last stage of a pipeline keeps its own copy of a tied embedding (drawn from the same
             # seed and name, so equal); their gradients are summed over the first and last stage.
             self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, layout,
-                                                    init_std=config.init_method_std)
+                                                    init_std=config.init_method_std, vocab_size=config.vocab_size)
             if tied and layout.pp_size > 1:
                 self.embedding.weight.shared_embedding = True
                 self.embedding.weight.pipeline_duplicate = not self.pre_process
@@ -177,7 +177,8 @@ class GPTModel(nn.Module):
             if output_layer:
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
-                    init_std=config.init_method_std, skip_weight_param=tied)
+                    init_std=config.init_method_std, skip_weight_param=tied,
+                    unpadded_output_size=config.vocab_size)
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
         self.chunks = [ModelChunk(self, index, stage) for index, stage in enumerate(stages)]
         # Per chunk: groups of its layers (global indices) for 'full' recompute (one plain group otherwise).
@@ -233,7 +234,8 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
-        """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``.
+        """``tokens`` [b, s] -> logits [b, s, V_padded/tp] (padding at -inf), or per-token loss [b, s]
+        given ``labels``.
 
         Packed rows pass ``position_ids`` [b, s] (restarting at 0 per document) and ``cu_seqlens``
         [b, k] (document start offsets, then the packed length, -1 padded): a token then attends only
@@ -277,8 +279,9 @@ class GPTModel(nn.Module):
         weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
         logits = self.output_layer(x, weight)  # [s, b, V/tp]
         if labels is None:
-            return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start)
+            return mask_vocab_padding(logits, self.vocab_start, self.config.vocab_size).transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start,
+                                            self.config.vocab_size)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
         return loss.t().contiguous()
 
@@ -296,5 +299,4 @@ class GPTModel(nn.Module):
                                "megatron_lite.core.engine.pipeline_full_logits (GPTModule.predict_step does)")
         # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
         with self.whole_sequence():
-            logits = gather_from_tensor_parallel_region(self(tokens), self.tp_group)
-        return logits[..., : self.config.vocab_size]
+            return gather_real_vocab(self(tokens), self.tp_group, self.config.vocab_size)

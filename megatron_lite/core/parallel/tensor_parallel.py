@@ -39,9 +39,58 @@ class TPShard:
     """This shard's TP rank."""
     size: int
     """TP group size."""
+    unpadded_size: Optional[int] = None
+    """Length of ``dim`` without vocabulary padding (the rows from here on are padding: zero, outside every
+    softmax, never checkpointed); None when the tensor is not padded."""
+
+    def __post_init__(self) -> None:
+        if self.unpadded_size is not None:
+            if self.stride != 1:
+                raise ValueError(f"a padded tensor cannot be split in {self.stride} blocks (stride must be 1)")
+            if not 0 < self.unpadded_size <= self.global_shape[self.dim]:
+                raise ValueError(f"unpadded_size {self.unpadded_size} must lie in (0, {self.global_shape[self.dim]}]")
+
+    @property
+    def real_shape(self) -> tuple:
+        """The global shape without vocabulary padding: what checkpoints and full state dicts hold."""
+        if self.unpadded_size is None:
+            return tuple(self.global_shape)
+        shape = list(self.global_shape)
+        shape[self.dim] = self.unpadded_size
+        return tuple(shape)
+
+    @property
+    def local_start(self) -> int:
+        """Offset along ``dim`` of this rank's shard in the global tensor (stride 1)."""
+        return self.rank * (self.global_shape[self.dim] // self.size)
+
+    @property
+    def local_real_size(self) -> int:
+        """How many of this rank's rows along ``dim`` are real (not padding): all of them on ranks before the
+        padding, fewer on the rank where it starts, none on ranks that hold only padding."""
+        local = self.global_shape[self.dim] // self.size
+        if self.unpadded_size is None:
+            return local
+        return max(0, min(local, self.unpadded_size - self.local_start))
+
+    def pad(self, real: torch.Tensor) -> torch.Tensor:
+        """``real`` (shaped :attr:`real_shape`) with zero padding rows appended up to ``global_shape``."""
+        missing = self.global_shape[self.dim] - real.shape[self.dim]
+        if self.unpadded_size is None or missing == 0:
+            return real
+        zeros = real.new_zeros(*real.shape[:self.dim], missing, *real.shape[self.dim + 1:])
+        return torch.cat([real, zeros], dim=self.dim)
+
+    def unpad(self, full: torch.Tensor) -> torch.Tensor:
+        """The real rows of a global tensor (a view; ``full`` itself when nothing is padded)."""
+        if self.unpadded_size is None or full.shape[self.dim] == self.unpadded_size:
+            return full
+        return full.narrow(self.dim, 0, self.unpadded_size)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of ``full``."""
+        """This rank's piece of ``full``: the global tensor, or its real rows only (padded with zeros first)."""
+        if self.unpadded_size is not None and full.shape[self.dim] == self.unpadded_size:
+            full = self.pad(full)
         if self.size == 1:
             return full
         blocks = full.chunk(self.stride, dim=self.dim)
@@ -95,11 +144,15 @@ def initialize_parameters(module: nn.Module, seed: int) -> None:
         if spec is None:
             raise ValueError(f"parameter {name} has no init_spec; build it with mark_parameter()")
         shard = getattr(param, "tp_shard", None)
-        shape = tuple(shard.global_shape) if shard is not None else tuple(param.shape)
+        # Only the real rows of a vocabulary-padded tensor are drawn, exactly as an unpadded tensor would be
+        # (the same weights whatever the padding, hence whatever the TP size); the padding rows are zero.
+        shape = shard.real_shape if shard is not None else tuple(param.shape)
         if spec[0] == "zeros":
             param.zero_()
             continue
         if spec[0] == "ones":
+            if shard is not None and shard.unpadded_size is not None:
+                raise ValueError(f"parameter {name}: a vocabulary-padded tensor cannot be initialised to ones")
             param.fill_(1.0)
             continue
         gen = torch.Generator().manual_seed(_seed_for(seed, name))
@@ -125,7 +178,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, layout: ParallelLayout, *, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, stride: int = 1,
-                 skip_weight_param: bool = False, params_dtype: torch.dtype = torch.float32):
+                 skip_weight_param: bool = False, params_dtype: torch.dtype = torch.float32,
+                 unpadded_output_size: Optional[int] = None):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
@@ -135,7 +189,11 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, tp, "output size")
         if stride > 1 and output_size % (stride * tp) != 0:
             raise ValueError(f"output size {output_size} must be divisible by {stride} x tensor_model_parallel_size")
-        wshard = TPShard(0, stride, (output_size, input_size), layout.tp_rank, tp)
+        # unpadded_output_size: the real vocabulary of an output layer padded to output_size (the weight's
+        # later rows are padding).
+        wshard = TPShard(0, stride, (output_size, input_size), layout.tp_rank, tp, unpadded_output_size)
+        if bias and unpadded_output_size is not None:
+            raise ValueError("a vocabulary-padded ColumnParallelLinear has no bias (the padding would need one too)")
         if skip_weight_param:
             self.register_parameter("weight", None)
         else:
@@ -193,10 +251,14 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; each rank looks up its range and the partial
-    results are summed (or reduce-scattered along the sequence under sequence parallelism)."""
+    results are summed (or reduce-scattered along the sequence under sequence parallelism).
+
+    ``num_embeddings`` is the padded vocabulary and ``vocab_size`` the real one: the padding rows are zero
+    and never looked up (token ids are below ``vocab_size``)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, layout: ParallelLayout, *,
-                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
+                 vocab_size: Optional[int] = None):
         super().__init__()
         tp = layout.tp_size
         self.tp_group = layout.group("tp")
@@ -207,7 +269,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
         self.weight = mark_parameter(
             nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype)),
-            ("normal", init_std), TPShard(0, 1, (num_embeddings, embedding_dim), layout.tp_rank, tp))
+            ("normal", init_std), TPShard(0, 1, (num_embeddings, embedding_dim), layout.tp_rank, tp, vocab_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` [s, b] -> embeddings [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
@@ -228,12 +290,15 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 
 def gather_full(local: torch.Tensor, shard: Optional[TPShard], group) -> torch.Tensor:
-    """The full tensor from every TP rank's ``local`` piece (the inverse of :meth:`TPShard.shard`).
+    """The full tensor from every TP rank's ``local`` piece (the inverse of :meth:`TPShard.shard`), without
+    vocabulary padding (its real rows only, :attr:`TPShard.real_shape`): the same at any TP size.
 
     Collective over ``group``: every TP rank must call it.
     """
-    if shard is None or shard.size == 1 or group is None:
+    if shard is None:
         return local
+    if shard.size == 1 or group is None:
+        return shard.unpad(local)
     import torch.distributed as dist
 
     pieces = [torch.empty_like(local) for _ in range(shard.size)]
@@ -241,4 +306,4 @@ def gather_full(local: torch.Tensor, shard: Optional[TPShard], group) -> torch.T
     blocks_per_rank = [p.chunk(shard.stride, dim=shard.dim) for p in pieces]
     blocks = [torch.cat([rank_blocks[b] for rank_blocks in blocks_per_rank], dim=shard.dim)
               for b in range(shard.stride)]
-    return torch.cat(blocks, dim=shard.dim)
+    return shard.unpad(torch.cat(blocks, dim=shard.dim))
