@@ -5,5 +5,8 @@ from megatron_lite.callbacks.graceful_exit import GracefulExit
 from megatron_lite.callbacks.metrics import MegatronMetrics
 from megatron_lite.callbacks.pipeline_timeline import PipelineTimeline
 from megatron_lite.callbacks.rerun import RerunValidation
+from megatron_lite.callbacks.straggler import StragglerReport
+from megatron_lite.callbacks.watchdog import HangWatchdog
 
-__all__ = ["GracefulExit", "MegatronMetrics", "PipelineTimeline", "RerunValidation"]
+__all__ = ["GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "RerunValidation",
+           "StragglerReport"]
