@@ -62,7 +62,7 @@ def main() -> None:
         callbacks += [progress, ModelCheckpoint(dirpath=out / "ckpt", save_top_k=0)]
     elif mode == "hang":
         progress = Progress(out, hang_rank=1, hang_step=2)
-        callbacks += [progress, HangWatchdog(timeout_s=float(sys.argv[3]), dump_dir=str(out / "stacks"))]
+        callbacks += [progress, HangWatchdog(timeout_s=float(sys.argv[3]), dump_dir=str(out / "stacks"), linger_s=2.0)]
     else:
         progress = Progress(out)
         callbacks += [progress]

@@ -61,7 +61,6 @@ def _signal_later(out: Path, rank: int, at_step: int, signals: tuple = (signal.S
     return thread
 
 
-@pytest.mark.slow
 def test_sigterm_to_rank_0_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
