@@ -63,6 +63,11 @@ class RerunValidation(pl.Callback):
                             f"another module that trains through TrainingEngine.train_step, or remove the callback")
         return engine
 
+    def validate_run(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """MegatronStrategy calls this before it starts any rank."""
+        if pl_module is not None and not isinstance(getattr(type(pl_module), "engine", None), property):
+            self._engine(pl_module)  # raises, naming the fix
+
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.machine = RerunStateMachine(self.config, rank=trainer.global_rank)
         if self._loaded is not None:

@@ -51,6 +51,7 @@ from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
+from megatron_lite.strategies.launch_checks import check_callbacks, check_ckpt_path, ckpt_path_of
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 from megatron_lite.strategies._lightning_private import (
@@ -242,7 +243,9 @@ class MegatronStrategy(ParallelStrategy):
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
         _refuse_without_weights(module)
+        check_ckpt_path(ckpt_path_of(args))
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
+        check_callbacks(trainer, module)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int, trainer=None) -> int:
