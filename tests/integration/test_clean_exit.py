@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
@@ -19,6 +21,7 @@ from reliability_record import record  # noqa: E402
 RUNS = int(os.environ.get("MEGATRON_LITE_EXIT_RUNS", "10"))
 
 
+@pytest.mark.slow
 def test_short_two_rank_runs_exit_cleanly(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     start = time.monotonic()
