@@ -100,7 +100,8 @@ class GracefulExit(pl.Callback):
             signals = (signals,)
         self.signals = tuple(_signal(s) for s in signals)
         if exit_interval is not None and not _is_positive_int(exit_interval):
-            raise ValueError(f"GracefulExit(exit_interval={exit_interval!r}) must be a positive number of steps or None")
+            raise ValueError(f"GracefulExit(exit_interval={exit_interval!r}) must be a positive number of steps "
+                             f"or None")
         if exit_duration_in_mins is not None and (isinstance(exit_duration_in_mins, bool) or not isinstance(
                 exit_duration_in_mins, (int, float)) or not exit_duration_in_mins > 0
                 or exit_duration_in_mins == float("inf")):

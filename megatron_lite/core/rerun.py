@@ -103,7 +103,7 @@ class RerunConfig:
     spike_window: int = 100
     """Accepted values that set the spike reference; spikes are checked once that many were seen."""
     on_reproducible: Policy = "exit"
-    """What to do when the replay reproduces the fault: 'continue', 'skip' the update, or 'exit' (skip, save, exit 16)."""
+    """On a reproduced fault: 'continue', 'skip' the update, or 'exit' (skip, save, exit with code 16)."""
     inject: Optional[str] = None
     """A fault to inject (FaultInjection.parse syntax, e.g. 'nan_loss@3'); None: the environment variable, if set."""
 

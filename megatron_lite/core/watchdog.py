@@ -122,7 +122,8 @@ class Watchdog:
                     tmp.write_text(f"rank {self.rank}")
                     tmp.replace(alarm)
             except OSError as error:
-                sys.stderr.write(f"megatron-lite watchdog: rank {self.rank}: could not write to {self.dump_dir}: {error}\n")
+                sys.stderr.write(f"megatron-lite watchdog: rank {self.rank}: could not write to {self.dump_dir}: "
+                                 f"{error}\n")
         time.sleep(self.linger_s)  # the other ranks dump before this one's connections close
         sys.stderr.flush()
         os._exit(self.exit_code)

@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
-import megatron_lite as ml
 from megatron_lite.callbacks import RerunValidation
 from megatron_lite.core.rerun import INJECT_ENV, FaultInjection, RerunConfig
 

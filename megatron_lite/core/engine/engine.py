@@ -171,7 +171,6 @@ class TrainingEngine:
         seen: dict[str, torch.Tensor] = {}
         while True:
             mopt.zero_grad()
-            accept = None
             if rerun is not None:
                 self._loss = rerun.wrap_loss(self.objective.loss)
             try:
@@ -181,13 +180,9 @@ class TrainingEngine:
             finally:
                 self._loss = self.objective.loss
             self.reduce_shared_embedding_grads()
-            if rerun is not None:
-                # fp16 loss scaling skips overflowing gradients itself: then only the loss is validated.
-                def accept(norm: torch.Tensor, loss=step.loss) -> bool:
-                    seen["grad_norm"] = norm
-                    return rerun.validate(loss, norm if mopt.loss_scaler is None else None)
             # The check runs once the norm is known and before the optimizer (or the loss scaler) changed
             # anything: a replay starts from exactly the state this attempt started from.
+            accept = self._rerun_check(step.loss, seen) if rerun is not None else None
             result = mopt.prepare_step(step.grad_scale, accept=accept)
             if result is not None:
                 break
@@ -206,6 +201,15 @@ class TrainingEngine:
         if rerun is not None:
             rerun.end_step()
         return step, result
+
+    def _rerun_check(self, loss: torch.Tensor, seen: dict) -> Callable[[torch.Tensor], bool]:
+        """The rerun state machine's verdict on this attempt, given the global gradient norm (fp16 loss
+        scaling skips overflowing gradients itself: then only the loss is validated)."""
+        def accept(norm: torch.Tensor) -> bool:
+            seen["grad_norm"] = norm
+            return self.rerun.validate(loss, norm if self.optimizer.loss_scaler is None else None)
+
+        return accept
 
     @torch.no_grad()
     def reduce_shared_embedding_grads(self) -> None:
