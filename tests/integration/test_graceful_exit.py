@@ -164,3 +164,20 @@ def test_exit_interval_and_duration_save_and_stop(tmp_path, kwargs, reason):
 def test_bad_graceful_exit_settings_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GracefulExit(**kwargs)
+
+
+@pytest.mark.parametrize("checkpointing, option, own, expected", [
+    (True, True, False, 1),    # the default: a checkpoint callback brings a GracefulExit
+    (False, True, False, 0),   # nowhere to save: none
+    (True, False, False, 0),   # MegatronStrategy(exit_signal_handler=False)
+    (True, True, True, 1),     # the user's own GracefulExit is kept, not doubled
+])
+def test_the_strategy_adds_graceful_exit_when_there_is_a_checkpoint_callback(checkpointing, option, own, expected):
+    strategy = ml.MegatronStrategy(exit_signal_handler=option)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=checkpointing, callbacks=[GracefulExit(exit_interval=7)] if own else [])
+    strategy._add_exit_callback(trainer)  # what setup_environment does in every rank
+    added = [c for c in trainer.callbacks if isinstance(c, GracefulExit)]
+    assert len(added) == expected
+    if own:
+        assert added[0].exit_interval == 7
