@@ -94,7 +94,7 @@ def test_sigterm_to_rank_0_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     for name, value in reference["params"].items():
         assert torch.equal(resumed["params"][name], value), name
     record("2-sigterm", "SIGTERM to rank 0 of a TP2 run under torchrun, mid-run",
-           f"signal at step {seen}; all ranks agreed at the next step boundary; last.ckpt saved at step {saved}; "
+           f"signal after step {seen}; all ranks agreed at the next step boundary; last.ckpt saved at step {saved}; "
            f"every rank exited 0; ckpt_path='last' resumed at step {saved} and matched the uninterrupted run's losses "
            f"and final parameters bit for bit", 0, "none", stopped_s + resume_s, stop_s=round(stopped_s, 1))
 

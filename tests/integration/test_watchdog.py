@@ -56,8 +56,9 @@ def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_stacks(tmp_path):
     assert "in training_step" not in stacks[1]
     record("5-hang", "rank 1 of a TP2 run sleeps inside step 2 (torchrun, watchdog timeout 5 s)",
            f"both watchdogs fired; every rank's Python stacks in the log and in stacks/rank<r>.txt; every rank exited "
-           f"{WATCHDOG_EXIT_CODE}, torchrun non-zero, {ended_s:.1f} s after the hang", None,
-           "none beyond the steps since the last checkpoint", ended_s)
+           f"{WATCHDOG_EXIT_CODE}, torchrun non-zero, {ended_s:.1f} s after the hang began (a launcher with restarts "
+           f"would resume from the last checkpoint)", None, "none beyond the steps since the last checkpoint", None,
+           ended_s=round(ended_s, 1))
 
 
 WATCHED = textwrap.dedent("""
