@@ -39,7 +39,7 @@ FAULT_TESTS := tests/integration/test_graceful_exit.py tests/integration/test_wa
 	tests/integration/test_rerun.py tests/integration/test_bad_config_table.py tests/integration/test_clean_exit.py
 reliability: $(STAMP)
 	rm -rf build/reliability
-	MEGATRON_LITE_RELIABILITY_DIR=build/reliability OMP_NUM_THREADS=1 $(PY) -m pytest -n 0 -q $(FAULT_TESTS)
+	MEGATRON_LITE_RELIABILITY_DIR=build/reliability OMP_NUM_THREADS=1 $(PY) -m pytest -n 0 -q -o timeout=3600 $(FAULT_TESTS)
 	$(PY) docs/make_reliability.py build/reliability docs/reliability.md
 
 clean:

@@ -2,7 +2,8 @@
 ranks, no "terminate called without an active exception", no traceback, no process left behind.
 
 Each rank leaves through interpreter finalisation as under torchrun (see exit_loop.py). The default is
-a short loop; ``MEGATRON_LITE_EXIT_RUNS=200`` runs the issue's 200 (about 10 minutes on 2 cores).
+a short loop; ``MEGATRON_LITE_EXIT_RUNS=200`` runs the issue's 200 (10-20 minutes on 2 cores: past
+pytest's 600 s per-test timeout, so add ``-o timeout=0``, as ``make reliability`` does).
 """
 import json
 import os
