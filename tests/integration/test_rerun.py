@@ -134,3 +134,16 @@ def test_fault_injection_syntax(text, expected):
 def test_bad_rerun_settings_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RerunConfig(**kwargs)
+
+
+def test_a_transient_fault_under_pipeline_parallelism_changes_nothing(tmp_path):
+    """PP2 (1F1B): the loss exists on the last stage only; every stage replays and agrees on the verdict."""
+    config = tiny_config(**{**CONFIG, "num_layers": 2})
+    common = dict(devices=2, pp=2, steps=4, gbs=4, mbs=1, config=config)
+    reference = run(tmp_path / "reference", **common, callbacks=[RerunValidation()])
+    result = run(tmp_path / "once", **common, callbacks=[RerunValidation(inject="nan_loss@1"), Counts(tmp_path / "once")])
+    rows = torch.load(tmp_path / "once" / "counts.pt")
+    assert (rows[-1]["rejected"], rows[-1]["transient"]) == (1, 1)
+    assert result["losses"] == reference["losses"]
+    for name, value in reference["params"].items():
+        assert torch.equal(result["params"][name], value), name
