@@ -40,7 +40,8 @@ class Counts(L.Callback):
         m = trainer.callback_metrics
         self.rows.append({"step": trainer.global_step, "loss": float(outputs["loss"]),
                           "skipped_steps": int(m["train/skipped_steps"]),
-                          **{k: int(m[f"train/rerun_{k}"]) for k in ("rejected", "transient", "reproducible", "skipped")},
+                          **{k: int(m[f"train/rerun_{k}"])
+                             for k in ("rejected", "transient", "reproducible", "skipped")},
                           "checksum": sum(float(p.detach().double().sum()) for p in pl_module.model.parameters())})
         if trainer.global_rank == 0:
             torch.save(self.rows, self.out / "counts.pt")
@@ -141,7 +142,8 @@ def test_a_transient_fault_under_pipeline_parallelism_changes_nothing(tmp_path):
     config = tiny_config(**{**CONFIG, "num_layers": 2})
     common = dict(devices=2, pp=2, steps=4, gbs=4, mbs=1, config=config)
     reference = run(tmp_path / "reference", **common, callbacks=[RerunValidation()])
-    result = run(tmp_path / "once", **common, callbacks=[RerunValidation(inject="nan_loss@1"), Counts(tmp_path / "once")])
+    result = run(tmp_path / "once", **common,
+                 callbacks=[RerunValidation(inject="nan_loss@1"), Counts(tmp_path / "once")])
     rows = torch.load(tmp_path / "once" / "counts.pt")
     assert (rows[-1]["rejected"], rows[-1]["transient"]) == (1, 1)
     assert result["losses"] == reference["losses"]
