@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench reliability clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline.py
+
+# The fault tests write what they saw into build/reliability; docs/reliability.md is rendered from it.
+FAULT_TESTS := tests/integration/test_graceful_exit.py tests/integration/test_watchdog.py \
+	tests/integration/test_rerun.py tests/integration/test_bad_config_table.py tests/integration/test_clean_exit.py
+reliability: $(STAMP)
+	rm -rf build/reliability
+	MEGATRON_LITE_RELIABILITY_DIR=build/reliability OMP_NUM_THREADS=1 $(PY) -m pytest -n 0 -q -o timeout=3600 $(FAULT_TESTS)
+	$(PY) docs/make_reliability.py build/reliability docs/reliability.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

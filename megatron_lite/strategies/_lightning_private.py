@@ -60,6 +60,8 @@ Validate = Callable[[tuple, dict, Any], None]
 _GRACE_S = 30.0
 # Seconds the child ranks are left to exit on their own once rank 0 knows the run failed.
 _STOP_GRACE_S = 2.0
+# Seconds the child ranks are left to finish a deliberate exit (SystemExit) that rank 0 makes too.
+_EXIT_GRACE_S = 60.0
 
 
 class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
@@ -104,6 +106,11 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
+        except SystemExit:
+            # A deliberate exit every rank agreed on (the rerun policy's code 16): the children exit with the
+            # same code by themselves; not a failure to attribute.
+            self._wait_for_children(_EXIT_GRACE_S)
+            raise
         except BaseException as error:
             rank = self._strategy.process_rank
             failure = self._strategy.failure_file
@@ -120,18 +127,21 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
             first = rebuild_exception(record)
             raise first from first.__cause__
 
-    def _stop_children(self) -> None:
-        """End the child ranks once rank 0 knows the run failed. Their errors are consequences (the
-        failing child has already exited: rank 0 notices only when its connections close). A child
-        still waiting on rank 0 would wait for the collective timeout: the groups cannot close their
-        sockets while the model holds them, so it is killed after a moment to exit on its own."""
-        deadline = time.monotonic() + _STOP_GRACE_S
+    def _wait_for_children(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def _stop_children(self) -> None:
+        """End the child ranks once rank 0 knows the run failed. Their errors are consequences (the
+        failing child has already exited: rank 0 notices only when its connections close). A child
+        still waiting on rank 0 would wait for the collective timeout: the groups cannot close their
+        sockets while the model holds them, so it is killed after a moment to exit on its own."""
+        self._wait_for_children(_STOP_GRACE_S)
 
 
 class _ChildWatcher(threading.Thread):
@@ -255,6 +265,8 @@ def _run_rank(strategy, function: Callable, *args: Any, **kwargs: Any) -> Any:
     offline run keeps no history."""
     try:
         return function(*args, **kwargs)
+    except SystemExit:
+        raise  # a deliberate exit (every rank agreed on it): the process ends with its code
     except BaseException as error:
         rank = strategy.process_rank
         record_failure(strategy.failure_file, rank, error)

@@ -54,6 +54,7 @@ from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
+from megatron_lite.strategies.launch_checks import check_callbacks, check_ckpt_path, ckpt_path_of
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 from megatron_lite.strategies._lightning_private import (
@@ -104,6 +105,11 @@ class MegatronStrategy(ParallelStrategy):
             (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: collective timeout.
+        exit_signal_handler: on SIGTERM (to any rank) save a checkpoint into the checkpoint callback's
+            directory (``last.ckpt``, what ``ckpt_path="last"`` resumes) and stop at the next step boundary,
+            whenever the Trainer has a checkpoint callback: adds a
+            :class:`megatron_lite.callbacks.GracefulExit` unless the Trainer already has one (pass your own
+            for other signals, ``exit_interval`` or ``exit_duration_in_mins``). ``False``: no such callback.
         start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
             (notebooks and tests) or ``"spawn"``. Ignored under torchrun / SLURM, which start the ranks.
             With fork/spawn the ranks hand back to the launching process the whole trained model (full
@@ -126,6 +132,7 @@ class MegatronStrategy(ParallelStrategy):
         ddp_bucket_size: Optional[int] = None,
         overlap_grad_reduce: bool = False,
         log_metrics: bool = True,
+        exit_signal_handler: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -154,6 +161,7 @@ class MegatronStrategy(ParallelStrategy):
         self.ddp_bucket_size = ddp_bucket_size
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.log_metrics = bool(log_metrics)
+        self.exit_signal_handler = bool(exit_signal_handler)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -238,8 +246,10 @@ class MegatronStrategy(ParallelStrategy):
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
         _refuse_without_weights(module)
+        check_ckpt_path(ckpt_path_of(args))
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
         _recover_interrupted_saves(trainer)
+        check_callbacks(trainer, module)
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int, trainer=None) -> int:
@@ -289,6 +299,7 @@ class MegatronStrategy(ParallelStrategy):
         self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
                       trainer)
         self._add_metrics_callback(trainer)
+        self._add_exit_callback(trainer)
         if self._launcher is None and os.environ.get(RUN_DIR_ENV):
             # A rank re-running the user's script (no launcher of its own): its run directory comes from rank 0.
             self.begin_launch(os.environ[RUN_DIR_ENV], next_run_number())
@@ -318,6 +329,14 @@ class MegatronStrategy(ParallelStrategy):
 
         if self.log_metrics and trainer is not None and not any(isinstance(c, MegatronMetrics) for c in trainer.callbacks):
             trainer.callbacks.append(MegatronMetrics())
+
+    def _add_exit_callback(self, trainer) -> None:
+        # Every rank needs it: the ranks agree on stopping with a collective at each step boundary.
+        from megatron_lite.callbacks.graceful_exit import GracefulExit
+
+        if self.exit_signal_handler and trainer is not None and trainer.checkpoint_callback is not None and \
+                not any(isinstance(c, GracefulExit) for c in trainer.callbacks):
+            trainer.callbacks.append(GracefulExit())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -424,6 +443,8 @@ class MegatronStrategy(ParallelStrategy):
         self._created_default_group = False
 
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SystemExit):
+            return  # a deliberate exit that every rank agreed on (e.g. code 16 of the rerun policy): not a failure
         # Before the teardown closes this rank's connections: a peer's collective error comes after.
         rank = self.process_rank
         record_failure(self._failure_file, rank, exception)

@@ -19,6 +19,7 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.pipeline.p2p import DTYPES, PipelineP2P
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, run_pipeline, schedule_order
+from megatron_lite.core.rerun import RerunStateMachine
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
     backward_scale_for,
@@ -95,6 +96,9 @@ class TrainingEngine:
         self.parts = model_parts(model)
         self._p2p: Optional[PipelineP2P] = None
         self._shared = [(name, p) for name, p in model.named_parameters() if getattr(p, "shared_embedding", False)]
+        self.rerun: Optional[RerunStateMachine] = None
+        """Validates every training step and replays rejected ones (see ``megatron_lite.core.rerun``)."""
+        self._loss = objective.loss  # the objective's loss, with an injected fault during a drill
 
     @property
     def device(self) -> torch.device:
@@ -106,7 +110,7 @@ class TrainingEngine:
         return self.layout.pp_size > 1
 
     def _stage_loss(self, model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.objective.loss(self.objective.forward_step(self.parts[0], microbatch, None), microbatch)
+        return self._loss(self.objective.forward_step(self.parts[0], microbatch, None), microbatch)
 
     def p2p(self) -> PipelineP2P:
         if self._p2p is None:
@@ -138,7 +142,7 @@ class TrainingEngine:
         order = schedule_order(self.layout.config.schedule, len(microbatches), self.layout.pp_size,
                                self.layout.pp_rank, len(self.parts), forward_only)
         result = run_pipeline(order, self.parts, microbatches, forward_step or self.objective.forward_step,
-                              self.objective.loss if loss else None, self.p2p(), self.device,
+                              self._loss if loss else None, self.p2p(), self.device,
                               forward_only=forward_only, backward_scale=backward_scale, no_sync=no_sync,
                               keep_outputs=keep_outputs, record_events=self.record_events)
         self.events = result.events
@@ -161,16 +165,51 @@ class TrainingEngine:
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: build it with optimizer=... to train")
         mopt = self.optimizer
-        mopt.zero_grad()
-        # Gradients stay unnormalised until the optimizer has reduced them into fp32 main gradients.
-        step = self.forward_backward(microbatches, loss_scale=mopt.loss_scale, scale_grads=False,
-                                     no_sync=mopt.no_sync)
-        self.reduce_shared_embedding_grads()
-        result = mopt.prepare_step(step.grad_scale)
+        rerun = self.rerun
+        if rerun is not None:
+            rerun.begin_step(self.model)
+        seen: dict[str, torch.Tensor] = {}
+        while True:
+            mopt.zero_grad()
+            if rerun is not None:
+                self._loss = rerun.wrap_loss(self.objective.loss)
+            try:
+                # Gradients stay unnormalised until the optimizer has reduced them into fp32 main gradients.
+                step = self.forward_backward(microbatches, loss_scale=mopt.loss_scale, scale_grads=False,
+                                             no_sync=mopt.no_sync)
+            finally:
+                self._loss = self.objective.loss
+            self.reduce_shared_embedding_grads()
+            # The check runs once the norm is known and before the optimizer (or the loss scaler) changed
+            # anything: a replay starts from exactly the state this attempt started from.
+            accept = self._rerun_check(step.loss, seen) if rerun is not None else None
+            result = mopt.prepare_step(step.grad_scale, accept=accept)
+            if result is not None:
+                break
+            action = rerun.next_action()
+            if action == "replay":
+                rerun.restore(self.model)
+                continue
+            # 'skip' / 'exit': the update is dropped, as for an fp16 overflow (the LR schedule does not advance)
+            mopt.zero_grad()
+            mopt.skipped_steps += 1
+            result = StepResult(grad_norm=seen["grad_norm"], skipped=True, loss_scale=mopt.loss_scale)
+            break
         # a skipped (overflowing) step has no main gradients: the parameters stay unchanged
         (optimizer_step or mopt.optimizer.step)()
         mopt.finish_step(result)
+        if rerun is not None:
+            rerun.end_step()
         return step, result
+
+    def _rerun_check(self, loss: torch.Tensor, seen: dict) -> Callable[[torch.Tensor], bool]:
+        """The rerun state machine's verdict on this attempt, given the global gradient norm (fp16 loss
+        scaling skips overflowing gradients itself: then only the loss is validated)."""
+        def accept(norm: torch.Tensor) -> bool:
+            seen["grad_norm"] = norm
+            return self.rerun.validate(loss, norm if self.optimizer.loss_scaler is None else None)
+
+        return accept
 
     @torch.no_grad()
     def reduce_shared_embedding_grads(self) -> None:

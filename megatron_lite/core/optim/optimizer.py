@@ -201,10 +201,15 @@ class MegatronOptimizer:
         return grads, self.layout.group("mp"), False
 
     @torch.no_grad()
-    def prepare_step(self, grad_scale: Optional[torch.Tensor] = None) -> StepResult:
+    def prepare_step(self, grad_scale: Optional[torch.Tensor] = None,
+                     accept: Optional[Callable[[torch.Tensor], bool]] = None) -> Optional[StepResult]:
         """Reduce gradients, unscale them (``grad_scale`` from the schedule, divided by the loss
         scale), check for overflow, compute the global norm and clip. On overflow the main
-        gradients are dropped, so the torch optimizer's step leaves parameters and state untouched."""
+        gradients are dropped, so the torch optimizer's step leaves parameters and state untouched.
+
+        ``accept(grad_norm)`` (the rerun state machine's check) runs once the norm is known and before
+        anything that a replay would have to undo (loss scaler, skipped-step count, clipping): when it
+        returns False the step stops there and None is returned."""
         with timed(self.timers, "all-grads-sync"):
             self.reduce_gradients()
         self.collect_main_grads()
@@ -222,6 +227,8 @@ class MegatronOptimizer:
         with timed(self.timers, "optimizer-clip-main-grad"):
             grads, group, all_ranks = self.norm_inputs()
             norm = grad_norm_of(grads, group, device, all_ranks=all_ranks)
+        if accept is not None and not accept(norm):
+            return None
         skipped = False
         if self.loss_scaler is not None:
             # The norm is inf/NaN exactly when some gradient is: one reduction serves both (Megatron
