@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 import megatron_lite as ml
 from megatron_lite.callbacks import MegatronMetrics
@@ -262,7 +263,10 @@ def test_cpu_peak_is_measured_once_and_cached_and_the_bar_counts_optimizer_steps
     ratios = []
     for run in range(2):
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
-                            logger=CSVLogger(tmp_path, name=f"run{run}"), callbacks=[callback],
+                            logger=CSVLogger(tmp_path, name=f"run{run}"),
+                            # Lightning's default bar is Rich's whenever rich is installed (transformers pulls
+                            # it in): name the bar whose tick count is checked
+                            callbacks=[callback, TQDMProgressBar()],
                             enable_checkpointing=False, enable_model_summary=False)
         trainer.fit(ml.GPTModule(tiny_config(), optimizer()), tiny_data())
         assert trainer.progress_bar_callback.train_progress_bar.n == 3  # one tick per optimizer step
