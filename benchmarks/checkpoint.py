@@ -8,7 +8,8 @@ GB/s against ``torch.save`` / ``torch.load`` of the same tensors in one file, an
    everything the training thread waits for, including a wait for the previous save) and, at the end of
    ``fit``, the wait for the last background write (reported apart: training is over by then).
    ``blocked ratio`` = async / sync training time blocked by the saves after the first (the first also
-   creates the checkpoint process group), summed. Target <= 10 %. The median step time with and without a save in flight shows what the background
+   creates the checkpoint process group), summed. Target <= 10 %. The median step time with and without a
+   save in flight shows what the background
    write costs the steps it overlaps (on 2 shared CPU cores it competes with training for them).
 2. **Bandwidth.** In this process, the full TP1 state of the same model (parameters and AdamW moments):
    ``save_sharded`` (DCP files, CRC-32 while writing, fsync, manifest, atomic commit) against ``torch.save`` of
@@ -150,7 +151,8 @@ def bandwidth(args, directory: Path) -> dict:
         p.grad = torch.randn_like(p)
     optimizer.step()  # moments exist and are not zero
     layout = ParallelLayout.single()
-    state = {"model": sharded_model_state(module, layout), "optimizer_0": sharded_optimizer_state(module, optimizer, layout)}
+    state = {"model": sharded_model_state(module, layout),
+             "optimizer_0": sharded_optimizer_state(module, optimizer, layout)}
     state["optimizer_0"].pop("param_groups")
     flat = {f"{group}.{key}": value for group, values in state.items() for key, value in values.items()
             if torch.is_tensor(value)}
@@ -233,7 +235,8 @@ def _print(r: dict) -> None:
     rows = [(f"training blocked by {saves} sync saves", f"{b['sync']['blocked_s']:.3f} s",
              f"median {b['sync']['median_save_s']:.3f} s/save", "1.000 (baseline)"),
             (f"training blocked by {saves} async saves", f"{b['async']['blocked_s']:.3f} s",
-             f"median {b['async']['median_save_s']:.3f} s/save (+ {b['async']['final_wait_s']:.3f} s at the end of fit)",
+             f"median {b['async']['median_save_s']:.3f} s/save "
+             f"(+ {b['async']['final_wait_s']:.3f} s at the end of fit)",
              f"{b['ratio']:.3f} vs sync ({'met' if b['met'] else 'missed'}: <= {BLOCKED_TARGET:.2f})"),
             ("save: ours (DCP, CRC, fsync, commit)", f"{bw['ours_save']['gb_per_s']:.2f} GB/s",
              f"{bw['ours_save']['median_s']:.3f} s", f"{bw['save_ratio']:.2f}x torch.save"),

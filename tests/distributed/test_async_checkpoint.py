@@ -92,7 +92,8 @@ def test_async_saves_equal_synchronous_ones_and_resume(tmp_path):
         assert actual.keys() == expected.keys() and any(k.startswith("optimizer_0.") for k in expected)
         for key, tensor in expected.items():
             assert torch.equal(actual[key], tensor), f"{name}: {key} differs"
-        assert read_checkpoint_meta(async_dir / name)["global_step"] == read_checkpoint_meta(sync_dir / name)["global_step"]
+        saved_step = read_checkpoint_meta(sync_dir / name)["global_step"]
+        assert read_checkpoint_meta(async_dir / name)["global_step"] == saved_step
     assert read_checkpoint_meta(async_dir / "last.ckpt")["global_step"] == 8
 
     # resume from the earliest kept checkpoint: the later steps are those of the uninterrupted run
@@ -117,7 +118,8 @@ class FileSizeLimit(L.Callback):
 def test_background_write_error_surfaces_in_training(tmp_path):
     ckpt_dir = tmp_path / "ckpts"
     with pytest.raises(Exception) as failure:
-        run(tmp_path / "run", devices=2, tp=2, steps=4, config=tiny_config(**CONFIG), strategy_kwargs={"async_save": True},
+        run(tmp_path / "run", devices=2, tp=2, steps=4, config=tiny_config(**CONFIG),
+            strategy_kwargs={"async_save": True},
             callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1), FileSizeLimit()])
     message = str(failure.value)
     assert "could not be written in the background" in message, message
