@@ -127,3 +127,43 @@ def test_background_write_error_surfaces_in_training(tmp_path):
     # serializer reports as a position mismatch)
     assert "epoch=0-step=2.ckpt" in message and "torch.distributed.checkpoint failed writing" in message, message
     assert not _checkpoints(ckpt_dir)  # nothing was committed
+
+
+class FailAtStep(L.Callback):
+    """Raises on every rank when a step starts after the given one (the save before it still in flight)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            assert trainer.strategy._async_writer.pending is not None  # the save is the run's last act
+            raise ValueError(f"failing on purpose at step {self.step}")
+
+
+def test_a_failing_run_leaves_only_complete_checkpoints(tmp_path):
+    """The run's own error is the one raised while a save (last.ckpt) is in flight. Forked ranks end at
+    once on an error (the launching process stops the others), so that save may be abandoned: whatever
+    is visible afterwards is complete, the latest record names a complete checkpoint, and the save the
+    in-flight one waited for (step 2's top-k checkpoint) is there."""
+    ckpt_dir = tmp_path / "ckpts"
+    with pytest.raises(Exception, match="failing on purpose at step 2"):
+        run(tmp_path / "run", devices=2, tp=2, steps=4, config=tiny_config(**CONFIG),
+            strategy_kwargs={"async_save": True},
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True), FailAtStep(2)])
+    names = _checkpoints(ckpt_dir)
+    assert "epoch=0-step=2.ckpt" in names and set(names) <= {"epoch=0-step=2.ckpt", "last.ckpt"}
+    for name in names:
+        assert verify_checkpoint(ckpt_dir / name).status == "ok"
+        assert read_checkpoint_meta(ckpt_dir / name)["global_step"] == 2
+    assert json.loads((ckpt_dir / "latest_checkpoint.json").read_text())["name"] in names
+
+
+def test_storage_options_other_than_async_save_are_refused():
+    import megatron_lite as ml
+
+    strategy = ml.MegatronStrategy()
+    with pytest.raises(TypeError, match="storage_options=\\{'async_save': True\\}"):
+        strategy._saves_asynchronously({"compression": "zstd"}, live=True)
+    assert strategy._saves_asynchronously({"async_save": True}, live=True)
+    assert not strategy._saves_asynchronously({"async_save": True}, live=False)  # no ranks: nothing to overlap
