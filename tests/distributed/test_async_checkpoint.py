@@ -6,6 +6,8 @@ Lightning's own ModelCheckpoint (every_n_train_steps, save_last, save_top_k + mo
   synchronous run writes at the same step (model, optimizer state, RNG states; TP2 with a vocabulary
   that pads unevenly, so the uneven-shard views are staged too). Top-k removal keeps the same set.
 - Resuming from an asynchronously written checkpoint continues like the uninterrupted run.
+- The same with DP2 and the distributed optimizer (ZeRO-1), whose state is gathered for the save.
+- A run that fails with a save in flight raises its own error and leaves only complete checkpoints.
 - A real write failure in the background (the rank processes' file-size limit, so the OS refuses the
   shard) surfaces in the training process as an error naming the checkpoint and the cause, and nothing
   is committed.
@@ -104,6 +106,27 @@ def test_async_saves_equal_synchronous_ones_and_resume(tmp_path):
                   ckpt_path=str(async_dir / earliest), callbacks=[_checkpointing(tmp_path / "resumed_ckpts")])
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][step:]),
                                rtol=1e-5, atol=0)
+
+
+def test_async_saves_with_the_distributed_optimizer_equal_synchronous_ones(tmp_path):
+    """DP2 with ZeRO-1: the optimizer state is gathered over DP into fresh tensors for the save; staged and
+    written in the background it equals the synchronous save."""
+    import megatron_lite as ml
+
+    zero1 = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
+                               use_distributed_optimizer=True)
+    dirs = {}
+    for mode in ("sync", "async"):
+        dirs[mode] = tmp_path / f"{mode}_ckpts"
+        run(tmp_path / mode, devices=2, steps=4, optimizer=zero1, strategy_kwargs={"async_save": mode == "async"},
+            callbacks=[ModelCheckpoint(dirpath=dirs[mode], every_n_train_steps=2, save_top_k=-1)])
+    names = _checkpoints(dirs["sync"])
+    assert names == _checkpoints(dirs["async"]) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    for name in names:
+        expected, actual = _all_tensors(dirs["sync"] / name), _all_tensors(dirs["async"] / name)
+        assert actual.keys() == expected.keys() and any(".master" in k or ".exp_avg" in k for k in expected)
+        for key, tensor in expected.items():
+            assert torch.equal(actual[key], tensor), f"{name}: {key} differs"
 
 
 class FileSizeLimit(L.Callback):
