@@ -105,7 +105,8 @@ class _StagedAlready:
 @dataclasses.dataclass
 class _Job:
     target: SaveTarget
-    future: Future
+    future: Optional[Future] = None
+    """The background commit (set right after the job is submitted, before anything else reads it)."""
     removals: list[Path] = dataclasses.field(default_factory=list)
     outcome: str = "writing"
     """"writing", then "committed" or "failed" (set under the writer's lock with the removals taken)."""
@@ -139,7 +140,7 @@ class AsyncCheckpointWriter:
         written = dcp.async_save(staged, storage_writer=writer, process_group=group, async_stager=_StagedAlready())
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-lite-checkpoint")
-        job = _Job(target, Future())
+        job = _Job(target)
         job.future = self._executor.submit(self._finish, job, written, writer, group)
         self._job = job
         return target.path
@@ -160,7 +161,7 @@ class AsyncCheckpointWriter:
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (the same on every rank)."""
         job, self._job = self._job, None
-        if job is not None:
+        if job is not None and job.future is not None:
             job.future.result()
 
     def close(self, raise_error: bool = True) -> None:
