@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from megatron_lite.core.checkpoint.async_save import AsyncCheckpointWriter
 from megatron_lite.core.checkpoint.commit import clean_up, remove_checkpoint
 from megatron_lite.core.checkpoint.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.sharded import (
@@ -100,6 +101,12 @@ class MegatronStrategy(ParallelStrategy):
         log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` callback (throughput, TFLOP/s,
             MFU, memory, timers, a Megatron-style console line) unless the Trainer already has one;
             ``False`` removes it.
+        async_save: checkpoints saved by callbacks during ``fit`` (Lightning's ``ModelCheckpoint``) are
+            written in the background: the save copies the state to host memory and returns, DCP writes
+            the files in a thread, and the checkpoint is committed (renamed into place, recorded as
+            latest) once every rank's files are written. The next save, the end of ``fit`` and the
+            teardown wait for it, and raise its error. Other saves (``trainer.save_checkpoint`` called by
+            you) stay synchronous unless called with ``storage_options={"async_save": True}``.
         overlap_grad_reduce: reduce each gradient bucket over DP (all-reduce, or reduce-scatter with
             the distributed optimizer) asynchronously during the backward of the last microbatch
             (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
@@ -133,6 +140,7 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = False,
         log_metrics: bool = True,
         exit_signal_handler: bool = True,
+        async_save: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -162,6 +170,8 @@ class MegatronStrategy(ParallelStrategy):
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.log_metrics = bool(log_metrics)
         self.exit_signal_handler = bool(exit_signal_handler)
+        self.async_save = bool(async_save)
+        self._async_writer: Optional[AsyncCheckpointWriter] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -425,6 +435,12 @@ class MegatronStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if self._async_writer is not None:
+            # Before the groups go: a save in flight is committed if every rank wrote it; a failing run
+            # logs its error rather than hiding the run's own.
+            running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+            writer, self._async_writer = self._async_writer, None
+            writer.close(raise_error=running)
         if self._run_dir is not None and self._start_method != "popen" and self._layout is not None:
             # A rank started by the fork/spawn launcher: hand the results back (collectives, so only on
             # the success path, where every rank gets here), then release the groups -- the process
@@ -546,9 +562,32 @@ class MegatronStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint) -> None:
         pass  # loaded in place by load_checkpoint
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+    def on_train_end(self) -> None:
+        # The end of fit waits for the checkpoint in flight (and raises its error) before fit returns.
+        self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a checkpoint being written in the background is committed; raise its error."""
+        if self._async_writer is not None:
+            self._async_writer.wait()
+
+    def _saves_asynchronously(self, storage_options: Optional[Any], live: bool) -> bool:
+        """``storage_options={"async_save": bool}`` decides; otherwise saves from callback hooks during a
+        running fit (where ModelCheckpoint saves) when ``async_save=True``."""
         if storage_options is not None:
-            raise TypeError("MegatronStrategy.save_checkpoint does not take storage_options (it writes with DCP)")
+            if not isinstance(storage_options, dict) or set(storage_options) != {"async_save"}:
+                raise TypeError(f"MegatronStrategy.save_checkpoint takes only storage_options={{'async_save': True}} "
+                                f"or {{'async_save': False}} (it writes with DCP), got {storage_options!r}")
+            return bool(storage_options["async_save"]) and live
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
+        return (self.async_save and live and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                and trainer.state.status == TrainerStatus.RUNNING
+                and getattr(module, "_current_fx_name", None) in _CALLBACK_SAVE_HOOKS)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        live = self._layout is not None and not self._layout.destroyed and _distributed_is_initialized()
+        asynchronous = self._saves_asynchronously(storage_options, live)
         _refuse_without_weights(self.lightning_module)
         path = Path(self.broadcast(str(filepath)))
         state = {"model": checkpoint.pop("state_dict")}
@@ -557,7 +596,6 @@ class MegatronStrategy(ParallelStrategy):
             groups.append(opt_state.pop("param_groups"))
             state[f"optimizer_{i}"] = opt_state
         checkpoint["optimizer_param_groups"] = groups
-        live = self._layout is not None and not self._layout.destroyed and _distributed_is_initialized()
         if not live and not groups:
             # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
             # held the optimizer.
@@ -577,13 +615,24 @@ class MegatronStrategy(ParallelStrategy):
         module = self.lightning_module
         timers = module.run_timers() if isinstance(module, EngineModule) else None
         with timed(timers, "save-checkpoint", log_level=0):
-            save_sharded(state, path, extra=checkpoint, allowed=self._checkpoint_classes())
+            if asynchronous:
+                if self._async_writer is None:
+                    self._async_writer = AsyncCheckpointWriter()
+                self._async_writer.save(state, path, extra=checkpoint, allowed=self._checkpoint_classes())
+            else:
+                self.wait_for_checkpoint()  # saves land in the order they were asked for
+                save_sharded(state, path, extra=checkpoint, allowed=self._checkpoint_classes())
 
     def remove_checkpoint(self, filepath) -> None:
         """Remove a checkpoint directory (ModelCheckpoint's top-k and ``last`` replacement): renamed away at
-        once, then deleted, so a kill mid-removal never leaves a half-deleted checkpoint under its name."""
+        once, then deleted, so a kill mid-removal never leaves a half-deleted checkpoint under its name.
+        While a checkpoint is written in the background, the removal waits until it is committed (and is
+        dropped if it fails): the older checkpoint is never gone before the newer one exists."""
         if self.is_global_zero:
-            remove_checkpoint(filepath)
+            if self._async_writer is not None:
+                self._async_writer.remove(filepath)
+            else:
+                remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Before anything reads it: the path resolved (an interrupted replace recovered) and every file
@@ -685,6 +734,11 @@ def _refuse_without_weights(module: Optional[LightningModule]) -> None:
     message = getattr(module, "_megatron_lite_weights_missing", None)
     if message:
         raise RuntimeError(message)
+
+
+# Lightning hooks in which checkpoint callbacks save (ModelCheckpoint: every_n_train_steps, every epoch,
+# after validation); a save made elsewhere (training_step, after fit) was asked for by the user.
+_CALLBACK_SAVE_HOOKS = frozenset({"on_train_batch_end", "on_train_epoch_end", "on_validation_end"})
 
 
 STRATEGY_NAMES = {

@@ -5,7 +5,7 @@ rank with the same message; otherwise the other ranks would wait for rank 0 in t
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -29,9 +29,11 @@ def _error_types() -> dict[str, type[BaseException]]:
                                     CheckpointMetaError, UnsafeCheckpointError)}
 
 
-def on_rank0(step: Callable[[], T], share: bool = True) -> T:
+def on_rank0(step: Callable[[], T], share: bool = True, group: Optional[dist.ProcessGroup] = None) -> T:
     """Run ``step`` on rank 0; every rank returns its result (``share=False``: None elsewhere) or raises
-    its error (as the same type when it is one of ours or a FileNotFoundError/ValueError/TypeError)."""
+    its error (as the same type when it is one of ours or a FileNotFoundError/ValueError/TypeError).
+    ``group`` (holding every rank) carries the outcome instead of the default group: a background
+    checkpoint writer has its own, so its collectives never interleave with training's."""
     if not distributed():
         return step()
     outcome: list[Any] = [None]
@@ -44,7 +46,7 @@ def on_rank0(step: Callable[[], T], share: bool = True) -> T:
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             error = exc
             outcome = [("error", type(exc).__name__, str(exc))]
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     if error is not None:
         raise error
     if outcome[0][0] == "error":
@@ -53,10 +55,11 @@ def on_rank0(step: Callable[[], T], share: bool = True) -> T:
     return result if dist.get_rank() == 0 else outcome[0][1]
 
 
-def gather_to_all(value: Any) -> list[Any]:
-    """Every rank's ``value``, on every rank (a list of one without a process group)."""
+def gather_to_all(value: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """Every rank's ``value``, on every rank (a list of one without a process group); ``group`` as in
+    :func:`on_rank0`."""
     if not distributed():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out

@@ -12,6 +12,7 @@ DCP reads that never unpickle (``safe_reader``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -267,21 +268,51 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional
     rank 0 writes ``meta.json`` and, last, ``manifest.json``, fsyncs, moves the directory into place (an
     atomic exchange when ``path`` exists, see :mod:`~megatron_lite.core.checkpoint.commit`) and records it
     in ``latest_checkpoint.json``. A kill at any point leaves the previous checkpoint at ``path``.
+    The steps are :func:`begin_save`, the DCP write, :func:`finish_save` (an asynchronous writer runs the
+    last two in the background, see :mod:`~megatron_lite.core.checkpoint.async_save`).
     """
-    path = Path(path)
-    meta = on_rank0(lambda: meta_json.dumps(extra if extra is not None else {}, allowed), share=False)
-    tmp = Path(on_rank0(lambda: str(_begin_save(path, in_flight))))
-    writer = ChecksummingFileSystemWriter(tmp)
+    target = begin_save(path, extra, allowed, in_flight)
+    writer = ChecksummingFileSystemWriter(target.tmp)
     try:
         dcp.save(state, storage_writer=writer)
     except CheckpointException as error:
-        raise _dcp_error(error, f"writing {path}") from None
-    records: dict[str, FileRecord] = {}
-    for rank_records in gather_to_all(writer.records):
-        records.update(rank_records)
+        raise dcp_error(error, f"writing {target.path}") from None
+    finish_save(target, writer.records)
+    return target.path
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveTarget:
+    """A save under way: where its files go and what rank 0 writes beside them when they are all there."""
+
+    path: Path
+    """The checkpoint's final name."""
+    tmp: Path
+    """The hidden temporary sibling the files are written into."""
+    meta: Optional[bytes]
+    """``meta.json``'s content on rank 0 (None on the other ranks)."""
+    step: Optional[int]
+    """The global step recorded in ``latest_checkpoint.json``."""
+
+
+def begin_save(path: str | os.PathLike, extra: Optional[dict] = None, allowed: Sequence[type] = (),
+               in_flight: Sequence[str | os.PathLike] = ()) -> SaveTarget:
+    """Encode ``extra`` (refused before a byte is written), clean up leftovers and create the temporary
+    directory (rank 0); collective."""
+    path = Path(path)
+    meta = on_rank0(lambda: meta_json.dumps(extra if extra is not None else {}, allowed), share=False)
+    tmp = Path(on_rank0(lambda: str(_begin_save(path, in_flight))))
     step = extra.get("global_step") if isinstance(extra, dict) else None
-    on_rank0(lambda: _finish_save(tmp, path, meta, records, step))
-    return path
+    return SaveTarget(path, tmp, meta, step if isinstance(step, int) else None)
+
+
+def finish_save(target: SaveTarget, records: dict[str, FileRecord], group=None) -> None:
+    """After every rank's DCP write returned: gather the ranks' file records, and rank 0 writes the
+    manifest, commits and records the latest; collective (over ``group`` when given)."""
+    merged: dict[str, FileRecord] = {}
+    for rank_records in gather_to_all(records, group):
+        merged.update(rank_records)
+    on_rank0(lambda: _finish_save(target.tmp, target.path, target.meta, merged, target.step), group=group)
 
 
 def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike]) -> Path:
@@ -318,11 +349,11 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequen
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
     except CheckpointException as error:
-        raise _dcp_error(error, f"loading {path}") from None
+        raise dcp_error(error, f"loading {path}") from None
     return read_checkpoint_meta(path, allowed)
 
 
-def _dcp_error(error: CheckpointException, doing: str) -> Exception:
+def dcp_error(error: CheckpointException, doing: str) -> Exception:
     """DCP gathers every rank's failure into one CheckpointException (a BaseException, which Lightning's
     error handling does not expect): the failure itself, as the same error on every rank."""
     failures = sorted(error.failures.items(), key=lambda item: item[0])
