@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
 import megatron_lite as ml
+from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
 from megatron_lite.callbacks import GracefulExit
 
 HERE = Path(__file__).parent
@@ -77,7 +78,7 @@ def test_sigterm_to_rank_0_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     assert seen <= saved <= seen + 1  # the checkpoint comes within one step of the signal
     assert ranks[0]["stop_reason"] == "a signal (SIGTERM)" and ranks[1]["stop_reason"] == "a signal (on another rank)"
     assert ranks[1]["global_step"] == saved and ranks[0]["checkpoint"] == str(out / "ckpt" / "last.ckpt")
-    assert torch.load(out / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == saved
+    assert read_checkpoint_meta(out / "ckpt" / "last.ckpt")["global_step"] == saved
     assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-3000:]
 
     # resume with ckpt_path="last" (fork launcher, same run) and compare with an uninterrupted run
@@ -119,7 +120,7 @@ def test_sigterm_to_rank_1_of_a_forked_run_saves_where_last_resumes(tmp_path):
     stopped_at = trainer.global_step
     # no GracefulExit was passed: MegatronStrategy adds one whenever there is a checkpoint callback
     assert 2 <= stopped_at <= 3 < STEPS  # the ranks stopped within one step of the signal, not at max_steps
-    meta = torch.load(ckpt / "last.ckpt" / "meta.pt", weights_only=False)
+    meta = read_checkpoint_meta(ckpt / "last.ckpt")
     assert meta["global_step"] == stopped_at
     resumed = _fork_fit(tmp_path, [ModelCheckpoint(dirpath=ckpt, save_top_k=0)], ckpt_path="last")
     assert resumed.global_step == STEPS
@@ -150,7 +151,7 @@ def test_exit_interval_and_duration_save_and_stop(tmp_path, kwargs, reason):
     trainer = _fork_fit(tmp_path, [stop, ModelCheckpoint(dirpath=ckpt, save_top_k=0)])
     expected = 3 if "exit_interval" in kwargs else 1
     assert trainer.global_step == expected
-    meta = torch.load(ckpt / "last.ckpt" / "meta.pt", weights_only=False)
+    meta = read_checkpoint_meta(ckpt / "last.ckpt")
     assert meta["global_step"] == expected
     assert _fork_fit(tmp_path, [ModelCheckpoint(dirpath=ckpt, save_top_k=0)], ckpt_path="last").global_step == STEPS
 

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
+from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
 from megatron_lite.callbacks import RerunValidation
 from megatron_lite.core.rerun import INJECT_ENV, FaultInjection, RerunConfig
 
@@ -104,7 +105,7 @@ def test_the_exit_policy_saves_and_ends_every_rank_with_code_16_then_resumes(tmp
     assert caught.value.exit_code == 16
     last = checkpoints / "last.ckpt"
     assert (last / ".metadata").is_file()
-    meta = torch.load(last / "meta.pt", weights_only=False)
+    meta = read_checkpoint_meta(last)
     assert meta["global_step"] == 3  # steps 0, 1 applied; step 2 skipped (its batch consumed); saved after it
     monkeypatch.delenv(INJECT_ENV)
     resumed = run(tmp_path / "resumed", devices=2, steps=STEPS, gbs=4, mbs=2, config=tiny_config(**CONFIG),
