@@ -47,11 +47,13 @@ from megatron_lite.core.checkpoint.full_state import (
     write_full_state,
 )
 from megatron_lite.core.checkpoint.rng import (
+    derived_cpu_generator_state,
     layout_mismatch,
     rederive_rng_state,
     restore_rng_state,
     rng_placeholders,
     rng_state,
+    saved_cpu_generator_state,
 )
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.flops import training_flops_per_step
@@ -166,6 +168,8 @@ class MegatronStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
         self._created_default_group = False
+        # The global CPU generator's state to set before the first step after a checkpoint load.
+        self._pending_cpu_rng: Optional[Tensor] = None
         # Set by the launcher: where the ranks hand results back and record the first failure.
         self._run_dir: Optional[str] = None
         self._failure_file: Optional[str] = None
@@ -609,6 +613,12 @@ class MegatronStrategy(ParallelStrategy):
             self._restore_or_rederive_rng({k: state[k] for k in rng}, int(extra.get("global_step", 0)))
         return extra
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._pending_cpu_rng is not None:  # the first step after a load (see _restore_or_rederive_rng)
+            torch.set_rng_state(self._pending_cpu_rng)
+            self._pending_cpu_rng = None
+
     def _checkpoint_classes(self) -> list[type]:
         """Classes a checkpoint's metadata may hold besides plain data: the config dataclasses of the live
         module and datamodule (their configs and saved hyperparameters). Taken from the objects the user
@@ -636,17 +646,23 @@ class MegatronStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         layout = self._require_layout()
         reason = layout_mismatch(loaded, layout, self.global_rank)
-        differs = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
+        differs = torch.tensor([0 if reason is None else 1], dtype=torch.int64, device=self.root_device)
         if _distributed_is_initialized():
             torch.distributed.all_reduce(differs, op=torch.distributed.ReduceOp.MAX)
+        # The global CPU generator is set right before the first step (on_train_batch_start): Lightning draws
+        # from it after the load, once per DataLoader iterator it creates (its shared seed), which an
+        # uninterrupted run did before the saved step.
         if not differs.item():
-            restore_rng_state(self.lightning_module, loaded, self.global_rank)
+            restore_rng_state(self.lightning_module, loaded, self.global_rank, cpu_generator=False)
+            self._pending_cpu_rng = saved_cpu_generator_state(loaded, self.global_rank)
             return
-        rederive_rng_state(self.lightning_module, step)
-        rank_zero_info(
-            f"megatron-lite: RNG states not restored from the checkpoint: "
-            f"{reason or 'the layout of another rank changed'}; re-derived from the seeds for step {step} "
-            f"(dropout masks differ from those an uninterrupted run at the saved layout would draw).")
+        rederive_rng_state(self.lightning_module, step, cpu_generator=False)
+        self._pending_cpu_rng = derived_cpu_generator_state(step)
+        if self.global_rank == 0:  # a warning-level record: visible without any logging set-up
+            log.warning(
+                f"megatron-lite: RNG states not restored from the checkpoint: "
+                f"{reason or 'the layout of another rank changed'}; re-derived from the seeds for step {step} "
+                f"(dropout masks differ from those an uninterrupted run at the saved layout would draw).")
 
 
 def _dataclass_types(values: list[Any]) -> set[type]:

@@ -88,8 +88,9 @@ def rng_snapshot(pl_module) -> dict[str, torch.Tensor]:
 
 
 class RNGRecorder(L.Callback):
-    """Every rank's RNG states when a checkpoint is saved (``rng_saved_rank<r>.pt``, the last save) and
-    when training starts (``rng_start_rank<r>.pt``: after a load, what it restored or re-derived)."""
+    """Every rank's RNG states when a checkpoint is saved (``rng_saved_step<k>_rank<r>.pt``), when training
+    starts (``rng_start_rank<r>.pt``: after a load, the dropout streams it restored or re-derived; the global
+    CPU generator is set only before the first step) and when it ends (``rng_end_rank<r>.pt``)."""
 
     def __init__(self, out: Path):
         self.out = Path(out)
@@ -97,5 +98,9 @@ class RNGRecorder(L.Callback):
     def on_train_start(self, trainer, pl_module):
         torch.save(rng_snapshot(pl_module), self.out / f"rng_start_rank{trainer.global_rank}.pt")
 
+    def on_train_end(self, trainer, pl_module):
+        torch.save(rng_snapshot(pl_module), self.out / f"rng_end_rank{trainer.global_rank}.pt")
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        torch.save(rng_snapshot(pl_module), self.out / f"rng_saved_rank{trainer.global_rank}.pt")
+        torch.save(rng_snapshot(pl_module),
+                   self.out / f"rng_saved_step{trainer.global_step}_rank{trainer.global_rank}.pt")

@@ -92,11 +92,18 @@ def layout_mismatch(loaded: dict[str, torch.Tensor], layout: ParallelLayout, ran
     return "the parallel layout changed (" + ", ".join(diffs) + ")"
 
 
-def restore_rng_state(module: nn.Module, loaded: dict[str, torch.Tensor], rank: int) -> None:
+def saved_cpu_generator_state(loaded: dict[str, torch.Tensor], rank: int) -> Optional[torch.Tensor]:
+    """The global CPU generator's state among the loaded entries (None if it was not saved)."""
+    return loaded.get(f"{_PREFIX}{rank}.torch")
+
+
+def restore_rng_state(module: nn.Module, loaded: dict[str, torch.Tensor], rank: int,
+                      cpu_generator: bool = True) -> None:
     """Put states loaded into :func:`rng_placeholders` back into the generators and streams (the caller
-    checked :func:`layout_mismatch` first)."""
+    checked :func:`layout_mismatch` first). ``cpu_generator=False`` leaves the global CPU generator to the
+    caller (see :func:`saved_cpu_generator_state`)."""
     key = f"{_PREFIX}{rank}"
-    if f"{key}.torch" in loaded:
+    if cpu_generator and f"{key}.torch" in loaded:
         torch.set_rng_state(loaded[f"{key}.torch"])
     if f"{key}.cuda" in loaded and torch.cuda.is_available():
         torch.cuda.set_rng_state(loaded[f"{key}.cuda"])
@@ -118,11 +125,18 @@ def derived_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 
 
-def rederive_rng_state(module: nn.Module, step: int) -> None:
-    """Re-seed from the seeds of this layout, for ``step``: the global CPU (and CUDA) generators from the
-    seed they were last seeded with (``torch.initial_seed()``: Lightning's ``seed_everything``), every
-    dropout stream of ``module`` from its own seed (which depends on the rank's TP and PP coordinates)."""
-    torch.manual_seed(derived_seed(torch.initial_seed(), step))
+def derived_cpu_generator_state(step: int) -> torch.Tensor:
+    """The global CPU generator's state re-derived for ``step`` from the seed it was last seeded with
+    (``torch.initial_seed()``: Lightning's ``seed_everything``)."""
+    return torch.Generator().manual_seed(derived_seed(torch.initial_seed(), step)).get_state()
+
+
+def rederive_rng_state(module: nn.Module, step: int, cpu_generator: bool = True) -> None:
+    """Re-seed from the seeds of this layout, for ``step``: the global CPU (unless ``cpu_generator=False``:
+    see :func:`derived_cpu_generator_state`) and CUDA generators from the seed they were last seeded with,
+    every dropout stream of ``module`` from its own seed (which depends on the rank's TP and PP coordinates)."""
+    if cpu_generator:
+        torch.set_rng_state(derived_cpu_generator_state(step))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed(derived_seed(torch.cuda.initial_seed(), step))
     for tracker in _trackers(module).values():
