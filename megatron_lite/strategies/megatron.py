@@ -560,6 +560,10 @@ class MegatronStrategy(ParallelStrategy):
             "virtual_pipeline_model_parallel_size":
                 self.parallel_config.virtual_pipeline_model_parallel_size if live else 1,
             "world_size": self.world_size if live else 1,  # the ranks whose RNG states it holds
+            "context_parallel_size": self.parallel_config.context_parallel_size if live else 1,
+            "expert_model_parallel_size": self.parallel_config.expert_model_parallel_size if live else 1,
+            "data_parallel_size": self._layout.dp_size if live else 1,
+            "use_torch_fsdp2": self.use_torch_fsdp2 and live,
         }
         assert self.lightning_module is not None
         state.update(rng_state(self.lightning_module, self.global_rank, self._layout if live else None))
