@@ -34,6 +34,10 @@ SAVE_AT, STEPS, GBS, DATA_SEED, MODEL_SEED, GLOBAL_SEED = 3, 6, 8, 7, 1234, 42
 NOTE = "RNG states not restored"
 
 
+# one worker under `pytest -n 2 --dist loadgroup`: the saved runs are module fixtures, made once
+pytestmark = pytest.mark.xdist_group("exact_resume")
+
+
 def optimizer(distributed: bool = False) -> ml.OptimizerConfig:
     return ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
                               use_distributed_optimizer=distributed)

@@ -32,6 +32,10 @@ SAVE_AT, STEPS = 3, 6
 CP_MERGED = "context_parallel_size" in inspect.signature(ml.MegatronStrategy).parameters
 
 
+# one worker under `pytest -n 2 --dist loadgroup`: the saved runs are module fixtures, made once
+pytestmark = pytest.mark.xdist_group("resharding_matrix")
+
+
 def optimizer(distributed: bool = False) -> ml.OptimizerConfig:
     return ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
                               use_distributed_optimizer=distributed)
