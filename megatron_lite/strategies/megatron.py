@@ -33,7 +33,6 @@ from megatron_lite.core.checkpoint.sharded import (
     ensure_optimizer_state,
     load_optimizer_groups,
     load_sharded,
-    read_checkpoint_meta,
     resolve_checkpoint,
     save_sharded,
     sharded_model_state,
