@@ -52,7 +52,8 @@ def format_text(info: dict[str, Any]) -> str:
     layout = info.get("layout")
     if isinstance(layout, dict):
         short = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
-                 "virtual_pipeline_model_parallel_size": "vpp", "world_size": "ranks"}
+                 "virtual_pipeline_model_parallel_size": "vpp", "world_size": "ranks", "context_parallel_size": "cp",
+                 "expert_model_parallel_size": "ep", "data_parallel_size": "dp"}
         rows.append(("layout", ", ".join(f"{short.get(k, k)}={v}" for k, v in layout.items())))
     hparams = info.get("hyper_parameters")
     if isinstance(hparams, dict):

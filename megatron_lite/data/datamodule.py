@@ -80,6 +80,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         # consumed_samples loaded from a checkpoint; used once, by the next train_dataloader()
         self._restored_consumed_samples: int | None = None
+        # (consumed samples, global step) where this run resumed: later steps count from there with this run's
+        # batch sizes, so a run resumed with another global_batch_size keeps an exact count
+        self._resumed_from: tuple[int, int] | None = None
 
     @property
     def geometry(self) -> DataGeometry:
@@ -111,10 +114,24 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Samples already consumed when training (re)starts: restored state, else those of global_step steps."""
         if self._restored_consumed_samples is not None:
             consumed, self._restored_consumed_samples = self._restored_consumed_samples, None
+            # Lightning restored global_step before it asked for the loader: the step these samples were reached at
+            self._resumed_from = (consumed, int(self.trainer.global_step) if self.trainer is not None else 0)
             return consumed
-        if self.trainer is not None:
-            return self.consumed_samples_after(int(self.trainer.global_step))
-        return 0
+        return self._consumed_now()
+
+    def _consumed_now(self) -> int:
+        """Samples consumed by the optimizer steps taken so far (``trainer.global_step`` of them)."""
+        step = int(self.trainer.global_step) if self.trainer is not None else 0
+        if self._resumed_from is None or step < self._resumed_from[1]:  # not resumed, or a new run from scratch
+            return self.consumed_samples_after(step)
+        consumed, resumed_at = self._resumed_from
+        calculator = self._geometry.num_microbatches_calculator(1)
+        for taken in range(max(0, step - resumed_at)):
+            size = calculator.global_batch_size_at(consumed)
+            if size == calculator.global_batch_size:  # past any ramp-up: every remaining step is a full one
+                return consumed + (step - resumed_at - taken) * size
+            consumed += size
+        return consumed
 
     def _loader(self, dataset: Dataset, split: str, consumed_samples: int = 0) -> ResumableDataLoader:
         """A DataLoader whose batches are this rank's slice of one global batch of ``split``.
@@ -163,7 +180,7 @@ class PretrainingDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning checkpoints: samples consumed by the optimizer steps taken so far."""
         if self.trainer is not None:
-            return {"consumed_samples": self.consumed_samples_after(int(self.trainer.global_step))}
+            return {"consumed_samples": self._consumed_now()}
         if self._restored_consumed_samples is not None:
             return {"consumed_samples": self._restored_consumed_samples}
         return {}

@@ -34,7 +34,6 @@ from megatron_lite.core.checkpoint.sharded import (
     ensure_optimizer_state,
     load_optimizer_groups,
     load_sharded,
-    read_checkpoint_meta,
     resolve_checkpoint,
     save_sharded,
     sharded_model_state,
@@ -47,7 +46,15 @@ from megatron_lite.core.checkpoint.full_state import (
     read_full_state,
     write_full_state,
 )
-from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_placeholders, rng_state
+from megatron_lite.core.checkpoint.rng import (
+    derived_cpu_generator_state,
+    layout_mismatch,
+    rederive_rng_state,
+    restore_rng_state,
+    rng_placeholders,
+    rng_state,
+    saved_cpu_generator_state,
+)
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import estimate_for_run
@@ -178,6 +185,8 @@ class MegatronStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._layout: Optional[ParallelLayout] = None
         self._created_default_group = False
+        # The global CPU generator's state to set before the first step after a checkpoint load.
+        self._pending_cpu_rng: Optional[Tensor] = None
         # Set by the launcher: where the ranks hand results back and record the first failure.
         self._run_dir: Optional[str] = None
         self._failure_file: Optional[str] = None
@@ -609,9 +618,13 @@ class MegatronStrategy(ParallelStrategy):
             "virtual_pipeline_model_parallel_size":
                 self.parallel_config.virtual_pipeline_model_parallel_size if live else 1,
             "world_size": self.world_size if live else 1,  # the ranks whose RNG states it holds
+            "context_parallel_size": self.parallel_config.context_parallel_size if live else 1,
+            "expert_model_parallel_size": self.parallel_config.expert_model_parallel_size if live else 1,
+            "data_parallel_size": self._layout.dp_size if live else 1,
+            "use_torch_fsdp2": self.use_torch_fsdp2 and live,
         }
         assert self.lightning_module is not None
-        state.update(rng_state(self.lightning_module, self.global_rank))
+        state.update(rng_state(self.lightning_module, self.global_rank, self._layout if live else None))
         module = self.lightning_module
         timers = module.run_timers() if isinstance(module, EngineModule) else None
         with timed(timers, "save-checkpoint", log_level=0):
@@ -669,9 +682,15 @@ class MegatronStrategy(ParallelStrategy):
             mopt.load_sharded_state_dict(state["optimizer_0"])
         for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
             load_optimizer_groups(opt, groups)
-        if rng:
-            restore_rng_state(self.lightning_module, {k: state[k] for k in rng}, self.global_rank)
+        if fitting:
+            self._restore_or_rederive_rng({k: state[k] for k in rng}, int(extra.get("global_step", 0)))
         return extra
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._pending_cpu_rng is not None:  # the first step after a load (see _restore_or_rederive_rng)
+            torch.set_rng_state(self._pending_cpu_rng)
+            self._pending_cpu_rng = None
 
     def _checkpoint_classes(self) -> list[type]:
         """Classes a checkpoint's metadata may hold besides plain data: the config dataclasses of the live
@@ -689,11 +708,34 @@ class MegatronStrategy(ParallelStrategy):
         return sorted(_dataclass_types(values), key=lambda c: (c.__module__, c.__qualname__))
 
     def _rng_placeholders(self, path: Path) -> dict[str, Tensor]:
-        """This rank's saved RNG states, when the checkpoint was written by as many ranks as now."""
-        saved = read_checkpoint_meta(path, self._checkpoint_classes()).get("megatron_lite_layout", {})
-        if saved.get("world_size") != self.world_size:
-            return {}
+        """This rank's saved RNG states and the layout they were drawn in (none if the checkpoint was
+        written by fewer ranks); whether they are used is decided after loading."""
         return rng_placeholders(path, self.global_rank)
+
+    def _restore_or_rederive_rng(self, loaded: dict[str, Tensor], step: int) -> None:
+        """Restore the saved RNG states only where the checkpoint was written at this very layout (sizes and
+        this rank's coordinates, on every rank); otherwise re-derive them from the seeds for ``step``, with
+        one note from rank 0 saying why. All ranks take the same branch."""
+        assert self.lightning_module is not None
+        layout = self._require_layout()
+        reason = layout_mismatch(loaded, layout, self.global_rank)
+        differs = torch.tensor([0 if reason is None else 1], dtype=torch.int64, device=self.root_device)
+        if _distributed_is_initialized():
+            torch.distributed.all_reduce(differs, op=torch.distributed.ReduceOp.MAX)
+        # The global CPU generator is set right before the first step (on_train_batch_start): Lightning draws
+        # from it after the load, once per DataLoader iterator it creates (its shared seed), which an
+        # uninterrupted run did before the saved step.
+        if not differs.item():
+            restore_rng_state(self.lightning_module, loaded, self.global_rank, cpu_generator=False)
+            self._pending_cpu_rng = saved_cpu_generator_state(loaded, self.global_rank)
+            return
+        rederive_rng_state(self.lightning_module, step, cpu_generator=False)
+        self._pending_cpu_rng = derived_cpu_generator_state(step)
+        if self.global_rank == 0:  # a warning-level record: visible without any logging set-up
+            log.warning(
+                f"megatron-lite: RNG states not restored from the checkpoint: "
+                f"{reason or 'the layout of another rank changed'}; re-derived from the seeds for step {step} "
+                f"(dropout masks differ from those an uninterrupted run at the saved layout would draw).")
 
 
 def _dataclass_types(values: list[Any]) -> set[type]:
