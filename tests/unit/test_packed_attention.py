@@ -3,12 +3,16 @@ import pytest
 import torch
 
 import megatron_lite as ml
-from megatron_lite.core.parallel.schedules import gpt_loss, segment_ids_from_cu_seqlens
+from megatron_lite.core.parallel.context_parallel import document_ranges
+from megatron_lite.core.parallel.schedules import gpt_loss
 
 
-def test_segment_ids():
-    cu = torch.tensor([[0, 3, 7, -1], [0, 5, -1, -1]], dtype=torch.int32)
-    assert segment_ids_from_cu_seqlens(cu, 8).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0] * 5 + [1] * 3]
+def test_document_ranges():
+    # offsets past the row are clipped (a packed length of s + 1 counts the label token); a padding
+    # tail after the packed length is a document of its own
+    assert document_ranges([0, 3, 7, -1], 8) == [(0, 3), (3, 7), (7, 8)]
+    assert document_ranges([0, 5, -1, -1], 8) == [(0, 5), (5, 8)]
+    assert document_ranges([0, 4, 9], 8) == [(0, 4), (4, 8)]
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(position_embedding_type="learned_absolute", normalization="LayerNorm",

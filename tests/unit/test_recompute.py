@@ -11,7 +11,6 @@ import torch
 
 import megatron_lite as ml
 from megatron_lite.core.models.recompute import full_recompute_groups
-from megatron_lite.core.parallel.schedules import segment_ids_from_cu_seqlens
 
 NONE = {}
 UNIFORM_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -32,9 +31,8 @@ def tiny_config(**recompute) -> ml.GPTConfig:
 def batch(packed: bool) -> dict:
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     inputs = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:])
-    if packed:  # two sequences per sample: attention goes through the explicit segment mask
-        cu_seqlens = torch.tensor([[0, 5, 16], [0, 9, 16]])
-        inputs["segment_ids"] = segment_ids_from_cu_seqlens(cu_seqlens, 16)
+    if packed:  # two sequences per sample: attention goes through the per-document (packed) path
+        inputs["cu_seqlens"] = torch.tensor([[0, 5, 16], [0, 9, 16]])
         inputs["position_ids"] = torch.stack([torch.cat([torch.arange(5), torch.arange(11)]),
                                               torch.cat([torch.arange(9), torch.arange(7)])])
     return inputs

@@ -1,6 +1,7 @@
 """Self-attention with a fused, tensor-parallel QKV projection and grouped-query attention."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -11,6 +12,7 @@ from torch import nn
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.recompute import checkpoint, recompute_active
 from megatron_lite.core.models.rope import apply_rotary
+from megatron_lite.core.parallel.context_parallel import AttentionContext, context_parallel_attention, packed_attention
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -43,8 +45,8 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, init_std=output_init_std)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                rng: RNGStatesTracker, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``attn_mask`` [b, 1, s, s] (True = may attend) replaces the plain causal mask for packed samples."""
+                rng: RNGStatesTracker, context: Optional[AttentionContext] = None) -> torch.Tensor:
+        """``context`` describes packed rows and context parallelism (None: plain causal rows)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
@@ -54,9 +56,9 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.recompute_core_attention and recompute_active(self):
-            out = checkpoint(self.core_attention, q, k, v, rng, attn_mask, rng_tracker=rng)
+            out = checkpoint(self.core_attention, q, k, v, rng, context, rng_tracker=rng)
         else:
-            out = self.core_attention(q, k, v, rng, attn_mask)
+            out = self.core_attention(q, k, v, rng, context)
         return self.linear_proj(out)
 
 
@@ -74,21 +76,25 @@ class CoreAttention(nn.Module):
         self.q_per_group = queries_per_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng: RNGStatesTracker,
-                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                context: Optional[AttentionContext] = None) -> torch.Tensor:
+        dropout = self.attention_dropout if self.training else 0.0
+        if context is not None and context.cp_size > 1:
+            if dropout > 0.0:
+                raise ValueError("attention_dropout > 0 with context parallelism: the context-parallel attention has "
+                                 "no dropout; set attention_dropout=0.0 or context_parallel_size=1")
+            return context_parallel_attention(q, k, v, context)
+        if context is not None and context.packed:
+            # Heads are split over TP: each rank needs its own dropout stream.
+            with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():
+                return packed_attention(q, k, v, context, dropout)
         s, b = q.shape[:2]
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=2)
             v = v.repeat_interleave(self.q_per_group, dim=2)
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        dropout = self.attention_dropout if self.training else 0.0
-        causal = attn_mask is None
-        if dropout > 0.0:
-            # Heads are split over TP: each rank needs its own dropout stream.
-            with rng.fork(MODEL_PARALLEL_RNG, q.device):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal)
+        with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

@@ -6,7 +6,8 @@ names do not depend on the layout.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding
+from megatron_lite.core.parallel.context_parallel import AttentionContext
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.pipeline.stages import StageChunk
@@ -70,15 +72,15 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x: torch.Tensor, rng: RNGStatesTracker) -> torch.Tensor:
         return hidden_dropout(x, self.hidden_dropout, self.training, self.sequence_parallel, rng)
 
-    def forward(self, x, rope, rng, attn_mask=None):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng, attn_mask), rng)
+    def forward(self, x, rope, rng, context=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng, context), rng)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), rng)
 
 
 def _run_layers(layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGStatesTracker,
-                attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                context: Optional[AttentionContext]) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, rope, rng, attn_mask)
+        x = layer(x, rope, rng, context)
     return x
 
 
@@ -105,8 +107,8 @@ class ModelChunk:
 
     def __call__(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                  hidden_states: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                 segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.model(tokens, labels, position_ids=position_ids, segment_ids=segment_ids,
+                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(tokens, labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
                           hidden_states=hidden_states, chunk=self.index)
 
     def __repr__(self) -> str:
@@ -128,15 +130,20 @@ class GPTModel(nn.Module):
                  output_layer: bool = True):
         super().__init__()
         layout = layout or ParallelLayout.single()
-        if layout.cp_size > 1 or layout.ep_size > 1:
+        if layout.ep_size > 1:
             raise NotImplementedError(
-                f"GPTModel has no context- or expert-parallel implementation yet (layout has cp={layout.cp_size}, "
-                f"ep={layout.ep_size}); build the layout with context_parallel_size=1 and expert_model_parallel_size=1")
+                f"GPTModel has no expert-parallel implementation yet (layout has ep={layout.ep_size}); build the "
+                f"layout with expert_model_parallel_size=1")
+        if layout.cp_size > 1 and config.attention_dropout > 0.0:
+            raise ValueError(
+                f"attention_dropout={config.attention_dropout} with context_parallel_size={layout.cp_size}: the "
+                f"context-parallel attention has no dropout; set attention_dropout=0.0 or context_parallel_size=1")
         config.validate_parallelism(layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
         self.config, self.layout, self.seed = config, layout, seed
         self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)
         self.tp_group = layout.group("tp")
         self.sequence_parallel = layout.sequence_parallel
+        self.context_parallel = layout.cp_size > 1
         stages = layout.config.stage_chunks(config.num_layers, layout.pp_rank)
         self.pre_process = any(stage.pre_process for stage in stages)
         self.post_process = any(stage.post_process for stage in stages)
@@ -190,6 +197,25 @@ class GPTModel(nn.Module):
             if hasattr(module, "sequence_parallel"):
                 module.sequence_parallel = enabled
 
+    @contextlib.contextmanager
+    def whole_sequence(self) -> Iterator[None]:
+        """Run forwards on whole rows on every rank, context parallelism off (for logits over the full
+        sequence and generation: every CP rank holds all the weights, so each can run alone)."""
+        previous = self.context_parallel
+        self.context_parallel = False
+        try:
+            yield
+        finally:
+            self.context_parallel = previous
+
+    def attention_context(self, cu_seqlens: Optional[torch.Tensor]) -> Optional[AttentionContext]:
+        """How this forward's tokens relate to the full rows (None: whole, unpacked rows)."""
+        if not self.context_parallel:
+            return AttentionContext(cu_seqlens=cu_seqlens) if cu_seqlens is not None else None
+        layout = self.layout
+        return AttentionContext(cu_seqlens=cu_seqlens, cp_size=layout.cp_size, cp_rank=layout.cp_rank,
+                                cp_group=layout.group("cp"), comm_type=layout.config.cp_comm_type)
+
     def _embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         ids = tokens.t()  # [s, b]
         x = self.embedding(ids)
@@ -204,27 +230,30 @@ class GPTModel(nn.Module):
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel, self.rng_tracker)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
         """``tokens`` [b, s] -> logits [b, s, V_padded/tp], or per-token loss [b, s] given ``labels``.
 
-        Packed samples pass ``position_ids`` [b, s] (restarting at 0 per sequence) and
-        ``segment_ids`` [b, s] (which sequence each token belongs to): a token then attends only to
-        earlier tokens of its own sequence. Under pipeline parallelism ``chunk`` picks the virtual
-        stage to run and ``hidden_states`` are the previous stage's activations (every stage sees the
-        tokens: they give the sequence length, the positions and the mask).
+        Packed rows pass ``position_ids`` [b, s] (restarting at 0 per document) and ``cu_seqlens``
+        [b, k] (document start offsets, then the packed length, -1 padded): a token then attends only
+        to earlier tokens of its own document. Under context parallelism ``tokens``, ``labels`` and
+        ``position_ids`` are this CP rank's zigzag share of the rows
+        (:func:`~megatron_lite.core.parallel.context_parallel.context_parallel_microbatch`) while
+        ``cu_seqlens`` describes the whole rows. Under pipeline parallelism ``chunk`` picks the
+        virtual stage to run and ``hidden_states`` are the previous stage's activations (every stage
+        sees the tokens: they give the sequence length, the positions and the packing).
         """
         stage = self.chunks[chunk].stage
         s = tokens.shape[1]
         if self.sequence_parallel and self.layout.tp_size > 1 and s % self.layout.tp_size:
             raise ValueError(f"sequence length {s} must be divisible by tensor_model_parallel_size "
                              f"({self.layout.tp_size}) under sequence parallelism")
+        if self.context_parallel and position_ids is None:
+            raise ValueError("under context parallelism the model takes this rank's share of the rows with their "
+                             "position_ids: split microbatches with context_parallel_microbatch(...)")
         positions = position_ids if position_ids is not None else torch.arange(s, device=tokens.device)
         rope = self.rotary(positions) if self.rotary is not None else None
-        attn_mask = None
-        if segment_ids is not None:
-            causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
-            attn_mask = (causal & (segment_ids[:, :, None] == segment_ids[:, None, :])).unsqueeze(1)
+        context = self.attention_context(cu_seqlens)
         if stage.pre_process:
             x = self._embed(tokens, position_ids)
         elif hidden_states is None:
@@ -236,9 +265,9 @@ class GPTModel(nn.Module):
         for layer_ids, checkpointed in self.layer_groups[chunk]:
             group = [self.layers[str(i)] for i in layer_ids]
             if checkpointed and recompute_active(self):
-                x = checkpoint(_run_layers, group, x, rope, rng, attn_mask, rng_tracker=rng)
+                x = checkpoint(_run_layers, group, x, rope, rng, context, rng_tracker=rng)
             else:
-                x = _run_layers(group, x, rope, rng, attn_mask)
+                x = _run_layers(group, x, rope, rng, context)
         if not stage.post_process:
             return x
         x = self.final_layernorm(x)
@@ -265,5 +294,6 @@ class GPTModel(nn.Module):
             raise RuntimeError("full_logits runs the whole model on one rank; under pipeline parallelism use "
                                "megatron_lite.core.engine.pipeline_full_logits (GPTModule.predict_step does)")
         # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
-        logits = gather_from_tensor_parallel_region(self(tokens), self.tp_group)
+        with self.whole_sequence():
+            logits = gather_from_tensor_parallel_region(self(tokens), self.tp_group)
         return logits[..., : self.config.vocab_size]

@@ -46,29 +46,23 @@ def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
     return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
-def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """Per-token sequence index [b, length] of packed samples from their ``cu_seqlens`` [b, k]
-    (sequence start offsets then the packed length, padded with -1); padding after the packed
-    length gets an index of its own."""
-    boundaries = cu_seqlens[:, 1:].to(torch.long)
-    positions = torch.arange(length, device=cu_seqlens.device)
-    crossed = (boundaries[:, None, :] >= 0) & (boundaries[:, None, :] <= positions[None, :, None])
-    return crossed.sum(dim=-1)
-
-
 def gpt_forward_step(part, microbatch: dict, hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One stage's forward of a ``{"tokens": [b, s+1], ...}`` microbatch: the per-token loss [b, s] on
     the last stage, the activations for the next stage elsewhere. ``part`` is a GPTModel (one stage)
-    or one of its ``chunks``; packed samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k]."""
+    or one of its ``chunks``; packed samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k].
+    A microbatch that carries ``labels`` is already split into inputs and labels (a context-parallel
+    rank's share: ``tokens`` are then the inputs [b, s/C])."""
     tokens = microbatch["tokens"]
-    inputs = tokens[:, :-1]
-    labels = tokens[:, 1:] if getattr(part, "post_process", True) else None
-    cu_seqlens = microbatch.get("cu_seqlens")
-    segments = segment_ids_from_cu_seqlens(cu_seqlens, inputs.shape[1]) if cu_seqlens is not None else None
-    if hidden_states is None:
-        return part(inputs, labels, position_ids=microbatch.get("position_ids"), segment_ids=segments)
-    return part(inputs, labels, position_ids=microbatch.get("position_ids"), segment_ids=segments,
-                hidden_states=hidden_states)
+    if "labels" in microbatch:
+        inputs, labels = tokens, microbatch["labels"]
+    else:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if not getattr(part, "post_process", True):
+        labels = None
+    kwargs = dict(position_ids=microbatch.get("position_ids"), cu_seqlens=microbatch.get("cu_seqlens"))
+    if hidden_states is not None:
+        kwargs["hidden_states"] = hidden_states
+    return part(inputs, labels, **kwargs)
 
 
 def masked_token_loss(per_token: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
