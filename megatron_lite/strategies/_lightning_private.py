@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import io
 import json
 import os
 import shutil
@@ -173,11 +172,12 @@ class _RankZeroResults(_MultiProcessingLauncher):
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         extra = self.get_extra_results(trainer)
         if trainer.state.fn == TrainerFn.PREDICTING and results is not None:
-            # As bytes: tensors put on the queue travel as shared memory that dies with this process,
-            # before the launching process reads them.
-            buffer = io.BytesIO()
-            torch.save(results, buffer)
-            extra["predictions_bytes"], results = buffer.getvalue(), None
+            # As a file in the run directory: tensors put on the queue travel as shared memory that dies with
+            # this process before the launching process reads them, and bytes beyond the pipe's buffer (64 KiB)
+            # would block this process in put() while the launching process waits for it to exit.
+            path = os.path.join(self._strategy._run_dir, "rank_zero_predictions.pt")
+            torch.save(results, path)
+            extra["predictions_file"], results = path, None
         return _WorkerOutput(best_model_path, None, trainer.state, results, extra)
 
     def get_extra_results(self, trainer) -> dict[str, Any]:
@@ -191,9 +191,9 @@ class _RankZeroResults(_MultiProcessingLauncher):
         if "fit_loop_state_json" in extra:  # trainer.global_step, current_epoch in the notebook
             trainer.fit_loop.load_state_dict(json.loads(extra["fit_loop_state_json"]))
         self.rank_zero_predictions = None
-        if "predictions_bytes" in extra:
+        if "predictions_file" in extra:
             try:
-                self.rank_zero_predictions = torch.load(io.BytesIO(extra["predictions_bytes"]), weights_only=True)
+                self.rank_zero_predictions = torch.load(extra["predictions_file"], weights_only=True)
             except Exception as error:  # weights_only refuses arbitrary objects: nothing is unpickled
                 raise TypeError(f"predict_step returned objects that cannot be handed back to this process "
                                 f"without unpickling them ({error}); return tensors (or dicts/lists of tensors), "

@@ -13,8 +13,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import megatron_lite as ml
+from megatron_lite.data import MockGPTDataModule
 from parity_utils import assert_same_training, run, tiny_config
 from test_sft_parity import _data as packed_sft_data
 from test_sft_parity import sft_file  # noqa: F401  (the fixture the packed run reads)
@@ -122,3 +124,23 @@ def test_validation_loss_under_cp2_matches_single_process(tmp_path):
         losses[name] = torch.load(out / "val.pt")
     assert len(losses["cp2"]) == 2
     torch.testing.assert_close(torch.tensor(losses["cp2"]), torch.tensor(losses["single"]), rtol=1e-5, atol=0)
+
+
+def test_fit_then_predict_under_cp2_give_the_whole_sequences_logits():
+    """After a CP2 fit the trained model comes back whole; predict under CP2 runs whole sequences on every
+    CP rank (context parallelism is for training and evaluation steps) and returns this process's logits."""
+    module = ml.GPTModule(tiny_config(seq_length=SEQ), seed=1234)
+    data = MockGPTDataModule(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, vocab_size=1000, seed=7)
+
+    def trainer(**kwargs):
+        return L.Trainer(strategy=ml.MegatronStrategy(context_parallel_size=2, start_method="fork"),
+                         accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+    trainer(max_steps=3, limit_val_batches=0).fit(module, data)
+    samples = [{"tokens": (torch.arange(SEQ) * (i + 1)) % 1000} for i in range(3)]
+    predictions = trainer().predict(module, DataLoader(samples, batch_size=2))
+    tokens = torch.stack([s["tokens"] for s in samples])
+    torch.testing.assert_close(torch.cat(predictions), module.model.eval().full_logits(tokens), rtol=1e-5, atol=1e-5)
+    fresh = ml.GPTModule(tiny_config(seq_length=SEQ), seed=1234).build_model(ml.ParallelLayout.single())
+    assert not torch.allclose(fresh.full_logits(tokens), torch.cat(predictions), atol=1e-3), "predicted untrained"
