@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader
 import megatron_lite as ml
 from megatron_lite.data import MockGPTDataModule
 from parity_utils import assert_same_training, run, tiny_config
-from test_sft_parity import _data as packed_sft_data
-from test_sft_parity import sft_file  # noqa: F401  (the fixture the packed run reads)
+import test_sft_parity
+
+packed_sft_data = test_sft_parity._data
+sft_file = test_sft_parity.sft_file  # the fixture that writes the chat JSONL the packed run reads
 
 SEQ = 32  # 2C chunks of 4 (C = 4) to 8 (C = 2) tokens
 LAYOUTS = {
@@ -87,7 +89,7 @@ def test_context_parallel_layout_matches_single_process(name, reference, tmp_pat
                                   *range(second * chunk, (second + 1) * chunk)]
 
 
-def test_packed_sft_rows_under_cp2_match_single_process(sft_file, tmp_path):  # noqa: F811
+def test_packed_sft_rows_under_cp2_match_single_process(sft_file, tmp_path):
     """Packed rows (several conversations per row, ``cu_seqlens`` and per-document positions): each
     document is split over the CP ranks by the same zigzag and never attends across a boundary."""
     config = tiny_config(vocab_size=50257, seq_length=64, make_vocab_size_divisible_by=64)

@@ -677,3 +677,19 @@ def test_estimate_command_reads_context_parallelism_from_the_yaml(tmp_path, caps
     path.write_text(yaml.safe_dump(raw))
     assert main(["--config", str(path)]) == 2
     assert "cp_comm_type must be one of ('p2p', 'all_gather'), got 'ring'" in capsys.readouterr().err
+
+
+def test_step_measurement_holds_what_the_forward_probe_holds_and_leaves_the_gradients_alone():
+    """``measure_step_activations`` (the context-parallel benchmark's probe) sees the forward exactly as
+    ``measure_retained_tensors`` does, and the backward's transients on top; the model's gradients are put back."""
+    from megatron_lite.core.estimator import measure_step_activations
+
+    config = GPTConfig(**dict(TINY, num_query_groups=2))
+    model = GPTModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs = lambda: (tokens[:, :-1], tokens[:, 1:])  # noqa: E731
+    forward = measure_retained_tensors(model, inputs)
+    step = measure_step_activations(model, inputs)
+    assert step.held_bytes == forward.total_bytes and step.forward_peak_bytes == forward.peak_bytes
+    assert step.step_peak_bytes >= step.forward_peak_bytes
+    assert all(p.grad is None for p in model.parameters())

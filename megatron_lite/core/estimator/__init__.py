@@ -28,17 +28,19 @@ from megatron_lite.core.estimator.schedule_memory import ChunkActivations, Sched
 from megatron_lite.core.estimator.probe import (
     SavedTensorsReport,
     ScheduleActivationProbe,
+    StepActivationReport,
     measure_activation_bytes,
     measure_retained_tensors,
     measure_saved_tensors,
+    measure_step_activations,
 )
 
 __all__ = [
-    "FlopsBreakdown", "attention_flops_per_cp_rank", "forward_flops_breakdown", "forward_flops_per_token", "megatron_formula_flops",
-    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "ChunkActivations",
+    "FlopsBreakdown", "attention_flops_per_cp_rank", "forward_flops_breakdown", "forward_flops_per_token",
+    "megatron_formula_flops", "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "ChunkActivations",
     "EstimateLayout", "KernelSaves", "MemoryEstimate", "ParamShape", "ScheduleMemory", "activation_breakdown",
     "estimate_for_run", "estimate_memory", "estimate_stages", "korthikanti_activation_bytes_per_layer",
     "normalize_precision", "parameter_shapes", "schedule_memory",
     "SavedTensorsReport", "ScheduleActivationProbe", "measure_activation_bytes", "measure_retained_tensors",
-    "measure_saved_tensors",
+    "measure_saved_tensors", "StepActivationReport", "measure_step_activations",
 ]
