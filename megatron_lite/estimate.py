@@ -10,8 +10,8 @@ strategy's ``init_args``) and prints, per rank: parameters, bytes of weights, gr
 settings), the total, and the model FLOPs of one step. Under pipeline parallelism (the strategy's
 pipeline options: sizes, schedule, uneven cut) the details are the most loaded stage's, followed by one
 line per stage (``stages`` in the JSON). Under context parallelism (``context_parallel_size``,
-``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. Exit code 2 on bad input, with one line that
-says what to change.
+``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. Exit
+code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ from megatron_lite.core.estimator.probe import (
 
 __all__ = [
     "FlopsBreakdown", "attention_flops_per_cp_rank", "forward_flops_breakdown", "forward_flops_per_token",
-    "megatron_formula_flops", "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "ChunkActivations",
+    "megatron_formula_flops", "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown",
+    "ChunkActivations",
     "EstimateLayout", "KernelSaves", "MemoryEstimate", "ParamShape", "ScheduleMemory", "activation_breakdown",
     "estimate_for_run", "estimate_memory", "estimate_stages", "korthikanti_activation_bytes_per_layer",
     "normalize_precision", "parameter_shapes", "schedule_memory",

@@ -16,7 +16,8 @@ Under pipeline parallelism every stage gets its own estimate (:func:`estimate_st
 layers ``ParallelConfig.stage_chunks`` gives it (uneven cuts, virtual stages, the embedding on the first
 stage, the output layer and a tied embedding's copy on the last), and activations per model chunk times
 the chunk-microbatches its schedule keeps alive, found by walking the order the executor runs
-(:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`: 1F1B keeps ``min(P - stage, M)``, GPipe ``M``, interleaved most on the first rank).
+(:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`: 1F1B keeps ``min(P - stage, M)``,
+GPipe ``M``, interleaved most on the first rank).
 Checked against a real pipeline run with :class:`~megatron_lite.core.estimator.probe.ScheduleActivationProbe`.
 
 Under context parallelism every per-token tensor holds ``seq_length / C`` tokens, and the attention is the
@@ -587,8 +588,8 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
         pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         pipeline_schedule=pipeline_schedule, num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, context_parallel_size=context_parallel_size,
-        cp_comm_type=cp_comm_type, precision=precision,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+        context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type, precision=precision,
         use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
         optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
         num_microbatches=num_microbatches, device_type=device_type)
