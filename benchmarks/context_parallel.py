@@ -13,9 +13,9 @@ against the dense-mask path.
    figures are reported, beside the estimator's. Target: held bytes x C within 15 % of C = 1's.
 2. **Attention work per rank** at the longest length, C = 2 and 4: the FLOPs of each rank's attention counted
    from the chunk geometry (``attention_flops_per_cp_rank``: zigzag, rank r holding chunks r and 2C-1-r of
-   2C, against a contiguous split, rank r holding chunk r of C), and the time of each rank's blocks through
-   the same kernels the model runs (``core/parallel/context_parallel.py``'s block forward and backward), in
-   this process one rank after the other (uncontended: the work, without the ring's waiting). Target: zigzag
+   2C, against a contiguous split, rank r holding chunk r of C), and the CPU time of each rank's blocks
+   through the same kernels the model runs (``core/parallel/context_parallel.py``'s block forward and
+   backward), in this process one rank after the other (the work, without the ring's waiting). Target: zigzag
    ranks within 5 % of each other; the contiguous split's (2C-1)x imbalance printed beside it.
 3. **Step time at the longest length**: ``Trainer.fit`` of ``GPTModule`` (1 layer, one sequence per step)
    in one process against ``MegatronStrategy(context_parallel_size=2)`` on 2 forked ranks (p2p and
@@ -159,8 +159,10 @@ def _contiguous_blocks(seq_length: int, cp: int, rank: int) -> list:
 
 
 def _time_rank_blocks(args, seq_length: int, cp: int, rank: int, split: str) -> float:
-    """Median seconds of one rank's attention forward and backward over its blocks, through the block kernels
-    of ``core/parallel/context_parallel.py`` (q of the rank's tokens, keys/values of the whole sequence)."""
+    """Median CPU seconds of one rank's attention forward and backward over its blocks, through the block
+    kernels of ``core/parallel/context_parallel.py`` (q of the rank's tokens, keys/values of the whole
+    sequence). CPU time, not wall time: on a shared machine other jobs stretch the wall clock of whichever
+    rank they overlap, not the work."""
     heads, groups, d = args.num_attention_heads, args.num_query_groups, args.hidden_size // args.num_attention_heads
     local = seq_length // cp
     generator = torch.Generator().manual_seed(rank)
@@ -177,8 +179,8 @@ def _time_rank_blocks(args, seq_length: int, cp: int, rank: int, split: str) -> 
         sources = [(keys, values, _contiguous_blocks(seq_length, cp, rank))]
     scale = 1.0 / d ** 0.5
     times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
+    for _ in range(args.balance_repeats):
+        start = time.process_time()
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"))
         for k, v, blocks in sources:
@@ -189,7 +191,7 @@ def _time_rank_blocks(args, seq_length: int, cp: int, rank: int, split: str) -> 
         for k, v, blocks in sources:
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
             cp_attention._attend_backward(q, k, v, dout, delta, lse, blocks, dq, dk, dv, scale)
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -205,7 +207,7 @@ def attention_balance(args) -> list[dict]:
                    "flops_max_over_min": max(flops) / min(flops), "seconds_per_rank": seconds,
                    "time_max_over_min": max(seconds) / min(seconds)}
             rows.append(row)
-            print(f"  C={cp} {split:10s} FLOPs max/min {row['flops_max_over_min']:.2f}  time max/min "
+            print(f"  C={cp} {split:10s} FLOPs max/min {row['flops_max_over_min']:.2f}  CPU time max/min "
                   f"{row['time_max_over_min']:.2f}  per rank " + " ".join(f"{s * 1e3:.0f}" for s in seconds) + " ms",
                   flush=True)
     return rows
@@ -334,7 +336,7 @@ def report(memory: list[dict], balance: list[dict], steps: list[dict], packed: l
                             " ".join(f"{s * 1e3:.0f}" for s in r["seconds_per_rank"]),
                             _mark(balance_ok.get(f"cp{r['cp']}")) if r["split"] == "zigzag" else "")
                            for r in balance],
-                          ("C", "split", "FLOPs max/min", "theory", "time max/min", "ms per rank", "target"))
+                          ("C", "split", "FLOPs max/min", "theory", "CPU time max/min", "CPU ms per rank", "target"))
     print(f"target: zigzag ranks within {BALANCE_TOLERANCE:.0%} of each other (FLOPs and time).")
     print()
     base = steps[0]["median_ms"]
@@ -363,7 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=512, help="small: attention, not the loss, dominates")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of each fit in 3. (warm-up included)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions in 2. and 4.")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions in 4.")
+    p.add_argument("--balance-repeats", type=int, default=1, help="timed repetitions of each rank's blocks in 2.")
     p.add_argument("--packed-length", type=int, default=8192)
     p.add_argument("--documents", type=int, default=16)
     p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
