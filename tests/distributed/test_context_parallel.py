@@ -158,3 +158,31 @@ def test_fit_then_predict_under_cp2_give_the_whole_sequences_logits():
     torch.testing.assert_close(torch.cat(predictions), module.model.eval().full_logits(tokens), rtol=1e-5, atol=1e-5)
     fresh = ml.GPTModule(tiny_config(seq_length=SEQ), seed=1234).build_model(ml.ParallelLayout.single())
     assert not torch.allclose(fresh.full_logits(tokens), torch.cat(predictions), atol=1e-3), "predicted untrained"
+
+
+def test_checkpoint_saved_under_cp2_resumes_under_cp2_and_in_one_process(tmp_path):
+    """Save at step 3 under CP2 with the distributed optimizer (its state sharded over the two CP ranks), resume
+    under CP2 and in one process: steps 4-6 equal an uninterrupted run's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kwargs = dict(cp=2, distributed_optimizer=True)
+    full = _run(tmp_path / "full", devices=2, steps=6, **kwargs)
+    ckpt_dir = tmp_path / "ckpts"
+    _run(tmp_path / "first", devices=2, steps=3, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3,
+                                                                             save_top_k=-1)], **kwargs)
+    saved = str(ckpt_dir / "epoch=0-step=3.ckpt")
+    resumed = _run(tmp_path / "resumed", devices=2, steps=6, ckpt_path=saved, **kwargs)
+    alone = _run(tmp_path / "alone", devices=1, steps=6, ckpt_path=saved, distributed_optimizer=True)
+    for result in (resumed, alone):
+        assert result["global_step"] == 6
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_under_cp2_tracks_fp32(precision, reference, tmp_path):
+    """bf16 is not bit-exact (under autocast the block matmuls run in bf16; the log-sum-exp merge stays in fp32):
+    it must train through the CP exchange and track fp32 to bf16 tolerance."""
+    result = _run(tmp_path, devices=2, cp=2, precision=precision)
+    losses, ref = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
+    assert torch.isfinite(losses).all()
+    torch.testing.assert_close(losses, ref, rtol=2e-2, atol=0)
