@@ -172,9 +172,10 @@ class _RankZeroResults(_MultiProcessingLauncher):
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         extra = self.get_extra_results(trainer)
         if trainer.state.fn == TrainerFn.PREDICTING and results is not None:
-            # As a file in the run directory: tensors put on the queue travel as shared memory that dies with
-            # this process before the launching process reads them, and bytes beyond the pipe's buffer (64 KiB)
-            # would block this process in put() while the launching process waits for it to exit.
+            # As a file in the run's directory: tensors put on the queue travel as shared memory that dies with
+            # this process, before the launching process reads them, and anything put on the queue (a pipe) past
+            # its ~64 KiB buffer blocks this rank until the launching process reads -- which it does only after
+            # every rank has exited: a deadlock for all but tiny predictions.
             path = os.path.join(self._strategy._run_dir, "rank_zero_predictions.pt")
             torch.save(results, path)
             extra["predictions_file"], results = path, None
