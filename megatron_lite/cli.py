@@ -60,11 +60,31 @@ def _configuration_error(exc: BaseException) -> Optional[BaseException]:
     """
     root = exc
     while root.__cause__ is not None:  # explicit `raise ... from` chains only
+        union_error = _error_in_union_value(root)
+        if union_error is not None:
+            return union_error
         root = root.__cause__
     if not isinstance(root, _CONFIG_ERRORS) or root.__traceback__ is None:
         return None
     raised_in = traceback.extract_tb(root.__traceback__)[-1].filename
     return root if raised_in.startswith(_PACKAGE_DIR) else None
+
+
+def _error_in_union_value(error: BaseException) -> Optional[ValueError]:
+    """Our own error inside jsonargparse's "Does not validate against any of the Union subtypes", else None.
+
+    A class of ours given where a Union is expected (``Trainer(strategy: str | Strategy)``, so any
+    ``MegatronStrategy`` option from YAML) that refuses its arguments is reported by jsonargparse as text,
+    one ``  - <message>`` line per subtype it tried (the first subtype's error, not ours, chained as the cause).
+    """
+    text = str(error)
+    if not text.startswith("Does not validate against any of the Union subtypes") or \
+            "class_path='megatron_lite." not in text:
+        return None
+    errors = text.split("\nErrors:\n", 1)[-1].split("\nGiven value type:", 1)[0]
+    ours = [line.strip()[2:] for line in errors.splitlines()
+            if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")]
+    return ValueError(" ".join(ours)) if ours else None
 
 
 # Subcommands that are tools rather than LightningCLI runs: name -> (module, function(argv) -> exit code).

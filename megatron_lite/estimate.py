@@ -9,8 +9,9 @@ strategy's ``init_args``) and prints, per rank: parameters, bytes of weights, gr
 (with and without the distributed optimizer), activations (with the recompute and sequence-parallel
 settings), the total, and the model FLOPs of one step. Under pipeline parallelism (the strategy's
 pipeline options: sizes, schedule, uneven cut) the details are the most loaded stage's, followed by one
-line per stage (``stages`` in the JSON). Exit code 2 on bad input, with one line that
-says what to change.
+line per stage (``stages`` in the JSON). Under context parallelism (``context_parallel_size``,
+``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. Exit
+code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ class RunDescription:
     """Layers of the last pipeline stage of an uneven cut."""
     sequence_parallel: bool
     """Sequence parallelism on."""
+    context_parallel_size: int
+    """CP size."""
+    cp_comm_type: str
+    """How CP attention exchanges keys/values ('p2p' or 'all_gather')."""
     use_torch_fsdp2: bool
     """FSDP2 over the data-parallel ranks."""
     precision: str
@@ -201,6 +206,8 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
         num_layers_in_first_pipeline_stage=_optional_int(strategy.get("num_layers_in_first_pipeline_stage")),
         num_layers_in_last_pipeline_stage=_optional_int(strategy.get("num_layers_in_last_pipeline_stage")),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
+        context_parallel_size=int(strategy.get("context_parallel_size", 1)),
+        cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),
         use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)),
         precision=str(trainer.get("precision", "32-true")), device_type=device_type, vocab_source=vocab_source,
         **geometry)
@@ -213,15 +220,17 @@ def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
                     pipeline_schedule=run.pipeline_schedule,
                     num_layers_in_first_pipeline_stage=run.num_layers_in_first_pipeline_stage,
                     num_layers_in_last_pipeline_stage=run.num_layers_in_last_pipeline_stage)
+    context = dict(context_parallel_size=run.context_parallel_size, cp_comm_type=run.cp_comm_type)
     parallel = ParallelConfig(tensor_model_parallel_size=run.tensor_model_parallel_size,
-                              sequence_parallel=run.sequence_parallel, **pipeline)
+                              sequence_parallel=run.sequence_parallel, **pipeline, **context)
     dp = validate_run(parallel, run.world_size, run.config, micro_batch_size=run.micro_batch_size,
-                      global_batch_size=run.global_batch_size, seq_length=run.seq_length)
+                      global_batch_size=run.global_batch_size, seq_length=run.seq_length,
+                      use_torch_fsdp2=run.use_torch_fsdp2)
     estimate = estimate_for_run(
         run.config, micro_batch_size=run.micro_batch_size, global_batch_size=run.global_batch_size,
         seq_length=run.seq_length, tensor_model_parallel_size=run.tensor_model_parallel_size, data_parallel_size=dp,
         sequence_parallel=run.sequence_parallel, precision=run.precision, optimizer=run.optimizer,
-        use_torch_fsdp2=run.use_torch_fsdp2, device_type=run.device_type, **pipeline)
+        use_torch_fsdp2=run.use_torch_fsdp2, device_type=run.device_type, **pipeline, **context)
     flops = training_flops_per_step(run.config, run.global_batch_size, run.seq_length,
                                     tensor_model_parallel_size=run.tensor_model_parallel_size)
     return estimate, flops

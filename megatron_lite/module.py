@@ -24,6 +24,7 @@ from megatron_lite.core.optim.scheduler import schedule_lengths
 from megatron_lite.core.optim.distributed import DistributedOptimizer
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
+from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
 from megatron_lite.pretrained import load_pretrained
@@ -193,15 +194,29 @@ class GPTModule(pl.LightningModule):
         mbs = getattr(getattr(self._attached_trainer(), "datamodule", None), "micro_batch_size", None)
         return mbs if mbs is not None else next(iter(batch.values())).shape[0]
 
+    def microbatches(self, batch: dict) -> list[dict]:
+        """``batch`` cut into the microbatches the engine runs; under context parallelism each is this CP
+        rank's share (:meth:`context_parallel_share`). ``batch`` itself is left whole."""
+        return [self.context_parallel_share(mb) for mb in split_microbatches(batch, self.micro_batch_size(batch))]
+
+    def context_parallel_share(self, microbatch: dict) -> dict:
+        """This CP rank's zigzag share of a ``{"tokens": [b, s+1], ...}`` microbatch (the microbatch itself
+        without context parallelism): ``tokens`` (the inputs) and ``labels`` ``[b, s/C]``, ``loss_mask`` and
+        ``position_ids`` (global positions) sliced the same way, ``cu_seqlens`` whole. Loss and token counts are
+        then summed over the data x context parallel group, so the step's loss is the global-batch mean."""
+        layout = self.parallel_layout
+        if layout.cp_size == 1:
+            return microbatch
+        return context_parallel_microbatch(microbatch, layout.cp_size, layout.cp_rank)
+
     def run_schedule(self, batch: dict, forward_only: bool = False, **schedule_kwargs: Any) -> StepLoss:
         """Forward (and backward) over the microbatches of ``batch``; the loss is the global-batch mean."""
-        microbatches = split_microbatches(batch, self.micro_batch_size(batch))
-        return self.engine.forward_backward(microbatches, forward_only=forward_only, **schedule_kwargs)
+        return self.engine.forward_backward(self.microbatches(batch), forward_only=forward_only, **schedule_kwargs)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         scheduler = self.lr_schedulers()
         lr = scheduler.current_lr  # before any per-group multiplier (a ZeRO-1 rank may hold only scaled groups)
-        microbatches = split_microbatches(batch, self.micro_batch_size(batch))
+        microbatches = self.microbatches(batch)
         step, result = self.engine.train_step(microbatches, optimizer_step=self.optimizers().step)
         if not result.skipped:  # Megatron advances the schedule only on steps that updated the weights
             scheduler.step(increment=self._global_batch_samples(batch) if self.optimizer_config.sample_based else None)
@@ -219,7 +234,8 @@ class GPTModule(pl.LightningModule):
             self.megatron_optimizer.remove_hooks()
 
     def _global_batch_samples(self, batch: dict) -> int:
-        """Samples in this step's global batch (every DP rank receives the same share)."""
+        """Samples in this step's global batch (every DP rank receives the same share; the CP ranks of one
+        replica share the same samples, so CP does not count)."""
         return next(iter(batch.values())).shape[0] * self.parallel_layout.dp_size
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -278,7 +294,20 @@ class GPTModule(pl.LightningModule):
                 raise ValueError(
                     f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
                     f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead.")
+        if trainer.state.fn != "predict":  # predict runs whole sequences on every CP rank
+            self._check_context_parallel(trainer)
         self._check_vocab(datamodule)
+
+    def _check_context_parallel(self, trainer: "pl.Trainer") -> None:
+        parallel = getattr(trainer.strategy, "parallel_config", None)
+        if parallel is None or parallel.context_parallel_size == 1:
+            return
+        if self._overrides_loss_fn():
+            raise ValueError(
+                f"{type(self).__name__} overrides loss_fn, which is given whole {{'tokens': [b, s+1]}} microbatches; "
+                f"under context parallelism each rank holds a share of every sequence ('tokens' and 'labels' "
+                f"[b, s/C]): override forward_step(part, microbatch, input_tensor) and loss(output, microbatch) "
+                f"instead, or set context_parallel_size=1.")
 
     def _check_pipeline(self, trainer: "pl.Trainer") -> None:
         parallel = getattr(trainer.strategy, "parallel_config", None)

@@ -30,6 +30,17 @@ class RewardModelModule(GPTModule):
         self.accuracy_metrics = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self._tally: Optional[torch.Tensor] = None  # (correct pairs, pairs) seen by loss() this step
 
+    def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
+        super().validate_configuration(trainer, datamodule)
+        parallel = getattr(trainer.strategy, "parallel_config", None)
+        if parallel is not None and parallel.context_parallel_size > 1:
+            # The reward is read at each sequence's last real token, which lies on one CP rank only, and the
+            # pairs' microbatches are not token sequences that the zigzag split knows how to cut.
+            raise ValueError(
+                f"RewardModelModule does not run under context parallelism (context_parallel_size="
+                f"{parallel.context_parallel_size}): each reward is read at its sequence's last token, held by one "
+                f"CP rank; set context_parallel_size=1 (preference pairs are short: use tensor or data parallelism).")
+
     def build_model(self, layout) -> RewardModel:
         return RewardModel(self.config, layout, seed=self.seed)
 

@@ -89,7 +89,7 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class MegatronStrategy(ParallelStrategy):
-    """Tensor (+ sequence), pipeline and data parallelism with Megatron's argument names.
+    """Tensor (+ sequence), pipeline, context and data parallelism with Megatron's argument names.
 
     Args:
         tensor_model_parallel_size: ranks that split every layer's weights (heads, FFN, vocabulary).
@@ -100,6 +100,16 @@ class MegatronStrategy(ParallelStrategy):
             ``"gpipe"``.
         num_layers_in_first_pipeline_stage: layers of the first stage for an uneven cut.
         num_layers_in_last_pipeline_stage: layers of the last stage for an uneven cut.
+        context_parallel_size: ranks that split every sequence (Megatron's ``--context-parallel-size``):
+            the sequence is cut into ``2 x context_parallel_size`` chunks, rank r holding chunks r and
+            2C-1-r (the same causal work on every rank); attention is exact (keys/values exchanged and
+            the partial softmax results merged by log-sum-exp). Needs the data's ``seq_length`` divisible
+            by ``2 x context_parallel_size`` (and the local length ``seq_length / context_parallel_size``
+            by ``tensor_model_parallel_size`` under sequence parallelism) and ``attention_dropout=0``.
+        cp_comm_type: how context-parallel attention gets the other ranks' keys and values
+            (Megatron's ``--cp-comm-type``): ``"p2p"`` (passed around the CP ring, the next block in flight
+            while the current one is computed; two blocks of ``seq_length / C`` tokens in memory) or
+            ``"all_gather"`` (all at once: the whole sequence's keys and values in memory during attention).
         use_torch_fsdp2: shard parameters, gradients and optimizer state over the data-parallel ranks
             with PyTorch's FSDP2 (ZeRO-3), composed with TP. For ZeRO-1 (sharded optimizer state and
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
@@ -142,6 +152,8 @@ class MegatronStrategy(ParallelStrategy):
         pipeline_schedule: Optional[str] = None,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
+        context_parallel_size: int = 1,
+        cp_comm_type: str = "p2p",
         use_torch_fsdp2: bool = False,
         ddp_bucket_size: Optional[int] = None,
         overlap_grad_reduce: bool = False,
@@ -169,7 +181,8 @@ class MegatronStrategy(ParallelStrategy):
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
             pipeline_schedule=pipeline_schedule,
             num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage)
+            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+            context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type)
         if ddp_bucket_size is not None and ddp_bucket_size <= 0:
             raise ValueError(f"ddp_bucket_size must be a positive number of elements, got {ddp_bucket_size}")
         self.use_torch_fsdp2 = bool(use_torch_fsdp2)
@@ -304,6 +317,7 @@ class MegatronStrategy(ParallelStrategy):
             global_batch_size=getattr(datamodule, "global_batch_size", None),
             seq_length=getattr(datamodule, "seq_length", None),
             rampup_batch_size=getattr(datamodule, "rampup_batch_size", None),
+            use_torch_fsdp2=self.use_torch_fsdp2,
         )
         # Last: it may read the data files. Here, in the launching process, a bad file fails once, before
         # any rank exists, instead of in a rank's setup while the others wait in a collective.
@@ -398,7 +412,8 @@ class MegatronStrategy(ParallelStrategy):
                 virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
                 pipeline_schedule=parallel.pipeline_schedule,
                 num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
-                num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage)
+                num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+                context_parallel_size=parallel.context_parallel_size, cp_comm_type=parallel.cp_comm_type)
             flops = training_flops_per_step(config, geometry["global_batch_size"], geometry["seq_length"],
                                             tensor_model_parallel_size=layout.tp_size)
         except (ValueError, TypeError) as error:

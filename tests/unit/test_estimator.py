@@ -551,3 +551,145 @@ def test_per_stage_activations_match_a_measured_pipeline_fit(tmp_path, run):
         assert measured[0][1] > measured[1][1]
         assert est.stages[0].activations.microbatches_in_flight == 2
         assert est.stages[1].activations.microbatches_in_flight == 1
+
+
+# --- context parallelism ----------------------------------------------------------------------------
+def _cp_probe(rank: int, world: int, shape: dict, comm_type: str, precision: str) -> tuple:
+    """(held, peak) bytes of one forward of this CP rank's zigzag share (a CP group of ``world`` ranks)."""
+    from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
+
+    config = GPTConfig(**shape)
+    layout = ParallelLayout.build(ParallelConfig(context_parallel_size=world, cp_comm_type=comm_type))
+    model = GPTModel(config, layout).train()
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    share = context_parallel_microbatch({"tokens": tokens}, layout.cp_size, layout.cp_rank)
+    inputs = dict(tokens=share["tokens"], labels=share["labels"], position_ids=share["position_ids"])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        report = measure_retained_tensors(model, lambda: inputs)
+    return report.total_bytes, report.peak_bytes
+
+
+CP_PROBES = {  # (ranks, comm type, precision, model options): a long sequence and a small vocabulary make the
+    # forward peak inside the last layer's attention (block scores, keys/values in flight), not in the loss
+    "cp2_p2p_fp32": (2, "p2p", "32-true", dict()),
+    "cp2_p2p_bf16": (2, "p2p", "bf16-mixed", dict()),
+    "cp2_p2p_selective": (2, "p2p", "32-true", RECOMPUTE["selective"]),
+    "cp2_p2p_full": (2, "p2p", "bf16-mixed", RECOMPUTE["block1"]),
+    "cp4_all_gather_learned": (4, "all_gather", "32-true", dict(position_embedding_type="learned_absolute")),
+}
+
+
+@pytest.mark.parametrize("name", list(CP_PROBES))
+def test_context_parallel_activations_match_the_probe_on_cp_ranks(name):
+    """What one CP rank's forward keeps for backward (its s/C tokens; the blockwise attention's q, k, v, fp32
+    output and log-sum-exp) is the estimate exactly; the forward's peak (inside the last layer's attention:
+    the keys/values in flight and one block's scores) within 4%."""
+    world, comm_type, precision, options = CP_PROBES[name]
+    shape = dict(TINY, seq_length=512 * world, vocab_size=128, make_vocab_size_divisible_by=32, num_query_groups=2,
+                 **options)
+    measured = run_ranks(_cp_probe, world, shape, comm_type, precision)
+    acts = estimate_for_run(GPTConfig(**shape), micro_batch_size=2, precision=precision, device_type="cpu",
+                            context_parallel_size=world, cp_comm_type=comm_type).activations
+    assert acts.chunks[0].attention_peak > acts.held_after_forward + acts.loss_transient  # attention's peak
+    for held, peak in measured:
+        assert acts.held_after_forward == pytest.approx(held, rel=0.002)
+        assert acts.peak == pytest.approx(peak, rel=0.04)
+
+
+def test_context_parallel_activations_shrink_as_one_over_cp():
+    """Every tensor a CP rank keeps is per token (s/C of them): the held bytes halve with each doubling of C;
+    while attention runs the all-gather exchange holds C + 1 key/value blocks (every rank's and its own
+    stacked), the ring 2 (C = 2: its own and the one in flight) or 3 (the current one too)."""
+    config = GPTConfig(**dict(TINY, seq_length=256, num_query_groups=2))
+
+    def acts(cp, comm="p2p"):
+        return estimate_for_run(config, micro_batch_size=2, device_type="cpu", context_parallel_size=cp,
+                                cp_comm_type=comm).activations
+
+    held = {cp: acts(cp).held_after_forward for cp in (2, 4, 8)}
+    assert held[2] == 2 * held[4] == 4 * held[8]
+    assert acts(1).held_after_forward > held[2]
+    tokens = 256 // 4 * 2  # one CP4 rank's tokens of a microbatch
+    block = 2 * tokens * config.num_query_groups * config.kv_channels * 4  # its stacked fp32 keys and values
+    p2p, gathered = acts(4).chunks[0].attention_peak, acts(4, "all_gather").chunks[0].attention_peak
+    assert gathered - p2p == ((4 + 1) - 3) * block
+    tokens = 256 // 2 * 2
+    block = 2 * tokens * config.num_query_groups * config.kv_channels * 4
+    assert acts(2, "all_gather").chunks[0].attention_peak - acts(2).chunks[0].attention_peak == ((2 + 1) - 2) * block
+
+
+def test_attention_flops_per_cp_rank_are_even_under_the_zigzag_split():
+    """Counted from the chunk geometry: the zigzag gives every rank the same causal attention work, the
+    contiguous split gives the last rank 2C - 1 times the first's; both add up to the model's attention FLOPs."""
+    from megatron_lite.core.estimator import attention_flops_per_cp_rank
+
+    config = GPTConfig(**dict(TINY, seq_length=512))
+    total = forward_flops_breakdown(config).attention * 512
+    for cp in (1, 2, 4, 8):
+        zigzag = attention_flops_per_cp_rank(config, cp_size=cp)
+        contiguous = attention_flops_per_cp_rank(config, cp_size=cp, split="contiguous")
+        assert len(set(zigzag)) == 1 and sum(zigzag) == total == sum(contiguous)
+        assert max(contiguous) / min(contiguous) == 2 * cp - 1
+    with pytest.raises(ValueError, match=r"seq_length \(512\) must be divisible by the 1024 chunks"):
+        attention_flops_per_cp_rank(config, cp_size=512)
+
+
+def test_report_and_flops_per_rank_count_the_cp_ranks():
+    config = GPTConfig(**dict(TINY, seq_length=256))
+    est = estimate_for_run(config, micro_batch_size=2, global_batch_size=4, tensor_model_parallel_size=2,
+                           data_parallel_size=2, context_parallel_size=2, cp_comm_type="all_gather")
+    flops = training_flops_per_step(config, 4)
+    table = format_table(est, flops)
+    assert "layout: 8 ranks = tp 2 x cp 2 x pp 1 x dp 2" in table
+    assert "seq_length=256 (128 tokens per rank, K/V exchange all_gather)" in table
+    assert f"{flops / 8:.3e} per rank" in table
+    assert json.loads(json.dumps(est.to_dict()))["layout"]["context_parallel_size"] == 2
+
+
+def test_context_parallel_layout_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"seq_length \(36\) must be divisible by 2 x context_parallel_size \(8\)"):
+        EstimateLayout(micro_batch_size=1, seq_length=36, context_parallel_size=4)
+    with pytest.raises(ValueError, match="cp_comm_type must be one of"):
+        EstimateLayout(micro_batch_size=1, seq_length=32, context_parallel_size=2, cp_comm_type="ring")
+    with pytest.raises(ValueError, match=r"seq_length \(36\) / context_parallel_size \(2\) must be divisible by "
+                                         r"tensor_model_parallel_size \(4\)"):
+        EstimateLayout(micro_batch_size=1, seq_length=36, context_parallel_size=2, tensor_model_parallel_size=4,
+                       sequence_parallel=True)
+
+
+def test_estimate_command_reads_context_parallelism_from_the_yaml(tmp_path, capsys):
+    """``megatron-lite estimate`` on a fit YAML whose strategy has context_parallel_size / cp_comm_type."""
+    import yaml
+
+    from megatron_lite.estimate import main
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/configs/gpt_tiny.yaml").read_text())
+    raw["trainer"]["strategy"]["init_args"].update(tensor_model_parallel_size=1, sequence_parallel=False,
+                                                   context_parallel_size=2, cp_comm_type="all_gather")
+    raw["trainer"]["devices"] = 4
+    path = tmp_path / "cp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["context_parallel_size"] == 2 and out["layout"]["cp_comm_type"] == "all_gather"
+    assert out["layout"]["data_parallel_size"] == 2 and out["flops_per_rank_per_step"] == out["flops_per_step"] / 4
+    raw["trainer"]["strategy"]["init_args"]["cp_comm_type"] = "ring"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(path)]) == 2
+    assert "cp_comm_type must be one of ('p2p', 'all_gather'), got 'ring'" in capsys.readouterr().err
+
+
+def test_step_measurement_holds_what_the_forward_probe_holds_and_leaves_the_gradients_alone():
+    """``measure_step_activations`` (the context-parallel benchmark's probe) sees the forward exactly as
+    ``measure_retained_tensors`` does, and the backward's transients on top; the model's gradients are put back."""
+    from megatron_lite.core.estimator import measure_step_activations
+
+    config = GPTConfig(**dict(TINY, num_query_groups=2))
+    model = GPTModel(config).train()
+    tokens = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs = lambda: (tokens[:, :-1], tokens[:, 1:])  # noqa: E731
+    forward = measure_retained_tensors(model, inputs)
+    step = measure_step_activations(model, inputs)
+    assert step.held_bytes == forward.total_bytes and step.forward_peak_bytes == forward.peak_bytes
+    assert step.step_peak_bytes >= step.forward_peak_bytes
+    assert all(p.grad is None for p in model.parameters())

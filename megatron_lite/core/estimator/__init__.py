@@ -5,44 +5,43 @@ per-rank bytes for a parallel layout, :mod:`probe` measures activation bytes of 
 """
 from megatron_lite.core.estimator.flops import (
     FlopsBreakdown,
+    attention_flops_per_cp_rank,
     forward_flops_breakdown,
     forward_flops_per_token,
     megatron_formula_flops,
     training_flops_per_step,
 )
 from megatron_lite.core.estimator.memory import (
-    KERNEL_SAVES,
-    PRECISION_BYTES,
     ActivationBreakdown,
-    ChunkActivations,
     EstimateLayout,
-    KernelSaves,
     MemoryEstimate,
     ParamShape,
-    ScheduleMemory,
     activation_breakdown,
     estimate_for_run,
     estimate_memory,
     estimate_stages,
     korthikanti_activation_bytes_per_layer,
-    normalize_precision,
     parameter_shapes,
-    schedule_memory,
 )
+from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves, normalize_precision
+from megatron_lite.core.estimator.schedule_memory import ChunkActivations, ScheduleMemory, schedule_memory
 from megatron_lite.core.estimator.probe import (
     SavedTensorsReport,
     ScheduleActivationProbe,
+    StepActivationReport,
     measure_activation_bytes,
     measure_retained_tensors,
     measure_saved_tensors,
+    measure_step_activations,
 )
 
 __all__ = [
-    "FlopsBreakdown", "forward_flops_breakdown", "forward_flops_per_token", "megatron_formula_flops",
-    "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown", "ChunkActivations",
+    "FlopsBreakdown", "attention_flops_per_cp_rank", "forward_flops_breakdown", "forward_flops_per_token",
+    "megatron_formula_flops", "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown",
+    "ChunkActivations",
     "EstimateLayout", "KernelSaves", "MemoryEstimate", "ParamShape", "ScheduleMemory", "activation_breakdown",
     "estimate_for_run", "estimate_memory", "estimate_stages", "korthikanti_activation_bytes_per_layer",
     "normalize_precision", "parameter_shapes", "schedule_memory",
     "SavedTensorsReport", "ScheduleActivationProbe", "measure_activation_bytes", "measure_retained_tensors",
-    "measure_saved_tensors",
+    "measure_saved_tensors", "StepActivationReport", "measure_step_activations",
 ]

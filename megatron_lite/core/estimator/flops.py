@@ -98,3 +98,31 @@ def megatron_formula_flops(batch_size: int, seq_length: int, num_layers: int, hi
     plain (non-gated) MLP and causal attention at half (Narayanan et al. 2021 without recompute)."""
     b, s, layers, h, v = batch_size, seq_length, num_layers, hidden_size, vocab_size
     return 72.0 * b * s * layers * h * h * (1.0 + s / (12.0 * h) + v / (12.0 * layers * h))
+
+
+def attention_flops_per_cp_rank(config: GPTConfig, seq_length: Optional[int] = None, cp_size: int = 1,
+                                split: str = "zigzag") -> list:
+    """Forward ``QK^T`` and ``attention x V`` FLOPs of one sequence on each of ``cp_size`` context-parallel
+    ranks, counted from the chunk geometry (causal: a chunk attends to earlier chunks in full and to itself at
+    half, the convention of :func:`forward_flops_breakdown`, so the ranks' sum is the model's attention FLOPs).
+
+    ``split="zigzag"`` cuts the sequence into ``2 x cp_size`` chunks, rank r holding chunks r and 2C-1-r (what
+    context parallelism does: every rank gets the same work); ``"contiguous"`` cuts it into ``cp_size`` chunks,
+    rank r holding chunk r (the naive split: rank r's work grows as 2r + 1, ``2C - 1`` times more on the last
+    rank than on the first)."""
+    s = config.seq_length if seq_length is None else seq_length
+    if split not in ("zigzag", "contiguous"):
+        raise ValueError(f"split must be 'zigzag' or 'contiguous', got {split!r}")
+    pieces = 2 * cp_size if split == "zigzag" else cp_size
+    if s % pieces:
+        raise ValueError(f"seq_length ({s}) must be divisible by the {pieces} chunks of a {split} split over "
+                         f"{cp_size} ranks")
+    chunk = s // pieces
+    per_pair = config.num_layers * 2 * (2 * chunk * chunk * config.num_attention_heads * config.kv_channels)
+
+    def work(c: int) -> float:  # chunk c against chunks 0..c-1 in full, itself at half
+        return per_pair * (c + 0.5)
+
+    if split == "contiguous":
+        return [work(r) for r in range(cp_size)]
+    return [work(r) + work(2 * cp_size - 1 - r) for r in range(cp_size)]

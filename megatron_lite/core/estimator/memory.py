@@ -2,7 +2,8 @@
 
 Weights, gradients and optimizer state come from the model's real parameter tensors (:func:`parameter_shapes`
 mirrors ``GPTModel``: TP shards, padded vocabulary, replicated norms and row-parallel biases) times the bytes
-per parameter of the precision (:data:`PRECISION_BYTES`, the one table to edit when precision handling changes).
+per parameter of the precision (:data:`~megatron_lite.core.estimator.precision_bytes.PRECISION_BYTES`, the one
+table to edit when precision handling changes).
 
 Activations follow Korthikanti et al. 2022: add up, layer by layer, every tensor autograd keeps for the
 backward. Their ``s b h (34 + 5 a s/h)`` assumes GPT-3 blocks in 16-bit (``korthikanti_activation_bytes_per_layer``);
@@ -15,8 +16,13 @@ Under pipeline parallelism every stage gets its own estimate (:func:`estimate_st
 layers ``ParallelConfig.stage_chunks`` gives it (uneven cuts, virtual stages, the embedding on the first
 stage, the output layer and a tied embedding's copy on the last), and activations per model chunk times
 the chunk-microbatches its schedule keeps alive, found by walking the order the executor runs
-(:func:`schedule_memory`: 1F1B keeps ``min(P - stage, M)``, GPipe ``M``, interleaved most on the first rank).
+(:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`: 1F1B keeps ``min(P - stage, M)``,
+GPipe ``M``, interleaved most on the first rank).
 Checked against a real pipeline run with :class:`~megatron_lite.core.estimator.probe.ScheduleActivationProbe`.
+
+Under context parallelism every per-token tensor holds ``seq_length / C`` tokens, and the attention is the
+blockwise context-parallel kind (:mod:`megatron_lite.core.estimator.context_parallel`): what it keeps for
+backward, and the keys/values in flight and one block's scores while it runs (a transient of the forward).
 """
 from __future__ import annotations
 
@@ -25,89 +31,24 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
+from megatron_lite.core.estimator.context_parallel import (
+    context_parallel_attention_parts,
+    context_parallel_attention_transient,
+    layer_bytes_until_attention,
+)
+from megatron_lite.core.estimator.precision_bytes import (
+    DISTRIBUTED_GRAD_BYTES,
+    DISTRIBUTED_MAIN_BYTES,
+    KERNEL_SAVES,
+    PRECISION_BYTES,
+    KernelSaves,
+    normalize_precision,
+)
+from megatron_lite.core.estimator.schedule_memory import ChunkActivations, schedule_memory
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.recompute import full_recompute_groups
-from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.layout import CP_COMM_TYPES, ParallelConfig
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
-
-
-@dataclass(frozen=True)
-class PrecisionBytes:
-    """Bytes per element of what a precision setting keeps."""
-
-    weight: int
-    """Each parameter as the model holds it."""
-    grad: int
-    """Its gradient (Megatron keeps fp32 "main grads" for half-precision weights)."""
-    master: int
-    """An fp32 master copy held by the optimizer (0 when the parameters are already fp32)."""
-    moment: int
-    """Each optimizer moment (Adam keeps two, SGD with momentum one)."""
-    compute: int
-    """Matmul inputs and outputs (what autocast casts to)."""
-    residual: int
-    """The residual stream and the norms' inputs (autocast leaves additions and norms in fp32)."""
-
-
-# Bytes per element for each Lightning precision string, as core/optim keeps them. "*-mixed" is
-# torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes. "*-true" is Megatron's
-# layout: half parameters, fp32 main grads, fp32 master copy + Adam: 2 + 4 + 4 + 8 = 18 (DESIGN.md).
-# With the distributed optimizer see DISTRIBUTED_*_BYTES: 6 + 12/dp for "*-true", 8 + 12/dp for fp32.
-PRECISION_BYTES = {
-    "32-true": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=4, residual=4),
-    "bf16-mixed": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=2, residual=4),
-    "16-mixed": PrecisionBytes(weight=4, grad=4, master=0, moment=4, compute=2, residual=4),
-    "bf16-true": PrecisionBytes(weight=2, grad=4, master=4, moment=4, compute=2, residual=2),
-    "16-true": PrecisionBytes(weight=2, grad=4, master=4, moment=4, compute=2, residual=2),
-    "64-true": PrecisionBytes(weight=8, grad=8, master=0, moment=8, compute=8, residual=8),
-}
-# The distributed optimizer (core/optim/distributed.py) keeps a flat fp32 gradient buffer whatever the
-# model's dtype, and fp32 main parameters for its shard only beside half-precision weights (fp32 weights
-# are their own main copy): 4 + (4 + 8)/dp bytes beyond half weights, 4 + 8/dp beyond fp32 ones.
-DISTRIBUTED_MAIN_BYTES = 4
-DISTRIBUTED_GRAD_BYTES = 4
-# Lightning's short spellings (Trainer(precision=...)).
-PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "half": "16-true"}
-
-
-@dataclass(frozen=True)
-class KernelSaves:
-    """What the kernels of a device type keep for backward, where CPU and CUDA differ (measured)."""
-
-    rms_norm_saves_normalized: bool
-    """RMSNorm also keeps ``x * rstd`` (an extra ``s b h`` tensor) for the weight gradient."""
-    dropout_mask_bytes: Optional[int]
-    """Bytes per element of a dropout mask; None: the mask has the activation's dtype."""
-    attention_dropout_materializes_scores: bool
-    """Attention with dropout falls back to the dense kernel that keeps ``s x s`` scores and masks."""
-    dense_attention_in_fp32: bool
-    """That dense kernel computes 16-bit attention in fp32 (CPU's math kernel upcasts q, k and v)."""
-    fp32_attention_output_is_copied: bool
-    """The fp32 kernel's ``[b, s, ...]`` output makes the projection keep its own ``[s b, h]`` copy (b > 1)."""
-    attention_rng_bytes: int
-    """Bytes the fused attention kernel keeps besides q, k, v, output and logsumexp (CUDA: philox seed, offset)."""
-
-
-# Measured with the probe: torch 2.13 on CPU; torch 2.11 on an H200 (cuDNN attention for bf16, the
-# memory-efficient kernel for fp32). Other CUDA kernels (flash-attention on older GPUs) may differ by
-# one ``s b h`` tensor per layer.
-KERNEL_SAVES = {
-    "cpu": KernelSaves(rms_norm_saves_normalized=True, dropout_mask_bytes=None,
-                       attention_dropout_materializes_scores=True, dense_attention_in_fp32=True,
-                       fp32_attention_output_is_copied=False, attention_rng_bytes=0),
-    "cuda": KernelSaves(rms_norm_saves_normalized=False, dropout_mask_bytes=1,
-                        attention_dropout_materializes_scores=False, dense_attention_in_fp32=False,
-                        fp32_attention_output_is_copied=True, attention_rng_bytes=16),
-}
-
-
-def normalize_precision(precision) -> str:
-    """Lightning's precision spelling (``"bf16"``, ``16``, ``"32-true"``, ...) as a key of :data:`PRECISION_BYTES`."""
-    key = str(precision)
-    key = PRECISION_ALIASES.get(key, key)
-    if key not in PRECISION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; use one of {sorted(PRECISION_BYTES)}")
-    return key
 
 
 @dataclass
@@ -134,6 +75,10 @@ class EstimateLayout:
     """Layers of the last pipeline stage for an uneven cut (None: an even cut)."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence inside TP groups."""
+    context_parallel_size: int = 1
+    """CP size: each rank holds ``seq_length / C`` tokens of every sequence."""
+    cp_comm_type: str = "p2p"
+    """How CP attention gets the other ranks' keys/values: 'p2p' (blocks passed around the ring) or 'all_gather'."""
     precision: str = "32-true"
     """Lightning precision string (see :data:`PRECISION_BYTES`)."""
     use_distributed_optimizer: bool = False
@@ -153,7 +98,7 @@ class EstimateLayout:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_length", "tensor_model_parallel_size", "data_parallel_size",
-                     "pipeline_model_parallel_size", "num_microbatches"):
+                     "pipeline_model_parallel_size", "context_parallel_size", "num_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -164,9 +109,15 @@ class EstimateLayout:
             raise ValueError(f"device_type must be one of {sorted(KERNEL_SAVES)}, got {self.device_type!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1; set sequence_parallel=False")
-        if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
-            raise ValueError(f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size "
-                             f"({self.tensor_model_parallel_size}) with sequence_parallel=True")
+        if self.seq_length % (2 * self.context_parallel_size) and self.context_parallel_size > 1:
+            raise ValueError(f"seq_length ({self.seq_length}) must be divisible by 2 x context_parallel_size "
+                             f"({2 * self.context_parallel_size}); change seq_length or context_parallel_size")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.sequence_parallel and self.local_seq_length % self.tensor_model_parallel_size:
+            raise ValueError(f"seq_length ({self.seq_length}) / context_parallel_size ({self.context_parallel_size}) "
+                             f"must be divisible by tensor_model_parallel_size ({self.tensor_model_parallel_size}) "
+                             f"with sequence_parallel=True")
         if self.use_distributed_optimizer and self.use_torch_fsdp2:
             raise ValueError("use_distributed_optimizer and use_torch_fsdp2 are alternatives (FSDP2 already shards "
                              "the optimizer state); set one of them")
@@ -180,7 +131,19 @@ class EstimateLayout:
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             pipeline_schedule=self.pipeline_schedule,
             num_layers_in_first_pipeline_stage=self.num_layers_in_first_pipeline_stage,
-            num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage)
+            num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage,
+            context_parallel_size=self.context_parallel_size, cp_comm_type=self.cp_comm_type)
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence one rank holds (``seq_length / context_parallel_size``)."""
+        return self.seq_length // self.context_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the run: tp x cp x pp x dp."""
+        return (self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+                * self.data_parallel_size)
 
     def stage_chunks(self, config: GPTConfig, pipeline_stage: int) -> list:
         """The (virtual) stages pipeline rank ``pipeline_stage`` holds, cut as ``GPTModel`` cuts them."""
@@ -269,33 +232,6 @@ def _stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
 
 
 @dataclass
-class ChunkActivations:
-    """Activation bytes of one model chunk (virtual stage) a rank holds, per microbatch it runs."""
-
-    virtual_stage: int
-    """Index ``v * P + p`` in the pipeline order."""
-    first_layer: int
-    """Global index of the chunk's first transformer layer."""
-    num_layers: int
-    """Transformer layers of the chunk."""
-    per_microbatch: int
-    """Bytes one microbatch's forward of this chunk keeps until its backward (embedding and output parts
-    on the first and last chunk, recompute applied)."""
-    sent_output: int = 0
-    """Bytes of the activations handed to the next stage (0 on the last chunk): kept by the schedule for the
-    backward and, as a posted send, until the step ends (``PipelineP2P.wait``)."""
-    sent_grad: int = 0
-    """Bytes of the input gradient each backward sends to the previous stage (0 on the first chunk), kept
-    by the posted send until the step ends."""
-    loss_transient: int = 0
-    """Extra bytes while this chunk's forward computes the loss (the last chunk only)."""
-    recompute_working_set: int = 0
-    """Extra bytes while this chunk's backward rebuilds a recomputed group of layers."""
-    in_flight: int = 1
-    """Most microbatches of this chunk alive at once (forwards run, backwards not yet) in the schedule."""
-
-
-@dataclass
 class ActivationBreakdown:
     """Bytes one rank keeps for backward, by part (one microbatch unless said otherwise)."""
 
@@ -343,8 +279,8 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
     """Bytes one layer saves, by tensor, for one microbatch on one rank (see the module docstring)."""
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
-    s, b, h, d = layout.seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
-    tokens = s * b  # inside TP regions every rank sees the whole sequence ...
+    s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
+    tokens = s * b  # inside TP regions every rank sees the whole (CP-local) sequence ...
     local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
     c, r = pb.compute, pb.residual
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
@@ -380,6 +316,8 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
         copied = c == 4 and b > 1 and kernels.fp32_attention_output_is_copied
         parts["attention_out"] = attn_out * (2 if copied else 1)  # output = (or copied into) the projection's input
         parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
+    if layout.context_parallel_size > 1 and not selective:
+        parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
     gated = config.activation == "swiglu"
     parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
     if config.hidden_dropout > 0:
@@ -402,11 +340,13 @@ def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, t
         return 0
     rot = int(config.kv_channels * config.rotary_percent)
     rot -= rot % 2
-    tables = 2 * layout.seq_length * rot * 4
+    # Under CP the positions come per sample ([b, s/C], the zigzag share's), and so do the tables.
+    rows = layout.local_seq_length * (layout.micro_batch_size if layout.context_parallel_size > 1 else 1)
+    tables = 2 * rows * rot * 4
     c = PRECISION_BYTES[layout.precision].compute
     if c == 4:
         return tables if stored_layers or tables_held else 0
-    return stored_layers * 4 * layout.seq_length * rot * c + (tables if tables_held else 0)
+    return stored_layers * 4 * rows * rot * c + (tables if tables_held else 0)
 
 
 def _recompute_groups(config: GPTConfig, stage_layers: int) -> tuple:
@@ -435,7 +375,7 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
     tp = layout.tensor_model_parallel_size
     pb = PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
-    tokens = layout.seq_length * layout.micro_batch_size
+    tokens = layout.local_seq_length * layout.micro_batch_size
     local = tokens // tp if layout.sequence_parallel else tokens
     h = config.hidden_size
     parts = _layer_parts(config, layout, selective=config.recompute_granularity == "selective")
@@ -452,10 +392,9 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
         if stage.pre_process:
             # Shard-local ids and the out-of-shard mask: whenever the TP group exists, i.e. in any run of more than
             # one rank (ParallelLayout.build makes a TP group of size 1 too); alone, a plain lookup.
-            world = tp * layout.pipeline_model_parallel_size * layout.data_parallel_size
-            chunk_embedding += tokens * (8 + 1) if world > 1 else 0
-            if config.position_embedding_type == "learned_absolute":
-                chunk_embedding += layout.seq_length * 8
+            chunk_embedding += tokens * (8 + 1) if layout.world_size > 1 else 0
+            if config.position_embedding_type == "learned_absolute" and layout.context_parallel_size == 1:
+                chunk_embedding += layout.seq_length * 8  # the positions made in the forward (CP: the data's)
             if config.hidden_dropout > 0:
                 chunk_embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
         chunk_output = chunk_loss = 0
@@ -464,12 +403,19 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
             vocab = config.padded_vocab_size(tp) // tp
             chunk_output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
             chunk_loss = tokens * vocab * (pb.compute + 4)
+        attention_peak = 0
+        if layout.context_parallel_size > 1 and n:
+            # The last layer's attention: every earlier layer's tensors held, this layer's up to its attention.
+            before = sum(kept) - (0 if groups[-1][1] else per_layer) + layer_bytes_until_attention(
+                parts, recomputed=groups[-1][1])
+            attention_peak = chunk_embedding + before + context_parallel_attention_transient(
+                config, layout, pb.compute, selective=config.recompute_granularity == "selective")
         boundary = local * h * pb.residual  # the residual stream crossing between stages
         chunks.append(ChunkActivations(
             virtual_stage=stage.virtual_stage, first_layer=stage.layers.start, num_layers=n,
             per_microbatch=chunk_embedding + sum(kept) + chunk_output,
             sent_output=0 if stage.post_process else boundary, sent_grad=0 if stage.pre_process else boundary,
-            loss_transient=chunk_loss,
+            loss_transient=chunk_loss, attention_peak=attention_peak,
             # The output layer's activations are gone by the time the first group is rebuilt.
             recompute_working_set=max(0, peak - sum(kept) - chunk_output)))
         embedding, layers, output, loss_transient = (embedding + chunk_embedding, layers + sum(kept),
@@ -495,61 +441,6 @@ def _training_order(layout: EstimateLayout, pipeline_stage: int) -> list:
         return [("F", 0, 0), ("B", 0, 0)]
     return schedule_order(parallel.schedule, layout.num_microbatches, parallel.pipeline_model_parallel_size,
                           pipeline_stage, parallel.virtual_pipeline_model_parallel_size)
-
-
-@dataclass(frozen=True)
-class ScheduleMemory:
-    """What walking a schedule's order says about the activations one rank holds (bytes, no weight copies)."""
-
-    held: int
-    """The most bytes alive at once: chunk-microbatches between their forward and backward, plus pipeline buffers."""
-    peak: int
-    """``held`` at the worst moment plus that moment's transient (a loss computation, a rebuilt recompute group)."""
-    buffers_when_held: int
-    """Pipeline send buffers alive when ``held`` is reached."""
-    in_flight: int
-    """Most chunk-microbatches alive at once."""
-    in_flight_per_chunk: tuple
-    """Most microbatches alive at once, per chunk."""
-
-
-def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
-    """Walk ``order`` (the schedule's ``(kind, chunk, microbatch)`` actions on one rank) over ``chunks``
-    (:class:`ChunkActivations`); sets each chunk's ``in_flight``.
-
-    A forward adds its chunk's per-microbatch bytes, freed by the matching backward. Two things of
-    ``run_pipeline`` (core/parallel/pipeline/schedules.py) are counted as they are: sends are posted
-    asynchronously and their tensors kept until the step's end (``PipelineP2P.wait``), so every output
-    sent forward and every gradient sent backward stays alive for the rest of the step; and the output
-    a backward started from stays referenced until the next forward returns, its graph holding that
-    backward's input activations (``lingering``; measured: one ``s b h`` tensor on non-first stages).
-    """
-    alive = buffers = lingering = held = peak = held_buffers = count = most = 0
-    per_chunk, most_per_chunk = [0] * len(chunks), [0] * len(chunks)
-    for kind, index, _ in order:
-        chunk: ChunkActivations = chunks[index]
-        if kind == "F":
-            alive += chunk.per_microbatch
-            buffers += chunk.sent_output
-            count, per_chunk[index] = count + 1, per_chunk[index] + 1
-            most, most_per_chunk[index] = max(most, count), max(most_per_chunk[index], per_chunk[index])
-            peak = max(peak, alive + buffers + lingering + chunk.loss_transient)
-            now = alive + buffers + lingering  # at the end of the forward, before the last backward's output is let go
-            lingering = 0
-        else:
-            lingering = 0  # the schedule takes this backward's input and output in place of the last ones
-            peak = max(peak, alive + buffers + chunk.recompute_working_set)
-            alive -= chunk.per_microbatch
-            buffers += chunk.sent_grad
-            lingering = chunk.sent_grad  # the input: same bytes as its gradient, 0 on the first chunk
-            count, per_chunk[index] = count - 1, per_chunk[index] - 1
-            now = alive + buffers + lingering
-        if now > held:
-            held, held_buffers = now, buffers
-    for chunk, n in zip(chunks, most_per_chunk):
-        chunk.in_flight = n
-    return ScheduleMemory(held=held, peak=max(peak, held), buffers_when_held=held_buffers, in_flight=most,
-                          in_flight_per_chunk=tuple(most_per_chunk))
 
 
 def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
@@ -656,8 +547,8 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
 
 def estimate_stages(config: GPTConfig, layout: EstimateLayout) -> list:
     """The :class:`MemoryEstimate` of a rank of every pipeline stage, in stage order."""
-    config.validate_parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, 1,
-                                layout.sequence_parallel)
+    config.validate_parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                                layout.context_parallel_size, layout.sequence_parallel)
     return [_stage_estimate(config, layout, s) for s in range(layout.pipeline_model_parallel_size)]
 
 
@@ -676,9 +567,10 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
                      use_torch_fsdp2: bool = False, device_type: str = "cuda",
                      virtual_pipeline_model_parallel_size: int = 1, pipeline_schedule: Optional[str] = None,
                      num_layers_in_first_pipeline_stage: Optional[int] = None,
-                     num_layers_in_last_pipeline_stage: Optional[int] = None) -> MemoryEstimate:
-    """The estimate for a run described as the strategy and the datamodule describe it (the pipeline
-    options are the strategy's). ``optimizer``: an ``OptimizerConfig`` (None: Adam), whose
+                     num_layers_in_last_pipeline_stage: Optional[int] = None, context_parallel_size: int = 1,
+                     cp_comm_type: str = "p2p") -> MemoryEstimate:
+    """The estimate for a run described as the strategy and the datamodule describe it (the pipeline and
+    context-parallel options are the strategy's). ``optimizer``: an ``OptimizerConfig`` (None: Adam), whose
     ``use_distributed_optimizer`` is the default of that argument; ``global_batch_size`` gives the
     microbatches per step (they matter with pipelining only)."""
     if use_distributed_optimizer is None:
@@ -696,7 +588,8 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
         pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         pipeline_schedule=pipeline_schedule, num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage, precision=precision,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+        context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type, precision=precision,
         use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
         optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
         num_microbatches=num_microbatches, device_type=device_type)

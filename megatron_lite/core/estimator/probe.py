@@ -217,3 +217,44 @@ class ScheduleActivationProbe:
         if sum(info.nbytes for info in alive) > self.held_bytes:
             self.held_bytes, self.held_storages = sum(info.nbytes for info in alive), alive
         return out
+
+
+@dataclass
+class StepActivationReport:
+    """Activation bytes of one training step (forward and backward) of a model."""
+
+    held_bytes: int
+    """Kept alive for the backward at the end of the forward (as :func:`measure_activation_bytes`)."""
+    forward_peak_bytes: int
+    """Most bytes alive after any operator of the forward."""
+    step_peak_bytes: int
+    """Most bytes alive after any operator of the forward or the backward (the backward's transients:
+    activation gradients, recomputed tensors, a blockwise attention's per-block probabilities)."""
+
+
+def measure_step_activations(model: nn.Module, inputs_fn: Callable[[], ModelInputs],
+                             reduce: Callable[[Any], torch.Tensor] = lambda out: out.float().sum()
+                             ) -> StepActivationReport:
+    """Run one forward of ``model`` on ``inputs_fn()`` and the backward of ``reduce(output)``, tracking every
+    storage the operators create (as :func:`measure_retained_tensors`, the backward included; inputs that
+    require grad get theirs). Not counted: parameters, buffers, the inputs and the parameters' gradients
+    (accumulated into zero buffers made beforehand; the gradients the model held are put back after)."""
+    inputs = inputs_fn()
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        tracker = _StorageTracker(_excluded_storages(model, inputs) | {
+            key[0] for key in map(_storage_key, [p.grad for p in params]) if key is not None})
+        with tracker:
+            output = _call(model, inputs)
+            outputs = {key[0] for key in map(_storage_key, pytree.tree_leaves(output)) if key is not None}
+            held = sum(info.nbytes for key, info in tracker.alive().items() if key not in outputs)
+            forward_peak = tracker.peak
+            reduce(output).backward()
+            del output
+        return StepActivationReport(held_bytes=held, forward_peak_bytes=forward_peak, step_peak_bytes=tracker.peak)
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad

@@ -22,7 +22,7 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
     parallelism the details are the most loaded stage's, followed by one line per stage."""
     lay, acts = estimate.layout, estimate.activations
     pp = lay.pipeline_model_parallel_size
-    world = lay.tensor_model_parallel_size * pp * lay.data_parallel_size
+    world, cp = lay.world_size, lay.context_parallel_size
     recompute_note = f"recompute: {acts.recompute}"
     copies = f" + {format_bytes(acts.autocast_weight_copies)} autocast weight copies" if acts.autocast_weight_copies \
         else ""
@@ -46,11 +46,13 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
         in_flight = acts.held_after_forward - acts.pipeline_buffers - acts.autocast_weight_copies
         held = (f"held for backward: {format_bytes(in_flight)} by up to {acts.microbatches_in_flight} {unit} in "
                 f"flight + {format_bytes(acts.pipeline_buffers)} pipeline send buffers{copies}")
+    context = f" x cp {cp}" if cp > 1 else ""
+    tokens_per_rank = f" ({lay.local_seq_length} tokens per rank, K/V exchange {lay.cp_comm_type})" if cp > 1 else ""
     rows = [
-        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size} x pp {pp} x dp "
+        f"layout: {world} ranks = tp {lay.tensor_model_parallel_size}{context} x pp {pp} x dp "
         f"{lay.data_parallel_size}{pipeline}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, "
         f"{sharding}",
-        f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}, "
+        f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}{tokens_per_rank}, "
         f"microbatches/step={lay.num_microbatches}, kernels of {lay.device_type}",
         f"per rank (pipeline stage {estimate.pipeline_stage}{', the most loaded' if pp > 1 else ''}):",
         f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",

@@ -14,11 +14,13 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
 
 
-def counts_in_norm(model_param: torch.Tensor, layout: ParallelLayout) -> bool:
+def counts_in_norm(model_param: torch.Tensor, layout: ParallelLayout, sliced_over_cp: bool = False) -> bool:
     """Whether this rank's copy of ``model_param``'s gradient enters the global norm: a replicated
     parameter has the same gradient on every TP (and CP) rank, so only rank 0 of those counts it; the
-    last pipeline stage's copy of a tied embedding is counted on the first stage."""
-    if layout.cp_rank != 0 or getattr(model_param, "pipeline_duplicate", False):
+    last pipeline stage's copy of a tied embedding is counted on the first stage. ``sliced_over_cp``:
+    the caller holds disjoint slices over the data x context parallel group (the distributed optimizer),
+    so every CP rank counts its own."""
+    if (layout.cp_rank != 0 and not sliced_over_cp) or getattr(model_param, "pipeline_duplicate", False):
         return False
     return is_tensor_parallel(model_param) or layout.tp_rank == 0
 

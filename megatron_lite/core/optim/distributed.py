@@ -143,10 +143,10 @@ class DistributedOptimizer(MegatronOptimizer):
         """Done by :meth:`reduce_gradients` (the reduce-scatter lands in the main gradients)."""
 
     def norm_inputs(self):
-        # Slices are disjoint across DP ranks; a TP-replicated parameter's slices are the same on
+        # Slices are disjoint across DP x CP ranks; a TP-replicated parameter's slices are the same on
         # every TP rank, so only TP rank 0 counts them. Summed over every rank.
         grads = [piece.main.grad for piece in self._pieces() if piece.main.grad is not None
-                 and counts_in_norm(piece.param, self.layout)]
+                 and counts_in_norm(piece.param, self.layout, sliced_over_cp=True)]
         return grads, None, True
 
     @torch.no_grad()

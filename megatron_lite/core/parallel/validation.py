@@ -10,13 +10,15 @@ from megatron_lite.core.parallel.microbatches import build_num_microbatches_calc
 
 def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, micro_batch_size: Optional[int] = None,
                  global_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
-                 rampup_batch_size: Optional[Sequence[int]] = None) -> int:
+                 rampup_batch_size: Optional[Sequence[int]] = None, use_torch_fsdp2: bool = False) -> int:
     """Validate sizes against the world, the model and the batch geometry (every batch of a ramp-up
-    ``[start, increment, rampup_samples]`` included); return the DP size.
+    ``[start, increment, rampup_samples]`` included) and context parallelism against the model, the
+    data and FSDP2; return the DP size.
 
     Every failure is a ValueError whose message says what to change.
     """
     dp = parallel.data_parallel_size(world_size)
+    check_context_parallel(parallel, model_config, seq_length, use_torch_fsdp2)
     if model_config is not None:
         model_config.validate_parallelism(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                           parallel.context_parallel_size, parallel.sequence_parallel)
@@ -40,6 +42,46 @@ def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, m
             f"the data's seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
             f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True.")
     return dp
+
+
+def check_context_parallel(parallel: ParallelConfig, model_config=None, seq_length: Optional[int] = None,
+                           use_torch_fsdp2: bool = False) -> None:
+    """Refuse context parallelism where it cannot run exactly: sequences that do not cut into ``2 x C``
+    equal chunks (the model's and the data's), a local length ``s / C`` that sequence parallelism cannot
+    split over TP, attention dropout (the blockwise CP attention has none) and FSDP2 (not composed)."""
+    cp = parallel.context_parallel_size
+    if cp == 1:
+        return
+    tp = parallel.tensor_model_parallel_size
+    lengths = []
+    if model_config is not None:
+        lengths.append(("GPTConfig.seq_length", model_config.seq_length))
+    if seq_length is not None:
+        lengths.append(("the data's seq_length", seq_length))
+    for name, length in lengths:
+        if length % (2 * cp):
+            multiple = 2 * cp * (tp if parallel.sequence_parallel else 1)
+            raise ValueError(
+                f"{name} ({length}) must be divisible by 2 x context_parallel_size = {2 * cp} (each sequence is cut "
+                f"into {2 * cp} chunks, rank r holding chunks r and {2 * cp - 1}-r); set seq_length to a multiple of "
+                f"{multiple} (e.g. {max(multiple, length // multiple * multiple)}) or change context_parallel_size.")
+        if parallel.sequence_parallel and (length // cp) % tp:
+            multiple = 2 * cp * tp
+            raise ValueError(
+                f"{name} ({length}) over context_parallel_size ({cp}) leaves {length // cp} tokens per rank, which "
+                f"sequence_parallel=True cannot split over tensor_model_parallel_size ({tp}); set seq_length to a "
+                f"multiple of 2 x context_parallel_size x tensor_model_parallel_size = {multiple} (e.g. "
+                f"{max(multiple, length // multiple * multiple)}) or set sequence_parallel=False.")
+    if model_config is not None and getattr(model_config, "attention_dropout", 0.0) > 0:
+        raise ValueError(
+            f"attention_dropout={model_config.attention_dropout} with context_parallel_size={cp}: context-parallel "
+            f"attention merges blockwise softmax results and applies no dropout to the probabilities; set "
+            f"GPTConfig(attention_dropout=0.0) (hidden_dropout is fine) or context_parallel_size=1.")
+    if use_torch_fsdp2:
+        raise ValueError(
+            f"use_torch_fsdp2=True with context_parallel_size={cp} is not composed yet (FSDP2 would shard over the "
+            f"data-parallel ranks only, while gradients must be reduced over data x context parallel ranks); use the "
+            f"distributed optimizer, OptimizerConfig(use_distributed_optimizer=True), with context parallelism.")
 
 
 def _check_interleaved_microbatches(parallel: ParallelConfig, micro_batch_size: int, dp: int, global_batch_size: int,
