@@ -76,6 +76,11 @@ class TransformerLayer(nn.Module):
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng, context), rng)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), rng)
 
+    def inference_forward(self, x, rope, kv, step):
+        """The same block for generation (eval: no dropout), attention through the KV cache."""
+        x = x + self.self_attention.inference_forward(self.input_layernorm(x), rope, kv, step)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
 
 def _run_layers(layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGStatesTracker,
                 context: Optional[AttentionContext]) -> torch.Tensor:
@@ -280,6 +285,27 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
         return loss.t().contiguous()
+
+    @torch.no_grad()
+    def inference_forward(self, tokens: torch.Tensor, step, hidden_states: Optional[torch.Tensor] = None,
+                          chunk: int = 0) -> torch.Tensor:
+        """One generation step of chunk ``chunk``: ``tokens`` [b, s] are the step's new tokens (the prompt
+        in the prefill, one per row in a decode step) and ``step`` an
+        :class:`~megatron_lite.core.inference.kv_cache.InferenceStep` (positions, mask, KV cache).
+
+        Returns the activations [s, b, h] for the next stage, or on the last stage this TP rank's logits
+        of the last position only [b, V_padded/tp] (the only ones generation needs). Run with sequence
+        and context parallelism off (``megatron_lite.core.inference.generate`` sees to it)."""
+        stage = self.chunks[chunk].stage
+        rope = self.rotary(step.positions) if self.rotary is not None else None
+        x = self._embed(tokens, step.positions) if stage.pre_process else hidden_states
+        for i in stage.layers:
+            x = self.layers[str(i)].inference_forward(x, rope, step.kv(i), step)
+        if not stage.post_process:
+            return x
+        x = self.final_layernorm(x[-1:])
+        weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
+        return self.output_layer(x, weight)[0]
 
     @property
     def vocab_start(self) -> int:

@@ -1,0 +1,106 @@
+"""One prefill or decode step of a model replica, across its tensor- and pipeline-parallel ranks.
+
+Every rank of the replica knows the step's shapes (the same prompts, the same tokens so far), so
+the pipeline needs no shape headers and no schedule: each stage receives the previous stage's
+activations ``[s, b, h]`` (tagged with the receiving virtual stage, so interleaved chunks travel
+the ring in order), runs its chunk and sends the result on. That is the cheapest correct pipeline
+for decoding: a decode step is one token per row, the next step depends on its result, and there
+is nothing to overlap inside one step.
+
+One rank per replica chooses the tokens — the *sampler*: the last pipeline stage's TP rank 0
+(context-parallel rank 0). The TP ranks' logits slices are gathered there only, and the chosen
+tokens (with their log-probs) are broadcast to every rank of the replica (the ``mp`` group) in
+one collective per step. The alternative, every TP rank sampling from the same all-gathered logits
+with identically seeded generators, needs no broadcast but relies on every rank's softmax, top-p
+sort and RNG giving bit-identical results; one differing bit on one rank (another kernel, another
+device type) would silently feed different tokens to different ranks — wrong text, or under PP a
+hang. The broadcast cannot diverge, and under PP the tokens must reach the first stage anyway.
+
+Generation runs whole rows: context-parallel ranks other than 0 (which hold the same weights)
+compute nothing and only receive the broadcast tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.core.inference.kv_cache import InferenceStep
+from megatron_lite.core.parallel.layout import ParallelLayout
+
+
+def _mesh_rank(layout: ParallelLayout, **coords: int) -> int:
+    """Global rank of the mesh point with this rank's coordinates, overridden by ``coords``."""
+    point = [coords.get(name, layout.coords.get(name, 0)) for name in ("pp", "dp", "ep", "cp", "tp")]
+    return int(layout.mesh.mesh[tuple(point)])
+
+
+class StepRunner:
+    """Runs generation steps of ``model`` (this rank's part of one replica under ``layout``)."""
+
+    def __init__(self, model: nn.Module, layout: ParallelLayout):
+        self.model, self.layout = model, layout
+        self.vocab_size = model.config.vocab_size
+        self.hidden_size = model.config.hidden_size
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        distributed = layout.mesh is not None
+        self.computes = layout.cp_rank == 0 and layout.coords.get("ep", 0) == 0
+        """Whether this rank runs the model (context-parallel ranks > 0 only follow the tokens)."""
+        self.sampler_rank = _mesh_rank(layout, pp=layout.pp_size - 1, ep=0, cp=0, tp=0) if distributed else 0
+        self.is_sampler = layout.rank == self.sampler_rank
+        """Whether this rank chooses the tokens."""
+        self.mp_group = layout.group("mp") if distributed else None
+        self.tp_group = layout.group("tp")
+        self.tp_root = _mesh_rank(layout, tp=0) if distributed else 0
+        self.pp_group = layout.group("pp")
+        if self.pp_group is not None:
+            self.prev_rank = _mesh_rank(layout, pp=(layout.pp_rank - 1) % layout.pp_size)
+            self.next_rank = _mesh_rank(layout, pp=(layout.pp_rank + 1) % layout.pp_size)
+        self.chunks = list(getattr(model, "chunks", None) or [])
+
+    def __call__(self, tokens: torch.Tensor, step: InferenceStep) -> Optional[torch.Tensor]:
+        """Run ``tokens`` [b, s] through this rank's chunks; returns the last position's logits over the real
+        vocabulary [b, vocab_size] (fp32) on the sampler, None on every other rank."""
+        if not self.computes:
+            return None
+        b, s = tokens.shape
+        sends, logits = [], None
+        x: Optional[torch.Tensor] = None
+        for index, chunk in enumerate(self.chunks):
+            stage = chunk.stage
+            if not stage.pre_process:
+                x = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(x, self.prev_rank, group=self.pp_group, tag=stage.virtual_stage)
+            out = self.model.inference_forward(tokens, step, hidden_states=x, chunk=index)
+            if stage.post_process:
+                logits = out
+            else:
+                out = out.contiguous()
+                sends.append((dist.isend(out, self.next_rank, group=self.pp_group, tag=stage.virtual_stage + 1), out))
+        for work, _ in sends:
+            work.wait()
+        if logits is None:
+            return None
+        return self._gather_vocab(logits)
+
+    def _gather_vocab(self, local: torch.Tensor) -> Optional[torch.Tensor]:
+        """This TP rank's logits [b, V_padded/tp] -> the full real vocabulary [b, vocab_size] on TP rank 0."""
+        local = local.float().contiguous()
+        if self.tp_group is None:
+            return local[:, : self.vocab_size]
+        if self.layout.tp_rank != 0:
+            dist.gather(local, None, dst=self.tp_root, group=self.tp_group)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
+        dist.gather(local, parts, dst=self.tp_root, group=self.tp_group)
+        full = torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        return full if self.is_sampler else None
+
+    def share(self, payload: torch.Tensor) -> torch.Tensor:
+        """The sampler's ``payload`` on every rank of the replica (in place; one broadcast)."""
+        if self.mp_group is not None:
+            dist.broadcast(payload, self.sampler_rank, group=self.mp_group)
+        return payload
