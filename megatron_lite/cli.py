@@ -1,6 +1,7 @@
 """``megatron-lite``: Lightning's CLI (fit / validate / test / predict) with megatron-lite defaults,
 plus the tools ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, and ``merge``),
-``estimate`` (memory and FLOPs of a config, before launch) and ``plot`` (PNG of a run's curves).
+``estimate`` (memory and FLOPs of a config, before launch), ``plot`` (PNG of a run's curves) and
+``generate`` (continue prompts with a trained checkpoint).
 
     megatron-lite fit --config examples/configs/gpt_tiny.yaml --trainer.max_steps 100 \
         --trainer.strategy.init_args.tensor_model_parallel_size 2
@@ -8,6 +9,7 @@ plus the tools ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, 
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --workers 4 --append-eod
     megatron-lite estimate --config examples/configs/gpt_tiny.yaml --devices 8 [--json]
     megatron-lite plot runs/lightning_logs/version_0
+    megatron-lite generate --ckpt runs/demo/checkpoints/last.ckpt --prompt "ROMEO:" --temperature 0.8 --top-p 0.9
 
 Every strategy, model and data option can be overridden on the command line; ``--print_config``
 shows the full resolved configuration.
@@ -69,6 +71,7 @@ _TOOLS = {
     "estimate": ("megatron_lite.estimate", "main"),
     "plot": ("megatron_lite.plot", "main"),
     "pipeline-timeline": ("megatron_lite.pipeline_timeline", "main"),
+    "generate": ("megatron_lite.generate", "main"),
 }
 
 
@@ -102,7 +105,7 @@ def _run_cli(args: Optional[list[str]]) -> None:
         trainer_defaults={"strategy": "megatron"},
         args=args,
         parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
-                                      "`megatron-lite preprocess|estimate|plot --help`.", "default_env": False},
+                                      "`megatron-lite preprocess|estimate|plot|generate --help`.", "default_env": False},
         save_config_kwargs={"overwrite": True},
     )
 

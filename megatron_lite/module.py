@@ -26,6 +26,7 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
+from megatron_lite.tokenizers.build import tokenizer_spec
 from megatron_lite.core.inference import GenerationResult, SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
 from megatron_lite.core.parallel.mappings import gather_from_tensor_parallel_region
@@ -38,6 +39,8 @@ from megatron_lite.core.parallel.schedules import (
 )
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
+TOKENIZER_KEY = "megatron_lite_tokenizer"
+"""Checkpoint entry naming the data's tokenizer (``build_tokenizer`` arguments), written by GPTModule."""
 
 
 class GPTModule(pl.LightningModule):
@@ -275,6 +278,12 @@ class GPTModule(pl.LightningModule):
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         return out
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Which tokenizer the data used (its type and files), so `megatron-lite generate` can detokenize.
+        spec = tokenizer_spec(getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None))
+        if spec is not None:
+            checkpoint[TOKENIZER_KEY] = spec
+
     # --- optimizer ------------------------------------------------------------------------
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
         """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
@@ -299,6 +308,9 @@ class GPTModule(pl.LightningModule):
                     f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
                     f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead.")
         self._check_vocab(datamodule)
+        check_prompts = getattr(datamodule, "check_fits_model", None)  # a PromptDataModule: prompts vs the model
+        if callable(check_prompts):
+            check_prompts(self.config)
 
     def _check_pipeline(self, trainer: "pl.Trainer") -> None:
         parallel = getattr(trainer.strategy, "parallel_config", None)
