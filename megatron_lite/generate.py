@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -127,8 +128,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             seed=sampling.seed, stop_ids=stop)
     data.check_fits_model(module.config)
+    # Several ranks are forked from this process (their predictions come back here); one runs in it.
     strategy = MegatronStrategy(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                pipeline_model_parallel_size=args.pipeline_model_parallel_size, start_method="fork")
+                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                start_method="fork" if args.devices > 1 else "popen")
     trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     batches = trainer.predict(module, datamodule=data, ckpt_path=str(args.ckpt))
@@ -151,7 +154,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in _QUIET_LOGGERS:  # Lightning's "GPU available: ..." lines are noise around the text
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        records = run(args)
+        with warnings.catch_warnings():
+            # Lightning's advice about callbacks that wrote the checkpoint (none are needed to read weights)
+            # and its own deprecation noise would bury the text.
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+            records = run(args)
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
