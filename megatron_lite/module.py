@@ -27,6 +27,7 @@ from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
 from megatron_lite.tokenizers.build import tokenizer_spec
+from megatron_lite.pretrained import load_pretrained
 from megatron_lite.core.inference import GenerationResult, SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
 from megatron_lite.core.parallel.mappings import gather_from_tensor_parallel_region
@@ -66,6 +67,20 @@ class GPTModule(pl.LightningModule):
         self._engine: Optional[TrainingEngine] = None
         self.val_loss_metric = MeanMetric()
         self.test_loss_metric = MeanMetric()
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
+                        **config_overrides: Any) -> "GPTModule":
+        """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2 directory
+        (config.json + safetensors) or one of our checkpoints (its saved config, optimizer settings and seed).
+
+        The model is built for one process and put in eval mode: ``module.full_logits(tokens)`` and
+        ``module.generate(...)`` work at once, without a Trainer; ``trainer.fit/validate/predict(module, ...)``
+        under any layout cuts each rank's shards out of it. ``config_overrides`` replace GPTConfig fields that
+        do not change a weight's shape (``seq_length``, dropout, recomputation, ...); ``optimizer`` and ``seed``
+        replace the saved ones (an HF model gets ``OptimizerConfig()`` and 1234).
+        """
+        return load_pretrained(cls, path, optimizer=optimizer, seed=seed, **config_overrides)
 
     # --- layout and model -----------------------------------------------------------------
     def _attached_trainer(self) -> Optional["pl.Trainer"]:

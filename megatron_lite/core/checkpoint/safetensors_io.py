@@ -67,21 +67,44 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
     os.replace(tmp, path)
 
 
+def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[dict, int]:
+    """(JSON header, its length) from the first bytes of a safetensors file."""
+    if file_size < 8:
+        raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > _MAX_HEADER or 8 + length > file_size:
+        raise ValueError(f"{path} is not a safetensors file (header length {length} does not fit the file)")
+    try:
+        header = json.loads(head[8:8 + length].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a safetensors file (its header is not JSON: {error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header is not a JSON object)")
+    return header, length
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """({name: (dtype name, shape)}, metadata) of a safetensors file, reading only its header."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        head += f.read(min(length, _MAX_HEADER))
+    header, _ = _parse_header(path, head, size)
+    metadata = header.pop("__metadata__", None) or {}
+    return {name: (entry.get("dtype"), tuple(int(s) for s in entry.get("shape", ())))
+            for name, entry in header.items()}, dict(metadata)
+
+
 def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; every offset is checked against the file."""
     path = Path(path)
     raw = bytearray(path.stat().st_size)  # writable, so torch.frombuffer takes it without a warning
     with open(path, "rb") as f:
         f.readinto(raw)
-    if len(raw) < 8:
-        raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-    (length,) = struct.unpack("<Q", bytes(raw[:8]))
-    if length > _MAX_HEADER or 8 + length > len(raw):
-        raise ValueError(f"{path} is not a safetensors file (header length {length} does not fit the file)")
-    try:
-        header = json.loads(bytes(raw[8:8 + length]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a safetensors file (its header is not JSON: {error})") from None
+    length = struct.unpack("<Q", bytes(raw[:8]))[0] if len(raw) >= 8 else 0
+    header, length = _parse_header(path, bytes(raw[:8 + min(length, _MAX_HEADER)]), len(raw))
     metadata = header.pop("__metadata__", None) or {}
     buffer = memoryview(raw)[8 + length:]
     tensors: dict[str, torch.Tensor] = {}

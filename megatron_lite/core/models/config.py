@@ -5,11 +5,17 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
+from megatron_lite.core.models.rope import RopeScaling
+
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+ROPE_SCALING_TYPES = ("linear", "llama3")
+# Llama 3.1's published values (also Megatron-LM's defaults for --use-rope-scaling).
+LLAMA3_ROPE_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                        "rope_original_max_position_embeddings": 8192}
 
 
 @dataclass
@@ -42,10 +48,21 @@ class GPTConfig:
     """MLP activation: gated SiLU (Llama) or GeLU (GPT-2)."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     """Rotary position embedding or a learned absolute position table."""
-    rotary_base: int = 10000
-    """RoPE base frequency."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency (theta: 10000 for Llama 2, 500000 for Llama 3)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates."""
+    rope_scaling_type: Optional[Literal["linear", "llama3"]] = None
+    """RoPE frequency scaling for contexts past pre-training's: 'linear' (every frequency / factor), 'llama3'
+    (Llama 3.1: long wavelengths / factor, short ones kept, a smooth blend between), or None."""
+    rope_scaling_factor: Optional[float] = None
+    """How much the context is stretched (with rope_scaling_type; 'llama3' defaults to Llama 3.1's 8)."""
+    rope_low_freq_factor: Optional[float] = None
+    """'llama3': wavelengths longer than original_max_position_embeddings / this are divided by the factor (default 1)."""
+    rope_high_freq_factor: Optional[float] = None
+    """'llama3': wavelengths shorter than original_max_position_embeddings / this are kept (default 4)."""
+    rope_original_max_position_embeddings: Optional[int] = None
+    """'llama3': the context length of pre-training the scaling starts from (default 8192)."""
     share_embeddings_and_output_weights: bool = False
     """Tie the output layer to the word embedding."""
     add_bias_linear: bool = False
@@ -107,11 +124,58 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if isinstance(self.rotary_base, bool) or not isinstance(self.rotary_base, (int, float)) \
+                or self.rotary_base <= 0:
+            raise ValueError(f"rotary_base must be a positive number, got {self.rotary_base!r}")
+        self._validate_rope_scaling()
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
         self._validate_recompute()
+
+    def _validate_rope_scaling(self) -> None:
+        """The scaling fields belong to one scaling type each; 'llama3' fills in Llama 3.1's values."""
+        kind = self.rope_scaling_type
+        llama3_only = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
+        if kind is None:
+            for name in ("rope_scaling_factor", *llama3_only):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs rope_scaling_type ('linear' or 'llama3'); "
+                                     f"set rope_scaling_type or leave {name} unset.")
+            return
+        if kind not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope_scaling_type must be None or one of {ROPE_SCALING_TYPES}, got {kind!r}")
+        if self.position_embedding_type != "rope":
+            raise ValueError(f"rope_scaling_type={kind!r} needs position_embedding_type='rope'.")
+        if kind == "linear":
+            for name in llama3_only:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} only applies to rope_scaling_type='llama3' (got 'linear'); leave it unset.")
+            if self.rope_scaling_factor is None:
+                raise ValueError("rope_scaling_type='linear' needs rope_scaling_factor (positions are divided by it).")
+        else:
+            for name, default in LLAMA3_ROPE_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
+            if self.rope_original_max_position_embeddings is not None:
+                _positive_int("rope_original_max_position_embeddings", self.rope_original_max_position_embeddings)
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(
+                    f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and below "
+                    f"rope_high_freq_factor ({self.rope_high_freq_factor}).")
+        if isinstance(self.rope_scaling_factor, bool) or not isinstance(self.rope_scaling_factor, (int, float)) \
+                or self.rope_scaling_factor <= 0:
+            raise ValueError(f"rope_scaling_factor must be a positive number, got {self.rope_scaling_factor!r}")
+
+    def rope_scaling(self) -> Optional[RopeScaling]:
+        """The RoPE frequency scaling these fields describe (None: plain RoPE)."""
+        if self.rope_scaling_type is None:
+            return None
+        return RopeScaling(self.rope_scaling_type, float(self.rope_scaling_factor),
+                           low_freq_factor=float(self.rope_low_freq_factor or 1.0),
+                           high_freq_factor=float(self.rope_high_freq_factor or 4.0),
+                           original_max_position_embeddings=self.rope_original_max_position_embeddings or 8192)
 
     def _validate_recompute(self) -> None:
         """Megatron's rules for the three recompute options (and no silently ignored option)."""

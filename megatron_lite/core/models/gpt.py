@@ -171,7 +171,8 @@ class GPTModel(nn.Module):
                 mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
             self.rotary = None
         else:
-            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
+                                          scaling=config.rope_scaling())
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layout)
                                      for stage in stages for i in stage.layers})
         self.final_layernorm = self.output_layer = None

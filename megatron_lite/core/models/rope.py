@@ -1,20 +1,62 @@
 """Rotary position embedding (non-interleaved halves, as in Megatron and Llama)."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are stretched for a longer context than pre-training's (GPTConfig.rope_scaling())."""
+
+    kind: str
+    """'linear' or 'llama3'."""
+    factor: float
+    """Context stretch factor."""
+    low_freq_factor: float = 1.0
+    """'llama3': wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """'llama3': wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """'llama3': pre-training's context length."""
+
+
+def inverse_frequencies(dim: int, base: float, scaling: Optional[RopeScaling] = None) -> torch.Tensor:
+    """RoPE's ``dim / 2`` inverse frequencies ``base^(-2i/dim)`` (fp32), with ``scaling`` applied."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":  # the same as dividing every position by the factor
+        return inv_freq / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {scaling.kind!r}; use 'linear' or 'llama3'")
+    # Llama 3.1: a frequency whose wavelength fits many times into the original context (high frequency,
+    # local position) is kept; one whose wavelength is longer than the context is slowed by the factor;
+    # between the two the result is blended linearly in context / wavelength.
+    wavelength = 2 * math.pi / inv_freq
+    context = scaling.original_max_position_embeddings
+    slowed = inv_freq / scaling.factor
+    blend = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * slowed + blend * inv_freq
+    out = torch.where(wavelength > context / scaling.low_freq_factor, slowed, inv_freq)
+    between = (wavelength <= context / scaling.low_freq_factor) & (wavelength >= context / scaling.high_freq_factor)
+    return torch.where(between, blended, out)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions; applied to the first ``rotary_percent`` of each head."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: int = 10000):
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000,
+                 scaling: Optional[RopeScaling] = None):
         super().__init__()
         dim = int(kv_channels * rotary_percent)
         dim -= dim % 2
         self.dim = dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(dim, base, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` [s] or per sample [b, s] -> (cos, sin), each [s, 1 or b, 1, dim] to

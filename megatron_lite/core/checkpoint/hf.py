@@ -1,0 +1,206 @@
+"""Hugging Face Llama directories: read one into our config and full state, write one from them.
+
+Only safetensors are read (a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``;
+bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened. The
+config is mapped by :mod:`hf_config` (unsupported architectures and options refused by name), the tensors by
+:mod:`hf_weights`; every shape is checked against the config from the files' headers before any tensor is read.
+
+Writing goes to a temporary sibling directory renamed into place at the end, so a failed export never
+leaves a half-written model under the output name. The tokenizer and generation config travel beside the
+weights (:func:`copy_side_files`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megatron_lite.core.checkpoint.hf_config import gpt_config_from_hf, hf_config_from_gpt
+from megatron_lite.core.checkpoint.hf_weights import check_hf_shapes, hf_to_state, state_to_hf
+from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, read_safetensors_header, save_safetensors
+from megatron_lite.core.models.config import GPTConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# What a model directory carries besides its weights and config: the tokenizer in any of HF's formats, the
+# chat template and the generation defaults (token ids, sampling settings).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+              "generation_config.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' long-standing default shard size
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    """Whether ``path`` looks like an HF model directory (a ``config.json``, not one of our DCP checkpoints)."""
+    path = Path(path)
+    return (path / CONFIG).is_file() and not (path / ".metadata").is_file()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or replace the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of an HF model directory, as a dict."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a Hugging Face model directory (no {CONFIG}); pass the "
+                                f"directory that save_pretrained() or a hub download wrote")
+    return _read_json(path)
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """{tensor name: file holding it}."""
+    index = directory / INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map; the index is damaged")
+        files = {name: directory / str(file) for name, file in weight_map.items()}
+        absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if absent:
+            raise FileNotFoundError(f"{index} lists {absent} but they are not in {directory}; copy every shard")
+        return files
+    single = directory / WEIGHTS
+    if single.is_file():
+        names, _ = read_safetensors_header(single)
+        return {name: single for name in names}
+    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+    hint = (f" It holds {pickles[:3]}: pickled weights are never loaded (they can run code); save the model with "
+            f"save_pretrained(..., safe_serialization=True) or convert it to safetensors first.") if pickles else ""
+    raise FileNotFoundError(f"no {WEIGHTS} or {INDEX} in {directory}; only safetensors weights are read.{hint}")
+
+
+def read_hf_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of an HF directory's weights, from the safetensors headers alone."""
+    files = _weight_files(Path(directory))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(set(files.values())):
+        names, _ = read_safetensors_header(path)
+        shapes.update({name: shape for name, (_, shape) in names.items() if files.get(name) == path})
+    return shapes
+
+
+def read_hf_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's weights (in their saved dtype)."""
+    files = _weight_files(Path(directory))
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(set(files.values())):
+        loaded, _ = load_safetensors(path)
+        tensors.update({name: t for name, t in loaded.items() if files.get(name) == path})
+    return tensors
+
+
+def load_hf(directory: str | os.PathLike, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """(config, full state) of an HF Llama directory: GPTModel names, exactly ``vocab_size`` vocabulary rows,
+    the saved dtype. ``overrides`` replace GPTConfig fields (a field that changes a shape is caught here)."""
+    config = gpt_config_from_hf(read_hf_config(directory), **overrides)
+    check_hf_shapes(read_hf_shapes(directory), config)
+    return config, hf_to_state(read_hf_tensors(directory), config)
+
+
+def copy_side_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer and generation-config files (:data:`SIDE_FILES`) that ``source`` has into ``target``;
+    returns their names."""
+    source, target = Path(source), Path(target)
+    copied = []
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, target / name)
+            copied.append(name)
+    return copied
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary sibling of ``path`` to fill; renamed to ``path`` when the block succeeds, removed if it fails.
+    An existing non-empty ``path`` is refused unless ``overwrite``."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(f"{path} already exists and is not empty; pass a new directory or overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(old)
+    tmp.rename(path)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into files of at most ``max_bytes`` (a larger tensor gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def save_hf(directory: str | os.PathLike, config: GPTConfig, state: dict[str, torch.Tensor], *,
+            dtype: str = "float32", source_config: Optional[dict[str, Any]] = None,
+            side_files_from: Optional[str | os.PathLike] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            overwrite: bool = False) -> Path:
+    """Write ``state`` (our full state, any vocabulary padding) as an HF model directory: ``config.json``,
+    ``model.safetensors`` (or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``), and the
+    tokenizer / generation config files found in ``side_files_from``. ``source_config`` (the config.json the
+    model came from) keeps its token ids and model type."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    hf_config = hf_config_from_gpt(config, dtype, source_config)
+    tensors = {name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in state_to_hf(state, config).items()}
+    with atomic_directory(directory, overwrite) as tmp:
+        shards = _shards(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_safetensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards, start=1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_safetensors({n: tensors[n] for n in names}, tmp / file, metadata={"format": "pt"})
+                weight_map.update({n: file for n in names})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if side_files_from is not None:
+            copy_side_files(side_files_from, tmp)
+        _write_json(tmp / CONFIG, hf_config)
+    return Path(directory)

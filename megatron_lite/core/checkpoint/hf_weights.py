@@ -1,0 +1,173 @@
+"""HF Llama tensors <-> our full state dict (global tensors keyed by :class:`GPTModel`'s parameter names).
+
+The layouts that differ:
+- attention: HF keeps ``q_proj`` [heads*d, h], ``k_proj`` and ``v_proj`` [groups*d, h]; our ``linear_qkv`` fuses
+  them in Megatron's grouped order ``[groups, (heads_per_group + 2), d]`` along the output dim (each query
+  group's query heads, then its key, then its value), so a contiguous TP slice holds whole groups;
+- MLP: our ``linear_fc1`` is ``[gate; up]`` (``gate_proj`` rows, then ``up_proj`` rows); TP splits each half
+  separately (``stride=2``);
+- vocabulary: HF holds exactly ``vocab_size`` rows; a model of ours may hold padded rows
+  (:func:`fit_vocab_rows` is the one place that bridges the two).
+RoPE needs no permutation: HF's Llama rotates non-interleaved halves of each head, as we do.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from megatron_lite.core.models.config import GPTConfig
+
+# Buffers some old HF checkpoints saved; they are recomputed from the config, never read.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def fit_vocab_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with exactly ``rows`` rows: the first ``rows`` when it has more (dropping vocabulary
+    padding), zero rows appended when it has fewer (padding a model that wants padded rows)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        return tensor[:rows]
+    pad = torch.zeros((rows - tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad], dim=0)
+
+
+def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of layer ``i``."""
+    h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
+    q, kv = config.num_attention_heads * d, config.num_query_groups * d
+    p = f"model.layers.{i}."
+    shapes = {
+        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+        p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+    }
+    if config.add_bias_linear or config.add_qkv_bias:
+        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)})
+    if config.add_bias_linear:
+        shapes.update({p + "self_attn.o_proj.bias": (h,), p + "mlp.gate_proj.bias": (f,), p + "mlp.up_proj.bias": (f,),
+                       p + "mlp.down_proj.bias": (h,)})
+    return shapes
+
+
+def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``config`` holds, with its shape (``lm_head`` only when untied)."""
+    h, v = config.hidden_size, config.vocab_size
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(config.num_layers):
+        shapes.update(_layer_names(i, config))
+    if not config.share_embeddings_and_output_weights:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def check_hf_shapes(saved: Mapping[str, tuple[int, ...]], config: GPTConfig) -> None:
+    """Raise a ValueError naming every tensor whose saved shape is not the one ``config`` expects, and every
+    missing or unexpected tensor. A tied model may carry a copy of the embedding as ``lm_head.weight``."""
+    expected = hf_shapes(config)
+    saved = {k: tuple(v) for k, v in saved.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if config.share_embeddings_and_output_weights:
+        saved.pop("lm_head.weight", None)
+    raise_shape_mismatch(saved, expected, "the HF checkpoint", "its config")
+
+
+def raise_shape_mismatch(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
+                         source: str, target: str, vocab_size: int | None = None) -> None:
+    """Raise one ValueError listing every parameter whose ``saved`` shape differs from the ``expected`` one
+    (saved vs expected), and the missing and unexpected names. With ``vocab_size``, a difference in
+    vocabulary padding alone (one dimension, both sizes >= vocab_size) is not a difference."""
+    def differs(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+        if a == b:
+            return False
+        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return not (vocab_size is not None and len(a) == len(b) and len(diff) == 1
+                    and min(a[diff[0]], b[diff[0]]) >= vocab_size)
+
+    wrong = [f"{name}: saved {tuple(saved[name])}, expected {tuple(shape)}"
+             for name, shape in expected.items() if name in saved and differs(tuple(saved[name]), tuple(shape))]
+    missing = [name for name in expected if name not in saved]
+    unexpected = [name for name in saved if name not in expected]
+    if not (wrong or missing or unexpected):
+        return
+    parts = []
+    if wrong:
+        parts.append(f"{len(wrong)} parameter(s) of another shape: " + "; ".join(wrong[:8])
+                     + (" ..." if len(wrong) > 8 else ""))
+    if missing:
+        parts.append(f"missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        parts.append(f"unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    raise ValueError(f"{source} does not hold a model of the shape {target} describes ({'; '.join(parts)}); "
+                     f"load it with the configuration it was saved with.")
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    groups, d = config.num_query_groups, config.kv_channels
+    per_group = config.num_attention_heads // groups
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest),
+                       v.reshape(groups, d, *rest)], dim=1)
+    return fused.reshape(groups * (per_group + 2) * d, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = config.num_query_groups, config.kv_channels
+    per_group = config.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
+    return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
+
+
+def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our full state (GPTModel names, exactly ``vocab_size`` vocabulary rows, the HF dtype) from HF tensors
+    whose shapes :func:`check_hf_shapes` accepted."""
+    state = {"embedding.weight": tensors["model.embed_tokens.weight"],
+             "final_layernorm.weight": tensors["model.norm.weight"]}
+    if not config.share_embeddings_and_output_weights:
+        state["output_layer.weight"] = tensors["lm_head.weight"]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        state[ours + "input_layernorm.weight"] = tensors[hf + "input_layernorm.weight"]
+        state[ours + "pre_mlp_layernorm.weight"] = tensors[hf + "post_attention_layernorm.weight"]
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
+        for kind in kinds:
+            state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                tensors[f"{attn}q_proj.{kind}"], tensors[f"{attn}k_proj.{kind}"], tensors[f"{attn}v_proj.{kind}"],
+                config)
+        for kind in (["weight", "bias"] if config.add_bias_linear else ["weight"]):
+            state[f"{ours}self_attention.linear_proj.{kind}"] = tensors[f"{attn}o_proj.{kind}"]
+            state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
+                [tensors[f"{mlp}gate_proj.{kind}"], tensors[f"{mlp}up_proj.{kind}"]], dim=0)
+            state[f"{ours}mlp.linear_fc2.{kind}"] = tensors[f"{mlp}down_proj.{kind}"]
+    return state
+
+
+def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF tensors from our full state (any vocabulary padding; ``linear_fc1`` flat ``[2f, h]`` or blocked
+    ``[2, f, h]`` as our checkpoints store it)."""
+    v = config.vocab_size
+    out = {"model.embed_tokens.weight": fit_vocab_rows(state["embedding.weight"], v),
+           "model.norm.weight": state["final_layernorm.weight"]}
+    if not config.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = fit_vocab_rows(state["output_layer.weight"], v)
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        out[hf + "input_layernorm.weight"] = state[ours + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
+        for kind in kinds:
+            q, k, vv = _split_qkv(state[f"{ours}self_attention.linear_qkv.{kind}"], config)
+            out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
+        for kind in (["weight", "bias"] if config.add_bias_linear else ["weight"]):
+            out[f"{attn}o_proj.{kind}"] = state[f"{ours}self_attention.linear_proj.{kind}"]
+            fc1 = state[f"{ours}mlp.linear_fc1.{kind}"]
+            rest = (config.hidden_size,) if kind == "weight" else ()
+            gate, up = fc1.reshape(2, config.ffn_hidden_size, *rest).unbind(0)
+            out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate, up
+            out[f"{mlp}down_proj.{kind}"] = state[f"{ours}mlp.linear_fc2.{kind}"]
+    return {name: t.contiguous() for name, t in out.items()}

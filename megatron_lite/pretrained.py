@@ -1,0 +1,126 @@
+"""Pretrained weights in and out of a :class:`GPTModule`: HF Llama directories and our own checkpoints.
+
+``GPTModule.from_pretrained(path)`` builds a one-process module (no Trainer, no process group) holding the
+weights; under a Trainer at any layout each rank cuts its shards out of that model (``configure_model``
+carries a one-process model over into the layout's model). :func:`save_weights_checkpoint` writes a module's
+weights as one of our checkpoints (what ``megatron-lite convert --from hf`` produces): the same directory
+format as ``trainer.save_checkpoint`` without optimizer or loop state, so ``from_pretrained``,
+``validate/test/predict(ckpt_path=...)`` and ``convert --to hf`` read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning
+import torch
+from torch import nn
+
+from megatron_lite.core.checkpoint.full_checkpoint import (
+    is_checkpoint_directory,
+    read_checkpoint_hparams,
+    read_model_tensors,
+)
+from megatron_lite.core.checkpoint.full_state import load_full_state
+from megatron_lite.core.checkpoint.hf import CONFIG, copy_side_files, is_hf_directory, load_hf
+from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, raise_shape_mismatch
+from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.optim.config import OptimizerConfig
+from megatron_lite.core.parallel.layout import ParallelLayout
+
+# Inside one of our checkpoints: the HF files a converted model came with (tokenizer, generation config, and
+# its original config.json, whose token ids an export writes back).
+HF_SIDE_DIR = "hf"
+_VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
+
+
+def _saved_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape a checkpoint stores ``param`` at (its global shape, fused blocks as their own dimension)."""
+    shard = getattr(param, "tp_shard", None)
+    if shard is None:
+        return tuple(param.shape)
+    return tuple(shard.blocked_view(torch.empty(shard.global_shape, device="meta"))[1])
+
+
+def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown GPTConfig field(s) {unknown}; from_pretrained's keyword arguments are GPTConfig "
+                         f"fields (and optimizer=, seed=)")
+    return dataclasses.replace(config, **overrides)
+
+
+def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int) -> None:
+    saved = read_model_tensors(path)
+    params = dict(model.named_parameters())
+    raise_shape_mismatch({n: tuple(t.shape) for n, t in saved.items()},
+                         {n: _saved_shape(p) for n, p in params.items()},
+                         f"the checkpoint {path}", "the module's config", vocab_size=vocab_size)
+    full = {}
+    for name, tensor in saved.items():
+        shape = getattr(getattr(params[name], "tp_shard", None), "global_shape", tuple(params[name].shape))
+        # A fused block seen as its own dimension ([2, ffn, h]) is the flat parameter's memory: reshape it back.
+        full[name] = tensor.reshape(shape) if tensor.numel() == torch.Size(shape).numel() else tensor
+    load_full_state(model, full, vocab_size=vocab_size)
+
+
+def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[OptimizerConfig] = None,
+                    seed: Optional[int] = None, **overrides: Any):
+    """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
+    checkpoints) in a one-process model, in eval mode. See :meth:`GPTModule.from_pretrained`."""
+    path = Path(path)
+    if is_checkpoint_directory(path):
+        hparams = read_checkpoint_hparams(path)
+        config = _config_with(hparams["config"], overrides)
+        module = cls(config, optimizer or hparams.get("optimizer") or OptimizerConfig(),
+                     seed if seed is not None else hparams.get("seed", 1234))
+        module.model = module.build_model(ParallelLayout.single())
+        _load_checkpoint_weights(module.model, path, config.vocab_size)
+    elif is_hf_directory(path):
+        config, state = load_hf(path, **overrides)
+        module = cls(config, optimizer or OptimizerConfig(), seed if seed is not None else 1234)
+        module.model = module.build_model(ParallelLayout.single())
+        params = dict(module.model.named_parameters())
+        for name in _VOCAB_PARAMS:  # zero rows where the model pads the vocabulary
+            if name in state:
+                state[name] = fit_vocab_rows(state[name], params[name].tp_shard.global_shape[0])
+        load_full_state(module.model, state, vocab_size=config.vocab_size)
+    elif not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass a local Hugging Face model directory or one of our "
+                                f"checkpoints (nothing is downloaded)")
+    else:
+        raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
+                                f"megatron-lite checkpoint (DCP .metadata)")
+    module.model.eval()
+    return module
+
+
+def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional[str | os.PathLike] = None) -> Path:
+    """Write ``module``'s one-process model as one of our checkpoints (weights and hyperparameters, no optimizer
+    state). ``hf_source``: the HF directory the weights came from; its tokenizer, generation config and
+    config.json are kept in the checkpoint's ``hf/`` folder for a later export."""
+    if module.model is None or getattr(module.model, "layout", ParallelLayout.single()).world_size != 1:
+        raise ValueError("save_weights_checkpoint writes a one-process model (GPTModule.from_pretrained builds one)")
+    path = Path(path)
+    extra = {
+        "epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
+        "hyper_parameters": dict(module.hparams), "hparams_name": getattr(module, "_hparams_name", None),
+        "megatron_lite_layout": {"tensor_model_parallel_size": 1, "sequence_parallel": False,
+                                 "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
+                                 "world_size": 1},
+    }
+    save_sharded({"model": sharded_model_state(module, ParallelLayout.single())}, path, extra=extra)
+    if hf_source is not None:
+        hf_source = Path(hf_source)
+        tmp = path / f".{HF_SIDE_DIR}.tmp-{uuid.uuid4().hex[:8]}"
+        copy_side_files(hf_source, tmp)
+        tmp.mkdir(exist_ok=True)
+        shutil.copyfile(hf_source / CONFIG, tmp / CONFIG)
+        tmp.rename(path / HF_SIDE_DIR)
+    return path
