@@ -4,13 +4,13 @@
     megatron-lite generate --ckpt CKPT --prompt "ROMEO:" --prompt "JULIET:" --temperature 0.8 --top-p 0.9 \
         --seed 1 --devices 2 --tensor-model-parallel-size 2
 
-The checkpoint (a directory written by ``trainer.save_checkpoint`` or ``ModelCheckpoint`` under
-MegatronStrategy) gives the model config and the weights, and names the tokenizer the data used
-(``--tokenizer-*`` overrides it, or supplies one when the checkpoint names none). Generation runs
-through ``trainer.predict`` with a :class:`~megatron_lite.data.PromptDataModule`, so any layout that
-fits the model works (``--devices``, ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``;
-the checkpoint loads into any of them). A row stops at the tokenizer's end-of-document token unless
-``--ignore-eod``.
+``--ckpt`` is one of our checkpoints (written by ``trainer.save_checkpoint``, ``ModelCheckpoint`` or
+``megatron-lite convert``) or a local Hugging Face Llama directory, loaded by
+``GPTModule.from_pretrained``. The tokenizer is the one the checkpoint records (the training data's), a
+converted model's own, or the Hugging Face directory's; ``--tokenizer-*`` overrides it. One device
+generates in this process; more run ``trainer.predict`` with a
+:class:`~megatron_lite.data.PromptDataModule` on forked ranks at the layout asked for. A row stops at
+the tokenizer's end-of-document token unless ``--ignore-eod``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from megatron_lite.core.inference.sampling import SamplingParams
 
@@ -31,7 +31,7 @@ _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-lite generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint directory written under MegatronStrategy")
+    p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
@@ -52,52 +52,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_checkpoint_module(path: str | os.PathLike) -> tuple[Any, dict]:
-    """A GPTModule built from a checkpoint's saved config (weights are loaded by ``trainer.predict(ckpt_path=...)``)
-    and the checkpoint's metadata.
-
-    TO BE REPLACED by ``GPTModule.from_pretrained(path)`` once it exists (the hf-interop work): it builds the
-    module and loads the weights in one call, for our checkpoints and Hugging Face models alike.
-    """
+def load_tokenizer(path: Path, args: argparse.Namespace):
+    """The tokenizer named on the command line, else the model's own: the one our checkpoint records (the
+    training data's), the one a converted Hugging Face model brought (``hf/`` inside the checkpoint), or the
+    one in a Hugging Face directory."""
+    from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory
     from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
     from megatron_lite.core.models import GPTConfig
     from megatron_lite.core.optim import OptimizerConfig
-    from megatron_lite.module import GPTModule
-
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        state = "does not exist" if not path.exists() else "is not a megatron-lite checkpoint directory (no .metadata)"
-        raise FileNotFoundError(f"--ckpt {path} {state}; pass the directory that trainer.save_checkpoint() or "
-                                f"ModelCheckpoint wrote under MegatronStrategy")
-    meta = read_checkpoint_meta(path, allowed=[GPTConfig, OptimizerConfig])
-    hparams = meta.get("hyper_parameters") or {}
-    config = hparams.get("config")
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"{path} holds no GPTModule config (hyper_parameters.config); megatron-lite generate needs "
-                         f"a checkpoint of a GPTModule")
-    optimizer = hparams.get("optimizer") if isinstance(hparams.get("optimizer"), OptimizerConfig) else None
-    return GPTModule(config, optimizer, seed=int(hparams.get("seed", 1234))), meta
-
-
-def load_tokenizer(meta: dict, args: argparse.Namespace):
-    """The tokenizer named on the command line, else the one the checkpoint records."""
     from megatron_lite.module import TOKENIZER_KEY
+    from megatron_lite.pretrained import HF_SIDE_DIR
     from megatron_lite.tokenizers import build_tokenizer
 
     if args.tokenizer_type is not None:
         spec = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
                 "vocab_file": args.vocab_file, "merge_file": args.merge_file}
         return build_tokenizer(**{k: v for k, v in spec.items() if v is not None})
-    spec = meta.get(TOKENIZER_KEY)
-    if not spec:
-        raise ValueError(f"the checkpoint names no tokenizer (it was trained on data without one); pass "
-                         f"--tokenizer-type and its files (--tokenizer-model, or --vocab-file and --merge-file)")
-    spec = dict(spec)
-    missing = [spec[k] for k in ("tokenizer_model", "vocab_file", "merge_file") if k in spec and not os.path.exists(spec[k])]
-    if missing:
-        raise FileNotFoundError(f"the checkpoint's tokenizer file {missing[0]} no longer exists; pass the tokenizer "
-                                f"with --tokenizer-type {spec['tokenizer_type']} and its files (--tokenizer-model ...)")
-    return build_tokenizer(**spec)
+    hf_dir = path / HF_SIDE_DIR if is_checkpoint_directory(path) else path
+    spec = read_checkpoint_meta(path, [GPTConfig, OptimizerConfig]).get(TOKENIZER_KEY) \
+        if is_checkpoint_directory(path) else None
+    if spec:
+        spec = dict(spec)
+        missing = [spec[k] for k in ("tokenizer_model", "vocab_file", "merge_file")
+                   if k in spec and not os.path.exists(spec[k])]
+        if missing:
+            raise FileNotFoundError(f"the checkpoint's tokenizer file {missing[0]} no longer exists; pass the tokenizer "
+                                    f"with --tokenizer-type {spec['tokenizer_type']} and its files (--tokenizer-model ...)")
+        return build_tokenizer(**spec)
+    if (hf_dir / "tokenizer.json").is_file():
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))
+    if (hf_dir / "tokenizer.model").is_file():
+        return build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(hf_dir / "tokenizer.model"))
+    raise ValueError(f"{path} names no tokenizer (its training data had none); pass --tokenizer-type and its files "
+                     f"(--tokenizer-model, or --vocab-file and --merge-file)")
 
 
 def _check_args(args: argparse.Namespace) -> SamplingParams:
@@ -114,30 +101,43 @@ def _check_args(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Generate for every ``--prompt``; returns one record per prompt."""
-    import lightning as L
-
     from megatron_lite.data.prompts import PromptDataModule
-    from megatron_lite.strategies import MegatronStrategy
+    from megatron_lite.module import GPTModule
 
     sampling = _check_args(args)
-    module, meta = load_checkpoint_module(args.ckpt)
-    tokenizer = load_tokenizer(meta, args)
+    path = Path(args.ckpt)
+    module = GPTModule.from_pretrained(path)
+    tokenizer = load_tokenizer(path, args)
     stop = [] if args.ignore_eod or tokenizer.eod is None else [tokenizer.eod]
     prompts = [tokenizer.tokenize(p) for p in args.prompt]
     data = PromptDataModule(prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             seed=sampling.seed, stop_ids=stop)
     data.check_fits_model(module.config)
-    # Several ranks are forked from this process (their predictions come back here); one runs in it.
-    strategy = MegatronStrategy(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                start_method="fork" if args.devices > 1 else "popen")
-    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    batches = trainer.predict(module, datamodule=data, ckpt_path=str(args.ckpt))
-    new_tokens = [row[row >= 0].tolist() for batch in batches for row in batch]
+    if args.devices == 1 and args.tensor_model_parallel_size == args.pipeline_model_parallel_size == 1:
+        new_tokens = [out for batch in data.predict_dataloader() for out in _rows(module.generate_batch(batch))]
+    else:
+        new_tokens = _predict(module, data, args)
     return [{"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids, "new_tokens": new}
             for text, ids, new in zip(args.prompt, prompts, new_tokens)]
+
+
+def _rows(batch) -> list[list[int]]:
+    return [row[row >= 0].tolist() for row in batch]
+
+
+def _predict(module, data, args: argparse.Namespace) -> list[list[int]]:
+    """``trainer.predict`` on forked ranks: each cuts its shards out of the module's one-process model, and
+    the predictions come back here."""
+    import lightning as L
+
+    from megatron_lite.strategies import MegatronStrategy
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                pipeline_model_parallel_size=args.pipeline_model_parallel_size, start_method="fork")
+    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    return [row for batch in trainer.predict(module, datamodule=data) for row in _rows(batch)]
 
 
 def completion(tokenizer, prompt: list[int], new: list[int]) -> str:

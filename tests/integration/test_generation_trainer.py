@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import megatron_lite as ml
 from megatron_lite import cli
 from megatron_lite.data import PromptDataModule, TextCorpusDataModule
-from megatron_lite.generate import load_checkpoint_module
+from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
 from megatron_lite.tokenizers import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,12 +52,13 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _tokenizer(checkpoint: Path):
-    module, meta = load_checkpoint_module(checkpoint)
+    """The tokenizer the checkpoint records: the one the datamodule trained."""
+    meta = read_checkpoint_meta(checkpoint, [ml.GPTConfig, ml.OptimizerConfig])
     return build_tokenizer(**meta["megatron_lite_tokenizer"])
 
 
 def _predict(checkpoint: Path, prompts, devices: int = 1, batch_size: int = 2, **options) -> list[list[int]]:
-    module, _ = load_checkpoint_module(checkpoint)
+    module = ml.GPTModule(ml.GPTConfig(**CONFIG))  # weights from ckpt_path, in every rank
     tp = options.pop("tp", 1)
     pp = options.pop("pp", 1)
     data = PromptDataModule(prompts, batch_size=batch_size, max_new_tokens=10, **options)
@@ -74,10 +75,8 @@ def test_predict_with_prompts_equals_generate_at_every_layout(checkpoint):
     sampled = dict(temperature=0.9, top_p=0.9, seed=3)
     one = _predict(checkpoint, prompts)
     one_sampled = _predict(checkpoint, prompts, **sampled)
-    # The same weights in this process (loaded by a one-device predict, which runs here).
-    module, _ = load_checkpoint_module(checkpoint)
-    _trainer().predict(module, datamodule=PromptDataModule(prompts[:1], max_new_tokens=1), ckpt_path=str(checkpoint))
-    assert one == module.generate(prompts, 10).tokens
+    # The same weights in this process, without a Trainer
+    assert one == ml.GPTModule.from_pretrained(checkpoint).generate(prompts, 10).tokens
     assert one_sampled != one
     # A prompt's samples depend on its index in the dataset, not on the batch it shares
     assert one_sampled == _predict(checkpoint, prompts, batch_size=3, **sampled)
@@ -88,7 +87,7 @@ def test_predict_with_prompts_equals_generate_at_every_layout(checkpoint):
 
 
 def test_predict_refuses_prompts_that_do_not_fit_before_launch(checkpoint):
-    module, _ = load_checkpoint_module(checkpoint)
+    module = ml.GPTModule(ml.GPTConfig(**CONFIG))
     data = PromptDataModule([[1] * 30], max_new_tokens=10)
     with pytest.raises(ValueError, match="lower max_new_tokens to 2"):
         _trainer(2, tensor_model_parallel_size=2).predict(module, datamodule=data, ckpt_path=str(checkpoint))
@@ -140,4 +139,5 @@ def test_cli_names_a_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_code:
         cli.main(["generate", "--ckpt", str(tmp_path / "nope"), "--prompt", "x"])
     assert exit_code.value.code == 2
-    assert "does not exist; pass the directory that trainer.save_checkpoint()" in capsys.readouterr().err
+    assert "nope does not exist; pass a local Hugging Face model directory or one of our checkpoints" in \
+        capsys.readouterr().err
