@@ -66,46 +66,46 @@ class SelfAttention(nn.Module):
                           kv: Optional[tuple[torch.Tensor, torch.Tensor]], step) -> torch.Tensor:
         """Attention of this step's tokens ``x`` [s, b, h] (a prefill or one decode token per row).
 
-        ``step`` is a :class:`~megatron_lite.core.inference.kv_cache.InferenceStep`. With a cache
-        (``kv``: this layer's key and value buffers [b, groups, max_len, d]) the new keys and values are
-        written at slots ``step.start ..`` and the queries attend to every cached slot up to theirs;
-        without one they attend to this step's tokens only (recompute)."""
+        ``step`` is a :class:`~megatron_lite.core.inference.kv_cache.InferenceStep`; ``rope`` is (cos, sin)
+        [s, b, 1, 1, dim] (broadcast over groups and heads). With a cache (``kv``: this layer's key and value
+        buffers [b, groups, max_len, d]) the new keys and values are written at slots ``step.start ..`` and
+        the queries attend to every cached slot up to theirs; without one they attend to this step's tokens
+        only (recompute)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(s, b, self.groups_per_rank * self.q_per_group, self.head_dim)
-        k, v = k.squeeze(3), v.squeeze(3)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d]
+        if rope is not None:  # queries and keys rotated in one go: half the small ops of a decode step
+            qk = apply_rotary(qkv[:, :, :, : self.q_per_group + 1], *rope)
+            q, k = qk.split([self.q_per_group, 1], dim=3)
+        else:
+            q, k = qkv[:, :, :, : self.q_per_group], qkv[:, :, :, self.q_per_group: self.q_per_group + 1]
+        v = qkv[:, :, :, self.q_per_group + 1:]
+        k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)  # [b, groups, s, d]
         if kv is not None:
             end = step.start + s
             kv[0][:, :, step.start:end] = k
             kv[1][:, :, step.start:end] = v
             k, v = kv[0][:, :, :end], kv[1][:, :, :end]
-        return self.linear_proj(cached_attention(q, k, v, step.mask, self.q_per_group))
+        return self.linear_proj(cached_attention(q, k, v, step.mask))
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                     queries_per_group: int) -> torch.Tensor:
-    """``softmax(QK^T / sqrt(d)) V`` of queries [s, b, heads, d] over keys/values [b, groups, L, d]
-    (the last ``s`` of the L slots are the queries' own); ``mask`` [b, 1, s, L] or None for causal.
-    Returns [s, b, heads * d]."""
-    s, b, heads, d = q.shape
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``softmax(QK^T / sqrt(d)) V`` of queries [s, b, groups, heads_per_group, d] over keys/values
+    [b, groups, L, d] (the last ``s`` of the L slots are the queries' own); ``mask`` [b, 1, s, L] or None
+    for causal. Returns [s, b, heads * d]."""
+    s, b, groups, per_group, d = q.shape
     if s == 1:
         # One query per row (a decode step) sees every cached key, so no causal mask. Each group's
         # queries become the query rows of one attention over that group's keys: the cache is read in
-        # place, never expanded to one copy per query head.
-        groups = k.shape[1]
-        q = q.reshape(b, groups, queries_per_group, d)  # mask [b, 1, 1, L] broadcasts over them
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(1, b, heads * d)
-    if queries_per_group > 1:
-        k = k.repeat_interleave(queries_per_group, dim=1)
-        v = v.repeat_interleave(queries_per_group, dim=1)
-    q = q.permute(1, 2, 0, 3)  # [b, heads, s, d]
+        # place, never expanded to one copy per query head. A mask [b, 1, 1, L] broadcasts over them.
+        out = F.scaled_dot_product_attention(q.reshape(b, groups, per_group, d), k, v, attn_mask=mask)
+        return out.reshape(1, b, groups * per_group * d)
+    if per_group > 1:
+        k = k.repeat_interleave(per_group, dim=1)
+        v = v.repeat_interleave(per_group, dim=1)
+    q = q.reshape(s, b, groups * per_group, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, groups * per_group * d)
 
 
 class CoreAttention(nn.Module):

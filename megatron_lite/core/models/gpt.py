@@ -298,7 +298,9 @@ class GPTModel(nn.Module):
         of the last position only [b, V_padded/tp] (the only ones generation needs). Run with sequence
         and context parallelism off (``megatron_lite.core.inference.generate`` sees to it)."""
         stage = self.chunks[chunk].stage
-        rope = self.rotary(step.positions) if self.rotary is not None else None
+        rope = None
+        if self.rotary is not None:  # once per step; [s, b, 1, 1, dim] broadcasts over query groups and heads
+            rope = tuple(t.unsqueeze(3) for t in self.rotary(step.positions))
         x = self._embed(tokens, step.positions) if stage.pre_process else hidden_states
         for i in stage.layers:
             x = self.layers[str(i)].inference_forward(x, rope, step.kv(i), step)
