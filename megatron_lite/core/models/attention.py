@@ -73,19 +73,20 @@ class SelfAttention(nn.Module):
         only (recompute)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups_per_rank, self.q_per_group + 2, self.head_dim)
+        per_group = self.q_per_group
+        qkv = qkv.view(s, b, self.groups_per_rank, per_group + 2, self.head_dim)
+        # Views and few ops: this runs per layer per token, and a decode step's tensors are tiny.
+        qk = qkv.narrow(3, 0, per_group + 1)
         if rope is not None:  # queries and keys rotated in one go: half the small ops of a decode step
-            qk = apply_rotary(qkv[:, :, :, : self.q_per_group + 1], *rope)
-            q, k = qk.split([self.q_per_group, 1], dim=3)
-        else:
-            q, k = qkv[:, :, :, : self.q_per_group], qkv[:, :, :, self.q_per_group: self.q_per_group + 1]
-        v = qkv[:, :, :, self.q_per_group + 1:]
-        k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)  # [b, groups, s, d]
+            qk = apply_rotary(qk, *rope)
+        q = qk.narrow(3, 0, per_group)
+        k = qk.select(3, per_group).permute(1, 2, 0, 3)  # [b, groups, s, d]
+        v = qkv.select(3, per_group + 1).permute(1, 2, 0, 3)
         if kv is not None:
             end = step.start + s
-            kv[0][:, :, step.start:end] = k
-            kv[1][:, :, step.start:end] = v
-            k, v = kv[0][:, :, :end], kv[1][:, :, :end]
+            kv[0].narrow(2, step.start, s).copy_(k)
+            kv[1].narrow(2, step.start, s).copy_(v)
+            k, v = kv[0].narrow(2, 0, end), kv[1].narrow(2, 0, end)
         return self.linear_proj(cached_attention(q, k, v, step.mask))
 
 
