@@ -61,21 +61,32 @@ def _mix(seed: int, row: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``logits`` [b, V] divided by the temperature, with the tokens outside top-k / top-p at -inf."""
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The tokens sampling may pick and their tempered scores: ``(scores [b, n], ids [b, n] or None)``.
+
+    With ``top_k`` only the k best are kept (``torch.topk``: no sort of the whole vocabulary); ``top_p``
+    then keeps the smallest prefix of them (sorted, most likely first) whose probability reaches it; the
+    others get -inf. ``ids`` is None when every token of the vocabulary is a candidate in its own column."""
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
+    ids: Optional[torch.Tensor] = None
     if 0 < params.top_k < vocab:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        scores, ids = torch.topk(scores, params.top_k, dim=-1)  # sorted, most likely first
+    elif params.top_p < 1.0:
+        scores, ids = scores.sort(dim=-1, descending=True)
     if params.top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        probs = sorted_scores.softmax(dim=-1)
-        # Keep the smallest prefix whose probability reaches top_p: a token goes when the ones before it
-        # already reach top_p (the most likely token always stays).
-        drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
-    return scores
+        probs = scores.softmax(dim=-1)
+        # A token goes when the ones before it already reach top_p (the most likely one always stays).
+        scores = scores.masked_fill((probs.cumsum(dim=-1) - probs) >= params.top_p, float("-inf"))
+    return scores, ids
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits`` [b, V] divided by the temperature, with the tokens outside top-k / top-p at -inf."""
+    scores, ids = candidates(logits, params)
+    if ids is None:
+        return scores
+    return torch.full_like(logits, float("-inf"), dtype=scores.dtype).scatter(-1, ids, scores)
 
 
 class TokenSampler:
@@ -92,12 +103,13 @@ class TokenSampler:
         """The next token of each row [b] (int64) from full-vocabulary logits [b, V]."""
         if self.params.greedy:
             return logits.argmax(dim=-1)
-        probs = filter_logits(logits, self.params).softmax(dim=-1)
-        vocab = probs.shape[-1]
-        noise = torch.stack([torch.empty(vocab, device=probs.device).exponential_(generator=g)
-                             for g in self.generators])
+        scores, ids = candidates(logits, self.params)
+        probs = scores.softmax(dim=-1)
+        n = probs.shape[-1]
+        noise = torch.stack([torch.empty(n, device=probs.device).exponential_(generator=g) for g in self.generators])
         # Exp(1) can return exactly 0 (p / 0 = inf, or nan for a filtered token): keep it positive.
-        return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        choice = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        return choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
