@@ -116,21 +116,26 @@ def _decode(model: nn.Module, layout: ParallelLayout, rows: list[list[int]], max
     lengths = torch.full((b,), max_new_tokens, dtype=torch.int64)
     finished = torch.zeros(b, dtype=torch.bool, device=runner.device)
     payload = torch.empty(b * (2 if return_log_probs else 1), dtype=torch.float64, device=runner.device)
-    inputs, sequence = batch.tokens, batch.tokens
+    inputs, sequence, embeddings = batch.tokens, batch.tokens, None
+    exchange = sampling.greedy and runner.exchanges_greedy
     try:
         step = _step(batch, 0, width, cache)
         for t in range(max_new_tokens):
-            logits = runner(inputs, step)
-            if sampler is not None:
-                chosen = sampler(logits)
-                payload[:b] = chosen
-                if return_log_probs:
-                    payload[b:] = token_log_probs(logits, chosen)
-            runner.share(payload)  # token ids < 2**53 are exact in float64
-            chosen = payload[:b].to(torch.int64)
+            if exchange:  # greedy under TP alone: one all-gather chooses (see step.py)
+                chosen, lps, embeddings = runner.greedy(inputs, step, embeddings, return_log_probs)
+                embeddings = embeddings if cache is not None else None  # recompute embeds the whole sequence
+            else:
+                logits = runner(inputs, step)
+                if sampler is not None:
+                    chosen = sampler(logits)
+                    payload[:b] = chosen
+                    if return_log_probs:
+                        payload[b:] = token_log_probs(logits, chosen)
+                runner.share(payload)  # token ids < 2**53 are exact in float64
+                chosen, lps = payload[:b].to(torch.int64), payload[b:]
             new_tokens[:, t] = chosen.cpu()
             if log_probs is not None:
-                log_probs[:, t] = payload[b:].cpu()
+                log_probs[:, t] = lps.cpu()
             if stops:
                 ended = torch.isin(chosen, stop_tensor) & ~finished
                 lengths[ended.cpu()] = t + 1

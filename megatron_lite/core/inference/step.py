@@ -16,6 +16,12 @@ sort and RNG giving bit-identical results; one differing bit on one rank (anothe
 device type) would silently feed different tokens to different ranks — wrong text, or under PP a
 hang. The broadcast cannot diverge, and under PP the tokens must reach the first stage anyway.
 
+Greedy decoding under tensor parallelism alone needs neither: every TP rank takes the best token of its
+vocabulary slice, and one all-gather of (best logit, its id, its word-embedding row, the slice's
+log-sum-exp) gives every rank the winner — a choice made by exact comparisons of bit-identical copies,
+so it cannot diverge — and the next step's embedding, so the lookup's all-reduce goes too: a decode step
+waits on ``2 x layers + 1`` collectives instead of ``2 x layers + 3``.
+
 Generation runs whole rows: context-parallel ranks other than 0 (which hold the same weights)
 compute nothing and only receive the broadcast tokens.
 """
@@ -29,6 +35,7 @@ from torch import nn
 
 from megatron_lite.core.inference.kv_cache import InferenceStep
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.mappings import all_gather_into_tensor
 
 
 def _mesh_rank(layout: ParallelLayout, **coords: int) -> int:
@@ -60,6 +67,9 @@ class StepRunner:
             self.prev_rank = _mesh_rank(layout, pp=(layout.pp_rank - 1) % layout.pp_size)
             self.next_rank = _mesh_rank(layout, pp=(layout.pp_rank + 1) % layout.pp_size)
         self.chunks = list(getattr(model, "chunks", None) or [])
+        self.exchanges_greedy = (layout.tp_size > 1 and layout.pp_size == 1 and layout.cp_size == 1
+                                 and layout.ep_size == 1)
+        """Whether greedy tokens come from one all-gather over TP (see the module docstring)."""
 
     def __call__(self, tokens: torch.Tensor, step: InferenceStep) -> Optional[torch.Tensor]:
         """Run ``tokens`` [b, s] through this rank's chunks; returns the last position's logits over the real
@@ -85,6 +95,30 @@ class StepRunner:
         if logits is None:
             return None
         return self._gather_vocab(logits)
+
+    def greedy(self, tokens: torch.Tensor, step: InferenceStep, embeddings: Optional[torch.Tensor],
+               with_log_probs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Greedy step under TP alone: (chosen tokens [b], their log-probs [b] or None, their word embeddings
+        [1, b, h] for the next step), the same on every TP rank."""
+        local = self.model.inference_forward(tokens, step, embeddings=embeddings).float()  # [b, V_padded/tp]
+        start = self.model.vocab_start
+        real = max(0, min(local.shape[-1], self.vocab_size - start))  # the rest is vocabulary padding
+        b, h = local.shape[0], self.hidden_size
+        mine = torch.zeros(b, h + 3, dtype=torch.float64, device=self.device)  # best, id, lse, embedding row
+        if real:
+            best, index = local[:, :real].max(dim=-1)  # ties: the first, as argmax over the whole vocabulary
+            mine[:, 0], mine[:, 1] = best, index + start
+            mine[:, 2] = torch.logsumexp(local[:, :real], dim=-1) if with_log_probs else 0.0
+            mine[:, 3:] = self.model.embedding.weight[index]
+        else:
+            mine[:, 0] = mine[:, 2] = float("-inf")
+        every = torch.empty(self.layout.tp_size * b, h + 3, dtype=torch.float64, device=self.device)
+        all_gather_into_tensor(every, mine, group=self.tp_group)
+        every = every.view(self.layout.tp_size, b, h + 3)
+        winner = every[:, :, 0].argmax(dim=0)  # ties: the lowest rank, i.e. the lowest token id
+        picked = every.gather(0, winner.view(1, b, 1).expand(1, b, h + 3))[0]
+        log_probs = picked[:, 0] - torch.logsumexp(every[:, :, 2], dim=0) if with_log_probs else None
+        return picked[:, 1].to(torch.int64), log_probs, picked[:, 3:].to(self.dtype).unsqueeze(0)
 
     def _gather_vocab(self, local: torch.Tensor) -> Optional[torch.Tensor]:
         """This TP rank's logits [b, V_padded/tp] -> the full real vocabulary [b, vocab_size] on TP rank 0."""

@@ -289,19 +289,28 @@ class GPTModel(nn.Module):
 
     @torch.no_grad()
     def inference_forward(self, tokens: torch.Tensor, step, hidden_states: Optional[torch.Tensor] = None,
-                          chunk: int = 0) -> torch.Tensor:
+                          chunk: int = 0, embeddings: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One generation step of chunk ``chunk``: ``tokens`` [b, s] are the step's new tokens (the prompt
         in the prefill, one per row in a decode step) and ``step`` an
         :class:`~megatron_lite.core.inference.kv_cache.InferenceStep` (positions, mask, KV cache).
 
         Returns the activations [s, b, h] for the next stage, or on the last stage this TP rank's logits
         of the last position only [b, V_padded/tp] (the only ones generation needs). Run with sequence
-        and context parallelism off (``megatron_lite.core.inference.generate`` sees to it)."""
+        and context parallelism off (``megatron_lite.core.inference.generate`` sees to it). ``embeddings``
+        [s, b, h] are the tokens' word embeddings when the caller has them already (no lookup, and no
+        all-reduce of a vocabulary-parallel one)."""
         stage = self.chunks[chunk].stage
         rope = None
         if self.rotary is not None:  # once per step; [s, b, 1, 1, dim] broadcasts over query groups and heads
             rope = tuple(t.unsqueeze(3) for t in self.rotary(step.positions))
-        x = self._embed(tokens, step.positions) if stage.pre_process else hidden_states
+        if not stage.pre_process:
+            x = hidden_states
+        elif embeddings is None:
+            x = self._embed(tokens, step.positions)
+        else:
+            x = embeddings
+            if self.position_embeddings is not None:
+                x = x + self.position_embeddings(step.positions).transpose(0, 1)
         for i in stage.layers:
             x = self.layers[str(i)].inference_forward(x, rope, step.kv(i), step)
         if not stage.post_process:

@@ -14,6 +14,8 @@ Group = Optional[dist.ProcessGroup]
 
 # torch 2.13 renamed the single-tensor collectives; the old names still work on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into_tensor = _all_gather_single
+"""``dist.all_gather_into_tensor`` under the name this torch release gives it (output: the inputs along dim 0)."""
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
