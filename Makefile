@@ -33,6 +33,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

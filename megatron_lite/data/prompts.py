@@ -61,10 +61,9 @@ class PromptDataModule(pl.LightningDataModule):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer: pass tokenizer=... (or token-id lists)")
             prompts = [tokenizer.tokenize(p) if isinstance(p, str) else p for p in prompts]
-        # The model's vocabulary and context are checked by check_fits_model; here everything else (an id
-        # bound past any vocabulary only stops at the model check: check_fits_model).
-        self.prompts = check_prompts(prompts, max_new_tokens, vocab_size=2**62, context=2**62)
-        self.stop_ids = check_stop_ids(stop_ids, vocab_size=2**62)
+        # Everything but the model's vocabulary and context, which check_fits_model checks.
+        self.prompts = check_prompts(prompts, max_new_tokens, vocab_size=None, context=None)
+        self.stop_ids = check_stop_ids(stop_ids, vocab_size=None)
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.num_workers = num_workers

@@ -35,7 +35,7 @@ def _as_rows(prompts: Any) -> list[list[int]]:
     return rows
 
 
-def _token_id(value: Any, where: str, vocab_size: int) -> int:
+def _token_id(value: Any, where: str, vocab_size: Optional[int]) -> int:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
     try:
@@ -44,16 +44,19 @@ def _token_id(value: Any, where: str, vocab_size: int) -> int:
         value = operator.index(value)  # ints and numpy integers; floats and strings are refused
     except TypeError:
         raise TypeError(f"{where} is {value!r}, not an integer token id") from None
-    if not 0 <= value < vocab_size:
-        raise ValueError(f"{where} is {value}, outside the model's vocabulary [0, {vocab_size}); use ids of the "
-                         f"tokenizer the model was trained with")
+    if value < 0 or (vocab_size is not None and value >= vocab_size):
+        bound = "a token id must be >= 0" if value < 0 and vocab_size is None else \
+            f"outside the model's vocabulary [0, {vocab_size}); use ids of the tokenizer the model was trained with"
+        raise ValueError(f"{where} is {value}, {bound}")
     return value
 
 
-def check_prompts(prompts: Any, max_new_tokens: int, vocab_size: int, context: int) -> list[list[int]]:
+def check_prompts(prompts: Any, max_new_tokens: int, vocab_size: Optional[int], context: Optional[int]
+                  ) -> list[list[int]]:
     """``prompts`` as lists of ints, or one ValueError/TypeError naming the prompt and the fix: an empty
     batch or prompt, an id outside ``[0, vocab_size)``, a prompt that with ``max_new_tokens`` new tokens
-    does not fit the model's ``context`` (its position table / trained length)."""
+    does not fit the model's ``context`` (its position table / trained length). None skips a bound (the
+    model is not known yet)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     rows = _as_rows(prompts)
@@ -63,6 +66,8 @@ def check_prompts(prompts: Any, max_new_tokens: int, vocab_size: int, context: i
         if not row:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. the tokenizer's BOS)")
         rows[i] = row = [_token_id(token, f"prompt {i}, token {j}", vocab_size) for j, token in enumerate(row)]
+        if context is None:
+            continue
         if len(row) > context:
             raise ValueError(f"prompt {i} has {len(row)} tokens, longer than the model's context of {context} "
                              f"positions: shorten it to at most {context} tokens")
@@ -73,7 +78,7 @@ def check_prompts(prompts: Any, max_new_tokens: int, vocab_size: int, context: i
     return rows
 
 
-def check_stop_ids(stop_ids: Optional[Iterable[int]], vocab_size: int) -> tuple[int, ...]:
+def check_stop_ids(stop_ids: Optional[Iterable[int]], vocab_size: Optional[int]) -> tuple[int, ...]:
     """``stop_ids`` as a tuple of valid token ids (an int alone is accepted)."""
     if stop_ids is None:
         return ()
