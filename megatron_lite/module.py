@@ -26,7 +26,6 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
-from megatron_lite.tokenizers.build import tokenizer_spec
 from megatron_lite.pretrained import load_pretrained
 from megatron_lite.core.inference import GenerationResult, SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
@@ -295,6 +294,8 @@ class GPTModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Which tokenizer the data used (its type and files), so `megatron-lite generate` can detokenize.
+        from megatron_lite.tokenizers.build import tokenizer_spec  # here: `import megatron_lite` stays light
+
         spec = tokenizer_spec(getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None))
         if spec is not None:
             checkpoint[TOKENIZER_KEY] = spec
