@@ -105,7 +105,8 @@ def _run_cli(args: Optional[list[str]]) -> None:
         trainer_defaults={"strategy": "megatron"},
         args=args,
         parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
-                                      "`megatron-lite preprocess|estimate|plot|generate --help`.", "default_env": False},
+                                      "`megatron-lite preprocess|estimate|plot|generate --help`.",
+                       "default_env": False},
         save_config_kwargs={"overwrite": True},
     )
 

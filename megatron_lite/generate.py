@@ -76,8 +76,9 @@ def load_tokenizer(path: Path, args: argparse.Namespace):
         missing = [spec[k] for k in ("tokenizer_model", "vocab_file", "merge_file")
                    if k in spec and not os.path.exists(spec[k])]
         if missing:
-            raise FileNotFoundError(f"the checkpoint's tokenizer file {missing[0]} no longer exists; pass the tokenizer "
-                                    f"with --tokenizer-type {spec['tokenizer_type']} and its files (--tokenizer-model ...)")
+            raise FileNotFoundError(f"the checkpoint's tokenizer file {missing[0]} no longer exists; pass the "
+                                    f"tokenizer with --tokenizer-type {spec['tokenizer_type']} and its files "
+                                    f"(--tokenizer-model ...)")
         return build_tokenizer(**spec)
     if (hf_dir / "tokenizer.json").is_file():
         return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))
