@@ -18,10 +18,10 @@ libraries run the same weights; without it, a ``GPTModel`` of the same shape. Ro
   weights and prompt (its own KV cache), under ``torch.no_grad``.
 * **prefill**: ``--prefill-batch`` prompts of ``--prefill-length`` tokens, one new token: prompt tokens/s
   (ours and transformers').
-* **TP1 / TP2**: ``--tp-new-tokens`` (200) cached greedy tokens on 1 and 2 forked ranks (gloo) of the same
-  imported weights, and the full-logits loop at both (the "before" of the issue), plus the latency of one
-  gloo all-reduce of a decode step's activation [1, 1, 128] measured in the same ranks (a TP2 decode step
-  issues 2 per layer + 1 for the embedding, a gather of the logits and a broadcast of the token).
+* **TP1 / TP2 / PP2**: ``--tp-new-tokens`` (200) cached greedy tokens on 1 and 2 forked ranks (gloo) of the
+  same imported weights, and the full-logits loop at each (the "before" of the issue), plus the latency of
+  one gloo all-reduce of a decode step's activation [1, 1, 128] measured in the same ranks (a greedy TP2
+  decode step waits on 2 per layer and one all-gather that chooses the token).
 
 Every process and rank uses one torch thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). Rows are
 run ``--repeats`` times in rotation so slow drifts of a shared machine hit them all; medians are reported,
@@ -120,16 +120,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_worker(rank: int, world: int, port: int, out: str, source, prompt, n: int, repeats: int) -> None:
+def _layout_worker(rank: int, world: int, port: int, out: str, parallel: dict, source, prompt, n: int,
+                   repeats: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=world))
+    layout = ParallelLayout.build(ParallelConfig(**parallel))
     model = GPTModel(source.config, layout, seed=source.seed)
     carry_over_state(source.model, model, vocab_size=source.config.vocab_size)
     model.eval()
-    rows = {"cached": lambda: generate(model, [prompt], n),
-            "full-logits loop": lambda: full_logits_loop(model, prompt, n)}
+    rows = {"cached": lambda: generate(model, [prompt], n)}
+    if layout.pp_size == 1:  # model.full_logits runs one stage only
+        rows["full-logits loop"] = lambda: full_logits_loop(model, prompt, n)
     times = {name: [] for name in rows}
     for fn in rows.values():
         fn()
@@ -151,11 +153,12 @@ def _tp_worker(rank: int, world: int, port: int, out: str, source, prompt, n: in
     dist.destroy_process_group()
 
 
-def run_tp(world: int, source, prompt: list[int], n: int, repeats: int) -> dict:
+def run_layout(world: int, parallel: dict, source, prompt: list[int], n: int, repeats: int) -> dict:
+    """Rank 0's timings of ``world`` forked ranks at the layout ``parallel`` (ParallelConfig fields)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.start_processes(_tp_worker, args=(world, _free_port(), out, source, prompt, n, repeats), nprocs=world,
-                           start_method="fork")
+        mp.start_processes(_layout_worker, args=(world, _free_port(), out, parallel, source, prompt, n, repeats),
+                           nprocs=world, start_method="fork")
         return torch.load(out, weights_only=False)
 
 
@@ -219,8 +222,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     tp: dict = {}
     if not args.skip_tp:
-        for world in (1, 2):
-            tp[world] = run_tp(world, module, prompt, args.tp_new_tokens, args.repeats)
+        layouts = {"TP1": (1, {}), "TP2": (2, dict(tensor_model_parallel_size=2)),
+                   "PP2": (2, dict(pipeline_model_parallel_size=2))}
+        for name, (world, parallel) in layouts.items():
+            tp[name] = run_layout(world, parallel, module, prompt, args.tp_new_tokens, args.repeats)
     load_after = os.getloadavg()
 
     print(f"generate benchmark: {SHAPE}, context {context}, one thread per process; load average "
@@ -240,20 +245,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\nsame greedy tokens as transformers: {same}")
     if tp:
         m = args.tp_new_tokens
-        tp_rates = {world: {name: median_rate(t, m) for name, t in r["times"].items()} for world, r in tp.items()}
-        print(f"\nTP, {m} new tokens (forked gloo ranks, median of {args.repeats})")
-        print(f"{'row':<22}{'TP1 tok/s':>10}{'TP2 tok/s':>10}{'TP2/TP1':>9}")
-        for name in tp_rates[1]:
-            print(f"{name:<22}{tp_rates[1][name]:>10.0f}{tp_rates[2][name]:>10.0f}"
-                  f"{tp_rates[2][name] / tp_rates[1][name]:>9.2f}")
-        latency = tp[2]["all_reduce_s"]
-        collectives = 2 * SHAPE["num_layers"] + 3
-        print(f"one gloo all-reduce of [1, 1, 128] between the 2 ranks: {latency * 1e6:.0f} us; a TP2 decode step "
+        tp_rates = {name: {row: median_rate(t, m) for row, t in r["times"].items()} for name, r in tp.items()}
+        print(f"\nlayouts, {m} new tokens (forked gloo ranks, median of {args.repeats}; tokens/s)")
+        print(f"{'row':<22}" + "".join(f"{name:>9}" for name in tp) + f"{'TP2/TP1':>9}{'PP2/TP1':>9}")
+        def cell(name: str, row: str, over: Optional[str] = None) -> str:
+            rate = tp_rates[name].get(row)
+            if rate is None:
+                return f"{'-':>9}"
+            return f"{rate / tp_rates[over][row]:>9.2f}" if over else f"{rate:>9.0f}"
+
+        for row in tp_rates["TP1"]:
+            print(f"{row:<22}" + "".join(cell(name, row) for name in tp) + cell("TP2", row, "TP1")
+                  + cell("PP2", row, "TP1"))
+        latency = tp["TP2"]["all_reduce_s"]
+        collectives = 2 * SHAPE["num_layers"] + 1
+        print(f"one gloo all-reduce of [1, 1, 128] between 2 ranks: {latency * 1e6:.0f} us; a greedy TP2 decode step "
               f"waits on {collectives} collectives = {collectives * latency * 1e3:.2f} ms of its "
-              f"{1000 / tp_rates[2]['cached']:.2f} ms")
-        print(f"TP2 tokens equal TP1's: {tp[1]['tokens'] == tp[2]['tokens']}")
-        ratios["tp2_vs_tp1_cached"] = tp_rates[2]["cached"] / tp_rates[1]["cached"]
-        ratios["tp2_vs_tp1_full_logits_loop"] = tp_rates[2]["full-logits loop"] / tp_rates[1]["full-logits loop"]
+              f"{1000 / tp_rates['TP2']['cached']:.2f} ms")
+        print(f"TP2 and PP2 tokens equal TP1's: {tp['TP1']['tokens'] == tp['TP2']['tokens'] == tp['PP2']['tokens']}")
+        ratios["tp2_vs_tp1_cached"] = tp_rates["TP2"]["cached"] / tp_rates["TP1"]["cached"]
+        ratios["tp2_vs_tp1_full_logits_loop"] = tp_rates["TP2"]["full-logits loop"] / tp_rates["TP1"]["full-logits loop"]
+        ratios["pp2_vs_tp1_cached"] = tp_rates["PP2"]["cached"] / tp_rates["TP1"]["cached"]
     print("\ntargets:")
     print(f"  cached >= 5x recompute at {n} new tokens: {ratios['cached_vs_recompute']:.1f}x "
           f"({'met' if ratios['cached_vs_recompute'] >= 5 else 'missed'})")
@@ -265,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "load_before": load_before, "load_after": load_after},
               "decode_s": decode, "decode_tokens_per_s": rates, "prefill_s": prefill_times,
               "prefill_tokens_per_s": prefill_rates, "ratios": ratios,
-              "tp": {str(w): {"times_s": r["times"], "all_reduce_s": r["all_reduce_s"]} for w, r in tp.items()}}
+              "layouts": {name: {"times_s": r["times"], "all_reduce_s": r["all_reduce_s"]} for name, r in tp.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
