@@ -131,6 +131,23 @@ def test_generation_frees_its_cache(model):
     assert not [o for o in gc.get_objects() if type(o) is torch.Tensor and tuple(o.shape) == storage_shape]
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(rotary_percent=0.5), dict(position_embedding_type="learned_absolute"),
+    dict(num_query_groups=8, share_embeddings_and_output_weights=True), dict(num_query_groups=1),
+    dict(normalization="LayerNorm", activation="gelu", add_bias_linear=True),
+], ids=["gqa", "partial-rope", "learned-positions", "mha-tied", "mqa", "gpt2-style"])
+def test_cache_equals_an_argmax_loop_over_the_training_forward(overrides):
+    model = GPTModel(GPTConfig(**{**CONFIG, **overrides}), seed=5).eval()
+    prompts = [[5, 17, 42, 8, 9], [7]]
+    expected = []
+    for prompt in prompts:
+        seq = torch.tensor([prompt])
+        for _ in range(12):
+            seq = torch.cat([seq, model.full_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        expected.append(seq[0, len(prompt):].tolist())
+    assert generate(model, prompts, 12).tokens == expected
+
+
 def test_cache_equals_recompute_and_batch_equals_one_by_one(model):
     prompts = [[5, 17, 42, 8, 9], [7], [3, 4, 250]]
     batch = generate(model, prompts, 10, return_log_probs=True)

@@ -78,7 +78,7 @@ class SelfAttention(nn.Module):
         # Views and few ops: this runs per layer per token, and a decode step's tensors are tiny.
         qk = qkv.narrow(3, 0, per_group + 1)
         if rope is not None:  # queries and keys rotated in one go: half the small ops of a decode step
-            qk = apply_rotary(qk, *rope)
+            qk = rotate(qk, *rope)
         q = qk.narrow(3, 0, per_group)
         k = qk.select(3, per_group).permute(1, 2, 0, 3)  # [b, groups, s, d]
         v = qkv.select(3, per_group + 1).permute(1, 2, 0, 3)
@@ -88,6 +88,23 @@ class SelfAttention(nn.Module):
             kv[1].narrow(2, step.start, s).copy_(v)
             k, v = kv[0].narrow(2, 0, end), kv[1].narrow(2, 0, end)
         return self.linear_proj(cached_attention(q, k, v, step.mask))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary` in four ops: ``rotate_half(x) * sin`` is ``roll(x, d/2) * signed_sin`` with
+    ``signed_sin = [-sin_1, sin_2]`` (the same products, so the same bits); ``cos`` and ``signed_sin`` come
+    from :func:`rotary_tables`. For a head only partly rotated it falls back to :func:`apply_rotary`."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        sin = torch.cat((-signed_sin[..., : dim // 2], signed_sin[..., dim // 2:]), dim=-1)
+        return apply_rotary(x, cos, sin)
+    return x * cos + x.roll(dim // 2, dims=-1) * signed_sin
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin) for :func:`rotate`, from RoPE's (cos, sin), once per step."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.core.models.attention import SelfAttention, scaled_init_std
+from megatron_lite.core.models.attention import SelfAttention, rotary_tables, scaled_init_std
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.norms import Norm
@@ -302,7 +302,7 @@ class GPTModel(nn.Module):
         stage = self.chunks[chunk].stage
         rope = None
         if self.rotary is not None:  # once per step; [s, b, 1, 1, dim] broadcasts over query groups and heads
-            rope = tuple(t.unsqueeze(3) for t in self.rotary(step.positions))
+            rope = rotary_tables(*(t.unsqueeze(3) for t in self.rotary(step.positions)))
         if not stage.pre_process:
             x = hidden_states
         elif embeddings is None:
