@@ -100,6 +100,7 @@ def test_left_padding_positions_and_mask():
     assert batch.tokens.tolist() == [[7, 8, 9], [0, 0, 5]]
     assert batch.positions(0, 3).tolist() == [[0, 1, 2], [0, 0, 0]]
     assert batch.positions(3, 1).tolist() == [[3], [1]]
+    assert left_pad([[1, 2], [3, 4]], torch.device("cpu")).positions(0, 2).tolist() == [[0, 1]]  # shared by rows
     mask = attention_mask(batch.pad, 0, 3)[:, 0]
     assert mask[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     # row 1: its padding queries see only themselves, its real token only itself (not the padding)

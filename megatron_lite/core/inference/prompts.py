@@ -106,9 +106,10 @@ class PromptBatch:
         return self.tokens.shape[1]
 
     def positions(self, start: int, length: int) -> torch.Tensor:
-        """[b, length] position ids of slots ``start .. start+length-1`` (0 at each row's first real token)."""
-        slots = torch.arange(start, start + length, device=self.pad.device)
-        return (slots.unsqueeze(0) - self.pad.unsqueeze(1)).clamp_(min=0)
+        """[b, length] position ids of slots ``start .. start+length-1`` (0 at each row's first real token);
+        [1, length] when no row is padded (the same for every row: RoPE's tables are computed once)."""
+        slots = torch.arange(start, start + length, device=self.pad.device).unsqueeze(0)
+        return (slots - self.pad.unsqueeze(1)).clamp_(min=0) if self.padded else slots
 
 
 def left_pad(rows: Sequence[Sequence[int]], device: torch.device, width_after: int = 0) -> PromptBatch:
