@@ -221,11 +221,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         prefill_rows["transformers prefill"] = lambda: hf_generate(torch.tensor(prefill), 1)
         same = generate(model, [prompt], n).tokens[0] == hf_generate(ids, n)[0, len(prompt):].tolist()
     decode, decode_cpu = rotate(decode_rows, args.repeats)
-    prefill_times, _ = rotate(prefill_rows, args.repeats)
+    prefill_times, prefill_cpu = rotate(prefill_rows, args.repeats)
     rates = {name: median_rate(t, n) for name, t in decode.items()}
     cpu_rates = {name: median_rate(t, n) for name, t in decode_cpu.items()}
     prefill_tokens = args.prefill_batch * args.prefill_length
     prefill_rates = {name: median_rate(t, prefill_tokens) for name, t in prefill_times.items()}
+    prefill_cpu_rates = {name: median_rate(t, prefill_tokens) for name, t in prefill_cpu.items()}
 
     tp: dict = {}
     if not args.skip_tp:
@@ -243,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{name:<22}{rate:>10.0f}{1000 / rate:>10.2f}{1000 / cpu_rates[name]:>14.2f}")
     print(f"\nprefill, {args.prefill_batch} prompts x {args.prefill_length} tokens, 1 new token")
     for name, rate in prefill_rates.items():
-        print(f"{name:<22}{rate:>10.0f} prompt tokens/s")
+        print(f"{name:<22}{rate:>10.0f} prompt tokens/s, {prefill_cpu_rates[name]:.0f} per CPU second")
     ratios = {"cached_vs_recompute": rates["cached"] / rates["recompute"],
               "cached_vs_recompute_cpu": cpu_rates["cached"] / cpu_rates["recompute"],
               "cached_vs_full_logits_loop": rates["cached"] / rates["full-logits loop"]}
@@ -251,6 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ratios["cached_vs_transformers"] = rates["cached"] / rates["transformers"]
         ratios["cached_vs_transformers_cpu"] = cpu_rates["cached"] / cpu_rates["transformers"]
         ratios["prefill_vs_transformers"] = prefill_rates["prefill"] / prefill_rates["transformers prefill"]
+        ratios["prefill_vs_transformers_cpu"] = prefill_cpu_rates["prefill"] / prefill_cpu_rates["transformers prefill"]
         print(f"\nsame greedy tokens as transformers: {same}")
     if tp:
         m = args.tp_new_tokens
@@ -287,7 +289,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "machine": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                           "load_before": load_before, "load_after": load_after},
               "decode_s": decode, "decode_cpu_s": decode_cpu, "decode_tokens_per_s": rates,
-              "decode_tokens_per_cpu_s": cpu_rates, "prefill_s": prefill_times,
+              "decode_tokens_per_cpu_s": cpu_rates, "prefill_s": prefill_times, "prefill_cpu_s": prefill_cpu,
               "prefill_tokens_per_s": prefill_rates, "ratios": ratios,
               "layouts": {name: {"times_s": r["times"], "all_reduce_s": r["all_reduce_s"]} for name, r in tp.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
