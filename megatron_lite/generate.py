@@ -84,7 +84,9 @@ def load_tokenizer(path: Path, args: argparse.Namespace):
         return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))
     if (hf_dir / "tokenizer.model").is_file():
         return build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(hf_dir / "tokenizer.model"))
-    raise ValueError(f"{path} names no tokenizer (its training data had none); pass --tokenizer-type and its files "
+    where = "no tokenizer.json or tokenizer.model in it" if not is_checkpoint_directory(path) else \
+        "its training data had none, and it brought no Hugging Face tokenizer"
+    raise ValueError(f"{path} names no tokenizer ({where}); pass --tokenizer-type and its files "
                      f"(--tokenizer-model, or --vocab-file and --merge-file)")
 
 
