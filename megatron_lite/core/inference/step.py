@@ -44,6 +44,12 @@ def _mesh_rank(layout: ParallelLayout, **coords: int) -> int:
     return int(layout.mesh.mesh[tuple(point)])
 
 
+def _group(layout: ParallelLayout, name: str):
+    """The layout's process group ``name``, or None when it holds this rank alone (no collective to issue)."""
+    group = layout.group(name) if layout.mesh is not None else None
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
 class StepRunner:
     """Runs generation steps of ``model`` (this rank's part of one replica under ``layout``)."""
 
@@ -59,10 +65,10 @@ class StepRunner:
         self.sampler_rank = _mesh_rank(layout, pp=layout.pp_size - 1, ep=0, cp=0, tp=0) if distributed else 0
         self.is_sampler = layout.rank == self.sampler_rank
         """Whether this rank chooses the tokens."""
-        self.mp_group = layout.group("mp") if distributed else None
-        self.tp_group = layout.group("tp")
+        self.mp_group = _group(layout, "mp")
+        self.tp_group = _group(layout, "tp")
         self.tp_root = _mesh_rank(layout, tp=0) if distributed else 0
-        self.pp_group = layout.group("pp")
+        self.pp_group = _group(layout, "pp")
         if self.pp_group is not None:
             self.prev_rank = _mesh_rank(layout, pp=(layout.pp_rank - 1) % layout.pp_size)
             self.next_rank = _mesh_rank(layout, pp=(layout.pp_rank + 1) % layout.pp_size)
