@@ -32,11 +32,11 @@ class KVCache:
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> "KVCache":
         """A cache for the layers ``model`` (a GPTModel: this rank's pipeline stages) holds."""
-        attention = next(iter(model.layers.values())).self_attention
-        dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
-        return cls([int(i) for i in model.layers.keys()], batch_size, max_len, attention.groups_per_rank,
-                   attention.head_dim, dtype, device)
+        param = next(model.parameters())
+        config = model.config
+        groups = config.num_query_groups // model.layout.tp_size  # this rank's key/value heads
+        return cls([int(i) for i in model.layers.keys()], batch_size, max_len, groups, config.kv_channels,
+                   param.dtype, param.device)
 
     @property
     def nbytes(self) -> int:
