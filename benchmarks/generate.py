@@ -220,8 +220,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         decode_rows["transformers"] = lambda: hf_generate(ids, n)
         prefill_rows["transformers prefill"] = lambda: hf_generate(torch.tensor(prefill), 1)
         same = generate(model, [prompt], n).tokens[0] == hf_generate(ids, n)[0, len(prompt):].tolist()
-    decode, decode_cpu = rotate(decode_rows, args.repeats)
     prefill_times, prefill_cpu = rotate(prefill_rows, args.repeats)
+    decode, decode_cpu = rotate(decode_rows, args.repeats)
     rates = {name: median_rate(t, n) for name, t in decode.items()}
     cpu_rates = {name: median_rate(t, n) for name, t in decode_cpu.items()}
     prefill_tokens = args.prefill_batch * args.prefill_length
