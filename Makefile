@@ -34,6 +34,8 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/throughput.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/context_parallel.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/generate.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint.py
 
 # The fault tests write what they saw into build/reliability; docs/reliability.md is rendered from it.
 FAULT_TESTS := tests/integration/test_graceful_exit.py tests/integration/test_watchdog.py \

@@ -6,7 +6,8 @@ tokenize it into Megatron's .bin/.idx files with 2 worker processes (what
 
 Every rank runs this script (Lightning's default launcher re-runs it per rank): the data is
 prepared by the launching process before any rank starts, the others find it ready; the
-generation at the end runs on both tensor-parallel ranks and rank 0 prints it.
+generation at the end (a greedy and a sampled continuation, with a KV cache) runs on both
+tensor-parallel ranks and rank 0 prints it.
 
     python examples/demo.py [--max-steps 800] [--devices 2] [--tp 2]
 """
@@ -21,7 +22,6 @@ import lightning as L
 import torch
 
 import megatron_lite as ml
-from megatron_lite.core.inference import greedy_generate
 from megatron_lite.data import PretrainDataModule, bundled_corpus
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preprocess import preprocess
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2, help="tensor_model_parallel_size")
     parser.add_argument("--prompt", default="ROMEO:\nWhat light through yonder")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the sampled continuation")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread per rank: the ranks share the machine's cores
 
@@ -88,14 +89,19 @@ def main() -> None:
     trainer.fit(module, data)
     minutes = (time.perf_counter() - start) / 60
 
-    prompt = torch.tensor([tokenizer.tokenize(args.prompt)])
-    out = greedy_generate(module.model, prompt, args.new_tokens, eos_id=tokenizer.eod)
+    # Every rank of the TP group generates (each holds half of every layer); they get the same tokens.
+    prompt = tokenizer.tokenize(args.prompt)
+    greedy = module.generate([prompt], args.new_tokens, stop_ids=[tokenizer.eod]).tokens[0]
+    sampled = module.generate([prompt], args.new_tokens, temperature=0.8, top_p=0.9, seed=args.seed,
+                              stop_ids=[tokenizer.eod]).tokens[0]
     if trainer.global_rank == 0:
         first, last = sum(summary.first) / len(summary.first), sum(summary.last) / len(summary.last)
         print(f"\nTrained {trainer.global_step} steps in {minutes:.1f} min with {module.parallel_layout.describe()}")
         print(f"train loss: {first:.3f} (mean of first 10 steps) -> {last:.3f} (mean of last 10)")
         print("\n--- greedy continuation ---")
-        print(tokenizer.detokenize(out[0].tolist()))
+        print(tokenizer.detokenize(prompt + greedy))
+        print(f"\n--- sampled continuation (temperature 0.8, top-p 0.9, seed {args.seed}) ---")
+        print(tokenizer.detokenize(prompt + sampled))
 
 
 if __name__ == "__main__":

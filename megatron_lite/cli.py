@@ -1,8 +1,9 @@
 """``megatron-lite``: Lightning's CLI (fit / validate / test / predict) with megatron-lite defaults,
 plus the tools ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, and ``merge``),
 ``estimate`` (memory and FLOPs of a config, before launch), ``plot`` (PNG of a run's curves),
-``checkpoint inspect`` (what a checkpoint holds, whether its files are intact) and ``convert``
-(Hugging Face Llama models to our checkpoints and back).
+``checkpoint inspect`` (what a checkpoint holds, whether its files are intact), ``convert``
+(Hugging Face Llama models to our checkpoints and back) and ``generate`` (continue prompts with a
+trained checkpoint).
 
     megatron-lite fit --config examples/configs/gpt_tiny.yaml --trainer.max_steps 100 \
         --trainer.strategy.init_args.tensor_model_parallel_size 2
@@ -12,6 +13,7 @@ plus the tools ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, 
     megatron-lite plot runs/lightning_logs/version_0
     megatron-lite checkpoint inspect runs/ckpts/last.ckpt [--json]
     megatron-lite convert --from hf --input llama_dir --output ckpt    (and --to hf --input ckpt --output hf_dir)
+    megatron-lite generate --ckpt runs/demo/checkpoints/last.ckpt --prompt "ROMEO:" --temperature 0.8 --top-p 0.9
 
 Every strategy, model and data option can be overridden on the command line; ``--print_config``
 shows the full resolved configuration.
@@ -95,6 +97,7 @@ _TOOLS = {
     "pipeline-timeline": ("megatron_lite.pipeline_timeline", "main"),
     "checkpoint": ("megatron_lite.checkpoint_tool", "main"),
     "convert": ("megatron_lite.convert", "main"),
+    "generate": ("megatron_lite.generate", "main"),
 }
 
 
@@ -128,7 +131,7 @@ def _run_cli(args: Optional[list[str]]) -> None:
         trainer_defaults={"strategy": "megatron"},
         args=args,
         parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
-                                      "`megatron-lite preprocess|estimate|plot|checkpoint|convert --help`.",
+                                      "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate --help`.",
                         "default_env": False},
         save_config_kwargs={"overwrite": True},
     )

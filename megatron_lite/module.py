@@ -28,7 +28,8 @@ from megatron_lite.core.parallel.context_parallel import context_parallel_microb
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
 from megatron_lite.pretrained import load_pretrained
-from megatron_lite.core.inference.generate import greedy_generate
+from megatron_lite.core.inference import GenerationResult, SamplingParams
+from megatron_lite.core.inference import generate as generate_tokens
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
@@ -39,6 +40,8 @@ from megatron_lite.core.parallel.schedules import (
 )
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
+TOKENIZER_KEY = "megatron_lite_tokenizer"
+"""Checkpoint entry naming the data's tokenizer (``build_tokenizer`` arguments), written by GPTModule."""
 
 
 class GPTModule(pl.LightningModule):
@@ -255,7 +258,10 @@ class GPTModule(pl.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Next-token logits over the real vocabulary ``[b, s, vocab_size]`` (gathered across TP) for
-        ``batch["tokens"]``; every TP rank and pipeline stage returns the same tensor."""
+        ``batch["tokens"]``; every TP rank and pipeline stage returns the same tensor. A batch of prompts
+        (:class:`~megatron_lite.data.PromptDataModule`) is continued instead: see :meth:`generate_batch`."""
+        if "prompt_lengths" in batch:
+            return self.generate_batch(batch)
         return self.full_logits(batch["tokens"])
 
     @torch.no_grad()
@@ -267,9 +273,47 @@ class GPTModule(pl.LightningModule):
         logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
         return gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, eos_id: Optional[int] = None) -> torch.Tensor:
-        """Greedy continuation of ``prompt`` [b, s] (every rank must call it with the same prompt)."""
-        return greedy_generate(self.model, prompt, max_new_tokens, eos_id=eos_id, logits_fn=self.full_logits)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: Optional[int] = None, stop_ids: Optional[list[int]] = None,
+                 return_log_probs: bool = False) -> GenerationResult:
+        """Continue each prompt (a list of token ids; any lengths) by up to ``max_new_tokens`` tokens with a KV
+        cache: greedy at ``temperature=0``, else sampled (``top_k``/``top_p`` filtering, reproducible with
+        ``seed``). A row ends after one of ``stop_ids``. Returns the new tokens of each prompt (and with
+        ``return_log_probs`` their log-probs under the model: temperature 1, unfiltered).
+
+        Works alone (the model is built for one process if needed) and inside a Trainer at any layout, where
+        every rank of a model replica must call it with the same arguments (they all get the same result).
+        """
+        if self.model is None:
+            self.configure_model()
+        return generate_tokens(self.model, prompts, max_new_tokens,
+                               SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                               stop_ids=stop_ids, return_log_probs=return_log_probs)
+
+    def generate_batch(self, batch: dict) -> torch.Tensor:
+        """Continue a batch of a :class:`~megatron_lite.data.PromptDataModule`: ``prompt_tokens`` [b, L] (each
+        row's first ``prompt_lengths`` entries), its ``generation`` options and ``index`` (the prompts' dataset
+        indices, which seed their samples: the result does not depend on batching or data parallelism).
+        Returns the new tokens [b, max_new_tokens] (int64, -1 after a row's end)."""
+        options = dict(batch["generation"])
+        lengths = batch["prompt_lengths"].tolist()
+        prompts = [row[:n] for row, n in zip(batch["prompt_tokens"].tolist(), lengths)]
+        max_new_tokens = int(options.pop("max_new_tokens"))
+        sampling = SamplingParams(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p", "seed")})
+        result = generate_tokens(self.model, prompts, max_new_tokens, sampling, stop_ids=options.pop("stop_ids"),
+                                 row_ids=batch["index"].tolist())
+        out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
+        for i, tokens in enumerate(result.tokens):
+            out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        return out
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Which tokenizer the data used (its type and files), so `megatron-lite generate` can detokenize.
+        from megatron_lite.tokenizers.build import tokenizer_spec  # here: `import megatron_lite` stays light
+
+        spec = tokenizer_spec(getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None))
+        if spec is not None:
+            checkpoint[TOKENIZER_KEY] = spec
 
     # --- optimizer ------------------------------------------------------------------------
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
@@ -297,6 +341,9 @@ class GPTModule(pl.LightningModule):
         if trainer.state.fn != "predict":  # predict runs whole sequences on every CP rank
             self._check_context_parallel(trainer)
         self._check_vocab(datamodule)
+        check_prompts = getattr(datamodule, "check_fits_model", None)  # a PromptDataModule: prompts vs the model
+        if callable(check_prompts):
+            check_prompts(self.config)
 
     def _check_context_parallel(self, trainer: "pl.Trainer") -> None:
         parallel = getattr(trainer.strategy, "parallel_config", None)

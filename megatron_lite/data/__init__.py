@@ -14,6 +14,7 @@ from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBui
 from megatron_lite.data.mock import MockGPTDataModule, MockGPTDataset
 from megatron_lite.data.preference import PreferenceDataModule, PreferenceDataset
 from megatron_lite.data.pretrain import PretrainDataModule, parse_data_path
+from megatron_lite.data.prompts import PromptDataModule, PromptDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import MegatronPretrainingSampler
 from megatron_lite.data.sft import SFTDataModule, SFTDataset
@@ -35,6 +36,8 @@ __all__ = [
     "MockGPTDataset",
     "PretrainDataModule",
     "PretrainingDataModule",
+    "PromptDataModule",
+    "PromptDataset",
     "SFTDataModule",
     "SFTDataset",
     "TextCorpusDataModule",

@@ -6,7 +6,7 @@ Only local files are read; nothing is ever downloaded.
 """
 
 from megatron_lite.tokenizers.base import Tokenizer
-from megatron_lite.tokenizers.build import TOKENIZER_TYPES, build_tokenizer, canonical_tokenizer_type
+from megatron_lite.tokenizers.build import TOKENIZER_TYPES, build_tokenizer, canonical_tokenizer_type, tokenizer_spec
 from megatron_lite.tokenizers.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, render_chat_template
 from megatron_lite.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_lite.tokenizers.huggingface import HuggingFaceTokenizer
@@ -27,5 +27,6 @@ __all__ = [
     "build_tokenizer",
     "canonical_tokenizer_type",
     "render_chat_template",
+    "tokenizer_spec",
     "train_sentencepiece",
 ]

@@ -146,3 +146,23 @@ def build_tokenizer(
     if chat_template is not None:
         tokenizer.chat_template = _read_template(chat_template)
     return tokenizer
+
+
+def tokenizer_spec(tokenizer: object) -> dict | None:
+    """The ``build_tokenizer`` keyword arguments that rebuild ``tokenizer`` from its files (absolute paths),
+    or None if it is not one of ours. A checkpoint records this so that tools (``megatron-lite generate``)
+    detokenize with the tokenizer the model was trained with; the files themselves stay where they are."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(tokenizer.model_path)}
+    if isinstance(tokenizer, GPT2BPETokenizer):
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.abspath(tokenizer.vocab_file),
+                "merge_file": os.path.abspath(tokenizer.merge_file)}
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(tokenizer.path)}
+    if isinstance(tokenizer, TikTokenizer):
+        return {"tokenizer_type": "TikTokenizer", "tokenizer_model": os.path.abspath(tokenizer.path),
+                "tiktoken_pattern": tokenizer.pattern, "tiktoken_num_special_tokens": tokenizer.num_special_tokens,
+                "vocab_size": tokenizer.vocab_size}
+    if isinstance(tokenizer, NullTokenizer):
+        return {"tokenizer_type": "NullTokenizer", "vocab_size": tokenizer.vocab_size}
+    return None

@@ -9,7 +9,6 @@ import lightning as L
 import torch
 
 import megatron_lite as ml
-from megatron_lite.core.inference import greedy_generate
 from megatron_lite.data import MockGPTDataModule
 
 
@@ -43,6 +42,6 @@ if __name__ == "__main__":
             t = trainer()
             t.fit(module, data)
             # after fit, in every rank, with the run's process groups: they live until the process exits
-            tokens = greedy_generate(module.model, torch.tensor([[1, 2, 3]]), 4)
+            tokens = module.generate([[1, 2, 3]], 4).tokens
             with open(f"rank{t.global_rank}.txt", "a") as f:
-                f.write(f"fit {fit} loss {float(t.callback_metrics['train/loss']):.6f} tokens {tokens[0].tolist()}\n")
+                f.write(f"fit {fit} loss {float(t.callback_metrics['train/loss']):.6f} tokens {tokens[0]}\n")

@@ -32,3 +32,4 @@ def test_demo_trains_and_generates():
     first, last = map(float, re.search(r"train loss: ([0-9.]+) .* -> ([0-9.]+)", out).groups())
     assert last < first - 0.5, out
     assert "--- greedy continuation ---" in out and "ROMEO:" in out
+    assert "--- sampled continuation (temperature 0.8, top-p 0.9, seed 1) ---" in out

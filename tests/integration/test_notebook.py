@@ -13,7 +13,6 @@ import torch
 from torch.utils.data import DataLoader
 
 import megatron_lite as ml
-from megatron_lite.core.inference import greedy_generate
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.data import MockGPTDataModule
 
@@ -110,9 +109,9 @@ def test_notebook_session_uses_the_trained_model(tp, pp, devices, reference, tmp
     torch.testing.assert_close(torch.cat(predictions), local, rtol=1e-5, atol=1e-5)
 
     # generate here with the trained weights: the first new token is the predicted argmax
-    generated = greedy_generate(module.model, tokens[:1], max_new_tokens=3)
-    assert generated.shape == (1, 19)
-    assert int(generated[0, 16]) == int(predictions[0][0, -1].argmax())
+    generated = module.generate(tokens[:1, :13].tolist(), max_new_tokens=3).tokens[0]  # 13 + 3 = the context
+    assert len(generated) == 3
+    assert generated[0] == int(predictions[0][0, 12].argmax())
 
     # save here, load into a fresh module in new ranks: the trained weights
     trainer.save_checkpoint(tmp_path / "notebook.ckpt")

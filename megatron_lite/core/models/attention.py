@@ -61,6 +61,70 @@ class SelfAttention(nn.Module):
             out = self.core_attention(q, k, v, rng, context)
         return self.linear_proj(out)
 
+    # --- generation: beside the training path -----------------------------------------------
+    def inference_forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                          kv: Optional[tuple[torch.Tensor, torch.Tensor]], step) -> torch.Tensor:
+        """Attention of this step's tokens ``x`` [s, b, h] (a prefill or one decode token per row).
+
+        ``step`` is a :class:`~megatron_lite.core.inference.kv_cache.InferenceStep`; ``rope`` is (cos, sin)
+        [s, b, 1, 1, dim] (broadcast over groups and heads). With a cache (``kv``: this layer's key and value
+        buffers [b, groups, max_len, d]) the new keys and values are written at slots ``step.start ..`` and
+        the queries attend to every cached slot up to theirs; without one they attend to this step's tokens
+        only (recompute)."""
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        per_group = self.q_per_group
+        qkv = qkv.view(s, b, self.groups_per_rank, per_group + 2, self.head_dim)
+        # Views and few ops: this runs per layer per token, and a decode step's tensors are tiny.
+        qk = qkv.narrow(3, 0, per_group + 1)
+        if rope is not None:  # queries and keys rotated in one go: half the small ops of a decode step
+            qk = rotate(qk, *rope)
+        q = qk.narrow(3, 0, per_group)
+        k = qk.select(3, per_group).permute(1, 2, 0, 3)  # [b, groups, s, d]
+        v = qkv.select(3, per_group + 1).permute(1, 2, 0, 3)
+        if kv is not None:
+            end = step.start + s
+            kv[0].narrow(2, step.start, s).copy_(k)
+            kv[1].narrow(2, step.start, s).copy_(v)
+            k, v = kv[0].narrow(2, 0, end), kv[1].narrow(2, 0, end)
+        return self.linear_proj(cached_attention(q, k, v, step.mask))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary` in four ops: ``rotate_half(x) * sin`` is ``roll(x, d/2) * signed_sin`` with
+    ``signed_sin = [-sin_1, sin_2]`` (the same products, so the same bits); ``cos`` and ``signed_sin`` come
+    from :func:`rotary_tables`. For a head only partly rotated it falls back to :func:`apply_rotary`."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        sin = torch.cat((-signed_sin[..., : dim // 2], signed_sin[..., dim // 2:]), dim=-1)
+        return apply_rotary(x, cos, sin)
+    return x * cos + x.roll(dim // 2, dims=-1) * signed_sin
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin) for :func:`rotate`, from RoPE's (cos, sin), once per step."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``softmax(QK^T / sqrt(d)) V`` of queries [s, b, groups, heads_per_group, d] over keys/values
+    [b, groups, L, d] (the last ``s`` of the L slots are the queries' own); ``mask`` [b, 1, s, L] or None
+    for causal. Returns [s, b, heads * d]."""
+    s, b, groups, per_group, d = q.shape
+    if s == 1:
+        # One query per row (a decode step) sees every cached key, so no causal mask. Each group's
+        # queries become the query rows of one attention over that group's keys: the cache is read in
+        # place, never expanded to one copy per query head. A mask [b, 1, 1, L] broadcasts over them.
+        out = F.scaled_dot_product_attention(q.reshape(b, groups, per_group, d), k, v, attn_mask=mask)
+        return out.reshape(1, b, groups * per_group * d)
+    if per_group > 1:
+        k = k.repeat_interleave(per_group, dim=1)
+        v = v.repeat_interleave(per_group, dim=1)
+    q = q.reshape(s, b, groups * per_group, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return out.permute(2, 0, 1, 3).reshape(s, b, groups * per_group * d)
+
 
 class CoreAttention(nn.Module):
     """``softmax(QK^T / sqrt(d)) V`` with attention dropout: the part 'selective' recompute reruns.

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.core.models.attention import SelfAttention, scaled_init_std
+from megatron_lite.core.models.attention import SelfAttention, rotary_tables, scaled_init_std
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.norms import Norm
@@ -73,6 +73,11 @@ class TransformerLayer(nn.Module):
     def forward(self, x, rope, rng, context=None):
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, rng, context), rng)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), rng)
+
+    def inference_forward(self, x, rope, kv, step):
+        """The same block for generation (eval: no dropout), attention through the KV cache."""
+        x = x + self.self_attention.inference_forward(self.input_layernorm(x), rope, kv, step)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
 def _run_layers(layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGStatesTracker,
@@ -284,6 +289,38 @@ class GPTModel(nn.Module):
                                             self.config.vocab_size)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
         return loss.t().contiguous()
+
+    @torch.no_grad()
+    def inference_forward(self, tokens: torch.Tensor, step, hidden_states: Optional[torch.Tensor] = None,
+                          chunk: int = 0, embeddings: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One generation step of chunk ``chunk``: ``tokens`` [b, s] are the step's new tokens (the prompt
+        in the prefill, one per row in a decode step) and ``step`` an
+        :class:`~megatron_lite.core.inference.kv_cache.InferenceStep` (positions, mask, KV cache).
+
+        Returns the activations [s, b, h] for the next stage, or on the last stage this TP rank's logits
+        of the last position only [b, V_padded/tp] (the only ones generation needs). Run with sequence
+        and context parallelism off (``megatron_lite.core.inference.generate`` sees to it). ``embeddings``
+        [s, b, h] are the tokens' word embeddings when the caller has them already (no lookup, and no
+        all-reduce of a vocabulary-parallel one)."""
+        stage = self.chunks[chunk].stage
+        rope = None
+        if self.rotary is not None:  # once per step; [s, b, 1, 1, dim] broadcasts over query groups and heads
+            rope = rotary_tables(*(t.unsqueeze(3) for t in self.rotary(step.positions)))
+        if not stage.pre_process:
+            x = hidden_states
+        elif embeddings is None:
+            x = self._embed(tokens, step.positions)
+        else:
+            x = embeddings
+            if self.position_embeddings is not None:
+                x = x + self.position_embeddings(step.positions).transpose(0, 1)
+        for i in stage.layers:
+            x = self.layers[str(i)].inference_forward(x, rope, step.kv(i), step)
+        if not stage.post_process:
+            return x
+        x = self.final_layernorm(x[-1:])
+        weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
+        return self.output_layer(x, weight)[0]
 
     @property
     def vocab_start(self) -> int:

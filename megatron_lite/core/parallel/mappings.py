@@ -14,6 +14,8 @@ Group = Optional[dist.ProcessGroup]
 
 # torch 2.13 renamed the single-tensor collectives; the old names still work on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into_tensor = _all_gather_single
+"""``dist.all_gather_into_tensor`` under the name this torch release gives it (output: the inputs along dim 0)."""
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -167,12 +169,19 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward, all-reduce backward."""
-    return x if group is None else _CopyToTensorParallel.apply(x, group)
+    if group is None or not torch.is_grad_enabled():  # no backward to prepare (generation: every decode step)
+        return x
+    return _CopyToTensorParallel.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """All-reduce forward, identity backward."""
-    return x if group is None else _ReduceFromTensorParallel.apply(x, group)
+    """All-reduce forward, identity backward. Without autograd ``x`` itself is reduced in place (callers pass
+    a fresh layer output): no autograd node and no defensive copy on a decode step's critical path."""
+    if group is None:
+        return x
+    if not torch.is_grad_enabled():
+        return _all_reduce(x, group)
+    return _ReduceFromTensorParallel.apply(x, group)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:

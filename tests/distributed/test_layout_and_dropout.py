@@ -1,8 +1,8 @@
-"""Rank order of the layout, and generation under TP, on raw gloo process groups."""
+"""Rank order of the layout and dropout under TP, on raw gloo process groups (generation under every
+layout: test_generation_parallel.py)."""
 import torch
 
 from megatron_lite import GPTConfig, GPTModel, ParallelConfig, ParallelLayout
-from megatron_lite.core.inference import greedy_generate
 from spawn_utils import run_ranks
 
 
@@ -19,27 +19,6 @@ def test_rank_order_is_tp_cp_ep_dp_pp():
     for rank, c in enumerate(results):
         assert (c["tp"], c["dp"], c["pp"]) == (rank % 2, (rank // 2) % 2, rank // 4), (rank, c)
         assert c["dp_size"] == 2 and c["mp_group_size"] == 4 and c["dp_cp_group_size"] == 2
-
-
-def _generate(rank, world_size, tp, sp):
-    torch.manual_seed(0)
-    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, seq_length=16,
-                       make_vocab_size_divisible_by=8)
-    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp))
-    model = GPTModel(config, layout, seed=3)
-    prompt = torch.tensor([[5, 17, 42], [7, 7, 7]])
-    out = greedy_generate(model, prompt, max_new_tokens=20)  # past seq_length: the context is cropped
-    assert model.sequence_parallel == sp  # restored after generation
-    return out
-
-
-def test_greedy_generation_under_tp_equals_single_process():
-    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, seq_length=16,
-                       make_vocab_size_divisible_by=8)
-    single = greedy_generate(GPTModel(config, seed=3), torch.tensor([[5, 17, 42], [7, 7, 7]]), max_new_tokens=20)
-    assert single.shape == (2, 23)
-    for tp_out in run_ranks(_generate, 2, 2, True):
-        assert torch.equal(tp_out, single)
 
 
 def _train_with_dropout(rank, world_size, sp):

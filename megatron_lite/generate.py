@@ -1,0 +1,174 @@
+"""``megatron-lite generate --ckpt PATH --prompt TEXT [...]``: continue prompts with a trained checkpoint.
+
+    megatron-lite generate --ckpt runs/demo/checkpoints/last.ckpt --prompt "ROMEO:" --max-new-tokens 48
+    megatron-lite generate --ckpt CKPT --prompt "ROMEO:" --prompt "JULIET:" --temperature 0.8 --top-p 0.9 \
+        --seed 1 --devices 2 --tensor-model-parallel-size 2
+
+``--ckpt`` is one of our checkpoints (written by ``trainer.save_checkpoint``, ``ModelCheckpoint`` or
+``megatron-lite convert``) or a local Hugging Face Llama directory, loaded by
+``GPTModule.from_pretrained``. The tokenizer is the one the checkpoint records (the training data's), a
+converted model's own, or the Hugging Face directory's; ``--tokenizer-*`` overrides it. One device
+generates in this process; more run ``trainer.predict`` with a
+:class:`~megatron_lite.data.PromptDataModule` on forked ranks at the layout asked for. A row stops at
+the tokenizer's end-of-document token unless ``--ignore-eod``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_lite.core.inference.sampling import SamplingParams
+
+_QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-lite generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
+    p.add_argument("--ignore-eod", action="store_true", help="do not stop at the end-of-document token")
+    p.add_argument("--devices", type=int, default=1, help="processes (default 1)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default cpu)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)")
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
+    return p
+
+
+def load_tokenizer(path: Path, args: argparse.Namespace):
+    """The tokenizer named on the command line, else the model's own: the one our checkpoint records (the
+    training data's), the one a converted Hugging Face model brought (``hf/`` inside the checkpoint), or the
+    one in a Hugging Face directory."""
+    from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory
+    from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+    from megatron_lite.core.models import GPTConfig
+    from megatron_lite.core.optim import OptimizerConfig
+    from megatron_lite.module import TOKENIZER_KEY
+    from megatron_lite.pretrained import HF_SIDE_DIR
+    from megatron_lite.tokenizers import build_tokenizer
+
+    if args.tokenizer_type is not None:
+        spec = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
+                "vocab_file": args.vocab_file, "merge_file": args.merge_file}
+        return build_tokenizer(**{k: v for k, v in spec.items() if v is not None})
+    hf_dir = path / HF_SIDE_DIR if is_checkpoint_directory(path) else path
+    spec = read_checkpoint_meta(path, [GPTConfig, OptimizerConfig]).get(TOKENIZER_KEY) \
+        if is_checkpoint_directory(path) else None
+    if spec:
+        spec = dict(spec)
+        missing = [spec[k] for k in ("tokenizer_model", "vocab_file", "merge_file")
+                   if k in spec and not os.path.exists(spec[k])]
+        if missing:
+            raise FileNotFoundError(f"the checkpoint's tokenizer file {missing[0]} no longer exists; pass the "
+                                    f"tokenizer with --tokenizer-type {spec['tokenizer_type']} and its files "
+                                    f"(--tokenizer-model ...)")
+        return build_tokenizer(**spec)
+    if (hf_dir / "tokenizer.json").is_file():
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))
+    if (hf_dir / "tokenizer.model").is_file():
+        return build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(hf_dir / "tokenizer.model"))
+    where = "no tokenizer.json or tokenizer.model in it" if not is_checkpoint_directory(path) else \
+        "its training data had none, and it brought no Hugging Face tokenizer"
+    raise ValueError(f"{path} names no tokenizer ({where}); pass --tokenizer-type and its files "
+                     f"(--tokenizer-model, or --vocab-file and --merge-file)")
+
+
+def _check_args(args: argparse.Namespace) -> SamplingParams:
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for name in ("devices", "tensor_model_parallel_size", "pipeline_model_parallel_size", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if any(not p for p in args.prompt):
+        raise ValueError("--prompt is empty: give each prompt some text")
+    return sampling
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Generate for every ``--prompt``; returns one record per prompt."""
+    from megatron_lite.data.prompts import PromptDataModule
+    from megatron_lite.module import GPTModule
+
+    sampling = _check_args(args)
+    path = Path(args.ckpt)
+    module = GPTModule.from_pretrained(path)
+    tokenizer = load_tokenizer(path, args)
+    stop = [] if args.ignore_eod or tokenizer.eod is None else [tokenizer.eod]
+    prompts = [tokenizer.tokenize(p) for p in args.prompt]
+    data = PromptDataModule(prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            seed=sampling.seed, stop_ids=stop)
+    data.check_fits_model(module.config)
+    if args.devices == 1 and args.tensor_model_parallel_size == args.pipeline_model_parallel_size == 1:
+        new_tokens = [out for batch in data.predict_dataloader() for out in _rows(module.generate_batch(batch))]
+    else:
+        new_tokens = _predict(module, data, args)
+    return [{"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids, "new_tokens": new}
+            for text, ids, new in zip(args.prompt, prompts, new_tokens)]
+
+
+def _rows(batch) -> list[list[int]]:
+    return [row[row >= 0].tolist() for row in batch]
+
+
+def _predict(module, data, args: argparse.Namespace) -> list[list[int]]:
+    """``trainer.predict`` on forked ranks: each cuts its shards out of the module's one-process model, and
+    the predictions come back here."""
+    import lightning as L
+
+    from megatron_lite.strategies import MegatronStrategy
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                pipeline_model_parallel_size=args.pipeline_model_parallel_size, start_method="fork")
+    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    return [row for batch in trainer.predict(module, datamodule=data) for row in _rows(batch)]
+
+
+def completion(tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``prompt``: detokenized together, so a word boundary at the seam keeps its
+    space (SentencePiece drops a leading one when the new tokens are detokenized alone)."""
+    before, whole = tokenizer.detokenize(prompt), tokenizer.detokenize(prompt + new)
+    return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(new)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``megatron-lite generate ...``: prints each prompt with its continuation; 2 on bad input."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
+    for name in _QUIET_LOGGERS:  # Lightning's "GPU available: ..." lines are noise around the text
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            # Lightning's advice about callbacks that wrote the checkpoint (none are needed to read weights)
+            # and its own deprecation noise would bury the text.
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+            records = run(args)
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    for i, record in enumerate(records):
+        if args.json:
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(("\n" if i else "") + record["prompt"] + record["completion"])
+    return 0

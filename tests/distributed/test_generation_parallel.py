@@ -1,0 +1,147 @@
+"""Generation under TP, PP (with virtual stages), TP x PP, SP and CP on raw gloo process groups, against
+a one-process reference that never touches the inference code: an argmax loop over the training
+forward's full logits (``GPTModel.full_logits``) and a teacher-forced forward for the log-probs."""
+import pytest
+import torch
+
+from megatron_lite import GPTConfig, GPTModel, ParallelConfig, ParallelLayout
+from megatron_lite.core.inference import SamplingParams, generate
+from spawn_utils import run_ranks
+
+# GQA (8 query heads, 4 groups) so TP splits whole groups; 4 layers for PP2 x VPP2. The vocabulary pads
+# to 304 at TP1 and TP2 alike, so every layout holds the same model whether or not padding is masked.
+CONFIG = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4, vocab_size=300,
+              seq_length=64, make_vocab_size_divisible_by=8)
+PROMPTS = [[5, 17, 42, 8], [7, 7, 7, 1]]
+VARIED = [[5, 17, 42, 8, 9, 10, 11], [7], [3, 4, 250]]
+NEW = 12
+SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=11)
+
+
+def _config(**overrides) -> GPTConfig:
+    return GPTConfig(**{**CONFIG, **overrides})
+
+
+def _greedy_reference(model: GPTModel, prompt: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens by recomputing the training forward over the whole sequence for every token."""
+    seq = torch.tensor(prompt)
+    for _ in range(n):
+        seq = torch.cat([seq, model.full_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq[:, len(prompt[0]):].tolist()
+
+
+def _teacher_forced_log_probs(model: GPTModel, prompt: list[int], new: list[int]) -> torch.Tensor:
+    seq = torch.tensor([prompt + new])
+    logits = model.full_logits(seq)[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(new)[:, None])[:, 0].double()
+
+
+def _run_all(model: GPTModel) -> dict:
+    """Everything a layout is checked on (every rank of the replica calls this with the same arguments)."""
+    greedy = generate(model, PROMPTS, NEW, return_log_probs=True)
+    return {
+        "greedy": greedy.tokens,
+        "log_probs": greedy.log_probs,
+        "recompute": generate(model, PROMPTS, NEW, use_cache=False).tokens,
+        "varied": generate(model, VARIED, NEW).tokens,
+        "varied_recompute": generate(model, VARIED, NEW, use_cache=False).tokens,
+        "sampled": generate(model, VARIED, NEW, SAMPLING).tokens,
+        "sampled_again": generate(model, VARIED, NEW, SAMPLING).tokens,
+        "stopped": generate(model, PROMPTS, NEW, stop_ids=[greedy.tokens[0][3]]).tokens,
+    }
+
+
+def _on_layout(rank, world_size, parallel: dict, overrides: dict):
+    layout = ParallelLayout.build(ParallelConfig(**parallel))
+    torch.manual_seed(100 + rank)  # generation must not depend on a rank's global RNG
+    model = GPTModel(_config(**overrides), layout, seed=3)
+    model.train()  # generation switches to eval (and SP off) and restores both
+    out = _run_all(model)
+    out["restored"] = (model.training, model.sequence_parallel)
+    layout.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = GPTModel(_config(), seed=3).eval()
+    greedy = _greedy_reference(model, PROMPTS, NEW)
+    return {
+        "model": model,
+        "greedy": greedy,
+        "varied": [_greedy_reference(model, [p], NEW)[0] for p in VARIED],
+        "sampled": generate(model, VARIED, NEW, SAMPLING).tokens,
+        "log_probs": [_teacher_forced_log_probs(model, p, g) for p, g in zip(PROMPTS, greedy)],
+    }
+
+
+def _check(results: list[dict], reference: dict, sequence_parallel: bool = False):
+    for rank, out in enumerate(results):
+        assert out == {**results[0], "restored": out["restored"]}, f"rank {rank} differs from rank 0"
+        assert out["restored"] == (True, sequence_parallel)
+    out = results[0]
+    assert out["greedy"] == reference["greedy"]          # the cache equals the training forward's argmax loop
+    assert out["recompute"] == reference["greedy"]       # and so does recomputing without the cache
+    assert out["varied"] == reference["varied"]          # prompts of different lengths: as if one by one
+    assert out["varied_recompute"] == reference["varied"]
+    assert out["sampled"] == out["sampled_again"] == reference["sampled"]  # reproducible from the seed
+    assert out["sampled"] != out["varied"]
+    for got, want in zip(out["log_probs"], reference["log_probs"]):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-5, atol=1e-5)
+    stop = reference["greedy"][0][3]
+    assert out["stopped"][0] == reference["greedy"][0][:4]  # ends with the stop id, included
+    row = reference["greedy"][1]
+    assert out["stopped"][1] == (row[:row.index(stop) + 1] if stop in row else row)
+
+
+def test_one_process_equals_reference(reference):
+    _check(run_ranks(_on_layout, 1, {}, {}), reference)
+
+
+@pytest.mark.parametrize("parallel", [
+    pytest.param(dict(tensor_model_parallel_size=2), id="tp2"),
+    pytest.param(dict(tensor_model_parallel_size=2, sequence_parallel=True), id="tp2-sp"),
+    pytest.param(dict(pipeline_model_parallel_size=2), id="pp2"),
+    pytest.param(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), id="pp2-vpp2"),
+    pytest.param(dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=0), id="pp2-empty-first"),
+    pytest.param(dict(context_parallel_size=2), id="cp2"),
+])
+def test_two_ranks_equal_reference(reference, parallel):
+    _check(run_ranks(_on_layout, 2, parallel, {}), reference, parallel.get("sequence_parallel", False))
+
+
+def test_tp2_pp2_equals_reference(reference):
+    _check(run_ranks(_on_layout, 4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), {}),
+           reference)
+
+
+def _tied(rank, world_size):
+    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    model = GPTModel(_config(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute"),
+                     layout, seed=3)
+    out = generate(model, VARIED, NEW).tokens
+    layout.destroy()
+    return out
+
+
+def test_tied_embeddings_and_learned_positions_under_tp2_pp2():
+    model = GPTModel(_config(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute"),
+                     seed=3).eval()
+    expected = [_greedy_reference(model, [p], NEW)[0] for p in VARIED]
+    assert all(r == expected for r in run_ranks(_tied, 4))
+
+
+def _data_parallel(rank, world_size):
+    """Two data-parallel replicas, each given its own prompt."""
+    layout = ParallelLayout.build(ParallelConfig())
+    model = GPTModel(_config(), layout, seed=3)
+    prompts = [VARIED[layout.dp_rank]]
+    out = generate(model, prompts, NEW, SAMPLING, row_ids=[layout.dp_rank]).tokens
+    layout.destroy()
+    return out
+
+
+def test_data_parallel_replicas_generate_independently(reference):
+    """Each replica samples its prompt as the batch did (a prompt's generator follows its row id)."""
+    results = run_ranks(_data_parallel, 2)
+    assert [r[0] for r in results] == reference["sampled"][:2]
