@@ -48,12 +48,12 @@ def _reference(q, k, v, dout, cu_seqlens=None):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(rank, world_size, comm_type, packed):
+def _cp_rank(rank, world_size, comm_type, packed, fused=True):
     q, k, v, dout = _inputs()
     index = zigzag_positions(S, world_size, rank)
     local = [t[index].clone().requires_grad_(True) for t in (q, k, v)]
     context = AttentionContext(cu_seqlens=CU_SEQLENS if packed else None, cp_size=world_size, cp_rank=rank,
-                               cp_group=dist.group.WORLD, comm_type=comm_type)
+                               cp_group=dist.group.WORLD, comm_type=comm_type, fused=fused)
     out = context_parallel_attention(*local, context)
     out.backward(dout[index])
     return index, out.detach(), *(t.grad for t in local)
@@ -71,13 +71,33 @@ def test_context_parallel_attention_equals_full_attention(cp, comm_type, packed)
             torch.testing.assert_close(got, want[index], rtol=1e-5, atol=1e-5, msg=f"{name} differs")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_portable_math_blocks_equal_full_attention(packed):
+    """The block kernel other devices run (no fused CPU flash kernel), through the ring at CP2."""
+    q, k, v, dout = _inputs()
+    ref = _reference(q, k, v, dout, CU_SEQLENS if packed else None)
+    for index, *local in run_ranks(_cp_rank, 2, "p2p", packed, False):
+        for name, got, want in zip(("out", "dq", "dk", "dv"), local, ref):
+            torch.testing.assert_close(got, want[index], rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+
+
+def test_blocks_run_in_fp32_under_autocast():
+    """bf16 autocast does not lower the blocks' precision: the result equals the fp32 computation on
+    the same (bf16-rounded) inputs."""
+    q, k, v, _ = (t.bfloat16().float() for t in _inputs(4))
+    want = context_parallel_attention(q, k, v, AttentionContext())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = context_parallel_attention(q, k, v, AttentionContext())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_single_rank_block_attention_equals_sdpa():
     """The block kernel itself (no exchange): one CP rank, rows and packed."""
     q, k, v, dout = _inputs(1)
-    for cu in (None, CU_SEQLENS):
+    for cu, fused in ((None, True), (CU_SEQLENS, True), (None, False), (CU_SEQLENS, False)):
         ref = _reference(q, k, v, dout, cu)
         local = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = context_parallel_attention(*local, AttentionContext(cu_seqlens=cu))
+        out = context_parallel_attention(*local, AttentionContext(cu_seqlens=cu, fused=fused))
         out.backward(dout)
         for got, want in zip((out.detach(), *(t.grad for t in local)), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -165,6 +165,9 @@ class AttentionContext:
     """The CP process group (None when cp_size is 1)."""
     comm_type: str = "p2p"
     """'p2p' (ring) or 'all_gather'."""
+    fused: bool = True
+    """Blocks through torch's fused CPU flash kernel where it exists; False forces the portable math
+    path that other devices run."""
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -221,14 +224,57 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return scores
 
 
-def _attend_forward(q, k, v, blocks: list[_Block], out, lse, scale: float) -> None:
+def _fused_cpu(q: torch.Tensor, fused: bool) -> bool:
+    """Whether a block runs through torch's fused CPU flash kernel, which returns the log-sum-exp the
+    merge needs and never holds a block's score matrix (on other devices the portable math path runs)."""
+    return fused and q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Grouped [n, g, qpg, l, d] queries and [n, g, 1, l, d] keys/values -> [n, g·qpg, l, d] each."""
+    n, g, qpg, lq, d = q.shape
+    expand = (lambda t: t.squeeze(2).repeat_interleave(qpg, dim=1)) if qpg > 1 else (lambda t: t.squeeze(2))
+    return q.reshape(n, g * qpg, lq, d), expand(k).contiguous(), expand(v).contiguous()
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block: (out [n, g, qpg, lq, d], lse [n, g, qpg, lq]) in fp32."""
+    if _fused_cpu(q, fused):
+        qh, kh, vh = _heads(q, k, v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
+        return out.view(q.shape), lse.view(q.shape[:-1])
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(q, k, v, d_out, out, lse, delta, causal: bool, scale: float, fused: bool):
+    """Gradients (dq, dk, dv) of one block given the merged output ``out`` and log-sum-exp ``lse`` of
+    its queries over every block: the probabilities are rebuilt from the final lse, so the block's
+    share of the gradient is exact (flash attention's backward, block by block)."""
+    if _fused_cpu(q, fused):
+        qh, kh, vh = _heads(q, k, v)
+        n, g, qpg, lq, d = q.shape
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out.reshape(qh.shape), qh, kh, vh, out.reshape(qh.shape), lse.reshape(qh.shape[:-1]), 0.0, causal,
+            scale=scale)
+        lk = k.shape[3]
+        return (dq.view(q.shape), dk.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
+                dv.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True))
+    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = torch.matmul(probs.transpose(-1, -2), d_out).sum(dim=2, keepdim=True)
+    d_scores = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(d_scores, k) * scale
+    dk = torch.matmul(d_scores.transpose(-1, -2), q).sum(dim=2, keepdim=True) * scale
+    return dq, dk, dv
+
+
+def _attend_forward(q, k, v, blocks: list[_Block], out, lse, scale: float, fused: bool) -> None:
     """Merge the blocks' attention results into the running ``out`` [b, g, qpg, s, d] and ``lse``."""
     for blk in blocks:
         qs = q[blk.rows, :, :, blk.q_lo:blk.q_hi]
         ks, vs = k[blk.rows, :, :, blk.k_lo:blk.k_hi], v[blk.rows, :, :, blk.k_lo:blk.k_hi]
-        scores = _scores(qs, ks, blk.causal, scale)
-        block_lse = torch.logsumexp(scores, dim=-1)
-        block_out = torch.matmul(torch.exp(scores - block_lse.unsqueeze(-1)), vs)
+        block_out, block_lse = _block_forward(qs, ks, vs, blk.causal, scale, fused)
         old_out = out[blk.rows, :, :, blk.q_lo:blk.q_hi]
         old_lse = lse[blk.rows, :, :, blk.q_lo:blk.q_hi]
         new_lse = torch.logaddexp(old_lse, block_lse)
@@ -238,17 +284,17 @@ def _attend_forward(q, k, v, blocks: list[_Block], out, lse, scale: float) -> No
         old_lse.copy_(new_lse)
 
 
-def _attend_backward(q, k, v, dout, delta, lse, blocks: list[_Block], dq, dk, dv, scale: float) -> None:
+def _attend_backward(q, k, v, dout, out, delta, lse, blocks: list[_Block], dq, dk, dv, scale: float,
+                     fused: bool) -> None:
     """Accumulate the blocks' gradients into ``dq`` (local queries) and ``dk``/``dv`` (the source's keys)."""
     for blk in blocks:
         rows, qsl, ksl = blk.rows, slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
-        qs, ks, vs = q[rows, :, :, qsl], k[rows, :, :, ksl], v[rows, :, :, ksl]
-        probs = torch.exp(_scores(qs, ks, blk.causal, scale) - lse[rows, :, :, qsl].unsqueeze(-1))
-        d_out = dout[rows, :, :, qsl]
-        dv[rows, :, :, ksl] += torch.matmul(probs.transpose(-1, -2), d_out).sum(dim=2, keepdim=True)
-        d_scores = probs * (torch.matmul(d_out, vs.transpose(-1, -2)) - delta[rows, :, :, qsl].unsqueeze(-1))
-        dq[rows, :, :, qsl] += torch.matmul(d_scores, ks) * scale
-        dk[rows, :, :, ksl] += torch.matmul(d_scores.transpose(-1, -2), qs).sum(dim=2, keepdim=True) * scale
+        grads = _block_backward(q[rows, :, :, qsl], k[rows, :, :, ksl], v[rows, :, :, ksl], dout[rows, :, :, qsl],
+                                out[rows, :, :, qsl], lse[rows, :, :, qsl], delta[rows, :, :, qsl], blk.causal, scale,
+                                fused)
+        dq[rows, :, :, qsl] += grads[0]
+        dk[rows, :, :, ksl] += grads[1]
+        dv[rows, :, :, ksl] += grads[2]
 
 
 # --- the exchange of keys and values ------------------------------------------------------------------
@@ -293,6 +339,17 @@ class _ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, context: AttentionContext, scale: float):
+        # fp32 blocks and merge whatever autocast is active: the log-sum-exp merge is where precision is lost
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return _ContextParallelAttention._forward(ctx, q, k, v, context, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.autocast(device_type=grad.device.type, enabled=False):
+            return _ContextParallelAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, context: AttentionContext, scale: float):
         s, b, hq, d = q.shape
         groups = k.shape[2]
         plan = context.blocks(s, b)
@@ -302,12 +359,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()  # only the key/value heads travel
         rank, size = context.cp_rank, context.cp_size
         if size == 1:
-            _attend_forward(qb, _to_blocks(k, groups), _to_blocks(v, groups), plan[0], out, lse, scale)
+            _attend_forward(qb, _to_blocks(k, groups), _to_blocks(v, groups), plan[0], out, lse, scale, context.fused)
         elif context.comm_type == "all_gather":
             gathered = _all_gather_blocks(kv, context)
             for source in [rank] + [j for j in range(size) if j != rank]:  # own block first: finite lse early
                 _attend_forward(qb, _to_blocks(gathered[source, 0], groups), _to_blocks(gathered[source, 1], groups),
-                                plan[source], out, lse, scale)
+                                plan[source], out, lse, scale, context.fused)
         else:
             ring = _Ring(context)
             current = kv
@@ -316,7 +373,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 if step + 1 < size:
                     incoming, works = ring.shift(current, _KV_TAG)  # the next block travels while this one is computed
                 _attend_forward(qb, _to_blocks(current[0], groups), _to_blocks(current[1], groups), plan[source],
-                                out, lse, scale)
+                                out, lse, scale, context.fused)
                 if step + 1 < size:
                     _wait(works)
                     current = incoming
@@ -325,7 +382,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         return _from_blocks(out).to(q.dtype).reshape(s, b, hq * d)
 
     @staticmethod
-    def backward(ctx, grad):
+    def _backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         context, scale = ctx.context, ctx.scale
         s, b, hq, d = q.shape
@@ -342,7 +399,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             """This rank's contribution to the gradient of ``source``'s keys and values, fp32 [2, ...]."""
             kb, vb = _to_blocks(source_kv[0], groups), _to_blocks(source_kv[1], groups)
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-            _attend_backward(qb, kb, vb, dout, delta, lse, plan[source], dq, dk, dv, scale)
+            _attend_backward(qb, kb, vb, dout, out, delta, lse, plan[source], dq, dk, dv, scale, context.fused)
             return torch.stack([_from_blocks(dk), _from_blocks(dv)])
 
         if size == 1:
