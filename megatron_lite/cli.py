@@ -60,16 +60,15 @@ def _configuration_error(exc: BaseException) -> Optional[BaseException]:
     user should see that message, not the stack of jsonargparse and Lightning wrapped around it.
     Anything raised elsewhere is a bug and keeps its traceback.
     """
-    root = exc
-    while root.__cause__ is not None:  # explicit `raise ... from` chains only
-        union_error = _error_in_union_value(root)
-        if union_error is not None:
-            return union_error
-        root = root.__cause__
-    if not isinstance(root, _CONFIG_ERRORS) or root.__traceback__ is None:
-        return None
-    raised_in = traceback.extract_tb(root.__traceback__)[-1].filename
-    return root if raised_in.startswith(_PACKAGE_DIR) else None
+    chain = [exc]
+    while chain[-1].__cause__ is not None:  # explicit `raise ... from` chains only
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    if isinstance(root, _CONFIG_ERRORS) and root.__traceback__ is not None and \
+            traceback.extract_tb(root.__traceback__)[-1].filename.startswith(_PACKAGE_DIR):
+        return root
+    # Our error may only survive as text, inside jsonargparse's report on a Union-typed value.
+    return next((e for e in map(_error_in_union_value, chain[:-1]) if e is not None), None)
 
 
 def _error_in_union_value(error: BaseException) -> Optional[ValueError]:

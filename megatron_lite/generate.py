@@ -61,7 +61,7 @@ def load_tokenizer(path: Path, args: argparse.Namespace):
     from megatron_lite.core.models import GPTConfig
     from megatron_lite.core.optim import OptimizerConfig
     from megatron_lite.module import TOKENIZER_KEY
-    from megatron_lite.pretrained import HF_SIDE_DIR
+    from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR as HF_SIDE_DIR
     from megatron_lite.tokenizers import build_tokenizer
 
     if args.tokenizer_type is not None:

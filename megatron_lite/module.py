@@ -197,7 +197,7 @@ class GPTModule(pl.LightningModule):
         mbs = getattr(getattr(self._attached_trainer(), "datamodule", None), "micro_batch_size", None)
         return mbs if mbs is not None else next(iter(batch.values())).shape[0]
 
-    def microbatches(self, batch: dict) -> list[dict]:
+    def step_microbatches(self, batch: dict) -> list[dict]:
         """``batch`` cut into the microbatches the engine runs; under context parallelism each is this CP
         rank's share (:meth:`context_parallel_share`). ``batch`` itself is left whole."""
         return [self.context_parallel_share(mb) for mb in split_microbatches(batch, self.micro_batch_size(batch))]
@@ -214,12 +214,12 @@ class GPTModule(pl.LightningModule):
 
     def run_schedule(self, batch: dict, forward_only: bool = False, **schedule_kwargs: Any) -> StepLoss:
         """Forward (and backward) over the microbatches of ``batch``; the loss is the global-batch mean."""
-        return self.engine.forward_backward(self.microbatches(batch), forward_only=forward_only, **schedule_kwargs)
+        return self.engine.forward_backward(self.step_microbatches(batch), forward_only=forward_only, **schedule_kwargs)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         scheduler = self.lr_schedulers()
         lr = scheduler.current_lr  # before any per-group multiplier (a ZeRO-1 rank may hold only scaled groups)
-        microbatches = self.microbatches(batch)
+        microbatches = self.step_microbatches(batch)
         step, result = self.engine.train_step(microbatches, optimizer_step=self.optimizers().step)
         if not result.skipped:  # Megatron advances the schedule only on steps that updated the weights
             scheduler.step(increment=self._global_batch_samples(batch) if self.optimizer_config.sample_based else None)

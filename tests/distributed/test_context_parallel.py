@@ -46,7 +46,7 @@ class ShareRecorder(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
-            share = pl_module.microbatches(batch)[0]
+            share = pl_module.step_microbatches(batch)[0]
             self.seen = {"batch_tokens": tuple(batch["tokens"].shape), "tokens": tuple(share["tokens"].shape),
                          "labels": tuple(share["labels"].shape), "positions": share["position_ids"][0].tolist(),
                          "cp_rank": pl_module.parallel_layout.cp_rank}

@@ -14,6 +14,7 @@ import sys
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 import megatron_lite as ml
 from megatron_lite.callbacks import MegatronMetrics
@@ -22,7 +23,9 @@ from megatron_lite.data import MockGPTDataModule
 if __name__ == "__main__":
     settings = json.loads(sys.argv[1])
     torch.set_num_threads(1)
-    callbacks = [] if settings["metrics"] is None else [MegatronMetrics(**settings["metrics"])]
+    # Lightning's default bar is Rich's whenever rich is installed (transformers brings it in): this
+    # script checks the layout around the TQDM bar, so it names it
+    callbacks = [TQDMProgressBar()] + ([] if settings["metrics"] is None else [MegatronMetrics(**settings["metrics"])])
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method=settings["start_method"]),
         accelerator="cpu", devices=2, max_steps=settings["max_steps"], log_every_n_steps=settings["log_every_n_steps"],
