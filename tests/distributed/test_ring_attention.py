@@ -48,7 +48,7 @@ def _reference(q, k, v, dout, cu_seqlens=None):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(rank, world_size, comm_type, packed, fused=True):
+def _cp_rank(rank, world_size, comm_type, packed, fused=False):
     q, k, v, dout = _inputs()
     index = zigzag_positions(S, world_size, rank)
     local = [t[index].clone().requires_grad_(True) for t in (q, k, v)]
@@ -72,11 +72,11 @@ def test_context_parallel_attention_equals_full_attention(cp, comm_type, packed)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_portable_math_blocks_equal_full_attention(packed):
-    """The block kernel other devices run (no fused CPU flash kernel), through the ring at CP2."""
+def test_fused_cpu_blocks_equal_full_attention(packed):
+    """The opt-in fused CPU flash blocks, through the ring at CP2."""
     q, k, v, dout = _inputs()
     ref = _reference(q, k, v, dout, CU_SEQLENS if packed else None)
-    for index, *local in run_ranks(_cp_rank, 2, "p2p", packed, False):
+    for index, *local in run_ranks(_cp_rank, 2, "p2p", packed, True):
         for name, got, want in zip(("out", "dq", "dk", "dv"), local, ref):
             torch.testing.assert_close(got, want[index], rtol=1e-5, atol=1e-5, msg=f"{name} differs")
 

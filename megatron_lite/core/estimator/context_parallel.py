@@ -66,11 +66,10 @@ def context_parallel_attention_transient(config: GPTConfig, layout: "EstimateLay
     fp32_queries = 0 if c == 4 else tokens * heads * d * 4
     fp32_block = 0 if c == 4 else 2 * tokens * groups * d * 4
     chunk = layout.local_seq_length // 2
-    # Autocast runs the block matmuls, and so the scores, in 16 bits (the merge stays in fp32), casting the
-    # block's query and key/value pieces; the causal mask of a chunk is one byte per score.
+    # The blocks run in fp32 whatever autocast says (the attention switches it off); the causal mask of a
+    # chunk is one byte per score.
     b = layout.micro_batch_size
-    scores = SCORE_TENSORS_IN_FLIGHT * b * heads * chunk * chunk * c + chunk * chunk
-    scores += 0 if c == 4 else b * (heads + 2 * groups) * chunk * d * c
+    scores = SCORE_TENSORS_IN_FLIGHT * b * heads * chunk * chunk * 4 + chunk * chunk
     unkept = tokens * heads * (d + 1) * 4 if selective else 0
     return fp32_queries + block * (1 + blocks) + fp32_block + scores + unkept
 
