@@ -16,7 +16,6 @@ fast set (every target at least once); the rest of the matrix is marked slow.
 """
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ from reshard_utils import FixedBatchLoss
 
 CONFIG = tiny_config(num_layers=4, vocab_size=1001, make_vocab_size_divisible_by=100)
 SAVE_AT, STEPS = 3, 6
-CP_MERGED = "context_parallel_size" in inspect.signature(ml.MegatronStrategy).parameters
 
 
 # one worker under `pytest -n 2 --dist loadgroup`: the saved runs are module fixtures, made once
@@ -86,8 +84,6 @@ def _cases():
     for source in SOURCES:
         for target in TARGETS:
             marks = [] if (source, target) in FAST else [pytest.mark.slow]
-            if source == "cp2" and not CP_MERGED:
-                marks.append(pytest.mark.skip(reason="CP strategy option not merged yet"))
             yield pytest.param(source, target, marks=marks, id=f"{source}-to-{target}")
 
 
