@@ -20,12 +20,13 @@ arguments before its ``_fit_impl`` resolves ``ckpt_path``: the only point where 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from megatron_lite.core.checkpoint.auto_resume import (
     has_finished_checkpoint,
@@ -36,6 +37,15 @@ from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError
 from megatron_lite.strategies._lightning_private import checkpoint_callback_dir
 
 LAST = "last"
+
+log = logging.getLogger(__name__)
+
+
+def _warn(message: str) -> None:
+    # A warning-level log record from rank 0: visible without any logging set-up, and kept by a forked rank
+    # (a Python warning there is swallowed when the launching process records warnings, as pytest does).
+    if rank_zero_only.rank == 0:
+        log.warning(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +96,7 @@ def replace_last(args: tuple, trainer: Any, fitting: bool) -> tuple[tuple, Optio
     where = ", ".join(directories)
     unfinished = unfinished_checkpoints(directories)
     if unfinished:
-        rank_zero_warn(f"megatron-lite: ckpt_path='last' found no finished checkpoint in {where}; training starts "
+        _warn(f"megatron-lite: ckpt_path='last' found no finished checkpoint in {where}; training starts "
                        f"from the beginning. Not resumable:\n" + "\n".join(f"  {s.path}: {s.reason}" for s in unfinished))
     else:
         rank_zero_info(f"megatron-lite: ckpt_path='last': no checkpoint in {where} yet; training starts from the "
@@ -100,7 +110,7 @@ def resume_checkpoint(resume: AutoResume) -> Path:
     every checkpoint there is damaged (the fit was about to resume, so it never trains from step 0 silently)."""
     choice = newest_valid_checkpoint(resume.directories)
     if choice.skipped:
-        rank_zero_warn("megatron-lite: ckpt_path='last' skipped checkpoints that cannot be resumed:\n"
+        _warn("megatron-lite: ckpt_path='last' skipped checkpoints that cannot be resumed:\n"
                        + "\n".join(f"  {s.path}: {s.reason}" for s in choice.skipped)
                        + (f"\nResuming the newest valid one, {choice.checkpoint}." if choice.checkpoint else ""))
     if choice.checkpoint is None:
@@ -110,6 +120,6 @@ def resume_checkpoint(resume: AutoResume) -> Path:
             + "\nMove the damaged checkpoints away (or copy them again from where they came from) and run again -- "
               "with none left, training starts from the beginning -- or pass ckpt_path= a checkpoint to load.")
     if not choice.verified:
-        rank_zero_warn(f"megatron-lite: {choice.checkpoint} has no manifest.json (written before checksums existed, "
+        _warn(f"megatron-lite: {choice.checkpoint} has no manifest.json (written before checksums existed, "
                        f"or by plain DCP); its files are loaded without an integrity check.")
     return choice.checkpoint

@@ -3,6 +3,7 @@ finished one that passes its checksums; damaged and unfinished ones are skipped 
 reason; a replace interrupted between its renames is put back first; "last" becomes the run directory
 when it holds a finished checkpoint and None (start from the beginning) when it holds none. And the one
 private Lightning API this uses (ModelCheckpoint's directory without a dirpath) against Lightning itself."""
+import logging
 import os
 
 import lightning as L
@@ -103,7 +104,7 @@ def _fit_args(ckpt_path):
     return (MODULE, None, None, DATA, ckpt_path, None)
 
 
-def test_last_becomes_the_run_directory_or_none(tmp_path):
+def test_last_becomes_the_run_directory_or_none(tmp_path, caplog):
     run_dir = tmp_path / "ckpts"
     trainer = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=run_dir)], enable_progress_bar=False)
     args, resume = replace_last(_fit_args("last"), trainer, fitting=True)
@@ -112,9 +113,10 @@ def test_last_becomes_the_run_directory_or_none(tmp_path):
     leftover = run_dir / ".last.ckpt.tmp-0123abcd"
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"partial")
-    with pytest.warns(UserWarning, match=r"(?s)no finished checkpoint .* killed before it was committed"):
+    with caplog.at_level(logging.WARNING, logger="megatron_lite"):
         args, resume = replace_last(_fit_args("last"), trainer, fitting=True)
     assert args == _fit_args(None) and resume is None
+    assert "no finished checkpoint" in caplog.text and f"{leftover}: a save of last.ckpt that was killed" in caplog.text
 
     _save(run_dir, "epoch=0-step=2.ckpt", 2)  # not named last*: Lightning's own "last" would not see it
     args, resume = replace_last(_fit_args("last"), trainer, fitting=True)
