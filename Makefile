@@ -38,7 +38,9 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint.py
 
 # The fault tests write what they saw into build/reliability; docs/reliability.md is rendered from it.
-FAULT_TESTS := tests/integration/test_graceful_exit.py tests/integration/test_watchdog.py \
+FAULT_TESTS := tests/integration/test_torchrun_restart.py tests/integration/test_graceful_exit.py \
+	tests/integration/test_checkpoint_kill.py tests/integration/test_async_checkpoint_kill.py \
+	tests/integration/test_corrupt_checkpoint_resume.py tests/integration/test_watchdog.py \
 	tests/integration/test_rerun.py tests/integration/test_bad_config_table.py tests/integration/test_clean_exit.py
 reliability: $(STAMP)
 	rm -rf build/reliability

@@ -16,7 +16,13 @@ from pathlib import Path
 
 # fault id prefix -> (issue 13's fault number, the test that proves it)
 FAULTS = [
+    ("1-sigkill-mid-step", 1, "tests/integration/test_torchrun_restart.py"),
+    ("1-sigkill-mid-save", 1, "tests/integration/test_torchrun_restart.py"),
+    ("1-sigkill-after-save", 1, "tests/integration/test_torchrun_restart.py"),
     ("2-sigterm", 2, "tests/integration/test_graceful_exit.py"),
+    ("3-kill-mid-save", 3, "tests/integration/test_checkpoint_kill.py"),
+    ("3b-kill-mid-async-save", 3, "tests/integration/test_async_checkpoint_kill.py"),
+    ("4-corrupt-shard", 4, "tests/integration/test_corrupt_checkpoint_resume.py"),
     ("5-hang", 5, "tests/integration/test_watchdog.py"),
     ("6a-nan-once", 6, "tests/integration/test_rerun.py"),
     ("6b-nan-always-skip", 6, "tests/integration/test_rerun.py"),
@@ -33,10 +39,6 @@ fault is real: real processes (torchrun or the fork launcher), gloo, a real Ligh
 signals, sleeps and NaNs; nothing is mocked. "Steps lost" counts optimizer steps whose work is gone
 (beyond the steps since the last checkpoint, which any crash loses); "time to recover" runs from the
 fault to a resumed (or cleanly ended) run, start-up of the resumed run included.
-
-Faults 1, 3 and 4 of issue 13 (SIGKILL of a rank under `torchrun --max-restarts`, SIGKILL during a
-checkpoint write, a corrupted shard) need the checkpoint work of issue 12 (auto-resume of the newest
-*valid* checkpoint, checksums) and are not in this table yet.
 """
 
 

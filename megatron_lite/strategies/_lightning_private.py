@@ -8,6 +8,9 @@ message instead of N times from N ranks.
 - 'popen' (scripts): Lightning's subprocess-script launcher, subclassed so that Lightning's
   ``isinstance`` checks (killing child ranks on Ctrl-C) keep working; the first failing rank's error
   is what every rank exits with (see ``rank_failure``), and a failed child leaves rank 0 time to say so.
+- ranks that torchrun, SLURM or the 'popen' launcher started: an in-place launcher that starts nothing. A
+  launcher is where Lightning hands over the arguments of ``fit`` before resolving ``ckpt_path``, which
+  ``ckpt_path="last"`` needs (see ``auto_resume``); Lightning's own strategies keep a launcher there too.
 - fork/spawn (notebooks, tests): Lightning's multiprocessing launcher, *wrapped* rather than
   subclassed. Lightning refuses ``return_predictions`` for any ``_MultiProcessingLauncher`` because
   it would return only rank 0's share; ours returns every data-parallel rank's predictions merged, so
@@ -39,6 +42,7 @@ from lightning.fabric.utilities.distributed import (  # noqa: F401  (re-exported
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -54,7 +58,9 @@ from megatron_lite.strategies.rank_failure import (
     record_failure,
 )
 
-Validate = Callable[[tuple, dict, Any], None]
+# Checks the arguments of trainer.fit/validate/test/predict (positional, kwargs, the trainer); returns the
+# positional arguments to run with (ckpt_path="last" replaced).
+Validate = Callable[[tuple, dict, Any], tuple]
 
 # Seconds the script (rank 0) is left to report a failed child's error before the watcher kills it.
 _GRACE_S = 30.0
@@ -74,7 +80,7 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
         self._validate = validate
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        self._validate(args, kwargs, trainer)
+        args = self._validate(args, kwargs, trainer)
         alone = self.num_processes * self.num_nodes == 1 and not self.cluster_environment.creates_processes_externally
         if not alone:
             return self._launch(function, *args, **kwargs)
@@ -231,7 +237,7 @@ class _MegatronMultiProcessingLauncher(_Launcher):
         self._launcher.kill(signum)
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        self._validate(args, kwargs, trainer)
+        args = self._validate(args, kwargs, trainer)
         run_dir = tempfile.mkdtemp(prefix="megatron-lite-run-")
         self._strategy.begin_launch(run_dir, next_run_number())
         try:
@@ -252,6 +258,26 @@ class _MegatronMultiProcessingLauncher(_Launcher):
         finally:
             self._strategy.begin_launch(None, -1)
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class InPlaceLauncher(_Launcher):
+    """The launcher of a rank that was started by torchrun, SLURM or the 'popen' launcher: it starts nothing
+    and runs ``function`` here, with the arguments ``prepare`` returns (``ckpt_path="last"`` replaced; the
+    configuration is validated later, in ``setup_environment``, as before)."""
+
+    def __init__(self, prepare: Validate) -> None:
+        self._prepare = prepare
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        args = self._prepare(args, kwargs, trainer)
+        return function(*args, **kwargs)
+
+    def kill(self, signum) -> None:
+        pass  # it started no process (Lightning's SIGTERM handler calls this)
 
 
 def _run_rank(strategy, function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -293,6 +319,19 @@ def make_launcher(strategy, start_method: str, validate: Validate) -> _Launcher:
         return _ValidatingSubprocessScriptLauncher(strategy, validate, strategy.cluster_environment,
                                                    strategy.num_processes, strategy.num_nodes)
     return _MegatronMultiProcessingLauncher(strategy, validate, start_method)
+
+
+def checkpoint_callback_dir(callback, trainer) -> Optional[str]:
+    """The directory a checkpoint callback saves into: its ``dirpath``; for a ModelCheckpoint without one, the
+    directory Lightning derives when it saves (from the first logger's save_dir/name/version, else
+    ``default_root_dir``/checkpoints), through ModelCheckpoint's private ``__resolve_ckpt_dir`` -- the one
+    Lightning's own ``ckpt_path="last"`` look-up uses. None for a callback without a directory."""
+    dirpath = getattr(callback, "dirpath", None)
+    if dirpath is not None:
+        return str(dirpath)
+    if isinstance(callback, ModelCheckpoint):
+        return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+    return None
 
 
 def attached_trainer(module):

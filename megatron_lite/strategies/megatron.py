@@ -66,6 +66,7 @@ from megatron_lite.strategies.launch_checks import check_callbacks, check_ckpt_p
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 from megatron_lite.strategies._lightning_private import (
+    InPlaceLauncher,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -74,6 +75,7 @@ from megatron_lite.strategies._lightning_private import (
     make_launcher,
     predictions_with_indices,
 )
+from megatron_lite.strategies.auto_resume import AutoResume, replace_last, resume_checkpoint
 from megatron_lite.strategies.rank_failure import (
     RUN_DIR_ENV,
     failure_file,
@@ -200,6 +202,8 @@ class MegatronStrategy(ParallelStrategy):
         self._created_default_group = False
         # The global CPU generator's state to set before the first step after a checkpoint load.
         self._pending_cpu_rng: Optional[Tensor] = None
+        # ckpt_path="last" as replaced by the launcher (see strategies/auto_resume.py); None otherwise.
+        self._auto_resume: Optional[AutoResume] = None
         # Set by the launcher: where the ranks hand results back and record the first failure.
         self._run_dir: Optional[str] = None
         self._failure_file: Optional[str] = None
@@ -269,11 +273,18 @@ class MegatronStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
-            self._launcher = None  # torchrun / SLURM started every rank already
+            # torchrun / SLURM / the popen launcher started every rank already: nothing to start, but the
+            # arguments of fit still pass through here (ckpt_path="last")
+            self._launcher = InPlaceLauncher(self._prepare_run_args)
             return
         self._launcher = make_launcher(self, self._start_method, self._validate_launch_args)
 
-    def _validate_launch_args(self, args: tuple, kwargs: dict, trainer) -> None:
+    @property
+    def _started_externally(self) -> bool:
+        """Whether this process is a rank that torchrun, SLURM or the popen launcher started (no launching of its own)."""
+        return self._launcher is None or isinstance(self._launcher, InPlaceLauncher)
+
+    def _validate_launch_args(self, args: tuple, kwargs: dict, trainer) -> tuple:
         objects = [*args, *kwargs.values()]
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
@@ -282,6 +293,15 @@ class MegatronStrategy(ParallelStrategy):
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
         _recover_interrupted_saves(trainer)
         check_callbacks(trainer, module)
+        return self._prepare_run_args(args, kwargs, trainer)
+
+    def _prepare_run_args(self, args: tuple, kwargs: dict, trainer) -> tuple:
+        """The arguments of fit/validate/test/predict to run with: ``ckpt_path="last"`` replaced by what
+        resumes the newest valid checkpoint (or None: start from the beginning), in every process that
+        calls ``trainer.fit`` -- the launching process and each rank started by torchrun or SLURM."""
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        args, self._auto_resume = replace_last(args, trainer, fitting)
+        return args
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
                  world_size: int, trainer=None) -> int:
@@ -333,7 +353,7 @@ class MegatronStrategy(ParallelStrategy):
                       trainer)
         self._add_metrics_callback(trainer)
         self._add_exit_callback(trainer)
-        if self._launcher is None and os.environ.get(RUN_DIR_ENV):
+        if self._started_externally and os.environ.get(RUN_DIR_ENV):
             # A rank re-running the user's script (no launcher of its own): its run directory comes from rank 0.
             self.begin_launch(os.environ[RUN_DIR_ENV], next_run_number())
         reset_seed()
@@ -489,7 +509,7 @@ class MegatronStrategy(ParallelStrategy):
         rank = self.process_rank
         record_failure(self._failure_file, rank, exception)
         record = read_failure(self._failure_file)
-        if self._launcher is None and rank != 0 and record is not None and record["rank"] != rank:
+        if self._started_externally and rank != 0 and record is not None and record["rank"] != rank:
             # A rank re-running the user's script whose error is a consequence of another rank's (a
             # collective that lost its peer): the failing rank and rank 0 report it, this one exits quietly.
             sys.stderr.flush()
@@ -663,13 +683,7 @@ class MegatronStrategy(ParallelStrategy):
                 remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        # Before anything reads it: the path resolved (an interrupted replace recovered) and every file
-        # checked against the checksums written with it, on all ranks together.
-        path = resolve_checkpoint(self.broadcast(str(checkpoint_path)))
-        verdict = verify_checkpoint(path)
-        if verdict.status == "unverified":
-            rank_zero_warn(f"megatron-lite: {path} has no manifest.json (written before checksums existed, or by "
-                           f"plain DCP); its files are loaded without an integrity check.")
+        path = self._checkpoint_to_load(checkpoint_path)
         assert self.lightning_module is not None
         layout = self._require_layout()
         writebacks: list = []
@@ -699,7 +713,23 @@ class MegatronStrategy(ParallelStrategy):
             load_optimizer_groups(opt, groups)
         if fitting:
             self._restore_or_rederive_rng({k: state[k] for k in rng}, int(extra.get("global_step", 0)))
+        if self._auto_resume is not None and str(checkpoint_path) == self._auto_resume.requested:
+            rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} (global step {extra.get('global_step')})")
         return extra
+
+    def _checkpoint_to_load(self, checkpoint_path) -> Path:
+        """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked
+        against the checksums written with it, on all ranks together. For ``ckpt_path="last"``: the newest
+        checkpoint of the run's directories that passes, the newer ones skipped with a warning."""
+        resume = self._auto_resume
+        if resume is not None and str(checkpoint_path) == resume.requested:
+            return resume_checkpoint(resume)
+        path = resolve_checkpoint(self.broadcast(str(checkpoint_path)))
+        verdict = verify_checkpoint(path)
+        if verdict.status == "unverified":
+            rank_zero_warn(f"megatron-lite: {path} has no manifest.json (written before checksums existed, or by "
+                           f"plain DCP); its files are loaded without an integrity check.")
+        return path
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)

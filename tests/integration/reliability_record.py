@@ -1,7 +1,7 @@
 """What a fault test saw, as one JSON record per test, for ``docs/reliability.md``.
 
 When ``MEGATRON_LITE_RELIABILITY_DIR`` is set, :func:`record` writes ``<dir>/<fault id>.json``;
-``python scripts/reliability_table.py <dir>`` renders the records as the table in docs/reliability.md.
+``python docs/make_reliability.py <dir> docs/reliability.md`` renders the records as the table in docs/reliability.md.
 Nothing is written otherwise, so the tests run the same with or without it.
 """
 from __future__ import annotations

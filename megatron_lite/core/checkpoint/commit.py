@@ -153,7 +153,8 @@ def _legacy_complete(directory: Path) -> bool:
     return all((directory / n).is_file() and (directory / n).stat().st_size >= end for n, end in needed.items())
 
 
-def _written_at(directory: Path) -> float:
+def written_at(directory: Path) -> float:
+    """When the checkpoint in ``directory`` was committed (its manifest's time; ``.metadata``'s mtime without one)."""
     try:
         manifest = read_manifest(directory)
     except ValueError:
@@ -161,11 +162,13 @@ def _written_at(directory: Path) -> float:
     return manifest.written_at if manifest is not None else (directory / ".metadata").stat().st_mtime
 
 
-def _recoverable(directory: Path) -> bool:
+def finished(directory: Path) -> bool:
+    """Whether ``directory`` (not a link) holds a finished save: complete by its manifest, or an older
+    checkpoint without one whose files are all there."""
     return directory.is_dir() and not directory.is_symlink() and (is_complete(directory) or _legacy_complete(directory))
 
 
-def _siblings(parent: Path) -> list[tuple[Path, re.Match]]:
+def siblings_in(parent: Path) -> list[tuple[Path, re.Match]]:
     try:
         entries = list(parent.iterdir())
     except FileNotFoundError:
@@ -179,11 +182,11 @@ def recover(path: str | os.PathLike) -> Optional[Path]:
     path = Path(path)
     if os.path.lexists(path):
         return None
-    candidates = [p for p, m in _siblings(path.parent)
-                  if m["name"] == path.name and m["kind"] in ("tmp", "old") and _recoverable(p)]
+    candidates = [p for p, m in siblings_in(path.parent)
+                  if m["name"] == path.name and m["kind"] in ("tmp", "old") and finished(p)]
     if not candidates:
         return None
-    newest = max(candidates, key=_written_at)
+    newest = max(candidates, key=written_at)
     os.rename(newest, path)
     fsync_dir(path.parent)
     log.warning("megatron-lite: %s was missing (a save was interrupted while replacing it); recovered the complete "
@@ -194,7 +197,7 @@ def recover(path: str | os.PathLike) -> Optional[Path]:
 def incomplete_leftovers(path: str | os.PathLike) -> list[Path]:
     """The siblings of ``path`` left by interrupted saves into it (for error messages)."""
     path = Path(path)
-    return [p for p, m in _siblings(path.parent) if m["name"] == path.name]
+    return [p for p, m in siblings_in(path.parent) if m["name"] == path.name]
 
 
 def _only_checkpoint_files(path: Path, kind: str) -> bool:
@@ -215,10 +218,10 @@ def clean_up(directory: str | os.PathLike, in_flight: Collection[str | os.PathLi
     keep = {Path(p).resolve() for p in in_flight}
     removed = []
     try:
-        siblings = [(p, m) for p, m in _siblings(directory) if p.resolve() not in keep]
+        siblings = [(p, m) for p, m in siblings_in(directory) if p.resolve() not in keep]
         for name in sorted({m["name"] for _, m in siblings}):
             recover(directory / name)
-        for path, match in _siblings(directory):
+        for path, match in siblings_in(directory):
             if path.resolve() in keep or not _only_checkpoint_files(path, match["kind"]):
                 continue
             remove_tree(path)
@@ -270,7 +273,7 @@ def latest_in(directory: str | os.PathLike) -> Optional[Path]:
     complete = [p for p in directory.iterdir() if not p.name.startswith(".") and p.is_dir() and is_complete(p)]
     if not complete:
         return None
-    newest = max(complete, key=_written_at)
+    newest = max(complete, key=written_at)
     if name is not None:
         log.warning("megatron-lite: %s names %s, which is gone; using the newest complete checkpoint there, %s",
                     directory / LATEST, name, newest.name)

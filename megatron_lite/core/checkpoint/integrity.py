@@ -48,6 +48,11 @@ _CHUNK = 8 << 20
 class CorruptCheckpointError(ValueError):
     """A checkpoint's files do not match what was written (or it is incomplete)."""
 
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+        """What is wrong, one line per bad file (empty when only the message says it)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
@@ -290,7 +295,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> Verdict:
     if problems:
         raise CorruptCheckpointError(
             f"checkpoint {directory} is corrupted or incomplete; nothing was loaded:\n  " + "\n  ".join(problems)
-            + "\nLoad an earlier checkpoint (or copy this one again from where it came from).")
+            + "\nLoad an earlier checkpoint (or copy this one again from where it came from).", tuple(problems))
     if manifest is None:
         return Verdict("unverified", 0, 0)
     return Verdict("ok", len(manifest.files), sum(r.size for r in manifest.files.values()))
