@@ -8,8 +8,6 @@ no leftovers."""
 import multiprocessing
 import os
 import random
-import signal
-import time
 from pathlib import Path
 
 import lightning as L
@@ -19,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import megatron_lite as ml
 from megatron_lite.data import MockGPTDataModule
 from reliability_record import record
-from test_checkpoint_kill import LEFTOVER, StartStep, _check_checkpoints, _kill_point, tiny_config
+from test_checkpoint_kill import LEFTOVER, StartStep, _check_checkpoints, run_until_killed, tiny_config
 
 
 def _train(ckpt_dir: str, start_file: str, max_steps: int, ckpt_path) -> None:
@@ -45,20 +43,10 @@ def test_sigkill_during_async_writes_keeps_the_previous_checkpoint(tmp_path):
     last_step, killed_mid_write, recover_s, killed_at = 0, 0, [], None
     modes = ["writing", "writing", "random", "writing"]
     for i, mode in enumerate(modes):
-        start_file.unlink(missing_ok=True)
-        process = context.Process(target=_train, args=(str(ckpt_dir), str(start_file), 10_000,
-                                                       "last" if i else None))
-        process.start()
-        kill_now = _kill_point(mode, ckpt_dir, start_file)
-        deadline = time.monotonic() + 60
-        while not kill_now():
-            assert process.is_alive(), f"the run ended before the kill point {mode!r} (exit code {process.exitcode})"
-            assert time.monotonic() < deadline, f"kill point {mode!r} not reached in 60 s"
+        killed = run_until_killed(_train, ckpt_dir, start_file, mode, resume=i > 0)
         if killed_at is not None:  # from the previous kill to this run training again
             recover_s.append(start_file.stat().st_mtime - killed_at)
-        os.killpg(process.pid, signal.SIGKILL)
-        killed_at = time.time()
-        process.join()
+        killed_at = killed
         unfinished = [p for p in ckpt_dir.iterdir() if LEFTOVER.match(p.name) and not (p / "manifest.json").exists()]
         killed_mid_write += bool(unfinished)
         # it started from the newest finished checkpoint as it was when it launched (never from step 0 after

@@ -127,28 +127,35 @@ def _check_checkpoints(ckpt_dir: Path) -> int:
     return read_checkpoint_meta(finished_checkpoints([ckpt_dir])[0])["global_step"]
 
 
+def run_until_killed(train, ckpt_dir: Path, start_file: Path, mode: str, resume: bool) -> float:
+    """Start ``train`` in a forked process (from ``ckpt_path="last"`` if ``resume``), SIGKILL its process
+    group at the kill point ``mode`` and return the time of the kill."""
+    start_file.unlink(missing_ok=True)
+    process = multiprocessing.get_context("fork").Process(
+        target=train, args=(str(ckpt_dir), str(start_file), 10_000, "last" if resume else None))
+    process.start()
+    kill_now = _kill_point(mode, ckpt_dir, start_file)
+    deadline = time.monotonic() + 60
+    while not kill_now():
+        assert process.is_alive(), f"the run ended before the kill point {mode!r} (exit code {process.exitcode})"
+        assert time.monotonic() < deadline, f"kill point {mode!r} not reached in 60 s"
+    os.killpg(process.pid, signal.SIGKILL)
+    killed_at = time.time()
+    process.join()
+    return killed_at
+
+
 def test_sigkill_during_saves_leaves_a_checkpoint_that_resumes(tmp_path):
     random.seed(0)
     ckpt_dir = tmp_path / "ckpts"
     start_file = tmp_path / "start_step"
-    context = multiprocessing.get_context("fork")
     last_step, leftovers_seen, recover_s, killed_at = 0, set(), [], None
     modes = ["writing", "committing", "replaced", "random", "removing", "replaced", "committing", "random"]
     for i, mode in enumerate(modes):
-        start_file.unlink(missing_ok=True)
-        process = context.Process(target=_train, args=(str(ckpt_dir), str(start_file), 10_000,
-                                                       "last" if i else None))
-        process.start()
-        kill_now = _kill_point(mode, ckpt_dir, start_file)
-        deadline = time.monotonic() + 60
-        while not kill_now():
-            assert process.is_alive(), f"the run ended before the kill point {mode!r} (exit code {process.exitcode})"
-            assert time.monotonic() < deadline, f"kill point {mode!r} not reached in 60 s"
+        killed = run_until_killed(_train, ckpt_dir, start_file, mode, resume=i > 0)
         if killed_at is not None:  # from the previous kill to this run training again
             recover_s.append(start_file.stat().st_mtime - killed_at)
-        os.killpg(process.pid, signal.SIGKILL)
-        killed_at = time.time()
-        process.join()
+        killed_at = killed
         # it started from the newest finished checkpoint as it was when it launched (never from step 0 after
         # the first run)
         assert int(start_file.read_text()) == last_step and (last_step > 0 or i == 0)
@@ -161,7 +168,8 @@ def test_sigkill_during_saves_leaves_a_checkpoint_that_resumes(tmp_path):
 
     # a run that is not killed resumes from last.ckpt and its saves clean up what the killed ones left
     start_file.unlink(missing_ok=True)
-    process = context.Process(target=_train, args=(str(ckpt_dir), str(start_file), last_step + 2, "last"))
+    process = multiprocessing.get_context("fork").Process(
+        target=_train, args=(str(ckpt_dir), str(start_file), last_step + 2, "last"))
     process.start()
     process.join(timeout=120)
     assert process.exitcode == 0

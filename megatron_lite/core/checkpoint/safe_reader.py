@@ -1,7 +1,7 @@
 """Reading DCP checkpoints without unpickling arbitrary objects.
 
 torch's ``FileSystemReader.read_metadata`` reads ``.metadata`` with a plain ``pickle.load``, and its
-``DefaultLoadPlanner.load_bytes`` reads non-tensor entries with ``torch.load(weights_only=False)``: a
+``DefaultLoadPlanner.load_bytes`` reads non-tensor entries with a full (code-running) ``torch.load``: a
 downloaded checkpoint could run any code when opened. :class:`SafeFileSystemReader` unpickles
 ``.metadata`` with an allow-list (DCP's metadata dataclasses and the few torch types they hold, looked
 up in a fixed table -- nothing named by the file is imported), and :class:`SafeLoadPlanner` reads the
