@@ -18,6 +18,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from megatron_lite.core.checkpoint.full_state import carry_over_state, load_full_state, same_layout
 from megatron_lite.core.engine import TrainingEngine
+from megatron_lite.core.engine.extensions import ExtendedObjective, ObjectiveExtension
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
 from megatron_lite.core.optim.scheduler import schedule_lengths
@@ -65,6 +66,9 @@ class GPTModule(pl.LightningModule):
         self.model: Optional[nn.Module] = None
         self.megatron_optimizer: Optional[MegatronOptimizer] = None
         self._engine: Optional[TrainingEngine] = None
+        self.objective_extensions: list[ObjectiveExtension] = []
+        """Changes to the objective (distillation, draft heads, ...), see :meth:`add_objective_extension`."""
+        self._attached: list[tuple[ObjectiveExtension, int]] = []  # (extension, id of the model it attached to)
         self.val_loss_metric = MeanMetric()
         self.test_loss_metric = MeanMetric()
 
@@ -113,16 +117,37 @@ class GPTModule(pl.LightningModule):
         if self.model is None:
             raise RuntimeError("the model is not built yet: the Trainer calls configure_model() first")
         engine = self._engine
-        if engine is None or engine.model is not self.model:
-            engine = self._engine = TrainingEngine(self.model, self.parallel_layout, self)
+        extensions = tuple(self.objective_extensions)
+        if engine is None or engine.model is not self.model or getattr(engine, "extensions", ()) != extensions:
+            objective = ExtendedObjective(self, extensions) if extensions else self
+            engine = self._engine = TrainingEngine(self.model, self.parallel_layout, objective)
+            engine.extensions = extensions
         engine.optimizer = self.megatron_optimizer
         engine.timers = self.run_timers()
         return engine
+
+    def add_objective_extension(self, extension: ObjectiveExtension) -> None:
+        """Wrap this module's objective (forward_step and loss) with ``extension`` for every later step; the
+        first extension added is the outermost. Its ``attach`` runs once the model is built (at once if it is).
+        Callbacks (``Distill``, ``Quantize``, draft-head training) call this from their ``setup``."""
+        if not isinstance(extension, ObjectiveExtension):
+            raise TypeError(f"{type(extension).__name__} is not an ObjectiveExtension")
+        if extension not in self.objective_extensions:
+            self.objective_extensions.append(extension)
+        if self.model is not None:
+            self._attach_extensions()
+
+    def _attach_extensions(self) -> None:
+        for extension in self.objective_extensions:
+            if (extension, id(self.model)) not in self._attached:
+                extension.attach(self, self.model, self.parallel_layout)
+                self._attached.append((extension, id(self.model)))
 
     def configure_model(self) -> None:
         layout = self.parallel_layout
         built_for = getattr(self.model, "layout", None)  # None: a model of unknown layout, kept as it is
         if self.model is not None and (built_for is None or same_layout(built_for, layout)):
+            self._attach_extensions()
             return
         self._check_vocab(getattr(self._attached_trainer(), "datamodule", None))
         previous, self.model = self.model, self.build_model(layout)
@@ -132,6 +157,7 @@ class GPTModule(pl.LightningModule):
             # Built for another layout: the one-process model a forked fit handed back to the notebook, or
             # the previous run's in this process. Each rank cuts its shard of the weights out of it.
             carry_over_state(previous, self.model, vocab_size=self.config.vocab_size)
+        self._attach_extensions()
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full global tensors keyed like this module's parameters (``model.…``) into the model,
@@ -229,6 +255,9 @@ class GPTModule(pl.LightningModule):
         self.log("train/skipped_steps", float(self.megatron_optimizer.skipped_steps))
         if result.loss_scale is not None:
             self.log("train/loss_scale", result.loss_scale)
+        for extension in self.objective_extensions:
+            for name, value in extension.step_metrics().items():
+                self.log(name, value)
         return step.loss
 
     def on_fit_end(self) -> None:
