@@ -2,7 +2,9 @@
 
 The callback only adds a :class:`~megatron_lite.post_training.distillation.Distillation` objective extension
 to the module in ``setup``: the module's own training step, schedules (TP, PP, CP, DP) and optimizer run the
-distillation loss; the teacher never enters the optimizer or the checkpoint.
+distillation loss; the teacher never enters the optimizer or the checkpoint. Checkpoints saved during ``fit``
+hold the intermediate-layer projections (a resumed run needs the same ``Distill``); at the end of training the
+extension is removed and the student is a plain GPTModel again.
 """
 from __future__ import annotations
 
@@ -65,6 +67,12 @@ class Distill(pl.Callback):
         # First in the list: it attaches (copies a 'self' teacher) before any other extension changes the model.
         pl_module.objective_extensions.insert(0, self.extension)
         pl_module.add_objective_extension(self.extension)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # The trained student is an ordinary GPTModel again (its weights hand back to the launching process,
+        # export and load like any other); the projections stay readable on the extension.
+        if self.extension is not None:
+            self.extension.detach(pl_module)
 
 
 class _Snapshot:

@@ -130,6 +130,7 @@ class Distillation(ObjectiveExtension):
         self.teacher: Optional[GPTModel] = None
         self.student: Optional[nn.Module] = None
         self.layout: Optional[ParallelLayout] = None
+        self.projections: Optional[nn.ModuleList] = None
         self._sums = torch.zeros(4, dtype=torch.float64)  # lm, kd, intermediate, loss tokens of this step
 
     # --- checks and the teacher ----------------------------------------------------------------
@@ -191,6 +192,16 @@ class Distillation(ObjectiveExtension):
                 linear.weight.copy_(torch.empty_like(linear.weight).uniform_(-bound, bound, generator=generator))
             projections.append(linear)
         model.distill_projections = projections.to(next(model.parameters()).device)
+
+    def detach(self, module: Any) -> None:
+        """Take the extension off ``module`` after training: its model loses the projections (kept here as
+        ``self.projections``) and the module's objective is its own again."""
+        model = module.model
+        if model is not None and hasattr(model, "distill_projections"):
+            self.projections = model.distill_projections
+            del model.distill_projections
+        if self in module.objective_extensions:
+            module.objective_extensions.remove(self)
 
     # --- the objective ------------------------------------------------------------------------
     def forward_step(self, inner: ForwardStep, part: Any, microbatch: dict,
