@@ -173,8 +173,12 @@ class Distillation(ObjectiveExtension):
             else:  # each rank cuts its shards (and pipeline stages) out of the one-process teacher
                 teacher = GPTModel(config, layout, seed=self.source.seed)
                 carry_over_state(source, teacher, vocab_size=config.vocab_size)
-        device = next(model.parameters()).device
-        self.teacher = teacher.to(device).eval().requires_grad_(False)
+        # The student's device and dtype (bf16-true students): under PP both models' activations share one tensor.
+        reference = next(p for p in model.parameters() if p.is_floating_point())
+        if any(p.dtype != reference.dtype or p.device != reference.device for p in teacher.parameters()) and \
+                teacher is getattr(self.source, "model", None):
+            teacher = copy.deepcopy(teacher)  # the user's teacher module keeps its own dtype and device
+        self.teacher = teacher.to(device=reference.device, dtype=reference.dtype).eval().requires_grad_(False)
         self._add_projections(module, model)
 
     def _add_projections(self, module: Any, model: nn.Module) -> None:

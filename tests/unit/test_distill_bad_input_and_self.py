@@ -31,19 +31,22 @@ def _fit(student, callbacks, devices=1, steps=2, **strategy):
     return trainer
 
 
-@pytest.mark.parametrize("case, make, message", [
-    ("vocabulary", lambda: Distill(_teacher(vocab_size=256)),
+TP2, PP2, FSDP2 = dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2), dict(use_torch_fsdp2=True)
+
+
+@pytest.mark.parametrize("layout, make, message", [
+    (TP2, lambda: Distill(_teacher(vocab_size=256)),
      r"teacher's vocabulary \(256 tokens\) differs from the student's \(128\)"),
-    ("student layer", lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.5", "layers.1")]),
+    (TP2, lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.5", "layers.1")]),
      r"'layers.5' is not a module of the student \(2 layers\); valid names: layers.0, layers.1, final_layernorm"),
-    ("teacher layer", lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "decoder.layers.3")]),
+    (TP2, lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "decoder.layers.3")]),
      r"'layers.3' is not a module of the teacher \(3 layers\); valid names: layers.0, layers.1, layers.2"),
-    ("pipeline pairs", lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "layers.2")]),
+    (PP2, lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "layers.2")]),
      r"intermediate_layer_pairs under pipeline parallelism is not supported"),
+    (FSDP2, lambda: Distill("self"), r"Distill\(teacher='self'\) with use_torch_fsdp2=True"),
 ])
-def test_bad_teacher_or_layer_is_refused_before_the_ranks_start(case, make, message):
+def test_bad_teacher_or_layer_is_refused_before_the_ranks_start(layout, make, message):
     student = ml.GPTModule(ml.GPTConfig(**STUDENT))
-    layout = dict(pipeline_model_parallel_size=2) if case == "pipeline pairs" else dict(tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match=message):
         _fit(student, [make()], devices=2, **layout)
 
