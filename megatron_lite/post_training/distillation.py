@@ -195,7 +195,8 @@ class Distillation(ObjectiveExtension):
                 bound = 1.0 / math.sqrt(student_width)
                 linear.weight.copy_(torch.empty_like(linear.weight).uniform_(-bound, bound, generator=generator))
             projections.append(linear)
-        model.distill_projections = projections.to(next(model.parameters()).device)
+        reference = next(self.teacher.parameters())  # already on the student's device, in its dtype
+        model.distill_projections = projections.to(device=reference.device, dtype=reference.dtype)
 
     def detach(self, module: Any) -> None:
         """Take the extension off ``module`` after training: its model loses the projections (kept here as
@@ -298,8 +299,9 @@ class Distillation(ObjectiveExtension):
         if output.intermediate is not None:
             intermediate, _ = masked_token_loss(output.intermediate, microbatch)
             total = total + intermediate * self.config.intermediate_loss_scale
-        values = torch.stack([lm.detach(), kd.detach(), intermediate.detach(), torch.as_tensor(count).detach()])
-        self._sums = self._sums.to(values.device) + values.to(torch.float64)
+        values = torch.stack([torch.as_tensor(v).detach().to(device=kd.device, dtype=torch.float64)
+                              for v in (lm, kd, intermediate, count)])
+        self._sums = self._sums.to(values.device) + values
         return total, count
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
