@@ -54,11 +54,11 @@ class DistillationConfig:
     """Weight of the summed intermediate-layer terms in the loss."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0 and math.isfinite(self.temperature)):
+        if not (_number(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         for name in ("kd_loss_scale", "intermediate_loss_scale"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+            if not (_number(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.intermediate_loss not in INTERMEDIATE_LOSSES:
             raise ValueError(f"intermediate_loss must be one of {INTERMEDIATE_LOSSES}, got {self.intermediate_loss!r}")
@@ -74,6 +74,10 @@ class DistillationConfig:
                              "to train on: raise kd_loss_scale or keep the LM loss")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _our_name(name: str) -> str:
     """Megatron-LM names its transformer block ``decoder``; ours are the GPTModel's attributes."""
     return name[len("decoder."):] if name.startswith("decoder.") else name
@@ -84,7 +88,7 @@ def matchable_modules(config: GPTConfig) -> list[str]:
     return [f"layers.{i}" for i in range(config.num_layers)] + ["final_layernorm"]
 
 
-TeacherSource = Union[str, Path, "Any"]  # a checkpoint or HF directory, a GPTModule, or "self"
+TeacherSource = Union[str, Path, Any]  # a checkpoint or HF directory, a GPTModule, or "self"
 
 
 def load_teacher(teacher: TeacherSource) -> Any:
