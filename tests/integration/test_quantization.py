@@ -122,3 +122,27 @@ def test_qat_trains_the_fake_quantized_model(trained):
           f"QAT {after:.3f}")
     assert after < base_ptq
     assert after <= ptq * 1.01
+
+
+def test_quantize_cli_writes_a_quantized_checkpoint(trained, tmp_path, capsys):
+    from megatron_lite.tokenizers.build import tokenizer_spec
+
+    path, data, _, held_out = trained
+    spec = tokenizer_spec(data.tokenizer)
+    tokenizer_args = ["--tokenizer-type", spec["tokenizer_type"], "--tokenizer-model", spec["tokenizer_model"]]
+    args = ["quantize", "--ckpt", str(path), "--config", "FP8_DEFAULT_CFG", "--data", "shakespeare", "--output",
+            str(tmp_path / "fp8"), "--calib-batches", "1", "--eval-batches", "2", "--json", *tokenizer_args]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["config"] == "FP8_DEFAULT_CFG" and result["ratio"] < 1.05
+    loaded = _load(tmp_path / "fp8")
+    assert quantization_recipe(loaded.model)["config"] == "FP8_DEFAULT_CFG"
+    assert perplexity(loaded, held_out) / perplexity(_load(path), held_out) < 1.05
+    # a bad config name: one line listing the valid ones, exit code 2, nothing written
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*args[:4], "INT3_CFG", *args[5:8], str(tmp_path / "bad"), *args[9:]])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "unknown quantization config 'INT3_CFG'" in err and "INT8_SMOOTHQUANT_CFG" in err
+    assert not (tmp_path / "bad").exists()
