@@ -2,16 +2,18 @@
 one-process reference quantized on the same data: INT8 SmoothQuant with an FP8 KV cache, calibrated at TP2
 (sequence parallel on: a row-parallel layer's input is split, so its amax must be reduced over TP) and at DP2
 (each rank calibrates on half the batches, so every amax must be reduced over DP), gives the TP1 model's amax,
-pre-quant scales and logits. The TP2 model's full state (split quantizer tensors gathered) loads into a fresh
-TP1 model as the same quantized model."""
+pre-quant scales and logits. The TP2 model's full state (split quantizer tensors gathered) and the DCP
+checkpoint its ranks write (split quantizer tensors as global tensors) load into one process as the same
+quantized model."""
 import pytest
 import torch
 
 pytest.importorskip("modelopt.torch.quantization")
 
-from megatron_lite import GPTConfig, GPTModel, ParallelConfig, ParallelLayout  # noqa: E402
+from megatron_lite import GPTConfig, GPTModel, GPTModule, OptimizerConfig, ParallelConfig, ParallelLayout  # noqa: E402
 from megatron_lite.core.checkpoint.full_state import gather_full_state, load_full_state  # noqa: E402
-from megatron_lite.post_training.quantization import quantize, restore_from_state  # noqa: E402
+from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state  # noqa: E402
+from megatron_lite.post_training.quantization import quantization_recipe, quantize, restore_from_state  # noqa: E402
 from spawn_utils import run_ranks  # noqa: E402
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=16,
@@ -32,7 +34,15 @@ def _quantizer_tensors(state: dict) -> dict:
     return {k: v for k, v in state.items() if "_quantizer." in k}
 
 
-def _on_layout(rank, world_size, parallel: dict):
+def _save_checkpoint(model: GPTModel, layout: ParallelLayout, path: str) -> None:
+    """The model as a GPTModule checkpoint holds it (``model.*``), written by every rank with DCP."""
+    holder = torch.nn.Module()
+    holder.model = model
+    extra = {"hyper_parameters": {"config": model.config, "optimizer": OptimizerConfig(), "seed": 3}}
+    save_sharded({"model": sharded_model_state(holder, layout)}, path, extra=extra)
+
+
+def _on_layout(rank, world_size, parallel: dict, checkpoint: str):
     layout = ParallelLayout.build(ParallelConfig(**parallel))
     model = GPTModel(GPTConfig(**CONFIG), layout, seed=3)
     batches = _batches()
@@ -40,6 +50,7 @@ def _on_layout(rank, world_size, parallel: dict):
         batches = [{"tokens": b["tokens"].chunk(2)[layout.dp_rank]} for b in batches]
     quantize(model, calibration=batches, **RECIPE)
     state = gather_full_state(model, layout)
+    _save_checkpoint(model, layout, checkpoint)
     return {"logits": model.full_logits(_probe()), "state": state}
 
 
@@ -52,8 +63,8 @@ def reference():
 
 @pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2, sequence_parallel=True),
                                       dict(tensor_model_parallel_size=1)], ids=["tp2_sp", "dp2"])
-def test_quantized_parallel_model_equals_the_one_process_model(reference, parallel):
-    results = run_ranks(_on_layout, 2, parallel)
+def test_quantized_parallel_model_equals_the_one_process_model(reference, parallel, tmp_path):
+    results = run_ranks(_on_layout, 2, parallel, str(tmp_path / "ckpt"))
     expected = reference.full_logits(_probe())
     for result in results:  # every rank, every layout: the reference's logits
         torch.testing.assert_close(result["logits"], expected, rtol=1e-5, atol=1e-5)
@@ -69,3 +80,7 @@ def test_quantized_parallel_model_equals_the_one_process_model(reference, parall
         assert restore_from_state(fresh, full)
         load_full_state(fresh, full, vocab_size=CONFIG["vocab_size"])
         torch.testing.assert_close(fresh.full_logits(_probe()), results[0]["logits"], rtol=1e-5, atol=1e-5)
+    # The DCP checkpoint the ranks wrote (split quantizer tensors as global tensors) loads as one process
+    loaded = GPTModule.from_pretrained(tmp_path / "ckpt")
+    assert quantization_recipe(loaded.model)["kv_cache"] == "FP8_KV_CFG"
+    torch.testing.assert_close(loaded.full_logits(_probe()), results[0]["logits"], rtol=1e-5, atol=1e-5)
