@@ -30,7 +30,7 @@ _WHEN = ("fit_end", "fit_start")
 
 
 class Quantize(pl.Callback):
-    """Quantize the trained model with nvidia-modelopt (PTQ at ``fit_end``) or train it quantized (QAT from ``fit_start``).
+    """Quantize the trained model with nvidia-modelopt (PTQ at ``fit_end``) or train it quantized (QAT, ``fit_start``).
 
     Args:
         config: a ModelOpt config name (``INT8_SMOOTHQUANT_CFG``, ``FP8_DEFAULT_CFG``, ``INT4_AWQ_CFG``,
