@@ -103,6 +103,10 @@ def test_reference_from_a_checkpoint_and_one_of_another_shape(tmp_path):
     # ... and other weights of the same shape are really loaded: the first loss moves off log 2.
     other = _first_loss(tmp_path, DPOModule(config, seed=1234, beta=1.0, reference=_saved(tmp_path, "other", seed=7)), data)
     assert abs(other - 0.6931471805599453) > 5e-3
+    # from_pretrained: the policy starts from the checkpoint's weights and (reference=None) they are its reference
+    pretrained = DPOModule.from_pretrained(_saved(tmp_path, "pretrained", seed=7), beta=1.0)
+    assert (pretrained.beta, pretrained.hparams["beta"], pretrained.seed) == (1.0, 1.0, 7)
+    assert _first_loss(tmp_path, pretrained, data) == pytest.approx(0.6931471805599453, rel=1e-6)
     wider = _saved(tmp_path, "wider", hidden_size=64)
     with pytest.raises(ValueError) as err:  # refused before any process starts, naming both shapes
         _trainer(tmp_path, max_steps=1).fit(DPOModule(config, reference=wider), data)
