@@ -81,7 +81,8 @@ def _parse_pair(obj: dict, keys: Sequence[str], where: str) -> Pair:
         prompt = conversations[0][:-1]
         replies = [c[-1] for c in conversations]
     else:
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, where, prompt_key)
+        prompt = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                  else _messages(prompt, where, prompt_key))
         replies = [_reply(v, prompt, where, k) for k, v in ((chosen_key, chosen), (rejected_key, rejected))]
     for key, reply in zip((chosen_key, rejected_key), replies):
         if reply["role"] != "assistant":

@@ -35,7 +35,6 @@ from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layo
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
-from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms

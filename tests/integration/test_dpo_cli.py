@@ -85,7 +85,8 @@ def test_example_dpo_config_runs(tmp_path, monkeypatch):
           "--model.optimizer.lr_warmup_iters", "1",
           "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
           "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path / "logs")])
+          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+          "--trainer.logger.save_dir", str(tmp_path / "logs")])
     rows, config = _logged(tmp_path)
     assert sorted({int(r["step"]) for r in rows if r.get("train/reward_accuracy")}) == [0, 1]
     assert any(r.get("val/reward_accuracy") for r in rows)

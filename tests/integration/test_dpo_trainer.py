@@ -101,7 +101,8 @@ def test_reference_from_a_checkpoint_and_one_of_another_shape(tmp_path):
     same = _first_loss(tmp_path, DPOModule(config, seed=1234, reference=_saved(tmp_path, "same")), data)
     assert same == pytest.approx(0.6931471805599453, rel=1e-6)
     # ... and other weights of the same shape are really loaded: the first loss moves off log 2.
-    other = _first_loss(tmp_path, DPOModule(config, seed=1234, beta=1.0, reference=_saved(tmp_path, "other", seed=7)), data)
+    other_weights = _saved(tmp_path, "other", seed=7)
+    other = _first_loss(tmp_path, DPOModule(config, seed=1234, beta=1.0, reference=other_weights), data)
     assert abs(other - 0.6931471805599453) > 5e-3
     # from_pretrained: the policy starts from the checkpoint's weights and (reference=None) they are its reference
     pretrained = DPOModule.from_pretrained(_saved(tmp_path, "pretrained", seed=7), beta=1.0)

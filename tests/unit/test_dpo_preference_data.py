@@ -29,7 +29,8 @@ def write(path: Path, rows) -> str:
 
 
 @pytest.mark.parametrize("row", [
-    {"chosen": [USER, {"role": "assistant", "content": "20 21"}], "rejected": [USER, {"role": "assistant", "content": "30"}]},
+    {"chosen": [USER, {"role": "assistant", "content": "20 21"}],
+     "rejected": [USER, {"role": "assistant", "content": "30"}]},
     {"prompt": [USER], "chosen": {"role": "assistant", "content": "20 21"}, "rejected": "30"},
     {"prompt": [USER], "chosen": [USER, {"role": "assistant", "content": "20 21"}],
      "rejected": [{"role": "assistant", "content": "30"}]},
