@@ -134,3 +134,40 @@ def test_non_preference_batches_are_refused(tmp_path):
     data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=2, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="DPOModule trains on preference pairs"):
         _trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(DPOModule(ml.GPTConfig(**CONFIG)), data)
+
+
+class Losses(L.Callback):
+    def __init__(self, out):
+        self.out, self.losses = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.losses, self.out / "losses.pt")
+
+
+def test_resume_keeps_the_reference(tmp_path):
+    """Started from pretrained weights (reference=None: those weights), saved after step 2 and resumed in a new
+    module built the same way: steps 3-4 equal the uninterrupted run's, so the resumed run's reference is the
+    pretrained weights again (it is taken when the model is built, before the checkpoint is restored)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = PreferenceDataModule(write_cued_pairs(tmp_path / "pairs.jsonl", 64), NullTokenizer(VOCAB), seq_length=16,
+                                micro_batch_size=4, global_batch_size=8, split="100,0")
+    weights = _saved(tmp_path, "pretrained", seed=7)
+    optimizer = ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant")
+    full = tmp_path / "full"
+    full.mkdir()
+    _trainer(full, max_steps=4, limit_val_batches=0, enable_checkpointing=True, callbacks=[
+        Losses(full), ModelCheckpoint(dirpath=full / "ckpts", every_n_train_steps=2, save_top_k=-1)]).fit(
+        DPOModule.from_pretrained(weights, optimizer=optimizer, beta=0.5), data)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    checkpoint = next(p for p in (full / "ckpts").iterdir() if "step=2" in p.name)
+    _trainer(resumed, max_steps=4, limit_val_batches=0, callbacks=[Losses(resumed)]).fit(
+        DPOModule.from_pretrained(weights, optimizer=optimizer, beta=0.5), data, ckpt_path=str(checkpoint))
+    uninterrupted, after_resume = torch.load(full / "losses.pt"), torch.load(resumed / "losses.pt")
+    assert len(uninterrupted) == 4 and len(after_resume) == 2
+    assert len(set(uninterrupted)) == 4  # the policy moved: a wrong reference would change steps 3-4
+    torch.testing.assert_close(torch.tensor(after_resume), torch.tensor(uninterrupted[2:]), rtol=1e-6, atol=0)
