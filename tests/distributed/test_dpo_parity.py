@@ -1,4 +1,4 @@
-"""DPO (issue 16) at TP2, PP2, DP2 and CP2 equals one process through a real Trainer (ranks forked).
+"""DPO (issue 16) at TP2, TP2+SP, PP2, DP2 and CP2 equals one process through a real Trainer (ranks forked).
 
 Same seed, same preference file, same global batch: the per-step DPO losses, the first step's full
 gradients (gathered over TP and every pipeline stage), the final parameters (rtol 1e-5), and the logged
@@ -24,6 +24,7 @@ STEPS = 3
 METRICS = ("train/rewards_chosen", "train/rewards_rejected", "train/reward_margin", "train/reward_accuracy")
 LAYOUTS = {
     "tp2": dict(devices=2, tp=2),
+    "tp2_sp": dict(devices=2, tp=2, sp=True),
     "pp2": dict(devices=2, pp=2),
     "dp2": dict(devices=2),
     "cp2": dict(devices=2, cp=2),
@@ -44,7 +45,7 @@ class RewardRecorder(L.Callback):
         torch.save(self.values, self.out / f"rewards_{trainer.global_rank}.pt")
 
 
-def train(out: Path, data_file: str, *, devices=1, tp=1, pp=1, cp=1, precompute=False) -> dict:
+def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, cp=1, precompute=False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
     data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
@@ -53,8 +54,8 @@ def train(out: Path, data_file: str, *, devices=1, tp=1, pp=1, cp=1, precompute=
     # reference at once, so later losses and rewards depend on both models.
     optimizer = ml.OptimizerConfig(optimizer="sgd", lr=0.3, lr_decay_style="constant", clip_grad=0.0)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp, start_method="fork"),
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                     pipeline_model_parallel_size=pp, context_parallel_size=cp, start_method="fork"),
         accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Recorder(out), RewardRecorder(out)])
