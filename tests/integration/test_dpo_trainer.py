@@ -171,3 +171,23 @@ def test_resume_keeps_the_reference(tmp_path):
     assert len(uninterrupted) == 4 and len(after_resume) == 2
     assert len(set(uninterrupted)) == 4  # the policy moved: a wrong reference would change steps 3-4
     torch.testing.assert_close(torch.tensor(after_resume), torch.tensor(uninterrupted[2:]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow
+def test_example_script_learns(tmp_path):
+    """examples/dpo.py as a user runs it (TP2 over 2 forked processes, 60 steps): its printed figures."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "dpo.py"), "--out", str(tmp_path)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(re.search(r"held-out \(96 pairs\): reward accuracy ([0-9.]+)", proc.stdout).group(1))
+    prefer = re.search(r"policy prefers the chosen reply: ([0-9.]+) before -> ([0-9.]+) after", proc.stdout)
+    assert accuracy > 0.9 and float(prefer.group(2)) > 0.9 > float(prefer.group(1)), proc.stdout
