@@ -211,11 +211,15 @@ class PreferenceDataModule(PretrainingDataModule):
         self.chat_template = chat_template
         self.vocab_size = tokenizer.vocab_size
         self.datasets: dict[str, PreferenceDataset] = {}
+        # Read (not tokenized) now: a malformed line is reported before any process is started.
+        self._pairs: Optional[list[Pair]] = [pair for p in self.paths for pair in read_preferences(p, self.keys)]
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.datasets:
             return
-        pairs = [pair for p in self.paths for pair in read_preferences(p, self.keys)]
+        pairs, self._pairs = self._pairs, None  # the datasets hold what is needed from here on
+        if pairs is None:
+            pairs = [pair for p in self.paths for pair in read_preferences(p, self.keys)]
         order = np.random.RandomState(self.seed).permutation(len(pairs))
         bounds = split_boundaries(self.split, len(pairs))
         for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):

@@ -86,3 +86,10 @@ def test_bad_chat_lines(tmp_path, row, message):
     with pytest.raises(ValueError) as err:
         read_preferences(write(tmp_path / "p.jsonl", [row]))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bad_line_is_reported_when_the_datamodule_is_made(tmp_path):
+    """Before any process is started (the CLI prints this one line): the file is read in __init__."""
+    path = write(tmp_path / "p.jsonl", [{"prompt": "1", "chosen": "2", "rejected": "3"}, {"prompt": "1", "chosen": "2"}])
+    with pytest.raises(ValueError, match=r"p.jsonl:2 lacks string field\(s\) \['rejected'\]"):
+        PreferenceDataModule(path, NULL, seq_length=4)
