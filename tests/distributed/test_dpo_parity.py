@@ -5,7 +5,8 @@ gradients (gathered over TP and every pipeline stage), the final parameters (rto
 train/rewards_chosen, rewards_rejected, reward_margin and reward_accuracy, which every rank must log with
 the same values. The frozen reference runs in the same layout as the policy (its own forward-only
 pipeline under PP, its partial log-probs summed over CP); the precomputed variant (reference run once
-before training, then freed) must give the same run as the live one.
+before training, then freed) must give the same run as the live one. Validation at PP2xDP2 with a reference
+loaded from another checkpoint logs one process's val/ metrics on every rank.
 """
 from pathlib import Path
 
@@ -94,3 +95,43 @@ def test_dpo_layout_matches_single_process(name, reference, data_file, tmp_path)
     # per-token log-probs' fp32 rounding (summed in another order under TP and CP) leaves ~1e-6 absolute in it,
     # so the rewards are compared at 1e-5 of the log-prob sums' scale, not of their small difference.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class ValidationRecorder(L.Callback):
+    """Every rank writes the val/ metrics it logged."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+
+    def on_validation_end(self, trainer, pl_module):
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        torch.save(metrics, self.out / f"val_{trainer.global_rank}.pt")
+
+
+def validate(out: Path, data_file: str, reference: str, *, devices=1, pp=1, mbs=2) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config()
+    data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
+                                micro_batch_size=mbs, global_batch_size=8, split="16,16", seed=3)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(pipeline_model_parallel_size=pp, start_method="fork"),
+                        accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[ValidationRecorder(out)])
+    trainer.validate(DPOModule(config, seed=1234, beta=0.5, reference=reference), data)
+    return [torch.load(out / f"val_{r}.pt") for r in range(devices)]
+
+
+def test_validation_with_a_checkpoint_reference_at_pp2_dp2(data_file, tmp_path):
+    """Forward only through the policy's and the reference's pipelines (the reference another model, loaded
+    from one of our checkpoints and cut into this layout's stages): the val/ metrics reach every rank and
+    equal one process's."""
+    from megatron_lite.pretrained import save_weights_checkpoint
+
+    other = ml.GPTModule(tiny_config(), seed=99)
+    other.configure_model()
+    checkpoint = str(save_weights_checkpoint(other, tmp_path / "reference"))
+    expected = validate(tmp_path / "single", data_file, checkpoint)[0]
+    assert {f"val/{m.split('/')[1]}" for m in METRICS} <= set(expected)
+    assert abs(expected["val/reward_margin"]) > 1e-3  # the reference is not the policy
+    for metrics in validate(tmp_path / "pp2_dp2", data_file, checkpoint, devices=4, pp=2, mbs=1):
+        for name, value in expected.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
