@@ -201,7 +201,7 @@ class DPOModule(GPTModule):
         else:  # the policy as it is now, before any step: its initial weights
             reference.load_state_dict(self.model.state_dict())
         param = next(self.model.parameters(), None)
-        reference.to(param.device if param is not None else "cpu")
+        reference.to(param.device if param is not None else "cpu")  # and again at first use (see _reference_log_probs)
         reference.requires_grad_(False).eval()
         self.__dict__["_reference_model"] = reference
         self._reference_engine = None
@@ -216,6 +216,11 @@ class DPOModule(GPTModule):
             raise RuntimeError("a batch holds pairs whose reference log-probs were not precomputed and the reference "
                                "model was freed; precompute covers the datamodule's splits at the start of fit: give "
                                "this data to that fit, or set precompute_reference_log_probs=False")
+        reference = self.reference_model
+        param = next(reference.parameters(), None)
+        if param is not None and param.device != self.device:
+            # Lightning moves the module to its device after configure_model; the reference is not a sub-module.
+            reference.to(self.device)
         engine = self._reference_engine
         if engine is None or engine.model is not self.reference_model:
             engine = TrainingEngine(self.reference_model, self.parallel_layout,
