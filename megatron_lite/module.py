@@ -53,6 +53,10 @@ class GPTModule(pl.LightningModule):
     one-call :meth:`loss_fn`; :meth:`build_model` changes the model.
     """
 
+    loss_is_token_nll = True
+    """The loss is a mean next-token negative log-likelihood, so ``exp(val/loss)`` is a perplexity (the metrics
+    callback logs ``val/perplexity`` only then); objectives with another loss (DPO, reward models) set False."""
+
     def __init__(self, config: GPTConfig, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER, seed: int = 1234):
         super().__init__()
         if not isinstance(config, GPTConfig):

@@ -352,8 +352,8 @@ class MegatronMetrics(pl.Callback):
         """``exp`` of the epoch's mean loss per token (the module's ``<prefix>/loss``, synced across
         ranks, so every rank logs the same value; ``sync_dist`` then averages equal numbers, which
         keeps the metric usable as a ``monitor``)."""
-        if trainer.sanity_checking:
-            return
+        if trainer.sanity_checking or not getattr(pl_module, "loss_is_token_nll", True):
+            return  # exp of a preference or policy loss is no perplexity
         loss = trainer.callback_metrics.get(f"{prefix}/loss")
         if loss is None:
             return

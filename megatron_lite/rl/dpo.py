@@ -121,6 +121,8 @@ class DPOModule(GPTModule):
     (global-batch means, equal on every rank), the same under ``val/`` and ``test/``.
     """
 
+    loss_is_token_nll = False  # no val/perplexity: the loss is not a next-token NLL
+
     def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
                  beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str = "sigmoid",
                  reference: Optional[str] = None, precompute_reference_log_probs: bool = False):

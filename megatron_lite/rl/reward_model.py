@@ -25,6 +25,8 @@ class RewardModelModule(GPTModule):
     evaluation plumbing). Logs ``train/loss``, ``train/accuracy`` (share of the global batch's pairs
     with r_chosen > r_rejected), ``val/loss`` and ``val/accuracy`` (and ``test/...``)."""
 
+    loss_is_token_nll = False  # no val/perplexity: the loss is not a next-token NLL
+
     def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234):
         super().__init__(config, optimizer, seed)
         self.accuracy_metrics = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})

@@ -52,3 +52,4 @@ def test_accuracy_rises_on_a_learnable_preference(tmp_path):
     assert sum(train[:5]) / 5 < 0.6  # chance at the start
     assert train[-8:] == [1.0] * 8
     assert val["val/accuracy"] == 1.0 and val["val/loss"] < 0.2  # held-out pairs: learned, not memorised
+    assert "val/perplexity" not in val  # exp of a Bradley-Terry loss is no perplexity: the metrics callback skips it
