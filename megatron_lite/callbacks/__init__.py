@@ -1,6 +1,7 @@
 """Lightning callbacks of megatron-lite: Megatron's training metrics (throughput, MFU, timers, console log)
 and fault tolerance (graceful exit on signals and budgets, the rerun state machine, a hang watchdog,
-a straggler report)."""
+a straggler report) and post-training (TrainDraftHead: a speculative-decoding draft head)."""
+from megatron_lite.callbacks.draft_head import TrainDraftHead
 from megatron_lite.callbacks.graceful_exit import GracefulExit
 from megatron_lite.callbacks.metrics import MegatronMetrics
 from megatron_lite.callbacks.pipeline_timeline import PipelineTimeline
@@ -9,4 +10,4 @@ from megatron_lite.callbacks.straggler import StragglerReport
 from megatron_lite.callbacks.watchdog import HangWatchdog
 
 __all__ = ["GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "RerunValidation",
-           "StragglerReport"]
+           "StragglerReport", "TrainDraftHead"]
