@@ -1,0 +1,162 @@
+"""Speculative decoding end to end: a tiny byte-level GPT trained briefly on the bundled corpus, an EAGLE draft
+head trained on it (frozen) with the TrainDraftHead callback through a real Trainer, then speculative greedy
+generation on held-out text of the corpus: the same tokens as the base model's greedy ``generate`` for several
+prompts and draft lengths, more than one token per base forward, the head saved and reloaded with the base's
+fingerprint and refused for another base model, and bad input refused with one clear error."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+import megatron_lite as ml
+from megatron_lite.callbacks import TrainDraftHead
+from megatron_lite.core.inference import generate
+from megatron_lite.core.inference.speculative import speculative_generate as core_speculative_generate
+from megatron_lite.core.models import GPTModel
+from megatron_lite.core.models.draft_head import EagleDraftHead, base_fingerprint
+from megatron_lite.data import bundled_corpus
+from megatron_lite.data.datamodule import PretrainingDataModule
+from megatron_lite.data.text_corpus import TokenWindowDataset
+from megatron_lite.post_training import load_draft_head, speculative_generate
+from megatron_lite.post_training.speculative import draft_head_of
+
+CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
+              seq_length=64, make_vocab_size_divisible_by=64)
+HELD_OUT = 20_000  # the corpus's last bytes: never trained on
+
+
+def _corpus_bytes(limit: int = 300_000) -> np.ndarray:
+    """The bundled corpus's first ``limit`` bytes as token ids (a byte-level vocabulary: no tokenizer to train)."""
+    out = bytearray()
+    with gzip.open(bundled_corpus("shakespeare"), "rt", encoding="utf-8") as f:
+        for line in f:
+            out += json.loads(line)["text"].encode()
+            if len(out) >= limit:
+                break
+    return np.frombuffer(bytes(out[:limit]), dtype=np.uint8).astype(np.int64)
+
+
+class ByteWindows(PretrainingDataModule):
+    def __init__(self, tokens: np.ndarray) -> None:
+        super().__init__(seq_length=32, micro_batch_size=16, global_batch_size=16, num_workers=0)
+        self.tokens, self.vocab_size = tokens, 256
+
+    def train_dataloader(self):
+        return self._loader(TokenWindowDataset(self.tokens, self.seq_length), "train", self._consumed_at_start())
+
+
+class Metrics(L.Callback):
+    def __init__(self) -> None:
+        self.accuracy: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.accuracy.append(float(trainer.callback_metrics["train/draft_accuracy"]))
+
+
+def _fit(module, steps: int, data, callbacks=()) -> None:
+    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+              callbacks=list(callbacks)).fit(module, data)
+
+
+def _optimizer() -> ml.OptimizerConfig:
+    return ml.OptimizerConfig(lr=3e-3, lr_warmup_iters=10, lr_decay_style="cosine", min_lr=3e-4)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(base module, module whose frozen model carries a trained draft head, its metrics, the saved head file,
+    held-out prompts)."""
+    torch.manual_seed(0)
+    tokens = _corpus_bytes()
+    data = ByteWindows(tokens[:-HELD_OUT])
+    base = ml.GPTModule(ml.GPTConfig(**CONFIG), _optimizer())
+    _fit(base, 100, data)
+    module = ml.GPTModule(ml.GPTConfig(**CONFIG), _optimizer())
+    module.configure_model()
+    module.model.load_state_dict(base.model.state_dict())
+    path = tmp_path_factory.mktemp("draft") / "draft.safetensors"
+    metrics = Metrics()
+    _fit(module, 80, data, [TrainDraftHead(save_path=path), metrics])
+    held = tokens[-HELD_OUT:]
+    prompts = [held[i: i + n].tolist() for i, n in zip(range(0, 12_000, 2_000), (16, 5, 24, 9, 1, 30))]
+    return base, module, metrics, path, prompts
+
+
+def test_speculative_output_equals_greedy_with_more_than_one_token_per_base_forward(trained):
+    base, module, metrics, _, prompts = trained
+    greedy = module.generate(prompts, 24).tokens
+    assert greedy == base.generate(prompts, 24).tokens  # the base stayed frozen while the head trained
+    for k in (1, 3, 5):
+        result = speculative_generate(module, prompts, 24, num_draft_tokens=k)
+        assert result.tokens == greedy, f"num_draft_tokens={k}"
+        assert sum(result.base_forwards) < sum(len(t) for t in greedy)
+        assert result.acceptance_length > 1.0 + 0.2 * min(k, 3), (k, result.acceptance_length)
+    # the head learned: its top-1 agreement with the base rose during its short training
+    assert np.mean(metrics.accuracy[-10:]) > np.mean(metrics.accuracy[:3]) + 0.2
+    # stop ids end a row as in generate (the stop token included)
+    stop = greedy[0][3]
+    assert speculative_generate(module, prompts, 24, num_draft_tokens=4, stop_ids=[stop]).tokens == \
+        module.generate(prompts, 24, stop_ids=[stop]).tokens
+
+
+def test_draft_head_file_keeps_its_base_fingerprint(trained):
+    base, module, _, path, prompts = trained
+    head = load_draft_head(path, base.model)  # the same weights as the model it was trained on
+    assert torch.equal(head.fc.weight, draft_head_of(module.model).fc.weight)
+    assert speculative_generate(base, prompts[:2], 12, draft=head).tokens == base.generate(prompts[:2], 12).tokens
+    with pytest.raises(ValueError, match="trained for another base model: its weights differ"):
+        load_draft_head(path, GPTModel(ml.GPTConfig(**CONFIG), seed=7))
+    with pytest.raises(ValueError, match="trained for another base model: its architecture"):
+        load_draft_head(path, GPTModel(ml.GPTConfig(**{**CONFIG, "num_layers": 1})))
+    other = GPTModel(ml.GPTConfig(**CONFIG), seed=7)
+    with pytest.raises(ValueError, match="trained for another base model: its weights differ"):
+        speculative_generate(other, prompts[:1], 4, draft=head)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(position_embedding_type="learned_absolute",
+                                                  share_embeddings_and_output_weights=True, num_query_groups=4)])
+def test_any_draft_head_gives_the_greedy_tokens(variant):
+    """Acceptance only changes the speed: an untrained head (random proposals) still gives the greedy tokens,
+    for RoPE and learned positions, GQA and tied embeddings."""
+    config = ml.GPTConfig(**{**CONFIG, "hidden_size": 32, **variant})
+    model = GPTModel(config, seed=3)
+    head = EagleDraftHead(config, seed=4)
+    head.bind(base_fingerprint(model))
+    prompts = [[5, 6, 7, 8, 9, 10], [200], list(range(40, 60))]
+    greedy = generate(model, prompts, 16).tokens
+    for k in (1, 2, 4):
+        result = core_speculative_generate(model, head, prompts, 16, num_draft_tokens=k)
+        assert result.tokens == greedy
+        assert sum(result.base_forwards) <= sum(len(t) for t in greedy)
+    assert core_speculative_generate(model, head, prompts, 0).tokens == [[], [], []]
+
+
+def test_bad_input_gives_one_clear_error():
+    config = ml.GPTConfig(**{**CONFIG, "hidden_size": 32})
+    model = GPTModel(config)
+    head = EagleDraftHead(config)
+    with pytest.raises(ValueError, match="never bound to a base model"):
+        core_speculative_generate(model, head, [[1, 2]], 4)
+    head.bind(base_fingerprint(model))
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 1"):
+        core_speculative_generate(model, head, [[1, 2]], 4, num_draft_tokens=0)
+    with pytest.raises(TypeError, match="draft must be an EagleDraftHead"):
+        core_speculative_generate(model, model, [[1, 2]], 4)
+    with pytest.raises(ValueError, match="past the model's context"):
+        core_speculative_generate(model, head, [[1, 2]], 64)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        core_speculative_generate(model, head, [[1, 256]], 4)
+    with pytest.raises(ValueError, match="Medusa heads are not implemented"):
+        TrainDraftHead(kind="medusa")
+    with pytest.raises(ValueError, match="unknown draft head kind"):
+        TrainDraftHead(kind="tree")
+    with pytest.raises(ValueError, match="no draft head"):
+        speculative_generate(model, [[1, 2]], 4)
+    with pytest.raises(FileNotFoundError, match="no draft-head file"):
+        load_draft_head("/nonexistent/draft.safetensors", model)
