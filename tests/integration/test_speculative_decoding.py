@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -24,6 +26,10 @@ from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.text_corpus import TokenWindowDataset
 from megatron_lite.post_training import load_draft_head, speculative_generate
 from megatron_lite.post_training.speculative import draft_head_of
+from megatron_lite.core.checkpoint.full_state import gather_full_state, load_full_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from spawn_utils import run_ranks  # noqa: E402
 
 CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
               seq_length=64, make_vocab_size_divisible_by=64)
@@ -117,6 +123,26 @@ def test_draft_head_file_keeps_its_base_fingerprint(trained):
     other = GPTModel(ml.GPTConfig(**CONFIG), seed=7)
     with pytest.raises(ValueError, match="trained for another base model: its weights differ"):
         speculative_generate(other, prompts[:1], 4, draft=head)
+
+
+def _tp2_rank(rank, world_size, base_state, path, prompts):
+    layout = ml.ParallelLayout.build(ml.ParallelConfig(tensor_model_parallel_size=2))
+    model = GPTModel(ml.GPTConfig(**CONFIG), layout)
+    load_full_state(model, base_state, vocab_size=CONFIG["vocab_size"])
+    head = load_draft_head(path, model)  # the fingerprint of the TP2 shards is the TP1 model's
+    result = core_speculative_generate(model, head, prompts, 16, num_draft_tokens=4)
+    return result.tokens, result.base_forwards, generate(model, prompts, 16).tokens
+
+
+def test_tensor_parallel_speculative_decoding_matches_one_process(trained):
+    """Under TP2 (the draft head's layer split like the base's) every rank gets the one-process tokens and the
+    same number of base forwards."""
+    base, _, _, path, prompts = trained
+    state = gather_full_state(base.model, base.model.layout)
+    single = speculative_generate(base, prompts, 16, draft=load_draft_head(path, base.model))
+    for tokens, forwards, greedy in run_ranks(_tp2_rank, 2, state, str(path), prompts):
+        assert tokens == single.tokens == greedy
+        assert forwards == single.base_forwards
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(position_embedding_type="learned_absolute",
