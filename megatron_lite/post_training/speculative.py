@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core.checkpoint.full_checkpoint import MODEL_PREFIX, is_checkpoint_directory, read_model_tensors
 from megatron_lite.core.checkpoint.full_state import gather_full_state, holds_distinct_piece, load_full_state
 from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.engine.extensions import ObjectiveExtension
@@ -195,22 +196,32 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
 
 
 def load_draft_head(path: str | os.PathLike, model: nn.Module) -> EagleDraftHead:
-    """The draft head saved at ``path``, built for ``model``'s layout (each TP rank keeps its shard), after
+    """The draft head saved at ``path`` (a :func:`save_draft_head` file, or one of our checkpoints written while
+    TrainDraftHead trained), built for ``model``'s layout (each TP rank keeps its shard), after
     checking that it was trained for ``model`` (same architecture and weights): else one ValueError."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no draft-head file at {path}; write one with save_draft_head(...) or "
-                                f"TrainDraftHead(save_path=...)")
-    tensors, meta = load_safetensors(path)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a megatron-lite draft-head file (format {meta.get('format')!r}, expected "
-                         f"{FORMAT!r})")
-    saved = BaseFingerprint(meta["base_config_sha256"], meta["base_weights_sha256"])
+    if is_checkpoint_directory(path):
+        tensors = read_model_tensors(path, prefix=MODEL_PREFIX + DRAFT_HEAD_ATTRIBUTE + ".")
+    elif path.is_file():
+        tensors, meta = load_safetensors(path)
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a megatron-lite draft-head file (format {meta.get('format')!r}, "
+                             f"expected {FORMAT!r})")
+    else:
+        raise FileNotFoundError(f"no draft-head file or checkpoint at {path}; write one with save_draft_head(...), "
+                                f"TrainDraftHead(save_path=...) or a checkpoint of a TrainDraftHead run")
+    saved = BaseFingerprint(bytes(tensors["base_config_digest"].tolist()).hex(),
+                            bytes(tensors["base_weights_digest"].tolist()).hex())
     problem = saved.mismatch(base_fingerprint(model))
     if problem is not None:
         raise ValueError(f"the draft head in {path} was trained for another base model: {problem}. Load it with the "
                          f"model it was trained on, or train a draft head for this one with TrainDraftHead")
     head = EagleDraftHead(model.config, model.layout).to(next(model.parameters()).device)
+    params = dict(head.named_parameters())
+    for name, tensor in tensors.items():  # a checkpoint keeps fused blocks in their blocked shape ([2, ffn, h])
+        shape = getattr(getattr(params.get(name), "tp_shard", None), "global_shape", None)
+        if shape is not None and tensor.shape != torch.Size(shape) and tensor.numel() == torch.Size(shape).numel():
+            tensors[name] = tensor.reshape(shape)
     load_full_state(head, tensors)
     head.eval()
     return head

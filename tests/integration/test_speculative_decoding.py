@@ -14,6 +14,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
 from megatron_lite.callbacks import TrainDraftHead
@@ -64,10 +65,13 @@ class Metrics(L.Callback):
         self.accuracy.append(float(trainer.callback_metrics["train/draft_accuracy"]))
 
 
-def _fit(module, steps: int, data, callbacks=()) -> None:
-    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-              callbacks=list(callbacks)).fit(module, data)
+def _fit(module, steps: int, data, callbacks=(), checkpoint_dir=None) -> None:
+    if checkpoint_dir is not None:  # one of our DCP checkpoints, written by MegatronStrategy in this process
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=checkpoint_dir, filename="last", every_n_train_steps=steps)]
+    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+              strategy=ml.MegatronStrategy() if checkpoint_dir is not None else "auto",
+              enable_checkpointing=checkpoint_dir is not None, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, callbacks=list(callbacks)).fit(module, data)
 
 
 def _optimizer() -> ml.OptimizerConfig:
@@ -86,9 +90,10 @@ def trained(tmp_path_factory):
     module = ml.GPTModule(ml.GPTConfig(**CONFIG), _optimizer())
     module.configure_model()
     module.model.load_state_dict(base.model.state_dict())
-    path = tmp_path_factory.mktemp("draft") / "draft.safetensors"
+    out = tmp_path_factory.mktemp("draft")
+    path = out / "draft.safetensors"
     metrics = Metrics()
-    _fit(module, 80, data, [TrainDraftHead(save_path=path), metrics])
+    _fit(module, 80, data, [TrainDraftHead(save_path=path), metrics], checkpoint_dir=out / "ckpt")
     held = tokens[-HELD_OUT:]
     prompts = [held[i: i + n].tolist() for i, n in zip(range(0, 12_000, 2_000), (16, 5, 24, 9, 1, 30))]
     return base, module, metrics, path, prompts
@@ -120,6 +125,13 @@ def test_draft_head_file_keeps_its_base_fingerprint(trained):
         load_draft_head(path, GPTModel(ml.GPTConfig(**CONFIG), seed=7))
     with pytest.raises(ValueError, match="trained for another base model: its architecture"):
         load_draft_head(path, GPTModel(ml.GPTConfig(**{**CONFIG, "num_layers": 1})))
+    # the checkpoint of the draft-head run holds the frozen base and the head: each loads on its own
+    checkpoint = path.parent / "ckpt" / "last.ckpt"
+    restored = ml.GPTModule.from_pretrained(checkpoint)
+    from_checkpoint = load_draft_head(checkpoint, restored.model)
+    assert torch.equal(from_checkpoint.layer.mlp.linear_fc1.weight, head.layer.mlp.linear_fc1.weight)
+    assert speculative_generate(restored, prompts[:2], 12, draft=from_checkpoint).tokens == \
+        base.generate(prompts[:2], 12).tokens
     other = GPTModel(ml.GPTConfig(**CONFIG), seed=7)
     with pytest.raises(ValueError, match="trained for another base model: its weights differ"):
         speculative_generate(other, prompts[:1], 4, draft=head)
@@ -184,5 +196,5 @@ def test_bad_input_gives_one_clear_error():
         TrainDraftHead(kind="tree")
     with pytest.raises(ValueError, match="no draft head"):
         speculative_generate(model, [[1, 2]], 4)
-    with pytest.raises(FileNotFoundError, match="no draft-head file"):
+    with pytest.raises(FileNotFoundError, match="no draft-head file or checkpoint"):
         load_draft_head("/nonexistent/draft.safetensors", model)
