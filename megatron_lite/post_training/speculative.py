@@ -168,10 +168,18 @@ def _base_features(model: nn.Module, inputs: torch.Tensor, positions, cu_seqlens
     final norm (the logits it goes on to compute are not needed)."""
     captured: list[torch.Tensor] = []
     hook = model.final_layernorm.register_forward_hook(lambda _module, _args, out: captured.append(out))
+    # The frozen base runs in eval mode (no dropout: its features are the ones generation will see); the head
+    # keeps its own mode.
+    base_modules = [m for name, m in model.named_modules() if not name.startswith(DRAFT_HEAD_ATTRIBUTE)]
+    modes = [m.training for m in base_modules]
     try:
+        for m in base_modules:
+            m.training = False
         model(inputs, position_ids=positions, cu_seqlens=cu_seqlens)
     finally:
         hook.remove()
+        for m, mode in zip(base_modules, modes):
+            m.training = mode
     return captured[-1]
 
 
