@@ -32,14 +32,19 @@ class TrainDraftHead(pl.Callback):
         classification_weight: weight of the base-greedy-token cross entropy (EAGLE: 0.1).
         seed: seed of the head's initial weights.
         save_path: write the trained head there at the end of fit (None: keep it in the module only).
+        base: load the frozen base model's weights from this checkpoint or Hugging Face directory first (None:
+            the module's own weights, e.g. from ``GPTModule.from_pretrained``); how the CLI names the base.
     """
 
     def __init__(self, kind: str = "eagle", regression_weight: float = 1.0, classification_weight: float = 0.1,
-                 seed: int = 1234, save_path: Optional[str | os.PathLike] = None) -> None:
+                 seed: int = 1234, save_path: Optional[str | os.PathLike] = None,
+                 base: Optional[str | os.PathLike] = None) -> None:
         self.config = DraftHeadConfig(kind=kind, regression_weight=regression_weight,
                                       classification_weight=classification_weight, seed=seed)
+        if base is not None and not os.path.exists(base):
+            raise FileNotFoundError(f"TrainDraftHead(base={str(base)!r}): no such checkpoint or Hugging Face directory")
         self.save_path = save_path
-        self.extension = DraftHeadExtension(self.config)
+        self.extension = DraftHeadExtension(self.config, base=base)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         add = getattr(pl_module, "add_objective_extension", None)

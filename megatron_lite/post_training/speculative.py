@@ -28,12 +28,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.checkpoint.full_checkpoint import MODEL_PREFIX, is_checkpoint_directory, read_model_tensors
-from megatron_lite.core.checkpoint.full_state import gather_full_state, holds_distinct_piece, load_full_state
+from megatron_lite.core.checkpoint.full_state import (
+    carry_over_state,
+    gather_full_state,
+    holds_distinct_piece,
+    load_full_state,
+)
 from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.engine.extensions import ObjectiveExtension
 from megatron_lite.core.inference.speculative import SpeculativeResult, check_draft
 from megatron_lite.core.inference.speculative import speculative_generate as _speculative_generate
-from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE, BaseFingerprint, EagleDraftHead, base_fingerprint
+from megatron_lite.core.models.draft_head import (
+    DRAFT_HEAD_ATTRIBUTE,
+    BaseFingerprint,
+    EagleDraftHead,
+    base_fingerprint,
+    config_digest,
+)
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
@@ -83,8 +94,11 @@ class DraftHeadExtension(ObjectiveExtension):
     adds the head as ``model.draft_head`` (trainable, saved in the module's checkpoints with the base's
     fingerprint); each microbatch runs the frozen base without gradients, then the head."""
 
-    def __init__(self, config: Optional[DraftHeadConfig] = None) -> None:
+    def __init__(self, config: Optional[DraftHeadConfig] = None, base: Optional[str | os.PathLike] = None) -> None:
+        """``base``: load the base model's weights from there (one of our checkpoints or a Hugging Face
+        directory, read by ``from_pretrained``) before freezing it; None keeps the module's own weights."""
         self.config = config if config is not None else DraftHeadConfig()
+        self.base = base
         self.model: Optional[nn.Module] = None
         self._sums = torch.zeros(4, dtype=torch.float64)  # regression, classification, correct, tokens
 
@@ -97,6 +111,8 @@ class DraftHeadExtension(ObjectiveExtension):
         if getattr(model, "output_layer", None) is None:
             raise ValueError("TrainDraftHead needs a base model with an output layer (a language model, not a "
                              "reward model)")
+        if self.base is not None and draft_head_of(model) is None:
+            _load_base(module, model, self.base)
         fingerprint = base_fingerprint(model)
         head = draft_head_of(model)
         if head is None:
@@ -161,6 +177,18 @@ class DraftHeadExtension(ObjectiveExtension):
         return {"train/draft_regression_loss": torch.tensor(float(sums[0]) / tokens),
                 "train/draft_classification_loss": torch.tensor(float(sums[1]) / tokens),
                 "train/draft_accuracy": torch.tensor(float(sums[2]) / tokens)}
+
+
+def _load_base(module: Any, model: nn.Module, path: str | os.PathLike) -> None:
+    """The weights of ``path`` into ``model`` (built for any layout: each rank cuts its shard out of a one-process
+    copy), refused when the saved model has another architecture than ``model``'s config."""
+    loaded = type(module).from_pretrained(path)
+    if config_digest(loaded.config) != config_digest(model.config):
+        theirs, ours = dataclasses.asdict(loaded.config), dataclasses.asdict(model.config)
+        differ = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
+        raise ValueError(f"TrainDraftHead(base={str(path)!r}) holds a model of another architecture than the module's "
+                         f"config (saved vs module: {differ}); build the module with the checkpoint's GPTConfig")
+    carry_over_state(loaded.model, model, vocab_size=model.config.vocab_size)
 
 
 def _base_features(model: nn.Module, inputs: torch.Tensor, positions, cu_seqlens) -> torch.Tensor:

@@ -26,7 +26,7 @@ from megatron_lite.data import bundled_corpus
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.text_corpus import TokenWindowDataset
 from megatron_lite.post_training import load_draft_head, speculative_generate
-from megatron_lite.post_training.speculative import draft_head_of
+from megatron_lite.post_training.speculative import DraftHeadExtension, draft_head_of
 from megatron_lite.core.checkpoint.full_state import gather_full_state, load_full_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -132,6 +132,16 @@ def test_draft_head_file_keeps_its_base_fingerprint(trained):
     assert torch.equal(from_checkpoint.layer.mlp.linear_fc1.weight, head.layer.mlp.linear_fc1.weight)
     assert speculative_generate(restored, prompts[:2], 12, draft=from_checkpoint).tokens == \
         base.generate(prompts[:2], 12).tokens
+    # TrainDraftHead(base=...) (how the CLI names the base) loads it into a fresh module before freezing it
+    fresh = ml.GPTModule(ml.GPTConfig(**CONFIG))
+    fresh.configure_model()
+    fresh.add_objective_extension(DraftHeadExtension(base=checkpoint))
+    assert draft_head_of(fresh.model).base == head.base
+    assert not any(p.requires_grad for n, p in fresh.model.named_parameters() if not n.startswith("draft_head."))
+    wrong = ml.GPTModule(ml.GPTConfig(**{**CONFIG, "num_layers": 1}))
+    wrong.configure_model()
+    with pytest.raises(ValueError, match="another architecture than the module's config"):
+        wrong.add_objective_extension(DraftHeadExtension(base=checkpoint))
     other = GPTModel(ml.GPTConfig(**CONFIG), seed=7)
     with pytest.raises(ValueError, match="trained for another base model: its weights differ"):
         speculative_generate(other, prompts[:1], 4, draft=head)
@@ -194,6 +204,8 @@ def test_bad_input_gives_one_clear_error():
         TrainDraftHead(kind="medusa")
     with pytest.raises(ValueError, match="unknown draft head kind"):
         TrainDraftHead(kind="tree")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        TrainDraftHead(base="/nonexistent/ckpt")
     with pytest.raises(ValueError, match="no draft head"):
         speculative_generate(model, [[1, 2]], 4)
     with pytest.raises(FileNotFoundError, match="no draft-head file or checkpoint"):
