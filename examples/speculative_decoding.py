@@ -5,7 +5,7 @@ Prints, for several draft lengths k: whether the tokens equal plain greedy decod
 acceptance length (generated tokens per base-model forward pass) and the wall-clock speedup over
 ``GPTModule.generate`` (one process, batch size 1 per prompt for both, so the comparison is like for like).
 
-    python examples/speculative_decoding.py [--base-steps 600] [--draft-steps 400] [--layers 4] [--hidden 256]
+    python examples/speculative_decoding.py [--base-steps 300] [--draft-steps 200] [--layers 4] [--hidden 128]
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def _trainer(steps: int, callbacks=()) -> L.Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-steps", type=int, default=600)
-    parser.add_argument("--draft-steps", type=int, default=400)
+    parser.add_argument("--base-steps", type=int, default=300)
+    parser.add_argument("--draft-steps", type=int, default=200)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", default="runs/speculative")
@@ -41,9 +41,9 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
 
-    data = TextCorpusDataModule("shakespeare", seq_length=128, micro_batch_size=16, global_batch_size=16,
+    data = TextCorpusDataModule("shakespeare", seq_length=128, micro_batch_size=8, global_batch_size=8,
                                 vocab_size=1024, cache_dir=str(out / "cache"))
-    config = ml.GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8, num_query_groups=4,
+    config = ml.GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_query_groups=2,
                           vocab_size=data.vocab_size, seq_length=128)
     optimizer = ml.OptimizerConfig(lr=2e-3, lr_warmup_iters=min(50, args.draft_steps // 4), lr_decay_style="cosine", min_lr=2e-4)
 
