@@ -165,6 +165,9 @@ class GPTModule(pl.LightningModule):
         the notebook that launched it (MegatronStrategy calls this there)."""
         if self.model is None:
             self.model = self.build_model(ParallelLayout.single())
+            for extension in self.objective_extensions:  # their sub-modules (a draft head) are in `state` too
+                extension.attach(self, self.model, ParallelLayout.single())
+                self._attached.append((extension, id(self.model)))
         load_full_state(self, state, vocab_size=self.config.vocab_size)
 
     def _fsdp(self) -> bool:
