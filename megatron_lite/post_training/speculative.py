@@ -134,9 +134,9 @@ class DraftHeadExtension(ObjectiveExtension):
         positions = microbatch.get("position_ids")
         cu_seqlens = microbatch.get("cu_seqlens")
         with torch.no_grad():
-            features = _base_features(model, inputs, positions, cu_seqlens)  # [s, b, h]
+            features, base_logits = _base_forward(model, inputs, positions, cu_seqlens)  # [s, b, h], [s, b, V/tp]
+            greedy = self._argmax(base_logits)  # [s, b]: the base's next token
             weight = model.embedding.weight if model.config.share_embeddings_and_output_weights else None
-            greedy = self._argmax(model.output_layer(features, weight))  # [s, b]: the base's next token
             embeddings = model.embedding(labels.t())  # token t+1, the head's second input at position t
             rope = model.rotary(positions if positions is not None else
                                 torch.arange(inputs.shape[1], device=inputs.device)) if model.rotary else None
@@ -191,9 +191,9 @@ def _load_base(module: Any, model: nn.Module, path: str | os.PathLike) -> None:
     carry_over_state(loaded.model, model, vocab_size=model.config.vocab_size)
 
 
-def _base_features(model: nn.Module, inputs: torch.Tensor, positions, cu_seqlens) -> torch.Tensor:
-    """The base's final-norm output [s, b, h] for ``inputs`` [b, s]: the model's own forward, read off its
-    final norm (the logits it goes on to compute are not needed)."""
+def _base_forward(model: nn.Module, inputs: torch.Tensor, positions, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's final-norm output [s, b, h] and this TP rank's logits [s, b, V_padded/tp] for ``inputs``
+    [b, s]: the model's own forward, its final norm's output read off by a hook."""
     captured: list[torch.Tensor] = []
     hook = model.final_layernorm.register_forward_hook(lambda _module, _args, out: captured.append(out))
     # The frozen base runs in eval mode (no dropout: its features are the ones generation will see); the head
@@ -203,12 +203,12 @@ def _base_features(model: nn.Module, inputs: torch.Tensor, positions, cu_seqlens
     try:
         for m in base_modules:
             m.training = False
-        model(inputs, position_ids=positions, cu_seqlens=cu_seqlens)
+        logits = model(inputs, position_ids=positions, cu_seqlens=cu_seqlens)
     finally:
         hook.remove()
         for m, mode in zip(base_modules, modes):
             m.training = mode
-    return captured[-1]
+    return captured[-1], logits.transpose(0, 1)
 
 
 # --- draft-head files -----------------------------------------------------------------------------
