@@ -219,7 +219,8 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
     if not isinstance(draft, EagleDraftHead):
         raise TypeError(f"draft must be an EagleDraftHead, got {type(draft).__name__}")
     if draft.base is None:
-        raise ValueError("the draft head was never bound to a base model (untrained): train it with TrainDraftHead first")
+        raise ValueError("the draft head was never bound to a base model (untrained): train it with TrainDraftHead "
+                         "first")
     state = gather_full_state(draft, draft.layout)
     if not holds_distinct_piece(draft.layout):
         return None
