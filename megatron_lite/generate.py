@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
+    p.add_argument("--draft", default=None, help="speculative decoding with this draft head (a file or checkpoint "
+                   "of TrainDraftHead; greedy, one process): the same text, fewer base-model forwards")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft head proposes per base forward")
     return p
 
 
@@ -99,6 +102,10 @@ def _check_args(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if any(not p for p in args.prompt):
         raise ValueError("--prompt is empty: give each prompt some text")
+    if args.draft is not None and (not sampling.greedy or args.devices != 1 or args.pipeline_model_parallel_size != 1
+                                   or args.tensor_model_parallel_size != 1):
+        raise ValueError("--draft (speculative decoding) is greedy and runs in one process: drop --temperature, "
+                         "--devices, --tensor-model-parallel-size and --pipeline-model-parallel-size")
     return sampling
 
 
@@ -117,12 +124,28 @@ def run(args: argparse.Namespace) -> list[dict]:
                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             seed=sampling.seed, stop_ids=stop)
     data.check_fits_model(module.config)
+    if args.draft is not None:
+        return _speculative(module, args, tokenizer, prompts, stop)
     if args.devices == 1 and args.tensor_model_parallel_size == args.pipeline_model_parallel_size == 1:
         new_tokens = [out for batch in data.predict_dataloader() for out in _rows(module.generate_batch(batch))]
     else:
         new_tokens = _predict(module, data, args)
     return [{"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids, "new_tokens": new}
             for text, ids, new in zip(args.prompt, prompts, new_tokens)]
+
+
+def _speculative(module, args: argparse.Namespace, tokenizer, prompts: list[list[int]], stop: list[int]) -> list[dict]:
+    from megatron_lite.post_training.speculative import load_draft_head, speculative_generate
+
+    draft = load_draft_head(args.draft, module.model)
+    records = []
+    for text, ids in zip(args.prompt, prompts):
+        result = speculative_generate(module, [ids], args.max_new_tokens, draft=draft,
+                                      num_draft_tokens=args.num_draft_tokens, stop_ids=stop)
+        new = result.tokens[0]
+        records.append({"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids,
+                        "new_tokens": new, "acceptance_length": result.acceptance_length})
+    return records
 
 
 def _rows(batch) -> list[list[int]]:

@@ -169,6 +169,9 @@ class GPTModule(pl.LightningModule):
         the notebook that launched it (MegatronStrategy calls this there)."""
         if self.model is None:
             self.model = self.build_model(ParallelLayout.single())
+            for extension in self.objective_extensions:  # their sub-modules (a draft head) are in `state` too
+                extension.attach(self, self.model, ParallelLayout.single())
+                self._attached.append((extension, id(self.model)))
         if "model.megatron_lite_quantization" in state:  # the ranks quantized it: quantizers first, then their tensors
             from megatron_lite.post_training.quantization import restore_from_state
 

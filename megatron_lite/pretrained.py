@@ -27,6 +27,7 @@ from megatron_lite.core.checkpoint.full_checkpoint import (
     read_model_tensors,
 )
 from megatron_lite.core.checkpoint.full_state import load_full_state, persistent_buffers
+from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
 from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, copy_side_files, is_hf_directory, load_hf
 from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, raise_shape_mismatch
 from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state
@@ -59,7 +60,8 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
 
 
 def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int) -> None:
-    saved = read_model_tensors(path)
+    # A speculative-decoding draft head trained with the model is no part of it (load_draft_head reads it)
+    saved = {n: t for n, t in read_model_tensors(path).items() if not n.startswith(DRAFT_HEAD_ATTRIBUTE + ".")}
     if QUANTIZATION_RECIPE in saved:  # a quantized model's checkpoint: its quantizers first, then their tensors
         from megatron_lite.post_training.quantization import restore_from_state
 

@@ -8,5 +8,13 @@ from megatron_lite.post_training.quantization import (  # modelopt itself is imp
     quantize,
     restore_quantization,
 )
+from megatron_lite.post_training.speculative import (
+    DraftHeadConfig,
+    DraftHeadExtension,
+    load_draft_head,
+    save_draft_head,
+    speculative_generate,
+)
 
-__all__ = ["available_configs", "perplexity", "quantization_recipe", "quantize", "restore_quantization"]
+__all__ = ["DraftHeadConfig", "DraftHeadExtension", "available_configs", "load_draft_head", "perplexity",
+           "quantization_recipe", "quantize", "restore_quantization", "save_draft_head", "speculative_generate"]
