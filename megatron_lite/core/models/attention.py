@@ -55,11 +55,18 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        k, v = self.cached_kv(k, v)
         if self.recompute_core_attention and recompute_active(self):
             out = checkpoint(self.core_attention, q, k, v, rng, context, rng_tracker=rng)
         else:
             out = self.core_attention(q, k, v, rng, context)
         return self.linear_proj(out)
+
+    def cached_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (after RoPE) and values as a KV cache holds them; the identity here. Training and
+        generation both pass through it, so KV-cache quantization (``megatron_lite.post_training.kv_quant``)
+        wraps this one method and trains, calibrates and generates with the same quantized K and V."""
+        return k, v
 
     # --- generation: beside the training path -----------------------------------------------
     def inference_forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
@@ -82,6 +89,7 @@ class SelfAttention(nn.Module):
         q = qk.narrow(3, 0, per_group)
         k = qk.select(3, per_group).permute(1, 2, 0, 3)  # [b, groups, s, d]
         v = qkv.select(3, per_group + 1).permute(1, 2, 0, 3)
+        k, v = self.cached_kv(k, v)
         if kv is not None:
             end = step.start + s
             kv[0].narrow(2, step.start, s).copy_(k)

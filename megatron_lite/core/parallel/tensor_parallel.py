@@ -169,7 +169,16 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class ColumnParallelLinear(nn.Module):
+class _LocalGemm(nn.Module):
+    """The rank-local matrix product of a tensor-parallel linear, as a method of its own: the one place that
+    sees this rank's input and weight after the collectives, where quantization wraps the layer
+    (``megatron_lite.post_training.modelopt_registry``)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+class ColumnParallelLinear(_LocalGemm):
     """``Y = X A^T + b`` with ``A`` split along its output dimension over the TP group.
 
     Under sequence parallelism the input arrives sharded along the sequence and is all-gathered
@@ -213,13 +222,13 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)
+        y = self.linear(x, weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LocalGemm):
     """``Y = X A^T + b`` with ``A`` split along its input dimension; partial outputs are summed
     (all-reduce, or reduce-scatter along the sequence under sequence parallelism)."""
 
@@ -241,7 +250,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
