@@ -31,15 +31,16 @@ from torch import nn
 
 from megatron_lite.core.checkpoint.hf import (
     CONFIG,
+    DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
-    WEIGHTS,
+    _read_json,
     _write_json,
     atomic_directory,
     copy_side_files,
+    write_weights,
 )
 from megatron_lite.core.checkpoint.hf_config import hf_config_from_gpt
 from megatron_lite.core.checkpoint.hf_weights import _split_qkv, state_to_hf
-from megatron_lite.core.checkpoint.safetensors_io import save_safetensors
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.utils.optional import require
 
@@ -126,9 +127,14 @@ def _enabled(quantizer: Optional[nn.Module]) -> bool:
     return quantizer is not None and any(getattr(q, "is_enabled", False) for q in _quantizers(quantizer))
 
 
-def is_quantized(model: nn.Module) -> bool:
+def has_enabled_quantizer(model: nn.Module) -> bool:
     """Whether any module of ``model`` carries an enabled ModelOpt weight quantizer."""
     return any(_enabled(getattr(m, "weight_quantizer", None)) for m in model.modules())
+
+
+def has_quantizer_state(state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a saved model state holds ModelOpt quantizer tensors (a quantized model's checkpoint)."""
+    return any("_quantizer." in name for name in state)
 
 
 def _check_exportable(model: nn.Module) -> GPTConfig:
@@ -140,7 +146,7 @@ def _check_exportable(model: nn.Module) -> GPTConfig:
         raise ValueError(f"quantized HF export needs the whole model in one process (this one is {layout.describe()}); "
                          f"save a checkpoint and run `megatron-lite convert --to hf --input CKPT --output DIR`, which "
                          f"rebuilds it at TP=PP=1")
-    if not is_quantized(model):
+    if not has_enabled_quantizer(model):
         raise ValueError("the model has no enabled quantizer: quantize it first (megatron_lite.callbacks.Quantize, "
                          "`megatron-lite quantize`) or write an unquantized export with save_hf / "
                          "`megatron-lite convert --to hf`")
@@ -245,11 +251,13 @@ def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def save_quantized_hf(directory: str | os.PathLike, model: nn.Module, *, dtype: str = "bfloat16",
                       source_config: Optional[Mapping[str, Any]] = None,
-                      side_files_from: Optional[str | os.PathLike] = None, overwrite: bool = False) -> Path:
+                      side_files_from: Optional[str | os.PathLike] = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Write a ModelOpt-quantized GPTModel (TP=PP=1) as a unified HF checkpoint: ``config.json`` (with
     ``quantization_config``), ``hf_quant_config.json``, ``model.safetensors`` (quantized weights with their
     scales; the rest in ``dtype``, bfloat16 by default as the serving engines run it) and the tokenizer files of
-    ``side_files_from``. Load it with TensorRT-LLM or vLLM (``quantization="modelopt"``)."""
+    ``side_files_from``; files of at most ``max_shard_bytes`` with an index past that. Load it with TensorRT-LLM
+    or vLLM (``quantization="modelopt"``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
@@ -259,7 +267,7 @@ def save_quantized_hf(directory: str | os.PathLike, model: nn.Module, *, dtype: 
     hf_config = hf_config_from_gpt(model.config, dtype, dict(source_config) if source_config else None)
     hf_config["quantization_config"] = convert_hf_quant_config_format(quant)
     with atomic_directory(directory, overwrite) as tmp:
-        save_safetensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        write_weights(tmp, tensors, max_shard_bytes)
         if side_files_from is not None:
             copy_side_files(side_files_from, tmp)
         _write_json(tmp / QUANT_CONFIG, quant)
@@ -269,8 +277,6 @@ def save_quantized_hf(directory: str | os.PathLike, model: nn.Module, *, dtype: 
 
 def read_quant_config(directory: str | os.PathLike) -> Optional[dict[str, Any]]:
     """The ``hf_quant_config.json`` of an exported directory, or None for an unquantized one."""
-    from megatron_lite.core.checkpoint.hf import _read_json
-
     path = Path(directory) / QUANT_CONFIG
     return _read_json(path) if path.is_file() else None
 
