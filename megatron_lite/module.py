@@ -165,6 +165,10 @@ class GPTModule(pl.LightningModule):
         the notebook that launched it (MegatronStrategy calls this there)."""
         if self.model is None:
             self.model = self.build_model(ParallelLayout.single())
+        if "model.megatron_lite_quantization" in state:  # the ranks quantized it: quantizers first, then their tensors
+            from megatron_lite.post_training.quantization import restore_from_state
+
+            restore_from_state(self.model, state, prefix="model.")
         load_full_state(self, state, vocab_size=self.config.vocab_size)
 
     def _fsdp(self) -> bool:

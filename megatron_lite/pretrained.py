@@ -26,7 +26,7 @@ from megatron_lite.core.checkpoint.full_checkpoint import (
     read_checkpoint_hparams,
     read_model_tensors,
 )
-from megatron_lite.core.checkpoint.full_state import load_full_state
+from megatron_lite.core.checkpoint.full_state import load_full_state, persistent_buffers
 from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, copy_side_files, is_hf_directory, load_hf
 from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, raise_shape_mismatch
 from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state
@@ -35,6 +35,10 @@ from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
+
+
+QUANTIZATION_RECIPE = "megatron_lite_quantization"
+"""A quantized model's recipe buffer (``megatron_lite.post_training.quantization.RECIPE_BUFFER``)."""
 
 
 def _saved_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -56,7 +60,12 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
 
 def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int) -> None:
     saved = read_model_tensors(path)
-    params = dict(model.named_parameters())
+    if QUANTIZATION_RECIPE in saved:  # a quantized model's checkpoint: its quantizers first, then their tensors
+        from megatron_lite.post_training.quantization import restore_from_state
+
+        restore_from_state(model, saved)
+    # parameters, and the persistent buffers a checkpoint holds too (a quantized model's amax and scales)
+    params = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
     raise_shape_mismatch({n: tuple(t.shape) for n, t in saved.items()},
                          {n: _saved_shape(p) for n, p in params.items()},
                          f"the checkpoint {path}", "the module's config", vocab_size=vocab_size)

@@ -41,7 +41,8 @@ def holds_distinct_piece(layout: ParallelLayout) -> bool:
     return layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0 and layout.coords.get("ep", 0) == 0
 
 
-def _persistent_buffers(module: nn.Module):
+def persistent_buffers(module: nn.Module):
+    """(name, buffer) of ``module``'s buffers that its state dict holds."""
     for name, buf in module.named_buffers():
         owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
         if buf is not None and name.rsplit(".", 1)[-1] not in owner._non_persistent_buffers_set:
@@ -63,9 +64,11 @@ def gather_full_state(module: nn.Module, layout: ParallelLayout) -> Optional[dic
         full = gather_full(local, getattr(param, "tp_shard", None), group)
         if keep:
             state[name] = full.to("cpu", copy=True).contiguous()
-    for name, buf in _persistent_buffers(module):
+    for name, buf in persistent_buffers(module):
+        # A buffer split over TP like its layer (a quantizer's per-channel amax) carries a tp_shard too
+        full = gather_full(full_local_tensor(buf.detach()), getattr(buf, "tp_shard", None), group)
         if keep:
-            state[name] = full_local_tensor(buf.detach()).to("cpu", copy=True).contiguous()
+            state[name] = full.to("cpu", copy=True).contiguous()
     return state if keep else None
 
 
@@ -169,7 +172,7 @@ def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], *, vocab_
     vocabulary padding. Local: no collective.
     """
     params = dict(module.named_parameters())
-    buffers = dict(_persistent_buffers(module))
+    buffers = dict(persistent_buffers(module))
     missing = [n for n in (*params, *buffers) if n not in state]
     unexpected = [n for n in state if n not in params and n not in buffers]
     if missing or (strict and unexpected):
@@ -180,8 +183,8 @@ def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], *, vocab_
         full, mask = _adapt_vocab(name, state[name], _global_shape(param), _vocab_of(param, vocab_size))
         _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)
     for name, buf in buffers.items():
-        full, mask = _adapt_vocab(name, state[name], tuple(buf.shape), vocab_size)
-        _assign(buf, full, mask)
+        full, mask = _adapt_vocab(name, state[name], _global_shape(buf), vocab_size)
+        _assign(buf, _shard(buf, full), _shard(buf, mask) if mask is not None else None)
 
 
 def same_layout(a: Optional[ParallelLayout], b: Optional[ParallelLayout]) -> bool:
@@ -228,7 +231,7 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
             source = old_shard.unpad(source)  # the real rows of a whole (one-TP-rank) tensor
         full, mask = _adapt_vocab(name, source, _global_shape(param), _vocab_of(param, vocab_size))
         _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)
-    old_buffers = dict(_persistent_buffers(previous))
-    for name, buf in _persistent_buffers(model):
+    old_buffers = dict(persistent_buffers(previous))
+    for name, buf in persistent_buffers(model):
         if name in old_buffers and old_buffers[name].shape == buf.shape:
             buf.copy_(old_buffers[name])

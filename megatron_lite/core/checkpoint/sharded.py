@@ -139,7 +139,8 @@ def sharded_model_state(module: nn.Module, layout: ParallelLayout,
         short = name.rsplit(".", 1)[-1]
         owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
         if short not in owner._non_persistent_buffers_set:
-            state[name] = buf
+            # A buffer split over TP like its layer (a quantizer's per-channel amax) carries a tp_shard too
+            state[name] = _global_view(buf, buf, layout)
     return state
 
 
