@@ -220,3 +220,28 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(TypeError, match="takes a GPTModel"):
         save_quantized_hf(tmp_path / "b", torch.nn.Linear(2, 2))
     assert not any(tmp_path.iterdir())
+
+
+def test_convert_cli_writes_a_quantized_checkpoint_in_the_unified_format(tmp_path, capsys):
+    """`megatron-lite convert --to hf` on a checkpoint of a quantized module: the model is restored with its
+    quantizers from the checkpoint (no calibration) and the export equals the in-memory model's, tensor for tensor."""
+    import megatron_lite as ml
+    from megatron_lite.convert import main as convert_main
+    from megatron_lite.pretrained import save_weights_checkpoint
+
+    module = ml.GPTModule(CONFIG)
+    module.configure_model()
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(5))
+    quantize(module, "INT8_SMOOTHQUANT_CFG", [{"tokens": tokens}], kv_cache="FP8_KV_CFG")
+    save_weights_checkpoint(module, tmp_path / "ckpt")
+    save_quantized_hf(tmp_path / "direct", module.model)
+
+    assert convert_main(["--to", "hf", "--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "cli")]) == 0
+    assert "quantized W8A8_SQ_PER_CHANNEL (KV cache FP8)" in capsys.readouterr().out
+    assert read_quant_config(tmp_path / "cli") == read_quant_config(tmp_path / "direct")
+    cli = safetensors.load_file(str(tmp_path / "cli" / "model.safetensors"))
+    direct = safetensors.load_file(str(tmp_path / "direct" / "model.safetensors"))
+    assert cli.keys() == direct.keys()
+    for name in direct:
+        bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731  (bit for bit, fp8 included)
+        assert cli[name].dtype == direct[name].dtype and torch.equal(bits(cli[name]), bits(direct[name])), name
