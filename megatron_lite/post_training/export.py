@@ -146,6 +146,11 @@ def _check_exportable(model: nn.Module) -> GPTConfig:
         raise ValueError(f"quantized HF export needs the whole model in one process (this one is {layout.describe()}); "
                          f"save a checkpoint and run `megatron-lite convert --to hf --input CKPT --output DIR`, which "
                          f"rebuilds it at TP=PP=1")
+    compressed = [name for name, p in model.named_parameters()
+                  if type(p).__name__ == "QTensorWrapper" or not p.is_floating_point()]
+    if compressed:
+        raise ValueError(f"{compressed[0]} holds real-quantized (compressed) data; export the fake-quantized model "
+                         f"(before modelopt's mtq.compress), whose weights the export quantizes itself")
     if not has_enabled_quantizer(model):
         raise ValueError("the model has no enabled quantizer: quantize it first (megatron_lite.callbacks.Quantize, "
                          "`megatron-lite quantize`) or write an unquantized export with save_hf / "

@@ -219,6 +219,10 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         save_quantized_hf(tmp_path / "a", plain)
     with pytest.raises(TypeError, match="takes a GPTModel"):
         save_quantized_hf(tmp_path / "b", torch.nn.Linear(2, 2))
+    compressed, _ = quantized(3, "FP8_DEFAULT_CFG")
+    mtq.compress(compressed)  # real FP8 weights: the export quantizes fake-quantized weights itself
+    with pytest.raises(ValueError, match=r"real-quantized .* \(before modelopt's mtq.compress\)"):
+        save_quantized_hf(tmp_path / "c", compressed)
     assert not any(tmp_path.iterdir())
 
 
