@@ -151,6 +151,10 @@ def _check_exportable(model: nn.Module) -> GPTConfig:
     if compressed:
         raise ValueError(f"{compressed[0]} holds real-quantized (compressed) data; export the fake-quantized model "
                          f"(before modelopt's mtq.compress), whose weights the export quantizes itself")
+    output = getattr(model, "output_layer", None)
+    if output is not None and _enabled(getattr(output, "weight_quantizer", None)):
+        raise ValueError("the output layer is quantized; ModelOpt's presets keep lm_head in high precision and so "
+                         "does this export: disable its quantizer ('*output_layer*': {'enable': False})")
     if not has_enabled_quantizer(model):
         raise ValueError("the model has no enabled quantizer: quantize it first (megatron_lite.callbacks.Quantize, "
                          "`megatron-lite quantize`) or write an unquantized export with save_hf / "
@@ -229,10 +233,6 @@ def quantized_hf_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
                     tensors.pop(key, None)
                 # clone: postprocess_state_dict drops a key whose storage another key shares (its tied-weight rule)
                 exported.update({f"{prefix}{hf}.{k}": v.detach().clone() for k, v in holder.state_dict().items()})
-    output = modules.get("output_layer")
-    if output is not None and _enabled(getattr(output, "weight_quantizer", None)):
-        raise ValueError("the output layer is quantized; ModelOpt's presets keep lm_head in high precision and so "
-                         "does this export: disable its quantizer ('*output_layer*': {'enable': False})")
     layer_formats["lm_head.quantization"] = None  # lm_head (or the tied embedding) stays in high precision
     kv, attentions = _kv_cache_scales(model)
     kv_format = get_kv_cache_dtype(attentions) if attentions else None
