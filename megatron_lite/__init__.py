@@ -17,7 +17,7 @@ from megatron_lite.module import GPTModule
 from megatron_lite.strategies import MegatronStrategy, register_megatron_strategy
 
 if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checkers and IDEs
-    from megatron_lite import callbacks, data, tokenizers
+    from megatron_lite import callbacks, data, post_training, tokenizers
 
 register_megatron_strategy()
 
@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = ["GPTConfig", "GPTModel", "GPTModule", "MegatronStrategy", "OptimizerConfig", "ParallelConfig",
            "ParallelLayout", "__version__"]
 
-_LAZY_SUBPACKAGES = ("callbacks", "data", "tokenizers")
+_LAZY_SUBPACKAGES = ("callbacks", "data", "post_training", "tokenizers")
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -4,9 +4,10 @@ a straggler report)."""
 from megatron_lite.callbacks.graceful_exit import GracefulExit
 from megatron_lite.callbacks.metrics import MegatronMetrics
 from megatron_lite.callbacks.pipeline_timeline import PipelineTimeline
+from megatron_lite.callbacks.quantize import Quantize
 from megatron_lite.callbacks.rerun import RerunValidation
 from megatron_lite.callbacks.straggler import StragglerReport
 from megatron_lite.callbacks.watchdog import HangWatchdog
 
-__all__ = ["GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "RerunValidation",
+__all__ = ["GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "Quantize", "RerunValidation",
            "StragglerReport"]

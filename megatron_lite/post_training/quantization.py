@@ -334,3 +334,20 @@ def _local_shape(owner: nn.Module, quantizer: str, buffer: str, global_shape: tu
             and len(global_shape) == 1:
         return (global_shape[0] // shard.size,)
     return global_shape
+
+
+def read_checkpoint_quantization(path: Any) -> Optional[tuple[dict, dict[str, tuple]]]:
+    """(recipe, quantizer tensor name -> global shape) of one of our checkpoints if it holds a quantized model,
+    else None; reads the metadata and the small recipe tensor only."""
+    from megatron_lite.core.checkpoint.full_checkpoint import MODEL_PREFIX, read_model_tensors
+    from megatron_lite.core.checkpoint.safe_reader import read_dcp_metadata
+    from megatron_lite.core.checkpoint.sharded import resolve_checkpoint
+
+    path = resolve_checkpoint(path)
+    entries = read_dcp_metadata(path / ".metadata").state_dict_metadata
+    prefix = "model." + MODEL_PREFIX
+    if prefix + RECIPE_BUFFER not in entries:
+        return None
+    recipe = decode_recipe(read_model_tensors(path, prefix=MODEL_PREFIX + RECIPE_BUFFER)[""])
+    names = quantizer_tensor_names(k[len(prefix):] for k in entries if k.startswith(prefix))
+    return recipe, {name: tuple(entries[prefix + name].size) for name in names}
