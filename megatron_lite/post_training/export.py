@@ -1,6 +1,7 @@
 """Quantized Hugging Face export: a ModelOpt-quantized GPTModel -> an HF directory in ModelOpt's *unified*
 checkpoint format (quantized weights + scales in safetensors, ``hf_quant_config.json``, and the same description
-as ``quantization_config`` in ``config.json``), which TensorRT-LLM and vLLM load as a ``modelopt`` checkpoint.
+as ``quantization_config`` in ``config.json``), which TensorRT-LLM loads as a ``modelopt`` checkpoint, and vLLM
+too for FP8 (its ``modelopt`` loader reads FP8/NVFP4 checkpoints and an FP8 KV cache).
 
 How, and why this way. ModelOpt's own ``export_hf_checkpoint`` only walks transformers models, and its per-module
 steps are written for HF's separate ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``. Our model fuses
@@ -261,8 +262,8 @@ def save_quantized_hf(directory: str | os.PathLike, model: nn.Module, *, dtype: 
     """Write a ModelOpt-quantized GPTModel (TP=PP=1) as a unified HF checkpoint: ``config.json`` (with
     ``quantization_config``), ``hf_quant_config.json``, ``model.safetensors`` (quantized weights with their
     scales; the rest in ``dtype``, bfloat16 by default as the serving engines run it) and the tokenizer files of
-    ``side_files_from``; files of at most ``max_shard_bytes`` with an index past that. Load it with TensorRT-LLM
-    or vLLM (``quantization="modelopt"``)."""
+    ``side_files_from``; files of at most ``max_shard_bytes`` with an index past that. Load it with TensorRT-LLM,
+    or FP8 with vLLM (``quantization="modelopt"``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
