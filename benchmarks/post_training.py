@@ -147,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(1)
     try:
         import modelopt  # noqa: F401  (present, or say which extra installs it)
-    except ImportError:
+    except ImportError:  # pragma: no cover
         print('nvidia-modelopt is not installed: pip install "megatron-lite[modelopt]"')
         return 1
     load_before = os.getloadavg()
@@ -184,7 +184,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if fp8 is not None:
         real = fp8["real_quant"]
         real["same_tokens_as_fake_quant"] = real["tokens"] == fp8["tokens"]
-        print(f"\nFP8 real-quant (mtq.compress): linear weights {real['linear_weight_bytes_fp32'] / 2**20:.2f} MiB fp32 -> "
+        print(f"\nFP8 real-quant (mtq.compress): linear weights "
+              f"{real['linear_weight_bytes_fp32'] / 2**20:.2f} MiB fp32 -> "
               f"{real['linear_weight_bytes_fp8'] / 2**20:.2f} MiB fp8 "
               f"({real['linear_weight_bytes_fp8'] / real['linear_weight_bytes_fp32']:.2f}x); all parameters "
               f"{real['parameter_bytes_real_quant'] / real['parameter_bytes_fp32']:.2f}x; perplexity "

@@ -14,8 +14,8 @@ directory that ``transformers`` loads (``AutoModelForCausalLM.from_pretrained(HF
 ``--tokenizer DIR`` or the one the checkpoint carries. A checkpoint of a ModelOpt-quantized model (its quantizer
 amax and scales saved with the weights) is written in ModelOpt's unified quantized format instead -- quantized
 weights with their scales and ``hf_quant_config.json``, for TensorRT-LLM and vLLM -- by
-:mod:`megatron_lite.post_training.export` (default dtype of its unquantized tensors: bfloat16). Nothing is downloaded. Exit code 2 on bad input, with one
-line that says what to change.
+:mod:`megatron_lite.post_training.export` (default dtype of its unquantized tensors: bfloat16). Nothing is
+downloaded. Exit code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from megatron_lite.core.checkpoint.hf import (
     save_hf,
 )
 from megatron_lite.post_training.export import has_quantizer_state
+from megatron_lite.utils.optional import MissingDependencyError
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -144,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
             summary = to_hf(args.input, args.output, dtype=args.dtype, tokenizer=args.tokenizer,
                             max_shard_bytes=shard, overwrite=args.overwrite)
-    except (ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError, MissingDependencyError) as err:  # the last: a quantized model, no modelopt
         print(f"megatron-lite convert: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"megatron-lite convert: {summary}")

@@ -37,7 +37,8 @@ FP8_MAX = 448.0
 
 def quantized(seed, cfg_name, kv=False):
     """A tiny GPTModel quantized by our PTQ entry point, calibrated on 4 random sequences; (model, tokens)."""
-    tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_length + 1), generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_length + 1), generator=generator)
     model = GPTModel(CONFIG, seed=seed)
     quantize(model, cfg_name, [{"tokens": tokens}], kv_cache="FP8_KV_CFG" if kv else None)
     return model.eval(), tokens[:, :-1]
