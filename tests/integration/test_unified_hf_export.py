@@ -1,11 +1,11 @@
 """Quantized Hugging Face export (ModelOpt's unified checkpoint) checked from the files alone.
 
-A tiny GQA model is quantized with ModelOpt (our TP linears registered) for FP8, INT8 SmoothQuant and INT4 AWQ
-(and FP8 KV cache), exported, and then read back the way a serving engine reads it: ``hf_quant_config.json`` names
+A tiny GQA model is quantized with our PTQ entry point for FP8, INT8 SmoothQuant, INT4 AWQ and W4A8 AWQ (and an
+FP8 KV cache), exported, and then read back the way a serving engine reads it: ``hf_quant_config.json`` names
 the algorithm, each linear's weight is stored in the quantized dtype (float8_e4m3fn / int8 / two int4 per uint8)
 with its scales, and a *deployment emulator* written here from the format alone (dequantize the stored weights;
-``x * pre_quant_scale``; fake-quantize the input with ``input_scale``) run on transformers' own Llama reproduces
-our fake-quantized model's logits. The dequantized weights equal our fake-quantized weights (split into
+``x * pre_quant_scale``, or the RMSNorm AWQ folded it into; fake-quantize the input with ``input_scale``) gives
+each linear's quantized input as ours and, run on transformers' own Llama, our fake-quantized model's logits. The dequantized weights equal our fake-quantized weights (split into
 q/k/v and gate/up) to float rounding: the export carries our calibration, not a new one. Nothing is downloaded."""
 from __future__ import annotations
 
@@ -62,13 +62,16 @@ def dequantize(tensors, group_size):
             q = torch.stack([low, high], dim=1).reshape(2 * t.shape[0], t.shape[1])
             q = (q ^ 8) - 8  # two's-complement nibble -> [-8, 7]
             out[name] = q.float() * tensors[name + "_scale"].repeat_interleave(group_size, dim=1)
+            if name + "_scale_2" in tensors:  # W4A8: the INT4 weight is then held in FP8 with this per-tensor scale
+                scale_2 = tensors[name + "_scale_2"]
+                out[name] = (out[name] / scale_2).to(torch.float8_e4m3fn).float() * scale_2
         else:
             out[name] = t.float()
     return out
 
 
 def fake_quant_input(x, scale, algo):
-    if algo == "FP8":
+    if algo in ("FP8", "W4A8_AWQ"):
         return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
     if algo == "W8A8_SQ_PER_CHANNEL":
         return torch.round(x / scale).clamp(-128, 127) * scale
@@ -139,6 +142,7 @@ CASES = {  # config -> (quant_algo, stored weight dtype, has input_scale, has pr
     "FP8_DEFAULT_CFG": ("FP8", torch.float8_e4m3fn, True, False),
     "INT8_SMOOTHQUANT_CFG": ("W8A8_SQ_PER_CHANNEL", torch.int8, True, True),
     "INT4_AWQ_CFG": ("W4A16_AWQ", torch.uint8, False, False),  # AWQ folds q/k/v's pre_quant_scale into the norm
+    "W4A8_AWQ_BETA_CFG": ("W4A8_AWQ", torch.uint8, True, False),
 }
 
 
@@ -170,11 +174,20 @@ def test_quantized_export_reproduces_our_fake_quantized_model(cfg_name, tmp_path
         assert bool((diff <= step * 1.001).all()), name
         assert int((diff > 1e-6 * weight.abs() + 1e-8).sum()) <= max(1, weight.numel() // 10000), name
 
-    if has_input_scale:  # each linear's quantized input, from the files alone, is the one our linear computes
-        for name, (x, quantizer) in our_linear_inputs(model, tokens).items():
-            pqs, scale = tensors.get(name + ".pre_quant_scale"), tensors[name + ".input_scale"]
-            emulated = fake_quant_input(x if pqs is None else x * pqs, scale, algo)
-            torch.testing.assert_close(emulated, quantizer(x), rtol=1e-6, atol=1e-7)
+    # each linear's input, rebuilt from the files alone (pre_quant_scale, input_scale), is the one our linear computes
+    norms = {"self_attn": "input_layernorm", "mlp": "pre_mlp_layernorm"}
+    hf_norms = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+    for name, (x, quantizer) in our_linear_inputs(model, tokens).items():
+        pqs, scale = tensors.get(name + ".pre_quant_scale"), tensors.get(name + ".input_scale")
+        ours_pqs = getattr(quantizer, "_pre_quant_scale", None)
+        if pqs is None and ours_pqs is not None:  # AWQ folded it into the RMSNorm before q/k/v and gate/up
+            _, _, i, block, _ = name.split(".")
+            folded = tensors[f"model.layers.{i}.{hf_norms[block]}.weight"]
+            torch.testing.assert_close(folded, getattr(model.layers[i], norms[block]).weight.detach() * ours_pqs)
+            pqs = ours_pqs  # the folded norm's output is ours times it
+        smoothed = x if pqs is None else x * pqs
+        emulated = smoothed if scale is None else fake_quant_input(smoothed, scale, algo)
+        torch.testing.assert_close(emulated, quantizer(x), rtol=1e-6, atol=1e-7)
 
     with torch.no_grad():
         expected = model(tokens).float()[..., :CONFIG.vocab_size]
