@@ -30,7 +30,7 @@ _WHEN = ("fit_end", "fit_start")
 
 
 class Quantize(pl.Callback):
-    """Quantize the trained model with nvidia-modelopt (PTQ at ``fit_end``) or train it quantized (QAT from ``fit_start``).
+    """Quantize the trained model with nvidia-modelopt (PTQ at ``fit_end``) or train it quantized (QAT, ``fit_start``).
 
     Args:
         config: a ModelOpt config name (``INT8_SMOOTHQUANT_CFG``, ``FP8_DEFAULT_CFG``, ``INT4_AWQ_CFG``,
@@ -70,7 +70,9 @@ class Quantize(pl.Callback):
         if stage == "fit" and self.when == "fit_start":
             pl_module.add_objective_extension(_QuantizeAtAttach(self))
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not on_fit_end: by then the strategy has torn the process groups down, and calibration and the
+        # perplexity need them (amax reduced over DP/TP, the loss over the global batch).
         from megatron_lite.post_training.quantization import is_quantized
 
         if self.when == "fit_end" and not is_quantized(pl_module.model):

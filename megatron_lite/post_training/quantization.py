@@ -101,6 +101,16 @@ def needs_cuda(cfg: dict) -> bool:
     return False
 
 
+def _needs_data(cfg: dict) -> bool:
+    """Whether ``cfg`` calibrates on activations (an algorithm beyond weight max, or an enabled activation or KV
+    quantizer); weight-only max calibration reads the weights alone."""
+    if cfg.get("algorithm") not in (None, "max"):
+        return True
+    return any(entry.get("quantizer_name", "").endswith(("input_quantizer", "bmm_quantizer"))
+               and entry.get("enable", True) is not False and entry.get("cfg") is not None
+               for entry in cfg["quant_cfg"])
+
+
 def _check_device(model: nn.Module, cfg: dict, name: str) -> None:
     param = next(model.parameters(), None)
     on_cuda = param is not None and param.device.type == "cuda"
@@ -187,10 +197,7 @@ def quantize(target: Any, config: Optional[str] = "INT8_SMOOTHQUANT_CFG",
     batches = [_as_batch(b) for b in calibration] if calibration is not None else None
     if forward_loop is None and batches:
         forward_loop = lambda _model: _run_batches(model, module, batches)  # noqa: E731
-    needs_data = cfg.get("algorithm") not in (None, "max") or any(
-        q.get("quantizer_name", "").endswith(("input_quantizer", "bmm_quantizer")) and q.get("enable", True) is not False
-        and q.get("cfg") is not None for q in cfg["quant_cfg"])
-    if forward_loop is None and needs_data:
+    if forward_loop is None and _needs_data(cfg):
         raise ValueError(f"{config or kv_cache} calibrates activations: pass calibration batches "
                          f"(e.g. calibration=[next(iter(datamodule.train_dataloader()))])")
     registry.register_layers()
@@ -324,7 +331,7 @@ def _local_shape(owner: nn.Module, quantizer: str, buffer: str, global_shape: tu
     if shard is None:
         return global_shape
     if isinstance(owner, ColumnParallelLinear) and quantizer == "weight_quantizer" and buffer == "_amax":
-        if len(global_shape) == 3 and shard.stride > 1:  # a fused gate/up layer's amax is saved in blocks, as its weight
+        if len(global_shape) == 3 and shard.stride > 1:  # a fused gate/up amax is saved in blocks, as its weight
             global_shape = (global_shape[0] * global_shape[1], global_shape[2])
         if len(global_shape) == 2 and global_shape[0] == shard.global_shape[0] and global_shape[0] > 1:
             return (global_shape[0] // shard.size, global_shape[1])

@@ -146,3 +146,23 @@ def test_quantize_cli_writes_a_quantized_checkpoint(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "unknown quantization config 'INT3_CFG'" in err and "INT8_SMOOTHQUANT_CFG" in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_ptq_at_the_end_of_a_forked_tp2_fit_hands_back_the_quantized_model():
+    """Quantize(when="fit_end") in TP2 ranks forked from this process: the model handed back to the notebook is
+    the quantized one (its recipe and tensors restored), and equals the ranks' (their last-step checkpoint
+    would give the same: both are the gathered global tensors)."""
+    from megatron_lite.data import MockGPTDataModule
+
+    config = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16)
+    module = ml.GPTModule(ml.GPTConfig(**config), FINE_TUNE)
+    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+                        accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[Quantize("INT8_SMOOTHQUANT_CFG", calib_batches=1, eval_batches=1)])
+    trainer.fit(module, data)
+    recipe = quantization_recipe(module.model)
+    assert recipe is not None and recipe["config"] == "INT8_SMOOTHQUANT_CFG"
+    amax = module.model.layers["0"].mlp.linear_fc2.input_quantizer.amax
+    assert amax is not None and float(amax) > 0  # calibrated in the ranks, handed back
