@@ -36,6 +36,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/context_parallel.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/generate.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/post_training.py
 
 # The fault tests write what they saw into build/reliability; docs/reliability.md is rendered from it.
 FAULT_TESTS := tests/integration/test_torchrun_restart.py tests/integration/test_graceful_exit.py \

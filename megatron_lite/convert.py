@@ -2,6 +2,7 @@
 
     megatron-lite convert --from hf --input HF_DIR --output CKPT [--seq-length 4096]
     megatron-lite convert --to hf --input CKPT --output HF_DIR [--dtype bfloat16] [--tokenizer DIR]
+    megatron-lite convert --to hf --input QUANTIZED_CKPT --output HF_DIR     (ModelOpt unified, for TRT-LLM/vLLM)
 
 ``--from hf`` reads a local HF directory (config.json + safetensors, sharded or not; Llama 2/3, SmolLM, Mistral
 without sliding window, Qwen2) and writes one of our checkpoints holding its weights and config, plus the
@@ -10,8 +11,11 @@ and ``trainer.fit(module, data)``; ``trainer.validate/test/predict(..., ckpt_pat
 
 ``--to hf`` reads any of our checkpoints, whatever layout (TP/PP/DP, ZeRO-1/FSDP2) wrote it, and writes an HF
 directory that ``transformers`` loads (``AutoModelForCausalLM.from_pretrained(HF_DIR)``), with the tokenizer from
-``--tokenizer DIR`` or the one the checkpoint carries. Nothing is downloaded. Exit code 2 on bad input, with one
-line that says what to change.
+``--tokenizer DIR`` or the one the checkpoint carries. A checkpoint of a ModelOpt-quantized model (its quantizer
+amax and scales saved with the weights) is written in ModelOpt's unified quantized format instead -- quantized
+weights with their scales and ``hf_quant_config.json``, for TensorRT-LLM and vLLM -- by
+:mod:`megatron_lite.post_training.export` (default dtype of its unquantized tensors: bfloat16). Nothing is
+downloaded. Exit code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from megatron_lite.core.checkpoint.hf import (
     refuse_existing,
     save_hf,
 )
+from megatron_lite.post_training.export import has_quantizer_state
+from megatron_lite.utils.optional import MissingDependencyError
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -58,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="--from hf: the model's training sequence length (default: max_position_embeddings)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="--to hf: dtype of the written weights (default float32, lossless)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="--to hf: dtype of the written weights (default float32, lossless; a quantized model's "
+                             "unquantized tensors: bfloat16, as serving engines run them)")
     parser.add_argument("--tokenizer", default=None,
                         help="--to hf: copy the tokenizer files of this directory (default: the checkpoint's hf/)")
     parser.add_argument("--max-shard-size", default=None,
@@ -84,9 +91,10 @@ def from_hf(hf_dir: str, output: str, seq_length: Optional[int] = None, overwrit
             f"{'tied' if c.share_embeddings_and_output_weights else 'untied'} embeddings")
 
 
-def to_hf(checkpoint: str, output: str, dtype: str = "float32", tokenizer: Optional[str] = None,
+def to_hf(checkpoint: str, output: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> str:
-    """Our checkpoint -> HF directory; returns a one-line summary."""
+    """Our checkpoint -> HF directory (ModelOpt's unified quantized format for a quantized model); returns a
+    one-line summary."""
     config = read_checkpoint_hparams(checkpoint)["config"]
     side = Path(checkpoint) / CHECKPOINT_SIDE_DIR
     source_config = read_hf_config(side) if (side / CONFIG).is_file() else None
@@ -96,10 +104,29 @@ def to_hf(checkpoint: str, output: str, dtype: str = "float32", tokenizer: Optio
     refuse_existing(output, overwrite)  # before reading any weights
     state = read_model_tensors(checkpoint)
     side_files = tokenizer if tokenizer is not None else (side if side.is_dir() else None)
+    if has_quantizer_state(state):
+        return _to_quantized_hf(checkpoint, output, dtype or "bfloat16", source_config, side_files, max_shard_bytes)
+    dtype = dtype or "float32"
     save_hf(output, config, state, dtype=dtype, source_config=source_config, side_files_from=side_files,
             max_shard_bytes=max_shard_bytes, overwrite=True)
     files = sorted(p.name for p in Path(output).iterdir())
     return f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype}, files {files}"
+
+
+def _to_quantized_hf(checkpoint: str, output: str, dtype: str, source_config: Optional[dict],
+                     side_files: Optional[str | Path], max_shard_bytes: int) -> str:
+    """A quantized checkpoint -> ModelOpt's unified HF format, through a one-process model restored with its
+    quantizers (whatever layout wrote the checkpoint)."""
+    from megatron_lite.module import GPTModule  # imports Lightning and modelopt: only for this path
+    from megatron_lite.post_training.export import read_quant_config, save_quantized_hf
+
+    module = GPTModule.from_pretrained(checkpoint)
+    save_quantized_hf(output, module.model, dtype=dtype, source_config=source_config, side_files_from=side_files,
+                      max_shard_bytes=max_shard_bytes, overwrite=True)
+    algo = (read_quant_config(output) or {}).get("quantization", {})
+    files = sorted(p.name for p in Path(output).iterdir())
+    return (f"wrote {output}: {module.config.num_layers} layers, quantized {algo.get('quant_algo')} "
+            f"(KV cache {algo.get('kv_cache_quant_algo')}), other tensors {dtype}, files {files}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -107,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if args.source == "hf":
-            for flag, value in (("--dtype", args.dtype != "float32"), ("--tokenizer", args.tokenizer),
+            for flag, value in (("--dtype", args.dtype is not None), ("--tokenizer", args.tokenizer),
                                 ("--max-shard-size", args.max_shard_size)):
                 if value:
                     raise ValueError(f"{flag} applies to --to hf; our checkpoints hold fp32 weights")
@@ -118,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
             summary = to_hf(args.input, args.output, dtype=args.dtype, tokenizer=args.tokenizer,
                             max_shard_bytes=shard, overwrite=args.overwrite)
-    except (ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError, MissingDependencyError) as err:  # the last: a quantized model, no modelopt
         print(f"megatron-lite convert: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"megatron-lite convert: {summary}")

@@ -183,6 +183,22 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]
     return shards
 
 
+def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """``tensors`` as ``model.safetensors``, or as files of at most ``max_shard_bytes`` listed in
+    ``model.safetensors.index.json``, in ``directory``."""
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_safetensors(tensors, directory / WEIGHTS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors({n: tensors[n] for n in names}, directory / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
 def save_hf(directory: str | os.PathLike, config: GPTConfig, state: dict[str, torch.Tensor], *,
             dtype: str = "float32", source_config: Optional[dict[str, Any]] = None,
             side_files_from: Optional[str | os.PathLike] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -198,17 +214,7 @@ def save_hf(directory: str | os.PathLike, config: GPTConfig, state: dict[str, to
     hf_config = hf_config_from_gpt(config, dtype, source_config)
     tensors = {name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in state_to_hf(state, config).items()}
     with atomic_directory(directory, overwrite) as tmp:
-        shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1:
-            save_safetensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, names in enumerate(shards, start=1):
-                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_safetensors({n: tensors[n] for n in names}, tmp / file, metadata={"format": "pt"})
-                weight_map.update({n: file for n in names})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            _write_json(tmp / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_weights(tmp, tensors, max_shard_bytes)
         if side_files_from is not None:
             copy_side_files(side_files_from, tmp)
         _write_json(tmp / CONFIG, hf_config)

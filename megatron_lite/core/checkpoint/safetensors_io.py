@@ -20,7 +20,7 @@ import torch
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",  # FP8: quantized exports
 }
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 # The header length is a u64; the format caps the header at 100 MB against hostile files.
