@@ -161,7 +161,7 @@ def test_qat_recovers_at_least_half_of_the_int4_gap(tmp_path):
     print(f"\nconverged model perplexity {base:.3f}, INT4-AWQ PTQ {ptq:.3f} (gap {gap:.3f}); after {QAT_STEPS} more "
           f"steps: unquantized {fp_ppl:.3f}, its PTQ {fp_ptq:.3f} (recovers {(ptq - fp_ptq) / gap:.2f} of the gap), "
           f"QAT {after:.3f} (recovers {(ptq - after) / gap:.2f})")
-    assert gap > 0.05 * base  # a real INT4 gap, not noise
+    assert gap > 0.02 * base  # a real INT4 gap: four times the +-0.5% of the model above (measured ~10%)
     assert ptq - after >= 0.5 * gap  # QAT recovers at least half of it
     assert ptq - fp_ptq < 0.5 * gap  # more unquantized training does not
     assert after < fp_ptq
