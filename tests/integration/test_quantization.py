@@ -2,7 +2,8 @@
 ``ml.post_training.quantize`` (INT8 SmoothQuant within 2% of the unquantized perplexity, FP8 within 5%, INT4-AWQ
 reported, an FP8 KV cache within 5% with its greedy agreement reported), the ``Quantize`` callback at the end
 of a fit writing a quantized checkpoint that ``from_pretrained`` and ``trainer.fit(ckpt_path=...)`` load back as
-the same quantized model, QAT through ``Quantize(when="fit_start")``, and ``megatron-lite quantize``."""
+the same quantized model, QAT through ``Quantize(when="fit_start")`` recovering at least half of the INT4 gap of
+a converged model (against the same fine-tune unquantized, then PTQ), and ``megatron-lite quantize``."""
 from __future__ import annotations
 
 import itertools
@@ -100,28 +101,70 @@ def test_quantize_callback_checkpoint_loads_back_as_the_same_quantized_model(tra
     torch.testing.assert_close(resumed.full_logits(probe), expected, rtol=0, atol=0)
 
 
-def test_qat_trains_the_fake_quantized_model(trained):
-    """INT4 weights (AWQ) trained through fake quantization from the start of a short fine-tune, against the same
-    fine-tune unquantized then quantized (PTQ). At this scale the INT4 gap is within +-0.5% of the perplexity (see
-    the README), so the proof is that QAT trains the quantized model: gradients pass the quantizers, its quantized
-    perplexity falls, and it ends no worse than post-training quantization of the equally fine-tuned model."""
-    path, data, calibration, held_out = trained
-    steps = 20
-    fp = _load(path)
-    base_ptq = perplexity(quantize(_load(path), "INT4_AWQ_CFG", calibration), held_out)
-    _trainer(steps).fit(fp, data)
-    ptq = perplexity(quantize(fp, "INT4_AWQ_CFG", calibration), held_out)
-    qat = _load(path)
+class _FixedSamples(L.LightningDataModule):
+    """The same few batches for training, calibration and evaluation: a small fixed data set a tiny model can be
+    trained to convergence on in seconds."""
+
+    def __init__(self, batches: list[dict]) -> None:
+        super().__init__()
+        self.batches, self.vocab_size = batches, CONFIG["vocab_size"]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+
+QAT_SAMPLES, QAT_BATCH, QAT_TRAIN_STEPS, QAT_STEPS = 96, 16, 300, 20
+QAT_FINE_TUNE = ml.OptimizerConfig(lr=3e-4, lr_decay_style="constant", weight_decay=0.0)
+
+
+def test_qat_recovers_at_least_half_of_the_int4_gap(tmp_path):
+    """Issue 15's bound, with the fine-tuning confound removed. A tiny model trained to convergence on 96 fixed
+    samples of the bundled corpus (300 steps, cosine decay to lr 0; perplexity measured on those samples) is
+    precise enough that INT4-AWQ PTQ costs it a real gap (~10%), where the model of the other tests (far from
+    converged, held-out) shows none. ``QAT_STEPS`` steps of QAT (``Quantize(when="fit_start")``, small constant
+    lr) recover at least half of the gap; the same steps trained unquantized and then quantized (PTQ) recover
+    less than half (the extra training lowers the unquantized perplexity a little, the quantization noise stays):
+    QAT, not more training, closes it. Held-out perplexity is not the measure here: the model memorises."""
+    source = TextCorpusDataModule("shakespeare", seq_length=32, micro_batch_size=QAT_BATCH, global_batch_size=QAT_BATCH,
+                                  vocab_size=384, cache_dir=str(tmp_path / "cache"))
+    source.prepare_data()
+    source.setup("fit")
+    data = _FixedSamples(list(itertools.islice(iter(source.train_dataloader()), QAT_SAMPLES // QAT_BATCH)))
+    batches = data.batches
+    torch.manual_seed(0)
+    module = ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=1e-2, min_lr=0.0, weight_decay=0.0,
+                                                                     lr_decay_iters=QAT_TRAIN_STEPS))
+    _trainer(QAT_TRAIN_STEPS).fit(module, data)
+    save_weights_checkpoint(module, tmp_path / "converged")
+
+    def load():
+        return ml.GPTModule.from_pretrained(tmp_path / "converged", optimizer=QAT_FINE_TUNE)
+
+    base = perplexity(load(), batches)
+    ptq = perplexity(quantize(load(), "INT4_AWQ_CFG", batches[:2]), batches)
+    fp = load()  # the confound: the same fine-tune unquantized, then PTQ
+    _trainer(QAT_STEPS).fit(fp, data)
+    fp_ppl = perplexity(fp, batches)
+    fp_ptq = perplexity(quantize(fp, "INT4_AWQ_CFG", batches[:2]), batches)
+    qat = load()
     weight = qat.model.layers["0"].mlp.linear_fc1.weight.detach().clone()
-    callback = Quantize("INT4_AWQ_CFG", calib_batches=2, when="fit_start", eval_batches=4)
-    _trainer(steps, [callback]).fit(qat, data)
+    callback = Quantize("INT4_AWQ_CFG", calib_batches=2, when="fit_start", eval_batches=len(batches))
+    _trainer(QAT_STEPS, [callback]).fit(qat, data)
     assert quantization_recipe(qat.model)["config"] == "INT4_AWQ_CFG"
     assert not torch.equal(qat.model.layers["0"].mlp.linear_fc1.weight, weight)  # gradients reached the weights
-    after = perplexity(qat, held_out)
-    print(f"\nINT4-AWQ perplexity: PTQ of the trained model {base_ptq:.3f}; after {steps} more steps: PTQ {ptq:.3f}, "
-          f"QAT {after:.3f}")
-    assert after < base_ptq
-    assert after <= ptq * 1.01
+    after = perplexity(qat, batches)
+    assert callback.metrics["val_ppl_after_qat"] == pytest.approx(after, rel=1e-6)
+    gap = ptq - base
+    print(f"\nconverged model perplexity {base:.3f}, INT4-AWQ PTQ {ptq:.3f} (gap {gap:.3f}); after {QAT_STEPS} more "
+          f"steps: unquantized {fp_ppl:.3f}, its PTQ {fp_ptq:.3f} (recovers {(ptq - fp_ptq) / gap:.2f} of the gap), "
+          f"QAT {after:.3f} (recovers {(ptq - after) / gap:.2f})")
+    assert gap > 0.02 * base  # a real INT4 gap: four times the +-0.5% of the model above (measured ~10%)
+    assert ptq - after >= 0.5 * gap  # QAT recovers at least half of it
+    assert ptq - fp_ptq < 0.5 * gap  # more unquantized training does not
+    assert after < fp_ptq
 
 
 def test_quantize_cli_writes_a_quantized_checkpoint(trained, tmp_path, capsys):
