@@ -1,5 +1,7 @@
-"""Post-training objectives on the training engine: reward models (and next DPO, GRPO)."""
+"""Post-training objectives on the training engine: reward models, DPO and GRPO."""
+from megatron_lite.rl.grpo import GRPOModule
+from megatron_lite.rl.grpo_config import GRPOConfig
 from megatron_lite.rl.losses import bradley_terry_loss, preference_correct
 from megatron_lite.rl.reward_model import RewardModelModule
 
-__all__ = ["RewardModelModule", "bradley_terry_loss", "preference_correct"]
+__all__ = ["GRPOConfig", "GRPOModule", "RewardModelModule", "bradley_terry_loss", "preference_correct"]
