@@ -40,12 +40,19 @@ _JSONARGPARSE = "jsonargparse[signatures]>=4.27.7"
 
 
 class MegatronLiteCLI(LightningCLI):
-    """LightningCLI whose model is :class:`GPTModule` and whose data is any pretraining datamodule."""
+    """LightningCLI whose model is :class:`GPTModule` or any subclass of it (``model.class_path:
+    megatron_lite.rl.DPOModule``, ``RewardModelModule``, your own) and whose data is any pretraining
+    datamodule (``PreferenceDataModule``, ``SFTDataModule``, ...).
+
+    Both are in jsonargparse's subclass mode; a ``model:`` section without ``class_path`` still means
+    GPTModule (jsonargparse takes a concrete base class as the implicit class), so ``model.config.*`` keeps
+    working on the command line and in every existing YAML."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        # The data side owns the sequence length and the vocabulary (a trained tokenizer decides it).
-        parser.link_arguments("data.seq_length", "model.config.seq_length", apply_on="instantiate")
-        parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+        # The data side owns the sequence length and the vocabulary (a trained tokenizer decides it). In subclass
+        # mode the model's arguments live under init_args, whichever GPTModule subclass is chosen.
+        parser.link_arguments("data.seq_length", "model.init_args.config.seq_length", apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", "model.init_args.config.vocab_size", apply_on="instantiate")
 
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
@@ -126,6 +133,7 @@ def _run_cli(args: Optional[list[str]]) -> None:
     MegatronLiteCLI(
         GPTModule,
         PretrainingDataModule,
+        subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults={"strategy": "megatron"},
         args=args,

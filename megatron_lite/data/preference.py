@@ -1,5 +1,12 @@
 """Preference pairs for reward models and DPO: JSONL lines of ``{"prompt", "chosen", "rejected"}``.
 
+A line is either text (three strings) or chat: ``{"chosen": [messages], "rejected": [messages]}`` (two
+conversations that differ only in their last, assistant, message) or ``{"prompt": [messages], "chosen":
+{assistant message}, "rejected": {...}}`` (a reply may also be given as a one-message list or a string). Chat
+pairs are rendered with the chat template (``chat_template``, else the tokenizer's, else
+``DEFAULT_CHAT_TEMPLATE``): the prompt with the generation prompt (the assistant header) is the prompt, what
+rendering the whole conversation adds is the response, so prompt and header tokens are masked.
+
 Prompt and response are tokenized separately (so the boundary between them is exact) and joined;
 an EOD token ends each response (``append_eod``), so a reward model reads its score where the
 response ends. A sequence holds at most ``seq_length`` tokens (the response's tail is cut when it
@@ -10,13 +17,14 @@ and next-token log-probs (DPO) shift by one with no sequence losing its end. Eve
     chosen_tokens, rejected_tokens        LongTensor [seq_length + 1]  (padded)
     chosen_length, rejected_length        LongTensor []  real tokens, prompt included (1..seq_length)
     prompt_length                         LongTensor []  prompt tokens (the same for both responses)
+    index                                 LongTensor []  the pair's number in the file(s), unique across splits
     chosen_loss_mask, rejected_loss_mask  FloatTensor [seq_length]  1 where predicting token j+1
                                           predicts a response token (response-only log-probs)
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -28,33 +36,104 @@ from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import open_text, parse_object_line
 
 FIELDS = ("prompt", "chosen", "rejected")
+ROLES = ("system", "user", "assistant", "tool")
+Pair = tuple[Any, Any, Any, str]
+"""``(prompt, chosen, rejected, "file:line")``: three strings, or (chat) prompt messages and two assistant messages."""
 
 
-def read_preferences(path: str, keys: Sequence[str] = FIELDS) -> list[tuple[str, str, str, str]]:
-    """``(prompt, chosen, rejected, "file:line")`` of every non-blank line of a JSONL(.gz) file; ``keys``
+def read_preferences(path: str, keys: Sequence[str] = FIELDS) -> list[Pair]:
+    """The pair of every non-blank line of a JSONL(.gz) file (text or chat, see the module docstring); ``keys``
     names the prompt, chosen and rejected fields. One-line ValueErrors name the line and the fix."""
     pairs = []
     with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             where = f"{path}:{line_no}"
             obj = parse_object_line(line, where, keys[0], what="a preference file")
-            if obj is None:
-                continue
-            missing = [k for k in keys if not isinstance(obj.get(k), str)]
-            if missing:
-                raise ValueError(f"{where} lacks string field(s) {missing} (found {sorted(obj)}); every line needs "
-                                 f"{{{', '.join(repr(k) + ': str' for k in keys)}}}")
-            pairs.append((obj[keys[0]], obj[keys[1]], obj[keys[2]], where))
+            if obj is not None:
+                pairs.append(_parse_pair(obj, keys, where))
     if not pairs:
         raise ValueError(f"{path} holds no preference pairs; write one JSON object per line with fields {list(keys)}")
     return pairs
 
 
+def _parse_pair(obj: dict, keys: Sequence[str], where: str) -> Pair:
+    prompt_key, chosen_key, rejected_key = keys
+    values = [obj.get(k) for k in keys]
+    if all(isinstance(v, str) for v in values):
+        return (*values, where)
+    chat = any(isinstance(v, (list, dict)) for v in values)
+    if not chat:
+        missing = [k for k, v in zip(keys, values) if not isinstance(v, str)]
+        raise ValueError(f"{where} lacks string field(s) {missing} (found {sorted(obj)}); every line needs "
+                         f"{{{', '.join(repr(k) + ': str' for k in keys)}}}, or chat messages "
+                         f"{{{chosen_key!r}: [messages], {rejected_key!r}: [messages]}}")
+    prompt, chosen, rejected = values
+    for key, value in ((chosen_key, chosen), (rejected_key, rejected)):
+        if value is None:
+            raise ValueError(f"{where} lacks the field {key!r} (found {sorted(obj)}); a chat pair needs "
+                             f"{{{chosen_key!r}: [messages], {rejected_key!r}: [messages]}} or a {prompt_key!r} "
+                             f"list of messages and one assistant message each")
+    if prompt is None:  # two whole conversations: the prompt is what they share
+        conversations = [_messages(v, where, k) for k, v in ((chosen_key, chosen), (rejected_key, rejected))]
+        if any(len(c) < 2 for c in conversations) or conversations[0][:-1] != conversations[1][:-1]:
+            raise ValueError(f"{where}: {chosen_key!r} and {rejected_key!r} must be conversations with the same "
+                             f"messages before their last (assistant) message, or give {prompt_key!r} separately")
+        prompt = conversations[0][:-1]
+        replies = [c[-1] for c in conversations]
+    else:
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, where, prompt_key)
+        replies = [_reply(v, prompt, where, k) for k, v in ((chosen_key, chosen), (rejected_key, rejected))]
+    for key, reply in zip((chosen_key, rejected_key), replies):
+        if reply["role"] != "assistant":
+            raise ValueError(f"{where}: the {key} reply must be an assistant message, got role {reply['role']!r}")
+    return prompt, replies[0], replies[1], where
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict]:
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value):
+        raise ValueError(f"{where}: {key!r} must be a non-empty list of {{\"role\": one of {list(ROLES)}, "
+                         f"\"content\": str}} messages, got {value!r:.120}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _reply(value: Any, prompt: list[dict], where: str, key: str) -> dict:
+    """The assistant reply of a pair given with a separate prompt: a string, one message, or prompt + reply."""
+    if isinstance(value, str):
+        return {"role": "assistant", "content": value}
+    messages = _messages(value, where, key)
+    if len(messages) > 1 and messages[:-1] != prompt:
+        raise ValueError(f"{where}: {key!r} holds {len(messages)} messages that do not start with the prompt's; give "
+                         f"the assistant reply alone or the whole conversation")
+    return messages[-1]
+
+
+def _pair_texts(pair: Pair, render: Callable[[list, bool], str]) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) texts: a text pair as it is, a chat pair rendered with the template."""
+    prompt, chosen, rejected, where = pair
+    if isinstance(prompt, str):
+        return prompt, chosen, rejected
+    prompt_text = render(prompt, True)
+    responses = []
+    for reply in (chosen, rejected):
+        full = render(prompt + [reply], False)
+        if not full.startswith(prompt_text):
+            raise ValueError(f"{where}: the chat template renders the prompt with the generation prompt as text that "
+                             f"the whole conversation does not start with, so prompt and reply cannot be told apart; "
+                             f"use a prefix-stable template (chat_template=...)")
+        responses.append(full[len(prompt_text):])
+    return prompt_text, responses[0], responses[1]
+
+
 class PreferenceDataset(Dataset):
     """Tokenized preference pairs (see the module docstring for the items)."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str, str, str]], tokenizer: Tokenizer, seq_length: int,
-                 append_eod: bool = True):
+    def __init__(self, pairs: Sequence[Pair], tokenizer: Tokenizer, seq_length: int, append_eod: bool = True,
+                 indices: Optional[Sequence[int]] = None, chat_template: Optional[str] = None):
+        """``indices``: each pair's id, yielded as ``index`` (a global pair number, unique across splits: DPO
+        caches reference log-probs by it); by default the position in ``pairs``."""
         if seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {seq_length}")
         self.seq_length = seq_length
@@ -62,7 +141,17 @@ class PreferenceDataset(Dataset):
         self.num_truncated = 0
         """Responses whose tail was cut to fit ``seq_length``."""
         self.samples = []
-        for prompt, chosen, rejected, where in pairs:
+        indices = list(range(len(pairs))) if indices is None else list(indices)
+        if len(indices) != len(pairs):
+            raise ValueError(f"{len(indices)} indices for {len(pairs)} pairs")
+        render = None
+        for pair, pair_index in zip(pairs, indices):
+            where = pair[3]
+            if render is None and not isinstance(pair[0], str):
+                from megatron_lite.data.sft import _renderer  # the template only when a chat pair needs it
+
+                render = _renderer(tokenizer, chat_template)
+            prompt, chosen, rejected = _pair_texts(pair, render)
             prompt_ids = tokenizer.tokenize(prompt)
             sample = {}
             for name, text in (("chosen", chosen), ("rejected", rejected)):
@@ -83,6 +172,7 @@ class PreferenceDataset(Dataset):
                 sample[f"{name}_length"] = torch.tensor(len(ids))
                 sample[f"{name}_loss_mask"] = torch.from_numpy(mask)
             sample["prompt_length"] = torch.tensor(len(prompt_ids))
+            sample["index"] = torch.tensor(pair_index)
             self.samples.append(sample)
 
     def __len__(self) -> int:
@@ -101,7 +191,9 @@ class PreferenceDataModule(PretrainingDataModule):
     def __init__(self, path: Union[str, Sequence[str]], tokenizer: Tokenizer, seq_length: int = 512,
                  micro_batch_size: int = 4, global_batch_size: int = 16, split: str = "98,2", append_eod: bool = True,
                  prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
-                 seed: int = 1234, num_workers: int = 0, rampup_batch_size: Optional[list[int]] = None) -> None:
+                 chat_template: Optional[str] = None, seed: int = 1234, num_workers: int = 0,
+                 rampup_batch_size: Optional[list[int]] = None) -> None:
+        """``chat_template``: a Jinja2 template (text) for chat pairs; the tokenizer's or the default otherwise."""
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
         self.paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         if not self.paths:
@@ -115,6 +207,7 @@ class PreferenceDataModule(PretrainingDataModule):
                             f"{type(tokenizer).__name__}")
         self.tokenizer, self.split, self.append_eod, self.seed = tokenizer, parse_split(split), append_eod, seed
         self.keys = (prompt_key, chosen_key, rejected_key)
+        self.chat_template = chat_template
         self.vocab_size = tokenizer.vocab_size
         self.datasets: dict[str, PreferenceDataset] = {}
 
@@ -127,7 +220,9 @@ class PreferenceDataModule(PretrainingDataModule):
         for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):
             if hi > lo:
                 self.datasets[name] = PreferenceDataset([pairs[i] for i in order[lo:hi]], self.tokenizer,
-                                                        self.seq_length, self.append_eod)
+                                                        self.seq_length, self.append_eod,
+                                                        indices=[int(i) for i in order[lo:hi]],
+                                                        chat_template=self.chat_template)
 
     def _split(self, name: str) -> PreferenceDataset:
         self.setup()

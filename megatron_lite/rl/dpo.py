@@ -1,0 +1,336 @@
+"""DPOModule: Direct Preference Optimization, a third objective on the training engine.
+
+A pair's chosen and rejected sequences run as ONE microbatch ``{"tokens": [2b, s+1], "loss_mask": [2b, s]}``
+(chosen rows first), so every schedule, layout and the context-parallel split drive it unchanged. The last
+stage turns the vocab-parallel cross entropy the model already computes into per-sequence sums of
+response-token log-probs (``−Σ loss·mask``); the loss is DESIGN §3's DPO (or IPO) on them
+(:mod:`megatron_lite.rl.dpo_loss`), averaged over the global batch's pairs.
+
+**The reference model** is a second model of the same layout (same TP shards, same pipeline stages), frozen,
+held outside the module (so it is in no optimizer and no checkpoint) and run by its own forward-only engine
+*before* the policy's step: its per-sequence log-probs arrive on every rank (broadcast from the last stage)
+and travel with each microbatch as ``reference_logps``. This keeps the policy's pipeline untouched (no
+concatenated activations, no second set of stage buffers) at the price of one extra forward-only pipeline
+pass per step — which is what a frozen model costs anyway. With ``precompute_reference_log_probs`` that
+pass runs once per pair before training (cached by the pair's ``index``) and the reference model is freed.
+
+Under context parallelism each rank holds a zigzag share of every sequence: its partial log-prob sums are
+all-reduced over the CP group (differentiably, the backward summing too) before the nonlinearity; every CP
+rank then computes the same pair losses, counted once per CP rank, which the engine's sum over dp x cp of
+both the losses and the pair counts turns back into the per-pair mean.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+from torch.utils.data import default_collate
+from torchmetrics.aggregation import MeanMetric
+
+from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layout
+from megatron_lite.core.engine import TrainingEngine
+from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
+from megatron_lite.module import GPTModule
+from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
+
+# GPTConfig fields that decide the weights' shapes: a reference must agree on all of them.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
+                "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
+METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+
+def pair_microbatch(microbatch: dict) -> dict:
+    """A PreferenceDataModule microbatch as one token batch: chosen rows then rejected rows."""
+    out = {"tokens": torch.cat([microbatch["chosen_tokens"], microbatch["rejected_tokens"]]),
+           "loss_mask": torch.cat([microbatch["chosen_loss_mask"], microbatch["rejected_loss_mask"]])}
+    if "index" in microbatch:
+        out["index"] = microbatch["index"]
+    return out
+
+
+def sequence_log_probs_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor],
+                            cp_group: Any = None) -> torch.Tensor:
+    """One chunk's forward of a :func:`pair_microbatch`: activations for the next stage, or on the last stage
+    each sequence's sum of response-token log-probs ``[2b]`` (summed over the CP group, differentiably)."""
+    out = gpt_forward_step(part, microbatch, input_tensor)
+    if not getattr(part, "post_process", True):
+        return out
+    logps = -(out.float() * microbatch["loss_mask"].to(torch.float32)).sum(dim=1)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        # all_reduce whose backward is an all-reduce too: see the module docstring for why the sum is right.
+        logps = dist_fn.all_reduce(logps, group=cp_group)
+    return logps
+
+
+class _ReferenceObjective:
+    """The reference model's objective: forward only (its engine never trains)."""
+
+    def __init__(self, cp_group: Any):
+        self.cp_group = cp_group
+
+    def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        return sequence_log_probs_step(part, microbatch, input_tensor, self.cp_group)
+
+    def loss(self, output: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("the DPO reference model is frozen: it is only run forward")
+
+
+def reference_config(path: str) -> GPTConfig:
+    """The GPTConfig of a reference given as one of our checkpoints or an HF model directory (no weights read)."""
+    from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory, read_checkpoint_hparams
+    from megatron_lite.core.checkpoint.hf import is_hf_directory, read_hf_config
+    from megatron_lite.core.checkpoint.hf_config import gpt_config_from_hf
+
+    if is_checkpoint_directory(path):
+        return read_checkpoint_hparams(path)["config"]
+    if is_hf_directory(path):
+        return gpt_config_from_hf(read_hf_config(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"DPO reference {path} does not exist; pass reference=<one of our checkpoints or a "
+                                f"local Hugging Face model directory>, or reference=None for the initial weights")
+    raise FileNotFoundError(f"DPO reference {path} is neither a megatron-lite checkpoint nor a Hugging Face model "
+                            f"directory (config.json + safetensors)")
+
+
+def _shape(config: GPTConfig) -> dict[str, Any]:
+    return {f: getattr(config, f) for f in SHAPE_FIELDS}
+
+
+class DPOModule(GPTModule):
+    """Fine-tune a GPT on preference pairs (:class:`~megatron_lite.data.PreferenceDataModule`) with DPO or IPO.
+
+    Args:
+        config, optimizer, seed: as for :class:`GPTModule` (start from pretrained weights with
+            ``DPOModule.from_pretrained(path, beta=...)``).
+        beta: β, the strength of the implicit KL to the reference (0.1 is usual).
+        label_smoothing: ε of conservative DPO, the assumed share of flipped labels (sigmoid loss only).
+        loss_type: ``"sigmoid"`` (DPO) or ``"ipo"``.
+        reference: None: a frozen copy of the policy's weights when its model is built (its initial weights);
+            or a path to one of our checkpoints or a local HF model directory of the same shape.
+        precompute_reference_log_probs: run the reference once over every pair of the datamodule's splits
+            before training, keep the log-probs in memory (keyed by pair index) and free the reference model.
+
+    Logs ``train/loss`` and ``train/{rewards_chosen, rewards_rejected, reward_margin, reward_accuracy}``
+    (global-batch means, equal on every rank), the same under ``val/`` and ``test/``.
+    """
+
+    def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
+                 beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str = "sigmoid",
+                 reference: Optional[str] = None, precompute_reference_log_probs: bool = False):
+        super().__init__(config, optimizer, seed)
+        check_dpo_options(beta, label_smoothing, loss_type)
+        if reference is not None and not isinstance(reference, (str, os.PathLike)):
+            raise TypeError(f"reference must be None or a path (str), got {type(reference).__name__}")
+        self.beta, self.label_smoothing, self.loss_type = float(beta), float(label_smoothing), loss_type
+        self.reference = None if reference is None else os.fspath(reference)
+        self.precompute_reference_log_probs = bool(precompute_reference_log_probs)
+        # One call holds every argument: a second save_hyperparameters would replace GPTModule's.
+        self.save_hyperparameters({"config": self.config, "optimizer": self.optimizer_config, "seed": seed,
+                                   "beta": beta, "label_smoothing": label_smoothing, "loss_type": loss_type,
+                                   "reference": self.reference,
+                                   "precompute_reference_log_probs": self.precompute_reference_log_probs})
+        self.reward_metrics = nn.ModuleDict({f"{split}_{name}": MeanMetric()
+                                             for split in ("val", "test") for name in METRICS})
+        # Not a sub-module (set through __dict__): never in the optimizer, the state dict or a checkpoint.
+        self.__dict__["_reference_model"] = None
+        self._reference_engine: Optional[TrainingEngine] = None
+        self._reference_cache: dict[int, torch.Tensor] = {}  # pair index -> (chosen, rejected) log-probs
+        self._reference_done = False  # the reference's log-probs are all cached and its model freed
+        self._tally: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
+                        **kwargs: Any) -> "DPOModule":
+        """A DPOModule holding the weights of ``path``; DPO options (``beta``, ``label_smoothing``, ``loss_type``,
+        ``reference``, ``precompute_reference_log_probs``) are set on it, the rest override GPTConfig fields.
+        With ``reference=None`` the reference is these pretrained weights."""
+        options = {k: kwargs.pop(k) for k in ("beta", "label_smoothing", "loss_type", "reference",
+                                              "precompute_reference_log_probs") if k in kwargs}
+        module = super().from_pretrained(path, optimizer=optimizer, seed=seed, **kwargs)
+        dpo = cls(module.config, module.optimizer_config, module.seed, **options)
+        dpo.model = module.model
+        return dpo
+
+    # --- checks before launch ------------------------------------------------------------
+    def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
+        super().validate_configuration(trainer, datamodule)
+        if getattr(trainer.strategy, "use_torch_fsdp2", False):
+            raise ValueError("DPOModule does not run with use_torch_fsdp2=True (its frozen reference is a plain "
+                             "sharded copy of the policy); use the distributed optimizer "
+                             "(model.optimizer.use_distributed_optimizer=true) for ZeRO-1 instead")
+        if self.reference is not None:
+            self._check_reference_shape(reference_config(self.reference))
+
+    def _check_reference_shape(self, config: GPTConfig) -> None:
+        ours, theirs = _shape(self.config), _shape(config)
+        if ours != theirs:
+            differ = [f for f in SHAPE_FIELDS if ours[f] != theirs[f]]
+            raise ValueError(
+                f"the DPO reference {self.reference} has another shape than the policy: reference "
+                f"{ {f: theirs[f] for f in differ} } vs policy { {f: ours[f] for f in differ} } (full shapes: "
+                f"reference {theirs}, policy {ours}); pass a reference of the policy's shape, or reference=None")
+
+    # --- the reference model -------------------------------------------------------------
+    @property
+    def reference_model(self) -> Optional[nn.Module]:
+        """The frozen reference of this rank (its TP shards and pipeline stages), None once freed."""
+        return self.__dict__["_reference_model"]
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self._reference_done:
+            return
+        layout = self.parallel_layout
+        previous = self.reference_model
+        if previous is not None and same_layout(getattr(previous, "layout", None), layout):
+            return
+        reference = self.build_model(layout)
+        if previous is not None:  # the notebook's one-process reference: cut this rank's shards out of it
+            carry_over_state(previous, reference, vocab_size=self.config.vocab_size)
+        elif self.reference is not None:
+            loaded = GPTModule.from_pretrained(self.reference, seq_length=self.config.seq_length)
+            self._check_reference_shape(loaded.config)
+            carry_over_state(loaded.model, reference, vocab_size=self.config.vocab_size)
+        else:  # the policy as it is now, before any step: its initial weights
+            reference.load_state_dict(self.model.state_dict())
+        param = next(self.model.parameters(), None)
+        reference.to(param.device if param is not None else "cpu")
+        reference.requires_grad_(False).eval()
+        self.__dict__["_reference_model"] = reference
+        self._reference_engine = None
+
+    def _reference_log_probs(self, microbatches: list[dict]) -> list[torch.Tensor]:
+        """Each microbatch's reference log-probs ``[2b]``, from the cache or the reference model."""
+        if self.precompute_reference_log_probs and all("index" in mb for mb in microbatches):
+            cached = [self._cached(mb["index"]) for mb in microbatches]
+            if all(c is not None for c in cached):
+                return cached
+        if self.reference_model is None:
+            raise RuntimeError("a batch holds pairs whose reference log-probs were not precomputed and the reference "
+                               "model was freed; precompute covers the datamodule's splits at the start of fit: give "
+                               "this data to that fit, or set precompute_reference_log_probs=False")
+        engine = self._reference_engine
+        if engine is None or engine.model is not self.reference_model:
+            engine = TrainingEngine(self.reference_model, self.parallel_layout,
+                                    _ReferenceObjective(self.parallel_layout.group("cp")))
+            self._reference_engine = engine
+        with torch.no_grad():
+            return [out.detach().float() for out in engine.forward_outputs(microbatches)]
+
+    def _cached(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        rows = [self._reference_cache.get(int(i)) for i in index.tolist()]
+        if any(r is None for r in rows):
+            return None
+        pairs = torch.stack(rows)  # [b, 2]
+        return torch.cat([pairs[:, 0], pairs[:, 1]]).to(self.device)
+
+    def on_fit_start(self) -> None:
+        if self.precompute_reference_log_probs and not self._reference_done:
+            self.precompute_reference(getattr(self.trainer, "datamodule", None))
+
+    @torch.no_grad()
+    def precompute_reference(self, datamodule: Any) -> None:
+        """Run the reference over every pair of ``datamodule``'s splits once (each DP rank a share, then summed
+        over DP), cache the log-probs by pair index and free the reference model."""
+        datasets = list(getattr(datamodule, "datasets", {}).values())
+        samples = {int(s["index"]): s for d in datasets for s in (d[i] for i in range(len(d)))}
+        if not samples:
+            raise ValueError("precompute_reference_log_probs needs a PreferenceDataModule (its splits and each "
+                             "pair's index); set precompute_reference_log_probs=False for other data")
+        layout = self.parallel_layout
+        dp_rank, dp_size = layout.dp_rank, layout.dp_size
+        indices = sorted(samples)
+        mine = indices[dp_rank::dp_size]
+        mbs = self.micro_batch_size({"x": torch.zeros(len(mine) or 1)})
+        table = torch.zeros(max(indices) + 1, 2, dtype=torch.float32, device=self.device)
+        for start in range(0, len(indices[0::dp_size]), mbs):  # every DP rank runs as many chunks
+            chunk = mine[start:start + mbs] or mine[-1:]
+            chunk = chunk + [chunk[-1]] * (mbs - len(chunk))  # equal shapes: pad with a repeat
+            raw = default_collate([samples[i] for i in chunk])
+            microbatch = self.context_parallel_share(pair_microbatch(raw))
+            logps = self._reference_log_probs_live([microbatch])[0]
+            b = len(chunk)
+            table[torch.tensor(chunk, device=self.device)] = torch.stack([logps[:b], logps[b:]], dim=1)
+        group = layout.group("dp")
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(table, group=group)
+        self._reference_cache = {i: table[i].cpu() for i in indices}
+        self.__dict__["_reference_model"] = None
+        self._reference_engine = None
+        self._reference_done = True
+
+    def _reference_log_probs_live(self, microbatches: list[dict]) -> list[torch.Tensor]:
+        precompute, self.precompute_reference_log_probs = self.precompute_reference_log_probs, False
+        try:
+            return self._reference_log_probs(microbatches)
+        finally:
+            self.precompute_reference_log_probs = precompute
+
+    # --- the objective -------------------------------------------------------------------
+    def step_microbatches(self, batch: dict) -> list[dict]:
+        """Pairs as token microbatches (this CP rank's share), each with its ``reference_logps`` [2b]."""
+        if "chosen_tokens" not in batch:
+            raise ValueError(f"DPOModule trains on preference pairs (chosen_tokens, rejected_tokens, ...: "
+                             f"megatron_lite.data.PreferenceDataModule), got a batch of {sorted(batch)}")
+        microbatches = [self.context_parallel_share(pair_microbatch(mb))
+                        for mb in split_microbatches(batch, self.micro_batch_size(batch))]
+        for mb, ref in zip(microbatches, self._reference_log_probs(microbatches)):
+            mb["reference_logps"] = ref
+        return microbatches
+
+    def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """Activations for the next stage, or on the last stage the sequences' response log-probs [2b]."""
+        return sequence_log_probs_step(part, microbatch, input_tensor, self.parallel_layout.group("cp"))
+
+    def loss(self, logps: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the pairs' DPO losses, number of pairs); tallies rewards and accuracy for the metrics."""
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = microbatch["reference_logps"].to(logps.device).chunk(2)
+        terms = dpo_terms(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta,
+                          label_smoothing=self.label_smoothing, loss_type=self.loss_type)
+        pairs = torch.full((), float(chosen.numel()), dtype=torch.float64, device=logps.device)
+        tally = torch.stack([terms.rewards_chosen.sum().double(), terms.rewards_rejected.sum().double(),
+                             terms.correct.sum().double(), pairs])
+        self._tally = tally if self._tally is None else self._tally + tally
+        return terms.loss.sum(), pairs
+
+    def _reward_metrics(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The global batch's mean rewards, margin and accuracy (equal on every rank) and its pair count: the
+        last stage's tally summed over the pipeline (zeros elsewhere), then over DP x CP; no host sync."""
+        tally, self._tally = self._tally, None
+        tally = tally if tally is not None else torch.zeros(4, dtype=torch.float64, device=self.device)
+        for name in ("pp", "dp_cp"):
+            group = self.parallel_layout.group(name)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(tally, group=group)
+        mean = (tally[:3] / tally[3].clamp(min=1.0)).float()
+        values = {"rewards_chosen": mean[0], "rewards_rejected": mean[1], "reward_margin": mean[0] - mean[1],
+                  "reward_accuracy": mean[2]}
+        return values, tally[3]
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self._tally = None
+        loss = super().training_step(batch, batch_idx)
+        values, _ = self._reward_metrics()
+        for name, value in values.items():
+            self.log(f"train/{name}", value, prog_bar=name == "reward_accuracy")
+        return loss
+
+    def evaluate_step(self, batch: dict, prefix: str) -> torch.Tensor:
+        self._tally = None
+        loss = super().evaluate_step(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
+        values, pairs = self._reward_metrics()
+        for name, value in values.items():
+            metric = self.reward_metrics[f"{prefix}_{name}"]
+            metric.update(value, weight=pairs.float())
+            self.log(f"{prefix}/{name}", metric, on_step=False, on_epoch=True)
+        return loss
+
