@@ -4,7 +4,7 @@
   same sampled responses (rollout seed counter and prompt position restored), the same rewards and weights;
 - the frozen reference model is checkpointed with the policy (beta > 0) and pass@k runs on held-out prompts;
 - a reward function that raises stops the run with an error naming the function and the sample;
-- (slow) GRPO raises the mean reward from <= 0.2 to >= 0.8 from a random tiny model.
+- GRPO raises the mean reward from <= 0.2 to >= 0.8 from a random tiny model.
 """
 from pathlib import Path
 
@@ -97,7 +97,6 @@ def test_a_failing_reward_function_names_itself_and_the_sample(tmp_path):
         _fit(module, data, 1, tmp_path)
 
 
-@pytest.mark.slow
 def test_grpo_learns_addition_from_a_random_model(tmp_path):
     """Seeded: a random 2-layer model answers ~1/16 of ``a+b=`` (a, b <= 3) right; 40 GRPO rollouts of 8
     prompts x 8 samples bring the sampled mean reward to >= 0.8."""
