@@ -85,9 +85,8 @@ class GRPOModule(GPTModule):
     ``train/lr`` and ``train/grad_norm``; on the validation prompts ``val/pass_at_k`` and ``val/reward_mean``.
     """
 
-    def __init__(self, config: GPTConfig, grpo: Optional[GRPOConfig] = None,
-                 reward_fn: Union[str, Callable, dict, None] = None, optimizer: Optional[OptimizerConfig] = None,
-                 seed: int = 1234):
+    def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
+                 grpo: Optional[GRPOConfig] = None, reward_fn: Union[str, Callable, dict, None] = None):
         super().__init__(config, optimizer if optimizer is not None else OptimizerConfig(), seed)
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
@@ -106,6 +105,17 @@ class GRPOModule(GPTModule):
         self._tally: Optional[torch.Tensor] = None
         self._reference_engine: Optional[TrainingEngine] = None
         self.eval_metrics = nn.ModuleDict({"pass_at_k": MeanMetric(), "reward_mean": MeanMetric()})
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
+                        grpo: Optional[GRPOConfig] = None, reward_fn: Union[str, Callable, dict, None] = None,
+                        **config_overrides: Any) -> "GRPOModule":
+        """A GRPOModule starting from the weights of ``path`` (an HF Llama directory or one of our checkpoints);
+        ``config_overrides`` replace GPTConfig fields that do not change a weight's shape."""
+        module = GPTModule.from_pretrained(path, optimizer=optimizer, seed=seed, **config_overrides)
+        policy = cls(module.config, module.optimizer_config, module.seed, grpo=grpo, reward_fn=reward_fn)
+        policy.model = module.model
+        return policy
 
     # --- model, reference and checks ---------------------------------------------------------
     def configure_model(self) -> None:
@@ -143,6 +153,10 @@ class GRPOModule(GPTModule):
                 f"GRPOModule does not run under context parallelism (context_parallel_size="
                 f"{parallel.context_parallel_size}): rollouts are generated and scored per whole sequence; set "
                 f"context_parallel_size=1 and use tensor, pipeline or data parallelism.")
+        if self.grpo.beta > 0 and getattr(trainer.strategy, "use_torch_fsdp2", False):
+            raise ValueError("GRPOModule with beta > 0 does not run with use_torch_fsdp2=True (its frozen reference is "
+                             "a plain sharded copy of the policy); use the distributed optimizer "
+                             "(model.optimizer.use_distributed_optimizer=true) for ZeRO-1, or beta=0")
         if datamodule is not None and trainer.state.fn == "fit" and getattr(datamodule, "rampup_batch_size", None):
             raise ValueError("GRPOModule takes a fixed number of prompts per rollout; remove rampup_batch_size")
         longest = getattr(datamodule, "longest_prompt", None)
@@ -204,6 +218,7 @@ class GRPOModule(GPTModule):
         packed = pack_rows(rows, result.tokens, self.config.seq_length, pad, result.log_probs)
         packed["advantages"] = group_advantages(rewards, g.group_size, scale=g.scale_advantages)
         nonzero = nonzero_variance_groups(rewards, g.group_size)
+        packed["response_mask"] = packed["loss_mask"].clone()  # the metrics cover every response token
         if g.filter_zero_variance:  # dynamic sampling: these groups carry no signal, leave them out entirely
             packed["loss_mask"] *= nonzero.repeat_interleave(g.group_size).to(packed["loss_mask"].dtype).unsqueeze(1)
         lengths = torch.tensor([len(t) for t in result.tokens], dtype=torch.float64)
@@ -258,8 +273,9 @@ class GRPOModule(GPTModule):
         for _ in range(g.updates_per_batch):
             self._lr = scheduler.current_lr
             step, result = self.engine.train_step(microbatches, optimizer_step=self.optimizers().step)
-            if not result.skipped:
-                scheduler.step()
+            if not result.skipped:  # as GPTModule: the schedule advances only on steps that updated the weights
+                samples = self._global_batch_samples(rollout) if self.optimizer_config.sample_based else None
+                scheduler.step(increment=samples)
         return step, result
 
     def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> Any:
@@ -273,17 +289,17 @@ class GRPOModule(GPTModule):
         group = self.parallel_layout.group("tp")
         labels = microbatch["tokens"][:, 1:]
         log_probs = -vocab_parallel_cross_entropy(logits, labels, group, self.model.vocab_start, self.config.vocab_size)
-        need_entropy = True  # the metric is always reported; its gradient matters only with entropy_coef
-        entropy = vocab_parallel_entropy(logits, group) if need_entropy else None
+        entropy = vocab_parallel_entropy(logits, group)  # always reported; a gradient only with entropy_coef
         old = microbatch.get("old_log_probs", log_probs.detach())
         terms = grpo_token_loss(log_probs, old, microbatch["advantages"], clip_eps_low=g.clip_eps_low,
                                 clip_eps_high=g.clip_eps_high, ref_log_probs=microbatch.get("ref_log_probs"),
                                 beta=g.beta, entropy=entropy, entropy_coef=g.entropy_coef,
                                 is_weights=microbatch.get("is_weights"))
         mask = microbatch["loss_mask"].to(terms.loss.dtype)
-        with torch.no_grad():
-            tally = torch.stack([(t * mask).sum() for t in (terms.kl, entropy.detach(), terms.clipped_low,
-                                                              terms.clipped_high, mask)]).double()
+        with torch.no_grad():  # metrics per response token, those of filtered groups included
+            shown = microbatch.get("response_mask", mask).to(mask.dtype)
+            tally = torch.stack([(t * shown).sum() for t in (terms.kl, entropy.detach(), terms.clipped_low,
+                                                               terms.clipped_high, shown)]).double()
             self._tally = tally if self._tally is None else self._tally + tally
         return reduce_token_loss(terms.loss, mask, per_sequence=g.per_sequence_loss)
 

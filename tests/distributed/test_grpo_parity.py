@@ -82,7 +82,7 @@ def train(out: Path, *, devices=1, tp=1) -> dict:
         accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Recorder(out), MetricRecorder(out)])
-    trainer.fit(GRPOModule(config, grpo, optimizer=optimizer, seed=1234), RolloutData(config))
+    trainer.fit(GRPOModule(config, optimizer, seed=1234, grpo=grpo), RolloutData(config))
     result = torch.load(out / "result.pt", weights_only=False)
     result["metrics"] = [torch.load(out / f"metrics_{r}.pt") for r in range(devices)]
     return result

@@ -41,7 +41,7 @@ def _setup(max_operand=3, held_out=4, gbs=4, mbs=2, grpo=None, lr=3e-3, hidden=6
                               global_batch_size=gbs)
     grpo = grpo or GRPOConfig(group_size=8, max_new_tokens=1)
     optimizer = ml.OptimizerConfig(lr=lr, lr_decay_style="constant", clip_grad=1.0, weight_decay=0.0)
-    return GRPOModule(config, grpo, reward_fn=reward or task.reward, optimizer=optimizer, seed=7), data
+    return GRPOModule(config, optimizer, seed=7, grpo=grpo, reward_fn=reward or task.reward), data
 
 
 def _fit(module, data, steps, tmp_path, ckpt_path=None, checkpoint_every=None, val=False):
