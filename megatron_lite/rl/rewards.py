@@ -19,7 +19,7 @@ import torch
 
 RewardFn = Callable[["Sample"], float]
 
-_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|[-+]?\d+/\d+")
+_NUMBER = re.compile(r"[-+]?\d+/\d+|[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # a fraction first
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Optional
 
 from megatron_lite.rl.rewards import Sample, exact_match
 from megatron_lite.tokenizers.base import Tokenizer

@@ -6,7 +6,6 @@
 - a reward function that raises stops the run with an error naming the function and the sample;
 - GRPO raises the mean reward from <= 0.2 to >= 0.8 from a random tiny model.
 """
-from pathlib import Path
 
 import lightning as L
 import pytest
