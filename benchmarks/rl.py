@@ -4,15 +4,16 @@
 One GRPO step of :class:`~megatron_lite.rl.GRPOModule` = sample ``--group-size`` responses for each of
 ``--prompts`` prompts through the KV-cache generation (the current weights, no copy), score them, recompute
 the old log-probs with the trainer's forward, then ``--updates`` engine train steps. A subclass times each
-phase with ``time.perf_counter`` (wall) per step; the first ``--warmup`` steps are dropped and medians are
-reported. ``rollout tokens/s`` = generated tokens (all ranks of one replica generate the same ones) /
+phase with ``time.perf_counter`` (wall) per step; the first ``--warmup`` steps are dropped; step times are
+medians, the shares are each phase's total over the measured steps' total (``train`` = the rest of the step:
+the optimizer steps' forward, backward, reduction and update). ``rollout tokens/s`` = generated tokens (all ranks of one replica generate the same ones) /
 generation time. TP2 runs on 2 forked ranks (gloo) and rank 0 writes its timings to a file.
 
 The model is random (``--hidden-size`` 256, ``--num-layers`` 4, vocabulary 4096), prompts are random ids
 (NullTokenizer) of 16 tokens, and the reward is the share of even token ids in the response: cheap, never a
-zero-variance group, so every step trains on the whole batch. Responses always run to ``--new-tokens``
-(no stop id is ever produced: the stop id is outside the sampled ids' range only by chance, so it is set to
-an id the reward never gives credit for). One torch thread per process; nothing is asserted.
+zero-variance group, so every step trains on the whole batch. Responses run to ``--new-tokens`` unless the
+model happens to sample the stop id (the last one, 1 in 4096). One torch thread per process; nothing is
+asserted.
 
 Run from the repository root: ``python benchmarks/rl.py [--steps 6] [--skip-tp]``.
 """
@@ -113,7 +114,8 @@ def run(args, tp: int) -> dict:
     tokens = args.prompts * args.group_size * args.new_tokens
     return {"tp": tp, "steps": recorded["steps"], "median_s": medians, "rollout_tokens": tokens,
             "rollout_tokens_per_s": tokens / medians["generate"],
-            "share": {k: medians[k] / medians["total"] for k in PHASES}, "threads": recorded["threads"]}
+            "share": {k: sum(s_[k] for s_ in steps) / sum(s_["total"] for s_ in steps) for k in PHASES},
+            "threads": recorded["threads"]}
 
 
 def main() -> None:
