@@ -80,15 +80,17 @@ def main() -> None:
     validator = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp), accelerator="cpu",
                           devices=args.devices, logger=False, enable_progress_bar=False, enable_model_summary=False)
     metrics = validator.validate(module, data, verbose=False)[0]
-    if validator.global_rank == 0:
+    rank0 = validator.global_rank == 0
+    if rank0:
         print(f"held-out prompts: pass@4 {metrics['val/pass_at_k']:.3f}, mean reward {metrics['val/reward_mean']:.3f}")
-        for name, rows in (("training", train), ("held-out", held_out)):
-            prompts = [task.tokenizer.tokenize(row["prompt"]) for row in rows]
-            answers = module.generate(prompts, max_new_tokens=grpo.max_new_tokens, stop_ids=[task.tokenizer.eod])
-            right = [task.tokenizer.detokenize([t for t in tokens if t != task.tokenizer.eod]) == row["answer"]
-                     for row, tokens in zip(rows, answers.tokens)]
+    for name, rows in (("training", train), ("held-out", held_out)):
+        # every rank of the model calls generate alike (under TP each holds a shard); rank 0 prints
+        prompts = [task.tokenizer.tokenize(row["prompt"]) for row in rows]
+        answers = module.generate(prompts, max_new_tokens=grpo.max_new_tokens, stop_ids=[task.tokenizer.eod])
+        right = [task.tokenizer.detokenize([t for t in tokens if t != task.tokenizer.eod]) == row["answer"]
+                 for row, tokens in zip(rows, answers.tokens)]
+        if rank0:
             print(f"greedy accuracy on the {len(rows)} {name} prompts: {sum(right) / len(rows):.2f}")
-
 
 if __name__ == "__main__":
     main()
