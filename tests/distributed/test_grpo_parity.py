@@ -1,4 +1,4 @@
-"""A GRPO update on FIXED rollouts at TP2 and DP2 equals one process, through a real Trainer.
+"""A GRPO update on FIXED rollouts at TP2, DP2 and PP2 equals one process, through a real Trainer.
 
 The rollouts (prompt + response rows, response masks, advantages, sampler log-probs) are fixed data, so the
 layouts differ only in how the update is computed: old and reference log-probs recomputed by the trainer,
@@ -71,14 +71,15 @@ class MetricRecorder(L.Callback):
         torch.save(self.values, self.out / f"metrics_{trainer.global_rank}.pt")
 
 
-def train(out: Path, *, devices=1, tp=1) -> dict:
+def train(out: Path, *, devices=1, tp=1, pp=1) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(num_layers=2)
     grpo = GRPOConfig(group_size=4, beta=0.1, entropy_coef=0.01, updates_per_batch=2, clip_eps_low=0.2,
                       clip_eps_high=0.28, is_correction_cap=2.0)
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", clip_grad=0.0)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     start_method="fork"),
         accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Recorder(out), MetricRecorder(out)])
@@ -93,7 +94,8 @@ def reference(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.parametrize("name,layout", [("tp2", dict(devices=2, tp=2)), ("dp2", dict(devices=2))])
+@pytest.mark.parametrize("name,layout", [("tp2", dict(devices=2, tp=2)), ("dp2", dict(devices=2)),
+                                         ("pp2", dict(devices=2, pp=2))])
 def test_grpo_update_on_fixed_rollouts_matches_one_process(name, layout, reference, tmp_path):
     result = train(tmp_path, **layout)
     assert result["global_step"] == STEPS and len(result["losses"]) == STEPS // 2
