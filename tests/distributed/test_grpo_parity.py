@@ -6,6 +6,9 @@ the truncated IS weights, the clipped surrogate with k3 KL and the entropy bonus
 token-level normalization over the global batch (DP), two updates per rollout batch. Compared: every
 update's loss, the first update's full gradients, the final parameters (rtol 1e-5) and the logged KL,
 entropy and clip fractions, which every rank must log with the same value.
+
+Then two WHOLE GRPO steps (sampling from the current weights, scoring, update) at DP2 and TP2 equal one
+process: the same rewards (so the same sampled tokens) on every rank, the same updates.
 """
 from pathlib import Path
 
@@ -105,3 +108,55 @@ def test_grpo_update_on_fixed_rollouts_matches_one_process(name, layout, referen
     assert ref_metrics[1:, 2:].sum() > 0  # the second update of a batch clips some tokens
     for rank_metrics in result["metrics"]:
         torch.testing.assert_close(torch.tensor(rank_metrics), ref_metrics, rtol=1e-5, atol=1e-7)
+
+
+class RewardRecorder(L.Callback):
+    def __init__(self, out: Path):
+        self.out, self.values = Path(out), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append([float(trainer.callback_metrics[k]) for k in ("train/reward_mean", "train/reward_std",
+                                                                          "train/nonzero_groups_ratio")])
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.values, self.out / f"rewards_{trainer.global_rank}.pt")
+
+
+def full_step(out: Path, devices: int, tp: int = 1) -> dict:
+    """Two whole GRPO steps (sampling, scoring, update) on the addition task."""
+    from megatron_lite.data import RLPromptDataModule
+    from megatron_lite.rl.tasks import AdditionTask
+
+    out.mkdir(parents=True, exist_ok=True)
+    task = AdditionTask(max_operand=3, seed=0)
+    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=task.tokenizer.vocab_size,
+                          seq_length=8, make_vocab_size_divisible_by=8)
+    data = RLPromptDataModule(task.tokenizer, rows=task.rows, seq_length=8, micro_batch_size=2, global_batch_size=8)
+    # lr 1e-3: the loss is ~0 and Adam turns near-zero gradients summed in another order into ~lr steps
+    # (see assert_same_params), so the tolerance on the parameters scales with lr.
+    module = GRPOModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", clip_grad=0.0), seed=7,
+                        grpo=GRPOConfig(group_size=4, max_new_tokens=2), reward_fn=task.reward)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+                        accelerator="cpu", devices=devices,
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[Recorder(out), RewardRecorder(out)])
+    trainer.fit(module, data)
+    result = torch.load(out / "result.pt", weights_only=False)
+    result["rewards"] = [torch.load(out / f"rewards_{r}.pt") for r in range(devices)]
+    return result
+
+
+def test_whole_grpo_steps_at_dp2_and_tp2_match_one_process(tmp_path):
+    """Sampling included: each prompt's samples are seeded by its dataset index and the rollout number, so two
+    DP ranks holding half the prompts each draw exactly the samples one process draws; TP2 ranks sample from
+    the same full-vocabulary logits."""
+    single = full_step(tmp_path / "single", 1)
+    assert single["rewards"][0][0][2] > 0  # some groups carried signal
+    for name, tp in (("dp2", 1), ("tp2", 2)):
+        result = full_step(tmp_path / name, 2, tp)
+        for rank_rewards in result["rewards"]:
+            torch.testing.assert_close(torch.tensor(rank_rewards), torch.tensor(single["rewards"][0]), rtol=1e-6,
+                                       atol=0)
+        # With short answers a group's advantages nearly cancel and the loss is ~1e-8: compare it absolutely.
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-6)
+        assert_same_training(dict(result, losses=single["losses"]), single)
