@@ -88,3 +88,33 @@ def test_prompts_longer_than_the_model_are_refused_before_launch():
     with pytest.raises(ValueError, match=r"longest prompt \(4 tokens\) plus max_new_tokens \(2\) is 6 tokens, more "
                                          r"than the model's seq_length \+ 1 \(5\)"):
         trainer.fit(module, data)
+
+
+def test_reward_model_reward_scores_with_a_trained_checkpoint(tmp_path):
+    """RewardModelReward loads a RewardModelModule checkpoint and returns the reward the trained model gives the
+    prompt + response tokens (read at the last token)."""
+    from megatron_lite.core.models.reward import chunk_rewards
+    from megatron_lite.data import PreferenceDataModule
+    from megatron_lite.rl import RewardModelModule
+    from megatron_lite.rl.rewards import RewardModelReward
+    from megatron_lite.tokenizers import NullTokenizer
+
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i + 1} 2", "chosen": "5 5", "rejected": "9"}) + "\n")
+    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16, seq_length=8,
+                          make_vocab_size_divisible_by=8)
+    data = PreferenceDataModule(str(tmp_path / "pairs.jsonl"), NullTokenizer(16), seq_length=8, micro_batch_size=2,
+                                global_batch_size=4, split="100,0")
+    module = RewardModelModule(config, ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant"))
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    trainer.fit(module, data)
+    trainer.save_checkpoint(tmp_path / "rm.ckpt")
+    reward = RewardModelReward(str(tmp_path / "rm.ckpt"), scale=2.0)
+    sample = Sample(prompt="3 2", completion="5 5", prompt_ids=[3, 2], completion_ids=[5, 5, 15], stopped=True)
+    module.model.eval()
+    with torch.no_grad():
+        expected = chunk_rewards(module.model, torch.tensor([[3, 2, 5, 5, 15]]), torch.tensor([5]))[0]
+    assert reward(sample) == pytest.approx(2.0 * float(expected), rel=1e-5)
