@@ -69,6 +69,11 @@ def resolve_reward(reward: Union[str, RewardFn, dict, None]) -> RewardFn:
     return reward
 
 
+def _by_name(reward: Any) -> bool:
+    """Whether ``reward`` names its functions by import path (a string, or a dict keyed by strings)."""
+    return isinstance(reward, str) or (isinstance(reward, dict) and all(isinstance(k, str) for k in reward))
+
+
 def _log_prob_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
     """A stage forward that ends in the per-token log-probs [b, s] of the labels (activations elsewhere)."""
     out = gpt_forward_step(part, microbatch, input_tensor)
@@ -94,8 +99,7 @@ class GRPOModule(GPTModule):
         self.grpo = dataclasses.replace(grpo)
         self.reward_fn = resolve_reward(reward_fn)
         hparams = {"config": self.config, "optimizer": self.optimizer_config, "seed": seed, "grpo": self.grpo}
-        if isinstance(reward_fn, (str, dict)) and all(isinstance(k, str) for k in (reward_fn if isinstance(
-                reward_fn, dict) else [reward_fn])):
+        if _by_name(reward_fn):  # a function object cannot go into a checkpoint's JSON metadata; its name can
             hparams["reward_fn"] = reward_fn
         self.save_hyperparameters(hparams)
         self.reference_model: Optional[nn.Module] = None

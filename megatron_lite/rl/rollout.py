@@ -12,12 +12,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_lite.core.inference.sampling import _mix
+from megatron_lite.core.inference.sampling import _mix  # the per-prompt seed mixer, reused
 from megatron_lite.rl.rewards import RewardFn, Sample, score
 
 
 def rollout_seed(base_seed: int, rollout_step: int) -> int:
-    """The sampling seed of rollout number ``rollout_step`` of a run seeded ``base_seed``."""
+    """The sampling seed of rollout number ``rollout_step`` of a run seeded ``base_seed``: the generation's own
+    splitmix of the pair (consecutive rollouts get unrelated streams)."""
     return _mix(base_seed, rollout_step)
 
 
