@@ -13,6 +13,7 @@ def test_cli_fits_grpo_from_the_example_config(tmp_path):
     main(["fit", "--config", str(ROOT / "examples/configs/grpo.yaml"),
           "--data.init_args.path", str(ROOT / "examples/data/addition.jsonl"),
           "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
+          "--model.init_args.grpo.group_size", "4", "--data.init_args.global_batch_size", "8",  # a smaller step
           "--trainer.enable_model_summary", "false", "--trainer.enable_checkpointing", "false",
           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)])
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
