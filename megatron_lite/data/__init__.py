@@ -16,6 +16,7 @@ from megatron_lite.data.preference import PreferenceDataModule, PreferenceDatase
 from megatron_lite.data.pretrain import PretrainDataModule, parse_data_path
 from megatron_lite.data.prompts import PromptDataModule, PromptDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
+from megatron_lite.data.rl_prompts import RLPromptDataModule, RLPromptDataset
 from megatron_lite.data.samplers import MegatronPretrainingSampler
 from megatron_lite.data.sft import SFTDataModule, SFTDataset
 from megatron_lite.data.text_corpus import TextCorpusDataModule, TokenWindowDataset
@@ -38,6 +39,8 @@ __all__ = [
     "PretrainingDataModule",
     "PromptDataModule",
     "PromptDataset",
+    "RLPromptDataModule",
+    "RLPromptDataset",
     "SFTDataModule",
     "SFTDataset",
     "TextCorpusDataModule",
