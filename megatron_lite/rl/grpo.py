@@ -90,6 +90,8 @@ class GRPOModule(GPTModule):
     ``train/lr`` and ``train/grad_norm``; on the validation prompts ``val/pass_at_k`` and ``val/reward_mean``.
     """
 
+    loss_is_token_nll = False  # no val/perplexity: the loss is a policy-gradient loss
+
     def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
                  grpo: Optional[GRPOConfig] = None, reward_fn: Union[str, Callable, dict, None] = None):
         super().__init__(config, optimizer if optimizer is not None else OptimizerConfig(), seed)
