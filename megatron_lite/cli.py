@@ -97,6 +97,7 @@ _TOOLS = {
     "checkpoint": ("megatron_lite.checkpoint_tool", "main"),
     "convert": ("megatron_lite.convert", "main"),
     "generate": ("megatron_lite.generate", "main"),
+    "prune": ("megatron_lite.prune", "main"),
 }
 
 
