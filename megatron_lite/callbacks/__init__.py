@@ -1,6 +1,7 @@
 """Lightning callbacks of megatron-lite: Megatron's training metrics (throughput, MFU, timers, console log)
 and fault tolerance (graceful exit on signals and budgets, the rerun state machine, a hang watchdog,
 a straggler report)."""
+from megatron_lite.callbacks.distill import Distill
 from megatron_lite.callbacks.graceful_exit import GracefulExit
 from megatron_lite.callbacks.metrics import MegatronMetrics
 from megatron_lite.callbacks.pipeline_timeline import PipelineTimeline
@@ -8,5 +9,5 @@ from megatron_lite.callbacks.rerun import RerunValidation
 from megatron_lite.callbacks.straggler import StragglerReport
 from megatron_lite.callbacks.watchdog import HangWatchdog
 
-__all__ = ["GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "RerunValidation",
+__all__ = ["Distill", "GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "RerunValidation",
            "StragglerReport"]
