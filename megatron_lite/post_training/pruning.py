@@ -186,7 +186,6 @@ def estimate_importance(module: Any, calib_batches: Iterable[Any],
     sums = {"layers": torch.zeros(L, dtype=torch.float64), "heads": torch.zeros(L, H, dtype=torch.float64),
             "neurons": torch.zeros(L, config.ffn_hidden_size, dtype=torch.float64),
             "channels": torch.zeros(config.hidden_size, dtype=torch.float64)}
-    tokens_seen = [0]
 
     def block(i):
         def hook(_, args, output):
@@ -221,15 +220,11 @@ def estimate_importance(module: Any, calib_batches: Iterable[Any],
             for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
                 handles.append(norm.register_forward_hook(channels))
         handles.append(model.final_layernorm.register_forward_hook(channels))
-        total, count = 0.0, 0
-        for tokens in batches:
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-            total, count = total + float(loss.double().sum()), count + loss.numel()
-        base_loss = total / count
+        base_loss = _mean_loss(model, batches)  # the hooks accumulate during these forwards
         for handle in handles:
             handle.remove()
         handles = []
-        n = count
+        n = sum(tokens[:, :-1].numel() for tokens in batches)
         layer_scores = sums["layers"] / n
         if layer_metric == "loss":  # one forward per layer with that block skipped (its output = its input)
             scores = []
