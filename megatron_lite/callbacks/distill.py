@@ -50,6 +50,10 @@ class Distill(pl.Callback):
         tp = getattr(parallel, "tensor_model_parallel_size", 1)
         pp = getattr(parallel, "pipeline_model_parallel_size", 1)
         Distillation(self.teacher, self.config).check(config, tp, pp)
+        if isinstance(self.teacher, str) and getattr(trainer.strategy, "use_torch_fsdp2", False):
+            raise ValueError("Distill(teacher='self') with use_torch_fsdp2=True: the student is FSDP-sharded before "
+                             "the copy could be taken; save the student (ModelCheckpoint) and pass its checkpoint "
+                             "as the teacher, or use the distributed optimizer instead of FSDP2")
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit" or self.extension is not None and self.extension in pl_module.objective_extensions:

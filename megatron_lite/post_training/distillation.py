@@ -54,11 +54,11 @@ class DistillationConfig:
     """Weight of the summed intermediate-layer terms in the loss."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0 and math.isfinite(self.temperature)):
+        if not (_number(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         for name in ("kd_loss_scale", "intermediate_loss_scale"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+            if not (_number(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.intermediate_loss not in INTERMEDIATE_LOSSES:
             raise ValueError(f"intermediate_loss must be one of {INTERMEDIATE_LOSSES}, got {self.intermediate_loss!r}")
@@ -74,6 +74,10 @@ class DistillationConfig:
                              "to train on: raise kd_loss_scale or keep the LM loss")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _our_name(name: str) -> str:
     """Megatron-LM names its transformer block ``decoder``; ours are the GPTModel's attributes."""
     return name[len("decoder."):] if name.startswith("decoder.") else name
@@ -84,7 +88,7 @@ def matchable_modules(config: GPTConfig) -> list[str]:
     return [f"layers.{i}" for i in range(config.num_layers)] + ["final_layernorm"]
 
 
-TeacherSource = Union[str, Path, "Any"]  # a checkpoint or HF directory, a GPTModule, or "self"
+TeacherSource = Union[str, Path, Any]  # a checkpoint or HF directory, a GPTModule, or "self"
 
 
 def load_teacher(teacher: TeacherSource) -> Any:
@@ -173,8 +177,12 @@ class Distillation(ObjectiveExtension):
             else:  # each rank cuts its shards (and pipeline stages) out of the one-process teacher
                 teacher = GPTModel(config, layout, seed=self.source.seed)
                 carry_over_state(source, teacher, vocab_size=config.vocab_size)
-        device = next(model.parameters()).device
-        self.teacher = teacher.to(device).eval().requires_grad_(False)
+        # The student's device and dtype (bf16-true students): under PP both models' activations share one tensor.
+        reference = next(p for p in model.parameters() if p.is_floating_point())
+        if any(p.dtype != reference.dtype or p.device != reference.device for p in teacher.parameters()) and \
+                teacher is getattr(self.source, "model", None):
+            teacher = copy.deepcopy(teacher)  # the user's teacher module keeps its own dtype and device
+        self.teacher = teacher.to(device=reference.device, dtype=reference.dtype).eval().requires_grad_(False)
         self._add_projections(module, model)
 
     def _add_projections(self, module: Any, model: nn.Module) -> None:
@@ -191,7 +199,8 @@ class Distillation(ObjectiveExtension):
                 bound = 1.0 / math.sqrt(student_width)
                 linear.weight.copy_(torch.empty_like(linear.weight).uniform_(-bound, bound, generator=generator))
             projections.append(linear)
-        model.distill_projections = projections.to(next(model.parameters()).device)
+        reference = next(self.teacher.parameters())  # already on the student's device, in its dtype
+        model.distill_projections = projections.to(device=reference.device, dtype=reference.dtype)
 
     def detach(self, module: Any) -> None:
         """Take the extension off ``module`` after training: its model loses the projections (kept here as
@@ -294,8 +303,9 @@ class Distillation(ObjectiveExtension):
         if output.intermediate is not None:
             intermediate, _ = masked_token_loss(output.intermediate, microbatch)
             total = total + intermediate * self.config.intermediate_loss_scale
-        values = torch.stack([lm.detach(), kd.detach(), intermediate.detach(), torch.as_tensor(count).detach()])
-        self._sums = self._sums.to(values.device) + values.to(torch.float64)
+        values = torch.stack([torch.as_tensor(v).detach().to(device=kd.device, dtype=torch.float64)
+                              for v in (lm, kd, intermediate, count)])
+        self._sums = self._sums.to(values.device) + values
         return total, count
 
     def step_metrics(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Distillation through a real Trainer is the same run at any layout: with a larger teacher (random weights,
 3 layers, wider: intermediate pairs go through a trainable projection), TP2 with sequence parallelism equals
 TP1 (per-step losses, the logged lm/kd/intermediate losses, first-step gradients including the projection's,
-final parameters; rtol 1e-5), and logits distillation over 2 pipeline stages (the teacher's activations
+final parameters; rtol 1e-5), so does CP2 (each rank's zigzag share of the rows through both models), and logits distillation over 2 pipeline stages (the teacher's activations
 travel with the student's) equals the one-process run. The teacher is not in the student's parameters."""
 from pathlib import Path
 
@@ -47,8 +47,12 @@ def _distill(out: Path, teacher, pairs, **layout) -> dict:
     return result
 
 
-def test_tp2_sequence_parallel_distillation_equals_tp1(teacher, tmp_path):
-    single = _distill(tmp_path / "tp1", teacher, PAIRS)
+@pytest.fixture(scope="module")
+def single(teacher, tmp_path_factory):
+    return _distill(tmp_path_factory.mktemp("distill_tp1"), teacher, PAIRS)
+
+
+def test_tp2_sequence_parallel_distillation_equals_tp1(teacher, single, tmp_path):
     tp2 = _distill(tmp_path / "tp2", teacher, PAIRS, devices=2, tp=2, sp=True)
     assert "distill_projections.0.weight" in single["grads"]  # trained with the student
     assert not any(name.startswith("teacher") for name in single["params"])
@@ -58,6 +62,12 @@ def test_tp2_sequence_parallel_distillation_equals_tp1(teacher, tmp_path):
     assert (kd > 0).all() and (intermediate > 0).all()
     torch.testing.assert_close(torch.tensor(tp2["metrics"]), torch.tensor(single["metrics"]), rtol=1e-5, atol=0)
     assert_same_training(tp2, single)
+
+
+def test_context_parallel_distillation_equals_one_process(teacher, single, tmp_path):
+    cp2 = _distill(tmp_path / "cp2", teacher, PAIRS, devices=2, strategy_kwargs=dict(context_parallel_size=2))
+    torch.testing.assert_close(torch.tensor(cp2["metrics"]), torch.tensor(single["metrics"]), rtol=1e-5, atol=0)
+    assert_same_training(cp2, single)
 
 
 def test_pipeline_parallel_logits_distillation_equals_one_process(teacher, tmp_path):
