@@ -3,6 +3,8 @@
 
     python examples/post_training.py [--max-steps 400] [--distill-steps 150] [--devices 2 --tp 2]
 
+(about 30 minutes on a busy 2-core machine, most of it step 1; its printed figures are in the README.)
+
 1. train      a 6-layer GQA model (held-out loss and perplexity; the checkpoint is written to runs/post_training)
 2. quantize   (left to the lead: needs megatron_lite.callbacks.Quantize from branch "quantize")
 3. evaluate   held-out loss/perplexity of the trained model (and, once step 2 is in, of the quantized one)

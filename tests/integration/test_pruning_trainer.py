@@ -3,7 +3,8 @@ costs less held-out loss to drop than the most important one and than a layer pi
 all); ``megatron-lite prune`` writes an ordinary checkpoint that ``GPTModule.from_pretrained``,
 ``trainer.validate(ckpt_path=...)`` and ``megatron-lite generate`` read, and refuses bad input in one line;
 distilling the pruned model from the original (``Distill``) for 20 steps recovers more than half of the held-out
-loss the pruning cost, and more than 20 steps of training on the data alone."""
+loss the pruning cost, and more than 20 steps of training on the data alone; a pruned checkpoint (whose head width
+no longer follows hidden / heads) trains at TP2 to the same weights as in one process."""
 from __future__ import annotations
 
 import gzip
@@ -149,3 +150,29 @@ def test_distillation_from_the_original_recovers_most_of_the_pruning_gap(trained
     assert gap > 0.1  # the pruning cost something worth recovering
     assert losses["distilled"] - losses["original"] < 0.5 * gap  # most of the gap recovered (here: all of it)
     assert losses["distilled"] < losses["fine-tuned alone"]  # by the teacher, not only by more steps on the data
+
+
+def test_a_pruned_checkpoint_trains_at_tp2_as_in_one_process(trained, tmp_path):
+    from megatron_lite.pretrained import save_weights_checkpoint
+
+    checkpoint, _, data = trained
+    original = ml.GPTModule.from_pretrained(checkpoint)
+    # hidden 48 with 2 heads of 16 channels: the head width no longer follows hidden / heads
+    target = PruneTarget(num_layers=3, hidden_size=48, num_attention_heads=2, ffn_hidden_size=64)
+    plan = plan_pruning(original.config, estimate_importance(original, _rows(data.train_dataset, n=16)), target)
+    save_weights_checkpoint(apply_plan(original, plan), tmp_path / "pruned")
+    trained_params = []  # after 3 steps in one process, then at TP2 (the forked ranks hand the model back)
+    for devices in (1, 2):
+        student = ml.GPTModule.from_pretrained(tmp_path / "pruned").train()
+        student.optimizer_config = ml.OptimizerConfig(lr=2e-3, lr_decay_style="constant")
+        strategy = ml.MegatronStrategy(tensor_model_parallel_size=devices, start_method="fork")
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  limit_val_batches=0).fit(student, data)
+        trained_params.append({n: p.detach().clone() for n, p in student.model.named_parameters()})
+    assert trained_params[0].keys() == trained_params[1].keys()
+    for name, value in trained_params[0].items():
+        # the same updates up to reduction order (Adam's normalisation magnifies 1e-7 gradient noise to ~1e-6)
+        torch.testing.assert_close(trained_params[1][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    start = ml.GPTModule.from_pretrained(tmp_path / "pruned").model.state_dict()
+    assert all(not torch.equal(start[name], value) for name, value in trained_params[0].items())  # it trained
