@@ -2,8 +2,9 @@
 plus the tools ``preprocess`` (JSONL/parquet/HF datasets -> Megatron .bin/.idx, and ``merge``),
 ``estimate`` (memory and FLOPs of a config, before launch), ``plot`` (PNG of a run's curves),
 ``checkpoint inspect`` (what a checkpoint holds, whether its files are intact), ``convert``
-(Hugging Face Llama models to our checkpoints and back) and ``generate`` (continue prompts with a
-trained checkpoint).
+(Hugging Face Llama models to our checkpoints and back; a quantized checkpoint to ModelOpt's unified HF
+format), ``generate`` (continue prompts with a trained checkpoint, optionally with a speculative draft head),
+``quantize`` (ModelOpt PTQ of a checkpoint) and ``prune`` (Minitron-style depth/width pruning of a checkpoint).
 
     megatron-lite fit --config examples/configs/gpt_tiny.yaml --trainer.max_steps 100 \
         --trainer.strategy.init_args.tensor_model_parallel_size 2
@@ -14,6 +15,8 @@ trained checkpoint).
     megatron-lite checkpoint inspect runs/ckpts/last.ckpt [--json]
     megatron-lite convert --from hf --input llama_dir --output ckpt    (and --to hf --input ckpt --output hf_dir)
     megatron-lite generate --ckpt runs/demo/checkpoints/last.ckpt --prompt "ROMEO:" --temperature 0.8 --top-p 0.9
+    megatron-lite quantize --ckpt runs/demo/checkpoints/last.ckpt --config INT8_SMOOTHQUANT_CFG --data shakespeare --output q
+    megatron-lite prune --ckpt runs/demo/checkpoints/last.ckpt --data shakespeare --num-layers 2 --output pruned
 
 Every strategy, model and data option can be overridden on the command line; ``--print_config``
 shows the full resolved configuration.
@@ -105,6 +108,7 @@ _TOOLS = {
     "convert": ("megatron_lite.convert", "main"),
     "generate": ("megatron_lite.generate", "main"),
     "quantize": ("megatron_lite.quantize", "main"),
+    "prune": ("megatron_lite.prune", "main"),
 }
 
 
@@ -139,7 +143,7 @@ def _run_cli(args: Optional[list[str]]) -> None:
         trainer_defaults={"strategy": "megatron"},
         args=args,
         parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
-                                      "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate --help`.",
+                                      "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate|quantize|prune --help`.",
                         "default_env": False},
         save_config_kwargs={"overwrite": True},
     )

@@ -110,10 +110,12 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
     return module
 
 
-def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional[str | os.PathLike] = None) -> Path:
+def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional[str | os.PathLike] = None,
+                            metadata: Optional[dict[str, Any]] = None) -> Path:
     """Write ``module``'s one-process model as one of our checkpoints (weights and hyperparameters, no optimizer
     state). ``hf_source``: the HF directory the weights came from; its tokenizer, generation config and
-    config.json are kept in the checkpoint's ``hf/`` folder for a later export."""
+    config.json are kept in the checkpoint's ``hf/`` folder for a later export. ``metadata``: more JSON entries
+    for the checkpoint's meta.json (e.g. the tokenizer of the model it was made from)."""
     if module.model is None or getattr(module.model, "layout", ParallelLayout.single()).world_size != 1:
         raise ValueError("save_weights_checkpoint writes a one-process model (GPTModule.from_pretrained builds one)")
     path = Path(path)
@@ -123,6 +125,7 @@ def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional
         "megatron_lite_layout": {"tensor_model_parallel_size": 1, "sequence_parallel": False,
                                  "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
                                  "world_size": 1},
+        **(metadata or {}),
     }
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
