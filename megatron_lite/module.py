@@ -271,6 +271,13 @@ class GPTModule(pl.LightningModule):
                 self.log(name, value)
         return step.loss
 
+    def on_train_start(self) -> None:
+        # Lightning (>= 2.2) keeps whatever mode a module is in at fit, and from_pretrained hands the model back in
+        # eval mode (for generate/full_logits): trained so, dropout and every training-only objective term (e.g.
+        # distillation's KL) would be silently off. Evaluation loops restore this mode after they ran.
+        if self.model is not None:
+            self.model.train()
+
     def on_fit_end(self) -> None:
         # After training a backward (user code, evaluation tools) should leave its gradients in param.grad.
         if self.megatron_optimizer is not None:

@@ -90,3 +90,22 @@ def test_extensions_nest_first_added_outermost():
     assert calls == ["a>", "b>", "base", "<b", "<a"]
     total, _ = objective.loss(torch.zeros(()), {})
     assert float(total) == 11.0 and calls[-2:] == ["b", "a"]  # the inner one (b) adds first
+
+
+def test_a_model_handed_over_in_eval_mode_trains_in_train_mode():
+    """from_pretrained returns the model in eval mode; Lightning keeps a module's mode at fit, so without
+    GPTModule.on_train_start a fine-tune would run without dropout and without training-only extension terms."""
+    seen = []
+
+    class Mode(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(pl_module.model.training)
+
+    module = ml.GPTModule(ml.GPTConfig(**CONFIG))
+    module.configure_model()
+    module.model.eval()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                        val_check_interval=1, check_val_every_n_epoch=None, callbacks=[Mode()])
+    trainer.fit(module, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3))
+    assert seen == [True, True]  # also after the validation between the steps
