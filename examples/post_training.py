@@ -6,12 +6,14 @@
 (about 30 minutes on a busy 2-core machine, most of it step 1; its printed figures are in the README.)
 
 1. train      a 6-layer GQA model (held-out loss and perplexity; the checkpoint is written to runs/post_training)
-2. quantize   (left to the lead: needs megatron_lite.callbacks.Quantize from branch "quantize")
-3. evaluate   held-out loss/perplexity of the trained model (and, once step 2 is in, of the quantized one)
+2. quantize   INT8 SmoothQuant PTQ (ModelOpt) of a copy of the trained model, calibrated on 16 training batches,
+              with an FP8 KV cache; written as a quantized checkpoint
+3. evaluate   held-out loss/perplexity of the trained and the quantized model
 4. prune      Minitron-style to 4 layers, hidden 96, 1 query group, FFN 256 from activation statistics on 16
               calibration batches (parameters and held-out loss before/after; the pruned checkpoint is written)
 5. distill    the pruned model from the trained one (Distill) against the same steps of training alone
-6. speculate  (left to the lead: needs the draft head and speculative generation from branch "speculative")
+6. speculate  an EAGLE draft head trained on the frozen distilled model (TrainDraftHead), then speculative greedy
+              decoding of held-out prompts: acceptance length, and the tokens checked equal to plain greedy
 
 Training runs on ``--devices`` forked processes (tensor parallel over ``--tp``) and hands the model back to this
 process; every later step runs here, on one process.
@@ -27,7 +29,8 @@ import lightning as L
 import torch
 
 import megatron_lite as ml
-from megatron_lite.callbacks import Distill
+from megatron_lite.callbacks import Distill, TrainDraftHead
+from megatron_lite.post_training import quantize, speculative_generate
 from megatron_lite.data import TextCorpusDataModule
 from megatron_lite.post_training.pruning import PruneTarget, prune
 from megatron_lite.module import TOKENIZER_KEY
@@ -77,12 +80,17 @@ def step_train(args, data) -> ml.GPTModule:
     return module
 
 
-def step_quantize(module: ml.GPTModule, data) -> None:
-    """LEFT TO THE LEAD (branch "quantize"): PTQ of a copy of ``module``, e.g.
-    ``GPTModule.from_pretrained(OUT / "trained.ckpt")`` + ``trainer(callbacks=[Quantize("INT8_SMOOTHQUANT_CFG",
-    calib_batches=16)])``, returned so that step 3 reports its held-out loss beside the unquantized model's."""
-    print("[2 quantize] skipped: megatron_lite.callbacks.Quantize is not merged in this branch")
-    return None
+def step_quantize(data) -> ml.GPTModule:
+    """INT8 SmoothQuant PTQ (with an FP8 KV cache) of a copy of the trained model, calibrated on 16 training batches."""
+    module = ml.GPTModule.from_pretrained(OUT / "trained.ckpt")
+    rows = [data.train_dataset[i]["tokens"] for i in range(16 * 16)]
+    calibration = [{"tokens": torch.stack(rows[i:i + 16])} for i in range(0, len(rows), 16)]
+    start = time.perf_counter()
+    quantize(module, "INT8_SMOOTHQUANT_CFG", calibration, kv_cache="FP8_KV_CFG")
+    save(module, OUT / "int8.ckpt", data)
+    print(f"[2 quantize] INT8_SMOOTHQUANT_CFG + FP8_KV_CFG calibrated in {time.perf_counter() - start:.1f} s; "
+          f"written to {OUT / 'int8.ckpt'}", flush=True)
+    return module
 
 
 def step_evaluate(module: ml.GPTModule, quantized, data) -> float:
@@ -122,21 +130,31 @@ def step_distill(args, data, trained_loss: float, pruned_loss: float) -> ml.GPTM
     return results["distilled"][0]
 
 
-def step_speculate(module: ml.GPTModule, data) -> None:
-    """LEFT TO THE LEAD (branch "speculative"): train a draft head on the frozen ``module`` (its callback), then
-    speculative greedy decoding of held-out prompts: print the acceptance length and check the tokens equal
-    ``module.generate(prompts, n)``'s greedy output."""
+def step_speculate(args, module: ml.GPTModule, data) -> None:
+    """Train an EAGLE draft head on the frozen distilled model, then decode held-out prompts speculatively."""
+    module.optimizer_config = ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=min(10, args.draft_steps // 2),
+                                                 weight_decay=0.0, clip_grad=1.0)  # the head's only: the base is frozen
+    trainer(args.draft_steps, callbacks=[TrainDraftHead()], val_batches=0).fit(module, data)
+    module.model.eval()
     tokenizer = data.tokenizer
-    prompt = tokenizer.tokenize("ROMEO:\nWhat light through yonder")
-    tokens = module.generate([prompt], 24, stop_ids=[tokenizer.eod]).tokens[0]
-    print(f"[6 speculate] skipped (branch speculative not merged); greedy from the distilled model: "
-          f"{tokenizer.detokenize(prompt + tokens)!r}")
+    prompts = [data.val_dataset[i]["tokens"][:16].tolist() for i in range(4)]  # held-out text
+    greedy = module.generate(prompts, 32).tokens
+    for k in (2, 4):
+        accepted, equal = [], True
+        for prompt, expected in zip(prompts, greedy):
+            result = speculative_generate(module, [prompt], 32, num_draft_tokens=k)
+            equal &= result.tokens[0] == expected
+            accepted.append(result.acceptance_length)
+        print(f"[6 speculate] {k} draft tokens: acceptance length {sum(accepted) / len(accepted):.2f} tokens per base "
+              f"forward, output {'equal to' if equal else 'DIFFERENT FROM'} plain greedy", flush=True)
+    print(f"[6 speculate] {tokenizer.detokenize(prompts[0] + greedy[0])!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=int, default=400, help="training steps of step 1")
     parser.add_argument("--distill-steps", type=int, default=150, help="steps of step 5 (each of its two runs)")
+    parser.add_argument("--draft-steps", type=int, default=150, help="draft-head training steps of step 6")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size of step 1")
     args = parser.parse_args()
@@ -145,11 +163,11 @@ def main() -> None:
     data = data_module()
     module = step_train(args, data)
     module = ml.GPTModule.from_pretrained(OUT / "trained.ckpt")  # one process from here on
-    quantized = step_quantize(module, data)
+    quantized = step_quantize(data)
     trained_loss = step_evaluate(module, quantized, data)
     pruned = step_prune(module, data)
     distilled = step_distill(args, data, trained_loss, held_out(pruned, data))
-    step_speculate(distilled, data)
+    step_speculate(args, distilled, data)
 
 
 if __name__ == "__main__":
