@@ -326,6 +326,12 @@ class PreferenceDataModule(PretrainingDataModule):
         # Read (not tokenized) now: a malformed line is reported before any process is started.
         self._pairs: Optional[list[Pair]] = [pair for p in self.paths for pair in read_preferences(p, self.keys)]
 
+    def validate_inputs(self) -> None:
+        """Tokenize (and pack) every split here, in the launching process (MegatronStrategy calls this before it
+        starts any rank): a pair that cannot be used fails once, naming its line, instead of in every rank's
+        setup; forked ranks inherit the datasets and do not tokenize again."""
+        self.setup()
+
     def setup(self, stage: Optional[str] = None) -> None:
         if self.datasets:
             return

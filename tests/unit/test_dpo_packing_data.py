@@ -106,3 +106,20 @@ def test_packing_is_deterministic(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
     indices = [i for r in samples[0] for i in r["index"].tolist() if i >= 0]
     assert sorted(indices) == list(range(40))  # every pair exactly once over the splits
+
+
+def test_a_pair_longer_than_a_row_fails_before_any_rank_starts(tmp_path):
+    import lightning as L
+
+    import megatron_lite as ml
+    from megatron_lite.rl import DPOModule
+
+    path = write(tmp_path / "p.jsonl", [("1", "2", "3"), ("1 2 3 4", "5 6 7 8 9", "10 11 12 13")])
+    data = PreferenceDataModule(path, NULL, seq_length=16, micro_batch_size=1, global_batch_size=2,
+                                split="100,0", pack_sequences=True)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module = DPOModule(ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1,
+                                    seq_length=16))
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: .* raise seq_length to >= 18"):
+        trainer.fit(module, data)
