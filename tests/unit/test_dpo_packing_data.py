@@ -2,7 +2,8 @@
 chosen and rejected sequences as documents with the same tokens and response masks as the unpacked pair
 (checked by hand), cu_seqlens in the packed-row format, positions restarting per sequence; DPO's sequence
 slots put every response token's log-prob in its pair's slot; a pair longer than a row is refused naming
-the line and the fix; packing cuts the padding."""
+the line and the fix (from fit: in the launching process, before any rank starts); packing cuts the padding;
+packing is deterministic; the reward model, which reads one pair per row pair, refuses packed rows."""
 import json
 import random
 
@@ -122,4 +123,21 @@ def test_a_pair_longer_than_a_row_fails_before_any_rank_starts(tmp_path):
     module = DPOModule(ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1,
                                     seq_length=16))
     with pytest.raises(ValueError, match=r"p\.jsonl:2: .* raise seq_length to >= 18"):
+        trainer.fit(module, data)
+
+
+def test_the_reward_model_refuses_packed_rows(tmp_path):
+    import lightning as L
+
+    import megatron_lite as ml
+    from megatron_lite.rl import RewardModelModule
+
+    data = PreferenceDataModule(write(tmp_path / "p.jsonl", [("1", "2", "3")] * 4), NULL, seq_length=16,
+                                micro_batch_size=1, global_batch_size=1, split="100,0", pack_sequences=True)
+    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=1, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module = RewardModelModule(ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1,
+                                            seq_length=16))
+    with pytest.raises(ValueError, match="RewardModelModule reads one pair per row pair: set the "
+                                         "PreferenceDataModule's pack_sequences=False"):
         trainer.fit(module, data)
