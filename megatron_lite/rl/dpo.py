@@ -14,6 +14,12 @@ concatenated activations, no second set of stage buffers) at the price of one ex
 pass per step — which is what a frozen model costs anyway. With ``precompute_reference_log_probs`` that
 pass runs once per pair before training (cached by the pair's ``index``) and the reference model is freed.
 
+**Packed rows** (``PreferenceDataModule(pack_sequences=True)``) hold several pairs per row, each sequence a
+document of ``cu_seqlens``; the model runs them on the packed-attention path and the last stage sums each
+predicting position's masked log-prob into its sequence's slot (:func:`sequence_slots`: ``[2n]`` for ``n`` pair
+slots, chosen then rejected as above, empty slots ignored), so the loss is the same function of the same pairs;
+its count is the number of real pairs, so packed and unpacked global batches of the same pairs agree.
+
 Under context parallelism each rank holds a zigzag share of every sequence: its partial log-prob sums are
 all-reduced over the CP group (differentiably, the backward summing too) before the nonlinearity; every CP
 rank then computes the same pair losses, counted once per CP rank, which the engine's sum over dp x cp of
