@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=480)
     parser.add_argument("--out", default="runs/dpo")
     parser.add_argument("--pack", action="store_true",
-                        help="pack pairs into rows of 65 tokens (batch sizes then count rows: 8 rows, ~29 pairs a step)")
+                        help="pack pairs into rows of 65 tokens (batch sizes count rows: 8 rows, ~29 pairs a step)")
     parser.add_argument("--write-pairs", help="only write the pairs file (JSONL) and exit")
     args = parser.parse_args()
     if args.write_pairs:

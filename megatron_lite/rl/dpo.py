@@ -352,8 +352,8 @@ class DPOModule(GPTModule):
         else:
             loss, keep = terms.loss.sum(), torch.ones_like(chosen, dtype=torch.float64)
         pairs = keep.sum()
-        tally = torch.stack([(terms.rewards_chosen.double() * keep).sum(), (terms.rewards_rejected.double() * keep).sum(),
-                             (terms.correct.double() * keep).sum(), pairs])
+        tally = torch.stack([(term.double() * keep).sum() for term in
+                             (terms.rewards_chosen, terms.rewards_rejected, terms.correct)] + [pairs])
         self._tally = tally if self._tally is None else self._tally + tally
         return loss, pairs
 

@@ -67,7 +67,8 @@ def test_packed_row_by_hand(tmp_path):
         assert row["tokens"][starts[doc]:starts[doc] + n].tolist() == plain[pair][f"{name}_tokens"][:n].tolist()
         assert row["loss_mask"][starts[doc]:starts[doc] + n - 1].tolist() == \
             plain[pair][f"{name}_loss_mask"][:n - 1].tolist()
-    assert row["loss_mask"].sum() == sum(plain[p][f"{k}_loss_mask"].sum() for p in (0, 1) for k in ("chosen", "rejected"))
+    assert row["loss_mask"].sum() == sum(plain[p][f"{k}_loss_mask"].sum()
+                                         for p in (0, 1) for k in ("chosen", "rejected"))
     assert row["loss_mask"][[5, 10, 15]].tolist() == [0, 0, 0]  # never predicts the next sequence's first token
     assert packed[1]["cu_seqlens"].tolist()[:4] == [0, 7, 14, 20]  # a padding document ends the row
     assert packed.padding_fraction == pytest.approx(1 - 34 / 40)
