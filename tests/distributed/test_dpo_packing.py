@@ -5,7 +5,8 @@ The same 20 pairs form the global batch in both runs (the whole train split each
 packed rows when packed), so the per-step losses, the first step's full gradients, the final parameters
 (rtol 1e-5) and the logged rewards must agree: one process, DP2 (with the reference's log-probs
 precomputed over packed rows), CP2 (packed rows on the context-parallel packed-attention path, each rank's
-per-sequence partial sums all-reduced) and PP2 (the sequence slots reach the last stage). Resume counts rows.
+per-sequence partial sums all-reduced), PP2 (the sequence slots reach the last stage) and TP2 (vocab-parallel
+cross entropy). Resume counts rows.
 """
 import json
 import random
@@ -51,12 +52,13 @@ def datamodule(data_file: str, pack: bool, mbs: int = 0, gbs: int = 0) -> Prefer
                                 pack_sequences=pack)
 
 
-def train(out: Path, data_file: str, *, pack: bool, devices=1, cp=1, pp=1, precompute=False, mbs=0, gbs=0,
+def train(out: Path, data_file: str, *, pack: bool, devices=1, tp=1, cp=1, pp=1, precompute=False, mbs=0, gbs=0,
           steps=STEPS, callbacks=(), ckpt_path=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     optimizer = ml.OptimizerConfig(optimizer="sgd", lr=0.3, lr_decay_style="constant", clip_grad=0.0)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(context_parallel_size=cp, pipeline_model_parallel_size=pp, start_method="fork"),
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                     pipeline_model_parallel_size=pp, start_method="fork"),
         accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=bool(callbacks),
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Recorder(out), RewardRecorder(out), *callbacks])
@@ -83,6 +85,7 @@ def unpacked(tmp_path_factory, data_file):
     ("dp2_precomputed", dict(devices=2, precompute=True)),
     ("cp2", dict(devices=2, cp=2)),
     ("pp2", dict(devices=2, pp=2)),
+    ("tp2", dict(devices=2, tp=2)),
 ])
 def test_packed_rows_train_like_one_pair_per_row(name, kwargs, unpacked, data_file, tmp_path):
     packed = datamodule(data_file, True)
