@@ -76,8 +76,8 @@ def sequence_slots(cu_seqlens: torch.Tensor, index: torch.Tensor, seq_length: in
     n = b * pairs
     starts = cu_seqlens.long()
     starts = torch.where(starts >= 0, starts, torch.full_like(starts, torch.iinfo(torch.int64).max))
-    labels = torch.arange(1, seq_length + 1, device=cu_seqlens.device)
-    document = (starts[:, :, None] <= labels[None, None, :]).sum(dim=1) - 1  # [b, s]; the row length is no start
+    labels = torch.arange(1, seq_length + 1, device=cu_seqlens.device).expand(b, -1).contiguous()
+    document = torch.searchsorted(starts.contiguous(), labels, right=True) - 1  # [b, s]; the row length starts none
     pair, rejected = document // 2, document % 2
     in_pair = pair < pairs
     real = in_pair & (index.gather(1, pair.clamp(max=pairs - 1)) >= 0)
