@@ -8,7 +8,7 @@ Printed: held-out reward accuracy and margin (DPO's implicit rewards), and how o
 prefers the chosen reply (log pi(c) > log pi(r)) and answers a held-out prompt greedily with the right
 token, before and after training.
 
-    python examples/dpo.py [--max-steps 60] [--devices 2] [--tp 2] [--beta 0.1] [--loss-type sigmoid|ipo]
+    python examples/dpo.py [--max-steps 60] [--devices 2] [--tp 2] [--beta 0.1] [--loss-type sigmoid|ipo] [--pack]
     python examples/dpo.py --write-pairs examples/configs/dpo_pairs.jsonl   # the CLI config's data
 
 The same run from the CLI: ``megatron-lite fit --config examples/configs/dpo.yaml`` (from the repository root).
@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--loss-type", default="sigmoid", choices=("sigmoid", "ipo"))
     parser.add_argument("--pairs", type=int, default=480)
     parser.add_argument("--out", default="runs/dpo")
+    parser.add_argument("--pack", action="store_true",
+                        help="pack pairs into rows of 65 tokens (batch sizes count rows: 8 rows, ~29 pairs a step)")
     parser.add_argument("--write-pairs", help="only write the pairs file (JSONL) and exit")
     args = parser.parse_args()
     if args.write_pairs:
@@ -103,14 +105,24 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     pairs = write_pairs(Path(args.out) / "pairs.jsonl", args.pairs)
-    data = PreferenceDataModule(pairs, NullTokenizer(VOCAB), seq_length=16, micro_batch_size=8,
-                                global_batch_size=32, split="80,20", seed=1)
-    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=16)
+    seq_length = 64 if args.pack else 16  # unpacked: the longest sequence; packed: rows of several pairs
+    data = PreferenceDataModule(pairs, NullTokenizer(VOCAB), seq_length=seq_length,
+                                micro_batch_size=2 if args.pack else 8, global_batch_size=8 if args.pack else 32,
+                                split="80,20", seed=1, pack_sequences=args.pack)
+    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+                          seq_length=seq_length)
     module = DPOModule(config, ml.OptimizerConfig(lr=3e-3, lr_warmup_iters=5, lr_decay_style="cosine",
                                                   min_lr=3e-4, weight_decay=0.0),
                        beta=args.beta, loss_type=args.loss_type, precompute_reference_log_probs=True)
     data.setup()
-    held_out = data.datasets["validation"]
+    train = data.datasets["train"]
+    rows = len(train) * (1 if args.pack else 2)
+    print(f"train split: {rows} rows of {seq_length + 1} tokens, {train.padding_fraction:.1%} of them padding "
+          f"({'packed pairs' if args.pack else 'one sequence per row'})")
+    # The same held-out pairs one per row (the split is by pair), for the policy's own preferences below.
+    unpacked = PreferenceDataModule(pairs, NullTokenizer(VOCAB), seq_length=16, split="80,20", seed=1)
+    unpacked.setup()
+    held_out = unpacked.datasets["validation"]
     module.configure_model()
     before = policy_preferences(module, held_out)
     progress = Progress(Path(args.out) / "metrics.json")

@@ -14,6 +14,12 @@ concatenated activations, no second set of stage buffers) at the price of one ex
 pass per step — which is what a frozen model costs anyway. With ``precompute_reference_log_probs`` that
 pass runs once per pair before training (cached by the pair's ``index``) and the reference model is freed.
 
+**Packed rows** (``PreferenceDataModule(pack_sequences=True)``) hold several pairs per row, each sequence a
+document of ``cu_seqlens``; the model runs them on the packed-attention path and the last stage sums each
+predicting position's masked log-prob into its sequence's slot (:func:`sequence_slots`: ``[2n]`` for ``n`` pair
+slots, chosen then rejected as above, empty slots ignored), so the loss is the same function of the same pairs;
+its count is the number of real pairs, so packed and unpacked global batches of the same pairs agree.
+
 Under context parallelism each rank holds a zigzag share of every sequence: its partial log-prob sums are
 all-reduced over the CP group (differentiably, the backward summing too) before the nonlinearity; every CP
 rank then computes the same pair losses, counted once per CP rank, which the engine's sum over dp x cp of
@@ -47,7 +53,13 @@ METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accura
 
 
 def pair_microbatch(microbatch: dict) -> dict:
-    """A PreferenceDataModule microbatch as one token batch: chosen rows then rejected rows."""
+    """A PreferenceDataModule microbatch as one token batch: chosen rows then rejected rows; packed rows
+    (``cu_seqlens``) as they are, with each predicting position's ``sequence_slot`` (see :func:`sequence_slots`)."""
+    if "cu_seqlens" in microbatch:
+        out = {k: microbatch[k] for k in ("tokens", "loss_mask", "position_ids", "cu_seqlens", "index")}
+        out["sequence_slot"] = sequence_slots(microbatch["cu_seqlens"], microbatch["index"],
+                                              microbatch["loss_mask"].shape[1])
+        return out
     out = {"tokens": torch.cat([microbatch["chosen_tokens"], microbatch["rejected_tokens"]]),
            "loss_mask": torch.cat([microbatch["chosen_loss_mask"], microbatch["rejected_loss_mask"]])}
     if "index" in microbatch:
@@ -55,14 +67,40 @@ def pair_microbatch(microbatch: dict) -> dict:
     return out
 
 
+def sequence_slots(cu_seqlens: torch.Tensor, index: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """For packed rows ``[b, s+1]`` of ``P`` pair slots (``index`` [b, P], -1 where empty): the slot ``[b, s]``
+    of the sequence each predicting position's label belongs to, in the unpacked layout's order (``n = b·P``
+    chosen slots ``r·P + p`` first, then the rejected ones ``n + r·P + p``) and ``2n`` for padding. Document
+    ``2p`` of a row is its pair ``p``'s chosen sequence, ``2p + 1`` the rejected (the data's layout)."""
+    b, pairs = index.shape
+    n = b * pairs
+    starts = cu_seqlens.long()
+    starts = torch.where(starts >= 0, starts, torch.full_like(starts, torch.iinfo(torch.int64).max))
+    labels = torch.arange(1, seq_length + 1, device=cu_seqlens.device).expand(b, -1).contiguous()
+    document = torch.searchsorted(starts.contiguous(), labels, right=True) - 1  # [b, s]; the row length starts none
+    pair, rejected = document // 2, document % 2
+    in_pair = pair < pairs
+    real = in_pair & (index.gather(1, pair.clamp(max=pairs - 1)) >= 0)
+    row = torch.arange(b, device=cu_seqlens.device)[:, None]
+    slot = rejected * n + row * pairs + pair
+    return torch.where(real, slot, torch.full_like(slot, 2 * n))
+
+
 def sequence_log_probs_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor],
                             cp_group: Any = None) -> torch.Tensor:
     """One chunk's forward of a :func:`pair_microbatch`: activations for the next stage, or on the last stage
-    each sequence's sum of response-token log-probs ``[2b]`` (summed over the CP group, differentiably)."""
+    each sequence's sum of response-token log-probs ``[2b]`` (summed over the CP group, differentiably); for
+    packed rows ``[2n]``, ``n = b·P`` pair slots, summed per sequence by ``sequence_slot`` (empty slots 0)."""
     out = gpt_forward_step(part, microbatch, input_tensor)
     if not getattr(part, "post_process", True):
         return out
-    logps = -(out.float() * microbatch["loss_mask"].to(torch.float32)).sum(dim=1)
+    token_logps = -(out.float() * microbatch["loss_mask"].to(torch.float32))
+    if "sequence_slot" in microbatch:
+        n = microbatch["index"].numel()
+        logps = token_logps.new_zeros(2 * n + 1).index_add(0, microbatch["sequence_slot"].reshape(-1),
+                                                           token_logps.reshape(-1))[:2 * n]
+    else:
+        logps = token_logps.sum(dim=1)
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
         # all_reduce whose backward is an all-reduce too: see the module docstring for why the sum is right.
         logps = dist_fn.all_reduce(logps, group=cp_group)
@@ -232,10 +270,12 @@ class DPOModule(GPTModule):
             return [out.detach().float() for out in engine.forward_outputs(microbatches)]
 
     def _cached(self, index: torch.Tensor) -> Optional[torch.Tensor]:
-        rows = [self._reference_cache.get(int(i)) for i in index.tolist()]
+        """``[2n]`` (chosen slots, then rejected) for ``index`` [b] or packed [b, P] (-1: an empty slot, 0)."""
+        empty = torch.zeros(2)
+        rows = [self._reference_cache.get(i) if i >= 0 else empty for i in index.reshape(-1).tolist()]
         if any(r is None for r in rows):
             return None
-        pairs = torch.stack(rows)  # [b, 2]
+        pairs = torch.stack(rows)  # [n, 2]
         return torch.cat([pairs[:, 0], pairs[:, 1]]).to(self.device)
 
     def on_fit_start(self) -> None:
@@ -247,24 +287,25 @@ class DPOModule(GPTModule):
         """Run the reference over every pair of ``datamodule``'s splits once (each DP rank a share, then summed
         over DP), cache the log-probs by pair index and free the reference model."""
         datasets = list(getattr(datamodule, "datasets", {}).values())
-        samples = {int(s["index"]): s for d in datasets for s in (d[i] for i in range(len(d)))}
-        if not samples:
+        samples = [s for d in datasets for s in (d[i] for i in range(len(d)))]  # pairs, or packed rows of pairs
+        if not samples or "index" not in samples[0]:
             raise ValueError("precompute_reference_log_probs needs a PreferenceDataModule (its splits and each "
                              "pair's index); set precompute_reference_log_probs=False for other data")
         layout = self.parallel_layout
         dp_rank, dp_size = layout.dp_rank, layout.dp_size
-        indices = sorted(samples)
-        mine = indices[dp_rank::dp_size]
+        indices = sorted(i for s in samples for i in s["index"].reshape(-1).tolist() if i >= 0)
+        mine = samples[dp_rank::dp_size]
         mbs = self.micro_batch_size({"x": torch.zeros(len(mine) or 1)})
         table = torch.zeros(max(indices) + 1, 2, dtype=torch.float32, device=self.device)
-        for start in range(0, len(indices[0::dp_size]), mbs):  # every DP rank runs as many chunks
+        for start in range(0, len(samples[0::dp_size]), mbs):  # every DP rank runs as many chunks
             chunk = mine[start:start + mbs] or mine[-1:]
             chunk = chunk + [chunk[-1]] * (mbs - len(chunk))  # equal shapes: pad with a repeat
-            raw = default_collate([samples[i] for i in chunk])
+            raw = default_collate(chunk)
             microbatch = self.context_parallel_share(pair_microbatch(raw))
             logps = self._reference_log_probs_live([microbatch])[0]
-            b = len(chunk)
-            table[torch.tensor(chunk, device=self.device)] = torch.stack([logps[:b], logps[b:]], dim=1)
+            index = raw["index"].reshape(-1).to(self.device)
+            n, real = index.numel(), index >= 0
+            table[index[real]] = torch.stack([logps[:n][real], logps[n:][real]], dim=1)
         group = layout.group("dp")
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(table, group=group)
@@ -283,9 +324,9 @@ class DPOModule(GPTModule):
     # --- the objective -------------------------------------------------------------------
     def step_microbatches(self, batch: dict) -> list[dict]:
         """Pairs as token microbatches (this CP rank's share), each with its ``reference_logps`` [2b]."""
-        if "chosen_tokens" not in batch:
-            raise ValueError(f"DPOModule trains on preference pairs (chosen_tokens, rejected_tokens, ...: "
-                             f"megatron_lite.data.PreferenceDataModule), got a batch of {sorted(batch)}")
+        if "chosen_tokens" not in batch and not {"cu_seqlens", "index"} <= set(batch):
+            raise ValueError(f"DPOModule trains on preference pairs (chosen_tokens, rejected_tokens, ... or packed "
+                             f"rows of pairs: megatron_lite.data.PreferenceDataModule), got a batch of {sorted(batch)}")
         microbatches = [self.context_parallel_share(pair_microbatch(mb))
                         for mb in split_microbatches(batch, self.micro_batch_size(batch))]
         for mb, ref in zip(microbatches, self._reference_log_probs(microbatches)):
@@ -297,16 +338,24 @@ class DPOModule(GPTModule):
         return sequence_log_probs_step(part, microbatch, input_tensor, self.parallel_layout.group("cp"))
 
     def loss(self, logps: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the pairs' DPO losses, number of pairs); tallies rewards and accuracy for the metrics."""
+        """(sum of the pairs' DPO losses, number of pairs); tallies rewards and accuracy for the metrics.
+        Packed rows' empty pair slots (``index`` -1) count for nothing."""
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = microbatch["reference_logps"].to(logps.device).chunk(2)
         terms = dpo_terms(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta,
                           label_smoothing=self.label_smoothing, loss_type=self.loss_type)
-        pairs = torch.full((), float(chosen.numel()), dtype=torch.float64, device=logps.device)
-        tally = torch.stack([terms.rewards_chosen.sum().double(), terms.rewards_rejected.sum().double(),
-                             terms.correct.sum().double(), pairs])
+        if "sequence_slot" in microbatch:
+            real = (microbatch["index"].reshape(-1) >= 0).to(logps.device)
+            # where, not a product: an empty slot's loss (log 2) must add nothing, not even 0 x something
+            loss = torch.where(real, terms.loss, torch.zeros_like(terms.loss)).sum()
+            keep = real.double()
+        else:
+            loss, keep = terms.loss.sum(), torch.ones_like(chosen, dtype=torch.float64)
+        pairs = keep.sum()
+        tally = torch.stack([(term.double() * keep).sum() for term in
+                             (terms.rewards_chosen, terms.rewards_rejected, terms.correct)] + [pairs])
         self._tally = tally if self._tally is None else self._tally + tally
-        return terms.loss.sum(), pairs
+        return loss, pairs
 
     def _reward_metrics(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The global batch's mean rewards, margin and accuracy (equal on every rank) and its pair count: the

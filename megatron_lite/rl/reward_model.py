@@ -34,6 +34,9 @@ class RewardModelModule(GPTModule):
 
     def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
         super().validate_configuration(trainer, datamodule)
+        if getattr(datamodule, "pack_sequences", False):
+            raise ValueError("RewardModelModule reads one pair per row pair: set the PreferenceDataModule's "
+                             "pack_sequences=False (packed rows of pairs are for DPOModule)")
         parallel = getattr(trainer.strategy, "parallel_config", None)
         if parallel is not None and parallel.context_parallel_size > 1:
             # The reward is read at each sequence's last real token, which lies on one CP rank only, and the
