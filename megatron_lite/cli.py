@@ -54,8 +54,9 @@ class MegatronLiteCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The data side owns the sequence length and the vocabulary (a trained tokenizer decides it). In subclass
         # mode the model's arguments live under init_args, whichever GPTModule subclass is chosen.
-        parser.link_arguments("data.seq_length", "model.init_args.config.seq_length", apply_on="instantiate")
-        parser.link_arguments("data.vocab_size", "model.init_args.config.vocab_size", apply_on="instantiate")
+        model = "model.init_args" if self.subclass_mode_model else "model"  # the CLI's own is in subclass mode
+        parser.link_arguments("data.seq_length", f"{model}.config.seq_length", apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", f"{model}.config.vocab_size", apply_on="instantiate")
 
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
