@@ -685,6 +685,7 @@ class MegatronStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self._checkpoint_to_load(checkpoint_path)
         assert self.lightning_module is not None
+        _refuse_quantized_into_plain(self.lightning_module, path)
         layout = self._require_layout()
         writebacks: list = []
         state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout, writebacks)}
@@ -815,6 +816,22 @@ def _recover_interrupted_saves(trainer) -> None:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath and os.path.isdir(dirpath):
             clean_up(dirpath)
+
+
+_QUANTIZATION_RECIPE = "megatron_lite_quantization"  # the buffer a quantized model carries (post_training.quantization)
+
+
+def _refuse_quantized_into_plain(module: LightningModule, path: Path) -> None:
+    """A quantized model's checkpoint loaded into an unquantized model would drop its quantizers without a word
+    (only the tensors the model has are read): refuse it, naming the two ways that keep them."""
+    model = getattr(module, "model", None)
+    if model is None or hasattr(model, _QUANTIZATION_RECIPE):
+        return
+    if f"model.model.{_QUANTIZATION_RECIPE}" in checkpoint_keys(path):
+        raise ValueError(
+            f"the checkpoint {path} holds a quantized model, but the module's model is not quantized: its quantizers "
+            f"would be dropped. Add megatron_lite.callbacks.Quantize(<its config>, when='fit_start') to the Trainer "
+            f"(the quantizers are rebuilt before the checkpoint loads), or load it with GPTModule.from_pretrained.")
 
 
 def _refuse_without_weights(module: Optional[LightningModule]) -> None:

@@ -94,6 +94,11 @@ def test_quantize_callback_checkpoint_loads_back_as_the_same_quantized_model(tra
     loaded = _load(tmp_path / "int8")
     assert quantization_recipe(loaded.model) == quantization_recipe(module.model)
     torch.testing.assert_close(loaded.full_logits(probe), expected, rtol=0, atol=0)
+    # trainer.fit(ckpt_path=...) without the callback would drop the quantizers: refused, naming the fix
+    with pytest.raises(ValueError, match=r"holds a quantized model, but the module's model is not quantized.*"
+                                         r"Quantize\(<its config>, when='fit_start'\)"):
+        _trainer(1, strategy="megatron").fit(ml.GPTModule(ml.GPTConfig(**CONFIG), FINE_TUNE), data,
+                                             ckpt_path=str(tmp_path / "int8"))
     # trainer.fit(ckpt_path=...): Quantize(when="fit_start") rebuilds the quantizers before the checkpoint is read
     resumed = ml.GPTModule(ml.GPTConfig(**CONFIG), FINE_TUNE)
     _trainer(1, [Quantize("INT8_SMOOTHQUANT_CFG", when="fit_start", eval_batches=0)], strategy="megatron").fit(
