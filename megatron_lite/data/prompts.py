@@ -84,14 +84,19 @@ class PromptDataModule(pl.LightningDataModule):
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Prompts of one batch, left-aligned and zero-filled to the longest."""
-        lengths = torch.tensor([len(s["prompt"]) for s in samples], dtype=torch.int64)
-        tokens = torch.zeros(len(samples), int(lengths.max()), dtype=torch.int64)
-        for row, sample in enumerate(samples):
-            tokens[row, : len(sample["prompt"])] = sample["prompt"]
-        return {"prompt_tokens": tokens, "prompt_lengths": lengths,
-                "index": torch.tensor([s["index"] for s in samples], dtype=torch.int64),
-                "generation": self.generation_options()}
+        return {**pad_prompts(samples), "generation": self.generation_options()}
 
     def predict_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
                           num_workers=self.num_workers)
+
+
+def pad_prompts(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """``prompt_tokens`` [b, longest] (each sample's ``prompt`` left-aligned, zero-filled), ``prompt_lengths`` [b]
+    and the samples' dataset ``index`` [b]: the prompt part of a generation or rollout batch."""
+    lengths = torch.tensor([len(s["prompt"]) for s in samples], dtype=torch.int64)
+    tokens = torch.zeros(len(samples), int(lengths.max()), dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        tokens[row, : len(sample["prompt"])] = sample["prompt"]
+    return {"prompt_tokens": tokens, "prompt_lengths": lengths,
+            "index": torch.tensor([s["index"] for s in samples], dtype=torch.int64)}

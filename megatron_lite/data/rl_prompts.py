@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator
 from megatron_lite.data.datamodule import PretrainingDataModule, ResumableDataLoader
+from megatron_lite.data.prompts import pad_prompts
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler
 from megatron_lite.data.splits import parse_split, split_boundaries
@@ -81,13 +82,7 @@ class RLPromptDataset(Dataset):
 
 def collate_prompts(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Prompts of one batch, left-aligned and zero-filled to the longest (see the module docstring)."""
-    lengths = torch.tensor([len(s["prompt"]) for s in samples], dtype=torch.int64)
-    tokens = torch.zeros(len(samples), int(lengths.max()), dtype=torch.int64)
-    for row, sample in enumerate(samples):
-        tokens[row, : len(sample["prompt"])] = sample["prompt"]
-    return {"prompt_tokens": tokens, "prompt_lengths": lengths,
-            "index": torch.tensor([s["index"] for s in samples], dtype=torch.int64),
-            "answer": [s["answer"] for s in samples]}
+    return {**pad_prompts(samples), "answer": [s["answer"] for s in samples]}
 
 
 class RLPromptDataModule(PretrainingDataModule):

@@ -37,12 +37,12 @@ from torch import nn
 from torch.utils.data import default_collate
 from torchmetrics.aggregation import MeanMetric
 
-from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layout
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
+from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
 
 # GPTConfig fields that decide the weights' shapes: a reference must agree on all of them.
@@ -227,24 +227,20 @@ class DPOModule(GPTModule):
         super().configure_model()
         if self._reference_done:
             return
-        layout = self.parallel_layout
         previous = self.reference_model
-        if previous is not None and same_layout(getattr(previous, "layout", None), layout):
+        reference = frozen_reference(self, previous, self._load_reference if self.reference is not None else None)
+        if reference is previous:
             return
-        reference = self.build_model(layout)
-        if previous is not None:  # the notebook's one-process reference: cut this rank's shards out of it
-            carry_over_state(previous, reference, vocab_size=self.config.vocab_size)
-        elif self.reference is not None:
-            loaded = GPTModule.from_pretrained(self.reference, seq_length=self.config.seq_length)
-            self._check_reference_shape(loaded.config)
-            carry_over_state(loaded.model, reference, vocab_size=self.config.vocab_size)
-        else:  # the policy as it is now, before any step: its initial weights
-            reference.load_state_dict(self.model.state_dict())
         param = next(self.model.parameters(), None)
         reference.to(param.device if param is not None else "cpu")  # and again at first use (see _reference_log_probs)
-        reference.requires_grad_(False).eval()
         self.__dict__["_reference_model"] = reference
         self._reference_engine = None
+
+    def _load_reference(self) -> nn.Module:
+        """The reference checkpoint's one-process model, checked against the policy's shape."""
+        loaded = GPTModule.from_pretrained(self.reference, seq_length=self.config.seq_length)
+        self._check_reference_shape(loaded.config)
+        return loaded.model
 
     def _reference_log_probs(self, microbatches: list[dict]) -> list[torch.Tensor]:
         """Each microbatch's reference log-probs ``[2b]``, from the cache or the reference model."""

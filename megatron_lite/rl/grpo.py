@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from megatron_lite.core.checkpoint.full_state import carry_over_state, load_full_state, same_layout
+from megatron_lite.core.checkpoint.full_state import load_full_state
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.inference import SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
@@ -29,6 +29,7 @@ from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entro
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
+from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.grpo_config import GRPOConfig
 from megatron_lite.rl.grpo_loss import (
     group_advantages,
@@ -128,17 +129,11 @@ class GRPOModule(GPTModule):
         super().configure_model()
         if self.grpo.beta == 0.0:
             return
-        layout = self.parallel_layout
         previous = self.reference_model
-        if previous is not None and same_layout(getattr(previous, "layout", None), layout):
+        reference = frozen_reference(self, previous)  # a resumed run then loads the saved reference over it
+        if reference is previous:
             return
-        reference = self.build_model(layout)
-        if previous is not None:  # built for another layout (the notebook's copy after a forked fit)
-            carry_over_state(previous, reference, vocab_size=self.config.vocab_size)
-        else:  # the policy as it starts (a resumed run then loads the saved reference over it)
-            reference.load_state_dict(self.model.state_dict())
-        reference.requires_grad_(False)
-        self.reference_model = reference.eval()
+        self.reference_model = reference
         self._reference_engine = None
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
