@@ -76,6 +76,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self.source} holds a persistent id, which DCP metadata never holds")
 
 
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` (read from an index: DCP's storage entries, a manifest, an HF shard map) names a file
+    directly inside the index's directory. A path with a separator, ``..`` or an absolute one could name any
+    file on the machine; the formats we read only ever list plain file names. The name alone is judged, never
+    where it leads (a Hugging Face cache's files are symlinks into its blob store)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+
+
 def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     """The DCP ``Metadata`` in the file ``path``, unpickled through the allow-list and checked."""
     source = str(path)
@@ -106,7 +114,7 @@ def _check_metadata(metadata: Any, source: str) -> None:
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise UnsafeCheckpointError(f"{source}: the storage entry of {index} is a {type(info).__name__}")
         # DCP writes flat files: a path that leaves the checkpoint directory is crafted
-        if info.relative_path in ("", ".", "..") or os.path.basename(info.relative_path) != info.relative_path:
+        if not is_file_name(info.relative_path):
             raise UnsafeCheckpointError(f"{source}: storage file {info.relative_path!r} is not a file name inside "
                                         f"the checkpoint directory")
 

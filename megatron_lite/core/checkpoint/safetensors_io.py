@@ -15,7 +15,7 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import BinaryIO, Collection, NamedTuple, Optional
 
 import torch
 
@@ -177,41 +177,47 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[dict[str, _E
     return entries, metadata, length
 
 
+def _read_header(f: BinaryIO, path: Path) -> tuple[dict[str, _Entry], dict[str, str], int]:
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    head += f.read(min(length, _MAX_HEADER))
+    return _parse_header(path, head, size)
+
+
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
     """({name: (dtype name, shape)}, metadata) of a safetensors file, reading only its header (validated in full
     against the file's size)."""
     path = Path(path)
-    size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        head += f.read(min(length, _MAX_HEADER))
-    entries, metadata, _ = _parse_header(path, head, size)
+        entries, metadata, _ = _read_header(f, path)
     return {name: (entry.dtype, entry.shape) for name, entry in entries.items()}, metadata
 
 
-def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_safetensors(path: str | os.PathLike, names: Optional[Collection[str]] = None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file, whose header is validated as the ``safetensors`` library
-    validates it."""
+    validates it; only the tensors in ``names`` (those the file has) if given."""
     path = Path(path)
-    raw = bytearray(path.stat().st_size)  # writable, so torch.frombuffer takes it without a warning
-    with open(path, "rb") as f:
-        f.readinto(raw)
-    length = struct.unpack("<Q", bytes(raw[:8]))[0] if len(raw) >= 8 else 0
-    entries, metadata, length = _parse_header(path, bytes(raw[:8 + min(length, _MAX_HEADER)]), len(raw))
-    buffer = memoryview(raw)[8 + length:]
     tensors: dict[str, torch.Tensor] = {}
-    for name, entry in entries.items():
-        dtype = _BY_NAME.get(entry.dtype)
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {entry.dtype!r}, which megatron-lite does not read "
-                             f"(it reads {', '.join(sorted(_BY_NAME))})")
-        if any(size > _MAX_DIM for size in entry.shape):
-            raise ValueError(f"{path}: tensor {name!r} has shape {list(entry.shape)}, larger than torch can hold")
-        if entry.end == entry.begin:
-            tensors[name] = torch.empty(entry.shape, dtype=dtype)
-        else:
-            # A copy (aligned, owning its memory) of the bytes, viewed as the tensor's dtype.
-            data = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.end - entry.begin, offset=entry.begin)
-            tensors[name] = data.clone().view(dtype).reshape(entry.shape)
+    with open(path, "rb") as f:
+        entries, metadata, length = _read_header(f, path)
+        for name, entry in entries.items():
+            if names is not None and name not in names:
+                continue
+            dtype = _BY_NAME.get(entry.dtype)
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {entry.dtype!r}, which megatron-lite does not "
+                                 f"read (it reads {', '.join(sorted(_BY_NAME))})")
+            if any(size > _MAX_DIM for size in entry.shape):
+                raise ValueError(f"{path}: tensor {name!r} has shape {list(entry.shape)}, larger than torch can hold")
+            if entry.end == entry.begin:
+                tensors[name] = torch.empty(entry.shape, dtype=dtype)
+                continue
+            # Its own buffer (aligned, writable, so torch.frombuffer takes it without a copy or a warning)
+            data = bytearray(entry.end - entry.begin)
+            f.seek(8 + length + entry.begin)
+            if f.readinto(data) != len(data):
+                raise ValueError(f"{path} changed while it was read (tensor {name!r} is cut short)")
+            tensors[name] = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(entry.shape)
     return tensors, metadata
