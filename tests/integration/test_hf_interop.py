@@ -262,8 +262,8 @@ def test_index_shard_paths_outside_the_model_directory_are_refused(hf_models, tm
         crafted = {**index, "weight_map": {name: (outside if file == first else file)
                                            for name, file in index["weight_map"].items()}}
         index_path.write_text(json.dumps(crafted))
-        with pytest.raises(ValueError, match=rf"{re.escape(str(index_path))} names the shard {re.escape(repr(outside))}, "
-                                             r"which is not a file name inside the model directory"):
+        message = rf"{re.escape(str(index_path))} names the shard {re.escape(repr(outside))}, which is not a file name"
+        with pytest.raises(ValueError, match=message + r" inside the model directory"):
             ml.GPTModule.from_pretrained(sharded)
 
 

@@ -1,9 +1,11 @@
 """Hugging Face Llama directories: read one into our config and full state, write one from them.
 
 Only safetensors are read (a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``;
-bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened. The
-config is mapped by :mod:`hf_config` (unsupported architectures and options refused by name), the tensors by
-:mod:`hf_weights`; every shape is checked against the config from the files' headers before any tensor is read.
+bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened, nor a
+shard the index names outside the directory. The config is mapped by :mod:`hf_config` (unsupported architectures
+and options refused by name), the tensors by :mod:`hf_weights`; every shape is checked against the config from the
+files' headers before any tensor is read. Where config.json and the files disagree on tied embeddings, the files
+win, as in transformers (:func:`_tie_rule`).
 
 Writing goes to a temporary sibling directory renamed into place at the end, so a failed export never
 leaves a half-written model under the output name. The tokenizer and generation config travel beside the
@@ -132,8 +134,10 @@ def _tie_rule(config: GPTConfig, directory: str | os.PathLike, overrides: dict[s
     if tensors is None:
         tensors = read_hf_tensors(directory, (HEAD, EMBEDDING))
     head, embedding = tensors.get(HEAD), tensors.get(EMBEDDING)
-    if head is None or embedding is None or (head.shape == embedding.shape and torch.equal(head, embedding.to(head.dtype))):
+    if head is None or embedding is None:
         return config  # a missing embedding is named by the shape check
+    if head.shape == embedding.shape and torch.equal(head, embedding.to(head.dtype)):
+        return config  # a copy of the embedding
     log.warning("megatron-lite: %s sets tie_word_embeddings=true, but %s holds an lm_head.weight that is not the "
                 "embedding: loading the two untied, as transformers does. Set tie_word_embeddings to false in "
                 "config.json to silence this, or remove lm_head.weight to tie them.", Path(directory) / CONFIG,
