@@ -121,15 +121,14 @@ class _ReferenceObjective:
 
 
 def reference_config(path: str) -> GPTConfig:
-    """The GPTConfig of a reference given as one of our checkpoints or an HF model directory (no weights read)."""
+    """The GPTConfig of a reference given as one of our checkpoints or an HF model directory."""
     from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory, read_checkpoint_hparams
-    from megatron_lite.core.checkpoint.hf import is_hf_directory, read_hf_config
-    from megatron_lite.core.checkpoint.hf_config import gpt_config_from_hf
+    from megatron_lite.core.checkpoint.hf import is_hf_directory, read_hf_model_config
 
     if is_checkpoint_directory(path):
         return read_checkpoint_hparams(path)["config"]
     if is_hf_directory(path):
-        return gpt_config_from_hf(read_hf_config(path))
+        return read_hf_model_config(path)  # tied or not as the weights load (the tie rule may read the two heads)
     if not os.path.exists(path):
         raise FileNotFoundError(f"DPO reference {path} does not exist; pass reference=<one of our checkpoints or a "
                                 f"local Hugging Face model directory>, or reference=None for the initial weights")

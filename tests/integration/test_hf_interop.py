@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,6 +32,7 @@ from megatron_lite.cli import main as cli_main  # noqa: E402
 from megatron_lite.core.checkpoint.hf_config import UnsupportedHFModel  # noqa: E402
 from megatron_lite.core.checkpoint.safetensors_io import read_safetensors_header  # noqa: E402
 from megatron_lite.data import MockGPTDataModule  # noqa: E402
+from megatron_lite.rl.dpo import reference_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 200  # padded to 256 rows at TP1 and TP2: the padding is added on import and cut off on export
@@ -244,6 +246,57 @@ def test_sharded_safetensors_with_an_index_both_ways(hf_models, tmp_path):
                                                   if t is not None)
     _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), tokens),
                   reference)
+
+
+def test_index_shard_paths_outside_the_model_directory_are_refused(hf_models, tmp_path):
+    """A crafted model.safetensors.index.json may name any file on the machine: only file names inside the model
+    directory are read (even when the file named is there and readable)."""
+    model, _ = hf_models["llama_gqa_untied"]
+    sharded = _save(model, tmp_path / "model", max_shard_size="40KB")
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "elsewhere").mkdir()
+    (sharded / first).rename(tmp_path / "elsewhere" / first)
+    for outside in (f"../elsewhere/{first}", str(tmp_path / "elsewhere" / first)):
+        crafted = {**index, "weight_map": {name: (outside if file == first else file)
+                                           for name, file in index["weight_map"].items()}}
+        index_path.write_text(json.dumps(crafted))
+        message = rf"{re.escape(str(index_path))} names the shard {re.escape(repr(outside))}, which is not a file name"
+        with pytest.raises(ValueError, match=message + r" inside the model directory"):
+            ml.GPTModule.from_pretrained(sharded)
+
+
+def test_a_config_json_nested_past_the_recursion_limit_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'config.json'))} is malformed"):
+        ml.GPTModule.from_pretrained(tmp_path)
+
+
+def test_a_tied_config_with_a_distinct_lm_head_loads_as_transformers_loads_it(hf_models, tmp_path, caplog):
+    """config.json says tie_word_embeddings=true, yet model.safetensors holds an lm_head.weight that is not the
+    embedding: transformers keeps the two apart (and warns), and so do we (and a DPO reference's config says so
+    too). An lm_head.weight equal to the embedding (what some writers add to a tied model) is tied, as
+    transformers ties it."""
+    model, directory = hf_models["llama_gqa_untied"]
+    tokens = _tokens()
+    for lm_head, tied in (("distinct", False), ("a copy of the embedding", True)):
+        path = tmp_path / lm_head.replace(" ", "_")
+        path.mkdir()
+        config = json.loads((directory / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        tensors = safetensors_torch.load_file(directory / "model.safetensors")
+        if tied:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]) is tied
+        safetensors_torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        caplog.clear()
+        module = ml.GPTModule.from_pretrained(path)
+        assert module.config.share_embeddings_and_output_weights is tied
+        assert ("sets tie_word_embeddings=true, but" in caplog.text) is not tied
+        _assert_close(module.full_logits(tokens), _hf_logits(reference, tokens))
+        assert reference_config(str(path)) == module.config
 
 
 def test_bf16_weights_import_and_export(tmp_path):

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from megatron_lite.core.checkpoint.commit import LATEST, commit, remove_checkpoint, sibling
-from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError, read_manifest, record_file, verify_checkpoint
+from megatron_lite.core.checkpoint.integrity import (
+    CorruptCheckpointError,
+    is_complete,
+    read_manifest,
+    record_file,
+    verify_checkpoint,
+)
 from megatron_lite.core.checkpoint.sharded import load_sharded, read_checkpoint_meta, save_sharded
 
 
@@ -76,6 +82,10 @@ def test_a_checkpoint_without_its_manifest_is_incomplete(tmp_path):
     (path / "manifest.json").write_text('{"format": "megatron-lite-manifest/1", "checksum": "crc32", "files": {"../x": {}}}')
     with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged.*'../x' is not a file inside"):
         load_sharded(_zeros(), path)
+    (path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # past the JSON parser's recursion limit
+    with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged \(maximum recursion depth"):
+        load_sharded(_zeros(), path)
+    assert not is_complete(path)
 
 
 def test_what_is_not_a_checkpoint_is_a_clear_error(tmp_path):

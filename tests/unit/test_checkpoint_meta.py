@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import sys
 
 import pytest
@@ -134,6 +135,29 @@ def test_damaged_or_foreign_meta_json_is_a_clear_error(tmp_path):
         read_checkpoint_meta(tmp_path)
     (tmp_path / "meta.json").write_text('{"epoch": 1}')
     with pytest.raises(CheckpointMetaError, match=r"not a megatron-lite checkpoint metadata file"):
+        read_checkpoint_meta(tmp_path)
+
+
+@pytest.mark.parametrize("depth", [200_000, 600])  # past the JSON parser's recursion limit; past the decoder's
+def test_a_deeply_nested_meta_json_is_a_clear_error(tmp_path, depth):
+    nested = "[" * depth + "]" * depth
+    (tmp_path / "meta.json").write_text(f'{{"format": "{meta_json.FORMAT}", "meta": {{"loops": {nested}}}}}')
+    with pytest.raises(CheckpointMetaError, match=rf"^{re.escape(str(tmp_path / 'meta.json'))} is malformed: it "
+                                                  r"nests deeper than a checkpoint's metadata does"):
+        read_checkpoint_meta(tmp_path)
+
+
+@pytest.mark.parametrize("tensor", [
+    {"dtype": "float32", "shape": [1], "data": [[1.0, 2.0]]},
+    {"dtype": "float32", "shape": [1], "data": ["a"]},
+    {"dtype": "float32", "shape": [1], "data": [None]},
+    {"dtype": "float32", "shape": [1], "data": [{"__dtype__": "int8"}]},
+    {"dtype": "int8", "shape": [1], "data": [100000]},
+    {"dtype": "qint8", "shape": [1], "data": [1]},
+])
+def test_a_crafted_inline_tensor_is_a_clear_error(tmp_path, tensor):
+    (tmp_path / "meta.json").write_text(json.dumps({"format": meta_json.FORMAT, "meta": {"t": {"__tensor__": tensor}}}))
+    with pytest.raises(CheckpointMetaError, match=rf"^{re.escape(str(tmp_path / 'meta.json'))}: meta\.t: tensor "):
         read_checkpoint_meta(tmp_path)
 
 

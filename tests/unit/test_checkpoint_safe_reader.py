@@ -2,12 +2,15 @@
 unpickler, non-tensor entries with weights_only=True. Real checkpoints (model, Adam state, bf16, plain
 values) read exactly as torch's own reader reads them; crafted ones are refused and run nothing."""
 import pickle
+import re
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from megatron_lite.core.checkpoint.full_checkpoint import read_model_tensors
+from megatron_lite.core.checkpoint.integrity import MANIFEST, manifest_bytes, record_file
 from megatron_lite.core.checkpoint.rng import rng_placeholders
 from megatron_lite.core.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from megatron_lite.core.checkpoint.sharded import (
@@ -92,8 +95,40 @@ def test_a_crafted_non_tensor_entry_runs_no_code(tmp_path):
     weights_only=False; ours reads them with weights_only=True."""
     marker = tmp_path / "pwned"
     save_sharded({"w": torch.ones(3), "extra": Payload(marker)}, tmp_path / "ckpt")
-    with pytest.raises(UnsafeCheckpointError, match=r"entry 'extra' holds objects outside plain data"):
+    with pytest.raises(UnsafeCheckpointError,
+                       match=r"entry 'extra' holds objects outside plain data \((builtins|io)\.open\)") as error:
         load_sharded({"w": torch.zeros(3), "extra": None}, tmp_path / "ckpt")
+    assert "weights_only" not in str(error.value)  # never torch's advice to load it with weights_only=False
+    assert not marker.exists()
+
+
+def _rewrite_manifest(directory):
+    """What a crafted download comes with: a manifest that matches its files."""
+    files = [p.name for p in directory.iterdir() if p.name != MANIFEST]
+    (directory / MANIFEST).write_bytes(manifest_bytes({name: record_file(directory / name) for name in files}))
+
+
+@pytest.mark.parametrize("crafted", ["a pickle payload", "garbage"])
+def test_a_crafted_tensor_entry_is_one_clear_error(tmp_path, crafted):
+    """The bytes of a tensor entry in a .distcp file replaced (and the manifest rewritten to match): every reader
+    says the checkpoint is malformed, naming the file and the entry, runs nothing, and never repeats torch's
+    advice to retry with weights_only=False."""
+    marker = tmp_path / "pwned"
+    ckpt = tmp_path / "ckpt"
+    save_sharded({"model": {"w": torch.ones(64)}}, ckpt, extra={"hyper_parameters": {}})
+    (info,) = [i for k, i in read_dcp_metadata(ckpt / ".metadata").storage_data.items() if k.fqn == "model.w"]
+    payload = pickle.dumps(Payload(marker)) if crafted == "a pickle payload" else b"\x8a" * info.length
+    data = (ckpt / info.relative_path).read_bytes()
+    (ckpt / info.relative_path).write_bytes(data[:info.offset] + payload.ljust(info.length, b"\0")[:info.length]
+                                            + data[info.offset + info.length:])
+    _rewrite_manifest(ckpt)
+    message = (rf"^{re.escape(str(ckpt / info.relative_path))}: checkpoint entry 'model\.w' cannot be read \(.*\); the "
+               rf"checkpoint is malformed")
+    for read in (lambda: load_sharded({"model": {"w": torch.zeros(64)}}, ckpt),
+                 lambda: read_model_tensors(ckpt, prefix="")):
+        with pytest.raises(UnsafeCheckpointError, match=message) as error:
+            read()
+        assert "weights_only" not in str(error.value)
     assert not marker.exists()
 
 

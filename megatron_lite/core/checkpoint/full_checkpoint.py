@@ -14,11 +14,12 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.core.checkpoint.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta, resolve_checkpoint
+from megatron_lite.core.checkpoint.sharded import dcp_error, read_checkpoint_meta, resolve_checkpoint
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
 
@@ -67,5 +68,8 @@ def read_model_tensors(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> d
         raise ValueError(f"{path} holds no model tensors (no '{key_prefix}*' entries)")
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as error:
+            raise dcp_error(error, f"reading {path}") from None
     return {key[len(key_prefix):]: tensor for key, tensor in state.items()}

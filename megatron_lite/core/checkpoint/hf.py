@@ -1,9 +1,11 @@
 """Hugging Face Llama directories: read one into our config and full state, write one from them.
 
 Only safetensors are read (a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``;
-bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened. The
-config is mapped by :mod:`hf_config` (unsupported architectures and options refused by name), the tensors by
-:mod:`hf_weights`; every shape is checked against the config from the files' headers before any tensor is read.
+bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened, nor a
+shard the index names outside the directory. The config is mapped by :mod:`hf_config` (unsupported architectures
+and options refused by name), the tensors by :mod:`hf_weights`; every shape is checked against the config from the
+files' headers before any tensor is read. Where config.json and the files disagree on tied embeddings, the files
+win, as in transformers (:func:`_tie_rule`).
 
 Writing goes to a temporary sibling directory renamed into place at the end, so a failed export never
 leaves a half-written model under the output name. The tokenizer and generation config travel beside the
@@ -12,17 +14,20 @@ weights (:func:`copy_side_files`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 import torch
 
 from megatron_lite.core.checkpoint.hf_config import gpt_config_from_hf, hf_config_from_gpt
 from megatron_lite.core.checkpoint.hf_weights import check_hf_shapes, hf_to_state, state_to_hf
+from megatron_lite.core.checkpoint.safe_reader import is_file_name
 from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, read_safetensors_header, save_safetensors
 from megatron_lite.core.models.config import GPTConfig
 
@@ -39,6 +44,9 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 CHECKPOINT_SIDE_DIR = "hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' long-standing default shard size
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+log = logging.getLogger(__name__)
 
 
 def is_hf_directory(path: str | os.PathLike) -> bool:
@@ -52,6 +60,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON ({error}); fix or replace the file") from None
+    except RecursionError:
+        raise ValueError(f"{path} is malformed: it nests deeper than Python reads; fix or replace the file") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -73,7 +83,12 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map; the index is damaged")
-        files = {name: directory / str(file) for name, file in weight_map.items()}
+        outside = [file for file in weight_map.values() if not is_file_name(file)]
+        if outside:
+            raise ValueError(f"{index} names the shard {outside[0]!r}, which is not a file name inside the model "
+                             f"directory: a model's shards lie beside its index, and no other file is read (the index "
+                             f"is damaged or crafted)")
+        files = {name: directory / file for name, file in weight_map.items()}
         absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
         if absent:
             raise FileNotFoundError(f"{index} lists {absent} but they are not in {directory}; copy every shard")
@@ -98,22 +113,55 @@ def read_hf_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_hf_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF directory's weights (in their saved dtype)."""
+def read_hf_tensors(directory: str | os.PathLike, names: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's weights (in their saved dtype), or those of ``names`` it has."""
     files = _weight_files(Path(directory))
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(set(files.values())):
-        loaded, _ = load_safetensors(path)
-        tensors.update({name: t for name, t in loaded.items() if files.get(name) == path})
+        wanted = {name for name, file in files.items() if file == path and (names is None or name in names)}
+        if wanted:
+            tensors.update(load_safetensors(path, wanted)[0])
     return tensors
+
+
+def _tie_rule(config: GPTConfig, directory: str | os.PathLike, overrides: dict[str, Any],
+              tensors: Optional[dict[str, torch.Tensor]] = None) -> GPTConfig:
+    """``config`` untied when its config.json ties the output layer to the embedding but the files hold an
+    ``lm_head.weight`` that is not the embedding: the files win, as in transformers (5.x; 4.x tied them silently).
+    An ``lm_head.weight`` equal to the embedding is a copy and stays tied. ``tensors``: the directory's, if read."""
+    if not config.share_embeddings_and_output_weights or "share_embeddings_and_output_weights" in overrides:
+        return config
+    if tensors is None:
+        tensors = read_hf_tensors(directory, (HEAD, EMBEDDING))
+    head, embedding = tensors.get(HEAD), tensors.get(EMBEDDING)
+    if head is None or embedding is None:
+        return config  # a missing embedding is named by the shape check
+    if head.shape == embedding.shape and torch.equal(head, embedding.to(head.dtype)):
+        return config  # a copy of the embedding
+    log.warning("megatron-lite: %s sets tie_word_embeddings=true, but %s holds an lm_head.weight that is not the "
+                "embedding: loading the two untied, as transformers does. Set tie_word_embeddings to false in "
+                "config.json to silence this, or remove lm_head.weight to tie them.", Path(directory) / CONFIG,
+                directory)
+    return dataclasses.replace(config, share_embeddings_and_output_weights=False)
+
+
+def read_hf_model_config(directory: str | os.PathLike, **overrides: Any) -> GPTConfig:
+    """The :class:`GPTConfig` that :func:`load_hf` gives an HF directory, reading no weights but the output layer
+    and the embedding of a tied config (see :func:`_tie_rule`)."""
+    return _tie_rule(gpt_config_from_hf(read_hf_config(directory), **overrides), directory, overrides)
 
 
 def load_hf(directory: str | os.PathLike, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """(config, full state) of an HF Llama directory: GPTModel names, exactly ``vocab_size`` vocabulary rows,
     the saved dtype. ``overrides`` replace GPTConfig fields (a field that changes a shape is caught here)."""
     config = gpt_config_from_hf(read_hf_config(directory), **overrides)
-    check_hf_shapes(read_hf_shapes(directory), config)
-    return config, hf_to_state(read_hf_tensors(directory), config)
+    shapes = read_hf_shapes(directory)
+    check_hf_shapes(shapes, config)  # every shape, before any tensor is read
+    tensors = read_hf_tensors(directory)
+    untied = _tie_rule(config, directory, overrides, tensors)
+    if untied is not config:
+        check_hf_shapes(shapes, untied)  # lm_head.weight's shape, now that it is read
+    return untied, hf_to_state(tensors, untied)
 
 
 def copy_side_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from megatron_lite.core.checkpoint.rank_zero import distributed, gather_to_all
+from megatron_lite.core.checkpoint.safe_reader import is_file_name
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron-lite-manifest/1"
@@ -197,11 +198,11 @@ def read_manifest(directory: str | os.PathLike) -> Optional[Manifest]:
             raise ValueError(f"format {document.get('format')!r}, checksum {document.get('checksum')!r}")
         files = {}
         for name, entry in document["files"].items():
-            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..", MANIFEST):
+            if not is_file_name(name) or name == MANIFEST:
                 raise ValueError(f"file name {name!r} is not a file inside the checkpoint")
             files[name] = FileRecord(int(entry["bytes"]), int(entry["crc32"], 16))
         return Manifest(files, float(document.get("written_at", 0.0)))
-    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as error:
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError, RecursionError) as error:
         raise CorruptCheckpointError(f"{path} is damaged ({error}); the checkpoint cannot be verified") from None
 
 

@@ -209,7 +209,13 @@ class _Decoder:
         if not all(isinstance(s, int) and s >= 0 for s in shape) or math.prod(shape) != len(data) \
                 or len(data) > MAX_INLINE_ELEMENTS:
             raise CheckpointMetaError(f"{where}: tensor data of {len(data)} values does not fit shape {shape}")
-        return torch.tensor(data, dtype=dtype).reshape(shape)
+        odd = [v for v in data if not isinstance(v, (bool, int, float))]
+        if odd:
+            raise CheckpointMetaError(f"{where}: tensor data holds {odd[0]!r:.80}, not a number")
+        try:
+            return torch.tensor(data, dtype=dtype).reshape(shape)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as error:  # e.g. 1e5 as int8, a quantized dtype
+            raise CheckpointMetaError(f"{where}: tensor of {dtype} cannot hold its data ({error})") from None
 
     def tag_dataclass(self, body: Any, where: str) -> Any:
         body = self.expect(body, dict, where)
@@ -243,6 +249,8 @@ def loads(raw: bytes, allowed: Optional[Iterable[type]] = (), unknown_classes: U
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointMetaError(f"{source} is not valid JSON ({error}); the file is damaged") from None
+    except RecursionError:
+        raise _too_deep(source) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT or "meta" not in document:
         raise CheckpointMetaError(f"{source} is not a megatron-lite checkpoint metadata file (format "
                                   f"{document.get('format') if isinstance(document, dict) else None!r}, "
@@ -251,3 +259,10 @@ def loads(raw: bytes, allowed: Optional[Iterable[type]] = (), unknown_classes: U
         return decode(document["meta"], allowed, unknown_classes)
     except CheckpointMetaError as error:
         raise CheckpointMetaError(f"{source}: {error}") from None
+    except RecursionError:
+        raise _too_deep(source) from None
+
+
+def _too_deep(source: str) -> CheckpointMetaError:
+    return CheckpointMetaError(f"{source} is malformed: it nests deeper than a checkpoint's metadata does (crafted or "
+                               f"damaged); it cannot be loaded")

@@ -10,6 +10,7 @@ non-tensor entries with ``weights_only=True``. Tensor data is already read by to
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pathlib
@@ -22,7 +23,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
@@ -74,6 +76,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self.source} holds a persistent id, which DCP metadata never holds")
 
 
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` (read from an index: DCP's storage entries, a manifest, an HF shard map) names a file
+    directly inside the index's directory. A path with a separator, ``..`` or an absolute one could name any
+    file on the machine; the formats we read only ever list plain file names. The name alone is judged, never
+    where it leads (a Hugging Face cache's files are symlinks into its blob store)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+
+
 def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     """The DCP ``Metadata`` in the file ``path``, unpickled through the allow-list and checked."""
     source = str(path)
@@ -104,7 +114,7 @@ def _check_metadata(metadata: Any, source: str) -> None:
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise UnsafeCheckpointError(f"{source}: the storage entry of {index} is a {type(info).__name__}")
         # DCP writes flat files: a path that leaves the checkpoint directory is crafted
-        if info.relative_path in ("", ".", "..") or os.path.basename(info.relative_path) != info.relative_path:
+        if not is_file_name(info.relative_path):
             raise UnsafeCheckpointError(f"{source}: storage file {info.relative_path!r} is not a file name inside "
                                         f"the checkpoint directory")
 
@@ -114,8 +124,20 @@ def storage_files(metadata: dcp_metadata.Metadata) -> set[str]:
     return {info.relative_path for info in metadata.storage_data.values()}
 
 
+def _why(error: Exception) -> str:
+    """What went wrong reading an entry, in words that never pass on torch's advice to retry with
+    ``weights_only=False`` (what its weights-only unpickler says about a file it refuses)."""
+    if isinstance(error, pickle.UnpicklingError):
+        return "its bytes are not a plain torch.save'd tensor"
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    if not text or "weights_only" in text:
+        return type(error).__name__
+    return f"{type(error).__name__}: {text}"
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is read through the allow-list unpickler."""
+    """``FileSystemReader`` whose ``.metadata`` is read through the allow-list unpickler, and whose failure to
+    read an entry is one :class:`UnsafeCheckpointError` naming the file and the entry."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
@@ -123,6 +145,23 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # One entry at a time (torch's reader reads them synchronously too), so a failure knows its entry.
+        for item in plan.items:
+            file = pathlib.Path(self.path) / self.storage_data[item.storage_index].relative_path
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner)
+            except UnsafeCheckpointError as error:
+                raise UnsafeCheckpointError(f"{file}: {error}") from None
+            except Exception as error:  # a crafted or garbled entry: torch.load raises many types
+                raise UnsafeCheckpointError(
+                    f"{file}: checkpoint entry {item.dest_index.fqn!r} cannot be read ({_why(error)}); the checkpoint "
+                    f"is malformed (damaged, or not written by torch.distributed.checkpoint) and cannot be loaded"
+                ) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -132,10 +171,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as error:
+        except pickle.UnpicklingError:
+            value.seek(0)
+            try:
+                unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(value))
+            except Exception:  # noqa: BLE001 - not even a torch.save archive
+                unsafe = ""
             raise UnsafeCheckpointError(
-                f"checkpoint entry {fqn!r} holds objects outside plain data ({error}); megatron-lite does not "
-                f"unpickle them.") from None
+                f"checkpoint entry {fqn!r} holds objects outside plain data ({unsafe or 'not a torch.save archive'}); "
+                f"megatron-lite does not unpickle them.") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
