@@ -197,7 +197,9 @@ def read_manifest(directory: str | os.PathLike) -> Optional[Manifest]:
             raise ValueError(f"format {document.get('format')!r}, checksum {document.get('checksum')!r}")
         files = {}
         for name, entry in document["files"].items():
-            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..", MANIFEST):
+            # a file of the checkpoint, or one it carries in a folder of its own ("tokenizer/tokenizer.model")
+            if not isinstance(name, str) or name == MANIFEST or name.startswith("/") or \
+                    any(part in ("", ".", "..") for part in name.split("/")):
                 raise ValueError(f"file name {name!r} is not a file inside the checkpoint")
             files[name] = FileRecord(int(entry["bytes"]), int(entry["crc32"], 16))
         return Manifest(files, float(document.get("written_at", 0.0)))
