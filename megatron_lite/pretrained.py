@@ -112,14 +112,20 @@ def tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
     """The checkpoint entries that make a checkpoint carry ``tokenizer``: the ``build_tokenizer`` arguments
     (``megatron_lite.module.TOKENIZER_KEY``) naming copies of its files inside the checkpoint, and those files
     (:data:`~megatron_lite.core.checkpoint.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None or a
-    tokenizer that is not one of ours."""
+    tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the tokenizer is
+    then recorded where its files were, with a warning."""
     from megatron_lite.module import TOKENIZER_KEY
-    from megatron_lite.tokenizers.build import portable_tokenizer_spec
+    from megatron_lite.tokenizers.build import portable_tokenizer_spec, tokenizer_spec
 
     record = portable_tokenizer_spec(tokenizer) if tokenizer is not None else None
     if record is None:
         return {}
     spec, files = record
+    gone = [source for source in files.values() if not os.path.isfile(source)]
+    if gone:
+        warnings.warn(f"megatron-lite: the tokenizer file {gone[0]} is gone, so the checkpoint records the tokenizer "
+                      f"without a copy of its files", stacklevel=2)
+        return {TOKENIZER_KEY: tokenizer_spec(tokenizer)}
     return {TOKENIZER_KEY: spec, EMBEDDED_FILES: files}
 
 

@@ -155,6 +155,20 @@ def test_every_writer_carries_the_tokenizer_and_its_output_needs_no_cache(writer
     assert code == 1 and "tokenizer/tokenizer.model: checksum mismatch" in out_text
 
 
+def test_a_tokenizer_whose_files_are_gone_never_fails_a_save(source, tmp_path):
+    module = ml.GPTModule.from_pretrained(source["ckpt"])
+    moved = source["cache"].with_name("cache.gone")
+    source["cache"].rename(moved)
+    try:
+        with pytest.warns(UserWarning, match=r"sp.model is gone, so the checkpoint records the tokenizer without"):
+            save_weights_checkpoint(module, tmp_path / "ckpt", tokenizer=source["tokenizer"])
+    finally:
+        moved.rename(source["cache"])
+    assert read_checkpoint_meta(tmp_path / "ckpt", [ml.GPTConfig, ml.OptimizerConfig])[TOKENIZER_KEY] == \
+        tokenizer_spec(source["tokenizer"])
+    assert verify_checkpoint(tmp_path / "ckpt").status == "ok"
+
+
 def cli_generate(argv) -> int:
     return cli_exit_code(["generate", *argv])
 
