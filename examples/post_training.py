@@ -33,9 +33,7 @@ from megatron_lite.callbacks import Distill, TrainDraftHead
 from megatron_lite.post_training import quantize, speculative_generate
 from megatron_lite.data import TextCorpusDataModule
 from megatron_lite.post_training.pruning import PruneTarget, prune
-from megatron_lite.module import TOKENIZER_KEY
 from megatron_lite.pretrained import save_weights_checkpoint
-from megatron_lite.tokenizers.build import tokenizer_spec
 
 OUT = Path("runs/post_training")
 SEQ, VOCAB = 64, 1024
@@ -59,8 +57,8 @@ def held_out(module: ml.GPTModule, data: TextCorpusDataModule) -> float:
 
 
 def save(module: ml.GPTModule, path: Path, data) -> None:
-    """An ordinary checkpoint of the weights that remembers the tokenizer (``megatron-lite generate --ckpt`` reads it)."""
-    save_weights_checkpoint(module, path, metadata={TOKENIZER_KEY: tokenizer_spec(data.tokenizer)})
+    """An ordinary checkpoint of the weights that carries the tokenizer (``megatron-lite generate --ckpt`` reads it)."""
+    save_weights_checkpoint(module, path, tokenizer=data.tokenizer)
 
 
 def report(step: str, module: ml.GPTModule, loss: float, extra: str = "") -> None:

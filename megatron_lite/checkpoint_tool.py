@@ -13,6 +13,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from megatron_lite.core.checkpoint.inspect import describe_checkpoint, is_healthy
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +83,7 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -14,14 +14,21 @@ directory that ``transformers`` loads (``AutoModelForCausalLM.from_pretrained(HF
 ``--tokenizer DIR`` or the one the checkpoint carries. A checkpoint of a ModelOpt-quantized model (its quantizer
 amax and scales saved with the weights) is written in ModelOpt's unified quantized format instead -- quantized
 weights with their scales and ``hf_quant_config.json``, for TensorRT-LLM and vLLM -- by
-:mod:`megatron_lite.post_training.export` (default dtype of its unquantized tensors: bfloat16). Nothing is
+:mod:`megatron_lite.post_training.export` (default dtype of its unquantized tensors: bfloat16). The tokenizer a
+checkpoint carries (``tokenizer/``: a SentencePiece ``tokenizer.model``, GPT-2's ``vocab.json``/``merges.txt`` or
+an HF ``tokenizer.json``) is written where transformers' ``AutoTokenizer`` reads it.
+
+The output is never an input, inside one or a directory holding one; ``--overwrite`` replaces only an earlier
+output of megatron-lite with nothing else in it (:mod:`megatron_lite.core.checkpoint.output_dir`). Nothing is
 downloaded. Exit code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -31,11 +38,15 @@ from megatron_lite.core.checkpoint.hf import (
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
+    copy_side_files,
     read_hf_config,
-    refuse_existing,
     save_hf,
 )
+from megatron_lite.core.checkpoint.output_dir import check_output, mark_output
+from megatron_lite.core.checkpoint.sharded import resolve_checkpoint
 from megatron_lite.post_training.export import has_quantizer_state
+from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 from megatron_lite.utils.optional import MissingDependencyError
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
@@ -61,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--to", dest="target", choices=["hf"], help="write an HF model directory")
     parser.add_argument("--input", required=True, help="HF directory (--from hf) or our checkpoint (--to hf)")
     parser.add_argument("--output", required=True, help="our checkpoint (--from hf) or an HF directory (--to hf)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="--from hf: the model's training sequence length (default: max_position_embeddings)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -80,9 +91,15 @@ def from_hf(hf_dir: str, output: str, seq_length: Optional[int] = None, overwrit
     from megatron_lite.module import GPTModule  # imports Lightning: only for this direction
     from megatron_lite.pretrained import save_weights_checkpoint
 
-    read_hf_config(hf_dir)  # a missing config.json is named before anything else
+    limit = read_hf_config(hf_dir).get("max_position_embeddings")  # a missing config.json is named first
+    if seq_length is not None and seq_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+    if seq_length is not None and isinstance(limit, int) and seq_length > limit:
+        raise ValueError(f"--seq-length {seq_length} is longer than the model's context, max_position_embeddings "
+                         f"{limit} in {Path(hf_dir) / CONFIG} (positions past it were never trained); pass "
+                         f"--seq-length {limit} or less, or leave it out")
     out = Path(output)
-    refuse_existing(out, overwrite)
+    check_output(out, [hf_dir], overwrite)
     overrides = {"seq_length": seq_length} if seq_length is not None else {}
     module = GPTModule.from_pretrained(hf_dir, **overrides)
     save_weights_checkpoint(module, out, hf_source=hf_dir)
@@ -91,29 +108,54 @@ def from_hf(hf_dir: str, output: str, seq_length: Optional[int] = None, overwrit
             f"{'tied' if c.share_embeddings_and_output_weights else 'untied'} embeddings")
 
 
+def gather_side_files(checkpoint: str | Path, into: Path) -> Optional[Path]:
+    """Collect in ``into`` the files an export writes beside the weights: an imported model's tokenizer and
+    generation config (the checkpoint's ``hf/``), then the tokenizer the checkpoint carries (``tokenizer/``,
+    which wins), and a ``tokenizer_config.json`` naming transformers' class for a SentencePiece or GPT-2
+    tokenizer that brought none (it adds no BOS/EOS, as ours). ``into``, or None when there are none."""
+    checkpoint = Path(checkpoint)
+    copied = [name for folder in (checkpoint / CHECKPOINT_SIDE_DIR, checkpoint / TOKENIZER_FOLDER) if folder.is_dir()
+              for name in copy_side_files(folder, into)]
+    if not copied:
+        return None
+    if not (into / "tokenizer_config.json").is_file() and not (into / "tokenizer.json").is_file():
+        kind = "LlamaTokenizer" if (into / "tokenizer.model").is_file() else \
+            "GPT2Tokenizer" if (into / "vocab.json").is_file() and (into / "merges.txt").is_file() else None
+        if kind is not None:
+            (into / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": kind, "add_bos_token": False, "add_eos_token": False}, indent=2) + "\n")
+    return into
+
+
 def to_hf(checkpoint: str, output: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> str:
-    """Our checkpoint -> HF directory (ModelOpt's unified quantized format for a quantized model); returns a
-    one-line summary."""
+    """Our checkpoint -> HF directory (ModelOpt's unified quantized format for a quantized model), with the
+    tokenizer of ``tokenizer`` (a directory) or the one the checkpoint carries; returns a one-line summary."""
     config = read_checkpoint_hparams(checkpoint)["config"]
-    side = Path(checkpoint) / CHECKPOINT_SIDE_DIR
+    source = resolve_checkpoint(checkpoint)
+    side = source / CHECKPOINT_SIDE_DIR
     source_config = read_hf_config(side) if (side / CONFIG).is_file() else None
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer} is not a directory; pass the folder holding tokenizer.json "
                                 f"(or tokenizer.model)")
-    refuse_existing(output, overwrite)  # before reading any weights
-    state = read_model_tensors(checkpoint)
-    side_files = tokenizer if tokenizer is not None else (side if side.is_dir() else None)
-    if has_quantizer_state(state):
-        return _to_quantized_hf(checkpoint, output, dtype or "bfloat16", source_config, side_files, max_shard_bytes)
-    dtype = dtype or "float32"
-    save_hf(output, config, state, dtype=dtype, source_config=source_config, side_files_from=side_files,
-            max_shard_bytes=max_shard_bytes, overwrite=True)
-    files = sorted(p.name for p in Path(output).iterdir())
-    return f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype}, files {files}"
+    check_output(output, [checkpoint, source, tokenizer], overwrite)  # before reading any weights
+    state = read_model_tensors(source)
+    with tempfile.TemporaryDirectory(prefix="megatron-lite-side-") as gathered:
+        side_files = tokenizer if tokenizer is not None else gather_side_files(source, Path(gathered))
+        if has_quantizer_state(state):
+            summary = _to_quantized_hf(source, output, dtype or "bfloat16", source_config, side_files,
+                                       max_shard_bytes)
+        else:
+            save_hf(output, config, state, dtype=dtype or "float32", source_config=source_config,
+                    side_files_from=side_files, max_shard_bytes=max_shard_bytes, overwrite=True)
+            files = sorted(p.name for p in Path(output).iterdir())
+            summary = (f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype or 'float32'}, "
+                       f"files {files}")
+    mark_output(output, "megatron-lite convert --to hf")
+    return summary
 
 
-def _to_quantized_hf(checkpoint: str, output: str, dtype: str, source_config: Optional[dict],
+def _to_quantized_hf(checkpoint: str | Path, output: str, dtype: str, source_config: Optional[dict],
                      side_files: Optional[str | Path], max_shard_bytes: int) -> str:
     """A quantized checkpoint -> ModelOpt's unified HF format, through a one-process model restored with its
     quantizers (whatever layout wrote the checkpoint)."""
@@ -129,6 +171,7 @@ def _to_quantized_hf(checkpoint: str, output: str, dtype: str, source_config: Op
             f"(KV cache {algo.get('kv_cache_quant_algo')}), other tensors {dtype}, files {files}")
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite convert ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -38,6 +38,7 @@ from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 GIB = 1024**3
 
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite estimate ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_lite.core.inference.sampling import SamplingParams
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_tokenizer(path: Path, args: argparse.Namespace):
     """The tokenizer named on the command line, else the model's own: the one our checkpoint records (the
-    training data's), the one a converted Hugging Face model brought (``hf/`` inside the checkpoint), or the
-    one in a Hugging Face directory."""
+    training data's, its files in the checkpoint's ``tokenizer/``), the one a converted Hugging Face model
+    brought (``hf/`` inside the checkpoint), or the one in a Hugging Face directory."""
     from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory
     from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
     from megatron_lite.core.models import GPTConfig
@@ -66,6 +66,7 @@ def load_tokenizer(path: Path, args: argparse.Namespace):
     from megatron_lite.module import TOKENIZER_KEY
     from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR as HF_SIDE_DIR
     from megatron_lite.tokenizers import build_tokenizer
+    from megatron_lite.tokenizers.build import build_recorded_tokenizer
 
     if args.tokenizer_type is not None:
         spec = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
@@ -75,14 +76,7 @@ def load_tokenizer(path: Path, args: argparse.Namespace):
     spec = read_checkpoint_meta(path, [GPTConfig, OptimizerConfig]).get(TOKENIZER_KEY) \
         if is_checkpoint_directory(path) else None
     if spec:
-        spec = dict(spec)
-        missing = [spec[k] for k in ("tokenizer_model", "vocab_file", "merge_file")
-                   if k in spec and not os.path.exists(spec[k])]
-        if missing:
-            raise FileNotFoundError(f"the checkpoint's tokenizer file {missing[0]} no longer exists; pass the "
-                                    f"tokenizer with --tokenizer-type {spec['tokenizer_type']} and its files "
-                                    f"(--tokenizer-model ...)")
-        return build_tokenizer(**spec)
+        return build_recorded_tokenizer(spec, path)
     if (hf_dir / "tokenizer.json").is_file():
         return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))
     if (hf_dir / "tokenizer.model").is_file():
@@ -173,6 +167,7 @@ def completion(tokenizer, prompt: list[int], new: list[int]) -> str:
     return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(new)
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite generate ...``: prints each prompt with its continuation; 2 on bad input."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

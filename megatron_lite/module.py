@@ -355,12 +355,12 @@ class GPTModule(pl.LightningModule):
         return out
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Which tokenizer the data used (its type and files), so `megatron-lite generate` can detokenize.
-        from megatron_lite.tokenizers.build import tokenizer_spec  # here: `import megatron_lite` stays light
+        # Which tokenizer the data used, with copies of its files (the originals may sit in a cache that goes
+        # away), so `megatron-lite generate` can detokenize and `convert --to hf` export it.
+        from megatron_lite.pretrained import tokenizer_metadata
 
-        spec = tokenizer_spec(getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None))
-        if spec is not None:
-            checkpoint[TOKENIZER_KEY] = spec
+        checkpoint.update(tokenizer_metadata(
+            getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None)))
 
     # --- optimizer ------------------------------------------------------------------------
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:

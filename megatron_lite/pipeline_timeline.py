@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 EVENTS_DIR = "pipeline_events"
 LOGGING_EXTRA = 'pip install "megatron-lite[logging]"'
@@ -296,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[list] = None) -> int:
     """Entry point of ``megatron-lite pipeline-timeline``; returns the exit status (2: a problem the user can fix)."""
     try:

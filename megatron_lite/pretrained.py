@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -28,9 +26,9 @@ from megatron_lite.core.checkpoint.full_checkpoint import (
 )
 from megatron_lite.core.checkpoint.full_state import load_full_state, persistent_buffers
 from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
-from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, copy_side_files, is_hf_directory, load_hf
+from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
 from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, raise_shape_mismatch
-from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state
+from megatron_lite.core.checkpoint.sharded import EMBEDDED_FILES, save_sharded, sharded_model_state
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -110,31 +108,61 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
     return module
 
 
+def tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
+    """The checkpoint entries that make a checkpoint carry ``tokenizer``: the ``build_tokenizer`` arguments
+    (``megatron_lite.module.TOKENIZER_KEY``) naming copies of its files inside the checkpoint, and those files
+    (:data:`~megatron_lite.core.checkpoint.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None or a
+    tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the tokenizer is
+    then recorded where its files were, with a warning."""
+    from megatron_lite.module import TOKENIZER_KEY
+    from megatron_lite.tokenizers.build import portable_tokenizer_spec, tokenizer_spec
+
+    record = portable_tokenizer_spec(tokenizer) if tokenizer is not None else None
+    if record is None:
+        return {}
+    spec, files = record
+    gone = [source for source in files.values() if not os.path.isfile(source)]
+    if gone:
+        warnings.warn(f"megatron-lite: the tokenizer file {gone[0]} is gone, so the checkpoint records the tokenizer "
+                      f"without a copy of its files", stacklevel=2)
+        return {TOKENIZER_KEY: tokenizer_spec(tokenizer)}
+    return {TOKENIZER_KEY: spec, EMBEDDED_FILES: files}
+
+
+def hf_side_directory(source: str | os.PathLike) -> Optional[Path]:
+    """The HF files (tokenizer, generation config, config.json) that travel with the model at ``source``: an
+    HF directory itself, or the ``hf/`` folder of one of our checkpoints; None when it has none."""
+    source = Path(source)
+    side = source / CHECKPOINT_SIDE_DIR if is_checkpoint_directory(source) else source if is_hf_directory(source) \
+        else None
+    return side if side is not None and side.is_dir() else None
+
+
 def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional[str | os.PathLike] = None,
-                            metadata: Optional[dict[str, Any]] = None) -> Path:
+                            metadata: Optional[dict[str, Any]] = None, tokenizer: Any = None) -> Path:
     """Write ``module``'s one-process model as one of our checkpoints (weights and hyperparameters, no optimizer
-    state). ``hf_source``: the HF directory the weights came from; its tokenizer, generation config and
-    config.json are kept in the checkpoint's ``hf/`` folder for a later export. ``metadata``: more JSON entries
-    for the checkpoint's meta.json (e.g. the tokenizer of the model it was made from)."""
+    state). ``hf_source``: an HF directory the model came from; its tokenizer, generation config and
+    config.json are kept in the checkpoint's ``hf/`` folder for a later export. ``tokenizer``: the model's
+    tokenizer, recorded with copies of its files (:func:`tokenizer_metadata`). ``metadata``: more JSON entries
+    for the checkpoint's meta.json. Everything is written atomically and covered by the manifest."""
     if module.model is None or getattr(module.model, "layout", ParallelLayout.single()).world_size != 1:
         raise ValueError("save_weights_checkpoint writes a one-process model (GPTModule.from_pretrained builds one)")
     path = Path(path)
+    carried = tokenizer_metadata(tokenizer)
     extra = {
         "epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
         "hyper_parameters": dict(module.hparams), "hparams_name": getattr(module, "_hparams_name", None),
         "megatron_lite_layout": {"tensor_model_parallel_size": 1, "sequence_parallel": False,
                                  "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
                                  "world_size": 1},
-        **(metadata or {}),
+        **carried, **(metadata or {}),
     }
+    files = {**carried.get(EMBEDDED_FILES, {}), **(metadata or {}).get(EMBEDDED_FILES, {})}
+    if hf_source is not None:
+        files.update({f"{CHECKPOINT_SIDE_DIR}/{name}": str(Path(hf_source) / name) for name in (*SIDE_FILES, CONFIG)
+                      if (Path(hf_source) / name).is_file()})
+    extra[EMBEDDED_FILES] = files
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         save_sharded({"model": sharded_model_state(module, ParallelLayout.single())}, path, extra=extra)
-    if hf_source is not None:
-        hf_source = Path(hf_source)
-        tmp = path / f".{CHECKPOINT_SIDE_DIR}.tmp-{uuid.uuid4().hex[:8]}"
-        copy_side_files(hf_source, tmp)
-        tmp.mkdir(exist_ok=True)
-        shutil.copyfile(hf_source / CONFIG, tmp / CONFIG)
-        tmp.rename(path / CHECKPOINT_SIDE_DIR)
     return path

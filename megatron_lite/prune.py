@@ -13,7 +13,8 @@ indexed dataset (``PREFIX.bin``/``PREFIX.idx``); text is tokenized with the chec
 layers, heads, neurons and channels; the next ``--eval-batches`` measure the loss before and after. The output is
 an ordinary checkpoint (weights, the smaller config, the source's tokenizer): ``GPTModule.from_pretrained``,
 ``megatron-lite generate --ckpt`` and ``trainer.validate/test/predict(ckpt_path=...)`` read it; distil it from the
-original with ``megatron_lite.callbacks.Distill``. Exit code 2 on bad input, with one line that says what to change.
+original with ``megatron_lite.callbacks.Distill``. ``--overwrite`` replaces an earlier output of megatron-lite,
+nothing else. Exit code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
+
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 
@@ -42,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="rows per batch (default 4)")
     p.add_argument("--seq-length", type=int, default=None, help="tokens per row (default: the model's seq_length)")
     p.add_argument("--json-key", default="text", help="JSONL field holding the text (default 'text')")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)")
     p.add_argument("--tokenizer-model", default=None)
@@ -103,13 +106,11 @@ def _mean_loss(module, batches) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     """Prune ``--ckpt`` and write ``--output``; returns the summary."""
-    from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory
-    from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, copy_side_files, is_hf_directory, refuse_existing
+    from megatron_lite.core.checkpoint.output_dir import check_output
     from megatron_lite.generate import load_tokenizer
-    from megatron_lite.module import TOKENIZER_KEY, GPTModule
+    from megatron_lite.module import GPTModule
     from megatron_lite.post_training.pruning import PruneTarget, apply_plan, estimate_importance, plan_pruning
-    from megatron_lite.pretrained import save_weights_checkpoint
-    from megatron_lite.tokenizers.build import tokenizer_spec
+    from megatron_lite.pretrained import hf_side_directory, save_weights_checkpoint
 
     for name in ("calib_batches", "eval_batches", "batch_size", "seq_length"):
         value = getattr(args, name)
@@ -117,9 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'eval_batches' else 1}, got {value}")
     target = PruneTarget(**{name: getattr(args, name) for name in _SHAPE_FLAGS})
     source, output = Path(args.ckpt), Path(args.output)
-    if source.resolve() == output.resolve():
-        raise ValueError("--output is the --ckpt being pruned; write the pruned model to a new directory")
-    refuse_existing(output, args.overwrite)
+    check_output(output, [source], args.overwrite)
     module = GPTModule.from_pretrained(source)
     target.pruned_config(module.config)  # an impossible target is named before any data is read
     tokenizer = load_tokenizer(source, args)
@@ -138,14 +137,10 @@ def run(args: argparse.Namespace) -> dict:
     pruned = apply_plan(module, plan)
     metadata = {"megatron_lite_pruned_from": {"checkpoint": str(source), "layers": plan.layers,
                                               "layer_metric": args.layer_metric}}
-    spec = tokenizer_spec(tokenizer)
-    if spec is not None:
-        metadata[TOKENIZER_KEY] = spec
-    save_weights_checkpoint(pruned, output, metadata=metadata)
-    side = source / CHECKPOINT_SIDE_DIR if is_checkpoint_directory(source) else source if is_hf_directory(source) \
-        else None
-    if side is not None and side.is_dir():  # an HF tokenizer travels with the weights (not config.json: other shapes)
-        copy_side_files(side, output / CHECKPOINT_SIDE_DIR)
+    # the tokenizer and an HF model's files travel with the weights (of hf/config.json an export keeps only the
+    # token ids and model type, never the shapes)
+    save_weights_checkpoint(pruned, output, hf_source=hf_side_directory(source), metadata=metadata,
+                            tokenizer=tokenizer)
     summary = {"output": str(output), "kept_layers": plan.layers,
                "parameters": [module.config.num_parameters(), pruned.config.num_parameters()],
                "shape": {name: [getattr(module.config, name), getattr(pruned.config, name)] for name in _SHAPE_FLAGS}}
@@ -154,6 +149,7 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite prune ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -11,9 +11,11 @@ of a trained checkpoint with nvidia-modelopt.
 tokenizer (as ``megatron-lite generate`` finds it; ``--tokenizer-*`` overrides): its documents, each followed
 by the end-of-document token, are cut into windows of ``seq_length + 1`` tokens; the first
 ``--calib-batches`` batches calibrate, the next ``--eval-batches`` (disjoint) measure the perplexity before and
-after. The quantized model is written to ``--output`` as one of our checkpoints: ``from_pretrained`` loads it
-quantized, ``trainer.fit(..., ckpt_path=...)`` with ``Quantize(when="fit_start")`` fine-tunes it (QAT).
-Runs in this process (one device).
+after. The quantized model is written to ``--output`` as one of our checkpoints, carrying the tokenizer (and
+the HF files of a converted model): ``from_pretrained`` loads it quantized, ``megatron-lite generate --ckpt``
+and ``convert --to hf`` read it, ``trainer.fit(..., ckpt_path=...)`` with ``Quantize(when="fit_start")``
+fine-tunes it (QAT). ``--overwrite`` replaces an earlier output of megatron-lite, nothing else. Runs in this
+process (one device). Exit code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_lite.core.checkpoint.output_dir import check_output
+from megatron_lite.utils.console import exits_quietly_on_broken_pipe
+from megatron_lite.utils.optional import MissingDependencyError
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-lite quantize", description=__doc__,
@@ -36,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", default=None, help="ModelOpt KV-cache preset, e.g. FP8_KV_CFG")
     p.add_argument("--data", required=True, help="JSONL corpus (.gz allowed) or a bundled corpus name")
     p.add_argument("--json-key", default="text", help="the corpus's text field (default text)")
-    p.add_argument("--output", required=True, help="directory for the quantized checkpoint (must not exist)")
+    p.add_argument("--output", required=True, help="directory for the quantized checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches (default 8)")
     p.add_argument("--eval-batches", type=int, default=8, help="perplexity batches before/after (default 8; 0: none)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
@@ -57,10 +64,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-batches must be >= 0, got {args.eval_batches}")
     if args.seq_length is not None and args.seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
-    if Path(args.output).exists():
-        raise FileExistsError(f"--output {args.output} exists; pass a new directory")
     if not Path(args.ckpt).exists():
         raise FileNotFoundError(f"--ckpt {args.ckpt} does not exist")
+    check_output(args.output, [args.ckpt], args.overwrite)
 
 
 def corpus_batches(path: str, json_key: str, tokenizer, seq_length: int, batch_size: int,
@@ -77,10 +83,15 @@ def corpus_batches(path: str, json_key: str, tokenizer, seq_length: int, batch_s
         tokens += tokenizer.tokenize(text) + ([eod] if eod is not None else [])
         if len(tokens) >= needed:
             break
-    windows = (len(tokens) - 1) // seq_length
+    if not tokens:
+        raise ValueError(f"--data {path} holds no text (no non-empty {json_key!r} field); pass a JSONL corpus with "
+                         f"text, or --json-key naming the field that holds it")
+    windows = max(0, (len(tokens) - 1) // seq_length)
     if windows < count * batch_size:
-        raise ValueError(f"{path} holds {windows} windows of {seq_length} tokens, fewer than the "
-                         f"{count * batch_size} asked for; lower --calib-batches/--eval-batches/--batch-size")
+        raise ValueError(f"--data {path} holds {len(tokens)} tokens: {windows} windows of {seq_length} + 1 tokens, "
+                         f"fewer than the {count * batch_size} that --calib-batches + --eval-batches batches of "
+                         f"--batch-size {batch_size} need; give more text, or lower --calib-batches, "
+                         f"--eval-batches, --batch-size or --seq-length")
     flat = torch.tensor(tokens, dtype=torch.int64)
     rows = [flat[i * seq_length: i * seq_length + seq_length + 1] for i in range(count * batch_size)]
     return [{"tokens": torch.stack(rows[i:i + batch_size])} for i in range(0, len(rows), batch_size)]
@@ -91,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_lite.generate import load_tokenizer
     from megatron_lite.module import GPTModule
     from megatron_lite.post_training.quantization import perplexity, quantize, resolve_config
-    from megatron_lite.pretrained import save_weights_checkpoint
+    from megatron_lite.pretrained import hf_side_directory, save_weights_checkpoint
 
     _check_args(args)
     config = None if str(args.config).lower() == "none" else args.config
@@ -110,16 +121,21 @@ def run(args: argparse.Namespace) -> dict:
     if evaluation:
         result["perplexity_after"] = perplexity(module, evaluation)
         result["ratio"] = result["perplexity_after"] / result["perplexity_before"]
-    save_weights_checkpoint(module, args.output)
+    save_weights_checkpoint(module, args.output, hf_source=hf_side_directory(path), tokenizer=tokenizer)
     return result
 
 
+@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``megatron-lite quantize ...``: prints the perplexity before and after; 2 on bad input."""
+    """``megatron-lite quantize ...``: prints the perplexity before and after; 2 on bad input (one line)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module="modelopt")  # its notes on transformers' version and skipped layers
-        result = run(args)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="modelopt")  # its notes on transformers' version, skipped layers
+            result = run(args)
+    except (ValueError, TypeError, OSError, MissingDependencyError) as err:
+        print(f"megatron-lite quantize: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result))
     else:

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from megatron_lite.tokenizers.base import Tokenizer, require_file
 from megatron_lite.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron_lite.tokenizers.huggingface import CONFIG_FILES as HF_CONFIG_FILES
 from megatron_lite.tokenizers.huggingface import HuggingFaceTokenizer, looks_like_hub_id, no_download_error
 from megatron_lite.tokenizers.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
@@ -149,9 +150,9 @@ def build_tokenizer(
 
 
 def tokenizer_spec(tokenizer: object) -> dict | None:
-    """The ``build_tokenizer`` keyword arguments that rebuild ``tokenizer`` from its files (absolute paths),
-    or None if it is not one of ours. A checkpoint records this so that tools (``megatron-lite generate``)
-    detokenize with the tokenizer the model was trained with; the files themselves stay where they are."""
+    """The ``build_tokenizer`` keyword arguments that rebuild ``tokenizer`` from its files where they are
+    (absolute paths), or None if it is not one of ours. A checkpoint records :func:`portable_tokenizer_spec`
+    instead, with copies of the files."""
     if isinstance(tokenizer, SentencePieceTokenizer):
         return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(tokenizer.model_path)}
     if isinstance(tokenizer, GPT2BPETokenizer):
@@ -166,3 +167,50 @@ def tokenizer_spec(tokenizer: object) -> dict | None:
     if isinstance(tokenizer, NullTokenizer):
         return {"tokenizer_type": "NullTokenizer", "vocab_size": tokenizer.vocab_size}
     return None
+
+
+FILE_ARGUMENTS = ("tokenizer_model", "vocab_file", "merge_file")
+"""The ``build_tokenizer`` arguments that name files."""
+TOKENIZER_FOLDER = "tokenizer"
+"""The folder inside a checkpoint that holds the copies of its tokenizer's files."""
+
+
+def portable_tokenizer_spec(tokenizer: object, folder: str = TOKENIZER_FOLDER) -> tuple[dict, dict[str, str]] | None:
+    """(``build_tokenizer`` arguments naming the files as ``folder/...``, {``folder/<name>``: the file now}) for
+    ``tokenizer``, or None if it is not one of ours: what a checkpoint records with copies of the files (in
+    ``folder`` inside it), so that it keeps its tokenizer wherever it goes (:func:`build_recorded_tokenizer`).
+    The files get the names transformers reads: ``tokenizer.model``, ``vocab.json``/``merges.txt``,
+    ``tokenizer.json`` and the configuration files beside it."""
+    spec = tokenizer_spec(tokenizer)
+    if spec is None:
+        return None
+    files: dict[str, str] = {}
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        directory = os.path.dirname(os.path.abspath(tokenizer.tokenizer_file))
+        files[f"{folder}/tokenizer.json"] = os.path.abspath(tokenizer.tokenizer_file)
+        files.update({f"{folder}/{name}": os.path.join(directory, name) for name in HF_CONFIG_FILES
+                      if os.path.isfile(os.path.join(directory, name))})
+        spec["tokenizer_model"] = folder
+        return spec, files
+    names = {"SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
+             "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"}}.get(spec["tokenizer_type"], {})
+    for key in FILE_ARGUMENTS:
+        if key in spec:
+            inside = f"{folder}/{names.get(key, os.path.basename(spec[key]))}"
+            files[inside], spec[key] = spec[key], inside
+    return spec, files
+
+
+def build_recorded_tokenizer(spec: dict, base: str | os.PathLike[str]) -> Tokenizer:
+    """``build_tokenizer(**spec)`` for a spec recorded in a checkpoint: its relative file paths (a checkpoint's
+    own copies, see :func:`portable_tokenizer_spec`) are taken relative to ``base``, the checkpoint; absolute
+    ones (older checkpoints) as they are. FileNotFoundError naming the first file that is not there."""
+    spec = dict(spec)
+    for key in FILE_ARGUMENTS:
+        if key in spec:
+            spec[key] = os.path.join(os.fspath(base), os.fspath(spec[key]))
+            if not os.path.exists(spec[key]):
+                raise FileNotFoundError(f"the checkpoint's tokenizer file {spec[key]} does not exist; pass the "
+                                        f"tokenizer with --tokenizer-type {spec.get('tokenizer_type')} and its files "
+                                        f"(--tokenizer-model, or --vocab-file and --merge-file)")
+    return build_tokenizer(**spec)

@@ -16,6 +16,8 @@ from megatron_lite.utils.optional import require
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 """The special-token entries read from ``tokenizer_config.json`` / ``special_tokens_map.json``."""
+CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json", "chat_template.jinja")
+"""The files beside ``tokenizer.json`` that :class:`HuggingFaceTokenizer` reads (special tokens, chat template)."""
 
 # "gpt2", "meta-llama/Llama-3.1-8B": one or two name parts, and no file suffix a local path would have
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -126,7 +128,7 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
         tokens: dict[str, str | None] = {}
         template = None
         # special_tokens_map.json is the older home of the special tokens; tokenizer_config.json wins
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        for name in CONFIG_FILES[:2]:
             source = os.path.join(directory, name)
             if not os.path.isfile(source):
                 continue
@@ -137,7 +139,7 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
             if "chat_template" in config:
                 template = _pick_template(config["chat_template"], source)
         # transformers >= 4.43 saves the template as its own file, which takes precedence
-        jinja = os.path.join(directory, "chat_template.jinja")
+        jinja = os.path.join(directory, CONFIG_FILES[2])
         if os.path.isfile(jinja):
             with open(jinja, encoding="utf-8") as f:
                 template = f.read()

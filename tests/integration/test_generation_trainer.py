@@ -20,7 +20,8 @@ import megatron_lite as ml
 from megatron_lite import cli
 from megatron_lite.data import PromptDataModule, TextCorpusDataModule
 from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
-from megatron_lite.tokenizers import build_tokenizer
+from megatron_lite.core.checkpoint.integrity import read_manifest
+from megatron_lite.tokenizers.build import build_recorded_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["ROMEO:\nWhat light", "To be, or not", "KING"]
@@ -52,9 +53,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _tokenizer(checkpoint: Path):
-    """The tokenizer the checkpoint records: the one the datamodule trained."""
+    """The tokenizer the checkpoint records: the one the datamodule trained (its files copied into the checkpoint)."""
     meta = read_checkpoint_meta(checkpoint, [ml.GPTConfig, ml.OptimizerConfig])
-    return build_tokenizer(**meta["megatron_lite_tokenizer"])
+    return build_recorded_tokenizer(meta["megatron_lite_tokenizer"], checkpoint)
 
 
 def _predict(checkpoint: Path, prompts, devices: int = 1, batch_size: int = 2, **options) -> list[list[int]]:
@@ -117,6 +118,31 @@ def test_cli_generates_from_a_trainer_checkpoint(checkpoint, tmp_path):
     assert [r["new_tokens"] for r in records] == expected
     assert [r["prompt_tokens"] for r in records] == prompts
     assert [r["completion"] for r in records] == completions
+
+
+def test_a_trainer_checkpoint_carries_its_tokenizer(checkpoint, tmp_path, capsys):
+    """The datamodule trained its tokenizer into a cache folder; the checkpoint the ranks wrote holds a copy
+    (checksummed with it), so it generates and exports its tokenizer after the cache is gone."""
+    meta = read_checkpoint_meta(checkpoint, [ml.GPTConfig, ml.OptimizerConfig])
+    assert meta["megatron_lite_tokenizer"] == {"tokenizer_type": "SentencePieceTokenizer",
+                                               "tokenizer_model": "tokenizer/tokenizer.model"}
+    assert "tokenizer/tokenizer.model" in read_manifest(checkpoint).files
+    cache = checkpoint.parents[1] / "cache"
+    tokenizer = _tokenizer(checkpoint)
+    expected = ml.GPTModule.from_pretrained(checkpoint).generate([tokenizer.tokenize(TEXTS[0])], 4,
+                                                                  stop_ids=[tokenizer.eod]).tokens[0]
+    cache.rename(tmp_path / "cache.gone")
+    try:
+        with pytest.raises(SystemExit) as exit_code:
+            cli.main(["generate", "--ckpt", str(checkpoint), "--prompt", TEXTS[0], "--max-new-tokens", "4", "--json"])
+        assert exit_code.value.code == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["new_tokens"] == expected
+        with pytest.raises(SystemExit) as exit_code:
+            cli.main(["convert", "--to", "hf", "--input", str(checkpoint), "--output", str(tmp_path / "hf")])
+        assert exit_code.value.code == 0
+    finally:
+        (tmp_path / "cache.gone").rename(cache)
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (checkpoint / "tokenizer/tokenizer.model").read_bytes()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,7 +1,8 @@
 """Checkpoints on disk: per-file checksums of the bytes written, checked before anything is loaded (a flipped
 byte, a truncated or missing shard is named, and nothing is loaded); an existing checkpoint is replaced
 atomically; a replace interrupted between its two renames is recovered; leftovers of killed saves are
-removed at the next save; latest_checkpoint.json names the newest save. Real files, one process."""
+removed at the next save; latest_checkpoint.json names the newest save; files a checkpoint carries (its
+tokenizer) are in its manifest. Real files, one process."""
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from megatron_lite.core.checkpoint.integrity import (
     record_file,
     verify_checkpoint,
 )
-from megatron_lite.core.checkpoint.sharded import load_sharded, read_checkpoint_meta, save_sharded
+from megatron_lite.core.checkpoint.sharded import EMBEDDED_FILES, load_sharded, read_checkpoint_meta, save_sharded
 
 
 def _state(value: float) -> dict:
@@ -45,6 +46,30 @@ def test_the_manifest_records_every_file_as_written(tmp_path):
     assert verify_checkpoint(path).status == "ok"
     assert json.loads((tmp_path / LATEST).read_text())["name"] == "ckpt"
     assert _hidden(tmp_path) == []
+
+
+def test_files_a_checkpoint_carries_are_checksummed_with_it(tmp_path):
+    source = tmp_path / "cache" / "sp.model"
+    source.parent.mkdir()
+    source.write_bytes(os.urandom(3000))
+    files = {EMBEDDED_FILES: {"tokenizer/tokenizer.model": str(source)}}
+    path = save_sharded(_state(1.5), tmp_path / "ckpt", extra={"global_step": 7, **files})
+    assert (path / "tokenizer" / "tokenizer.model").read_bytes() == source.read_bytes()
+    assert read_manifest(path).files["tokenizer/tokenizer.model"] == record_file(source)
+    assert EMBEDDED_FILES not in read_checkpoint_meta(path)  # copied, not recorded
+    assert verify_checkpoint(path).files == 4
+    copy = path / "tokenizer" / "tokenizer.model"
+    copy.write_bytes(b"x" + copy.read_bytes()[1:])
+    with pytest.raises(CorruptCheckpointError, match=r"tokenizer/tokenizer.model: checksum mismatch"):
+        verify_checkpoint(path)
+    # refused before a byte is written: a source that is not there, a path outside a folder of its own
+    for bad, error in (({"tokenizer/tokenizer.model": str(tmp_path / "gone.model")}, "gone.model, a file the "
+                                                                                   "checkpoint .* is to carry"),
+                       ({"../escape.model": str(source)}, "not a '<folder>/<file>' path"),
+                       ({"tokenizer.model": str(source)}, "not a '<folder>/<file>' path")):
+        with pytest.raises((FileNotFoundError, ValueError), match=error):
+            save_sharded(_state(1.0), tmp_path / "bad", extra={EMBEDDED_FILES: bad})
+        assert not (tmp_path / "bad").exists() and _hidden(tmp_path) == []
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -146,6 +171,8 @@ def test_leftovers_of_killed_saves_are_removed_at_the_next_save(tmp_path):
     killed.mkdir()
     (killed / "__0_0.distcp").write_bytes(os.urandom(1000))
     (killed / ".metadata.tmp").write_bytes(b"")
+    (killed / "tokenizer").mkdir()  # a file the checkpoint carries, copied when the save began
+    (killed / "tokenizer" / "tokenizer.model").write_bytes(b"sp")
     empty = tmp_path / ".x.ckpt.tmp-00c0ffee"  # killed right after creating it
     empty.mkdir()
     superseded = tmp_path / ".last.ckpt.old-11111111"  # killed before removing the replaced one

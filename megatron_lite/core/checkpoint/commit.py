@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 LATEST = "latest_checkpoint.json"
 LATEST_FORMAT = "megatron-lite-latest/1"
 _SIBLING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<id>[0-9a-f]{8})$")
-# Every file a save writes (DCP's shards and metadata, their temporaries, ours): a directory holding
-# anything else is never removed by the clean-up, whatever its name.
+# Every file a save writes (DCP's shards and metadata, their temporaries, ours; besides them only folders of
+# plain files it carries, such as tokenizer/): a directory holding anything else is never removed by the
+# clean-up, whatever its name.
 _CHECKPOINT_FILE = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|meta\.json|meta\.pt|manifest\.json)$")
 
 
@@ -206,9 +207,18 @@ def _only_checkpoint_files(path: Path, kind: str) -> bool:
     if path.is_file():  # a replaced or removed single-file checkpoint, or the latest record's temporary
         return kind in ("old", "del") or path.name.startswith(f".{LATEST}.")
     try:
-        return all(e.is_file() and not e.is_symlink() and _CHECKPOINT_FILE.match(e.name) for e in path.iterdir())
+        return all(_checkpoint_entry(e) for e in path.iterdir())
     except OSError:
         return False
+
+
+def _checkpoint_entry(entry: Path) -> bool:
+    """A file a save writes, or a folder of plain files a checkpoint carries (``tokenizer/``)."""
+    if entry.is_symlink():
+        return False
+    if entry.is_dir():
+        return all(e.is_file() and not e.is_symlink() for e in entry.iterdir())
+    return entry.is_file() and bool(_CHECKPOINT_FILE.match(entry.name))
 
 
 def clean_up(directory: str | os.PathLike, in_flight: Collection[str | os.PathLike] = ()) -> list[Path]:

@@ -95,7 +95,7 @@ def describe_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict
     a checkpoint that is not one raises FileNotFoundError.
     """
     path = locate(path)
-    files = [p for p in path.iterdir() if p.is_file()]
+    files = [p for p in path.rglob("*") if p.is_file()]  # with the folders it carries (tokenizer/)
     info: dict[str, Any] = {"path": str(path), "size_bytes": sum(p.stat().st_size for p in files),
                             "files": len(files)}
     if checksums:

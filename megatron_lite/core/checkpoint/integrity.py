@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from megatron_lite.core.checkpoint.rank_zero import distributed, gather_to_all
-from megatron_lite.core.checkpoint.safe_reader import is_file_name
+from megatron_lite.core.checkpoint.safe_reader import is_inner_path
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron-lite-manifest/1"
@@ -198,7 +198,8 @@ def read_manifest(directory: str | os.PathLike) -> Optional[Manifest]:
             raise ValueError(f"format {document.get('format')!r}, checksum {document.get('checksum')!r}")
         files = {}
         for name, entry in document["files"].items():
-            if not is_file_name(name) or name == MANIFEST:
+            # a file of the checkpoint, or one it carries in a folder of its own ("tokenizer/tokenizer.model")
+            if not is_inner_path(name) or name == MANIFEST:
                 raise ValueError(f"file name {name!r} is not a file inside the checkpoint")
             files[name] = FileRecord(int(entry["bytes"]), int(entry["crc32"], 16))
         return Manifest(files, float(document.get("written_at", 0.0)))

@@ -84,6 +84,12 @@ def is_file_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
 
 
+def is_inner_path(name: Any) -> bool:
+    """Whether ``name`` is a relative ``/``-separated path that stays inside the directory it is read from
+    (a manifest lists the files a checkpoint carries in folders of its own: ``tokenizer/tokenizer.model``)."""
+    return isinstance(name, str) and not name.startswith("/") and all(is_file_name(part) for part in name.split("/"))
+
+
 def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     """The DCP ``Metadata`` in the file ``path``, unpickled through the allow-list and checked."""
     source = str(path)

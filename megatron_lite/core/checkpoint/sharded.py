@@ -29,6 +29,7 @@ from megatron_lite.core.checkpoint import meta_json
 from megatron_lite.core.checkpoint.commit import (
     clean_up,
     commit,
+    fsync_dir,
     incomplete_leftovers,
     latest_in,
     record_latest,
@@ -62,6 +63,12 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 WriteBacks = list[tuple[torch.Tensor, torch.Tensor]]
 
 log = logging.getLogger(__name__)
+
+EMBEDDED_FILES = "megatron_lite_embedded_files"
+"""Key of a save's ``extra`` naming files to copy into the checkpoint, ``{path inside it: source file}`` (e.g.
+``{"tokenizer/tokenizer.model": "/home/me/.cache/.../tokenizer.model"}``), so that it carries them with it: copied
+when the save begins, checksummed in the manifest like its other files, never stored in ``meta.json``. Each
+path is ``<folder>/<file>``: a folder of its own, so it never collides with the checkpoint's own files."""
 
 
 def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
@@ -263,7 +270,8 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional
     ``meta.json`` under ``path``, atomically; collective when a process group exists.
 
     ``extra`` may hold what :mod:`megatron_lite.core.checkpoint.meta_json` encodes, with ``allowed`` as the
-    config dataclasses besides the default ones; anything else is refused before a byte is written. Rank 0
+    config dataclasses besides the default ones; anything else is refused before a byte is written.
+    ``extra[EMBEDDED_FILES]`` names files the checkpoint carries in folders of its own (:data:`EMBEDDED_FILES`). Rank 0
     first recovers or removes leftovers of killed saves next to ``path`` (but not ``in_flight`` ones), then
     every rank writes into a hidden temporary sibling, recording each file's size and CRC-32 as it writes;
     rank 0 writes ``meta.json`` and, last, ``manifest.json``, fsyncs, moves the directory into place (an
@@ -294,6 +302,8 @@ class SaveTarget:
     """``meta.json``'s content on rank 0 (None on the other ranks)."""
     step: Optional[int]
     """The global step recorded in ``latest_checkpoint.json``."""
+    embedded: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
+    """The :data:`EMBEDDED_FILES` copied into :attr:`tmp` (rank 0), for the manifest."""
 
 
 def begin_save(path: str | os.PathLike, extra: Optional[dict] = None, allowed: Sequence[type] = (),
@@ -301,27 +311,56 @@ def begin_save(path: str | os.PathLike, extra: Optional[dict] = None, allowed: S
     """Encode ``extra`` (refused before a byte is written), clean up leftovers and create the temporary
     directory (rank 0); collective."""
     path = Path(path)
-    meta = on_rank0(lambda: meta_json.dumps(extra if extra is not None else {}, allowed), share=False)
-    tmp = Path(on_rank0(lambda: str(_begin_save(path, in_flight))))
-    step = extra.get("global_step") if isinstance(extra, dict) else None
-    return SaveTarget(path, tmp, meta, step if isinstance(step, int) else None)
+    extra = dict(extra) if extra is not None else {}
+    files = _embedded_names(extra.pop(EMBEDDED_FILES, None))
+    meta = on_rank0(lambda: meta_json.dumps(extra, allowed), share=False)
+    tmp, embedded = on_rank0(lambda: _begin_save(path, in_flight, files))
+    step = extra.get("global_step")
+    return SaveTarget(path, Path(tmp), meta, step if isinstance(step, int) else None, embedded)
 
 
 def finish_save(target: SaveTarget, records: dict[str, FileRecord], group=None) -> None:
     """After every rank's DCP write returned: gather the ranks' file records, and rank 0 writes the
     manifest, commits and records the latest; collective (over ``group`` when given)."""
-    merged: dict[str, FileRecord] = {}
+    merged: dict[str, FileRecord] = dict(target.embedded)
     for rank_records in gather_to_all(records, group):
         merged.update(rank_records)
     on_rank0(lambda: _finish_save(target.tmp, target.path, target.meta, merged, target.step), group=group)
 
 
-def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike]) -> Path:
+def _embedded_names(files: Any) -> dict[str, str]:
+    """The :data:`EMBEDDED_FILES` entry checked: ``<folder>/<file>`` names (no ``..``, no hidden parts)."""
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        raise TypeError(f"{EMBEDDED_FILES} must map paths inside the checkpoint to source files, got {files!r}")
+    for name, source in files.items():
+        parts = str(name).split("/")
+        if not isinstance(name, str) or len(parts) < 2 or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            raise ValueError(f"{EMBEDDED_FILES}: {name!r} is not a '<folder>/<file>' path inside the checkpoint")
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"{EMBEDDED_FILES}: the source of {name!r} must be a path, got {source!r}")
+    return {name: os.fspath(source) for name, source in files.items()}
+
+
+def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike],
+                files: dict[str, str]) -> tuple[str, dict[str, FileRecord]]:
+    missing = [source for source in files.values() if not os.path.isfile(source)]
+    if missing:  # before a byte is written
+        raise FileNotFoundError(f"{missing[0]}, a file the checkpoint {path} is to carry, does not exist")
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_up(path.parent, in_flight)
     tmp = sibling(path, "tmp")
     tmp.mkdir()
-    return tmp
+    records = {}
+    for name, source in files.items():
+        data = Path(source).read_bytes()
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        write_file_durably(tmp / name, data)
+        records[name] = record_bytes(data)
+    for folder in {(tmp / name).parent for name in files}:
+        fsync_dir(folder)
+    return str(tmp), records
 
 
 def _finish_save(tmp: Path, path: Path, meta: bytes, records: dict[str, FileRecord], step: Optional[int]) -> None:
