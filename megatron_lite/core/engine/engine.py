@@ -45,7 +45,7 @@ class Objective(Protocol):
     def loss(self, output: torch.Tensor, microbatch: dict) -> tuple:
         """(sum of the loss over the microbatch's loss units, number of units), on the last stage.
         The step's loss is the sum over the global batch divided by the global count. A third element,
-        ``{name: [sum, count]}`` (``loss_report.report_entry``), reports metrics: each is reduced like the
+        ``{name: [sum, count]}`` (``megatron_lite.core.engine.report_entry``), reports metrics: each is reduced like the
         loss and lands in ``StepLoss.report`` (``GPTModule`` logs it as ``train/<name>``)."""
         ...
 
@@ -103,7 +103,7 @@ class TrainingEngine:
         self.rerun: Optional[RerunStateMachine] = None
         """Validates every training step and replays rejected ones (see ``megatron_lite.core.rerun``)."""
         self._loss = objective.loss  # the objective's loss, with an injected fault during a drill
-        self._report_names = ReportNames()
+        self._report_names = ReportNames()  # the loss report's names, learnt at the first step of each kind
 
     @property
     def device(self) -> torch.device:
