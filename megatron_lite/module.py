@@ -23,7 +23,7 @@ from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
 from megatron_lite.core.optim.scheduler import schedule_lengths
 from megatron_lite.core.optim.distributed import DistributedOptimizer
-from megatron_lite.core.optim.optimizer import MegatronOptimizer
+from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -53,6 +53,9 @@ class GPTModule(pl.LightningModule):
     one-call :meth:`loss_fn`; :meth:`build_model` changes the model.
     """
 
+    progress_bar_metrics: tuple[str, ...] = ()
+    """Names of the loss's reported metrics (see :meth:`loss`) that are also shown on the progress bar."""
+
     loss_is_token_nll = True
     """The loss is a mean next-token negative log-likelihood, so ``exp(val/loss)`` is a perplexity (the metrics
     callback logs ``val/perplexity`` only then); objectives with another loss (DPO, reward models) set False."""
@@ -75,6 +78,8 @@ class GPTModule(pl.LightningModule):
         self._attached: list[tuple[ObjectiveExtension, int]] = []  # (extension, id of the model it attached to)
         self.val_loss_metric = MeanMetric()
         self.test_loss_metric = MeanMetric()
+        self.report_metrics = nn.ModuleDict()
+        """The epoch means of the metrics the loss reports in evaluation, made at their first batch."""
 
     @classmethod
     def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
@@ -214,8 +219,10 @@ class GPTModule(pl.LightningModule):
             return self.loss_fn(self.model, microbatch)  # the whole model in one call (no pipelining)
         return gpt_forward_step(part, microbatch, input_tensor)
 
-    def loss(self, output: Any, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the per-token losses where ``loss_mask`` is set, their number)."""
+    def loss(self, output: Any, microbatch: dict) -> tuple:
+        """(sum of the per-token losses where ``loss_mask`` is set, their number). An override may return a
+        third element, a report of metrics ``{name: report_entry(sum, count)}``: the engine reduces each with
+        the loss and the module logs its global mean as ``train/<name>`` (``val/<name>`` in validation)."""
         if self._overrides_loss_fn():
             return output  # loss_fn returned (sum, count) already
         return masked_token_loss(output, microbatch)
@@ -254,22 +261,37 @@ class GPTModule(pl.LightningModule):
         return self.engine.forward_backward(self.step_microbatches(batch), forward_only=forward_only, **schedule_kwargs)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        step, result, lr = self.engine_train_step(self.step_microbatches(batch), self._global_batch_samples(batch))
+        self.log_training_step(step, result, lr)
+        return step.loss
+
+    def engine_train_step(self, microbatches: list[dict], global_batch_samples: int
+                          ) -> tuple[StepLoss, StepResult, float]:
+        """One engine train step over ``microbatches`` (this rank's share of a global batch of
+        ``global_batch_samples``), then the LR schedule's step, which (as Megatron's) advances only when the
+        weights were updated. Returns the step's loss, the optimizer's result and the LR it ran at."""
         scheduler = self.lr_schedulers()
         lr = scheduler.current_lr  # before any per-group multiplier (a ZeRO-1 rank may hold only scaled groups)
-        microbatches = self.step_microbatches(batch)
         step, result = self.engine.train_step(microbatches, optimizer_step=self.optimizers().step)
-        if not result.skipped:  # Megatron advances the schedule only on steps that updated the weights
-            scheduler.step(increment=self._global_batch_samples(batch) if self.optimizer_config.sample_based else None)
+        if not result.skipped:
+            scheduler.step(increment=global_batch_samples if self.optimizer_config.sample_based else None)
+        return step, result, lr
+
+    def log_training_step(self, step: StepLoss, result: StepResult, lr: float) -> None:
+        """Log a training step: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/skipped_steps``
+        (``train/loss_scale`` with fp16), every metric the loss reported as ``train/<name>`` (its global mean)
+        and the objective extensions' ``step_metrics``."""
         self.log("train/loss", step.loss, prog_bar=True)
         self.log("train/lr", lr, prog_bar=True)
         self.log("train/grad_norm", result.grad_norm)
         self.log("train/skipped_steps", float(self.megatron_optimizer.skipped_steps))
         if result.loss_scale is not None:
             self.log("train/loss_scale", result.loss_scale)
+        for name, value in step.report_means().items():
+            self.log(f"train/{name}", value, prog_bar=name in self.progress_bar_metrics)
         for extension in self.objective_extensions:
             for name, value in extension.step_metrics().items():
                 self.log(name, value)
-        return step.loss
 
     def on_train_start(self) -> None:
         # Lightning (>= 2.2) keeps whatever mode a module is in at fit, and from_pretrained hands the model back in
@@ -301,7 +323,20 @@ class GPTModule(pl.LightningModule):
         metric = self.val_loss_metric if prefix == "val" else self.test_loss_metric
         metric.update(step.loss.detach(), weight=step.num_tokens.to(step.loss.dtype))
         self.log(f"{prefix}/loss", metric, prog_bar=True, on_step=False, on_epoch=True)
+        self.log_evaluation_report(step, prefix)
         return step.loss
+
+    def log_evaluation_report(self, step: StepLoss, prefix: str) -> None:
+        """Log every metric the loss reported as ``{prefix}/<name>``: over the epoch, the mean of the
+        batches' global means weighted by their counts (as ``{prefix}/loss`` is by its tokens)."""
+        for name, mean in step.report_means().items():
+            key = f"{prefix}/{name}".replace(".", "_")  # a sub-module's name holds no dot
+            if key not in self.report_metrics:
+                self.report_metrics[key] = MeanMetric().to(mean.device)
+            metric = self.report_metrics[key]
+            metric.update(mean, weight=step.report[name][1].to(mean.dtype))
+            self.log(f"{prefix}/{name}", metric, on_step=False, on_epoch=True,
+                     prog_bar=name in self.progress_bar_metrics, metric_attribute=f"report_metrics.{key}")
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Next-token logits over the real vocabulary ``[b, s, vocab_size]`` (gathered across TP) for

@@ -194,10 +194,10 @@ class RerunStateMachine:
         factor = {"nan": math.nan, "inf": math.inf, "spike": FaultInjection.SPIKE_FACTOR}[injection.kind]
 
         def faulty(*args, **kwargs):
-            loss_sum, count = loss_fn(*args, **kwargs)
+            loss_sum, *rest = loss_fn(*args, **kwargs)  # (sum, count) or (sum, count, report)
             if injection.target == "loss":
-                return loss_sum * factor, count
-            return _GradFault.apply(loss_sum, factor), count
+                return (loss_sum * factor, *rest)
+            return (_GradFault.apply(loss_sum, factor), *rest)
 
         return faulty
 

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layout
 from megatron_lite.core.engine.extensions import ForwardStep, LossFn, ObjectiveExtension
+from megatron_lite.core.parallel.loss_report import report_entry, split_loss, with_report
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import gather_from_sequence_parallel_region
@@ -123,8 +123,8 @@ class _DistillOutput:
 class Distillation(ObjectiveExtension):
     """Adds a frozen teacher's logits KL (and intermediate-layer losses) to a GPT module's objective.
 
-    ``teacher`` is what :func:`load_teacher` returns. Logged per step (global-batch means over the loss
-    tokens, equal on every rank): ``train/lm_loss``, ``train/kd_loss`` and, with layer pairs,
+    ``teacher`` is what :func:`load_teacher` returns. Its loss reports, per training step (global-batch means
+    over the loss tokens, logged on every rank): ``train/lm_loss``, ``train/kd_loss`` and, with layer pairs,
     ``train/intermediate_loss``; ``train/loss`` is their weighted sum.
     """
 
@@ -135,7 +135,6 @@ class Distillation(ObjectiveExtension):
         self.student: Optional[nn.Module] = None
         self.layout: Optional[ParallelLayout] = None
         self.projections: Optional[nn.ModuleList] = None
-        self._sums = torch.zeros(4, dtype=torch.float64)  # lm, kd, intermediate, loss tokens of this step
 
     # --- checks and the teacher ----------------------------------------------------------------
     def teacher_config(self, student_config: GPTConfig) -> GPTConfig:
@@ -293,32 +292,15 @@ class Distillation(ObjectiveExtension):
             total = distance if total is None else total + distance
         return total.transpose(0, 1)  # [s, b] -> [b, s], like the loss mask
 
-    def loss(self, inner: LossFn, output: Any, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, inner: LossFn, output: Any, microbatch: dict) -> tuple:
         if not isinstance(output, _DistillOutput):
             return inner(output, microbatch)
-        lm, count = inner(output.inner, microbatch)
+        lm, count, report = split_loss(inner(output.inner, microbatch))
         kd, _ = masked_token_loss(output.kd, microbatch)
         total = kd * self.config.kd_loss_scale if self.config.skip_lm_loss else lm + kd * self.config.kd_loss_scale
-        intermediate = torch.zeros_like(kd)
+        parts = {"lm_loss": report_entry(lm, count), "kd_loss": report_entry(kd, count)}
         if output.intermediate is not None:
             intermediate, _ = masked_token_loss(output.intermediate, microbatch)
             total = total + intermediate * self.config.intermediate_loss_scale
-        values = torch.stack([torch.as_tensor(v).detach().to(device=kd.device, dtype=torch.float64)
-                              for v in (lm, kd, intermediate, count)])
-        self._sums = self._sums.to(values.device) + values
-        return total, count
-
-    def step_metrics(self) -> dict[str, torch.Tensor]:
-        """The step's global-batch means: summed over DP x CP, and from the last pipeline stage (the others
-        hold zeros). Collective: every rank of the run calls it once per training step."""
-        sums, self._sums = self._sums, torch.zeros_like(self._sums)
-        if self.layout is not None:
-            for name in ("dp_cp", "pp"):
-                group = self.layout.group(name)
-                if group is not None and dist.get_world_size(group) > 1:
-                    dist.all_reduce(sums, group=group)
-        means = (sums[:3] / sums[3].clamp(min=1.0)).to(torch.float32)
-        metrics = {"train/lm_loss": means[0], "train/kd_loss": means[1]}
-        if self.config.intermediate_layer_pairs:
-            metrics["train/intermediate_loss"] = means[2]
-        return metrics
+            parts["intermediate_loss"] = report_entry(intermediate, count)
+        return with_report((total, count, report), **parts)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,6 +46,7 @@ from megatron_lite.core.models.draft_head import (
 )
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.loss_report import report_entry
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
 
 FORMAT = "megatron-lite-draft-head/1"
@@ -100,7 +100,6 @@ class DraftHeadExtension(ObjectiveExtension):
         self.config = config if config is not None else DraftHeadConfig()
         self.base = base
         self.model: Optional[nn.Module] = None
-        self._sums = torch.zeros(4, dtype=torch.float64)  # regression, classification, correct, tokens
 
     def attach(self, module: Any, model: nn.Module, layout: ParallelLayout) -> None:
         if layout.pp_size > 1 or layout.cp_size > 1 or layout.sequence_parallel:
@@ -157,26 +156,20 @@ class DraftHeadExtension(ObjectiveExtension):
         model = self.model
         return gather_real_vocab(logits.float(), model.tp_group, model.config.vocab_size).argmax(dim=-1)
 
-    def loss(self, inner, output: Any, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, inner, output: Any, microbatch: dict) -> tuple:
+        """(the head's loss summed over its tokens, their number); a training step also reports the draft's
+        regression and classification losses and accuracy (its greedy token equal to the base's) per token."""
         per_token, regression, classification, correct = output
         mask = microbatch.get("loss_mask")
         # position t is trained only where the next position is a real token of the row
         mask = torch.ones_like(per_token) if mask is None else mask[:, 1:].to(per_token.dtype)
-        if per_token.requires_grad:  # a training step (evaluation runs forward only)
-            self._sums += torch.stack([(regression * mask).sum(), (classification * mask).sum(),
-                                       (correct * mask).sum(), mask.sum()]).detach().to(torch.float64).cpu()
-        return (per_token * mask).sum(), mask.sum()
-
-    def step_metrics(self) -> dict[str, torch.Tensor]:
-        sums, self._sums = self._sums, torch.zeros(4, dtype=torch.float64)
-        layout = getattr(self.model, "layout", None)
-        group = layout.group("dp_cp") if layout is not None and layout.mesh is not None else None
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sums, group=group)
-        tokens = max(float(sums[3]), 1.0)
-        return {"train/draft_regression_loss": torch.tensor(float(sums[0]) / tokens),
-                "train/draft_classification_loss": torch.tensor(float(sums[1]) / tokens),
-                "train/draft_accuracy": torch.tensor(float(sums[2]) / tokens)}
+        count = mask.sum()
+        if not per_token.requires_grad:  # evaluation runs forward only: its loss is val/loss
+            return (per_token * mask).sum(), count
+        report = {name: report_entry((value * mask).sum(), count) for name, value in (
+            ("draft_regression_loss", regression), ("draft_classification_loss", classification),
+            ("draft_accuracy", correct))}
+        return (per_token * mask).sum(), count, report
 
 
 def _load_base(module: Any, model: nn.Module, path: str | os.PathLike) -> None:

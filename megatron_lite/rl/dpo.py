@@ -35,11 +35,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.utils.data import default_collate
-from torchmetrics.aggregation import MeanMetric
 
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.core.parallel.loss_report import report_entry
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.reference import frozen_reference
@@ -49,7 +49,6 @@ from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
                 "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
-METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
 def pair_microbatch(microbatch: dict) -> dict:
@@ -159,6 +158,7 @@ class DPOModule(GPTModule):
     """
 
     loss_is_token_nll = False  # no val/perplexity: the loss is not a next-token NLL
+    progress_bar_metrics = ("reward_accuracy",)
 
     def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
                  beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str = "sigmoid",
@@ -175,14 +175,11 @@ class DPOModule(GPTModule):
                                    "beta": beta, "label_smoothing": label_smoothing, "loss_type": loss_type,
                                    "reference": self.reference,
                                    "precompute_reference_log_probs": self.precompute_reference_log_probs})
-        self.reward_metrics = nn.ModuleDict({f"{split}_{name}": MeanMetric()
-                                             for split in ("val", "test") for name in METRICS})
         # Not a sub-module (set through __dict__): never in the optimizer, the state dict or a checkpoint.
         self.__dict__["_reference_model"] = None
         self._reference_engine: Optional[TrainingEngine] = None
         self._reference_cache: dict[int, torch.Tensor] = {}  # pair index -> (chosen, rejected) log-probs
         self._reference_done = False  # the reference's log-probs are all cached and its model freed
-        self._tally: Optional[torch.Tensor] = None
 
     @classmethod
     def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
@@ -332,9 +329,9 @@ class DPOModule(GPTModule):
         """Activations for the next stage, or on the last stage the sequences' response log-probs [2b]."""
         return sequence_log_probs_step(part, microbatch, input_tensor, self.parallel_layout.group("cp"))
 
-    def loss(self, logps: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the pairs' DPO losses, number of pairs); tallies rewards and accuracy for the metrics.
-        Packed rows' empty pair slots (``index`` -1) count for nothing."""
+    def loss(self, logps: torch.Tensor, microbatch: dict) -> tuple:
+        """(sum of the pairs' DPO losses, number of pairs, the rewards, margin and accuracy summed over the
+        pairs). Packed rows' empty pair slots (``index`` -1) count for nothing."""
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = microbatch["reference_logps"].to(logps.device).chunk(2)
         terms = dpo_terms(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta,
@@ -347,40 +344,8 @@ class DPOModule(GPTModule):
         else:
             loss, keep = terms.loss.sum(), torch.ones_like(chosen, dtype=torch.float64)
         pairs = keep.sum()
-        tally = torch.stack([(term.double() * keep).sum() for term in
-                             (terms.rewards_chosen, terms.rewards_rejected, terms.correct)] + [pairs])
-        self._tally = tally if self._tally is None else self._tally + tally
-        return loss, pairs
-
-    def _reward_metrics(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The global batch's mean rewards, margin and accuracy (equal on every rank) and its pair count: the
-        last stage's tally summed over the pipeline (zeros elsewhere), then over DP x CP; no host sync."""
-        tally, self._tally = self._tally, None
-        tally = tally if tally is not None else torch.zeros(4, dtype=torch.float64, device=self.device)
-        for name in ("pp", "dp_cp"):
-            group = self.parallel_layout.group(name)
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(tally, group=group)
-        mean = (tally[:3] / tally[3].clamp(min=1.0)).float()
-        values = {"rewards_chosen": mean[0], "rewards_rejected": mean[1], "reward_margin": mean[0] - mean[1],
-                  "reward_accuracy": mean[2]}
-        return values, tally[3]
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        self._tally = None
-        loss = super().training_step(batch, batch_idx)
-        values, _ = self._reward_metrics()
-        for name, value in values.items():
-            self.log(f"train/{name}", value, prog_bar=name == "reward_accuracy")
-        return loss
-
-    def evaluate_step(self, batch: dict, prefix: str) -> torch.Tensor:
-        self._tally = None
-        loss = super().evaluate_step(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
-        values, pairs = self._reward_metrics()
-        for name, value in values.items():
-            metric = self.reward_metrics[f"{prefix}_{name}"]
-            metric.update(value, weight=pairs.float())
-            self.log(f"{prefix}/{name}", metric, on_step=False, on_epoch=True)
-        return loss
-
+        per_pair = {"rewards_chosen": terms.rewards_chosen, "rewards_rejected": terms.rewards_rejected,
+                    "reward_margin": terms.margin,
+                    "reward_accuracy": terms.correct}
+        return loss, pairs, {name: report_entry((value.detach().double() * keep).sum(), pairs)
+                             for name, value in per_pair.items()}

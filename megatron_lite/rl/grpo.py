@@ -25,9 +25,11 @@ from megatron_lite.core.inference import SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.core.optim.optimizer import StepResult
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
+from megatron_lite.core.parallel.loss_report import add_reports, report_entry
+from megatron_lite.core.parallel.schedules import StepLoss, gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.grpo_config import GRPOConfig
@@ -45,7 +47,6 @@ from megatron_lite.rl.rollout import group_rows, make_samples, pack_rows, rollou
 ROLLOUT_STATE_KEY = "megatron_lite_grpo"
 """Checkpoint entry holding the rollout state (how many rollouts ran: the next one's seed)."""
 REFERENCE = "reference_model."
-_TALLY = ("kl", "entropy", "clip_low", "clip_high", "tokens")
 
 
 def resolve_reward(reward: Union[str, RewardFn, dict, None]) -> RewardFn:
@@ -87,8 +88,9 @@ class GRPOModule(GPTModule):
     ``reward_fn`` scores one :class:`~megatron_lite.rl.rewards.Sample` (default: exact match with the prompt's
     answer); see :func:`resolve_reward` for what it may be. Logs per rollout ``train/reward_mean``,
     ``train/reward_std``, ``train/nonzero_groups_ratio``, ``train/response_length``, ``train/kl``,
-    ``train/entropy``, ``train/clip_fraction_low``/``_high`` (averaged over the updates), ``train/loss``,
-    ``train/lr`` and ``train/grad_norm``; on the validation prompts ``val/pass_at_k`` and ``val/reward_mean``.
+    ``train/entropy``, ``train/clip_fraction_low``/``_high`` (averaged over the updates) and what every
+    GPTModule step logs (``train/loss``, ``train/lr``, ``train/grad_norm``, ...); on the validation prompts
+    ``val/pass_at_k`` and ``val/reward_mean``.
     """
 
     loss_is_token_nll = False  # no val/perplexity: the loss is a policy-gradient loss
@@ -109,7 +111,6 @@ class GRPOModule(GPTModule):
         """The frozen reference policy for the KL term (built only when ``grpo.beta > 0``)."""
         self.rollout_step = 0
         """Rollouts run so far in this run (checkpointed): rollout n samples with ``rollout_seed(seed, n)``."""
-        self._tally: Optional[torch.Tensor] = None
         self._reference_engine: Optional[TrainingEngine] = None
         self.eval_metrics = nn.ModuleDict({"pass_at_k": MeanMetric(), "reward_mean": MeanMetric()})
 
@@ -254,10 +255,10 @@ class GRPOModule(GPTModule):
         finally:
             model.train(was_training)
 
-    def update(self, rollout: dict, samples_per_microbatch: int) -> tuple[Any, Any]:
+    def update(self, rollout: dict, samples_per_microbatch: int) -> tuple[StepLoss, StepResult, float]:
         """``updates_per_batch`` optimizer steps over ``rollout`` (this rank's rows): old log-probs (and the
-        reference's, and the truncated IS weights) first, then the engine's train steps. Returns the last
-        (StepLoss, StepResult)."""
+        reference's, and the truncated IS weights) first, then the module's engine train steps. Returns the last
+        step's StepLoss (its report summed over every update), StepResult and learning rate."""
         g = self.grpo
         microbatches = split_microbatches(rollout, samples_per_microbatch)
         old = self._log_probs(self.engine, self.model, microbatches)
@@ -269,23 +270,20 @@ class GRPOModule(GPTModule):
                 mb["ref_log_probs"] = ref_lp
             if g.is_correction_cap is not None and "sampler_log_probs" in mb:
                 mb["is_weights"] = truncated_is_weights(old_lp, mb["sampler_log_probs"], g.is_correction_cap)
-        scheduler = self.lr_schedulers()
-        self._tally = None
+        samples = self._global_batch_samples(rollout)
+        report: dict[str, torch.Tensor] = {}
         for _ in range(g.updates_per_batch):
-            self._lr = scheduler.current_lr
-            step, result = self.engine.train_step(microbatches, optimizer_step=self.optimizers().step)
-            if not result.skipped:  # as GPTModule: the schedule advances only on steps that updated the weights
-                samples = self._global_batch_samples(rollout) if self.optimizer_config.sample_based else None
-                scheduler.step(increment=samples)
-        return step, result
+            step, result, lr = self.engine_train_step(microbatches, samples)
+            report = add_reports(report, step.report)
+        return dataclasses.replace(step, report=report), result, lr
 
     def forward_step(self, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> Any:
         """This TP rank's logits [b, s, V/tp] on the last stage (padding at -inf), activations elsewhere."""
         kwargs = {} if input_tensor is None else {"hidden_states": input_tensor}
         return part(microbatch["tokens"][:, :-1], None, **kwargs)
 
-    def loss(self, logits: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the GRPO loss units, their number) of one microbatch; tallies KL, entropy and clipping."""
+    def loss(self, logits: torch.Tensor, microbatch: dict) -> tuple:
+        """(sum of the GRPO loss units, their number, KL, entropy and clipping summed over response tokens)."""
         g = self.grpo
         group = self.parallel_layout.group("tp")
         labels = microbatch["tokens"][:, 1:]
@@ -299,20 +297,10 @@ class GRPOModule(GPTModule):
         mask = microbatch["loss_mask"].to(terms.loss.dtype)
         with torch.no_grad():  # metrics per response token, those of filtered groups included
             shown = microbatch.get("response_mask", mask).to(mask.dtype)
-            tally = torch.stack([(t * shown).sum() for t in (terms.kl, entropy.detach(), terms.clipped_low,
-                                                               terms.clipped_high, shown)]).double()
-            self._tally = tally if self._tally is None else self._tally + tally
-        return reduce_token_loss(terms.loss, mask, per_sequence=g.per_sequence_loss)
-
-    def _update_metrics(self) -> dict[str, torch.Tensor]:
-        """KL, entropy and clip fractions per response token over the global batch and every update (loss() ran
-        on the last stage only: summed over the pipeline, then over data parallel ranks)."""
-        tally, self._tally = self._tally, None
-        tally = tally if tally is not None else torch.zeros(len(_TALLY), dtype=torch.float64, device=self.device)
-        self._sum_over(tally, ("pp", "dp_cp"))
-        per_token = tally[:-1] / tally[-1].clamp(min=1.0)
-        return {f"train/{name}": value.float() for name, value in zip(
-            ("kl", "entropy", "clip_fraction_low", "clip_fraction_high"), per_token.unbind(0))}
+            per_token = {"kl": terms.kl, "entropy": entropy.detach(), "clip_fraction_low": terms.clipped_low,
+                         "clip_fraction_high": terms.clipped_high}
+            report = {name: report_entry((value * shown).sum(), shown.sum()) for name, value in per_token.items()}
+        return (*reduce_token_loss(terms.loss, mask, per_sequence=g.per_sequence_loss), report)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         g = self.grpo
@@ -323,15 +311,10 @@ class GRPOModule(GPTModule):
         else:  # fixed rollouts (tokens, loss_mask, advantages[, sampler_log_probs])
             rows, metrics = batch, {}
             per_microbatch = self.micro_batch_size(batch)
-        step, result = self.update(rows, per_microbatch)
-        self.log("train/loss", step.loss, prog_bar=True)
-        self.log("train/lr", self._lr)
-        self.log("train/grad_norm", result.grad_norm)
-        for name, value in {**metrics, **self._update_metrics()}.items():
+        step, result, lr = self.update(rows, per_microbatch)
+        self.log_training_step(step, result, lr)  # KL, entropy and clipping: over every update of the rollout
+        for name, value in metrics.items():
             self.log(name, value, prog_bar=name == "train/reward_mean")
-        for extension in self.objective_extensions:
-            for name, value in extension.step_metrics().items():
-                self.log(name, value)
         return step.loss
 
     # --- evaluation: pass@k on held-out prompts ---------------------------------------------------

@@ -9,13 +9,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torchmetrics.aggregation import MeanMetric
 
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.reward import RewardModel, chunk_rewards
 from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.core.parallel.loss_report import report_entry
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.losses import bradley_terry_loss, preference_correct
 
@@ -26,11 +24,10 @@ class RewardModelModule(GPTModule):
     with r_chosen > r_rejected), ``val/loss`` and ``val/accuracy`` (and ``test/...``)."""
 
     loss_is_token_nll = False  # no val/perplexity: the loss is not a next-token NLL
+    progress_bar_metrics = ("accuracy",)
 
     def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234):
         super().__init__(config, optimizer, seed)
-        self.accuracy_metrics = nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
-        self._tally: Optional[torch.Tensor] = None  # (correct pairs, pairs) seen by loss() this step
 
     def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
         super().validate_configuration(trainer, datamodule)
@@ -55,38 +52,12 @@ class RewardModelModule(GPTModule):
         lengths = torch.cat([microbatch["chosen_length"], microbatch["rejected_length"]])
         return chunk_rewards(part, tokens, lengths, input_tensor)
 
-    def loss(self, rewards: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the pairs' Bradley-Terry losses, number of pairs); tallies the correct pairs too."""
+    def loss(self, rewards: torch.Tensor, microbatch: dict) -> tuple:
+        """(sum of the pairs' Bradley-Terry losses, number of pairs, ``accuracy``: the correct pairs)."""
         chosen, rejected = rewards.chunk(2)
         pairs = torch.full((), float(chosen.numel()), dtype=torch.float64, device=rewards.device)
-        tally = torch.stack([preference_correct(chosen, rejected).sum().detach().double(), pairs])
-        self._tally = tally if self._tally is None else self._tally + tally
-        return bradley_terry_loss(chosen, rejected).sum(), pairs
-
-    def _accuracy(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accuracy, pairs) of the global batch just run, equal on every rank: loss() ran on the last stage
-        only, so its tally is summed over the pipeline (zeros elsewhere), then over DP; no host sync."""
-        tally, self._tally = self._tally, None
-        tally = tally if tally is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
-        for name in ("pp", "dp_cp"):
-            group = self.parallel_layout.group(name)
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(tally, group=group)
-        return (tally[0] / tally[1].clamp(min=1.0)).float(), tally[1]
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        self._tally = None
-        loss = super().training_step(batch, batch_idx)
-        self.log("train/accuracy", self._accuracy()[0], prog_bar=True)
-        return loss
-
-    def evaluate_step(self, batch: dict, prefix: str) -> torch.Tensor:
-        self._tally = None
-        loss = super().evaluate_step(batch, prefix)  # logs {prefix}/loss, the mean over the split's pairs
-        accuracy, pairs = self._accuracy()
-        self.accuracy_metrics[prefix].update(accuracy, weight=pairs.float())
-        self.log(f"{prefix}/accuracy", self.accuracy_metrics[prefix], on_step=False, on_epoch=True)
-        return loss
+        accuracy = report_entry(preference_correct(chosen, rejected).sum(), pairs)
+        return bradley_terry_loss(chosen, rejected).sum(), pairs, {"accuracy": accuracy}
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Rewards [b] of ``{"tokens": [b, s], "lengths": [b]}`` on every rank (through every stage)."""

@@ -26,17 +26,16 @@ def test_bradley_terry_loss_by_hand():
         bradley_terry_loss(torch.zeros(2), torch.zeros(3))
 
 
-def test_module_loss_is_a_sum_over_pairs_and_tallies_accuracy():
+def test_module_loss_is_a_sum_over_pairs_and_reports_accuracy():
     module = RewardModelModule(CONFIG)
     # loss() sees chosen rewards then rejected rewards, as forward_step concatenates them
     rewards = torch.tensor([2.0, -1.0, 0.3, 0.5, 0.0, 0.3])
-    total, pairs = module.loss(rewards, {})
+    total, pairs, report = module.loss(rewards, {})
     torch.testing.assert_close(total, bradley_terry_loss(rewards[:3], rewards[3:]).sum())
     assert pairs.item() == 3
-    module.loss(torch.tensor([1.0, 0.0]), {})  # a second microbatch of one pair, correct
-    accuracy, counted = module._accuracy()  # one process: nothing to reduce
-    assert counted.item() == 4 and accuracy.item() == pytest.approx(2 / 4)
-    assert module._accuracy()[1].item() == 0  # the tally is consumed: the next step starts from zero
+    assert report["accuracy"].tolist() == [1.0, 3.0]  # [correct pairs, pairs]: a tie counts as wrong
+    _, _, report = module.loss(torch.tensor([1.0, 0.0]), {})  # a microbatch of one pair, correct
+    assert report["accuracy"].tolist() == [1.0, 1.0]
 
 
 def test_reward_is_read_at_each_sequences_last_token():

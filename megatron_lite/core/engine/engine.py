@@ -3,9 +3,10 @@
 An objective (GPT pretraining, a reward model, DPO, ...) supplies the model of this rank, a stage
 forward and a last-stage loss (:class:`Objective`). The engine owns the rest: the model chunks this
 rank holds (one per virtual pipeline stage, one without pipelining), the schedule (no pipelining,
-GPipe, 1F1B, interleaved 1F1B), the loss and token reduction (summed on the last stage, over the
-pipeline and over DP x CP, once per step, no host sync), the shared-embedding gradient sum between
-the first and last stage, and the optimizer step (gradient reduction, loss scaling, clipping).
+GPipe, 1F1B, interleaved 1F1B), the reduction of the loss, its count and the metrics the loss reports
+(summed on the last stage, over the pipeline and over DP x CP, in one collective per group and step, no
+host sync; see ``core/parallel/loss_report.py``), the shared-embedding gradient sum between the first and
+last stage, and the optimizer step (gradient reduction, loss scaling, clipping).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.loss_report import ReportNames
 from megatron_lite.core.parallel.pipeline.p2p import DTYPES, PipelineP2P
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, run_pipeline, schedule_order
 from megatron_lite.core.rerun import RerunStateMachine
@@ -40,9 +42,11 @@ class Objective(Protocol):
         output that :meth:`loss` reduces."""
         ...
 
-    def loss(self, output: torch.Tensor, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, output: torch.Tensor, microbatch: dict) -> tuple:
         """(sum of the loss over the microbatch's loss units, number of units), on the last stage.
-        The step's loss is the sum over the global batch divided by the global count."""
+        The step's loss is the sum over the global batch divided by the global count. A third element,
+        ``{name: [sum, count]}`` (``megatron_lite.core.engine.report_entry``), reports metrics: each is reduced like the
+        loss and lands in ``StepLoss.report`` (``GPTModule`` logs it as ``train/<name>``)."""
         ...
 
 
@@ -99,6 +103,7 @@ class TrainingEngine:
         self.rerun: Optional[RerunStateMachine] = None
         """Validates every training step and replays rejected ones (see ``megatron_lite.core.rerun``)."""
         self._loss = objective.loss  # the objective's loss, with an injected fault during a drill
+        self._report_names = ReportNames()  # the loss report's names, learnt at the first step of each kind
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +114,7 @@ class TrainingEngine:
     def pipelined(self) -> bool:
         return self.layout.pp_size > 1
 
-    def _stage_loss(self, model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stage_loss(self, model: nn.Module, microbatch: dict) -> tuple:
         return self._loss(self.objective.forward_step(self.parts[0], microbatch, None), microbatch)
 
     def p2p(self) -> PipelineP2P:
@@ -123,15 +128,18 @@ class TrainingEngine:
                          no_sync: Optional[Callable] = None) -> StepLoss:
         """Forward (and backward) of every microbatch through the layout's schedule; the loss is the
         global-batch mean on every rank. Gradients are left unnormalised with ``scale_grads=False``
-        (``StepLoss.grad_scale`` says by what to multiply them)."""
+        (``StepLoss.grad_scale`` says by what to multiply them). The loss's report is reduced with it."""
         if not self.pipelined:
             return forward_backward_no_pipelining(self.model, microbatches, self.layout, self._stage_loss,
                                                   forward_only=forward_only, device=self.device,
-                                                  loss_scale=loss_scale, scale_grads=scale_grads, no_sync=no_sync)
+                                                  loss_scale=loss_scale, scale_grads=scale_grads, no_sync=no_sync,
+                                                  report_names=self._report_names)
         backward_scale = backward_scale_for(loss_scale, microbatches)
         result = self._run(microbatches, forward_only, backward_scale, no_sync)
-        step = finish_step_loss(*self._from_last_stage(result.loss_sum, result.num_tokens), self.layout,
-                                loss_scale, backward_scale)
+        local = result.report.names() if result.report is not None else None
+        names = self._report_names.agree(local, self.layout, forward_only)
+        step = finish_step_loss(result.loss_sum, result.num_tokens, self.layout, loss_scale, backward_scale,
+                                result.report, names)
         if not forward_only and scale_grads:
             scale_model_grads(self.model, step.grad_scale)
         return step
@@ -147,12 +155,6 @@ class TrainingEngine:
                               keep_outputs=keep_outputs, record_events=self.record_events)
         self.events = result.events
         return result
-
-    def _from_last_stage(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Sums over the pipeline group of values that only the last stage holds (zeros elsewhere)."""
-        stacked = torch.stack(values)
-        dist.all_reduce(stacked, group=self.layout.group("pp"))
-        return tuple(stacked.unbind(0))
 
     # --- the optimizer step ------------------------------------------------------------------
     def train_step(self, microbatches: Sequence[dict],

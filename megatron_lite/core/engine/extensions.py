@@ -5,7 +5,8 @@ model's hidden states, quantization-aware training swaps layers for quantized on
 :class:`ObjectiveExtension` added to a module (``GPTModule.add_objective_extension``, usually by a
 callback). The engine then runs :class:`ExtendedObjective` — the module's own ``forward_step``/``loss``
 wrapped by every extension, first added outermost — through the same schedules, gradient reduction and
-optimizer step as pretraining.
+optimizer step as pretraining. An extension reports metrics of its own by adding them to the wrapped loss's
+report (:func:`~megatron_lite.core.parallel.loss_report.with_report`): the engine reduces them with the loss.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from torch import nn
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 ForwardStep = Callable[[Any, dict, Optional[torch.Tensor]], Any]
-LossFn = Callable[[Any, dict], "tuple[torch.Tensor, torch.Tensor]"]
+LossFn = Callable[[Any, dict], tuple]
+"""(output, microbatch) -> (sum, count) or (sum, count, report)."""
 
 
 class ObjectiveExtension:
@@ -33,13 +35,15 @@ class ObjectiveExtension:
         returns is sent to the next stage (one tensor), so extra activations travel inside it."""
         return inner(part, microbatch, input_tensor)
 
-    def loss(self, inner: LossFn, output: Any, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum over the microbatch's loss units, number of units), on the last stage."""
+    def loss(self, inner: LossFn, output: Any, microbatch: dict) -> tuple:
+        """(sum over the microbatch's loss units, number of units[, report]), on the last stage. ``inner``
+        may return a report; keep its entries (``with_report(inner(...), my_metric=report_entry(s, n))``)."""
         return inner(output, microbatch)
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
-        """Metrics of the training step just run (equal on every rank), logged by the module as they are
-        named (e.g. ``{"train/kd_loss": ...}``); read once per step."""
+        """Metrics of the training step just run that are not a reduction of the loss (a setting, a state),
+        equal on every rank, logged by the module as they are named (e.g. ``{"train/scale": ...}``); read once
+        per step. A per-token or per-sample metric belongs in the loss's report, which the engine reduces."""
         return {}
 
 
@@ -56,7 +60,7 @@ class ExtendedObjective:
             step = _bind_forward(extension, step)
         return step(part, microbatch, input_tensor)
 
-    def loss(self, output: Any, microbatch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, output: Any, microbatch: dict) -> tuple:
         loss: LossFn = self.base.loss
         for extension in reversed(self.extensions):
             loss = _bind_loss(extension, loss)

@@ -4,13 +4,14 @@ The loss of a step is the mean per-token loss over the *global* batch, whatever 
 (Megatron's per-token loss): each microbatch's *summed* loss is back-propagated, the token counts
 that the loss function returns are summed on the device and over DP ranks once per step, and the
 gradients are divided by that total, so summing gradients over microbatches and DP ranks gives
-exactly the gradient of the global mean, whatever mask a custom loss function applies. A pipeline
+exactly the gradient of the global mean, whatever mask a custom loss function applies. A loss may
+also return a report of named metrics, reduced in the same collective (``loss_report``). A pipeline
 schedule (``megatron_lite.core.engine``) produces the same :class:`StepLoss`.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
@@ -18,9 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.loss_report import REDUCTION_GROUPS, ReportNames, ReportSums, report_means, split_loss
 
-# (model, microbatch) -> (sum of per-token losses, number of loss tokens)
-LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, torch.Tensor]]
+# (model, microbatch) -> (sum of per-token losses, number of loss tokens[, report of named [sum, count]])
+LossFn = Callable[[nn.Module, dict], tuple]
 
 
 @dataclass
@@ -34,6 +36,12 @@ class StepLoss:
     grad_scale: Optional[torch.Tensor] = None
     """Factor that turns the accumulated gradients into those of the global-batch mean loss (times
     the loss scale, if any); already applied unless the schedule ran with ``scale_grads=False``."""
+    report: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The global ``[sum, count]`` (float64) of every metric the loss reported, the same on every rank."""
+
+    def report_means(self) -> dict[str, torch.Tensor]:
+        """Every reported metric's global mean (sum / count, float32)."""
+        return report_means(self.report)
 
 
 def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
@@ -80,18 +88,12 @@ def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Te
     return masked_token_loss(gpt_forward_step(model, microbatch), microbatch)
 
 
-def _sum_over_dp(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
-    group = layout.group("dp_cp")
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
-
-
 def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict], layout: ParallelLayout,
                                    loss_fn: LossFn = gpt_loss, forward_only: bool = False,
                                    device: Optional[torch.device] = None, loss_scale: Optional[float] = None,
                                    scale_grads: bool = True,
-                                   no_sync: Optional[Callable[[], ContextManager]] = None) -> StepLoss:
+                                   no_sync: Optional[Callable[[], ContextManager]] = None,
+                                   report_names: Optional[ReportNames] = None) -> StepLoss:
     """Run every microbatch forward (and backward unless ``forward_only``), accumulating gradients.
 
     On return the gradients are this rank's share of the gradient of the global-batch mean loss
@@ -101,24 +103,28 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict
     unnormalised and ``StepLoss.grad_scale`` says what to multiply them by (an optimizer that
     reduces or copies gradients first applies it once, on fp32 main gradients). ``no_sync`` (Megatron's
     ``no_sync_func``) wraps the backward of every microbatch but the last, so gradient reductions
-    hooked into the backward (FSDP, overlapped reduce-scatter) run once per step.
+    hooked into the backward (FSDP, overlapped reduce-scatter) run once per step. ``report_names``
+    agrees the report's names over the ranks (the engine's); without it they are this rank's.
     """
     device = device or next(model.parameters()).device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
+    report = ReportSums(device)
     backward_scale = backward_scale_for(loss_scale, microbatches)
     for index, microbatch in enumerate(microbatches):
         if forward_only:
             with torch.no_grad():
-                mb_loss, mb_tokens = loss_fn(model, microbatch)
+                mb_loss, mb_tokens, mb_report = split_loss(loss_fn(model, microbatch))
         else:
             last = index == len(microbatches) - 1
             with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
-                mb_loss, mb_tokens = loss_fn(model, microbatch)
+                mb_loss, mb_tokens, mb_report = split_loss(loss_fn(model, microbatch))
                 (mb_loss * backward_scale if backward_scale != 1.0 else mb_loss).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
-    step = finish_step_loss(loss_sum, num_tokens, layout, loss_scale, backward_scale)
+        report.add(mb_report)
+    names = report_names.agree(report.names(), layout, forward_only) if report_names is not None else report.names()
+    step = finish_step_loss(loss_sum, num_tokens, layout, loss_scale, backward_scale, report, names)
     if not forward_only and scale_grads:
         scale_model_grads(model, step.grad_scale)
     return step
@@ -134,13 +140,26 @@ def backward_scale_for(loss_scale: Optional[float], microbatches: Sequence[dict]
 
 
 def finish_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, layout: ParallelLayout,
-                     loss_scale: Optional[float], backward_scale: float) -> StepLoss:
-    """Sum this rank's loss and token totals over DP (and CP) ranks in one collective (no host sync)
-    and derive the factor that turns accumulated gradients into those of the global-batch mean."""
-    totals = _sum_over_dp(torch.stack([loss_sum, num_tokens]), layout)
+                     loss_scale: Optional[float], backward_scale: float, report: Optional[ReportSums] = None,
+                     report_names: Sequence[str] = ()) -> StepLoss:
+    """Sum this rank's loss and token totals and its report (``report_names``' ``[sum, count]``; zeros where
+    ``report`` is None, a stage without a loss) over the pipeline, then over DP (and CP): one collective per
+    group, no host sync. Then derive the factor that turns accumulated gradients into those of the
+    global-batch mean. Off the last pipeline stage ``loss_sum`` and ``num_tokens`` are zeros."""
+    names = tuple(report_names)
+    parts = [loss_sum.reshape(1), num_tokens.reshape(1)]
+    if names:
+        parts.append((report if report is not None else ReportSums(loss_sum.device)).stacked(names))
+    totals = torch.cat(parts)
+    for name in REDUCTION_GROUPS:
+        group = layout.group(name)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
     global_tokens = totals[1].clamp(min=1.0)  # an all-masked global batch contributes no gradient
     grad_scale = ((loss_scale or 1.0) / (global_tokens * backward_scale)).to(torch.float32)
-    return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1], grad_scale=grad_scale)
+    reduced = {name: totals[2 + 2 * i: 4 + 2 * i] for i, name in enumerate(names)}
+    return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1], grad_scale=grad_scale,
+                    report=reduced)
 
 
 def scale_model_grads(model: nn.Module, grad_scale: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
 
+from megatron_lite.core.parallel.loss_report import ReportSums, split_loss
 from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P, PostedRecv
 
 Action = tuple[str, int, int]
@@ -100,7 +101,8 @@ class StagePart(Protocol):
 
 
 ForwardStep = Callable[[StagePart, dict, Optional[torch.Tensor]], torch.Tensor]
-LossStep = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]]
+LossStep = Callable[[torch.Tensor, dict], tuple]
+"""(output, microbatch) -> (summed loss, count) or (summed loss, count, report)."""
 
 
 @dataclass
@@ -123,6 +125,8 @@ class PipelineResult:
 
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
+    report: Optional[ReportSums] = None
+    """The loss's report entries summed over the microbatches (last stage only)."""
     outputs: list = field(default_factory=list)
     """Last-stage outputs per microbatch with ``keep_outputs`` (forward-only runs)."""
     events: list = field(default_factory=list)
@@ -135,14 +139,14 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
                  record_events: bool = False) -> PipelineResult:
     """Run ``order`` on this rank.
 
-    The last stage turns each microbatch's output into (summed loss, token count) with ``loss_step``
-    and back-propagates ``summed loss x backward_scale``; other stages back-propagate the gradient
+    The last stage turns each microbatch's output into (summed loss, token count[, report]) with
+    ``loss_step`` and back-propagates ``summed loss x backward_scale``; other stages back-propagate the gradient
     received from the next stage. ``no_sync`` wraps every backward but the last one of each chunk,
     so that reductions hooked into the backward run once per chunk and step.
     """
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
-    result = PipelineResult(loss_sum, num_tokens)
+    result = PipelineResult(loss_sum, num_tokens, ReportSums(device) if parts[-1].post_process else None)
     last_backward = {}
     for kind, chunk, mb in order:
         if kind == "B":
@@ -185,9 +189,10 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
                 out = forward_step(part, microbatches[mb], x)
                 if part.post_process:
                     if loss_step is not None:
-                        mb_loss, mb_tokens = loss_step(out, microbatches[mb])
+                        mb_loss, mb_tokens, mb_report = split_loss(loss_step(out, microbatches[mb]))
                         loss_sum += mb_loss.detach().to(torch.float64)
                         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
+                        result.report.add(mb_report)
                         if keep_outputs:
                             result.outputs.append(out.detach())
                         out = mb_loss * backward_scale if backward_scale != 1.0 else mb_loss
