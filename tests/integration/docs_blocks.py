@@ -173,3 +173,16 @@ def forked(code: str) -> str:
     if re.search(r"devices=([2-9]|[1-9][0-9]+)\b", code):
         code = re.sub(r"""strategy=(["'])megatron\1""", 'strategy="megatron_fork"', code)
     return code
+
+
+def run_python(blocks: list[Block]) -> None:
+    """One page's runnable Python blocks in order, in one namespace, in the current directory; a failing block
+    raises an AssertionError naming its page and line (the traceback's lines are the page's own)."""
+    namespace = {"__name__": "__docs__"}
+    exec("import lightning as L\nimport megatron_lite as ml", namespace)
+    for block in runnable_python(blocks):
+        code = "\n" * block.line + forked(block.code_to_run())
+        try:
+            exec(compile(code, block.page, "exec"), namespace)
+        except Exception as exc:
+            raise AssertionError(f"the snippet at {block.where} fails: {type(exc).__name__}: {exc}") from exc

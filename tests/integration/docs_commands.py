@@ -25,7 +25,7 @@ def run_one(argv: list[str]) -> int:
             from megatron_lite.cli import main
 
             args = argv[1:] if argv[0] == "megatron-lite" else argv[3:]
-            sys.argv = ["megatron-lite", *args]
+            sys.argv = ["megatron-lite"]  # the arguments go to main, as the console script's sys.argv[1:] would
             main(args)
         elif argv[0] == "python" and len(argv) > 1 and argv[1].startswith("examples/"):
             sys.argv = argv[1:]

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docs_workspace  # noqa: E402
-from docs_blocks import REPO, all_blocks, forked, runnable_commands, runnable_python  # noqa: E402
+from docs_blocks import REPO, all_blocks, run_python, runnable_commands, runnable_python  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("docs_examples")  # one worker builds the workspace once for all of them
 
@@ -34,14 +34,7 @@ def workspace(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_python_snippets_run(page, workspace, tmp_path, monkeypatch):
     monkeypatch.chdir(docs_workspace.copy(workspace, tmp_path / "ws"))
-    namespace = {"__name__": "__docs__"}
-    exec("import lightning as L\nimport megatron_lite as ml", namespace)
-    for block in runnable_python([b for b in BLOCKS if b.page == page]):
-        code = "\n" * block.line + forked(block.code_to_run())  # tracebacks name the page's own lines
-        try:
-            exec(compile(code, block.page, "exec"), namespace)
-        except Exception as exc:
-            raise AssertionError(f"the snippet at {block.where} fails: {type(exc).__name__}: {exc}") from exc
+    run_python([b for b in BLOCKS if b.page == page])
 
 
 def added_arguments(argv: list[str]) -> list[str]:
