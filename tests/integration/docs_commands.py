@@ -19,7 +19,8 @@ import traceback
 
 
 def run_one(argv: list[str]) -> int:
-    """The exit status of one command, as a shell would see it."""
+    """The exit status of one command, as a shell would see it (sys.argv is restored afterwards)."""
+    saved_argv = sys.argv
     try:
         if argv[0] == "megatron-lite" or argv[:3] == ["python", "-m", "megatron_lite"]:
             from megatron_lite.cli import main
@@ -35,9 +36,11 @@ def run_one(argv: list[str]) -> int:
     except SystemExit as exit_:
         code = exit_.code
         return 0 if code is None else code if isinstance(code, int) else 1
-    except BaseException:  # noqa: BLE001 - a shell reports any failure as a status
+    except Exception:  # noqa: BLE001 - a shell reports any failure as a status
         traceback.print_exc()
         return 1
+    finally:
+        sys.argv = saved_argv
     return 0
 
 

@@ -31,9 +31,16 @@ def workspace(tmp_path_factory) -> Path:
     return docs_workspace.build(tmp_path_factory.mktemp("docs") / "base")
 
 
+@pytest.fixture(scope="module")
+def cache_home(tmp_path_factory) -> Path:
+    """The user cache the snippets and commands write (a tokenizer trained on the bundled corpus), not ~/.cache."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-def test_python_snippets_run(page, workspace, tmp_path, monkeypatch):
+def test_python_snippets_run(page, workspace, cache_home, tmp_path, monkeypatch):
     monkeypatch.chdir(docs_workspace.copy(workspace, tmp_path / "ws"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     run_python([b for b in BLOCKS if b.page == page])
 
 
@@ -44,14 +51,14 @@ def added_arguments(argv: list[str]) -> list[str]:
         return []
     added = ["--trainer.strategy.init_args.start_method", "fork"]  # no interpreter start per rank
     if verb == "fit":  # two steps, validated once at the end (on one batch)
-        added += ["--trainer.max_steps", "2", "--model.optimizer.lr_warmup_iters", "0",
-                  "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1"]
+        added += ["--trainer.max_steps", "2", "--model.optimizer.lr_warmup_iters", "0", "--trainer.num_sanity_val_steps",
+                  "0", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1"]
     else:
         added += ["--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2"]
     return added
 
 
-def test_shell_commands_run(workspace, tmp_path):
+def test_shell_commands_run(workspace, cache_home, tmp_path):
     commands = runnable_commands(BLOCKS)
     cwd_of_page = {}
     plan = []
@@ -61,7 +68,7 @@ def test_shell_commands_run(workspace, tmp_path):
         plan.append({"argv": argv + added_arguments(argv), "cwd": str(cwd_of_page[block.page]),
                      "log": str(tmp_path / f"command{i}.log")})
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(cache_home))
     env.pop("MASTER_PORT", None)
     subprocess.run([sys.executable, str(REPO / "tests/integration/docs_commands.py"), str(tmp_path / "plan.json"),
                     str(tmp_path / "results.json")], env=env, timeout=1200, check=False)
