@@ -130,7 +130,8 @@ class MegatronStrategy(ParallelStrategy):
             the distributed optimizer) asynchronously during the backward of the last microbatch
             (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
-        timeout: collective timeout.
+        timeout: how long a collective waits for its peers, in every process group of the run (the
+            layout's tensor/pipeline/data/context-parallel groups too), before it fails.
         exit_signal_handler: on SIGTERM (to any rank) save a checkpoint into the checkpoint callback's
             directory (``last.ckpt``, what ``ckpt_path="last"`` resumes) and stop at the next step boundary,
             whenever the Trainer has a checkpoint callback: adds a
@@ -367,7 +368,8 @@ class MegatronStrategy(ParallelStrategy):
         self.precision_plugin.check_device(self.root_device)
         self._created_default_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
+        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type,
+                                            timeout=self._timeout)
         if self._run_dir is None or self._start_method == "popen":
             # A process that goes on after the run (a script, torchrun, the launching process itself) may
             # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
