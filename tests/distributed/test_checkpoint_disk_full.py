@@ -60,8 +60,9 @@ def _child(fn, disk: str, result: str) -> None:
         try:
             _mount_tiny_disk(Path(disk))
         except OSError as error:
-            Path(result).write_text(json.dumps({"skip": f"cannot mount a size-limited tmpfs without root here "
-                                                        f"(unprivileged user namespaces refused): {error}"}))
+            who = "as root" if os.getuid() == 0 else f"as uid {os.getuid()} (unprivileged user namespaces refused?)"
+            Path(result).write_text(json.dumps({"skip": f"cannot mount a size-limited tmpfs in a mount namespace "
+                                                        f"{who}: {error}; these tests need root or user namespaces"}))
             return
         Path(result).write_text(json.dumps({"value": fn(Path(disk))}))
     except BaseException:  # noqa: BLE001 - reported to the test process
