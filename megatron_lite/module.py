@@ -19,6 +19,7 @@ from torchmetrics.aggregation import MeanMetric
 from megatron_lite.core.checkpoint.full_state import carry_over_state, load_full_state, same_layout
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.engine.extensions import ExtendedObjective, ObjectiveExtension
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
 from megatron_lite.core.optim.scheduler import schedule_lengths
@@ -396,6 +397,11 @@ class GPTModule(pl.LightningModule):
 
         checkpoint.update(tokenizer_metadata(
             getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None)))
+
+    def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
+        """What one sample of ``datamodule`` costs per training step (FLOPs, MFU and the memory estimate count
+        it): here one sequence, one forward and backward. Objectives that run more override it."""
+        return ObjectiveCost()
 
     # --- optimizer ------------------------------------------------------------------------
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:

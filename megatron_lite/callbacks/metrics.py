@@ -39,6 +39,7 @@ from megatron_lite.callbacks.peak_flops import (
     precision_dtype,
 )
 from megatron_lite.core.estimator.flops import training_flops_per_step
+from megatron_lite.core.estimator.objective_cost import objective_cost
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.timers import LogOption, TimerReport, Timers
 
@@ -72,7 +73,9 @@ class MegatronMetrics(pl.Callback):
     ``train/tflops_per_device``, ``train/mfu``, ``train/mem_peak_gib`` and ``timers/<name>`` (max
     ms per step across ranks) at every logging step, and ``val/perplexity`` (``exp(val/loss)``)
     after each validation. FLOPs come from :func:`training_flops_per_step` of the module's
-    ``config`` (a :class:`GPTConfig`) and the datamodule's ``global_batch_size``/``seq_length``.
+    ``config`` (a :class:`GPTConfig`) and the datamodule's ``global_batch_size``/``seq_length``, with
+    what one sample costs the module's objective (``objective_cost``: a DPO pair is two sequences and the
+    reference model's forward over both, a GRPO prompt ``group_size`` sequences and their extra forwards).
 
     Args:
         peak_tflops_per_device: dense peak TFLOP/s of one device for MFU. None: the data-sheet peak
@@ -134,6 +137,12 @@ class MegatronMetrics(pl.Callback):
         self._block_ms: dict[str, list[float]] = {}
         self._block_steps = 0
 
+    @property
+    def flops_per_sample(self) -> Optional[float]:
+        """Model FLOPs of one sample of the run's data, what TFLOP/s and MFU count (the objective's cost of a
+        sample, see ``objective_cost``); None before ``fit`` starts, or without a GPTConfig and batch geometry."""
+        return self._flops_per_sample
+
     # --- set-up ---------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.timers = Timers(self.timing_log_level, self.timing_log_option, device=trainer.strategy.root_device)
@@ -170,7 +179,8 @@ class MegatronMetrics(pl.Callback):
             layout = getattr(trainer.strategy, "parallel_layout", None)
             tp = layout.tp_size if layout is not None else 1  # decides the vocabulary padding
             self._flops_per_step = training_flops_per_step(config, self._global_batch_size, self._seq_length,
-                                                           tensor_model_parallel_size=tp)
+                                                           tensor_model_parallel_size=tp,
+                                                           cost=objective_cost(pl_module, datamodule))
             self._flops_per_sample = self._flops_per_step / self._global_batch_size  # linear in the batch
             self._dp_size = layout.dp_size if layout is not None else 1
             self._peak_tflops = self._resolve_peak(trainer)
