@@ -187,7 +187,7 @@ class GPTModule(pl.LightningModule):
             from megatron_lite.post_training.quantization import restore_from_state
 
             restore_from_state(self.model, state, prefix="model.")
-        from megatron_lite.post_training.speculative import restore_draft_head  # here: `import megatron_lite` stays light
+        from megatron_lite.post_training.speculative import restore_draft_head  # here: the package import stays light
 
         restore_draft_head(self.model, state, prefix="model.")
         load_full_state(self, state, vocab_size=self.config.vocab_size)

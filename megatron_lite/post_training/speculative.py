@@ -97,7 +97,8 @@ def restore_draft_head(model: nn.Module, state: dict[str, torch.Tensor], prefix:
     head_prefix = prefix + DRAFT_HEAD_ATTRIBUTE + "."
     if draft_head_of(model) is not None or not any(name.startswith(head_prefix) for name in state):
         return False
-    model.add_module(DRAFT_HEAD_ATTRIBUTE, EagleDraftHead(model.config, model.layout).to(next(model.parameters()).device))
+    head = EagleDraftHead(model.config, model.layout).to(next(model.parameters()).device)
+    model.add_module(DRAFT_HEAD_ATTRIBUTE, head)
     return True
 
 

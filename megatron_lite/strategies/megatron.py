@@ -727,7 +727,8 @@ class MegatronStrategy(ParallelStrategy):
         model_state = sharded_model_state(module, layout, writebacks)
         keys = checkpoint_keys(path)
         strict = module.strict_loading
-        state: dict[str, Any] = {MODEL_STATE: self._entries_to_load(model_state, path, meta, strict)}
+        saved = checkpoint_model_entries(path, keys)
+        state: dict[str, Any] = {MODEL_STATE: self._entries_to_load(model_state, saved, path, meta, strict)}
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         mopt = self._megatron_optimizer() if fitting else None
         for i, opt in enumerate(optimizers):
@@ -739,7 +740,8 @@ class MegatronStrategy(ParallelStrategy):
                 ensure_optimizer_state(opt)
                 opt_state = sharded_optimizer_state(module, opt, layout)
                 if not strict:  # the state of parameters the checkpoint lacks stays as it is
-                    opt_state = {k: v for k, v in opt_state.items() if k == "param_groups" or f"optimizer_{i}.{k}" in keys}
+                    opt_state = {k: v for k, v in opt_state.items()
+                                 if k == "param_groups" or f"optimizer_{i}.{k}" in keys}
             opt_state.pop("param_groups")
             state[f"optimizer_{i}"] = opt_state
         rng = self._rng_placeholders(path) if fitting else {}
@@ -756,20 +758,19 @@ class MegatronStrategy(ParallelStrategy):
             rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} (global step {extra.get('global_step')})")
         return extra
 
-    def _entries_to_load(self, model_state: dict[str, Any], path: Path, meta: Optional[dict],
+    def _entries_to_load(self, model_state: dict[str, Any], saved: set[str], path: Path, meta: Optional[dict],
                          strict: bool) -> dict[str, Any]:
-        """This rank's model entries to load from ``path``. Their names on every rank together (a pipeline stage
-        holds only its layers) must be the checkpoint's: otherwise, with ``strict``, one ValueError on every rank;
-        without, the entries both have (the difference said once by rank 0)."""
+        """This rank's model entries to load from ``path`` (whose model entries are ``saved``). Their names on every
+        rank together (a pipeline stage holds only its layers) must be the checkpoint's: otherwise, with ``strict``,
+        one ValueError on every rank; without, the entries both have (the difference said once by rank 0)."""
         ours = set().union(*gather_to_all(sorted(model_state)))
-        mismatch = compare_entries(ours, checkpoint_model_entries(path))
+        mismatch = compare_entries(ours, saved)
         if not mismatch:
             return model_state
         if strict:
             raise ValueError(mismatch_message(path, self.lightning_module, mismatch, meta))
         rank_zero_warn(f"megatron-lite: strict_loading=False: loading the entries {path} shares with the module; "
                        f"{mismatch.describe()} (the missing ones keep their current values).")
-        saved = checkpoint_model_entries(path)
         return {name: value for name, value in model_state.items() if name in saved}
 
     def _checkpoint_to_load(self, checkpoint_path) -> Path:

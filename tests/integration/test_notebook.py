@@ -180,7 +180,8 @@ def test_extensions_added_by_callbacks_come_back_with_their_trained_values(tmp_p
     from megatron_lite.post_training.speculative import draft_head_of, load_draft_head
 
     module, head_file = _module(), tmp_path / "head.safetensors"
-    _trainer(1, 1, max_steps=2, limit_val_batches=0, callbacks=[TrainDraftHead(save_path=head_file)]).fit(module, _data())
+    trainer = _trainer(1, 1, max_steps=2, limit_val_batches=0, callbacks=[TrainDraftHead(save_path=head_file)])
+    trainer.fit(module, _data())
     head = draft_head_of(module.model)
     assert head is not None
     trained = load_draft_head(head_file, module.model)  # also checks that the base handed back is the ranks'

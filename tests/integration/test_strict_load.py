@@ -24,7 +24,8 @@ CONFIG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=12
 
 
 def _module(**changes) -> ml.GPTModule:
-    return ml.GPTModule(ml.GPTConfig(**{**CONFIG, **changes}), ml.OptimizerConfig(lr=2e-2, lr_warmup_iters=0, lr_decay_style="constant"), seed=1)
+    optimizer = ml.OptimizerConfig(lr=2e-2, lr_warmup_iters=0, lr_decay_style="constant")
+    return ml.GPTModule(ml.GPTConfig(**{**CONFIG, **changes}), optimizer, seed=1)
 
 
 def _data() -> MockGPTDataModule:

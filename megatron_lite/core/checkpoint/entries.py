@@ -77,11 +77,12 @@ def module_entries(module: nn.Module) -> set[str]:
     return {name for name, _ in module.named_parameters()} | {name for name, _ in persistent_buffers(module)}
 
 
-def checkpoint_model_entries(path: str | os.PathLike) -> set[str]:
+def checkpoint_model_entries(path: str | os.PathLike, keys: Optional[set[str]] = None) -> set[str]:
     """The model entries of the checkpoint at ``path`` (names without the ``model.`` prefix), from its DCP
-    metadata alone."""
+    metadata alone (``keys``: its flattened keys, if read already)."""
     prefix = MODEL_STATE + "."
-    return {key[len(prefix):] for key in checkpoint_keys(path) if key.startswith(prefix)}
+    keys = keys if keys is not None else checkpoint_keys(path)
+    return {key[len(prefix):] for key in keys if key.startswith(prefix)}
 
 
 def certain_mismatch(module: nn.Module, mismatch: EntryMismatch) -> EntryMismatch:
