@@ -27,8 +27,16 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from megatron_lite.core.checkpoint.async_save import AsyncCheckpointWriter
+from megatron_lite.core.checkpoint.entries import (
+    MODEL_STATE,
+    checkpoint_model_entries,
+    compare_entries,
+    holds_training_state,
+    read_meta_plain,
+)
 from megatron_lite.core.checkpoint.commit import clean_up, remove_checkpoint
 from megatron_lite.core.checkpoint.integrity import verify_checkpoint
+from megatron_lite.core.checkpoint.rank_zero import gather_to_all
 from megatron_lite.core.checkpoint.sharded import (
     checkpoint_keys,
     ensure_optimizer_state,
@@ -62,7 +70,14 @@ from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
-from megatron_lite.strategies.launch_checks import check_callbacks, check_ckpt_path, ckpt_path_of
+from megatron_lite.strategies.launch_checks import (
+    check_callbacks,
+    check_checkpoint_fits,
+    check_ckpt_path,
+    ckpt_path_of,
+    mismatch_message,
+    weights_only_message,
+)
 from megatron_lite.strategies.memory_check import check_memory_fits, run_memory_estimate
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies.predictions import merge_predictions, write_predictions
@@ -297,7 +312,9 @@ class MegatronStrategy(ParallelStrategy):
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
         _refuse_without_weights(module)
-        check_ckpt_path(ckpt_path_of(args))
+        ckpt_path = ckpt_path_of(args)
+        check_ckpt_path(ckpt_path)
+        check_checkpoint_fits(ckpt_path, module, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
         _recover_interrupted_saves(trainer)
         check_callbacks(trainer, module)
@@ -554,7 +571,7 @@ class MegatronStrategy(ParallelStrategy):
         predict, this replica's predictions with their sample indices."""
         assert self._layout is not None and self.lightning_module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            state = gather_full_state(self.lightning_module, self._layout)
+            state = gather_full_state(self.lightning_module, self._layout, substitutes=self._master_weights())
             if state is not None:
                 os.makedirs(os.path.join(run_dir, "model"), exist_ok=True)
                 write_full_state(state, os.path.join(run_dir, "model"), self.global_rank)
@@ -564,6 +581,19 @@ class MegatronStrategy(ParallelStrategy):
                 os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
                 write_predictions(predictions_with_indices(trainer), layout,
                                    os.path.join(run_dir, "predictions", f"rank{self.global_rank:05d}.safetensors"))
+
+    def _master_weights(self) -> dict[str, Tensor]:
+        """The optimizer's fp32 masters of a half-precision (``bf16-true``/``16-true``) model, by the module's
+        parameter names: what training arrived at, of which the model holds a rounded copy. Collective under the
+        distributed optimizer (gathered over DP)."""
+        mopt = self._megatron_optimizer()
+        if mopt is None:
+            return {}
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        params = dict(mopt.named_params)
+        # a parameter the module no longer has (distillation projections taken off at the end) is not handed back
+        return {names[id(params[n])]: master for n, master in mopt.master_weights().items() if id(params[n]) in names}
 
     def receive_results(self, trainer, run_dir: str, rank_zero_result: Any) -> Any:
         """In the launching process after the ranks finished: load the handed-back model into the module
@@ -701,24 +731,34 @@ class MegatronStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self._checkpoint_to_load(checkpoint_path)
-        assert self.lightning_module is not None
-        _refuse_quantized_into_plain(self.lightning_module, path)
+        module = self.lightning_module
+        assert module is not None
+        _refuse_quantized_into_plain(module, path)
+        trainer = attached_trainer(module)
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        meta = read_meta_plain(path)
+        if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
+            raise ValueError(weights_only_message(path))
         layout = self._require_layout()
         writebacks: list = []
-        state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout, writebacks)}
-        trainer = attached_trainer(self.lightning_module)
-        fitting = trainer is not None and trainer.state.fn == "fit"
+        model_state = sharded_model_state(module, layout, writebacks)
+        keys = checkpoint_keys(path)
+        strict = module.strict_loading
+        saved = checkpoint_model_entries(path, keys)
+        state: dict[str, Any] = {MODEL_STATE: self._entries_to_load(model_state, saved, path, meta, strict)}
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         mopt = self._megatron_optimizer() if fitting else None
         for i, opt in enumerate(optimizers):
             if mopt is not None and i == 0:
                 mopt.ensure_state()
-                keys = checkpoint_keys(path)
                 opt_state = mopt.sharded_state_dict(writebacks=writebacks, only_keys=keys,
                                                     key_prefix=f"optimizer_{i}.")
             else:
                 ensure_optimizer_state(opt)
-                opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
+                opt_state = sharded_optimizer_state(module, opt, layout)
+                if not strict:  # the state of parameters the checkpoint lacks stays as it is
+                    opt_state = {k: v for k, v in opt_state.items()
+                                 if k == "param_groups" or f"optimizer_{i}.{k}" in keys}
             opt_state.pop("param_groups")
             state[f"optimizer_{i}"] = opt_state
         rng = self._rng_placeholders(path) if fitting else {}
@@ -734,6 +774,21 @@ class MegatronStrategy(ParallelStrategy):
         if self._auto_resume is not None and str(checkpoint_path) == self._auto_resume.requested:
             rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} (global step {extra.get('global_step')})")
         return extra
+
+    def _entries_to_load(self, model_state: dict[str, Any], saved: set[str], path: Path, meta: Optional[dict],
+                         strict: bool) -> dict[str, Any]:
+        """This rank's model entries to load from ``path`` (whose model entries are ``saved``). Their names on every
+        rank together (a pipeline stage holds only its layers) must be the checkpoint's: otherwise, with ``strict``,
+        one ValueError on every rank; without, the entries both have (the difference said once by rank 0)."""
+        ours = set().union(*gather_to_all(sorted(model_state)))
+        mismatch = compare_entries(ours, saved)
+        if not mismatch:
+            return model_state
+        if strict:
+            raise ValueError(mismatch_message(path, self.lightning_module, mismatch, meta))
+        rank_zero_warn(f"megatron-lite: strict_loading=False: loading the entries {path} shares with the module; "
+                       f"{mismatch.describe()} (the missing ones keep their current values).")
+        return {name: value for name, value in model_state.items() if name in saved}
 
     def _checkpoint_to_load(self, checkpoint_path) -> Path:
         """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked

@@ -73,6 +73,30 @@ def test_cli_reports_missing_corpus_before_training(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path):
+    """`megatron-lite validate --config gpt_tiny.yaml --model.config.num_layers 2 --ckpt_path <a 4-layer checkpoint>`
+    used to print "Restored all states" and score layers 0-1 alone (issue 21, item 1): now one line naming the
+    entries and the config field that differ, and the switch, before any rank starts."""
+    from megatron_lite.pretrained import save_weights_checkpoint
+
+    # the example config's model (vocab_size and seq_length come from its data section)
+    config = ml.GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=352, normalization="RMSNorm", activation="swiglu",
+                          position_embedding_type="rope", vocab_size=2048, seq_length=128)
+    module = ml.GPTModule(config)
+    module.model = module.build_model(ml.ParallelLayout.single())
+    save_weights_checkpoint(module, tmp_path / "four_layers")
+    cmd = [sys.executable, "-m", "megatron_lite", "validate", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
+           "--model.config.num_layers", "2", "--ckpt_path", str(tmp_path / "four_layers"),
+           "--trainer.default_root_dir", str(tmp_path / "run"), "--data.init_args.cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "megatron-lite: error: ckpt_path=" in proc.stderr and "Traceback" not in proc.stderr
+    assert "unexpected 12 entries (model.layers.2.input_layernorm.weight, " in proc.stderr
+    assert "num_layers=4 (this module's: 2)" in proc.stderr and "--model.strict_loading false" in proc.stderr
+    assert "Restored all states" not in proc.stdout + proc.stderr and not (tmp_path / "cache").exists()
+
+
 def test_checkpoint_resume_gives_the_same_next_losses(tmp_path):
     """TP2 x DP... here TP2: save at step 3 through ModelCheckpoint (DCP), resume, compare steps 4-6."""
     full = run(tmp_path / "full", devices=2, tp=2, steps=6)
