@@ -91,8 +91,8 @@ def test_every_datamodule_pads_its_evaluation_splits(tmp_path: Path) -> None:
                                                       {"role": "assistant", "content": f"{2 * i}"}]}) + "\n"
                              for i in range(60)))
     gpt2 = REPO / "tests/data/tokenizers/gpt2"
-    sft = SFTDataModule(str(chats), GPT2BPETokenizer(str(gpt2 / "vocab.json"), str(gpt2 / "merges.txt")), seq_length=32, micro_batch_size=2, global_batch_size=8,
-                        split="50,50", pack_sequences=False)
+    tokenizer = GPT2BPETokenizer(str(gpt2 / "vocab.json"), str(gpt2 / "merges.txt"))
+    sft = SFTDataModule(str(chats), tokenizer, seq_length=32, micro_batch_size=2, global_batch_size=8, split="50,50")
     sft.setup()
     _assert_every_sample_once(sft, sft.datasets["validation"])
 
