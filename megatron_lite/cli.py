@@ -27,6 +27,7 @@ import importlib
 import os
 import sys
 import traceback
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_utilities.core.imports import RequirementCache
 
 import megatron_lite  # noqa: F401  (registers the "megatron" strategy)
+from megatron_lite.cli_errors import explain_parse_error
 from megatron_lite.data import PretrainingDataModule
 from megatron_lite.module import GPTModule
 from megatron_lite.utils.optional import MissingDependencyError, missing_dependency
@@ -57,6 +59,29 @@ class MegatronLiteCLI(LightningCLI):
         model = "model.init_args" if self.subclass_mode_model else "model"  # the CLI's own is in subclass mode
         parser.link_arguments("data.seq_length", f"{model}.config.seq_length", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", f"{model}.config.vocab_size", apply_on="instantiate")
+        # each subcommand's parser, for the options a misspelled one may have meant (see parse_arguments)
+        self.__dict__.setdefault("_subcommand_parsers_seen", []).append(parser)
+
+    def parse_arguments(self, parser, args) -> None:
+        """Lightning's parsing, with a mistake reported in one line (the option, what is wrong with it, a "did you
+        mean") instead of jsonargparse's usage and nested report: the parsers are made with ``exit_on_error=False``
+        (see :func:`_run_cli`), so the error comes here."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            given = args if isinstance(args, list) else sys.argv[1:]
+            subcommand = next((f" {a}" for a in given if a in self.subcommands()), "")
+            line = explain_parse_error(str(err), self._known_options)
+            raise CommandLineError(f"{line}; see `megatron-lite{subcommand} --help`") from None
+
+    def _known_options(self) -> list[str]:
+        """Every subcommand parser's own keys (``trainer.max_steps``, ``ckpt_path``, ...)."""
+        parsers = self.__dict__.get("_subcommand_parsers_seen", [])
+        return sorted({key for parser in parsers for key in parser.get_defaults().keys()})
+
+
+class CommandLineError(ValueError):
+    """A mistake on the command line or in the YAML, found by the parser; the message is one line."""
 
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
@@ -143,9 +168,12 @@ def _run_cli(args: Optional[list[str]]) -> None:
         subclass_mode_data=True,
         trainer_defaults={"strategy": "megatron"},
         args=args,
+        # exit_on_error=False: a parsing mistake reaches MegatronLiteCLI.parse_arguments as an exception (printed
+        # there in one line) instead of jsonargparse printing the whole usage and exiting
         parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
                                       "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate|quantize|prune --help`.",
-                        "default_env": False},
+                       "default_env": False, "exit_on_error": False,
+                       **{name: {"exit_on_error": False} for name in MegatronLiteCLI.subcommands()}},
         save_config_kwargs={"overwrite": True},
     )
 
