@@ -16,7 +16,8 @@ from typing import Optional
 
 _PARSER_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<error>.*)$')
 _CLASS_PATH = re.compile(r"^Problem with given class_path '(?P<class_path>[^']+)':$")
-_STRUCTURE = re.compile(r"^(Does not validate against any of the Union subtypes|Errors:|Given value type: |Given value: )")
+_STRUCTURE = re.compile(r"^(Does not validate against any of the Union subtypes|Errors:|Given value type: |"
+                        r"Given value: )")
 _SUBTYPES = re.compile(r"^Subtypes: (?P<subtypes>.*)$")
 # the alternatives of a Union that the user did not mean: a config file path, None, or a plain string
 _OTHER_ALTERNATIVE = re.compile(r"^(Expected a path but .* either not accessible or invalid|"

@@ -25,8 +25,8 @@ def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
                                              "argument (did you mean --data.vocab_size?)"),
     (["--trainer.maxx_steps", "3"], "unknown option --trainer.maxx_steps (did you mean --trainer.max_steps?)"),
     (["--trainer.callbacks+=ModelChekpoint"], "--trainer.callbacks: ModelChekpoint is neither a known class name "
-                                              "nor an import path (did you mean ModelCheckpoint?); give the class's import path, "
-                                              "e.g. package.module.ClassName"),
+                                              "nor an import path (did you mean ModelCheckpoint?); give the class's "
+                                              "import path, e.g. package.module.ClassName"),
     (["--model.optimizer.lr", "nan"], "--model.optimizer.lr expects a float, got 'nan'"),
     (["--data", "megatron_lite.data.MockGPTDataModul"], "--data: megatron_lite.data has no MockGPTDataModul "
                                                         "(did you mean megatron_lite.data.MockGPTDataModule?)"),
