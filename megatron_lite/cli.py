@@ -10,7 +10,7 @@ format), ``generate`` (continue prompts with a trained checkpoint, optionally wi
         --trainer.strategy.init_args.tensor_model_parallel_size 2
     megatron-lite preprocess --input corpus.jsonl.gz --output-prefix data/corpus \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --workers 4 --append-eod
-    megatron-lite estimate --config examples/configs/gpt_tiny.yaml --devices 8 [--json]
+    megatron-lite estimate --config examples/configs/gpt_tiny.yaml --devices 4 [--json]
     megatron-lite plot runs/lightning_logs/version_0
     megatron-lite checkpoint inspect runs/ckpts/last.ckpt [--json]
     megatron-lite convert --from hf --input llama_dir --output ckpt    (and --to hf --input ckpt --output hf_dir)
