@@ -42,7 +42,7 @@ def header_commands(config: Path) -> list[list[str]]:
         header.append(line[1:].strip())
     text = "\n".join(header).replace("\\\n", " ")
     commands = [re.sub(r"\s{2,}\(.*\)$", "", line) for line in text.splitlines() if line.startswith("megatron-lite ")]
-X
+    commands += re.findall(r"`(megatron-lite \S+ [^`]+)`", text)  # with arguments: "`megatron-lite plot`" names it
     return [shlex.split(command)[1:] for command in commands]
 
 
