@@ -53,14 +53,19 @@ class MegatronLiteCLI(LightningCLI):
     GPTModule (jsonargparse takes a concrete base class as the implicit class), so ``model.config.*`` keeps
     working on the command line and in every existing YAML."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        self._subcommand_parsers_seen: list = []
+        """Each subcommand's parser (LightningCLI builds them in its constructor), for the options a misspelled
+        one may have meant."""
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         # The data side owns the sequence length and the vocabulary (a trained tokenizer decides it). In subclass
         # mode the model's arguments live under init_args, whichever GPTModule subclass is chosen.
         model = "model.init_args" if self.subclass_mode_model else "model"  # the CLI's own is in subclass mode
         parser.link_arguments("data.seq_length", f"{model}.config.seq_length", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", f"{model}.config.vocab_size", apply_on="instantiate")
-        # each subcommand's parser, for the options a misspelled one may have meant (see parse_arguments)
-        self.__dict__.setdefault("_subcommand_parsers_seen", []).append(parser)
+        self._subcommand_parsers_seen.append(parser)
 
     def parse_arguments(self, parser, args) -> None:
         """Lightning's parsing, with a mistake reported in one line (the option, what is wrong with it, a "did you
@@ -76,8 +81,7 @@ class MegatronLiteCLI(LightningCLI):
 
     def _known_options(self) -> list[str]:
         """Every subcommand parser's own keys (``trainer.max_steps``, ``ckpt_path``, ...)."""
-        parsers = self.__dict__.get("_subcommand_parsers_seen", [])
-        return sorted({key for parser in parsers for key in parser.get_defaults().keys()})
+        return sorted({key for parser in self._subcommand_parsers_seen for key in parser.get_defaults().keys()})
 
 
 class CommandLineError(ValueError):
