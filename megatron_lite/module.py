@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
+import warnings
 from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
@@ -43,6 +45,8 @@ from megatron_lite.core.parallel.schedules import (
 )
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
+_POST_STEP_CHECKPOINT_WARNING = ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+                                 "pre-optimization state was saved.")
 TOKENIZER_KEY = "megatron_lite_tokenizer"
 """Checkpoint entry naming the data's tokenizer (``build_tokenizer`` arguments), written by GPTModule."""
 
@@ -314,6 +318,11 @@ class GPTModule(pl.LightningModule):
         # distillation's KL) would be silently off. Evaluation loops restore this mode after they ran.
         if self.model is not None:
             self.model.train()
+        # Lightning's ModelCheckpoint(every_n_train_steps=...) warns, at every save of a manual-optimization module,
+        # that the checkpoint holds the weights after the optimizer step, as if that were a surprise: this module's
+        # optimizer step runs inside training_step, so those are the weights of the step saved, as with automatic
+        # optimization. Exactly that warning is silenced, in the processes that train a GPTModule.
+        warnings.filterwarnings("ignore", message=re.escape(_POST_STEP_CHECKPOINT_WARNING), category=UserWarning)
 
     def on_fit_end(self) -> None:
         # After training a backward (user code, evaluation tools) should leave its gradients in param.grad.

@@ -20,6 +20,8 @@ than the iteration line (every ``timers_interval`` steps, by default 10 log inte
 every log interval, as Megatron does with ``--timing-log-level`` > 0, it buries the iteration lines
 and the bar. Loggers still get ``timers/<name>`` at every log interval. Warnings are raised in
 ``setup``, before any bar is drawn: a warning goes to stderr and would land in the middle of one.
+Rich's bar, Lightning's default when ``rich`` is installed, is titled "Epoch N" in a run bounded by
+``max_steps`` (it writes "Epoch 0/-2" there: see :func:`describe_epoch_without_limit`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from megatron_lite.callbacks.energy import EnergyMeter
@@ -207,9 +210,13 @@ class MegatronMetrics(pl.Callback):
         batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
         if not batch_generator.started:
             batch_generator.start()
+        if self.console:
+            describe_epoch_without_limit(trainer)
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
+        if self.console:  # again: a bar whose epoch start ran after ours, or whose task began mid-epoch
+            describe_epoch_without_limit(trainer)
         batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
         if batch_generator.started:
             batch_generator.stop()
@@ -402,6 +409,25 @@ def iteration_line(trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[f
         module_value("train/skipped_steps", "skipped iterations", ".0f"),
     ]
     return " | ".join(p for p in parts if p is not None) + " |"
+
+
+def describe_epoch_without_limit(trainer: "pl.Trainer") -> None:
+    """Title the train bar of Lightning's ``RichProgressBar`` "Epoch N" when the run has no epoch limit
+    (``max_epochs=-1``: a run bounded by ``max_steps``, what Lightning sets when only ``max_steps`` is given). The
+    bar writes "Epoch N/{max_epochs - 1}", so "Epoch 0/-2" there (fixed in Lightning 2.7, #21924); its count
+    already runs over the run's steps. TQDM's bar says "Epoch N" and needs nothing."""
+    bar = trainer.progress_bar_callback
+    if trainer.max_epochs != -1 or not isinstance(bar, RichProgressBar) or not bar.is_enabled:
+        return
+    if bar.progress is None or bar.train_progress_bar_id is None:
+        return
+    title = f"Epoch {trainer.current_epoch}"
+    title = f"{title:{len(bar.validation_description)}}"  # as wide as "Validation", as Lightning pads it
+    style = bar.theme.description
+    description = f"[{style}]{title}" if style else title
+    if bar.progress.tasks[bar.train_progress_bar_id].description != description:
+        bar.progress.update(bar.train_progress_bar_id, description=description)
+        bar.refresh()  # redraw now: the bar drew its own title as it started the epoch
 
 
 def _is_int(value: Any, minimum: int) -> bool:
