@@ -10,7 +10,7 @@ format), ``generate`` (continue prompts with a trained checkpoint, optionally wi
         --trainer.strategy.init_args.tensor_model_parallel_size 2
     megatron-lite preprocess --input corpus.jsonl.gz --output-prefix data/corpus \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --workers 4 --append-eod
-    megatron-lite estimate --config examples/configs/gpt_tiny.yaml --devices 8 [--json]
+    megatron-lite estimate --config examples/configs/gpt_tiny.yaml --devices 4 [--json]
     megatron-lite plot runs/lightning_logs/version_0
     megatron-lite checkpoint inspect runs/ckpts/last.ckpt [--json]
     megatron-lite convert --from hf --input llama_dir --output ckpt    (and --to hf --input ckpt --output hf_dir)
@@ -27,6 +27,7 @@ import importlib
 import os
 import sys
 import traceback
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_utilities.core.imports import RequirementCache
 
 import megatron_lite  # noqa: F401  (registers the "megatron" strategy)
+from megatron_lite.cli_errors import explain_parse_error
 from megatron_lite.data import PretrainingDataModule
 from megatron_lite.module import GPTModule
 from megatron_lite.utils.optional import MissingDependencyError, missing_dependency
@@ -51,12 +53,39 @@ class MegatronLiteCLI(LightningCLI):
     GPTModule (jsonargparse takes a concrete base class as the implicit class), so ``model.config.*`` keeps
     working on the command line and in every existing YAML."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        self._subcommand_parsers_seen: list = []
+        """Each subcommand's parser (LightningCLI builds them in its constructor), for the options a misspelled
+        one may have meant."""
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         # The data side owns the sequence length and the vocabulary (a trained tokenizer decides it). In subclass
         # mode the model's arguments live under init_args, whichever GPTModule subclass is chosen.
         model = "model.init_args" if self.subclass_mode_model else "model"  # the CLI's own is in subclass mode
         parser.link_arguments("data.seq_length", f"{model}.config.seq_length", apply_on="instantiate")
         parser.link_arguments("data.vocab_size", f"{model}.config.vocab_size", apply_on="instantiate")
+        self._subcommand_parsers_seen.append(parser)
+
+    def parse_arguments(self, parser, args) -> None:
+        """Lightning's parsing, with a mistake reported in one line (the option, what is wrong with it, a "did you
+        mean") instead of jsonargparse's usage and nested report: the parsers are made with ``exit_on_error=False``
+        (see :func:`_run_cli`), so the error comes here."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            given = args if isinstance(args, list) else sys.argv[1:]
+            subcommand = next((f" {a}" for a in given if a in self.subcommands()), "")
+            line = explain_parse_error(str(err), self._known_options)
+            raise CommandLineError(f"{line}; see `megatron-lite{subcommand} --help`") from None
+
+    def _known_options(self) -> list[str]:
+        """Every subcommand parser's own keys (``trainer.max_steps``, ``ckpt_path``, ...)."""
+        return sorted({key for parser in self._subcommand_parsers_seen for key in parser.get_defaults().keys()})
+
+
+class CommandLineError(ValueError):
+    """A mistake on the command line or in the YAML, found by the parser; the message is one line."""
 
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
@@ -143,9 +172,12 @@ def _run_cli(args: Optional[list[str]]) -> None:
         subclass_mode_data=True,
         trainer_defaults={"strategy": "megatron"},
         args=args,
+        # exit_on_error=False: a parsing mistake reaches MegatronLiteCLI.parse_arguments as an exception (printed
+        # there in one line) instead of jsonargparse printing the whole usage and exiting
         parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
                                       "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate|quantize|prune --help`.",
-                        "default_env": False},
+                       "default_env": False, "exit_on_error": False,
+                       **{name: {"exit_on_error": False} for name in MegatronLiteCLI.subcommands()}},
         save_config_kwargs={"overwrite": True},
     )
 

@@ -7,7 +7,9 @@ Reads the same YAML as ``megatron-lite fit`` (``model.config``, ``model.optimize
 micro/global batch size and seq_length, ``trainer`` devices/num_nodes/precision/accelerator and the
 strategy's ``init_args``) and prints, per rank: parameters, bytes of weights, gradients, optimizer state
 (with and without the distributed optimizer), activations (with the recompute and sequence-parallel
-settings), the total, and the model FLOPs of one step. Under pipeline parallelism (the strategy's
+settings), the total, and the model FLOPs of one step -- both for the model's objective
+(``model.class_path``: a DPO pair is two sequences plus the reference model's forward and weights, a GRPO
+prompt ``group_size`` sequences; see ``objective_cost``). Under pipeline parallelism (the strategy's
 pipeline options: sizes, schedule, uneven cut) the details are the most loaded stage's, followed by one
 line per stage (``stages`` in the JSON). Under context parallelism (``context_parallel_size``,
 ``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. Exit
@@ -21,6 +23,7 @@ import importlib
 import inspect
 import json
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -29,6 +32,7 @@ import yaml
 
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import MemoryEstimate, estimate_for_run
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
 from megatron_lite.core.estimator.report import (  # noqa: F401  (re-exported: the command's API)
     default_device_memory_bytes,
     format_table,
@@ -89,6 +93,10 @@ class RunDescription:
     """'cuda' or 'cpu'."""
     vocab_source: str
     """Where the vocabulary size came from."""
+    objective: ObjectiveCost = ObjectiveCost()
+    """What one sample costs the model's objective (sequences, extra forwards, frozen reference models)."""
+    objective_name: str = "GPTModule"
+    """The model's class (the objective)."""
 
 
 def _init_args(node: Any) -> dict:
@@ -107,17 +115,64 @@ def _build_dataclass(cls, values: dict, where: str):
     return cls(**values)
 
 
-def _class_defaults(node: Any) -> dict:
-    """Defaults of the ``__init__`` of ``node['class_path']`` (e.g. a datamodule's micro_batch_size)."""
+def _import_class(node: Any, where: str) -> Optional[type]:
+    """The class ``node['class_path']`` names (None without one)."""
     if not isinstance(node, dict) or "class_path" not in node:
-        return {}
+        return None
     module_name, _, class_name = str(node["class_path"]).rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as err:
-        raise EstimateError(f"cannot import {node['class_path']!r} ({err}); fix data.class_path") from err
+        raise EstimateError(f"cannot import {node['class_path']!r} ({err}); fix {where}.class_path") from err
+
+
+def _class_defaults(node: Any) -> dict:
+    """Defaults of the ``__init__`` of ``node['class_path']`` (e.g. a datamodule's micro_batch_size)."""
+    cls = _import_class(node, "data")
+    if cls is None:
+        return {}
     return {name: p.default for name, p in inspect.signature(cls).parameters.items()
             if p.default is not inspect.Parameter.empty}
+
+
+class _ConfiguredDataModule:
+    """The datamodule as the YAML configures it, for what an objective's cost reads of it (``pack_sequences``,
+    whether it serves prompts): its arguments with the class's defaults, else the class's attributes."""
+
+    def __init__(self, cls: Optional[type], arguments: dict) -> None:
+        self.__dict__.update(arguments, _cls=cls)
+
+    def __getattr__(self, name: str) -> Any:  # only names that are no argument
+        return getattr(self.__dict__["_cls"] or object, name)
+
+
+def _dataclass_in(hint: Any) -> Optional[type]:
+    """The dataclass a parameter's type names (``GRPOConfig``, ``Optional[GRPOConfig]``), else None."""
+    for kind in (hint, *typing.get_args(hint)):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            return kind
+    return None
+
+
+def _objective(model: Any, config: GPTConfig, optimizer: OptimizerConfig) -> Any:
+    """The model's LightningModule as ``megatron-lite fit`` builds it (no weights: they are built at launch),
+    with its dataclass arguments (``grpo``) built from their mappings."""
+    from megatron_lite.module import GPTModule
+
+    cls = _import_class(model, "model") or GPTModule
+    arguments = {**_init_args(model), "config": config, "optimizer": optimizer}
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: pass the values as they are
+        hints = {}
+    for name, value in arguments.items():
+        kind = _dataclass_in(hints.get(name))
+        if kind is not None and isinstance(value, dict):
+            arguments[name] = _build_dataclass(kind, _init_args(value), f"model.{name}")
+    try:
+        return cls(**arguments)
+    except TypeError as err:
+        raise EstimateError(f"{cls.__name__} does not take the arguments of model.init_args ({err}); fix them") from err
 
 
 def _vocab_size(data: dict, data_defaults: dict, model_config: dict, override: Optional[int]) -> tuple:
@@ -190,6 +245,9 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
     model_config.update(seq_length=geometry["seq_length"], vocab_size=vocab)
     config = _build_dataclass(GPTConfig, model_config, "model.config")
     optimizer = _build_dataclass(OptimizerConfig, _init_args(model.get("optimizer")), "model.optimizer")
+    objective = _objective(raw.get("model"), config, optimizer)
+    data_class = _import_class(data_node, "data")
+    cost = objective_cost(objective, _ConfiguredDataModule(data_class, {**_class_defaults(data_node), **data}))
     accelerator = str(trainer.get("accelerator", "auto"))
     if device_type is None:
         if accelerator == "auto":
@@ -211,7 +269,7 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
         cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),
         use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)),
         precision=str(trainer.get("precision", "32-true")), device_type=device_type, vocab_source=vocab_source,
-        **geometry)
+        objective=cost, objective_name=type(objective).__name__, **geometry)
 
 
 def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
@@ -231,9 +289,10 @@ def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
         run.config, micro_batch_size=run.micro_batch_size, global_batch_size=run.global_batch_size,
         seq_length=run.seq_length, tensor_model_parallel_size=run.tensor_model_parallel_size, data_parallel_size=dp,
         sequence_parallel=run.sequence_parallel, precision=run.precision, optimizer=run.optimizer,
-        use_torch_fsdp2=run.use_torch_fsdp2, device_type=run.device_type, **pipeline, **context)
+        use_torch_fsdp2=run.use_torch_fsdp2, device_type=run.device_type, objective=run.objective, **pipeline,
+        **context)
     flops = training_flops_per_step(run.config, run.global_batch_size, run.seq_length,
-                                    tensor_model_parallel_size=run.tensor_model_parallel_size)
+                                    tensor_model_parallel_size=run.tensor_model_parallel_size, cost=run.objective)
     return estimate, flops
 
 
@@ -280,10 +339,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out.update(flops_per_step=flops, flops_per_rank_per_step=flops / world, world_size=world,
                    vocab_size=run.config.vocab_size, padded_vocab_size=run.config.padded_vocab_size(
                        run.tensor_model_parallel_size), vocab_size_source=run.vocab_source,
-                   device_memory_bytes=device_memory, warning=warning)
+                   device_memory_bytes=device_memory, warning=warning, objective=run.objective_name,
+                   objective_cost=dataclasses.asdict(run.objective))
         print(json.dumps(out, indent=2))
     else:
         print(f"megatron-lite estimate: {args.config} (vocabulary {run.config.vocab_size} from {run.vocab_source})")
+        if run.objective != ObjectiveCost():
+            c = run.objective
+            print(f"objective {run.objective_name}: a sample is {c.sequences_per_sample} sequence(s), each trained "
+                  f"{c.training_passes}x and run forward-only {c.forward_only_passes}x per step; "
+                  f"{c.frozen_models} frozen reference model(s)")
         print(format_table(estimate, flops))
     if warning:
         print(warning, file=sys.stderr)

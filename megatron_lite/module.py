@@ -8,8 +8,11 @@ Lightning's manual optimization: Lightning must not run a second backward.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional
+import re
+import warnings
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +22,7 @@ from torchmetrics.aggregation import MeanMetric
 from megatron_lite.core.checkpoint.full_state import carry_over_state, load_full_state, same_layout
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.engine.extensions import ExtendedObjective, ObjectiveExtension
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
 from megatron_lite.core.optim.scheduler import schedule_lengths
@@ -41,6 +45,8 @@ from megatron_lite.core.parallel.schedules import (
 )
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
+_POST_STEP_CHECKPOINT_WARNING = ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+                                 "pre-optimization state was saved.")
 TOKENIZER_KEY = "megatron_lite_tokenizer"
 """Checkpoint entry naming the data's tokenizer (``build_tokenizer`` arguments), written by GPTModule."""
 
@@ -60,8 +66,14 @@ class GPTModule(pl.LightningModule):
     """The loss is a mean next-token negative log-likelihood, so ``exp(val/loss)`` is a perplexity (the metrics
     callback logs ``val/perplexity`` only then); objectives with another loss (DPO, reward models) set False."""
 
-    def __init__(self, config: GPTConfig, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER, seed: int = 1234):
+    def __init__(self, config: GPTConfig, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER, seed: int = 1234,
+                 strict_loading: bool = True):
+        """``strict_loading``: Lightning's ``LightningModule.strict_loading`` (settable here for the CLI,
+        ``--model.strict_loading false``): a checkpoint given as ``ckpt_path`` must hold exactly this module's
+        tensors (missing and unexpected ones are refused by name), unless False: then the tensors both have
+        are loaded and the others keep their values."""
         super().__init__()
+        self.strict_loading = strict_loading
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a megatron_lite.GPTConfig, got {type(config).__name__}")
         # Copies: the optimizer default is a shared instance, and a module must own its configs.
@@ -83,7 +95,7 @@ class GPTModule(pl.LightningModule):
 
     @classmethod
     def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
-                        **config_overrides: Any) -> "GPTModule":
+                        strict: bool = True, **config_overrides: Any) -> "GPTModule":
         """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2 directory
         (config.json + safetensors) or one of our checkpoints (its saved config, optimizer settings and seed).
 
@@ -91,9 +103,11 @@ class GPTModule(pl.LightningModule):
         ``module.generate(...)`` work at once, without a Trainer; ``trainer.fit/validate/predict(module, ...)``
         under any layout cuts each rank's shards out of it. ``config_overrides`` replace GPTConfig fields that
         do not change a weight's shape (``seq_length``, dropout, recomputation, ...); ``optimizer`` and ``seed``
-        replace the saved ones (an HF model gets ``OptimizerConfig()`` and 1234).
+        replace the saved ones (an HF model gets ``OptimizerConfig()`` and 1234). The checkpoint must hold exactly the
+        model's tensors (missing and unexpected ones are refused by name) unless ``strict=False``, which loads the
+        ones both have and leaves the others at their initial values.
         """
-        return load_pretrained(cls, path, optimizer=optimizer, seed=seed, **config_overrides)
+        return load_pretrained(cls, path, optimizer=optimizer, seed=seed, strict=strict, **config_overrides)
 
     # --- layout and model -----------------------------------------------------------------
     def _attached_trainer(self) -> Optional["pl.Trainer"]:
@@ -171,7 +185,9 @@ class GPTModule(pl.LightningModule):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full global tensors keyed like this module's parameters (``model.…``) into the model,
         built first for one process if there is none: how a forked fit hands the trained model back to
-        the notebook that launched it (MegatronStrategy calls this there)."""
+        the notebook that launched it (MegatronStrategy calls this there). What objective extensions added to
+        the ranks' model -- those a callback added in its ``setup``, which ran in the ranks only -- is rebuilt
+        here from ``state`` (quantizers, a draft head), so the module ends with their trained values too."""
         if self.model is None:
             self.model = self.build_model(ParallelLayout.single())
             for extension in self.objective_extensions:  # their sub-modules (a draft head) are in `state` too
@@ -181,6 +197,9 @@ class GPTModule(pl.LightningModule):
             from megatron_lite.post_training.quantization import restore_from_state
 
             restore_from_state(self.model, state, prefix="model.")
+        from megatron_lite.post_training.speculative import restore_draft_head  # here: the package import stays light
+
+        restore_draft_head(self.model, state, prefix="model.")
         load_full_state(self, state, vocab_size=self.config.vocab_size)
 
     def _fsdp(self) -> bool:
@@ -299,6 +318,11 @@ class GPTModule(pl.LightningModule):
         # distillation's KL) would be silently off. Evaluation loops restore this mode after they ran.
         if self.model is not None:
             self.model.train()
+        # Lightning's ModelCheckpoint(every_n_train_steps=...) warns, at every save of a manual-optimization module,
+        # that the checkpoint holds the weights after the optimizer step, as if that were a surprise: this module's
+        # optimizer step runs inside training_step, so those are the weights of the step saved, as with automatic
+        # optimization. Exactly that warning is silenced, in the processes that train a GPTModule.
+        warnings.filterwarnings("ignore", message=re.escape(_POST_STEP_CHECKPOINT_WARNING), category=UserWarning)
 
     def on_fit_end(self) -> None:
         # After training a backward (user code, evaluation tools) should leave its gradients in param.grad.
@@ -349,10 +373,12 @@ class GPTModule(pl.LightningModule):
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary ``[b, s, vocab_size]`` for ``tokens`` [b, s], on every rank
-        (through the pipeline's stages when there are several)."""
-        if self.parallel_layout.pp_size == 1:
-            return self.model.full_logits(tokens)
-        logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
+        (through the pipeline's stages when there are several). In eval mode (no dropout), whatever mode the
+        model is in; its mode is left as it was."""
+        with _eval_mode(self.model):
+            if self.parallel_layout.pp_size == 1:
+                return self.model.full_logits(tokens)
+            logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
         return gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -368,9 +394,10 @@ class GPTModule(pl.LightningModule):
         """
         if self.model is None:
             self.configure_model()
-        return generate_tokens(self.model, prompts, max_new_tokens,
-                               SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-                               stop_ids=stop_ids, return_log_probs=return_log_probs)
+        with _eval_mode(self.model):
+            return generate_tokens(self.model, prompts, max_new_tokens,
+                                   SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                                   stop_ids=stop_ids, return_log_probs=return_log_probs)
 
     def generate_batch(self, batch: dict) -> torch.Tensor:
         """Continue a batch of a :class:`~megatron_lite.data.PromptDataModule`: ``prompt_tokens`` [b, L] (each
@@ -382,8 +409,9 @@ class GPTModule(pl.LightningModule):
         prompts = [row[:n] for row, n in zip(batch["prompt_tokens"].tolist(), lengths)]
         max_new_tokens = int(options.pop("max_new_tokens"))
         sampling = SamplingParams(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p", "seed")})
-        result = generate_tokens(self.model, prompts, max_new_tokens, sampling, stop_ids=options.pop("stop_ids"),
-                                 row_ids=batch["index"].tolist())
+        with _eval_mode(self.model):
+            result = generate_tokens(self.model, prompts, max_new_tokens, sampling, stop_ids=options.pop("stop_ids"),
+                                     row_ids=batch["index"].tolist())
         out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
         for i, tokens in enumerate(result.tokens):
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
@@ -396,6 +424,11 @@ class GPTModule(pl.LightningModule):
 
         checkpoint.update(tokenizer_metadata(
             getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None)))
+
+    def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
+        """What one sample of ``datamodule`` costs per training step (FLOPs, MFU and the memory estimate count
+        it): here one sequence, one forward and backward. Objectives that run more override it."""
+        return ObjectiveCost()
 
     # --- optimizer ------------------------------------------------------------------------
     def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
@@ -472,6 +505,19 @@ class GPTModule(pl.LightningModule):
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) for an inference call, then every sub-module back in its own mode
+    (a model handed back by a forked fit is in train mode, and a frozen part of it may be in eval mode)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _logits_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:

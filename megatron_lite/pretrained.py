@@ -24,6 +24,7 @@ from megatron_lite.core.checkpoint.full_checkpoint import (
     read_checkpoint_hparams,
     read_model_tensors,
 )
+from megatron_lite.core.checkpoint.entries import compare_entries, config_difference, read_meta_plain
 from megatron_lite.core.checkpoint.full_state import load_full_state, persistent_buffers
 from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
 from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
@@ -57,7 +58,7 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
     return dataclasses.replace(config, **overrides)
 
 
-def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int) -> None:
+def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, strict: bool, config: GPTConfig) -> None:
     # A speculative-decoding draft head trained with the model is no part of it (load_draft_head reads it)
     saved = {n: t for n, t in read_model_tensors(path).items() if not n.startswith(DRAFT_HEAD_ATTRIBUTE + ".")}
     if QUANTIZATION_RECIPE in saved:  # a quantized model's checkpoint: its quantizers first, then their tensors
@@ -66,19 +67,28 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int) -> N
         restore_from_state(model, saved)
     # parameters, and the persistent buffers a checkpoint holds too (a quantized model's amax and scales)
     params = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
+    mismatch = compare_entries(params, saved)
+    if mismatch and strict:
+        differ = config_difference(read_meta_plain(path), config)
+        raise ValueError(
+            f"the checkpoint {path} does not fit the module's model: {mismatch.describe()}"
+            f"{f'; it was saved from a model with {differ}' if differ else ''}. Load it with the configuration it "
+            f"was saved with, or pass from_pretrained(..., strict=False) to load only the entries both have (the "
+            f"others keep their initial values).")
+    saved = {n: t for n, t in saved.items() if n in params}
     raise_shape_mismatch({n: tuple(t.shape) for n, t in saved.items()},
-                         {n: _saved_shape(p) for n, p in params.items()},
+                         {n: _saved_shape(p) for n, p in params.items() if n in saved},
                          f"the checkpoint {path}", "the module's config", vocab_size=vocab_size)
     full = {}
     for name, tensor in saved.items():
         shape = getattr(getattr(params[name], "tp_shard", None), "global_shape", tuple(params[name].shape))
         # A fused block seen as its own dimension ([2, ffn, h]) is the flat parameter's memory: reshape it back.
         full[name] = tensor.reshape(shape) if tensor.numel() == torch.Size(shape).numel() else tensor
-    load_full_state(model, full, vocab_size=vocab_size)
+    load_full_state(model, full, vocab_size=vocab_size, strict=strict)
 
 
 def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[OptimizerConfig] = None,
-                    seed: Optional[int] = None, **overrides: Any):
+                    seed: Optional[int] = None, strict: bool = True, **overrides: Any):
     """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
     checkpoints) in a one-process model, in eval mode. See :meth:`GPTModule.from_pretrained`."""
     path = Path(path)
@@ -88,7 +98,7 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
         module = cls(config, optimizer or hparams.get("optimizer") or OptimizerConfig(),
                      seed if seed is not None else hparams.get("seed", 1234))
         module.model = module.build_model(ParallelLayout.single())
-        _load_checkpoint_weights(module.model, path, config.vocab_size)
+        _load_checkpoint_weights(module.model, path, config.vocab_size, strict, config)
     elif is_hf_directory(path):
         config, state = load_hf(path, **overrides)
         module = cls(config, optimizer or OptimizerConfig(), seed if seed is not None else 1234)
@@ -97,7 +107,7 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
         for name in _VOCAB_PARAMS:  # zero rows where the model pads the vocabulary
             if name in state:
                 state[name] = fit_vocab_rows(state[name], params[name].tp_shard.global_shape[0])
-        load_full_state(module.model, state, vocab_size=config.vocab_size)
+        load_full_state(module.model, state, vocab_size=config.vocab_size, strict=strict)
     elif not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a local Hugging Face model directory or one of our "
                                 f"checkpoints (nothing is downloaded)")

@@ -20,6 +20,8 @@ than the iteration line (every ``timers_interval`` steps, by default 10 log inte
 every log interval, as Megatron does with ``--timing-log-level`` > 0, it buries the iteration lines
 and the bar. Loggers still get ``timers/<name>`` at every log interval. Warnings are raised in
 ``setup``, before any bar is drawn: a warning goes to stderr and would land in the middle of one.
+Rich's bar, Lightning's default when ``rich`` is installed, is titled "Epoch N" in a run bounded by
+``max_steps`` (it writes "Epoch 0/-2" there: see :func:`describe_epoch_without_limit`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from megatron_lite.callbacks.energy import EnergyMeter
@@ -39,6 +42,7 @@ from megatron_lite.callbacks.peak_flops import (
     precision_dtype,
 )
 from megatron_lite.core.estimator.flops import training_flops_per_step
+from megatron_lite.core.estimator.objective_cost import objective_cost
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.timers import LogOption, TimerReport, Timers
 
@@ -72,7 +76,9 @@ class MegatronMetrics(pl.Callback):
     ``train/tflops_per_device``, ``train/mfu``, ``train/mem_peak_gib`` and ``timers/<name>`` (max
     ms per step across ranks) at every logging step, and ``val/perplexity`` (``exp(val/loss)``)
     after each validation. FLOPs come from :func:`training_flops_per_step` of the module's
-    ``config`` (a :class:`GPTConfig`) and the datamodule's ``global_batch_size``/``seq_length``.
+    ``config`` (a :class:`GPTConfig`) and the datamodule's ``global_batch_size``/``seq_length``, with
+    what one sample costs the module's objective (``objective_cost``: a DPO pair is two sequences and the
+    reference model's forward over both, a GRPO prompt ``group_size`` sequences and their extra forwards).
 
     Args:
         peak_tflops_per_device: dense peak TFLOP/s of one device for MFU. None: the data-sheet peak
@@ -134,6 +140,12 @@ class MegatronMetrics(pl.Callback):
         self._block_ms: dict[str, list[float]] = {}
         self._block_steps = 0
 
+    @property
+    def flops_per_sample(self) -> Optional[float]:
+        """Model FLOPs of one sample of the run's data, what TFLOP/s and MFU count (the objective's cost of a
+        sample, see ``objective_cost``); None before ``fit`` starts, or without a GPTConfig and batch geometry."""
+        return self._flops_per_sample
+
     # --- set-up ---------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.timers = Timers(self.timing_log_level, self.timing_log_option, device=trainer.strategy.root_device)
@@ -170,7 +182,8 @@ class MegatronMetrics(pl.Callback):
             layout = getattr(trainer.strategy, "parallel_layout", None)
             tp = layout.tp_size if layout is not None else 1  # decides the vocabulary padding
             self._flops_per_step = training_flops_per_step(config, self._global_batch_size, self._seq_length,
-                                                           tensor_model_parallel_size=tp)
+                                                           tensor_model_parallel_size=tp,
+                                                           cost=objective_cost(pl_module, datamodule))
             self._flops_per_sample = self._flops_per_step / self._global_batch_size  # linear in the batch
             self._dp_size = layout.dp_size if layout is not None else 1
             self._peak_tflops = self._resolve_peak(trainer)
@@ -197,9 +210,13 @@ class MegatronMetrics(pl.Callback):
         batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
         if not batch_generator.started:
             batch_generator.start()
+        if self.console:
+            describe_epoch_without_limit(trainer)
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
+        if self.console:  # again: a bar whose epoch start ran after ours, or whose task began mid-epoch
+            describe_epoch_without_limit(trainer)
         batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
         if batch_generator.started:
             batch_generator.stop()
@@ -392,6 +409,25 @@ def iteration_line(trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[f
         module_value("train/skipped_steps", "skipped iterations", ".0f"),
     ]
     return " | ".join(p for p in parts if p is not None) + " |"
+
+
+def describe_epoch_without_limit(trainer: "pl.Trainer") -> None:
+    """Title the train bar of Lightning's ``RichProgressBar`` "Epoch N" when the run has no epoch limit
+    (``max_epochs=-1``: a run bounded by ``max_steps``, what Lightning sets when only ``max_steps`` is given). The
+    bar writes "Epoch N/{max_epochs - 1}", so "Epoch 0/-2" there (fixed in Lightning 2.7, #21924); its count
+    already runs over the run's steps. TQDM's bar says "Epoch N" and needs nothing."""
+    bar = trainer.progress_bar_callback
+    if trainer.max_epochs != -1 or not isinstance(bar, RichProgressBar) or not bar.is_enabled:
+        return
+    if bar.progress is None or bar.train_progress_bar_id is None:
+        return
+    title = f"Epoch {trainer.current_epoch}"
+    title = f"{title:{len(bar.validation_description)}}"  # as wide as "Validation", as Lightning pads it
+    style = bar.theme.description
+    description = f"[{style}]{title}" if style else title
+    if bar.progress.tasks[bar.train_progress_bar_id].description != description:
+        bar.progress.update(bar.train_progress_bar_id, description=description)
+        bar.refresh()  # redraw now: the bar drew its own title as it started the epoch
 
 
 def _is_int(value: Any, minimum: int) -> bool:

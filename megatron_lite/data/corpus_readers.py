@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
-from megatron_lite.utils.jsonl import open_text
+from megatron_lite.utils.jsonl import decode_utf8, open_bytes, read_lines
 from megatron_lite.utils.optional import require
 
 # a chunk also closes at this many characters: big documents then spread over workers instead of one
@@ -90,23 +90,23 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
         ds = ds.select_columns(list(keys))
         return "record", (row for batch in ds.iter(batch_size=1024)
                           for row in (dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys)))), len(ds)
-    with open_text(path) as f:
-        head = f.read(4096).lstrip()
+    with open_bytes(path) as f:  # its first bytes tell JSON lines from an array (a cut character is harmless)
+        head = f.read(4096).decode("utf-8", errors="ignore").lstrip()
     if head.startswith("["):  # one JSON array of objects rather than JSON lines
-        with open_text(path) as f:
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as err:
-                raise PreprocessError(f"{path} is not valid JSON ({err}); use one JSON object per line") from err
+        with open_bytes(path) as f:
+            text = decode_utf8(f.read(), path)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PreprocessError(f"{path} is not valid JSON ({err}); use one JSON object per line") from err
         return "record", iter(rows), len(rows)
 
     def lines() -> Iterator[str]:
         number = 0
         try:
-            with open_text(path) as f:
-                for number, line in enumerate(f, start=1):
-                    yield line
-        except (UnicodeDecodeError, EOFError, OSError) as err:  # mid-file: corrupt or truncated
+            for number, line in read_lines(path):  # a line that is not UTF-8: a ValueError naming it
+                yield line
+        except (EOFError, OSError) as err:  # mid-file: corrupt or truncated
             raise PreprocessError(f"{path}:{number + 1} cannot be read ({err}); the file is corrupt or truncated "
                                   f"(inputs must be UTF-8 text, optionally gzipped)") from None
     return "line", lines(), None

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, consumed_samples_after
+from megatron_lite.data.eval_padding import PaddedEvaluationDataset, masked_padding_sample
 from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler, RankBatchSampler
 
@@ -56,6 +58,10 @@ class PretrainingDataModule(pl.LightningDataModule):
     ``consumed_samples`` restored from a checkpoint, else at the samples the first ``trainer.global_step``
     steps consumed (Lightning restores ``global_step`` before it builds dataloaders), so a resumed run sees
     exactly the batches an uninterrupted run would.
+
+    Evaluation (validation, test) covers every sample of its split, whatever the batch size: the last global
+    batch is filled up with masked-out samples (:meth:`evaluation_padding`), so ``val/loss`` is the mean over
+    every loss token of the split. Training passes skip a trailing partial global batch, as Megatron does.
 
     ``rampup_batch_size = [start, increment, rampup_samples]`` (Megatron's ``--rampup-batch-size``) makes the
     training batches grow from ``start`` to ``global_batch_size`` in steps of ``increment`` over
@@ -139,6 +145,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         The order comes from ``_make_sampler``, which subclasses override to use another sampler. Under a
         ramp-up the train loader is a :class:`RampupDataLoader` whose batch sizes follow the ramp.
         """
+        if split != "train":
+            dataset = self._padded_for_evaluation(dataset, split)
         total_samples = len(dataset)  # type: ignore[arg-type]
         dp_size, rank = self._dp_size_and_rank()
         local_batch = self._geometry.local_batch_size(dp_size)
@@ -155,6 +163,33 @@ class PretrainingDataModule(pl.LightningDataModule):
         if calculator is not None:
             return RampupDataLoader(dataset, batch_sampler=RankBatchSampler(sampler), **workers)
         return ResumableDataLoader(dataset, batch_size=local_batch, sampler=sampler, drop_last=True, **workers)
+
+    def evaluation_padding(self, sample: Any) -> Optional[dict[str, Any]]:
+        """A sample that counts for nothing in an evaluation metric, shaped like ``sample`` (the split's first),
+        to fill up the split's last global batch; None when this data's samples cannot be masked out.
+
+        Here: a GPT token sample with ``loss_mask`` all 0 (see :mod:`megatron_lite.data.eval_padding`); samples
+        holding anything else (preference pairs, prompts) get None. Override it for samples of your own.
+        """
+        return masked_padding_sample(sample)
+
+    def _padded_for_evaluation(self, dataset: Dataset, split: str) -> Dataset:
+        """``dataset`` padded to whole global batches with :meth:`evaluation_padding`, so that every sample is
+        evaluated whatever the batch size; unchanged (with a warning that says what is left out) if it cannot be."""
+        total = len(dataset)  # type: ignore[arg-type]
+        rest = total % self.global_batch_size
+        if total == 0 or rest == 0:
+            return dataset
+        padding = self.evaluation_padding(dataset[0])
+        if padding is not None:
+            return PaddedEvaluationDataset(dataset, total - rest + self.global_batch_size, padding)
+        if total > self.global_batch_size:  # fewer than one batch: _loader refuses the split
+            rank_zero_warn(
+                f"the last {rest} of the {total} samples of the {split} split are not evaluated ({type(self).__name__}"
+                f"'s samples cannot be padded with masked-out ones), so the {split} metrics depend on "
+                f"global_batch_size; make the split a multiple of global_batch_size ({self.global_batch_size}) "
+                f"to evaluate every sample")
+        return dataset
 
     def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int, split: str,
                       calculator: Optional[NumMicroBatchesCalculator] = None) -> GlobalBatchSampler:

@@ -49,7 +49,7 @@ from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
-from megatron_lite.utils.jsonl import open_text, parse_object_line
+from megatron_lite.utils.jsonl import parse_object_line, read_lines
 
 FIELDS = ("prompt", "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
@@ -61,12 +61,11 @@ def read_preferences(path: str, keys: Sequence[str] = FIELDS) -> list[Pair]:
     """The pair of every non-blank line of a JSONL(.gz) file (text or chat, see the module docstring); ``keys``
     names the prompt, chosen and rejected fields. One-line ValueErrors name the line and the fix."""
     pairs = []
-    with open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            obj = parse_object_line(line, where, keys[0], what="a preference file")
-            if obj is not None:
-                pairs.append(_parse_pair(obj, keys, where))
+    for line_no, line in read_lines(path):
+        where = f"{path}:{line_no}"
+        obj = parse_object_line(line, where, keys[0], what="a preference file")
+        if obj is not None:
+            pairs.append(_parse_pair(obj, keys, where))
     if not pairs:
         raise ValueError(f"{path} holds no preference pairs; write one JSON object per line with fields {list(keys)}")
     return pairs

@@ -28,25 +28,24 @@ from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
-from megatron_lite.utils.jsonl import open_text, parse_object_line
+from megatron_lite.utils.jsonl import parse_object_line, read_lines
 
 
 def read_prompt_rows(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict[str, str]]:
     """``{"prompt", "answer"}`` of every non-blank line of a JSONL(.gz) file (the answer may be absent)."""
     rows = []
-    with open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            obj = parse_object_line(line, where, prompt_key, what="a prompt file")
-            if obj is None:
-                continue
-            if not isinstance(obj.get(prompt_key), str):
-                raise ValueError(f"{where} lacks a string field {prompt_key!r} (found {sorted(obj)}); every line needs "
-                                 f"{{{prompt_key!r}: str, {answer_key!r}: str (optional)}}")
-            answer = obj.get(answer_key)
-            if answer is not None and not isinstance(answer, (str, int, float)):
-                raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {type(answer).__name__}")
-            rows.append({"prompt": obj[prompt_key], "answer": None if answer is None else str(answer)})
+    for line_no, line in read_lines(path):
+        where = f"{path}:{line_no}"
+        obj = parse_object_line(line, where, prompt_key, what="a prompt file")
+        if obj is None:
+            continue
+        if not isinstance(obj.get(prompt_key), str):
+            raise ValueError(f"{where} lacks a string field {prompt_key!r} (found {sorted(obj)}); every line needs "
+                             f"{{{prompt_key!r}: str, {answer_key!r}: str (optional)}}")
+        answer = obj.get(answer_key)
+        if answer is not None and not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {type(answer).__name__}")
+        rows.append({"prompt": obj[prompt_key], "answer": None if answer is None else str(answer)})
     if not rows:
         raise ValueError(f"{path} holds no prompts; write one JSON object per line with a {prompt_key!r} field")
     return rows

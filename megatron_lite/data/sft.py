@@ -26,7 +26,7 @@ from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
-from megatron_lite.utils.jsonl import open_text
+from megatron_lite.utils.jsonl import read_lines
 
 Render = Callable[[Sequence[dict], bool], str]
 ROLES = ("system", "user", "assistant", "tool")
@@ -35,28 +35,27 @@ ROLES = ("system", "user", "assistant", "tool")
 def iter_conversations(path: str, messages_key: str = "messages") -> Iterator[list[dict]]:
     """Conversations of a JSONL(.gz) file, one by one, validated: a list of {role, content} with an
     assistant turn. A bad line raises ValueError naming ``path:line`` and what the line must hold."""
-    with open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where} is not valid JSON ({err}); {_LINE_FORMAT.format(key=messages_key)}") \
-                    from err
-            messages = obj.get(messages_key) if isinstance(obj, dict) else None
-            if not isinstance(messages, list) or not messages:
-                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                hint = " (or pass messages_key=<the key that holds them>)" if isinstance(obj, dict) else ""
-                raise ValueError(f"{where} has no non-empty list under {messages_key!r} (found {keys}); "
-                                 f"{_LINE_FORMAT.format(key=messages_key)}{hint}")
-            for m in messages:
-                if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                    raise ValueError(f"{where}: every message needs a role in {ROLES} and a string content, got {m!r}")
-            if not any(m["role"] == "assistant" for m in messages):
-                raise ValueError(f"{where}: the conversation has no assistant turn, so nothing would be trained")
-            yield messages
+    for line_no, line in read_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not valid JSON ({err}); {_LINE_FORMAT.format(key=messages_key)}") \
+                from err
+        messages = obj.get(messages_key) if isinstance(obj, dict) else None
+        if not isinstance(messages, list) or not messages:
+            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            hint = " (or pass messages_key=<the key that holds them>)" if isinstance(obj, dict) else ""
+            raise ValueError(f"{where} has no non-empty list under {messages_key!r} (found {keys}); "
+                             f"{_LINE_FORMAT.format(key=messages_key)}{hint}")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: every message needs a role in {ROLES} and a string content, got {m!r}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where}: the conversation has no assistant turn, so nothing would be trained")
+        yield messages
 
 
 _LINE_FORMAT = 'each line must be {{"{key}": [{{"role": ..., "content": ...}}, ...]}}'

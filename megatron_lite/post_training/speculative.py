@@ -89,6 +89,19 @@ def draft_head_of(model: nn.Module) -> Optional[EagleDraftHead]:
     return head if isinstance(head, EagleDraftHead) else None
 
 
+def restore_draft_head(model: nn.Module, state: dict[str, torch.Tensor], prefix: str = "") -> bool:
+    """If ``state`` (full tensors keyed ``prefix`` + the model's names) holds a draft head and ``model`` (a GPTModel)
+    has none, attach an untrained one built for ``model``'s layout, for the state's tensors (its weights and its
+    base's fingerprint) to be loaded into: how the head a forked fit trained reaches the launching process.
+    Returns whether it attached one."""
+    head_prefix = prefix + DRAFT_HEAD_ATTRIBUTE + "."
+    if draft_head_of(model) is not None or not any(name.startswith(head_prefix) for name in state):
+        return False
+    head = EagleDraftHead(model.config, model.layout).to(next(model.parameters()).device)
+    model.add_module(DRAFT_HEAD_ATTRIBUTE, head)
+    return True
+
+
 class DraftHeadExtension(ObjectiveExtension):
     """Replace a GPT module's objective by an EAGLE draft head's: ``attach`` freezes every base parameter and
     adds the head as ``model.draft_head`` (trainable, saved in the module's checkpoints with the base's

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from megatron_lite.core.engine import TrainingEngine
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
 from megatron_lite.core.parallel.loss_report import report_entry
@@ -212,6 +213,14 @@ class DPOModule(GPTModule):
                 f"the DPO reference {self.reference} has another shape than the policy: reference "
                 f"{ {f: theirs[f] for f in differ} } vs policy { {f: ours[f] for f in differ} } (full shapes: "
                 f"reference {theirs}, policy {ours}); pass a reference of the policy's shape, or reference=None")
+
+    def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
+        """A pair is two sequences (a packed row of pairs, one row), trained once; the frozen reference runs a
+        forward over each every step and is held while training -- unless its log-probs were precomputed
+        (once, before training; the reference is freed then)."""
+        live_reference = int(not self.precompute_reference_log_probs)
+        return ObjectiveCost(sequences_per_sample=1 if getattr(datamodule, "pack_sequences", False) else 2,
+                             forward_only_passes=live_reference, frozen_models=live_reference)
 
     # --- the reference model -------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from megatron_lite.core.checkpoint.full_state import load_full_state
 from megatron_lite.core.engine import TrainingEngine
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.inference import SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
 from megatron_lite.core.models import GPTConfig
@@ -170,6 +171,15 @@ class GRPOModule(GPTModule):
                     f"{need} tokens, more than the model's seq_length + 1 ({self.config.seq_length + 1}); raise "
                     f"model.config.seq_length or lower grpo.max_new_tokens")
         self._tell_datamodule(datamodule)
+
+    def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
+        """A prompt becomes ``group_size`` sequences (a batch of fixed rollouts, from a datamodule without
+        prompts: one per sample), each run forward for the old log-probs and, with ``beta > 0``, through the
+        frozen reference, then trained ``updates_per_batch`` times. Rollout generation is not counted."""
+        g = self.grpo
+        prompts = datamodule is None or callable(getattr(datamodule, "longest_prompt", None))
+        return ObjectiveCost(sequences_per_sample=g.group_size if prompts else 1, training_passes=g.updates_per_batch,
+                             forward_only_passes=1 + int(g.beta > 0), frozen_models=int(g.beta > 0))
 
     def setup(self, stage: str) -> None:
         self._tell_datamodule(getattr(self._attached_trainer(), "datamodule", None))

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.reward import RewardModel, chunk_rewards
 from megatron_lite.core.optim import OptimizerConfig
@@ -42,6 +43,10 @@ class RewardModelModule(GPTModule):
                 f"RewardModelModule does not run under context parallelism (context_parallel_size="
                 f"{parallel.context_parallel_size}): each reward is read at its sequence's last token, held by one "
                 f"CP rank; set context_parallel_size=1 (preference pairs are short: use tensor or data parallelism).")
+
+    def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
+        """A pair is two sequences, chosen and rejected, trained once."""
+        return ObjectiveCost(sequences_per_sample=2)
 
     def build_model(self, layout) -> RewardModel:
         return RewardModel(self.config, layout, seed=self.seed)

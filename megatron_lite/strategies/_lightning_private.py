@@ -21,6 +21,7 @@ message instead of N times from N ranks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -88,13 +89,11 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
         # WORLD_SIZE, MASTER_PORT... in this process's environment and its one-rank process group alive,
         # and a later multi-process run from the same process (or a script it starts) would read them as
         # "launched externally, world size 1". Nothing of this run needs them afterwards.
-        saved = dict(os.environ)
         try:
-            return self._launch(function, *args, **kwargs)
+            with restored_environment():
+                return self._launch(function, *args, **kwargs)
         finally:
             self._strategy.release_process_groups()
-            os.environ.clear()
-            os.environ.update(saved)
 
     def _launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         # Lightning's launch, except for the run directory (inherited by the child scripts) and the
@@ -238,18 +237,15 @@ class _MegatronMultiProcessingLauncher(_Launcher):
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         args = self._validate(args, kwargs, trainer)
+        if trainer is not None:
+            _settle_logger_versions(trainer)
         run_dir = tempfile.mkdtemp(prefix="megatron-lite-run-")
         self._strategy.begin_launch(run_dir, next_run_number())
         try:
-            try:
-                result = self._launcher.launch(functools.partial(_run_rank, self._strategy, function), *args,
-                                               trainer=trainer, **kwargs)
-            except (ProcessRaisedException, ProcessExitedException):
-                record = read_failure(self._strategy.failure_file)
-                if record is None:
-                    raise  # no rank recorded an exception (one was killed): torch's report is all there is
-                first = rebuild_exception(record)
-                raise first from first.__cause__
+            # Lightning's launcher sets MASTER_PORT (and more) in this process for the ranks it starts: the
+            # notebook's environment is left as it was found.
+            with restored_environment():
+                result = self._launch_ranks(function, *args, trainer=trainer, **kwargs)
             if trainer is not None and trainer.state.fn == TrainerFn.PREDICTING:
                 result = self._launcher.rank_zero_predictions
             if trainer is not None and trainer.state.status == TrainerStatus.FINISHED:
@@ -258,6 +254,41 @@ class _MegatronMultiProcessingLauncher(_Launcher):
         finally:
             self._strategy.begin_launch(None, -1)
             shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _launch_ranks(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        """Lightning's launch; the first failing rank's exception raised here."""
+        try:
+            return self._launcher.launch(functools.partial(_run_rank, self._strategy, function), *args,
+                                         trainer=trainer, **kwargs)
+        except (ProcessRaisedException, ProcessExitedException):
+            record = read_failure(self._strategy.failure_file)
+            if record is None:
+                raise  # no rank recorded an exception (one was killed): torch's report is all there is
+            first = rebuild_exception(record)
+            raise first from first.__cause__
+
+
+@contextlib.contextmanager
+def restored_environment() -> Iterator[None]:
+    """Run the block, then put back every environment variable it set, changed or removed."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        for name, value in saved.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+def _settle_logger_versions(trainer) -> None:
+    """Resolve each logger's version here, before the ranks start: a logger resolves it lazily (the next free
+    ``version_N``), and in forked ranks that resolution would be lost with them, so every validate/predict of
+    one Trainer would open a new version. Resolved once here, the ranks inherit it, as a Trainer that runs in
+    this process keeps its version."""
+    for logger in trainer.loggers:
+        logger.version  # noqa: B018 - the property resolves and keeps it
 
 
 class InPlaceLauncher(_Launcher):

@@ -3,9 +3,25 @@ the launching process before any rank starts: the checkpoint to resume and the c
 A bad ``ckpt_path`` used to surface inside every rank, after the process groups existed, as DCP's error."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from megatron_lite.core.checkpoint.entries import (
+    EntryMismatch,
+    certain_mismatch,
+    checkpoint_model_entries,
+    compare_entries,
+    config_difference,
+    holds_training_state,
+    module_entries,
+    read_meta_plain,
+)
+from megatron_lite.core.parallel.layout import ParallelLayout
 
 # ckpt_path values that Lightning resolves itself (a checkpoint callback's file, the HPC path, a model registry)
 _SYMBOLIC = ("last", "best", "hpc")
@@ -19,7 +35,7 @@ def ckpt_path_of(arguments: Iterable[Any]) -> Optional[str]:
 
 def check_ckpt_path(value: Optional[str]) -> None:
     """A path that Lightning does not resolve itself must be a megatron-lite checkpoint directory."""
-    if value is None or value in _SYMBOLIC or value.startswith("registry"):
+    if _resolved_by_lightning(value):
         return
     path = Path(value)
     fix = ("pass the directory that trainer.save_checkpoint() or ModelCheckpoint wrote, or ckpt_path='last' to "
@@ -32,6 +48,70 @@ def check_ckpt_path(value: Optional[str]) -> None:
     if not (path / ".metadata").is_file():
         raise ValueError(f"ckpt_path={value!r} is not a megatron-lite checkpoint directory (no DCP .metadata inside); "
                          f"{fix}")
+
+
+def _resolved_by_lightning(value: Optional[str]) -> bool:
+    return value is None or value in _SYMBOLIC or value.startswith("registry")
+
+
+def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool) -> None:
+    """What the checkpoint's metadata tells without reading a tensor: ``fit`` cannot resume a checkpoint of weights
+    alone, and (unless ``module.strict_loading`` is False) the checkpoint's model entries must be the module's, as
+    its model is built for one process -- on the meta device when it is not built yet -- where no objective
+    extension can explain the difference (see :func:`~megatron_lite.core.checkpoint.entries.certain_mismatch`;
+    the ranks check the rest). Call after :func:`check_ckpt_path`."""
+    if _resolved_by_lightning(value):
+        return
+    path = Path(value)
+    meta = read_meta_plain(path)
+    if fitting and not holds_training_state(meta):
+        raise ValueError(weights_only_message(path))
+    if module is None or not getattr(module, "strict_loading", True):
+        return
+    with _with_model(module) as built:
+        if built is None:
+            return
+        mismatch = certain_mismatch(built, compare_entries(module_entries(built), checkpoint_model_entries(path)))
+    if mismatch:
+        raise ValueError(mismatch_message(path, module, mismatch, meta))
+
+
+@contextlib.contextmanager
+def _with_model(module: nn.Module) -> Iterator[Optional[nn.Module]]:
+    """``module`` with a model to read names from: its own, or (a GPTModule before ``configure_model``) one built
+    for one process on the meta device for the duration (no memory, no initialisation). None when the names
+    cannot be known before the ranks build the model."""
+    build = getattr(module, "build_model", None)
+    if getattr(module, "model", False) is not None or not callable(build):
+        yield module if any(True for _ in module.parameters()) else None
+        return
+    try:
+        with torch.device("meta"):
+            model = build(ParallelLayout.single())
+    except Exception:  # noqa: BLE001 - the ranks build it for real and say what is wrong
+        yield None
+        return
+    module.model = model
+    try:
+        yield module
+    finally:
+        module.model = None
+
+
+def weights_only_message(path: Path) -> str:
+    return (f"ckpt_path={str(path)!r} holds weights only (no optimizer, LR-scheduler or loop state: written by "
+            f"`megatron-lite convert --from hf`, `megatron-lite prune` or with save_weights_only=True), so fit has "
+            f"nothing to resume. To train from these weights, load them with GPTModule.from_pretrained({str(path)!r}) "
+            f"and call fit without ckpt_path; validate/test/predict(ckpt_path=...) read such a checkpoint as it is.")
+
+
+def mismatch_message(path: Path, module: Any, mismatch: EntryMismatch, meta: Optional[dict]) -> str:
+    """The refusal of a strict load (the same before launch and in the ranks)."""
+    differ = config_difference(meta, getattr(module, "config", None))
+    return (f"ckpt_path={str(path)!r} does not fit {type(module).__name__}'s model: {mismatch.describe()}"
+            f"{f'; it was saved from a model with {differ}' if differ else ''}. Pass a checkpoint of this model, or "
+            f"load only the entries both have on purpose with module.strict_loading = False (Lightning's switch; "
+            f"`--model.strict_loading false` on the command line): the others keep their current values.")
 
 
 def check_callbacks(trainer: Any, module: Any) -> None:

@@ -27,8 +27,16 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from megatron_lite.core.checkpoint.async_save import AsyncCheckpointWriter
+from megatron_lite.core.checkpoint.entries import (
+    MODEL_STATE,
+    checkpoint_model_entries,
+    compare_entries,
+    holds_training_state,
+    read_meta_plain,
+)
 from megatron_lite.core.checkpoint.commit import clean_up, remove_checkpoint
 from megatron_lite.core.checkpoint.integrity import verify_checkpoint
+from megatron_lite.core.checkpoint.rank_zero import gather_to_all
 from megatron_lite.core.checkpoint.sharded import (
     checkpoint_keys,
     ensure_optimizer_state,
@@ -57,12 +65,20 @@ from megatron_lite.core.checkpoint.rng import (
 )
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.flops import training_flops_per_step
-from megatron_lite.core.estimator.memory import estimate_for_run
+from megatron_lite.core.estimator.objective_cost import objective_cost
 from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
 from megatron_lite.core.timers import timed
-from megatron_lite.strategies.launch_checks import check_callbacks, check_ckpt_path, ckpt_path_of
+from megatron_lite.strategies.launch_checks import (
+    check_callbacks,
+    check_checkpoint_fits,
+    check_ckpt_path,
+    ckpt_path_of,
+    mismatch_message,
+    weights_only_message,
+)
+from megatron_lite.strategies.memory_check import check_memory_fits, run_memory_estimate
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
 from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 from megatron_lite.strategies._lightning_private import (
@@ -129,8 +145,13 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: reduce each gradient bucket over DP (all-reduce, or reduce-scatter with
             the distributed optimizer) asynchronously during the backward of the last microbatch
             (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
+        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s numbers, for the
+            module's objective) exceeds what the machine has, before any process starts or weight is built:
+            on CPU the ranks of this host together against its available memory, on a GPU each rank against
+            its device's free memory. ``False`` skips the check (estimates can be conservative).
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
-        timeout: collective timeout.
+        timeout: how long a collective waits for its peers, in every process group of the run (the
+            layout's tensor/pipeline/data/context-parallel groups too), before it fails.
         exit_signal_handler: on SIGTERM (to any rank) save a checkpoint into the checkpoint callback's
             directory (``last.ckpt``, what ``ckpt_path="last"`` resumes) and stop at the next step boundary,
             whenever the Trainer has a checkpoint callback: adds a
@@ -162,6 +183,7 @@ class MegatronStrategy(ParallelStrategy):
         log_metrics: bool = True,
         exit_signal_handler: bool = True,
         async_save: bool = False,
+        check_memory: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -193,6 +215,7 @@ class MegatronStrategy(ParallelStrategy):
         self.log_metrics = bool(log_metrics)
         self.exit_signal_handler = bool(exit_signal_handler)
         self.async_save = bool(async_save)
+        self.check_memory = bool(check_memory)
         self._async_writer: Optional[AsyncCheckpointWriter] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -289,7 +312,9 @@ class MegatronStrategy(ParallelStrategy):
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
         _refuse_without_weights(module)
-        check_ckpt_path(ckpt_path_of(args))
+        ckpt_path = ckpt_path_of(args)
+        check_ckpt_path(ckpt_path)
+        check_checkpoint_fits(ckpt_path, module, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
         _recover_interrupted_saves(trainer)
         check_callbacks(trainer, module)
@@ -304,10 +329,11 @@ class MegatronStrategy(ParallelStrategy):
         return args
 
     def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
-                 world_size: int, trainer=None) -> int:
+                 world_size: int, trainer=None, device: Optional[torch.device] = None) -> int:
         """Check the layout against the world size, the model config, the data geometry, the
-        precision, the optimizer config, the module's own checks (``validate_configuration``) and the
-        datamodule's input files (``validate_inputs``)."""
+        precision, the optimizer config, the module's own checks (``validate_configuration``), the estimated
+        memory against the host's (and, given a rank's CUDA ``device``, the device's) and the datamodule's
+        input files (``validate_inputs``)."""
         precision = self.precision_plugin.precision  # MegatronPrecision refused unsupported ones already
         if self.use_torch_fsdp2 and precision.endswith("-true") and precision != "32-true":
             raise ValueError(
@@ -339,6 +365,8 @@ class MegatronStrategy(ParallelStrategy):
             rampup_batch_size=getattr(datamodule, "rampup_batch_size", None),
             use_torch_fsdp2=self.use_torch_fsdp2,
         )
+        if self.check_memory:
+            self._check_memory(module, datamodule, dp_size, world_size, trainer, device)
         # Last: it may read the data files. Here, in the launching process, a bad file fails once, before
         # any rank exists, instead of in a rank's setup while the others wait in a collective.
         if callable(getattr(datamodule, "validate_inputs", None)):
@@ -350,7 +378,7 @@ class MegatronStrategy(ParallelStrategy):
         # Again in every rank: under torchrun or SLURM no launcher ran the checks before.
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
         self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
-                      trainer)
+                      trainer, device=self.root_device)
         self._add_metrics_callback(trainer)
         self._add_exit_callback(trainer)
         if self._started_externally and os.environ.get(RUN_DIR_ENV):
@@ -367,7 +395,8 @@ class MegatronStrategy(ParallelStrategy):
         self.precision_plugin.check_device(self.root_device)
         self._created_default_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type)
+        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type,
+                                            timeout=self._timeout)
         if self._run_dir is None or self._start_method == "popen":
             # A process that goes on after the run (a script, torchrun, the launching process itself) may
             # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
@@ -409,33 +438,38 @@ class MegatronStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self.barrier()
 
+    def _check_memory(self, module, datamodule, dp_size: int, world_size: int, trainer,
+                      device: Optional[torch.device]) -> None:
+        """Refuse the run before anything is allocated when its estimate exceeds the machine (see memory_check)."""
+        device_type = device.type if device is not None else (
+            self.parallel_devices[0].type if self.parallel_devices else "cpu")
+        try:
+            estimate = run_memory_estimate(module, datamodule, self.parallel_config, dp_size,
+                                           self.precision_plugin.precision, self.use_torch_fsdp2, device_type)
+        except (ValueError, TypeError):
+            return  # no estimate: nothing to compare (the start-up report says why)
+        if estimate is not None:
+            fitting = trainer is None or trainer.state.fn in (None, TrainerFn.FITTING)
+            check_memory_fits(estimate, fitting=fitting, device_type=device_type,
+                              ranks_on_host=max(self.num_processes, 1), world_size=world_size, device=device)
+
     def _log_memory_estimate(self, trainer):
         """Megatron-style start-up report: per-rank memory and FLOPs per step from the configs, with a
         warning when it exceeds the device's memory. Never stops a run: an estimate it cannot make is
         a warning."""
         module, datamodule = self.lightning_module, getattr(trainer, "datamodule", None)
-        if not isinstance(module, EngineModule):
+        if self._layout is None:
             return None
-        config = module.config
-        geometry = {k: getattr(datamodule, k, None) for k in ("micro_batch_size", "global_batch_size", "seq_length")}
-        if not hasattr(config, "validate_parallelism") or None in geometry.values() or self._layout is None:
-            return None
+        layout = self._layout
         try:
-            optimizer = module.optimizer_config
-            layout, parallel = self._layout, self._layout.config
-            estimate = estimate_for_run(
-                config, **geometry, tensor_model_parallel_size=layout.tp_size, data_parallel_size=layout.dp_size,
-                sequence_parallel=layout.sequence_parallel, precision=self.precision_plugin.precision,
-                optimizer=optimizer, use_distributed_optimizer=getattr(optimizer, "use_distributed_optimizer", False),
-                use_torch_fsdp2=self.use_torch_fsdp2 and layout.dp_size > 1, device_type=self.root_device.type,
-                pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-                pipeline_schedule=parallel.pipeline_schedule,
-                num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
-                num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
-                context_parallel_size=parallel.context_parallel_size, cp_comm_type=parallel.cp_comm_type)
-            flops = training_flops_per_step(config, geometry["global_batch_size"], geometry["seq_length"],
-                                            tensor_model_parallel_size=layout.tp_size)
+            estimate = run_memory_estimate(module, datamodule, layout.config, layout.dp_size,
+                                           self.precision_plugin.precision, self.use_torch_fsdp2,
+                                           self.root_device.type)
+            if estimate is None:
+                return None
+            flops = training_flops_per_step(module.config, datamodule.global_batch_size, datamodule.seq_length,
+                                            tensor_model_parallel_size=layout.tp_size,
+                                            cost=objective_cost(module, datamodule))
         except (ValueError, TypeError) as error:
             rank_zero_warn(f"megatron-lite: no memory estimate for this run ({error})")
             return None
@@ -537,7 +571,7 @@ class MegatronStrategy(ParallelStrategy):
         predict, this replica's predictions with their sample indices."""
         assert self._layout is not None and self.lightning_module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            state = gather_full_state(self.lightning_module, self._layout)
+            state = gather_full_state(self.lightning_module, self._layout, substitutes=self._master_weights())
             if state is not None:
                 os.makedirs(os.path.join(run_dir, "model"), exist_ok=True)
                 write_full_state(state, os.path.join(run_dir, "model"), self.global_rank)
@@ -547,6 +581,19 @@ class MegatronStrategy(ParallelStrategy):
                 os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
                 write_predictions(predictions_with_indices(trainer), layout,
                                    os.path.join(run_dir, "predictions", f"rank{self.global_rank:05d}.safetensors"))
+
+    def _master_weights(self) -> dict[str, Tensor]:
+        """The optimizer's fp32 masters of a half-precision (``bf16-true``/``16-true``) model, by the module's
+        parameter names: what training arrived at, of which the model holds a rounded copy. Collective under the
+        distributed optimizer (gathered over DP)."""
+        mopt = self._megatron_optimizer()
+        if mopt is None:
+            return {}
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        params = dict(mopt.named_params)
+        # a parameter the module no longer has (distillation projections taken off at the end) is not handed back
+        return {names[id(params[n])]: master for n, master in mopt.master_weights().items() if id(params[n]) in names}
 
     def receive_results(self, trainer, run_dir: str, rank_zero_result: Any) -> Any:
         """In the launching process after the ranks finished: load the handed-back model into the module
@@ -684,24 +731,34 @@ class MegatronStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self._checkpoint_to_load(checkpoint_path)
-        assert self.lightning_module is not None
-        _refuse_quantized_into_plain(self.lightning_module, path)
+        module = self.lightning_module
+        assert module is not None
+        _refuse_quantized_into_plain(module, path)
+        trainer = attached_trainer(module)
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        meta = read_meta_plain(path)
+        if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
+            raise ValueError(weights_only_message(path))
         layout = self._require_layout()
         writebacks: list = []
-        state: dict[str, Any] = {"model": sharded_model_state(self.lightning_module, layout, writebacks)}
-        trainer = attached_trainer(self.lightning_module)
-        fitting = trainer is not None and trainer.state.fn == "fit"
+        model_state = sharded_model_state(module, layout, writebacks)
+        keys = checkpoint_keys(path)
+        strict = module.strict_loading
+        saved = checkpoint_model_entries(path, keys)
+        state: dict[str, Any] = {MODEL_STATE: self._entries_to_load(model_state, saved, path, meta, strict)}
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         mopt = self._megatron_optimizer() if fitting else None
         for i, opt in enumerate(optimizers):
             if mopt is not None and i == 0:
                 mopt.ensure_state()
-                keys = checkpoint_keys(path)
                 opt_state = mopt.sharded_state_dict(writebacks=writebacks, only_keys=keys,
                                                     key_prefix=f"optimizer_{i}.")
             else:
                 ensure_optimizer_state(opt)
-                opt_state = sharded_optimizer_state(self.lightning_module, opt, layout)
+                opt_state = sharded_optimizer_state(module, opt, layout)
+                if not strict:  # the state of parameters the checkpoint lacks stays as it is
+                    opt_state = {k: v for k, v in opt_state.items()
+                                 if k == "param_groups" or f"optimizer_{i}.{k}" in keys}
             opt_state.pop("param_groups")
             state[f"optimizer_{i}"] = opt_state
         rng = self._rng_placeholders(path) if fitting else {}
@@ -717,6 +774,21 @@ class MegatronStrategy(ParallelStrategy):
         if self._auto_resume is not None and str(checkpoint_path) == self._auto_resume.requested:
             rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} (global step {extra.get('global_step')})")
         return extra
+
+    def _entries_to_load(self, model_state: dict[str, Any], saved: set[str], path: Path, meta: Optional[dict],
+                         strict: bool) -> dict[str, Any]:
+        """This rank's model entries to load from ``path`` (whose model entries are ``saved``). Their names on every
+        rank together (a pipeline stage holds only its layers) must be the checkpoint's: otherwise, with ``strict``,
+        one ValueError on every rank; without, the entries both have (the difference said once by rank 0)."""
+        ours = set().union(*gather_to_all(sorted(model_state)))
+        mismatch = compare_entries(ours, saved)
+        if not mismatch:
+            return model_state
+        if strict:
+            raise ValueError(mismatch_message(path, self.lightning_module, mismatch, meta))
+        rank_zero_warn(f"megatron-lite: strict_loading=False: loading the entries {path} shares with the module; "
+                       f"{mismatch.describe()} (the missing ones keep their current values).")
+        return {name: value for name, value in model_state.items() if name in saved}
 
     def _checkpoint_to_load(self, checkpoint_path) -> Path:
         """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked

@@ -1,4 +1,4 @@
-"""Reading JSON-lines corpora (plain or gzipped) with errors that name ``file:line`` and the fix."""
+"""Reading JSON-lines corpora (plain or gzipped, UTF-8) with errors that name ``file:line`` and the fix."""
 
 from __future__ import annotations
 
@@ -11,11 +11,44 @@ from typing import IO, Any
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def open_text(path: str | os.PathLike[str]) -> IO[str]:
-    """Open a UTF-8 text file, gunzipped when it starts with gzip's magic bytes (whatever its name)."""
+def open_bytes(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a file for reading bytes, gunzipped when it starts with gzip's magic bytes (whatever its name)."""
     with open(path, "rb") as raw:
         gzipped = raw.read(2) == _GZIP_MAGIC
-    return gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
+
+
+def read_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file (gunzipped as :func:`open_bytes` does), newline included.
+
+    Each line is decoded on its own, so a byte that is not UTF-8 raises ValueError naming ``file:line``, the byte
+    and the fix (a text stream decodes blocks ahead of the line it hands out and names neither).
+    """
+    with open_bytes(path) as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(_not_utf8(path, number, raw, err)) from None
+
+
+def decode_utf8(data: bytes, path: str | os.PathLike[str]) -> str:
+    """``data`` (the whole of ``path``) as text; ValueError naming the line of the first byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        start = data.rfind(b"\n", 0, err.start) + 1
+        end = data.find(b"\n", err.start)
+        line = data[start:] if end < 0 else data[start:end + 1]
+        moved = UnicodeDecodeError(err.encoding, line, err.start - start, err.end - start, err.reason)
+        raise ValueError(_not_utf8(path, data.count(b"\n", 0, err.start) + 1, line, moved)) from None
+
+
+def _not_utf8(path: str | os.PathLike[str], line_no: int, line: bytes, err: UnicodeDecodeError) -> str:
+    """The one-line message for a line that is not UTF-8: where, which byte, and how to fix the file."""
+    return (f"{os.fspath(path)}:{line_no}: byte {err.start + 1} of the line ({line[err.start]:#04x}) is not UTF-8 "
+            f"({err.reason}); the input must be UTF-8 text: convert the file (e.g. `iconv -f latin1 -t utf-8 "
+            f"{os.fspath(path)} > <new file>`) or remove the line")
 
 
 def require_object(value: Any, where: str, key: str, *, error: type[ValueError] = ValueError) -> dict[str, Any]:
@@ -52,19 +85,18 @@ def iter_jsonl_texts(
     ``option`` the caller's setting for the key (e.g. ``data.json_key``), so the message says what to change.
     """
     key_seen = False  # once earlier lines had the key, a line without it is the line to fix
-    with open_text(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            obj = parse_object_line(line, where, json_key, what=what)
-            if obj is None:
-                continue
-            if json_key not in obj:
-                fix = ("every line needs it: fix or remove this line" if key_seen
-                       else f"pass {option}=<one of them>")
-                raise ValueError(f"{where} has no key {json_key!r} (its keys: {sorted(obj)}); {fix}")
-            key_seen = True
-            text = obj[json_key]
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: {json_key!r} is a {type(text).__name__}, not a string")
-            if text:
-                yield text
+    for line_no, line in read_lines(path):
+        where = f"{path}:{line_no}"
+        obj = parse_object_line(line, where, json_key, what=what)
+        if obj is None:
+            continue
+        if json_key not in obj:
+            fix = ("every line needs it: fix or remove this line" if key_seen
+                   else f"pass {option}=<one of them>")
+            raise ValueError(f"{where} has no key {json_key!r} (its keys: {sorted(obj)}); {fix}")
+        key_seen = True
+        text = obj[json_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: {json_key!r} is a {type(text).__name__}, not a string")
+        if text:
+            yield text

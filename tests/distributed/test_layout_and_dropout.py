@@ -52,3 +52,39 @@ def test_dropout_keeps_tp_replicas_identical():
         assert r0["losses"][0] != r0["losses"][1]
         for name, value in r0["replicated"].items():
             assert torch.equal(value, r1["replicated"][name]), (sp, name)
+
+
+def _collective_without_a_peer(rank, world_size, flag):
+    """Rank 0 all-reduces over its TP group while its TP peer (rank 1) never joins: it waits for rank 0 to
+    have given up (a file), so the collective can only end by the group's timeout."""
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2), timeout=timedelta(seconds=2))
+    cpu = torch.device("cpu")
+    timeouts = {name: group._get_backend(cpu).options._timeout.total_seconds()
+                for name, group in layout.groups.items() if group is not None}
+    error = None
+    if rank == 0:
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=layout.group("tp"))
+        except RuntimeError as failure:
+            error = str(failure)
+        Path(flag).touch()
+    else:
+        deadline = time.monotonic() + 30  # before the fix rank 0 would wait 30 minutes: stop it by leaving
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return {"error": error, "timeouts": timeouts}
+
+
+def test_the_layouts_groups_time_out_after_the_strategys_timeout(tmp_path):
+    """tp=2 x dp=2: every group the layout made (the DeviceMesh's per-dimension subgroups and the flattened
+    ones) waits the timeout it was given, not torch's 30 minutes: a collective whose peer never joins fails
+    after 2 s."""
+    results = run_ranks(_collective_without_a_peer, 4, str(tmp_path / "gave_up"))
+    for rank, result in enumerate(results):
+        assert set(result["timeouts"]) >= {"tp", "dp", "mp", "dp_cp"}, result
+        assert all(seconds == 2.0 for seconds in result["timeouts"].values()), (rank, result["timeouts"])
+    assert "Timed out waiting 2000ms" in results[0]["error"], results[0]["error"]

@@ -316,6 +316,17 @@ def test_text_corpus_line_without_its_key_is_refused_before_launch(fork_marker, 
                            r"fix or remove this line", fork_marker)
 
 
+def test_text_corpus_that_is_not_utf8_names_the_line_before_launch(fork_marker, tmp_path):
+    # A Latin-1 line used to fail in rank 0's prepare_data with "'utf-8' codec can't decode byte 0xe9 in
+    # position 27", naming neither the file nor the line.
+    data = _text_corpus(tmp_path, [{"text": "to be or not to be"}, {"text": "that is the question"}])
+    with open(data.path, "ab") as f:
+        f.write('{"text": "whether tis nobler in the caf\xe9"}\n'.encode("latin-1"))
+    _refused_before_launch(ml.GPTModule(_config(vocab_size=data.vocab_size)), data,
+                           r"corpus.jsonl:3: byte 40 of the line \(0xe9\) is not UTF-8 .*the input must be UTF-8 "
+                           r"text: convert the file \(e\.g\. `iconv -f latin1 -t utf-8 .*corpus.jsonl", fork_marker)
+
+
 def test_text_corpus_with_the_wrong_key_names_the_option():
     import tempfile
 

@@ -7,6 +7,7 @@ stdout and stderr going into one pipe, as a terminal shows them. The captured by
 raw (no carriage-return segment of the stream holds both a bar and our text) and as a terminal
 would draw them (every line of ours whole, and the bar drawn again below the last one).
 """
+import io
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 import megatron_lite as ml
 from megatron_lite.callbacks import MegatronMetrics
@@ -139,6 +140,25 @@ def _tiny_fit(callbacks, **trainer_kwargs):
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
     trainer.fit(ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=2,
                                                         vocab_size=256))
+
+
+def test_rich_bar_of_a_max_steps_run_has_no_negative_epoch_total():
+    """max_steps without max_epochs makes Lightning set max_epochs=-1, and its Rich bar (the default bar whenever
+    rich is installed) then read "Epoch 0/-2"; the metrics callback titles it "Epoch 0". The callbacks come in
+    the order MegatronStrategy gives them: the Trainer's bar, then the MegatronMetrics the strategy adds."""
+    screen = io.StringIO()
+    bar = RichProgressBar(leave=True, console_kwargs=dict(file=screen, force_terminal=True, width=200))
+    titles = []
+
+    class Titles(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            titles.append(bar.progress.tasks[bar.train_progress_bar_id].description)
+
+    _tiny_fit([bar, MegatronMetrics(peak_tflops_per_device=1.0), Titles()])
+    assert titles == ["Epoch 0   "] * 3  # from the first step on (as wide as "Validation")
+    frames = screen.getvalue().split("\x1b[2K")  # Rich clears the line before each frame
+    assert re.match(r"Epoch 0 +\S* *━+", frames[-1]), frames[-1]
+    assert bar.progress.tasks[bar.train_progress_bar_id].completed == 3  # the count is the run's steps
 
 
 @pytest.mark.parametrize("bar", ["disabled_bar", "no_bar"])

@@ -217,3 +217,53 @@ def test_the_strategy_estimates_every_pipeline_stage_when_fit_starts(tmp_path):
         assert torch.load(tmp_path / f"estimate{rank}.pt", weights_only=False) == expected
     assert [s["activation_breakdown"]["chunks"][0]["num_layers"] for s in expected["stages"]] == [1, 2]
     assert [s["activation_breakdown"]["microbatches_in_flight"] for s in expected["stages"]] == [2, 1]
+
+
+def _edited(tmp_path: Path, source: Path, edit) -> Path:
+    raw = yaml.safe_load(source.read_text())
+    edit(raw)
+    path = tmp_path / source.name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_dpo_is_estimated_with_both_sequences_of_a_pair_and_its_reference_model(capsys, tmp_path):
+    """examples/configs/dpo.yaml (8 pairs per microbatch, 32 per step, TP2): a pair is a microbatch's two rows,
+    and per step 2 x (3 + 1) forwards of a sequence with the reference model kept -- whose weights are held
+    too -- or 2 x 3 with its log-probs precomputed (its model freed before training)."""
+    source = REPO / "examples" / "configs" / "dpo.yaml"
+    outs = {}
+    for precompute in (False, True):
+        def edit(raw, precompute=precompute):
+            raw["model"]["init_args"]["precompute_reference_log_probs"] = precompute
+        outs[precompute] = _run_json(capsys, "--config", str(_edited(tmp_path, source, edit)))
+    raw = yaml.safe_load(source.read_text())
+    model, data = raw["model"]["init_args"], raw["data"]["init_args"]
+    config = GPTConfig(**model["config"], seq_length=data["seq_length"], vocab_size=64)
+    per_sequence = training_flops_per_step(config, 1, tensor_model_parallel_size=2) / 3
+    live, precomputed = outs[False], outs[True]
+    assert live["objective"] == "DPOModule" and live["objective_cost"]["frozen_models"] == 1
+    assert live["flops_per_step"] == pytest.approx(2 * (3 + 1) * per_sequence * data["global_batch_size"], rel=1e-12)
+    assert precomputed["flops_per_step"] == pytest.approx(2 * 3 * per_sequence * data["global_batch_size"], rel=1e-12)
+    expected = estimate_for_run(  # the same run's memory with microbatches of twice the rows
+        config, micro_batch_size=2 * data["micro_batch_size"], global_batch_size=2 * data["global_batch_size"],
+        tensor_model_parallel_size=2, precision="32-true", optimizer=OptimizerConfig(**model["optimizer"]),
+        device_type="cpu")
+    for out in (live, precomputed):
+        assert out["layout"]["micro_batch_size"] == 2 * data["micro_batch_size"]
+        assert out["activation_bytes"] == expected.activation_bytes
+    assert live["frozen_bytes"] == live["weights_bytes"] > 0 and precomputed["frozen_bytes"] == 0
+    assert live["total_bytes"] - precomputed["total_bytes"] == live["weights_bytes"] == expected.weights_bytes
+
+
+def test_grpo_is_estimated_with_the_group_of_every_prompt(capsys):
+    """examples/configs/grpo.yaml: 16 prompts per rollout, 16 samples each, one update, no reference model:
+    per prompt 16 sequences x (3 + 1 old-log-prob forward)."""
+    out = _run_json(capsys, "--config", str(REPO / "examples" / "configs" / "grpo.yaml"))
+    raw = yaml.safe_load((REPO / "examples" / "configs" / "grpo.yaml").read_text())
+    data = raw["data"]["init_args"]
+    config = GPTConfig(**raw["model"]["init_args"]["config"], seq_length=data["seq_length"],
+                       vocab_size=out["vocab_size"])
+    per_sequence = training_flops_per_step(config, 1) / 3
+    assert out["flops_per_step"] == pytest.approx(16 * (3 + 1) * per_sequence * data["global_batch_size"], rel=1e-12)
+    assert out["layout"]["micro_batch_size"] == 16 * data["micro_batch_size"] and out["frozen_bytes"] == 0

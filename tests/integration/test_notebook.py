@@ -5,6 +5,7 @@ any launcher in this process and against what the ranks computed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -142,3 +143,47 @@ def test_refuses_what_it_cannot_hand_back():
         trainer.fit(module, data)
     with pytest.raises(RuntimeError, match="could not be handed back.*load_full_state_dict"):
         trainer.validate(module, data)
+
+
+def test_one_trainer_keeps_its_logger_version_the_environment_and_eval_mode_inference(tmp_path, monkeypatch):
+    """Issue 21, items 5 and 14(b, c): after a forked fit the model comes back in train mode, yet full_logits runs
+    without dropout (equal calls, equal to eval mode) and leaves the mode as it was; fit and two validates of one
+    Trainer log into one version (as without fork); the launcher's MASTER_PORT & co. do not stay in this process."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    environment = dict(os.environ)
+    module = ml.GPTModule(ml.GPTConfig(**CONFIG, hidden_dropout=0.5), ml.OptimizerConfig(**OPTIMIZER), seed=1)
+    trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=1, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, max_steps=2, limit_val_batches=1)
+    trainer.fit(module, _data())
+    trainer.validate(module, _data(), verbose=False)
+    trainer.validate(module, _data(), verbose=False)
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+    assert dict(os.environ) == environment
+
+    tokens = torch.arange(32).reshape(2, 16) % 128
+    assert module.model.training
+    first, second = module.full_logits(tokens), module.full_logits(tokens)
+    assert module.model.training  # left as it was
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(first, module.model.eval().full_logits(tokens), rtol=0, atol=0)
+
+
+def test_extensions_added_by_callbacks_come_back_with_their_trained_values(tmp_path):
+    """Issue 21(e): TrainDraftHead adds its extension in `setup`, which runs in the forked ranks only; the module
+    handed back to this process still holds the head the ranks trained (the file the rank wrote at the end of fit
+    loads onto this process's model and equals it)."""
+    from megatron_lite.callbacks import TrainDraftHead
+    from megatron_lite.post_training.speculative import draft_head_of, load_draft_head
+
+    module, head_file = _module(), tmp_path / "head.safetensors"
+    trainer = _trainer(1, 1, max_steps=2, limit_val_batches=0, callbacks=[TrainDraftHead(save_path=head_file)])
+    trainer.fit(module, _data())
+    head = draft_head_of(module.model)
+    assert head is not None
+    trained = load_draft_head(head_file, module.model)  # also checks that the base handed back is the ranks'
+    for (name, ours), (_, theirs) in zip(head.state_dict().items(), trained.state_dict().items()):
+        assert torch.equal(ours, theirs), name

@@ -131,15 +131,18 @@ def test_bf16_true_keeps_fp32_masters_and_tracks_fp32(tmp_path):
     config = ml.GPTConfig(**CONFIG)
     fp32 = fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"), seed=5), 6, "32-true",
                tmp_path / "fp32")
-    bf16 = fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"), seed=5), 6, "bf16-true",
-               tmp_path / "bf16")
+    module = ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"), seed=5)
+    bf16 = fit(module, 6, "bf16-true", tmp_path / "bf16")
     assert all(p.dtype == torch.bfloat16 for p in bf16.params[-1].values())
     assert all(m.dtype == torch.float32 for m in bf16.masters[-1].values())
+    handed_back = dict(module.model.named_parameters())
     for name, master in bf16.masters[-1].items():
         # weights are the rounded masters; masters move by less than a bf16 ulp per step and still move
         assert torch.equal(bf16.params[-1][name], master.to(torch.bfloat16)), name
         ref = fp32.params[-1][name]
         assert (master - ref).norm() <= 2e-2 * ref.norm() + 1e-3, name
+        # the forked rank hands back the fp32 masters (issue 21(d)), not their bf16 rounding
+        assert torch.equal(handed_back[name], master), name
     assert bf16.skipped[-1] == 0 and bf16.scales[-1] is None
 
 

@@ -193,7 +193,15 @@ def test_bad_inputs_and_outputs_exit_2(tmp_path: Path, capsys: pytest.CaptureFix
     whole = gzip.compress(("".join(json.dumps({"text": str(i)}) + "\n" for i in range(2000))).encode())
     (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
     (tmp_path / "fake.parquet").write_text("not parquet")
+    latin1 = '{"text": "caf\xe9"}\n'.encode("latin-1")  # "é" in Latin-1: not UTF-8
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "1"}\n' + latin1)  # in the first bytes, read to sniff
+    (tmp_path / "deep.jsonl.gz").write_bytes(gzip.compress(b'{"text": "1 2"}\n' * 1499 + latin1))  # past a block
+    (tmp_path / "array.json").write_bytes(b'[{"text": "1"},\n{"text": "2"},\n' + latin1[:-1] + b"]")
+    not_utf8 = r"byte 14 of the line \(0xe9\) is not UTF-8 .*convert the file \(e\.g\. `iconv -f latin1 -t utf-8 "
     cases = [
+        ([str(tmp_path / "latin1.jsonl")], "out", rf"latin1\.jsonl:2: {not_utf8}"),
+        ([str(tmp_path / "deep.jsonl.gz")], "out", rf"deep\.jsonl\.gz:1500: {not_utf8}"),
+        ([str(tmp_path / "array.json")], "out", rf"array\.json:3: {not_utf8}"),
         ([str(tmp_path / "missing.jsonl")], "out", r"missing\.jsonl: no such file"),
         ([str(tmp_path / "nomatch*.jsonl")], "out", r"nomatch\*\.jsonl: no such file"),
         ([str(tmp_path / "bad.jsonl")], "out", r"bad\.jsonl:2 is not valid JSON"),

@@ -116,8 +116,13 @@ def test_split_vocab_and_loaders_without_a_trainer(tmp_path: Path, data: dict[st
     assert train is not None and set(train.indices.tolist()) == set(range(39))  # 969,30,1 of 40 documents
     with pytest.raises(ValueError, match=rf"the test split of {data['a']} is empty .*limit_test_batches=0"):
         dm.test_dataloader()
-    with pytest.raises(ValueError, match=r"validation split has \d+ samples .*fewer than one global batch"):
-        dm.val_dataloader()
+    # a validation split smaller than one global batch is padded to one, the padding masked out of the loss
+    val = dm._dataset("validation")
+    (batch,) = list(dm.val_dataloader())
+    real = len(val)  # type: ignore[arg-type]
+    assert 0 < real < GBS and batch["tokens"].shape == (GBS, SEQ + 1)
+    assert torch.equal(batch["tokens"][0], val[0]["tokens"])
+    assert batch["loss_mask"][:real].eq(1).all() and batch["loss_mask"][real:].eq(0).all()
     batch = next(iter(dm.train_dataloader()))["tokens"]
     assert batch.shape == (GBS, SEQ + 1) and torch.equal(batch[1], train[1]["tokens"])
     # unweighted paths are weighted by their tokens; an explicit vocab_size or a tokenizer skips the scan

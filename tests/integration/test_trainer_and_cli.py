@@ -1,4 +1,5 @@
-"""The strategy by name, the CLI with the example config, and checkpoint save/resume, end to end."""
+"""The strategy by name, the CLI refusing a missing corpus, and checkpoint save/resume, end to end (every command of
+the example configs runs in test_example_config_commands.py)."""
 import json
 import os
 import subprocess
@@ -42,27 +43,6 @@ def test_fork_name_resolves():
     assert trainer.strategy._start_method == "fork"
 
 
-def test_cli_fit_with_example_config_from_another_directory(tmp_path):
-    """The example config as written (its corpus named `path: shakespeare`), run from a directory that is not
-    the checkout: the bundled corpus resolves inside the package, not relative to the working directory."""
-    work = tmp_path / "elsewhere"
-    work.mkdir()
-    cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
-           "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-           "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(tmp_path / "run"),
-           "--trainer.enable_progress_bar", "false", "--model.optimizer.lr_warmup_iters", "1",
-           "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.vocab_size", "512"]
-    proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "`Trainer.fit` stopped: `max_steps=4` reached." in proc.stderr + proc.stdout
-    config = next((tmp_path / "run").rglob("config.yaml")).read_text()
-    assert "path: shakespeare" in config
-    assert "tensor_model_parallel_size: 2" in config
-    assert "vocab_size: 512" in config  # linked from the data into the model
-    events = list((tmp_path / "run").rglob("events.out.tfevents*"))
-    assert events, "the default TensorBoard logger wrote nothing"
-
-
 def test_cli_reports_missing_corpus_before_training(tmp_path):
     cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
            "--data.init_args.path", str(tmp_path / "nope.jsonl")]
@@ -71,6 +51,30 @@ def test_cli_reports_missing_corpus_before_training(tmp_path):
     assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in proc.stderr
     assert "or the name of a bundled corpus: shakespeare" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path):
+    """`megatron-lite validate --config gpt_tiny.yaml --model.config.num_layers 2 --ckpt_path <a 4-layer checkpoint>`
+    used to print "Restored all states" and score layers 0-1 alone (issue 21, item 1): now one line naming the
+    entries and the config field that differ, and the switch, before any rank starts."""
+    from megatron_lite.pretrained import save_weights_checkpoint
+
+    # the example config's model (vocab_size and seq_length come from its data section)
+    config = ml.GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=352, normalization="RMSNorm", activation="swiglu",
+                          position_embedding_type="rope", vocab_size=2048, seq_length=128)
+    module = ml.GPTModule(config)
+    module.model = module.build_model(ml.ParallelLayout.single())
+    save_weights_checkpoint(module, tmp_path / "four_layers")
+    cmd = [sys.executable, "-m", "megatron_lite", "validate", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
+           "--model.config.num_layers", "2", "--ckpt_path", str(tmp_path / "four_layers"),
+           "--trainer.default_root_dir", str(tmp_path / "run"), "--data.init_args.cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "megatron-lite: error: ckpt_path=" in proc.stderr and "Traceback" not in proc.stderr
+    assert "unexpected 12 entries (model.layers.2.input_layernorm.weight, " in proc.stderr
+    assert "num_layers=4 (this module's: 2)" in proc.stderr and "--model.strict_loading false" in proc.stderr
+    assert "Restored all states" not in proc.stdout + proc.stderr and not (tmp_path / "cache").exists()
 
 
 def test_checkpoint_resume_gives_the_same_next_losses(tmp_path):
@@ -152,34 +156,6 @@ def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
     assert abs(fresh - val_during_fit) > 1e-3  # the checkpoint's weights were really loaded
 
 
-def test_cli_preprocess_then_fit_on_bin_idx(tmp_path):
-    """The README's two-step pipeline: `megatron-lite preprocess` to .bin/.idx, then `fit` on it (TP2 + SP)."""
-    gpt2 = REPO / "tests" / "data" / "tokenizers" / "gpt2"
-    prefix = tmp_path / "data" / "shakespeare"
-    pre = subprocess.run([sys.executable, "-m", "megatron_lite", "preprocess", "--input",
-                          str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"), "--output-prefix", str(prefix),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(gpt2 / "vocab.json"),
-                          "--merge-file", str(gpt2 / "merges.txt"), "--workers", "2", "--append-eod", "--no-progress"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert pre.returncode == 0, pre.stderr[-3000:]
-    assert (tmp_path / "data" / "shakespeare_text_document.idx").is_file()
-    fit = subprocess.run([sys.executable, "-m", "megatron_lite", "fit", "--config",
-                          str(REPO / "examples/configs/gpt_pretrain_bin.yaml"),
-                          f"--data.init_args.paths=[{prefix}_text_document]",
-                          "--data.init_args.tokenizer.init_args.vocab_file", str(gpt2 / "vocab.json"),
-                          "--data.init_args.tokenizer.init_args.merge_file", str(gpt2 / "merges.txt"),
-                          "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
-                          "--model.optimizer.lr_warmup_iters", "1", "--trainer.enable_progress_bar", "false",
-                          "--trainer.default_root_dir", str(tmp_path / "run")],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
-    assert fit.returncode == 0, fit.stderr[-3000:]
-    assert "`Trainer.fit` stopped: `max_steps=3` reached." in fit.stderr + fit.stdout
-    config = next((tmp_path / "run").rglob("config.yaml")).read_text()
-    assert "sequence_parallel: true" in config
-    hparams = next((tmp_path / "run").rglob("hparams.yaml")).read_text()
-    assert "  vocab_size: 50257" in hparams  # the model took its vocabulary from the data's tokenizer
-
-
 def test_test_and_predict(tmp_path):
     """trainer.test logs test/loss under TP2; predict returns full-vocabulary logits (single process,
     since Lightning cannot return predictions from forked ranks)."""
@@ -209,42 +185,3 @@ def test_resume_with_dropout_is_exact(tmp_path):
     resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=6, config=config,
                   ckpt_path=str(ckpt_dir / "epoch=0-step=3.ckpt"))
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=0)
-
-
-def test_cli_loggers_then_plot_and_estimate(tmp_path):
-    """TensorBoard + CSV + offline W&B configured from YAML, Megatron's metrics in them, then `plot` and
-    `estimate` on the same config."""
-    import yaml
-
-    run_dir = tmp_path / "runs"
-    loggers = yaml.safe_load((REPO / "examples/configs/loggers.yaml").read_text())  # the example, saving here
-    for logger in loggers["trainer"]["logger"]:
-        logger["init_args"]["save_dir"] = str(run_dir)
-    (tmp_path / "loggers.yaml").write_text(yaml.safe_dump(loggers))
-    cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
-           "--config", str(tmp_path / "loggers.yaml"),
-           "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-           "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(run_dir),
-           "--trainer.enable_progress_bar", "false", "--model.optimizer.lr_warmup_iters", "1",
-           "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.vocab_size", "512"]
-    env = dict(_env(), WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list((run_dir / "tb").rglob("events.out.tfevents*"))
-    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    import csv
-
-    rows = list(csv.DictReader(open(next((run_dir / "csv").rglob("metrics.csv")))))
-    steps = sorted({int(r["step"]) for r in rows if r.get("train/tokens_per_sec")})
-    assert steps and steps == sorted(set(steps)) and max(steps) <= 3  # optimizer steps, once each
-    assert any(r.get("val/perplexity") for r in rows)
-    png = tmp_path / "curves.png"
-    plot = subprocess.run([sys.executable, "-m", "megatron_lite", "plot", str(run_dir), "--out", str(png)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert plot.returncode == 0, plot.stderr[-2000:]
-    assert png.stat().st_size > 10_000
-    estimate = subprocess.run([sys.executable, "-m", "megatron_lite", "estimate", "--config",
-                               str(REPO / "examples/configs/gpt_tiny.yaml"), "--json"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert estimate.returncode == 0, estimate.stderr[-2000:]
-    assert json.loads(estimate.stdout)["flops_per_step"] > 0

@@ -84,6 +84,20 @@ def test_training_errors_name_the_fix(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []  # failed runs leave no temporary directories behind
 
 
+def test_a_corpus_of_overlong_lines_names_max_sentence_length(tmp_path: Path) -> None:
+    """SentencePiece skips lines longer than max_sentence_length without a word: one long line (a document
+    without newlines) left it nothing to train on, and the error blamed an empty corpus."""
+    line = "to be or not to be, that is the question " * 2000  # 82 KB on one line
+    with pytest.raises(ValueError, match=r"1 of its 1 lines are longer than max_sentence_length \(65536 bytes; the "
+                                         r"longest holds 82000\).*split the text into shorter lines.*"
+                                         r"max_sentence_length=82000"):
+        train_sentencepiece([line], str(tmp_path / "long"), 300)
+    with pytest.warns(UserWarning, match="trained without part of the corpus: 1 of its 2 lines are longer"):
+        train_sentencepiece([line + "\n" + line[:3000]], str(tmp_path / "part"), 300)
+    assert SentencePieceTokenizer(train_sentencepiece([line], str(tmp_path / "raised"), 300,
+                                                      max_sentence_length=100_000)).tokenize(line[:41])
+
+
 def test_llama_sentencepiece_model() -> None:
     tok = SentencePieceTokenizer(str(LLAMA_MODEL))
     assert tok.vocab_size == 32000

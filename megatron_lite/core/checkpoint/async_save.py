@@ -29,7 +29,9 @@ commit needs every rank's write to have finished, and neither the strategy's ``s
 
 Errors: a failure of any rank's write (or of the commit) is raised on every rank by :meth:`wait`, which the
 next save, the end of ``fit`` and the teardown call -- as an :class:`AsyncCheckpointError` naming the
-checkpoint, the rank and the original error (chained as ``__cause__`` where it is this rank's).
+checkpoint, the rank and the original error (chained as ``__cause__`` where it is this rank's). A full disk
+is named as such, with the bytes needed and free (:mod:`~megatron_lite.core.checkpoint.disk_space`); the
+unfinished save is removed and the previous checkpoint stays the latest.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lite.core.checkpoint.commit import remove_checkpoint
+from megatron_lite.core.checkpoint.disk_space import disk_full_cause, disk_full_error, tensor_bytes
 from megatron_lite.core.checkpoint.integrity import ChecksummingFileSystemWriter
 from megatron_lite.core.checkpoint.rank_zero import distributed, gather_to_all, is_rank0
 from megatron_lite.core.checkpoint.sharded import SaveTarget, begin_save, dcp_error, finish_save
@@ -105,6 +108,8 @@ class _StagedAlready:
 @dataclasses.dataclass
 class _Job:
     target: SaveTarget
+    tensor_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes of this rank's tensors by key (what a full disk's error reports as needed)."""
     future: Optional[Future] = None
     """The background commit (set right after the job is submitted, before anything else reads it)."""
     removals: list[Path] = dataclasses.field(default_factory=list)
@@ -140,7 +145,7 @@ class AsyncCheckpointWriter:
         written = dcp.async_save(staged, storage_writer=writer, process_group=group, async_stager=_StagedAlready())
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-lite-checkpoint")
-        job = _Job(target)
+        job = _Job(target, tensor_bytes(state))
         job.future = self._executor.submit(self._finish, job, written, writer, group)
         self._job = job
         return target.path
@@ -192,18 +197,24 @@ class AsyncCheckpointWriter:
                 group: Optional[dist.ProcessGroup]) -> None:
         """In the background thread: every rank's outcome, then the commit only if all wrote their files."""
         path = job.target.path
+        failure = full = None
         try:
             written.result()
-            failure = None
         except CheckpointException as error:
-            failure = dcp_error(error, f"writing {path}")
+            failure, full = dcp_error(error, f"writing {path}"), disk_full_cause(error)
         except Exception as error:  # noqa: BLE001 - shared with every rank below
-            failure = error
-        outcomes = gather_to_all(None if failure is None else f"{type(failure).__name__}: {failure}", group)
-        failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+            failure, full = error, disk_full_cause(error)
+        outcome = None if failure is None else (f"{type(failure).__name__}: {failure}",
+                                                None if full is None else (full.errno, full.strerror, full.filename))
+        failed = [(rank, o) for rank, o in enumerate(gather_to_all(outcome, group)) if o is not None]
         if failed:
             self._drop_removals(job)
-            rank, message = failed[0]
+            disk_full = [o[1] for _, o in failed if o[1] is not None]
+            if disk_full:  # every rank sees the same outcomes, so all of them make this collective call
+                error = disk_full_error(path, job.target.tmp, OSError(*disk_full[0]), job.tensor_bytes, group)
+                raise AsyncCheckpointError(f"the checkpoint {path} could not be written in the background: "
+                                           f"{error}") from error
+            rank, (message, _) = failed[0]
             raise AsyncCheckpointError(
                 f"the checkpoint {path} could not be written in the background (rank {rank}: {message}); "
                 f"it was not committed and the previous checkpoint is still the latest. Check that the "

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron_lite.core.checkpoint.entries import compare_entries, persistent_buffers
 from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.parallel.fsdp import full_local_tensor, is_dtensor
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -41,26 +42,22 @@ def holds_distinct_piece(layout: ParallelLayout) -> bool:
     return layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0 and layout.coords.get("ep", 0) == 0
 
 
-def persistent_buffers(module: nn.Module):
-    """(name, buffer) of ``module``'s buffers that its state dict holds."""
-    for name, buf in module.named_buffers():
-        owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-        if buf is not None and name.rsplit(".", 1)[-1] not in owner._non_persistent_buffers_set:
-            yield name, buf
-
-
 @torch.no_grad()
-def gather_full_state(module: nn.Module, layout: ParallelLayout) -> Optional[dict[str, torch.Tensor]]:
-    """Full global tensors (on the CPU) of ``module``'s parameters and persistent buffers.
+def gather_full_state(module: nn.Module, layout: ParallelLayout,
+                      substitutes: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+    """Full global tensors (on the CPU) of ``module``'s parameters and persistent buffers; ``substitutes`` (by
+    parameter name, shaped like the parameter's TP-local tensor) are gathered in their parameters' place: the
+    fp32 masters of a half-precision model.
 
     Collective: every rank of the layout must call it (FSDP2 all-gathers over DP, TP shards over the TP
     group). Returns the tensors on the ranks that :func:`holds_distinct_piece`, None on the others.
     """
     keep = holds_distinct_piece(layout)
     group = layout.group("tp") if layout.tp_size > 1 else None
+    substitutes = substitutes or {}
     state: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
-        local = full_local_tensor(param.detach())
+        local = substitutes[name] if name in substitutes else full_local_tensor(param.detach())
         full = gather_full(local, getattr(param, "tp_shard", None), group)
         if keep:
             state[name] = full.to("cpu", copy=True).contiguous()
@@ -166,19 +163,18 @@ def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], *, vocab_
                     strict: bool = True) -> None:
     """Load full global tensors into ``module``, built for any layout (each rank keeps its shard).
 
-    Every parameter and persistent buffer of ``module`` must be in ``state``; with ``strict``, every
-    name of ``state`` must belong to ``module`` (a pipeline stage passes ``strict=False``: the other
-    stages' layers are not its own). ``vocab_size`` lets the real vocabulary rows cross a change of
-    vocabulary padding. Local: no collective.
+    With ``strict`` the names of ``state`` must be exactly ``module``'s parameters and persistent buffers
+    (ValueError naming the missing and unexpected ones); ``strict=False`` loads the names both have, the others
+    keep their values. ``vocab_size`` lets the real vocabulary rows cross a change of vocabulary padding.
+    Local: no collective.
     """
     params = dict(module.named_parameters())
     buffers = dict(persistent_buffers(module))
-    missing = [n for n in (*params, *buffers) if n not in state]
-    unexpected = [n for n in state if n not in params and n not in buffers]
-    if missing or (strict and unexpected):
-        raise ValueError(
-            f"the weights do not fit {type(module).__name__}: missing {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    mismatch = compare_entries([*params, *buffers], state)
+    if strict and mismatch:
+        raise ValueError(f"the weights do not fit {type(module).__name__}: {mismatch.describe()}")
+    params = {n: p for n, p in params.items() if n in state}
+    buffers = {n: b for n, b in buffers.items() if n in state}
     for name, param in params.items():
         full, mask = _adapt_vocab(name, state[name], _global_shape(param), _vocab_of(param, vocab_size))
         _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)

@@ -92,10 +92,17 @@ class _ChecksummingStream:
         self.raw = raw
         self.crc = 0
         self.size = 0
+        self.error: Optional[OSError] = None
+        """The OS's error of a failed write or flush (a full disk): torch's serializer, which writes
+        through this stream, reports it only as a position mismatch."""
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        written = self.raw.write(view)
+        try:
+            written = self.raw.write(view)
+        except OSError as error:
+            self.error = self.error or error
+            raise
         written = len(view) if written is None else written
         self.crc = zlib.crc32(view[:written], self.crc)
         self.size += written
@@ -105,7 +112,11 @@ class _ChecksummingStream:
         return self.raw.tell()
 
     def flush(self) -> None:
-        self.raw.flush()
+        try:
+            self.raw.flush()
+        except OSError as error:
+            self.error = self.error or error
+            raise
 
     def fileno(self) -> int:
         return self.raw.fileno()
@@ -134,9 +145,17 @@ class _ChecksummingFileSystem(FileSystem):
         if mode not in ("wb", "xb"):
             raise ValueError(f"checksummed checkpoint files are written whole, not opened with mode {mode!r}")
         path = Path(path)
-        with path.open(mode) as raw:
-            stream = _ChecksummingStream(raw)
-            yield stream
+        stream = None
+        try:
+            with path.open(mode) as raw:
+                stream = _ChecksummingStream(raw)
+                yield stream
+        except Exception as error:
+            # What the OS said (ENOSPC, ...) with the file it was writing, instead of what torch made of it.
+            cause = error if isinstance(error, OSError) else getattr(stream, "error", None)
+            if cause is None or cause.errno is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from error
         with self._lock:  # reached only when the body finished without an exception
             self.records[path.name] = FileRecord(stream.size, stream.crc)
 

@@ -37,6 +37,7 @@ from megatron_lite.core.checkpoint.commit import (
     sibling,
     write_file_durably,
 )
+from megatron_lite.core.checkpoint.disk_space import disk_full_cause, disk_full_error, tensor_bytes
 from megatron_lite.core.checkpoint.integrity import (
     LEGACY_META,
     MANIFEST,
@@ -276,7 +277,9 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional
     every rank writes into a hidden temporary sibling, recording each file's size and CRC-32 as it writes;
     rank 0 writes ``meta.json`` and, last, ``manifest.json``, fsyncs, moves the directory into place (an
     atomic exchange when ``path`` exists, see :mod:`~megatron_lite.core.checkpoint.commit`) and records it
-    in ``latest_checkpoint.json``. A kill at any point leaves the previous checkpoint at ``path``.
+    in ``latest_checkpoint.json``. A kill at any point leaves the previous checkpoint at ``path``; a full
+    disk raises :class:`~megatron_lite.core.checkpoint.disk_space.CheckpointDiskFullError` on every rank
+    (the bytes needed and free), the unfinished save removed and the previous checkpoint left as it was.
     The steps are :func:`begin_save`, the DCP write, :func:`finish_save` (an asynchronous writer runs the
     last two in the background, see :mod:`~megatron_lite.core.checkpoint.async_save`).
     """
@@ -285,6 +288,10 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional
     try:
         dcp.save(state, storage_writer=writer)
     except CheckpointException as error:
+        # DCP raised the same failures on every rank: a full disk is found (and reported) by all of them.
+        full = disk_full_cause(error)
+        if full is not None:
+            raise disk_full_error(target.path, target.tmp, full, tensor_bytes(state)) from None
         raise dcp_error(error, f"writing {target.path}") from None
     finish_save(target, writer.records)
     return target.path

@@ -23,6 +23,7 @@ from megatron_lite.core.estimator.memory import (
     korthikanti_activation_bytes_per_layer,
     parameter_shapes,
 )
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
 from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves, normalize_precision
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, ScheduleMemory, schedule_memory
 from megatron_lite.core.estimator.probe import (
@@ -37,7 +38,8 @@ from megatron_lite.core.estimator.probe import (
 
 __all__ = [
     "FlopsBreakdown", "attention_flops_per_cp_rank", "forward_flops_breakdown", "forward_flops_per_token",
-    "megatron_formula_flops", "training_flops_per_step", "KERNEL_SAVES", "PRECISION_BYTES", "ActivationBreakdown",
+    "megatron_formula_flops", "training_flops_per_step", "ObjectiveCost", "objective_cost", "KERNEL_SAVES",
+    "PRECISION_BYTES", "ActivationBreakdown",
     "ChunkActivations",
     "EstimateLayout", "KernelSaves", "MemoryEstimate", "ParamShape", "ScheduleMemory", "activation_breakdown",
     "estimate_for_run", "estimate_memory", "estimate_stages", "korthikanti_activation_bytes_per_layer",

@@ -11,6 +11,11 @@ Conventions (those of Megatron-LM and of MFU):
   hardware multiplies. The input embedding is a lookup and costs nothing.
 * Training = forward + backward = 3 x forward (the backward computes the gradients of both the
   inputs and the weights of every matmul), i.e. ``6 x parameters`` per token plus attention.
+* Per objective: a sample costs what its objective says
+  (:class:`~megatron_lite.core.estimator.objective_cost.ObjectiveCost`): a DPO pair is two sequences plus
+  the reference model's forward over both, a GRPO prompt ``group_size`` sequences trained
+  ``updates_per_batch`` times after the old-log-prob (and reference) forwards. GRPO's rollout generation is
+  not counted (its length varies per rollout), so GRPO's MFU is a lower bound.
 * Activation recomputation does **not** change these numbers: model FLOPs count the work the model
   needs, not the work the hardware repeats, which is what makes MFU comparable across recompute
   settings (Megatron's "hardware FLOPs" would add one more forward of the recomputed part).
@@ -20,9 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models.config import GPTConfig
-
-FORWARD_AND_BACKWARD = 3  # backward = gradient w.r.t. the inputs + gradient w.r.t. the weights
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,15 @@ def forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None,
 
 
 def training_flops_per_step(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None, *,
-                            tensor_model_parallel_size: int = 1) -> float:
-    """Model FLOPs of one optimizer step over ``global_batch_size`` samples: ``3 x forward``, summed
-    over every rank (divide by the number of devices for per-device FLOPs). Recompute is not counted."""
+                            tensor_model_parallel_size: int = 1, cost: ObjectiveCost = ObjectiveCost()) -> float:
+    """Model FLOPs of one training step over ``global_batch_size`` samples, summed over every rank (divide
+    by the number of devices for per-device FLOPs): each sample's ``cost.forwards_per_sample`` forwards of a
+    ``seq_length`` sequence (pre-training: ``3 x forward``). Recompute is not counted."""
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
     s = config.seq_length if seq_length is None else seq_length
     per_token = forward_flops_per_token(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
-    return FORWARD_AND_BACKWARD * per_token * global_batch_size * s
+    return cost.forwards_per_sample * per_token * global_batch_size * s
 
 
 def megatron_formula_flops(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,

@@ -36,6 +36,7 @@ from megatron_lite.core.estimator.context_parallel import (
     context_parallel_attention_transient,
     layer_bytes_until_attention,
 )
+from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.estimator.precision_bytes import (
     DISTRIBUTED_GRAD_BYTES,
     DISTRIBUTED_MAIN_BYTES,
@@ -56,9 +57,10 @@ class EstimateLayout:
     """How one training run is laid out over its ranks (what the estimate depends on besides the model)."""
 
     micro_batch_size: int
-    """Samples per microbatch."""
+    """Sequences per microbatch: the rows the model runs at once (the data's samples times the objective's
+    ``sequences_per_sample``: a microbatch of DPO pairs holds two sequences per pair)."""
     seq_length: int
-    """Tokens per sample."""
+    """Tokens per sequence."""
     tensor_model_parallel_size: int = 1
     """TP size."""
     data_parallel_size: int = 1
@@ -95,6 +97,8 @@ class EstimateLayout:
     """'cuda' or 'cpu': which kernels' saved tensors to assume (:data:`KERNEL_SAVES`)."""
     kernels: Optional[KernelSaves] = None
     """Overrides ``KERNEL_SAVES[device_type]`` (other attention kernels, or Korthikanti's assumptions)."""
+    frozen_models: int = 0
+    """Frozen copies of the model's weights the objective holds while training (a DPO/GRPO reference model)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_length", "tensor_model_parallel_size", "data_parallel_size",
@@ -102,6 +106,8 @@ class EstimateLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.frozen_models, int) or isinstance(self.frozen_models, bool) or self.frozen_models < 0:
+            raise ValueError(f"frozen_models must be an integer >= 0, got {self.frozen_models!r}")
         self.precision = normalize_precision(self.precision)
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
@@ -480,10 +486,13 @@ class MemoryEstimate:
     fsdp_unsharded_bytes: int
     """FSDP2's all-gathered root unit (unsharded from forward to backward), two layers and one layer's
     gradients (not measured: FSDP needs dp > 1); 0 otherwise."""
+    frozen_bytes: int
+    """Weights of the frozen models the objective holds (a reference model: ``layout.frozen_models`` copies
+    of this rank's shard)."""
     activation_bytes: int
     """Activation bytes at the peak (:attr:`ActivationBreakdown.peak`)."""
     total_bytes: int
-    """Weights, gradients, optimizer state, activations and FSDP2 buffers on the device."""
+    """Weights, gradients, optimizer state, activations, FSDP2 buffers and frozen models on the device."""
     pipeline_stage: int
     """The stage this estimate is for."""
     activations: ActivationBreakdown
@@ -537,11 +546,14 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
         weights, grads, optimizer = params * pb.weight, params * pb.grad, replicated
     host = 4 * len(shapes) if layout.optimizer == "adam" else 0
     acts = activation_breakdown(config, layout, stage)
-    total = weights + grads + optimizer + acts.peak + unsharded + (host if layout.device_type == "cpu" else 0)
+    frozen = layout.frozen_models * params * pb.weight  # a plain copy of this rank's TP/PP shard, never DP-sharded
+    total = weights + grads + optimizer + acts.peak + unsharded + frozen
+    total += host if layout.device_type == "cpu" else 0
     return MemoryEstimate(params=params, model_params=config.num_parameters(), weights_bytes=weights,
                           grads_bytes=grads, optimizer_bytes=optimizer, optimizer_bytes_replicated=replicated,
                           optimizer_bytes_distributed=distributed, optimizer_host_bytes=host,
-                          fsdp_unsharded_bytes=unsharded, activation_bytes=acts.peak, total_bytes=total,
+                          fsdp_unsharded_bytes=unsharded, frozen_bytes=frozen, activation_bytes=acts.peak,
+                          total_bytes=total,
                           pipeline_stage=stage, activations=acts, layout=layout)
 
 
@@ -568,11 +580,13 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
                      virtual_pipeline_model_parallel_size: int = 1, pipeline_schedule: Optional[str] = None,
                      num_layers_in_first_pipeline_stage: Optional[int] = None,
                      num_layers_in_last_pipeline_stage: Optional[int] = None, context_parallel_size: int = 1,
-                     cp_comm_type: str = "p2p") -> MemoryEstimate:
+                     cp_comm_type: str = "p2p", objective: ObjectiveCost = ObjectiveCost()) -> MemoryEstimate:
     """The estimate for a run described as the strategy and the datamodule describe it (the pipeline and
     context-parallel options are the strategy's). ``optimizer``: an ``OptimizerConfig`` (None: Adam), whose
     ``use_distributed_optimizer`` is the default of that argument; ``global_batch_size`` gives the
-    microbatches per step (they matter with pipelining only)."""
+    microbatches per step (they matter with pipelining only). Batch sizes count the data's samples;
+    ``objective`` says how many sequences a sample is (a microbatch runs that many times its samples as rows)
+    and how many frozen copies of the model the objective holds."""
     if use_distributed_optimizer is None:
         use_distributed_optimizer = bool(getattr(optimizer, "use_distributed_optimizer", False))
     num_microbatches = 1
@@ -583,7 +597,8 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
                              f"data-parallel size = {unit}")
         num_microbatches = global_batch_size // unit
     layout = EstimateLayout(
-        micro_batch_size=micro_batch_size, seq_length=config.seq_length if seq_length is None else seq_length,
+        micro_batch_size=micro_batch_size * objective.sequences_per_sample,
+        seq_length=config.seq_length if seq_length is None else seq_length,
         tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
@@ -592,5 +607,5 @@ def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_s
         context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type, precision=precision,
         use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
         optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
-        num_microbatches=num_microbatches, device_type=device_type)
+        num_microbatches=num_microbatches, device_type=device_type, frozen_models=objective.frozen_models)
     return estimate_memory(config, layout)

@@ -52,7 +52,7 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
         f"layout: {world} ranks = tp {lay.tensor_model_parallel_size}{context} x pp {pp} x dp "
         f"{lay.data_parallel_size}{pipeline}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, "
         f"{sharding}",
-        f"micro_batch_size={lay.micro_batch_size}, seq_length={lay.seq_length}{tokens_per_rank}, "
+        f"microbatch: {lay.micro_batch_size} sequences, seq_length={lay.seq_length}{tokens_per_rank}, "
         f"microbatches/step={lay.num_microbatches}, kernels of {lay.device_type}",
         f"per rank (pipeline stage {estimate.pipeline_stage}{', the most loaded' if pp > 1 else ''}):",
         f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",
@@ -66,6 +66,8 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
     ]
     if estimate.fsdp_unsharded_bytes:
         rows.append(f"  FSDP2 all-gathered       {format_bytes(estimate.fsdp_unsharded_bytes):>16}")
+    if estimate.frozen_bytes:
+        rows.append(f"  frozen reference model   {format_bytes(estimate.frozen_bytes):>16}")
     rows.append(f"  total                    {format_bytes(estimate.total_bytes):>16}")
     if len(estimate.stages) > 1:
         rows += format_stages(estimate)

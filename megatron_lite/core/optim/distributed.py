@@ -192,6 +192,16 @@ class DistributedOptimizer(MegatronOptimizer):
                 for (name, p), offset in zip(bucket.params, bucket.offsets)}
 
     @torch.no_grad()
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """Every half-precision parameter's fp32 master, gathered over DP into the parameter's shape; collective
+        over the data-parallel group."""
+        masters: dict[str, torch.Tensor] = {}
+        for shard in self.shards:
+            if shard.main_shard is not None:
+                masters.update(self._gather_per_param(shard, lambda piece: piece.main))
+        return masters
+
+    @torch.no_grad()
     def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's optimizer state and fp32 master, gathered over DP into the parameter's
         shape (fresh tensors: load them with :meth:`load_checkpoint_state` after filling them)."""

@@ -259,6 +259,11 @@ class MegatronOptimizer:
             for name, master in self.masters.items():
                 self._by_name[name].data.copy_(master)
 
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master copy of every half-precision parameter, by name, shaped like the (TP-local) parameter:
+        the weights the optimizer trains, of which the model holds a rounded copy. Empty for fp32 parameters."""
+        return dict(self.masters)
+
     # --- checkpoints ----------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Optimizer state per model parameter name, each tensor shaped like the (TP-local) model

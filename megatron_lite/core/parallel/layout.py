@@ -7,6 +7,7 @@ neighbours share a node, PP varies slowest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -159,8 +160,12 @@ class ParallelLayout:
                    groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding", "pp_backward")})
 
     @classmethod
-    def build(cls, config: ParallelConfig, device_type: str = "cpu") -> "ParallelLayout":
-        """Create the DeviceMesh and the groups over the initialised default process group."""
+    def build(cls, config: ParallelConfig, device_type: str = "cpu",
+              timeout: Optional[timedelta] = None) -> "ParallelLayout":
+        """Create the DeviceMesh and the groups over the initialised default process group.
+
+        ``timeout``: how long a collective of every group waits for its peers (the strategy's ``timeout``);
+        None: torch's default for new groups (30 min for gloo, 10 for NCCL), not the default group's."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelLayout.build() needs torch.distributed to be initialised first.")
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -171,18 +176,23 @@ class ParallelLayout:
 
         shape = (config.pipeline_model_parallel_size, dp, config.expert_model_parallel_size,
                  config.context_parallel_size, config.tensor_model_parallel_size)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        # DeviceMesh makes its groups with torch's default timeout unless given options that carry one; a
+        # dimension spanning every rank reuses the default group, which has the timeout already.
+        override = None if timeout is None else {
+            name: _group_options(timeout) for name, size in zip(MESH_DIMS, shape) if size < world_size}
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None)
         coords = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
         groups = {name: mesh.get_group(name) for name in MESH_DIMS}
         # Flattened groups: every rank of one model replica ("mp") and the gradient-reduction group
         # of data plus context parallelism ("dp_cp"), as in Megatron.
-        groups["mp"] = _new_subgroups(mesh, keep=("pp", "ep", "cp", "tp"))
-        groups["dp_cp"] = _new_subgroups(mesh, keep=("dp", "cp"))
+        groups["mp"] = _new_subgroups(mesh, ("pp", "ep", "cp", "tp"), timeout)
+        groups["dp_cp"] = _new_subgroups(mesh, ("dp", "cp"), timeout)
         # A second pipeline group for gradients travelling backward: activations and gradients then never
         # share a communicator, so their messages cannot be matched out of order (NCCL ignores tags).
-        groups["pp_backward"] = _new_subgroups(mesh, keep=("pp",)) if config.pipeline_model_parallel_size > 1 else None
+        groups["pp_backward"] = _new_subgroups(mesh, ("pp",), timeout) if config.pipeline_model_parallel_size > 1 \
+            else None
         # First and last pipeline stage of one replica: tied embedding weights are summed over it.
-        groups["embedding"] = _embedding_subgroups(mesh) if config.pipeline_model_parallel_size > 1 else None
+        groups["embedding"] = _embedding_subgroups(mesh, timeout) if config.pipeline_model_parallel_size > 1 else None
         return cls(config=config, world_size=world_size, rank=rank, mesh=mesh, coords=coords,
                    groups=groups)
 
@@ -284,7 +294,20 @@ class ParallelLayout:
         return f"rank {self.rank}/{self.world_size} [{sizes}] coords={self.coords}"
 
 
-def _new_subgroups(mesh, keep: tuple[str, ...]):
+def _group_options(timeout: timedelta):
+    """Process-group options carrying ``timeout``, of the default group's backend (NCCL takes only its own)."""
+    if "nccl" in str(dist.get_backend()):
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options(str(dist.get_backend()), timeout)
+
+
+def _new_subgroups(mesh, keep: tuple[str, ...], timeout: Optional[timedelta] = None):
     """The group of ranks that differ from this one only along the ``keep`` dimensions.
 
     Every rank must call this in the same order (``new_group`` is collective); the rank tensor of
@@ -298,13 +321,13 @@ def _new_subgroups(mesh, keep: tuple[str, ...]):
     my_group = None
     me = dist.get_rank()
     for row in perm.tolist():
-        group = dist.new_group(ranks=row, use_local_synchronization=False)
+        group = dist.new_group(ranks=row, timeout=timeout, use_local_synchronization=False)
         if me in row:
             my_group = group
     return my_group
 
 
-def _embedding_subgroups(mesh):
+def _embedding_subgroups(mesh, timeout: Optional[timedelta] = None):
     """The group of the first and the last pipeline stage that share this rank's other coordinates
     (every rank calls ``new_group`` for every such pair, in the same order)."""
     ranks = mesh.mesh
@@ -313,7 +336,7 @@ def _embedding_subgroups(mesh):
     me = dist.get_rank()
     for row in pp_last.tolist():
         members = [row[0], row[-1]]
-        group = dist.new_group(ranks=members, use_local_synchronization=False)
+        group = dist.new_group(ranks=members, timeout=timeout, use_local_synchronization=False)
         if me in members:
             my_group = group
     return my_group
