@@ -8,7 +8,6 @@
     tokenizer.model                          the demo's tokenizer again, under the name the RLHF page uses
     corpus.jsonl.gz                          a slice of the bundled corpus (100 documents of 4 KB)
     data/a_text_document, data/b_text_document   its two halves, GPT-2 BPE tokenized
-    gpt2/                                    GPT-2's vocab.json and merges.txt (tests/data)
     prefs.jsonl, prompts.jsonl               text preference pairs; `a+b=` prompts with their answers
     examples/, tests/, megatron_lite/        links into the repository, for the paths the configs use
 
@@ -57,7 +56,6 @@ def build(root: Path) -> Path:
     root.mkdir(parents=True)
     for name in ("examples", "tests", "megatron_lite"):
         (root / name).symlink_to(REPO / name)
-    (root / "gpt2").symlink_to(GPT2)
     records = _corpus_slice(root / "corpus.jsonl.gz")
     for half, part in (("a", records[:50]), ("b", records[50:])):
         (root / f"{half}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from docs_blocks import Block, all_blocks, parse_page, run_python, runnable_commands  # noqa: E402
-from docs_commands import run_one  # noqa: E402
+from docs_commands import run_elsewhere, run_one  # noqa: E402
 
 
 def test_every_block_of_the_pages_has_a_language_and_valid_markers():
@@ -81,3 +81,18 @@ def test_a_broken_command_fails(tmp_path, monkeypatch):
     assert run_one(["megatron-lite", "fit", "--config", str(tmp_path / "no_such.yaml")]) != 0
     assert run_one(["python", "examples/no_such_example.py"]) == 1
     assert run_one(["megatron-lite", "estimate", "--help"]) == 0
+
+
+def test_a_command_a_config_header_shows_is_left_to_the_header_test():
+    """test_example_config_commands.py runs every command of the example configs' headers; the docs tests do not
+    run one again where a page shows it, but do run anything that differs in what that test would run."""
+    tiny = ["megatron-lite", "fit", "--config", "examples/configs/gpt_tiny.yaml"]
+    assert "gpt_tiny.yaml's header" in run_elsewhere(tiny)
+    assert run_elsewhere([*tiny, "--trainer.max_steps", "200"])  # both tests run 2 steps, whatever the page shows
+    assert run_elsewhere(["python", "-m", "megatron_lite", *tiny[1:], "--ckpt_path", "last", "--trainer.max_steps=400"])
+    assert "dpo.yaml's header" in run_elsewhere(["megatron-lite", "fit", "--config", "examples/configs/dpo.yaml"])
+    assert run_elsewhere([*tiny, "--trainer.strategy.init_args.sequence_parallel", "true"]) is None
+    assert run_elsewhere([*tiny, "--ckpt_path", "runs/tiny/checkpoints/last.ckpt"]) is None
+    assert run_elsewhere(["megatron-lite", "estimate", "--config", "examples/configs/gpt_tiny.yaml", "--devices", "4",
+                          "--trainer.max_steps", "9"]) is None  # only a fit's max_steps is the header test's own
+    assert run_elsewhere(["python", "examples/grpo.py", "--steps", "2"]) is None
