@@ -52,8 +52,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
 import overhead  # noqa: E402  (benchmarks/overhead.py: _restore_environ, _seed, _print_table, write_result)
-from megatron_lite.core.checkpoint.sharded import load_sharded, save_sharded, sharded_model_state, \
-    sharded_optimizer_state  # noqa: E402
+from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded  # noqa: E402
+from megatron_lite.core.checkpoint.state import sharded_model_state, sharded_optimizer_state  # noqa: E402
 from megatron_lite.core.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_lite.data import MockGPTDataModule  # noqa: E402
 
