@@ -140,6 +140,8 @@ class MegatronStrategy(ParallelStrategy):
             With fork/spawn the ranks hand back to the launching process the whole trained model (full
             tensors, loaded into a one-process model: ``module.model``), ``callback_metrics``, the fit
             loop's progress and every data-parallel rank's predictions; a rank's exception is raised there.
+        checkpoint_io: not taken (a CheckpointIO plugin is refused, here or in ``Trainer(plugins=...)``): the
+            strategy writes its distributed checkpoints itself (see ``async_save`` for background saves).
     """
 
     strategy_name = "megatron"
@@ -615,6 +617,7 @@ class MegatronStrategy(ParallelStrategy):
     @checkpoint_io.setter
     def checkpoint_io(self, io) -> None:
         refuse_checkpoint_io(io)  # Trainer(plugins=[SomeCheckpointIO()]) sets it here
+        self._checkpoint_io = io
 
     def _live_layout(self) -> Optional[ParallelLayout]:
         """This rank's layout while its process groups exist (None in the launching process, or after the run)."""
