@@ -89,8 +89,9 @@ class TimedCheckpoint(ModelCheckpoint):
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        writer = getattr(trainer.strategy, "_async_writer", None)
-        self.steps.append([time.perf_counter() - self._step_start, writer is not None and writer.pending is not None])
+        checkpointer = getattr(trainer.strategy, "_checkpointer_in_use", None)
+        self.steps.append([time.perf_counter() - self._step_start,
+                           checkpointer is not None and checkpointer.pending is not None])
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_end(self, trainer, pl_module):

@@ -500,7 +500,7 @@ class MegatronStrategy(ParallelStrategy):
             # Before the groups go: a save in flight is committed if every rank wrote it; a failing run
             # logs its error rather than hiding the run's own.
             running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-            checkpointer, self._checkpointer_in_use = self._checkpointer_in_use, None
+            checkpointer, self._checkpointer_in_use, self._checkpointer_sources = self._checkpointer_in_use, None, ()
             checkpointer.close(raise_error=running)
         if self._run_dir is not None and self._start_method != "popen" and self._layout is not None:
             # A rank started by the fork/spawn launcher: hand the results back (collectives, so only on
@@ -738,6 +738,7 @@ class MegatronStrategy(ParallelStrategy):
         if self._pending_cpu_rng is not None:  # the first step after a load (see load_checkpoint)
             torch.set_rng_state(self._pending_cpu_rng)
             self._pending_cpu_rng = None
+
 
 def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
     if layout is not None:
