@@ -20,8 +20,8 @@ from megatron_lite.core.engine.contract import EngineModule
 CALLBACK_SAVE_HOOKS = frozenset({"on_train_batch_end", "on_train_epoch_end", "on_validation_end"})
 
 
-def saves_asynchronously(async_save: bool, storage_options: Optional[Any], live: bool, module: Optional[LightningModule],
-                         trainer: Any) -> bool:
+def saves_asynchronously(async_save: bool, storage_options: Optional[Any], live: bool,
+                         module: Optional[LightningModule], trainer: Any) -> bool:
     """Whether a save runs in the background: ``storage_options={"async_save": bool}`` decides; otherwise saves from
     callback hooks during a running fit (where ModelCheckpoint saves) when the strategy's ``async_save`` is set. Never
     without a live process group (``live``)."""

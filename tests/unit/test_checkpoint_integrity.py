@@ -14,7 +14,12 @@ import torch
 from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
 from megatron_lite.core.checkpoint.format.commit import LATEST, commit, remove_checkpoint, sibling
 from megatron_lite.core.checkpoint.format.integrity import is_complete, read_manifest, record_file, verify_checkpoint
-from megatron_lite.core.checkpoint.format.sharded import EMBEDDED_FILES, load_sharded, read_checkpoint_meta, save_sharded
+from megatron_lite.core.checkpoint.format.sharded import (
+    EMBEDDED_FILES,
+    load_sharded,
+    read_checkpoint_meta,
+    save_sharded,
+)
 
 
 def _state(value: float) -> dict:

@@ -9,7 +9,12 @@ from megatron_lite.core.checkpoint.checkpointer import Checkpointer, Loaded
 from megatron_lite.core.checkpoint.errors import AsyncCheckpointError, CorruptCheckpointError
 from megatron_lite.core.checkpoint.format.async_save import AsyncCheckpointWriter
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
-from megatron_lite.core.checkpoint.format.sharded import load_sharded, read_checkpoint_meta, resolve_checkpoint, save_sharded
+from megatron_lite.core.checkpoint.format.sharded import (
+    load_sharded,
+    read_checkpoint_meta,
+    resolve_checkpoint,
+    save_sharded,
+)
 from megatron_lite.core.checkpoint.state import ensure_optimizer_state, sharded_model_state, sharded_optimizer_state
 
 __all__ = ["Checkpointer", "Loaded", "sharded_model_state", "sharded_optimizer_state", "ensure_optimizer_state",

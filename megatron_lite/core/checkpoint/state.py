@@ -208,6 +208,7 @@ def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
                 group.update({k: v for k, v in saved[key(group)].items() if k != "params"})
         return
     if len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, "
+                         f"the optimizer {len(optimizer.param_groups)}")
     for group, saved_group in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved_group.items() if k != "params"})

@@ -1,6 +1,7 @@
 """Asynchronous checkpoint saves: training goes on while the files are written.
 
-:class:`AsyncCheckpointWriter` saves the same checkpoint as :func:`~megatron_lite.core.checkpoint.format.sharded.save_sharded`
+:class:`AsyncCheckpointWriter` saves the same checkpoint as
+:func:`~megatron_lite.core.checkpoint.format.sharded.save_sharded`
 in three parts:
 
 1. In the calling (training) thread, on every rank: wait for the previous save; encode the metadata and
@@ -11,7 +12,8 @@ in three parts:
 2. In DCP's background thread: the DCP write (planning, the files, DCP's ``.metadata``).
 3. In this writer's background thread, once the write returned: every rank's outcome and file records
    are gathered; only if every rank wrote its files does rank 0 write the manifest, move the directory
-   into place and (a training save) record it as latest (:func:`~megatron_lite.core.checkpoint.format.sharded.finish_save`). So
+   into place and (a training save) record it as latest
+   (:func:`~megatron_lite.core.checkpoint.format.sharded.finish_save`). So
    ``ckpt_path="last"`` and ``latest_checkpoint.json`` only ever name a finished checkpoint, and a kill
    at any point leaves the previous one.
 

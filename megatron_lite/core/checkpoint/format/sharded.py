@@ -93,7 +93,8 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
 
 
 def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None,
-                 allowed: Sequence[type] = (), in_flight: Sequence[str | os.PathLike] = (), latest: bool = False) -> Path:
+                 allowed: Sequence[type] = (), in_flight: Sequence[str | os.PathLike] = (),
+                 latest: bool = False) -> Path:
     """Write ``state`` with DCP and ``extra`` (the non-tensor part: loops, schedulers, hyperparameters) as
     ``meta.json`` under ``path``, atomically; collective when a process group exists.
 
