@@ -52,8 +52,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
 import overhead  # noqa: E402  (benchmarks/overhead.py: _restore_environ, _seed, _print_table, write_result)
-from megatron_lite.core.checkpoint.sharded import load_sharded, save_sharded, sharded_model_state, \
-    sharded_optimizer_state  # noqa: E402
+from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded  # noqa: E402
+from megatron_lite.core.checkpoint.state import sharded_model_state, sharded_optimizer_state  # noqa: E402
 from megatron_lite.core.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_lite.data import MockGPTDataModule  # noqa: E402
 
@@ -89,8 +89,9 @@ class TimedCheckpoint(ModelCheckpoint):
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        writer = getattr(trainer.strategy, "_async_writer", None)
-        self.steps.append([time.perf_counter() - self._step_start, writer is not None and writer.pending is not None])
+        checkpointer = getattr(trainer.strategy, "_checkpointer_in_use", None)
+        self.steps.append([time.perf_counter() - self._step_start,
+                           checkpointer is not None and checkpointer.pending is not None])
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_end(self, trainer, pl_module):

@@ -58,7 +58,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import megatron_lite as ml  # noqa: E402
 from megatron_lite import ParallelConfig, ParallelLayout  # noqa: E402
-from megatron_lite.core.checkpoint.full_state import carry_over_state  # noqa: E402
+from megatron_lite.core.checkpoint.full.state import carry_over_state  # noqa: E402
 from megatron_lite.core.inference import SamplingParams, generate  # noqa: E402
 from megatron_lite.core.models import GPTModel  # noqa: E402
 

@@ -47,7 +47,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import megatron_lite as ml  # noqa: E402
-from megatron_lite.core.checkpoint.hf import save_hf  # noqa: E402
+from megatron_lite.core.checkpoint.hf.directory import save_hf  # noqa: E402
 from megatron_lite.data import TextCorpusDataModule  # noqa: E402
 
 SHAPE = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=384)

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from megatron_lite.core.checkpoint.inspect import describe_checkpoint, is_healthy
+from megatron_lite.core.checkpoint.format.inspect import describe_checkpoint, is_healthy
 from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 

@@ -19,7 +19,7 @@ checkpoint carries (``tokenizer/``: a SentencePiece ``tokenizer.model``, GPT-2's
 an HF ``tokenizer.json``) is written where transformers' ``AutoTokenizer`` reads it.
 
 The output is never an input, inside one or a directory holding one; ``--overwrite`` replaces only an earlier
-output of megatron-lite with nothing else in it (:mod:`megatron_lite.core.checkpoint.output_dir`). Nothing is
+output of megatron-lite with nothing else in it (:mod:`megatron_lite.core.checkpoint.format.output_dir`). Nothing is
 downloaded. Exit code 2 on bad input, with one line that says what to change.
 """
 from __future__ import annotations
@@ -32,8 +32,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lite.core.checkpoint.full_checkpoint import read_checkpoint_hparams, read_model_tensors
-from megatron_lite.core.checkpoint.hf import (
+from megatron_lite.core.checkpoint.format.output_dir import check_output, mark_output
+from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
+from megatron_lite.core.checkpoint.full.reader import read_checkpoint_hparams, read_model_tensors
+from megatron_lite.core.checkpoint.hf.directory import (
     CHECKPOINT_SIDE_DIR,
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
@@ -42,8 +44,6 @@ from megatron_lite.core.checkpoint.hf import (
     read_hf_config,
     save_hf,
 )
-from megatron_lite.core.checkpoint.output_dir import check_output, mark_output
-from megatron_lite.core.checkpoint.sharded import resolve_checkpoint
 from megatron_lite.post_training.export import has_quantizer_state
 from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
 from megatron_lite.utils.console import exits_quietly_on_broken_pipe

@@ -59,12 +59,12 @@ def load_tokenizer(path: Path, args: argparse.Namespace):
     """The tokenizer named on the command line, else the model's own: the one our checkpoint records (the
     training data's, its files in the checkpoint's ``tokenizer/``), the one a converted Hugging Face model
     brought (``hf/`` inside the checkpoint), or the one in a Hugging Face directory."""
-    from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory
-    from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+    from megatron_lite.core.checkpoint.full.reader import is_checkpoint_directory
+    from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
     from megatron_lite.core.models import GPTConfig
     from megatron_lite.core.optim import OptimizerConfig
     from megatron_lite.module import TOKENIZER_KEY
-    from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR as HF_SIDE_DIR
+    from megatron_lite.core.checkpoint.hf.directory import CHECKPOINT_SIDE_DIR as HF_SIDE_DIR
     from megatron_lite.tokenizers import build_tokenizer
     from megatron_lite.tokenizers.build import build_recorded_tokenizer
 

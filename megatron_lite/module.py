@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from megatron_lite.core.checkpoint.full_state import carry_over_state, load_full_state, same_layout
+from megatron_lite.core.checkpoint.full.state import carry_over_state, load_full_state, same_layout
+from megatron_lite.core.checkpoint.resume.entries import QUANTIZATION_RECIPE
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.engine.extensions import ExtendedObjective, ObjectiveExtension
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost
@@ -193,7 +194,7 @@ class GPTModule(pl.LightningModule):
             for extension in self.objective_extensions:  # their sub-modules (a draft head) are in `state` too
                 extension.attach(self, self.model, ParallelLayout.single())
                 self._attached.append((extension, id(self.model)))
-        if "model.megatron_lite_quantization" in state:  # the ranks quantized it: quantizers first, then their tensors
+        if f"model.{QUANTIZATION_RECIPE}" in state:  # the ranks quantized it: quantizers first, then their tensors
             from megatron_lite.post_training.quantization import restore_from_state
 
             restore_from_state(self.model, state, prefix="model.")

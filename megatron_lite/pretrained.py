@@ -19,26 +19,29 @@ import lightning
 import torch
 from torch import nn
 
-from megatron_lite.core.checkpoint.full_checkpoint import (
+from megatron_lite.core.checkpoint.checkpointer import LAYOUT_RECORD, layout_record
+from megatron_lite.core.checkpoint.format.sharded import EMBEDDED_FILES, save_sharded
+from megatron_lite.core.checkpoint.full.reader import (
     is_checkpoint_directory,
     read_checkpoint_hparams,
     read_model_tensors,
 )
-from megatron_lite.core.checkpoint.entries import compare_entries, config_difference, read_meta_plain
-from megatron_lite.core.checkpoint.full_state import load_full_state, persistent_buffers
-from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
-from megatron_lite.core.checkpoint.hf import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
-from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, raise_shape_mismatch
-from megatron_lite.core.checkpoint.sharded import EMBEDDED_FILES, save_sharded, sharded_model_state
+from megatron_lite.core.checkpoint.full.state import load_full_state, persistent_buffers
+from megatron_lite.core.checkpoint.hf.directory import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
+from megatron_lite.core.checkpoint.hf.weights import fit_vocab_rows, raise_shape_mismatch
+from megatron_lite.core.checkpoint.resume.entries import (
+    QUANTIZATION_RECIPE,
+    compare_entries,
+    config_difference,
+    read_meta_plain,
+)
+from megatron_lite.core.checkpoint.state import sharded_model_state
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
-
-
-QUANTIZATION_RECIPE = "megatron_lite_quantization"
-"""A quantized model's recipe buffer (``megatron_lite.post_training.quantization.RECIPE_BUFFER``)."""
 
 
 def _saved_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -121,7 +124,7 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
 def tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
     """The checkpoint entries that make a checkpoint carry ``tokenizer``: the ``build_tokenizer`` arguments
     (``megatron_lite.module.TOKENIZER_KEY``) naming copies of its files inside the checkpoint, and those files
-    (:data:`~megatron_lite.core.checkpoint.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None or a
+    (:data:`~megatron_lite.core.checkpoint.format.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None or a
     tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the tokenizer is
     then recorded where its files were, with a warning."""
     from megatron_lite.module import TOKENIZER_KEY
@@ -162,9 +165,7 @@ def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional
     extra = {
         "epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
         "hyper_parameters": dict(module.hparams), "hparams_name": getattr(module, "_hparams_name", None),
-        "megatron_lite_layout": {"tensor_model_parallel_size": 1, "sequence_parallel": False,
-                                 "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 1,
-                                 "world_size": 1},
+        LAYOUT_RECORD: layout_record(ParallelLayout.single()),
         **carried, **(metadata or {}),
     }
     files = {**carried.get(EMBEDDED_FILES, {}), **(metadata or {}).get(EMBEDDED_FILES, {})}
@@ -174,5 +175,6 @@ def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional
     extra[EMBEDDED_FILES] = files
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        save_sharded({"model": sharded_model_state(module, ParallelLayout.single())}, path, extra=extra)
+        # latest=False: a writer's output is no run's newest save (ckpt_path=<the folder it is in> must not load it)
+        save_sharded({"model": sharded_model_state(module, ParallelLayout.single())}, path, extra=extra, latest=False)
     return path

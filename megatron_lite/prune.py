@@ -106,7 +106,7 @@ def _mean_loss(module, batches) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     """Prune ``--ckpt`` and write ``--output``; returns the summary."""
-    from megatron_lite.core.checkpoint.output_dir import check_output
+    from megatron_lite.core.checkpoint.format.output_dir import check_output
     from megatron_lite.generate import load_tokenizer
     from megatron_lite.module import GPTModule
     from megatron_lite.post_training.pruning import PruneTarget, apply_plan, estimate_importance, plan_pruning

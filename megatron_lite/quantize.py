@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_lite.core.checkpoint.output_dir import check_output
+from megatron_lite.core.checkpoint.format.output_dir import check_output
 from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 from megatron_lite.utils.optional import MissingDependencyError
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.core.checkpoint.rng import restore_rng_state, rng_state
+from megatron_lite.core.checkpoint.resume.rng import restore_rng_state, rng_state
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 """Megatron's exit code for "a reproducible fault: restart from the checkpoint, elsewhere"."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layout
+from megatron_lite.core.checkpoint.full.state import carry_over_state, same_layout
 from megatron_lite.core.engine.extensions import ForwardStep, LossFn, ObjectiveExtension
 from megatron_lite.core.parallel.loss_report import report_entry, split_loss, with_report
 from megatron_lite.core.models import GPTConfig, GPTModel

@@ -30,7 +30,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from megatron_lite.core.checkpoint.hf import (
+from megatron_lite.core.checkpoint.hf.config import hf_config_from_gpt
+from megatron_lite.core.checkpoint.hf.directory import (
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
@@ -40,8 +41,7 @@ from megatron_lite.core.checkpoint.hf import (
     copy_side_files,
     write_weights,
 )
-from megatron_lite.core.checkpoint.hf_config import hf_config_from_gpt
-from megatron_lite.core.checkpoint.hf_weights import _split_qkv, state_to_hf
+from megatron_lite.core.checkpoint.hf.weights import _split_qkv, state_to_hf
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.utils.optional import require
 

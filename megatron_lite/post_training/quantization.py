@@ -28,12 +28,13 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from megatron_lite.core.checkpoint.resume.entries import QUANTIZATION_RECIPE
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.utils.optional import require
 
 STATE_FORMAT = "megatron-lite-quantization/1"
-RECIPE_BUFFER = "megatron_lite_quantization"
+RECIPE_BUFFER = QUANTIZATION_RECIPE
 """Buffer of a quantized model holding its recipe as JSON bytes (see :func:`encode_recipe`)."""
 
 Batch = Union[dict, torch.Tensor]
@@ -346,9 +347,9 @@ def _local_shape(owner: nn.Module, quantizer: str, buffer: str, global_shape: tu
 def read_checkpoint_quantization(path: Any) -> Optional[tuple[dict, dict[str, tuple]]]:
     """(recipe, quantizer tensor name -> global shape) of one of our checkpoints if it holds a quantized model,
     else None; reads the metadata and the small recipe tensor only."""
-    from megatron_lite.core.checkpoint.full_checkpoint import MODEL_PREFIX, read_model_tensors
-    from megatron_lite.core.checkpoint.safe_reader import read_dcp_metadata
-    from megatron_lite.core.checkpoint.sharded import resolve_checkpoint
+    from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, read_model_tensors
+    from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
+    from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
 
     path = resolve_checkpoint(path)
     entries = read_dcp_metadata(path / ".metadata").state_dict_metadata

@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.core.checkpoint.full_checkpoint import MODEL_PREFIX, is_checkpoint_directory, read_model_tensors
-from megatron_lite.core.checkpoint.full_state import (
+from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors, save_safetensors
+from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, is_checkpoint_directory, read_model_tensors
+from megatron_lite.core.checkpoint.full.state import (
     carry_over_state,
     gather_full_state,
     holds_distinct_piece,
     load_full_state,
 )
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.engine.extensions import ObjectiveExtension
 from megatron_lite.core.inference.speculative import SpeculativeResult, check_draft
 from megatron_lite.core.inference.speculative import speculative_generate as _speculative_generate

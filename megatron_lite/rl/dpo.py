@@ -122,8 +122,8 @@ class _ReferenceObjective:
 
 def reference_config(path: str) -> GPTConfig:
     """The GPTConfig of a reference given as one of our checkpoints or an HF model directory."""
-    from megatron_lite.core.checkpoint.full_checkpoint import is_checkpoint_directory, read_checkpoint_hparams
-    from megatron_lite.core.checkpoint.hf import is_hf_directory, read_hf_model_config
+    from megatron_lite.core.checkpoint.full.reader import is_checkpoint_directory, read_checkpoint_hparams
+    from megatron_lite.core.checkpoint.hf.directory import is_hf_directory, read_hf_model_config
 
     if is_checkpoint_directory(path):
         return read_checkpoint_hparams(path)["config"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from megatron_lite.core.checkpoint.full_state import load_full_state
+from megatron_lite.core.checkpoint.full.state import load_full_state
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.inference import SamplingParams

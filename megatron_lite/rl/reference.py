@@ -5,7 +5,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layout
+from megatron_lite.core.checkpoint.full.state import carry_over_state, same_layout
 
 
 def frozen_reference(module: Any, previous: Optional[nn.Module],

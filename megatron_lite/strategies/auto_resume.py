@@ -28,12 +28,13 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from megatron_lite.core.checkpoint.auto_resume import (
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.commit import clean_up
+from megatron_lite.core.checkpoint.resume.auto_resume import (
     has_finished_checkpoint,
     newest_valid_checkpoint,
     unfinished_checkpoints,
 )
-from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError
 from megatron_lite.strategies._lightning_private import checkpoint_callback_dir
 
 LAST = "last"
@@ -123,3 +124,13 @@ def resume_checkpoint(resume: AutoResume) -> Path:
         _warn(f"megatron-lite: {choice.checkpoint} has no manifest.json (written before checksums existed, "
                        f"or by plain DCP); its files are loaded without an integrity check.")
     return choice.checkpoint
+
+
+def recover_interrupted_saves(trainer: Any) -> None:
+    """In the launching process, before any rank resolves ``ckpt_path="last"``: where a save was killed while
+    replacing a checkpoint on a file system that cannot exchange two names atomically, put the complete one
+    back under its name, and remove leftovers of killed saves (ModelCheckpoint directories given by dirpath)."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []) if trainer is not None else []:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath and os.path.isdir(dirpath):
+            clean_up(dirpath)

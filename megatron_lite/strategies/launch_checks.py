@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from megatron_lite.core.checkpoint.entries import (
+from megatron_lite.core.checkpoint.resume.entries import (
     EntryMismatch,
     certain_mismatch,
     checkpoint_model_entries,
@@ -58,7 +58,7 @@ def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool) -> N
     """What the checkpoint's metadata tells without reading a tensor: ``fit`` cannot resume a checkpoint of weights
     alone, and (unless ``module.strict_loading`` is False) the checkpoint's model entries must be the module's, as
     its model is built for one process -- on the meta device when it is not built yet -- where no objective
-    extension can explain the difference (see :func:`~megatron_lite.core.checkpoint.entries.certain_mismatch`;
+    extension can explain the difference (see :func:`~megatron_lite.core.checkpoint.resume.entries.certain_mismatch`;
     the ranks check the rest). Call after :func:`check_ckpt_path`."""
     if _resolved_by_lightning(value):
         return

@@ -8,7 +8,6 @@ checkpoints. The training step itself (microbatch schedule, gradient reduction, 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import sys
@@ -26,50 +25,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
-from megatron_lite.core.checkpoint.async_save import AsyncCheckpointWriter
-from megatron_lite.core.checkpoint.entries import (
-    MODEL_STATE,
-    checkpoint_model_entries,
-    compare_entries,
-    holds_training_state,
-    read_meta_plain,
-)
-from megatron_lite.core.checkpoint.commit import clean_up, remove_checkpoint
-from megatron_lite.core.checkpoint.integrity import verify_checkpoint
-from megatron_lite.core.checkpoint.rank_zero import gather_to_all
-from megatron_lite.core.checkpoint.sharded import (
-    checkpoint_keys,
-    ensure_optimizer_state,
-    load_optimizer_groups,
-    load_sharded,
-    resolve_checkpoint,
-    save_sharded,
-    sharded_model_state,
-    sharded_optimizer_state,
-    write_back,
-)
-from megatron_lite.core.checkpoint.full_state import (
+from megatron_lite.core.checkpoint.checkpointer import Checkpointer
+from megatron_lite.core.checkpoint.errors import EntryMismatchError
+from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
+from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
+from megatron_lite.core.checkpoint.full.state import (
     gather_full_state,
     load_full_state,
     read_full_state,
     write_full_state,
 )
-from megatron_lite.core.checkpoint.rng import (
-    derived_cpu_generator_state,
-    layout_mismatch,
-    rederive_rng_state,
-    restore_rng_state,
-    rng_placeholders,
-    rng_state,
-    saved_cpu_generator_state,
-)
+from megatron_lite.core.checkpoint.resume.entries import holds_training_state, read_meta_plain
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.objective_cost import objective_cost
 from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.validation import validate_run
-from megatron_lite.core.timers import timed
 from megatron_lite.strategies.launch_checks import (
     check_callbacks,
     check_checkpoint_fits,
@@ -91,7 +63,13 @@ from megatron_lite.strategies._lightning_private import (
     make_launcher,
     predictions_with_indices,
 )
-from megatron_lite.strategies.auto_resume import AutoResume, replace_last, resume_checkpoint
+from megatron_lite.strategies.auto_resume import AutoResume, recover_interrupted_saves, replace_last, resume_checkpoint
+from megatron_lite.strategies.checkpointing import (
+    checkpoint_classes,
+    refuse_checkpoint_io,
+    refuse_without_weights,
+    saves_asynchronously,
+)
 from megatron_lite.strategies.rank_failure import (
     RUN_DIR_ENV,
     failure_file,
@@ -162,6 +140,8 @@ class MegatronStrategy(ParallelStrategy):
             With fork/spawn the ranks hand back to the launching process the whole trained model (full
             tensors, loaded into a one-process model: ``module.model``), ``callback_metrics``, the fit
             loop's progress and every data-parallel rank's predictions; a rank's exception is raised there.
+        checkpoint_io: not taken (a CheckpointIO plugin is refused, here or in ``Trainer(plugins=...)``): the
+            strategy writes its distributed checkpoints itself (see ``async_save`` for background saves).
     """
 
     strategy_name = "megatron"
@@ -193,6 +173,7 @@ class MegatronStrategy(ParallelStrategy):
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
+        refuse_checkpoint_io(checkpoint_io)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -216,7 +197,9 @@ class MegatronStrategy(ParallelStrategy):
         self.exit_signal_handler = bool(exit_signal_handler)
         self.async_save = bool(async_save)
         self.check_memory = bool(check_memory)
-        self._async_writer: Optional[AsyncCheckpointWriter] = None
+        # The Checkpointer of this run, and what it was made for (see _checkpointer).
+        self._checkpointer_in_use: Optional[Checkpointer] = None
+        self._checkpointer_sources: tuple = ()
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -311,12 +294,12 @@ class MegatronStrategy(ParallelStrategy):
         objects = [*args, *kwargs.values()]
         module = next((o for o in objects if isinstance(o, LightningModule)), None)
         datamodule = next((o for o in objects if isinstance(o, LightningDataModule)), None)
-        _refuse_without_weights(module)
+        refuse_without_weights(module)
         ckpt_path = ckpt_path_of(args)
         check_ckpt_path(ckpt_path)
         check_checkpoint_fits(ckpt_path, module, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
         self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
-        _recover_interrupted_saves(trainer)
+        recover_interrupted_saves(trainer)
         check_callbacks(trainer, module)
         return self._prepare_run_args(args, kwargs, trainer)
 
@@ -513,12 +496,12 @@ class MegatronStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
-        if self._async_writer is not None:
+        if self._checkpointer_in_use is not None:
             # Before the groups go: a save in flight is committed if every rank wrote it; a failing run
             # logs its error rather than hiding the run's own.
             running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-            writer, self._async_writer = self._async_writer, None
-            writer.close(raise_error=running)
+            checkpointer, self._checkpointer_in_use, self._checkpointer_sources = self._checkpointer_in_use, None, ()
+            checkpointer.close(raise_error=running)
         if self._run_dir is not None and self._start_method != "popen" and self._layout is not None:
             # A rank started by the fork/spawn launcher: hand the results back (collectives, so only on
             # the success path, where every rank gets here), then release the groups -- the process
@@ -626,26 +609,51 @@ class MegatronStrategy(ParallelStrategy):
             return
         module._megatron_lite_weights_missing = None
 
-    # --- checkpoints ----------------------------------------------------------------------
-    def _require_layout(self) -> ParallelLayout:
-        return self._layout if self._layout is not None else ParallelLayout.single()
+    # --- checkpoints: Lightning's checkpoint dict to and from the Checkpointer ------------------
+    @property
+    def checkpoint_io(self):
+        return super().checkpoint_io
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return sharded_model_state(self.lightning_module, self._require_layout())
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:
+        refuse_checkpoint_io(io)  # Trainer(plugins=[SomeCheckpointIO()]) sets it here
+        self._checkpoint_io = io
+
+    def _live_layout(self) -> Optional[ParallelLayout]:
+        """This rank's layout while its process groups exist (None in the launching process, or after the run)."""
+        live = self._layout is not None and not self._layout.destroyed and _distributed_is_initialized()
+        return self._layout if live else None
 
     def _megatron_optimizer(self):
         """The module's core optimizer wrapper (fp32 masters, ZeRO-1, loss scaler), if it has one."""
         module = self.lightning_module
         return module.megatron_optimizer if isinstance(module, EngineModule) else None
 
+    def _checkpointer(self) -> Checkpointer:
+        """The Checkpointer over this process's module, optimizers and layout as they are now: the same one for a
+        whole run (a save in flight is waited for by the next), a new one when they changed (a forked rank, the
+        next ``trainer.fit``)."""
+        module = self.lightning_module
+        assert module is not None
+        layout = self._live_layout()
+        sources = (module, layout, tuple(getattr(o, "_optimizer", o) for o in self.optimizers),
+                   self._megatron_optimizer(), self.use_torch_fsdp2 and layout is not None,
+                   module.run_timers() if isinstance(module, EngineModule) else None,
+                   tuple(checkpoint_classes(module, attached_trainer(module))))
+        if self._checkpointer_in_use is None or sources != self._checkpointer_sources:
+            if self._checkpointer_in_use is not None:
+                self._checkpointer_in_use.close()
+            module, layout, optimizers, mopt, fsdp, timers, allowed = sources
+            self._checkpointer_in_use = Checkpointer(module, layout, optimizers, megatron_optimizer=mopt,
+                                                     allowed=allowed, fsdp=fsdp, timers=timers)
+            self._checkpointer_sources = sources
+        return self._checkpointer_in_use
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._checkpointer().model_state()
+
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        mopt = self._megatron_optimizer()
-        if mopt is not None:
-            return mopt.sharded_state_dict()
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return sharded_optimizer_state(self.lightning_module, optimizer, self._require_layout())
+        return self._checkpointer().optimizer_state(getattr(optimizer, "_optimizer", optimizer))
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # loaded in place by load_checkpoint
@@ -659,136 +667,57 @@ class MegatronStrategy(ParallelStrategy):
 
     def wait_for_checkpoint(self) -> None:
         """Block until a checkpoint being written in the background is committed; raise its error."""
-        if self._async_writer is not None:
-            self._async_writer.wait()
-
-    def _saves_asynchronously(self, storage_options: Optional[Any], live: bool) -> bool:
-        """``storage_options={"async_save": bool}`` decides; otherwise saves from callback hooks during a
-        running fit (where ModelCheckpoint saves) when ``async_save=True``."""
-        if storage_options is not None:
-            if not isinstance(storage_options, dict) or set(storage_options) != {"async_save"}:
-                raise TypeError(f"MegatronStrategy.save_checkpoint takes only storage_options={{'async_save': True}} "
-                                f"or {{'async_save': False}} (it writes with DCP), got {storage_options!r}")
-            return bool(storage_options["async_save"]) and live
-        module = self.lightning_module
-        trainer = attached_trainer(module) if module is not None else None
-        return (self.async_save and live and trainer is not None and trainer.state.fn == TrainerFn.FITTING
-                and trainer.state.status == TrainerStatus.RUNNING
-                and getattr(module, "_current_fx_name", None) in _CALLBACK_SAVE_HOOKS)
+        if self._checkpointer_in_use is not None:
+            self._checkpointer_in_use.wait()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        live = self._layout is not None and not self._layout.destroyed and _distributed_is_initialized()
-        asynchronous = self._saves_asynchronously(storage_options, live)
-        _refuse_without_weights(self.lightning_module)
+        """Write ``checkpoint`` (Lightning's dict) with the Checkpointer: its tensors' entries as DCP shards, the rest
+        as ``meta.json``. In the background for ModelCheckpoint's saves with ``async_save=True`` (or with
+        ``storage_options={"async_save": True}``)."""
+        live = self._live_layout() is not None
+        module = self.lightning_module
+        asynchronous = saves_asynchronously(self.async_save, storage_options, live, module, attached_trainer(module))
+        refuse_without_weights(module)
         path = Path(self.broadcast(str(filepath)))
-        state = {"model": checkpoint.pop("state_dict")}
-        groups = []
-        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            groups.append(opt_state.pop("param_groups"))
-            state[f"optimizer_{i}"] = opt_state
-        checkpoint["optimizer_param_groups"] = groups
-        if not live and not groups:
+        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        if not live and not optimizer_states:
             # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
             # held the optimizer.
             rank_zero_warn("megatron-lite: this checkpoint holds the model's weights but no optimizer state (the "
                            "forked ranks kept it); resuming from it restarts the optimizer. For an exact resume "
                            "save checkpoints during fit (ModelCheckpoint).")
-        checkpoint["megatron_lite_layout"] = {
-            "tensor_model_parallel_size": self.parallel_config.tensor_model_parallel_size if live else 1,
-            "sequence_parallel": self.parallel_config.sequence_parallel if live else False,
-            "pipeline_model_parallel_size": self.parallel_config.pipeline_model_parallel_size if live else 1,
-            "virtual_pipeline_model_parallel_size":
-                self.parallel_config.virtual_pipeline_model_parallel_size if live else 1,
-            "world_size": self.world_size if live else 1,  # the ranks whose RNG states it holds
-            "context_parallel_size": self.parallel_config.context_parallel_size if live else 1,
-            "expert_model_parallel_size": self.parallel_config.expert_model_parallel_size if live else 1,
-            "data_parallel_size": self._layout.dp_size if live else 1,
-            "use_torch_fsdp2": self.use_torch_fsdp2 and live,
-        }
-        assert self.lightning_module is not None
-        state.update(rng_state(self.lightning_module, self.global_rank, self._layout if live else None))
-        module = self.lightning_module
-        timers = module.run_timers() if isinstance(module, EngineModule) else None
-        with timed(timers, "save-checkpoint", log_level=0):
-            if asynchronous:
-                if self._async_writer is None:
-                    self._async_writer = AsyncCheckpointWriter()
-                self._async_writer.save(state, path, extra=checkpoint, allowed=self._checkpoint_classes())
-            else:
-                self.wait_for_checkpoint()  # saves land in the order they were asked for
-                save_sharded(state, path, extra=checkpoint, allowed=self._checkpoint_classes())
+        self._checkpointer().save(path, checkpoint, model_state=model_state, optimizer_states=optimizer_states,
+                                  asynchronous=asynchronous)
 
     def remove_checkpoint(self, filepath) -> None:
         """Remove a checkpoint directory (ModelCheckpoint's top-k and ``last`` replacement): renamed away at
-        once, then deleted, so a kill mid-removal never leaves a half-deleted checkpoint under its name.
-        While a checkpoint is written in the background, the removal waits until it is committed (and is
-        dropped if it fails): the older checkpoint is never gone before the newer one exists."""
-        if self.is_global_zero:
-            if self._async_writer is not None:
-                self._async_writer.remove(filepath)
-            else:
-                remove_checkpoint(filepath)
+        once, then deleted, never before a save in flight that replaces it is committed (see Checkpointer.remove)."""
+        self._checkpointer().remove(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self._checkpoint_to_load(checkpoint_path)
         module = self.lightning_module
-        assert module is not None
-        _refuse_quantized_into_plain(module, path)
         trainer = attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == "fit"
         meta = read_meta_plain(path)
         if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
             raise ValueError(weights_only_message(path))
-        layout = self._require_layout()
-        writebacks: list = []
-        model_state = sharded_model_state(module, layout, writebacks)
-        keys = checkpoint_keys(path)
-        strict = module.strict_loading
-        saved = checkpoint_model_entries(path, keys)
-        state: dict[str, Any] = {MODEL_STATE: self._entries_to_load(model_state, saved, path, meta, strict)}
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        mopt = self._megatron_optimizer() if fitting else None
-        for i, opt in enumerate(optimizers):
-            if mopt is not None and i == 0:
-                mopt.ensure_state()
-                opt_state = mopt.sharded_state_dict(writebacks=writebacks, only_keys=keys,
-                                                    key_prefix=f"optimizer_{i}.")
-            else:
-                ensure_optimizer_state(opt)
-                opt_state = sharded_optimizer_state(module, opt, layout)
-                if not strict:  # the state of parameters the checkpoint lacks stays as it is
-                    opt_state = {k: v for k, v in opt_state.items()
-                                 if k == "param_groups" or f"optimizer_{i}.{k}" in keys}
-            opt_state.pop("param_groups")
-            state[f"optimizer_{i}"] = opt_state
-        rng = self._rng_placeholders(path) if fitting else {}
-        state.update(rng)
-        extra = load_sharded(state, path, allowed=self._checkpoint_classes(), verify=False)
-        write_back(writebacks)
-        if mopt is not None and optimizers:
-            mopt.load_sharded_state_dict(state["optimizer_0"])
-        for opt, groups in zip(optimizers, extra.get("optimizer_param_groups", [])):
-            load_optimizer_groups(opt, groups)
-        if fitting:
-            self._restore_or_rederive_rng({k: state[k] for k in rng}, int(extra.get("global_step", 0)))
+        try:
+            loaded = self._checkpointer().load(path, optimizers=fitting, rng=fitting, strict=module.strict_loading,
+                                               verify=False, restore_cpu_rng=False)
+        except EntryMismatchError as error:
+            raise ValueError(mismatch_message(path, module, error.mismatch, meta)) from None
+        if loaded.mismatch:
+            rank_zero_warn(f"megatron-lite: strict_loading=False: loaded the entries {path} shares with the module; "
+                           f"{loaded.mismatch.describe()} (the missing ones keep their current values).")
+        # The global CPU generator is set right before the first step (on_train_batch_start): Lightning draws
+        # from it after the load, once per DataLoader iterator it creates (its shared seed), which an
+        # uninterrupted run did before the saved step.
+        self._pending_cpu_rng = loaded.cpu_rng_state
         if self._auto_resume is not None and str(checkpoint_path) == self._auto_resume.requested:
-            rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} (global step {extra.get('global_step')})")
-        return extra
-
-    def _entries_to_load(self, model_state: dict[str, Any], saved: set[str], path: Path, meta: Optional[dict],
-                         strict: bool) -> dict[str, Any]:
-        """This rank's model entries to load from ``path`` (whose model entries are ``saved``). Their names on every
-        rank together (a pipeline stage holds only its layers) must be the checkpoint's: otherwise, with ``strict``,
-        one ValueError on every rank; without, the entries both have (the difference said once by rank 0)."""
-        ours = set().union(*gather_to_all(sorted(model_state)))
-        mismatch = compare_entries(ours, saved)
-        if not mismatch:
-            return model_state
-        if strict:
-            raise ValueError(mismatch_message(path, self.lightning_module, mismatch, meta))
-        rank_zero_warn(f"megatron-lite: strict_loading=False: loading the entries {path} shares with the module; "
-                       f"{mismatch.describe()} (the missing ones keep their current values).")
-        return {name: value for name, value in model_state.items() if name in saved}
+            rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} "
+                           f"(global step {loaded.meta.get('global_step')})")
+        return loaded.meta
 
     def _checkpoint_to_load(self, checkpoint_path) -> Path:
         """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked
@@ -806,71 +735,9 @@ class MegatronStrategy(ParallelStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._pending_cpu_rng is not None:  # the first step after a load (see _restore_or_rederive_rng)
+        if self._pending_cpu_rng is not None:  # the first step after a load (see load_checkpoint)
             torch.set_rng_state(self._pending_cpu_rng)
             self._pending_cpu_rng = None
-
-    def _checkpoint_classes(self) -> list[type]:
-        """Classes a checkpoint's metadata may hold besides plain data: the config dataclasses of the live
-        module and datamodule (their configs and saved hyperparameters). Taken from the objects the user
-        built, never from names in a checkpoint."""
-        module = self.lightning_module
-        trainer = attached_trainer(module) if module is not None else None
-        values: list[Any] = []
-        if isinstance(module, EngineModule):
-            values += [module.config, module.optimizer_config]
-        for owner in (module, getattr(trainer, "datamodule", None)):
-            hparams = getattr(owner, "hparams", None)
-            if isinstance(hparams, dict):
-                values += list(hparams.values())
-        return sorted(_dataclass_types(values), key=lambda c: (c.__module__, c.__qualname__))
-
-    def _rng_placeholders(self, path: Path) -> dict[str, Tensor]:
-        """This rank's saved RNG states and the layout they were drawn in (none if the checkpoint was
-        written by fewer ranks); whether they are used is decided after loading."""
-        return rng_placeholders(path, self.global_rank)
-
-    def _restore_or_rederive_rng(self, loaded: dict[str, Tensor], step: int) -> None:
-        """Restore the saved RNG states only where the checkpoint was written at this very layout (sizes and
-        this rank's coordinates, on every rank); otherwise re-derive them from the seeds for ``step``, with
-        one note from rank 0 saying why. All ranks take the same branch."""
-        assert self.lightning_module is not None
-        layout = self._require_layout()
-        reason = layout_mismatch(loaded, layout, self.global_rank)
-        differs = torch.tensor([0 if reason is None else 1], dtype=torch.int64, device=self.root_device)
-        if _distributed_is_initialized():
-            torch.distributed.all_reduce(differs, op=torch.distributed.ReduceOp.MAX)
-        # The global CPU generator is set right before the first step (on_train_batch_start): Lightning draws
-        # from it after the load, once per DataLoader iterator it creates (its shared seed), which an
-        # uninterrupted run did before the saved step.
-        if not differs.item():
-            restore_rng_state(self.lightning_module, loaded, self.global_rank, cpu_generator=False)
-            self._pending_cpu_rng = saved_cpu_generator_state(loaded, self.global_rank)
-            return
-        rederive_rng_state(self.lightning_module, step, cpu_generator=False)
-        self._pending_cpu_rng = derived_cpu_generator_state(step)
-        if self.global_rank == 0:  # a warning-level record: visible without any logging set-up
-            log.warning(
-                f"megatron-lite: RNG states not restored from the checkpoint: "
-                f"{reason or 'the layout of another rank changed'}; re-derived from the seeds for step {step} "
-                f"(dropout masks differ from those an uninterrupted run at the saved layout would draw).")
-
-
-def _dataclass_types(values: list[Any]) -> set[type]:
-    """The dataclass types among ``values`` and inside them (fields, lists, dicts)."""
-    found: set[type] = set()
-    pending = list(values)
-    while pending:
-        value = pending.pop()
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            if type(value) not in found:
-                found.add(type(value))
-                pending += [getattr(value, f.name) for f in dataclasses.fields(value)]
-        elif isinstance(value, dict):
-            pending += list(value.values())
-        elif isinstance(value, (list, tuple)):
-            pending += list(value)
-    return found
 
 
 def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
@@ -878,43 +745,6 @@ def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
         layout.destroy()
     if default_group and _distributed_is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _recover_interrupted_saves(trainer) -> None:
-    """In the launching process, before any rank resolves ``ckpt_path="last"``: where a save was killed while
-    replacing a checkpoint on a file system that cannot exchange two names atomically, put the complete one
-    back under its name, and remove leftovers of killed saves (ModelCheckpoint directories given by dirpath)."""
-    for callback in getattr(trainer, "checkpoint_callbacks", []) if trainer is not None else []:
-        dirpath = getattr(callback, "dirpath", None)
-        if dirpath and os.path.isdir(dirpath):
-            clean_up(dirpath)
-
-
-_QUANTIZATION_RECIPE = "megatron_lite_quantization"  # the buffer a quantized model carries (post_training.quantization)
-
-
-def _refuse_quantized_into_plain(module: LightningModule, path: Path) -> None:
-    """A quantized model's checkpoint loaded into an unquantized model would drop its quantizers without a word
-    (only the tensors the model has are read): refuse it, naming the two ways that keep them."""
-    model = getattr(module, "model", None)
-    if model is None or hasattr(model, _QUANTIZATION_RECIPE):
-        return
-    if f"model.model.{_QUANTIZATION_RECIPE}" in checkpoint_keys(path):
-        raise ValueError(
-            f"the checkpoint {path} holds a quantized model, but the module's model is not quantized: its quantizers "
-            f"would be dropped. Add megatron_lite.callbacks.Quantize(<its config>, when='fit_start') to the Trainer "
-            f"(the quantizers are rebuilt before the checkpoint loads), or load it with GPTModule.from_pretrained.")
-
-
-def _refuse_without_weights(module: Optional[LightningModule]) -> None:
-    message = getattr(module, "_megatron_lite_weights_missing", None)
-    if message:
-        raise RuntimeError(message)
-
-
-# Lightning hooks in which checkpoint callbacks save (ModelCheckpoint: every_n_train_steps, every epoch,
-# after validation); a save made elsewhere (training_step, after fit) was asked for by the user.
-_CALLBACK_SAVE_HOOKS = frozenset({"on_train_batch_end", "on_train_epoch_end", "on_validation_end"})
 
 
 STRATEGY_NAMES = {

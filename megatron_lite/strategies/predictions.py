@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
+from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 PerLoader = list[tuple[list[Any], list[list[int]], Optional[int]]]

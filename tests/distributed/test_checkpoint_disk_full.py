@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_lite.core.checkpoint.async_save import AsyncCheckpointError, AsyncCheckpointWriter
-from megatron_lite.core.checkpoint.disk_space import CheckpointDiskFullError
-from megatron_lite.core.checkpoint.sharded import load_sharded, save_sharded
+from megatron_lite.core.checkpoint.errors import AsyncCheckpointError, CheckpointDiskFullError
+from megatron_lite.core.checkpoint.format.async_save import AsyncCheckpointWriter
+from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded
 from spawn_utils import run_ranks
 
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
@@ -113,9 +113,9 @@ def _intact(path: Path, value: float) -> bool:
 
 def _sync_save_alone(disk: Path) -> dict:
     path = disk / "ckpt"
-    save_sharded(_state(1.5, SMALL), path, extra={"global_step": 1})
+    save_sharded(_state(1.5, SMALL), path, extra={"global_step": 1}, latest=True)
     try:
-        save_sharded(_state(2.5, LARGE), path, extra={"global_step": 2})
+        save_sharded(_state(2.5, LARGE), path, extra={"global_step": 2}, latest=True)
     except CheckpointDiskFullError as error:
         return {"message": str(error), "errno": error.errno, "intact": _intact(path, 1.5)}
     return {"message": None}
@@ -132,17 +132,17 @@ def _rank_saves(rank: int, world_size: int, disk: str) -> dict:
     """Each rank writes half of the large state (its own keys); synchronously, then in the background."""
     path = Path(disk) / "ckpt"
     mine = lambda value, rows: {f"rank{rank}": _state(value, rows)["model"]}  # noqa: E731
-    save_sharded(mine(1.5, SMALL), path, extra={"global_step": 1})
+    save_sharded(mine(1.5, SMALL), path, extra={"global_step": 1}, latest=True)
     out = {}
     try:
-        save_sharded(mine(2.5, LARGE // 2), path, extra={"global_step": 2})
+        save_sharded(mine(2.5, LARGE // 2), path, extra={"global_step": 2}, latest=True)
     except CheckpointDiskFullError as error:
         out["sync"] = str(error)
     writer = AsyncCheckpointWriter()
     try:
-        writer.save(mine(3.5, LARGE // 2), path, extra={"global_step": 3})  # returns once staged
+        writer.save(mine(3.5, LARGE // 2), path, extra={"global_step": 3}, latest=True)  # returns once staged
         try:
-            writer.save(mine(4.5, SMALL), path, extra={"global_step": 4})  # raises the previous save's error
+            writer.save(mine(4.5, SMALL), path, extra={"global_step": 4}, latest=True)  # raises the previous error
         except AsyncCheckpointError as error:
             out["async"] = str(error)
     finally:

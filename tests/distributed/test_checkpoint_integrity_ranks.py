@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_lite.core.checkpoint.integrity import _share, read_manifest
-from megatron_lite.core.checkpoint.sharded import load_sharded, save_sharded
+from megatron_lite.core.checkpoint.format.integrity import _share, read_manifest
+from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded
 from spawn_utils import run_ranks
 
 
@@ -19,9 +19,9 @@ def _state(rank: int, value: float) -> dict:
 
 def _save_damage_load(rank: int, world_size: int, directory: str, damaged: str) -> dict:
     path = Path(directory) / "ckpt"
-    save_sharded(_state(rank, 1.0), path, extra={"global_step": 3})
+    save_sharded(_state(rank, 1.0), path, extra={"global_step": 3}, latest=True)
     records = {name: record.size for name, record in read_manifest(path).files.items()}
-    save_sharded(_state(rank, 2.0), path, extra={"global_step": 4})  # replaces it
+    save_sharded(_state(rank, 2.0), path, extra={"global_step": 4}, latest=True)  # replaces it
     clean = _state(rank, 0.0)
     meta = load_sharded(clean, path)
     entries = sorted(p.name for p in Path(directory).iterdir())

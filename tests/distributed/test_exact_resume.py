@@ -22,8 +22,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.rng import derived_seed
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.resume.rng import derived_seed
 from megatron_lite.core.parallel.random import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG
 from megatron_lite.data import MockGPTDataModule
 from parity_utils import run, tiny_config

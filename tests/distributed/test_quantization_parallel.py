@@ -11,8 +11,9 @@ import torch
 pytest.importorskip("modelopt.torch.quantization")
 
 from megatron_lite import GPTConfig, GPTModel, GPTModule, OptimizerConfig, ParallelConfig, ParallelLayout  # noqa: E402
-from megatron_lite.core.checkpoint.full_state import gather_full_state, load_full_state  # noqa: E402
-from megatron_lite.core.checkpoint.sharded import save_sharded, sharded_model_state  # noqa: E402
+from megatron_lite.core.checkpoint.format.sharded import save_sharded  # noqa: E402
+from megatron_lite.core.checkpoint.full.state import gather_full_state, load_full_state  # noqa: E402
+from megatron_lite.core.checkpoint.state import sharded_model_state  # noqa: E402
 from megatron_lite.post_training.quantization import quantization_recipe, quantize, restore_from_state  # noqa: E402
 from spawn_utils import run_ranks  # noqa: E402
 

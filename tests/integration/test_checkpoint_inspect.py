@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from megatron_lite.cli import main as cli
-from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "distributed"))
 from parity_utils import run  # noqa: E402

@@ -19,9 +19,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.auto_resume import finished_checkpoints
-from megatron_lite.core.checkpoint.integrity import verify_checkpoint
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.resume.auto_resume import finished_checkpoints
 from megatron_lite.data import MockGPTDataModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "distributed"))

@@ -21,8 +21,8 @@ import pytest
 import megatron_lite as ml
 from megatron_lite import convert, prune, quantize
 from megatron_lite.cli import main as cli_main
-from megatron_lite.core.checkpoint.integrity import read_manifest, verify_checkpoint
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.integrity import read_manifest, verify_checkpoint
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.data.bundled import bundled_corpus
 from megatron_lite.module import TOKENIZER_KEY
 from megatron_lite.pretrained import save_weights_checkpoint

@@ -15,8 +15,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))

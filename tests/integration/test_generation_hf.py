@@ -11,7 +11,7 @@ import torch
 
 import megatron_lite as ml
 from megatron_lite import ParallelConfig, ParallelLayout
-from megatron_lite.core.checkpoint.full_state import carry_over_state
+from megatron_lite.core.checkpoint.full.state import carry_over_state
 from megatron_lite.core.inference import generate
 from megatron_lite.core.models import GPTModel
 

@@ -19,8 +19,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import megatron_lite as ml
 from megatron_lite import cli
 from megatron_lite.data import PromptDataModule, TextCorpusDataModule
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
-from megatron_lite.core.checkpoint.integrity import read_manifest
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.integrity import read_manifest
 from megatron_lite.tokenizers.build import build_recorded_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

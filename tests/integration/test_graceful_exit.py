@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.callbacks import GracefulExit
 
 HERE = Path(__file__).parent

@@ -29,8 +29,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors
 
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.cli import main as cli_main  # noqa: E402
-from megatron_lite.core.checkpoint.hf_config import UnsupportedHFModel  # noqa: E402
-from megatron_lite.core.checkpoint.safetensors_io import read_safetensors_header  # noqa: E402
+from megatron_lite.core.checkpoint.errors import UnsupportedHFModel  # noqa: E402
+from megatron_lite.core.checkpoint.format.safetensors_io import read_safetensors_header  # noqa: E402
 from megatron_lite.data import MockGPTDataModule  # noqa: E402
 from megatron_lite.rl.dpo import reference_config  # noqa: E402
 

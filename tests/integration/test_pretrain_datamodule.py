@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.data.indexed_dataset import IndexedDataset, write_dataset
 from megatron_lite.data.pretrain import PretrainDataModule
 

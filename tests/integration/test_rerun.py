@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.callbacks import RerunValidation
 from megatron_lite.core.rerun import INJECT_ENV, FaultInjection, RerunConfig
 

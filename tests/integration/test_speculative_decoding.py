@@ -27,7 +27,7 @@ from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.text_corpus import TokenWindowDataset
 from megatron_lite.post_training import load_draft_head, speculative_generate
 from megatron_lite.post_training.speculative import DraftHeadExtension, draft_head_of
-from megatron_lite.core.checkpoint.full_state import gather_full_state, load_full_state
+from megatron_lite.core.checkpoint.full.state import gather_full_state, load_full_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from spawn_utils import run_ranks  # noqa: E402

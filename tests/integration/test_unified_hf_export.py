@@ -23,7 +23,7 @@ mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
 safetensors = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (comes with transformers)")
 
-from megatron_lite.core.checkpoint.hf_weights import _split_qkv  # noqa: E402
+from megatron_lite.core.checkpoint.hf.weights import _split_qkv  # noqa: E402
 from megatron_lite.core.models.config import GPTConfig  # noqa: E402
 from megatron_lite.core.models.gpt import GPTModel  # noqa: E402
 from megatron_lite.post_training.quantization import quantize  # noqa: E402

@@ -12,20 +12,20 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from megatron_lite.core.checkpoint.auto_resume import (
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta, save_sharded
+from megatron_lite.core.checkpoint.resume.auto_resume import (
     finished_checkpoints,
     has_finished_checkpoint,
     newest_valid_checkpoint,
     unfinished_checkpoints,
 )
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta, save_sharded
 from megatron_lite.strategies._lightning_private import checkpoint_callback_dir
 from megatron_lite.strategies.auto_resume import replace_last
 
 
 def _save(directory, name: str, step: int):
     state = {"model": {"weight": torch.full((16, 8), float(step))}}
-    return save_sharded(state, directory / name, extra={"global_step": step})
+    return save_sharded(state, directory / name, extra={"global_step": step}, latest=True)  # as a run saves
 
 
 def _flip_byte(path, name: str = "__0_0.distcp") -> None:

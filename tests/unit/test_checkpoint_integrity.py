@@ -11,15 +11,15 @@ import zlib
 import pytest
 import torch
 
-from megatron_lite.core.checkpoint.commit import LATEST, commit, remove_checkpoint, sibling
-from megatron_lite.core.checkpoint.integrity import (
-    CorruptCheckpointError,
-    is_complete,
-    read_manifest,
-    record_file,
-    verify_checkpoint,
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.commit import LATEST, commit, remove_checkpoint, sibling
+from megatron_lite.core.checkpoint.format.integrity import is_complete, read_manifest, record_file, verify_checkpoint
+from megatron_lite.core.checkpoint.format.sharded import (
+    EMBEDDED_FILES,
+    load_sharded,
+    read_checkpoint_meta,
+    save_sharded,
 )
-from megatron_lite.core.checkpoint.sharded import EMBEDDED_FILES, load_sharded, read_checkpoint_meta, save_sharded
 
 
 def _state(value: float) -> dict:
@@ -37,7 +37,7 @@ def _hidden(directory):
 
 
 def test_the_manifest_records_every_file_as_written(tmp_path):
-    path = save_sharded(_state(1.5), tmp_path / "ckpt", extra={"global_step": 7})
+    path = save_sharded(_state(1.5), tmp_path / "ckpt", extra={"global_step": 7}, latest=True)
     manifest = read_manifest(path)
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(manifest.files) == on_disk == {".metadata", "__0_0.distcp", "meta.json"}
@@ -195,8 +195,8 @@ def test_leftovers_of_killed_saves_are_removed_at_the_next_save(tmp_path):
 
 
 def test_latest_names_the_newest_save(tmp_path):
-    save_sharded(_state(1.0), tmp_path / "epoch=0-step=1.ckpt", extra={"global_step": 1})
-    save_sharded(_state(2.0), tmp_path / "epoch=0-step=2.ckpt", extra={"global_step": 2})
+    save_sharded(_state(1.0), tmp_path / "epoch=0-step=1.ckpt", extra={"global_step": 1}, latest=True)
+    save_sharded(_state(2.0), tmp_path / "epoch=0-step=2.ckpt", extra={"global_step": 2}, latest=True)
     state = _zeros()
     assert load_sharded(state, tmp_path)["global_step"] == 2  # the directory of checkpoints: its latest
     assert json.loads((tmp_path / LATEST).read_text())["global_step"] == 2

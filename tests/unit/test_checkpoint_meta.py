@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint import meta_json
-from megatron_lite.core.checkpoint.meta_json import CheckpointMetaError
-from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
+from megatron_lite.core.checkpoint.errors import CheckpointMetaError
+from megatron_lite.core.checkpoint.format import meta_json
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 
 
 class Payload:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.rng import (
+from megatron_lite.core.checkpoint.resume.rng import (
     FINGERPRINT_FIELDS,
     derived_cpu_generator_state,
     derived_seed,

@@ -9,17 +9,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from megatron_lite.core.checkpoint.full_checkpoint import read_model_tensors
-from megatron_lite.core.checkpoint.integrity import MANIFEST, manifest_bytes, record_file
-from megatron_lite.core.checkpoint.rng import rng_placeholders
-from megatron_lite.core.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
-from megatron_lite.core.checkpoint.sharded import (
-    checkpoint_keys,
-    load_sharded,
-    save_sharded,
-    sharded_model_state,
-    sharded_optimizer_state,
-)
+from megatron_lite.core.checkpoint.errors import UnsafeCheckpointError
+from megatron_lite.core.checkpoint.format.integrity import MANIFEST, manifest_bytes, record_file
+from megatron_lite.core.checkpoint.format.safe_reader import SafeFileSystemReader, read_dcp_metadata
+from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys, load_sharded, save_sharded
+from megatron_lite.core.checkpoint.full.reader import read_model_tensors
+from megatron_lite.core.checkpoint.resume.rng import rng_placeholders
+from megatron_lite.core.checkpoint.state import sharded_model_state, sharded_optimizer_state
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.full_state import (
+from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors, save_safetensors
+from megatron_lite.core.checkpoint.full.state import (
     carry_over_state,
     gather_full_state,
     load_full_state,
     read_full_state,
     write_full_state,
 )
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, ParallelLayout
 
 

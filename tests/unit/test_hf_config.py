@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from megatron_lite.core.checkpoint.hf_config import UnsupportedHFModel, gpt_config_from_hf, hf_config_from_gpt
-from megatron_lite.core.checkpoint.hf_weights import fit_vocab_rows, hf_to_state, state_to_hf
+from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
+from megatron_lite.core.checkpoint.hf.config import gpt_config_from_hf, hf_config_from_gpt
+from megatron_lite.core.checkpoint.hf.weights import fit_vocab_rows, hf_to_state, state_to_hf
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies
 

@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, read_safetensors_header
+from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors, read_safetensors_header
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (comes with "
                                                                     "transformers: pip install -e '.[dev]')")

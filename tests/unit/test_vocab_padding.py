@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.sharded import sharded_model_state
+from megatron_lite.core.checkpoint.state import sharded_model_state
 from megatron_lite.core.inference import generate
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout

@@ -22,7 +22,8 @@ class EngineModule(Protocol):
     optimizer_config: Any
     """The :class:`OptimizerConfig` (re-validated before launch; ZeRO-1 and overlap checks)."""
     megatron_optimizer: Optional[MegatronOptimizer]
-    """The optimizer whose ``sharded_state_dict``/``load_sharded_state_dict`` the checkpoints call."""
+    """The core optimizer (fp32 masters, ZeRO-1, loss scaler) whose state checkpoints save in the place of the
+    first optimizer's (:class:`~megatron_lite.core.checkpoint.Checkpointer`)."""
 
     def validate_configuration(self, trainer: Any, datamodule: Any) -> None:
         """The module's own checks, run before any process starts (raise ValueError naming the fix)."""

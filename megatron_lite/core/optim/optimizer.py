@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.core.checkpoint.sharded import megatron_optimizer_state
 from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.clip_grads import clip_coefficient, counts_in_norm, grad_norm_of, scale_grads
 from megatron_lite.core.optim.config import OptimizerConfig
@@ -305,41 +304,6 @@ class MegatronOptimizer:
             g["lr"], g["weight_decay"] = lr, wd
         for p, grad in zip(params, grads):
             p.grad = grad
-
-    def sharded_state_dict(self, prefix: str = "model.", writebacks=None, only_keys: Optional[set[str]] = None,
-                           key_prefix: str = "optimizer_0.") -> dict:
-        """This optimizer's checkpoint state for DCP: ``state.<prefix><param>.<key>`` tensors as global
-        views (the same keys whatever the layout or sharding), ``extra`` (loss scaler, skipped steps)
-        and the param groups' hyperparameters.
-
-        To load, pass the checkpoint's flattened keys as ``only_keys`` (``checkpoint_keys(path)``): the
-        state then holds only what the checkpoint has (no fp32 masters when it was written at another
-        precision, no state for parameters not stepped yet); DCP loads into it in place and
-        :meth:`load_sharded_state_dict` finishes the load."""
-        per_param = self.checkpoint_state()
-        absent: set[str] = set()
-        if only_keys is not None:
-            present = {name: {k: v for k, v in entry.items() if f"{key_prefix}state.{prefix}{name}.{k}" in only_keys}
-                       for name, entry in per_param.items()}
-            absent = {name for name, entry in present.items()
-                      if not any(k != "master" for k in entry) and any(k != "master" for k in per_param[name])}
-            per_param = present
-        state = megatron_optimizer_state(self, self._by_name, self.layout, per_param, prefix=prefix,
-                                         writebacks=writebacks)
-        if only_keys is not None and not any(k.startswith(f"{key_prefix}extra") for k in only_keys):
-            state.pop("extra")  # written before loss scaling existed
-        self._loading = (per_param, absent)
-        return state
-
-    def load_sharded_state_dict(self, state: dict) -> None:
-        """Finish loading the state DCP wrote into :meth:`sharded_state_dict`'s tensors (call that with
-        ``only_keys`` first): masters and shards refreshed, unstepped parameters' state dropped, the
-        loss scaler restored. The param groups' hyperparameters are restored by the caller."""
-        per_param, absent = self._loading
-        self.load_checkpoint_state(per_param)
-        self.drop_state(absent)
-        self.load_state_dict_extra(state.get("extra", {}))
-        del self._loading
 
     def state_dict_extra(self) -> dict:
         """Non-tensor state: the loss scaler and the skipped-step count."""

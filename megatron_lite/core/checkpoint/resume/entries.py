@@ -21,12 +21,16 @@ from typing import Any, Iterable, Optional
 
 from torch import nn
 
-from megatron_lite.core.checkpoint import meta_json
-from megatron_lite.core.checkpoint.integrity import META
-from megatron_lite.core.checkpoint.sharded import checkpoint_keys
+from megatron_lite.core.checkpoint.format import meta_json
+from megatron_lite.core.checkpoint.format.integrity import META
+from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys
 
 MODEL_STATE = "model"
 """The DCP state's entry holding the LightningModule's tensors (its keys are ``model.<tensor name>``)."""
+
+QUANTIZATION_RECIPE = "megatron_lite_quantization"
+"""The uint8 buffer on a quantized model's root holding its quantization recipe as JSON bytes
+(``megatron_lite.post_training.quantization`` writes and reads it; every load path recognises it by this name)."""
 
 _SHOWN = 5  # names listed per kind in a message; the rest are counted
 
@@ -138,3 +142,18 @@ def config_difference(meta: Optional[dict], config: Any, limit: int = 4) -> str:
         if field.name in saved and isinstance(ours, (bool, int, float, str)) and ours != theirs:
             differ.append(f"{field.name}={theirs!r} (this module's: {ours!r})")
     return ", ".join(differ[:limit]) + (" ..." if len(differ) > limit else "")
+
+
+def refuse_quantized_into_plain(module: nn.Module, path: str | os.PathLike, keys: Optional[set[str]] = None) -> None:
+    """A quantized model's checkpoint loaded into an unquantized model would drop its quantizers without a word
+    (only the tensors the model has are read): refuse it, naming the two ways that keep them. ``module`` holds
+    the model as ``module.model`` (a GPTModule); ``keys``: the checkpoint's flattened keys, if read already."""
+    model = getattr(module, "model", None)
+    if model is None or hasattr(model, QUANTIZATION_RECIPE):
+        return
+    keys = keys if keys is not None else checkpoint_keys(path)
+    if f"{MODEL_STATE}.model.{QUANTIZATION_RECIPE}" in keys:
+        raise ValueError(
+            f"the checkpoint {path} holds a quantized model, but the module's model is not quantized: its quantizers "
+            f"would be dropped. Add megatron_lite.callbacks.Quantize(<its config>, when='fit_start') to the Trainer "
+            f"(the quantizers are rebuilt before the checkpoint loads), or load it with GPTModule.from_pretrained.")

@@ -2,10 +2,11 @@
 
 Only safetensors are read (a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``;
 bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened, nor a
-shard the index names outside the directory. The config is mapped by :mod:`hf_config` (unsupported architectures
-and options refused by name), the tensors by :mod:`hf_weights`; every shape is checked against the config from the
-files' headers before any tensor is read. Where config.json and the files disagree on tied embeddings, the files
-win, as in transformers (:func:`_tie_rule`).
+shard the index names outside the directory. The config is mapped by :mod:`~megatron_lite.core.checkpoint.hf.config`
+(unsupported architectures and options refused by name), the tensors by
+:mod:`~megatron_lite.core.checkpoint.hf.weights`; every shape is checked against the config from the files' headers
+before any tensor is read. Where config.json and the files disagree on tied embeddings, the files win, as in
+transformers (:func:`_tie_rule`).
 
 Writing goes to a temporary sibling directory renamed into place at the end, so a failed export never
 leaves a half-written model under the output name. The tokenizer and generation config travel beside the
@@ -25,10 +26,14 @@ from typing import Any, Collection, Iterator, Optional
 
 import torch
 
-from megatron_lite.core.checkpoint.hf_config import gpt_config_from_hf, hf_config_from_gpt
-from megatron_lite.core.checkpoint.hf_weights import check_hf_shapes, hf_to_state, state_to_hf
-from megatron_lite.core.checkpoint.safe_reader import is_file_name
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, read_safetensors_header, save_safetensors
+from megatron_lite.core.checkpoint.format.safe_reader import is_file_name
+from megatron_lite.core.checkpoint.format.safetensors_io import (
+    load_safetensors,
+    read_safetensors_header,
+    save_safetensors,
+)
+from megatron_lite.core.checkpoint.hf.config import gpt_config_from_hf, hf_config_from_gpt
+from megatron_lite.core.checkpoint.hf.weights import check_hf_shapes, hf_to_state, state_to_hf
 from megatron_lite.core.models.config import GPTConfig
 
 CONFIG = "config.json"

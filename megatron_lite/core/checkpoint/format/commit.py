@@ -37,7 +37,8 @@ import uuid
 from pathlib import Path
 from typing import Collection, Optional
 
-from megatron_lite.core.checkpoint.integrity import LEGACY_META, MANIFEST, is_complete, read_manifest
+from megatron_lite.core.checkpoint.format.integrity import LEGACY_META, MANIFEST, is_complete, read_manifest
+from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,6 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
 def _legacy_complete(directory: Path) -> bool:
     """A checkpoint written before manifests existed (``meta.pt``): complete when its metadata reads and
     every data file it refers to is at least as long as the bytes it needs."""
-    from megatron_lite.core.checkpoint.safe_reader import read_dcp_metadata
-
     if not (directory / LEGACY_META).is_file():
         return False
     try:

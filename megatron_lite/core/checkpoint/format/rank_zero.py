@@ -9,7 +9,10 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from megatron_lite.core.checkpoint.errors import SHARED_ACROSS_RANKS
+
 T = TypeVar("T")
+_SHARED = {error.__name__: error for error in SHARED_ACROSS_RANKS}
 
 
 def distributed() -> bool:
@@ -18,15 +21,6 @@ def distributed() -> bool:
 
 def is_rank0() -> bool:
     return not distributed() or dist.get_rank() == 0
-
-
-def _error_types() -> dict[str, type[BaseException]]:
-    from megatron_lite.core.checkpoint.integrity import CorruptCheckpointError
-    from megatron_lite.core.checkpoint.meta_json import CheckpointMetaError
-    from megatron_lite.core.checkpoint.safe_reader import UnsafeCheckpointError
-
-    return {t.__name__: t for t in (FileNotFoundError, ValueError, TypeError, CorruptCheckpointError,
-                                    CheckpointMetaError, UnsafeCheckpointError)}
 
 
 def on_rank0(step: Callable[[], T], share: bool = True, group: Optional[dist.ProcessGroup] = None) -> T:
@@ -51,7 +45,7 @@ def on_rank0(step: Callable[[], T], share: bool = True, group: Optional[dist.Pro
         raise error
     if outcome[0][0] == "error":
         _, kind, message = outcome[0]
-        raise _error_types().get(kind, RuntimeError)(f"{message} (raised on rank 0)")
+        raise _SHARED.get(kind, RuntimeError)(f"{message} (raised on rank 0)")
     return result if dist.get_rank() == 0 else outcome[0][1]
 
 

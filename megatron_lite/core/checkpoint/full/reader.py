@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_lite.core.checkpoint.integrity import verify_checkpoint
-from megatron_lite.core.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from megatron_lite.core.checkpoint.sharded import dcp_error, read_checkpoint_meta, resolve_checkpoint
+from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
+from megatron_lite.core.checkpoint.format.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from megatron_lite.core.checkpoint.format.sharded import dcp_error, read_checkpoint_meta, resolve_checkpoint
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
 

@@ -3,7 +3,7 @@
 What the OS says (ENOSPC, or EDQUOT for a spent quota) would otherwise reach the user as torch's serializer
 reports a short write -- ``[enforce fail at inline_container.cc:672] unexpected pos ...`` -- which names
 neither the disk nor the checkpoint. The checksumming writer keeps the OS's error of the file it was writing
-(:mod:`~megatron_lite.core.checkpoint.integrity`); DCP hands every rank's failure to every rank, so every
+(:mod:`~megatron_lite.core.checkpoint.format.integrity`); DCP hands every rank's failure to every rank, so every
 rank finds the same one and builds :class:`CheckpointDiskFullError` together (:func:`disk_full_error`):
 the tensors' bytes are summed over the ranks, and rank 0 removes the unfinished save (giving its space back)
 and measures what is free. Nothing was committed: the previous checkpoint and ``latest_checkpoint.json``
@@ -19,28 +19,12 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_lite.core.checkpoint.commit import LATEST, remove_tree
-from megatron_lite.core.checkpoint.rank_zero import gather_to_all, on_rank0
+from megatron_lite.core.checkpoint.errors import CheckpointDiskFullError
+from megatron_lite.core.checkpoint.format.commit import LATEST, remove_tree
+from megatron_lite.core.checkpoint.format.rank_zero import gather_to_all, on_rank0
+from megatron_lite.core.estimator.report import format_bytes
 
 DISK_FULL = {errno.ENOSPC: "no space left on device (ENOSPC)", errno.EDQUOT: "disk quota exceeded (EDQUOT)"}
-
-
-class CheckpointDiskFullError(OSError):
-    """A checkpoint could not be written: its file system is full (ENOSPC) or the user's quota is spent
-    (EDQUOT). Nothing was committed; the previous checkpoint is intact."""
-
-    def __init__(self, code: int, message: str, needed: Optional[int] = None, free: Optional[int] = None) -> None:
-        super().__init__(code, message)
-        self.needed = needed
-        """Bytes of the checkpoint's tensors, summed over the ranks (what the save needs, about)."""
-        self.free = free
-        """Bytes free on the checkpoint's file system once the unfinished save was removed (None: unknown)."""
-
-    def __str__(self) -> str:
-        return self.strerror
-
-    def __reduce__(self):  # raised in rank processes, re-raised where they were launched
-        return type(self), (self.errno, self.strerror, self.needed, self.free)
 
 
 def disk_full_cause(error: Optional[BaseException]) -> Optional[OSError]:
@@ -83,8 +67,6 @@ def disk_full_error(path: Path, tmp: Path, cause: OSError, local_bytes: dict[str
                     group=None) -> CheckpointDiskFullError:
     """The error of a save of ``path`` (written into ``tmp``) that ran out of disk; collective (over ``group``
     when given): every rank must call it, and every rank gets the same error. Rank 0 removes ``tmp``."""
-    from megatron_lite.core.estimator.report import format_bytes
-
     merged: dict[str, int] = {}
     for rank_bytes in gather_to_all(local_bytes, group):
         merged.update(rank_bytes)

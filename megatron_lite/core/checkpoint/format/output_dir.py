@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megatron_lite.core.checkpoint.integrity import MANIFEST, CorruptCheckpointError, read_manifest
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.integrity import MANIFEST, read_manifest
 
 OUTPUT_MARKER = "megatron_lite_output.json"
 """The file a writer leaves in an output directory that no manifest describes (an HF export): what wrote it

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_lite.core.checkpoint.safe_reader import read_dcp_metadata
+from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.random import RNGStatesTracker
 

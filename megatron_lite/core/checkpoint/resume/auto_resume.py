@@ -26,15 +26,10 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megatron_lite.core.checkpoint.commit import clean_up, finished, siblings_in, written_at
-from megatron_lite.core.checkpoint.integrity import (
-    MANIFEST,
-    CorruptCheckpointError,
-    check_file,
-    read_manifest,
-    verify_checkpoint,
-)
-from megatron_lite.core.checkpoint.rank_zero import on_rank0
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.commit import clean_up, finished, siblings_in, written_at
+from megatron_lite.core.checkpoint.format.integrity import MANIFEST, check_file, read_manifest, verify_checkpoint
+from megatron_lite.core.checkpoint.format.rank_zero import on_rank0
 
 # A directory holding any of these (or a *.distcp shard) is, or was meant to be, a checkpoint.
 _CHECKPOINT_MARKS = (".metadata", "meta.json", MANIFEST, "meta.pt")

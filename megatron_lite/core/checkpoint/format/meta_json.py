@@ -34,6 +34,10 @@ from typing import Any, Iterable, Literal, Mapping, Optional
 
 import torch
 
+from megatron_lite.core.checkpoint.errors import CheckpointMetaError
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.optim.config import OptimizerConfig
+
 FORMAT = "megatron-lite-meta/1"
 MAX_INLINE_ELEMENTS = 4096
 """Largest tensor written inline into meta.json; bigger ones belong in the model/optimizer state (DCP)."""
@@ -44,10 +48,6 @@ _DTYPES: dict[str, torch.dtype] = {str(v).removeprefix("torch."): v for v in var
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-class CheckpointMetaError(ValueError):
-    """A checkpoint's metadata cannot be written or read as the safe JSON encoding allows."""
-
-
 def class_name(cls: type) -> str:
     """The qualified name a dataclass is recorded under: ``module.QualName``."""
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -55,10 +55,26 @@ def class_name(cls: type) -> str:
 
 def default_config_classes() -> list[type]:
     """Config dataclasses every megatron-lite checkpoint may hold: the model's and the optimizer's."""
-    from megatron_lite.core.models.config import GPTConfig
-    from megatron_lite.core.optim.config import OptimizerConfig
-
     return [GPTConfig, OptimizerConfig]
+
+
+def dataclass_types(values: Iterable[Any]) -> list[type]:
+    """The dataclass types among ``values`` and inside them (fields, lists, dicts), in a fixed order: the classes
+    a checkpoint of objects holding these values (a module's configs and hyperparameters) may rebuild. Taken from
+    objects the user built, never from names in a checkpoint."""
+    found: set[type] = set()
+    pending = list(values)
+    while pending:
+        value = pending.pop()
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in found:
+                found.add(type(value))
+                pending += [getattr(value, f.name) for f in dataclasses.fields(value)]
+        elif isinstance(value, dict):
+            pending += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending += list(value)
+    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
 
 
 def _allowed_by_name(allowed: Iterable[type]) -> dict[str, type]:

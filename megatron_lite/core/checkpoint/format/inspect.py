@@ -12,16 +12,12 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_lite.core.checkpoint import meta_json
-from megatron_lite.core.checkpoint.commit import incomplete_leftovers, read_latest
-from megatron_lite.core.checkpoint.integrity import (
-    LEGACY_META,
-    META,
-    CorruptCheckpointError,
-    read_manifest,
-    verify_checkpoint,
-)
-from megatron_lite.core.checkpoint.safe_reader import read_dcp_metadata
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format import meta_json
+from megatron_lite.core.checkpoint.format.commit import incomplete_leftovers, read_latest
+from megatron_lite.core.checkpoint.format.integrity import LEGACY_META, META, read_manifest, verify_checkpoint
+from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 
 
 def locate(path: str | os.PathLike) -> Path:
@@ -52,8 +48,6 @@ def _read_meta(path: Path) -> tuple[Optional[dict], str, Optional[str]]:
         except ValueError as error:
             return None, META, str(error)
     if (path / LEGACY_META).is_file():
-        from megatron_lite.core.checkpoint.sharded import read_checkpoint_meta
-
         try:
             return read_checkpoint_meta(path), LEGACY_META, None
         except ValueError as error:

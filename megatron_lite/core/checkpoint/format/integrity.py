@@ -36,23 +36,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from megatron_lite.core.checkpoint.rank_zero import distributed, gather_to_all
-from megatron_lite.core.checkpoint.safe_reader import is_inner_path
+from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format.rank_zero import distributed, gather_to_all
+from megatron_lite.core.checkpoint.format.safe_reader import is_inner_path
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron-lite-manifest/1"
 LEGACY_META = "meta.pt"
 META = "meta.json"
 _CHUNK = 8 << 20
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint's files do not match what was written (or it is incomplete)."""
-
-    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.problems = tuple(problems)
-        """What is wrong, one line per bad file (empty when only the message says it)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,19 @@
 """Asynchronous checkpoint saves: training goes on while the files are written.
 
-:class:`AsyncCheckpointWriter` saves the same checkpoint as :func:`~megatron_lite.core.checkpoint.sharded.save_sharded`
+:class:`AsyncCheckpointWriter` saves the same checkpoint as
+:func:`~megatron_lite.core.checkpoint.format.sharded.save_sharded`
 in three parts:
 
 1. In the calling (training) thread, on every rank: wait for the previous save; encode the metadata and
-   create the temporary directory (:func:`~megatron_lite.core.checkpoint.sharded.begin_save`); copy every
+   create the temporary directory (:func:`~megatron_lite.core.checkpoint.format.sharded.begin_save`); copy every
    tensor of the state (the staging: a snapshot that later optimizer steps cannot change -- on CPU a
    clone, on GPU a copy to host memory); hand the copy to ``torch.distributed.checkpoint.async_save``.
    Only this part blocks training.
 2. In DCP's background thread: the DCP write (planning, the files, DCP's ``.metadata``).
 3. In this writer's background thread, once the write returned: every rank's outcome and file records
    are gathered; only if every rank wrote its files does rank 0 write the manifest, move the directory
-   into place and record it as latest (:func:`~megatron_lite.core.checkpoint.sharded.finish_save`). So
+   into place and (a training save) record it as latest
+   (:func:`~megatron_lite.core.checkpoint.format.sharded.finish_save`). So
    ``ckpt_path="last"`` and ``latest_checkpoint.json`` only ever name a finished checkpoint, and a kill
    at any point leaves the previous one.
 
@@ -30,7 +32,7 @@ commit needs every rank's write to have finished, and neither the strategy's ``s
 Errors: a failure of any rank's write (or of the commit) is raised on every rank by :meth:`wait`, which the
 next save, the end of ``fit`` and the teardown call -- as an :class:`AsyncCheckpointError` naming the
 checkpoint, the rank and the original error (chained as ``__cause__`` where it is this rank's). A full disk
-is named as such, with the bytes needed and free (:mod:`~megatron_lite.core.checkpoint.disk_space`); the
+is named as such, with the bytes needed and free (:mod:`~megatron_lite.core.checkpoint.format.disk_space`); the
 unfinished save is removed and the previous checkpoint stays the latest.
 """
 from __future__ import annotations
@@ -48,17 +50,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lite.core.checkpoint.commit import remove_checkpoint
-from megatron_lite.core.checkpoint.disk_space import disk_full_cause, disk_full_error, tensor_bytes
-from megatron_lite.core.checkpoint.integrity import ChecksummingFileSystemWriter
-from megatron_lite.core.checkpoint.rank_zero import distributed, gather_to_all, is_rank0
-from megatron_lite.core.checkpoint.sharded import SaveTarget, begin_save, dcp_error, finish_save
+from megatron_lite.core.checkpoint.errors import AsyncCheckpointError
+from megatron_lite.core.checkpoint.format.commit import remove_checkpoint
+from megatron_lite.core.checkpoint.format.disk_space import disk_full_cause, disk_full_error, tensor_bytes
+from megatron_lite.core.checkpoint.format.integrity import ChecksummingFileSystemWriter
+from megatron_lite.core.checkpoint.format.rank_zero import distributed, gather_to_all, is_rank0
+from megatron_lite.core.checkpoint.format.sharded import SaveTarget, begin_save, dcp_error, finish_save
 
 log = logging.getLogger(__name__)
-
-
-class AsyncCheckpointError(RuntimeError):
-    """A checkpoint written in the background could not be written or committed."""
 
 
 def stage(value: Any) -> Any:
@@ -133,12 +132,12 @@ class AsyncCheckpointWriter:
         return self._job.target.path if self._job is not None else None
 
     def save(self, state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None,
-             allowed: Sequence[type] = ()) -> Path:
+             allowed: Sequence[type] = (), latest: bool = False) -> Path:
         """Wait for the previous save (raising its error), then start writing ``state`` and ``extra`` to
-        ``path`` as :func:`~megatron_lite.core.checkpoint.sharded.save_sharded` would; returns once the
-        tensors are staged."""
+        ``path`` as :func:`~megatron_lite.core.checkpoint.format.sharded.save_sharded` would (``latest`` as
+        there); returns once the tensors are staged."""
         self.wait()
-        target = begin_save(path, extra, allowed)
+        target = begin_save(path, extra, allowed, latest=latest)
         staged = stage(state)
         group = self._checkpoint_group()
         writer = ChecksummingFileSystemWriter(target.tmp)

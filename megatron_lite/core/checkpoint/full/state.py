@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_lite.core.checkpoint.entries import compare_entries, persistent_buffers
-from megatron_lite.core.checkpoint.safetensors_io import load_safetensors, save_safetensors
+from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors, save_safetensors
+from megatron_lite.core.checkpoint.resume.entries import compare_entries, persistent_buffers
 from megatron_lite.core.parallel.fsdp import full_local_tensor, is_dtensor
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import TPShard, gather_full

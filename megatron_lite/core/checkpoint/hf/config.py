@@ -13,11 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.models.config import GPTConfig
-
-
-class UnsupportedHFModel(ValueError):
-    """An HF model or option that megatron-lite cannot represent (the message names it)."""
 
 
 CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

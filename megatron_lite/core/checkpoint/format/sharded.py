@@ -1,14 +1,10 @@
-"""Sharded state dicts for DCP, and saving/loading them safely.
-
-A tensor-parallel shard is presented to ``torch.distributed.checkpoint`` as a DTensor over the TP
-mesh dimension (Shard along its split dim, with fused blocks seen as an extra dimension), so DCP
-writes the global tensor; replicated tensors are plain and DCP keeps one copy. The views share
-storage with the live parameters and optimizer state, so loading writes straight into them.
+"""One checkpoint written and read through torch.distributed.checkpoint, safely.
 
 :func:`save_sharded` / :func:`load_sharded` put the pieces of the on-disk format together (see
 ``docs/checkpoint-format.md``): the non-tensor part as JSON (``meta_json``), checksums recorded while
 writing and checked before reading (``integrity``), the atomic commit and recovery (``commit``), and
-DCP reads that never unpickle (``safe_reader``).
+DCP reads that never unpickle (``safe_reader``). The state dicts they write are built from a live run by
+:mod:`megatron_lite.core.checkpoint.state`.
 """
 from __future__ import annotations
 
@@ -21,12 +17,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.optim import Optimizer
 
-from megatron_lite.core.checkpoint import meta_json
-from megatron_lite.core.checkpoint.commit import (
+from megatron_lite.core.checkpoint.errors import CheckpointMetaError, CorruptCheckpointError, UnsafeCheckpointError
+from megatron_lite.core.checkpoint.format import meta_json
+from megatron_lite.core.checkpoint.format.commit import (
     clean_up,
     commit,
     fsync_dir,
@@ -37,31 +32,19 @@ from megatron_lite.core.checkpoint.commit import (
     sibling,
     write_file_durably,
 )
-from megatron_lite.core.checkpoint.disk_space import disk_full_cause, disk_full_error, tensor_bytes
-from megatron_lite.core.checkpoint.integrity import (
+from megatron_lite.core.checkpoint.format.disk_space import disk_full_cause, disk_full_error, tensor_bytes
+from megatron_lite.core.checkpoint.format.integrity import (
     LEGACY_META,
     MANIFEST,
     META,
     ChecksummingFileSystemWriter,
-    CorruptCheckpointError,
     FileRecord,
     manifest_bytes,
     record_bytes,
     verify_checkpoint,
 )
-from megatron_lite.core.checkpoint.rank_zero import gather_to_all, on_rank0
-from megatron_lite.core.checkpoint.safe_reader import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    UnsafeCheckpointError,
-    read_dcp_metadata,
-)
-from megatron_lite.core.parallel.fsdp import copy_into_sharded, full_local_tensor, is_dtensor
-from megatron_lite.core.parallel.layout import ParallelLayout
-
-# (live tensor, full tensor that DCP loads into): FSDP-sharded tensors are checkpointed through a
-# gathered copy, which must be written back into the shard after loading.
-WriteBacks = list[tuple[torch.Tensor, torch.Tensor]]
+from megatron_lite.core.checkpoint.format.rank_zero import gather_to_all, on_rank0
+from megatron_lite.core.checkpoint.format.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -70,162 +53,6 @@ EMBEDDED_FILES = "megatron_lite_embedded_files"
 ``{"tokenizer/tokenizer.model": "/home/me/.cache/.../tokenizer.model"}``), so that it carries them with it: copied
 when the save begins, checksummed in the manifest like its other files, never stored in ``meta.json``. Each
 path is ``<folder>/<file>``: a folder of its own, so it never collides with the checkpoint's own files."""
-
-
-def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
-    shard = getattr(param, "tp_shard", None)
-    if shard is None:
-        return tensor
-    if shard.unpadded_size is not None:
-        return _real_rows_view(tensor, shard, layout)
-    view, global_shape, dim = shard.blocked_view(tensor)
-    if shard.size == 1 or layout.mesh is None:
-        # Still the blocked view (e.g. [2, ffn, h] for fused gate/up): the saved shape must not
-        # depend on the TP size, or a TP1 checkpoint could not be loaded at TP2.
-        return view
-    from torch.distributed.tensor import DTensor, Shard
-
-    stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(view, layout.mesh["tp"], [Shard(dim)], run_check=False,
-                              shape=torch.Size(global_shape), stride=stride)
-
-
-def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
-    """The global view of a vocabulary-padded tensor holds only its real rows (``shard.real_shape``), so a
-    checkpoint does not depend on the padding, which depends on the TP size.
-
-    Under TP the real rows are split unevenly -- every rank before the padding holds V_padded/tp of them,
-    the rank where the padding starts fewer, later ranks none -- which DTensor's ``Shard`` cannot describe
-    (it assumes ``torch.chunk``'s split). The rank's rows are therefore handed to DCP with their explicit
-    offset, as a DTensor whose local tensor is a ``LocalShardsWrapper`` (torch's wrapper for shards at given
-    offsets, which DTensor delegates DCP's chunk and write-item queries to). Views throughout: loading
-    writes straight into the live tensor's real rows, and its padding rows are left as they are (zero).
-    """
-    dim, real = shard.dim, shard.local_real_size
-    local = tensor.narrow(dim, 0, real)
-    if shard.size == 1 or layout.mesh is None:
-        return local
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-    if real > 0:
-        offsets = [0] * tensor.ndim
-        offsets[dim] = shard.local_start
-        rows = LocalShardsWrapper([local], [tuple(offsets)])
-    else:  # this rank holds only padding: nothing of it is written, nothing read into it (the empty
-        # wrapper describes a 2-D tensor: vocabulary tensors are [vocab, hidden])
-        rows = LocalShardsWrapper([], [])
-    global_shape = torch.Size(shard.real_shape)
-    stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(rows, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=global_shape,
-                              stride=stride)
-
-
-def _checkpoint_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout,
-                     writebacks: Optional[WriteBacks]) -> torch.Tensor:
-    if is_dtensor(tensor):
-        full = full_local_tensor(tensor)
-        if writebacks is not None:
-            writebacks.append((tensor, full))
-        tensor = full
-    return _global_view(tensor, param, layout)
-
-
-def write_back(writebacks: WriteBacks) -> None:
-    """After a load: copy the loaded full tensors into their FSDP shards."""
-    for live, full in writebacks:
-        copy_into_sharded(live, full)
-
-
-def sharded_model_state(module: nn.Module, layout: ParallelLayout,
-                        writebacks: Optional[WriteBacks] = None) -> dict[str, Any]:
-    """Parameters (as global views) and persistent buffers of ``module``."""
-    state: dict[str, Any] = {}
-    for name, param in module.named_parameters():
-        state[name] = _checkpoint_view(param.data, param, layout, writebacks)
-    for name, buf in module.named_buffers():
-        short = name.rsplit(".", 1)[-1]
-        owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-        if short not in owner._non_persistent_buffers_set:
-            # A buffer split over TP like its layer (a quantizer's per-channel amax) carries a tp_shard too
-            state[name] = _global_view(buf, buf, layout)
-    return state
-
-
-def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer, layout: ParallelLayout) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name (layout-independent), tensors as global views."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    params = {id(p): p for p in module.parameters()}
-    state: dict[str, Any] = {}
-    for pid, pstate in ((id(p), optimizer.state.get(p, {})) for g in optimizer.param_groups for p in g["params"]):
-        name = names[pid]
-        for key, value in pstate.items():
-            if torch.is_tensor(value) and value.shape == params[pid].shape and value.ndim > 0:
-                value = _global_view(value, params[pid], layout)
-            state[f"state.{name}.{key}"] = value
-    groups = []
-    for g in optimizer.param_groups:
-        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]})
-    state["param_groups"] = groups
-    return state
-
-
-def megatron_optimizer_state(optimizer, params_by_name: dict[str, torch.Tensor], layout: ParallelLayout,
-                             per_param: dict[str, dict[str, torch.Tensor]], prefix: str = "",
-                             writebacks: Optional[WriteBacks] = None) -> dict[str, Any]:
-    """A :class:`megatron_lite.core.optim.MegatronOptimizer`'s state in the same keys as
-    :func:`sharded_optimizer_state` (``state.<param name>.<key>``), from its ``checkpoint_state()``,
-    plus ``extra`` (loss scaler, skipped steps) and the param groups' hyperparameters."""
-    state: dict[str, Any] = {}
-    for name, entry in per_param.items():
-        param = params_by_name[name]
-        for key, value in entry.items():
-            if torch.is_tensor(value) and value.ndim > 0:
-                value = _checkpoint_view(value, param, layout, writebacks)
-            state[f"state.{prefix}{name}.{key}"] = value
-    state["extra"] = optimizer.state_dict_extra()
-    state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
-    return state
-
-
-@torch.no_grad()
-def ensure_optimizer_state(optimizer: Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so a checkpoint
-    can be loaded into them in place."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(optimizer.state.get(p) for p in params):
-        return
-    saved_lrs = [g["lr"] for g in optimizer.param_groups]
-    saved_grads = [p.grad for p in params]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, saved_lrs):
-        g["lr"] = lr
-    for p, grad in zip(params, saved_grads):
-        p.grad = grad
-
-
-def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
-    """Restore hyperparameters of each param group (lr, betas, ...) saved by sharded_optimizer_state.
-
-    Groups are matched by their (wd_mult, lr_mult) multipliers when they carry them: a ZeRO-1 rank
-    holds only the groups its shard touches, so group counts differ between ranks and layouts."""
-    def key(group: dict):
-        return (group.get("wd_mult"), group.get("lr_mult"))
-
-    if all(key(g) != (None, None) for g in [*groups, *optimizer.param_groups]):
-        saved = {key(g): g for g in groups}
-        for group in optimizer.param_groups:
-            if key(group) in saved:
-                group.update({k: v for k, v in saved[key(group)].items() if k != "params"})
-        return
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
-    for group, saved_group in zip(optimizer.param_groups, groups):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -266,24 +93,27 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
 
 
 def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None,
-                 allowed: Sequence[type] = (), in_flight: Sequence[str | os.PathLike] = ()) -> Path:
+                 allowed: Sequence[type] = (), in_flight: Sequence[str | os.PathLike] = (),
+                 latest: bool = False) -> Path:
     """Write ``state`` with DCP and ``extra`` (the non-tensor part: loops, schedulers, hyperparameters) as
     ``meta.json`` under ``path``, atomically; collective when a process group exists.
 
-    ``extra`` may hold what :mod:`megatron_lite.core.checkpoint.meta_json` encodes, with ``allowed`` as the
+    ``extra`` may hold what :mod:`megatron_lite.core.checkpoint.format.meta_json` encodes, with ``allowed`` as the
     config dataclasses besides the default ones; anything else is refused before a byte is written.
     ``extra[EMBEDDED_FILES]`` names files the checkpoint carries in folders of its own (:data:`EMBEDDED_FILES`). Rank 0
     first recovers or removes leftovers of killed saves next to ``path`` (but not ``in_flight`` ones), then
     every rank writes into a hidden temporary sibling, recording each file's size and CRC-32 as it writes;
     rank 0 writes ``meta.json`` and, last, ``manifest.json``, fsyncs, moves the directory into place (an
-    atomic exchange when ``path`` exists, see :mod:`~megatron_lite.core.checkpoint.commit`) and records it
-    in ``latest_checkpoint.json``. A kill at any point leaves the previous checkpoint at ``path``; a full
-    disk raises :class:`~megatron_lite.core.checkpoint.disk_space.CheckpointDiskFullError` on every rank
+    atomic exchange when ``path`` exists, see :mod:`~megatron_lite.core.checkpoint.format.commit`) and, with
+    ``latest`` (a training run's save), records it in ``latest_checkpoint.json``, which loading the directory
+    follows -- so a writer's output (``megatron-lite prune --output runs/pruned``) never becomes what a load of
+    ``runs`` picks. A kill at any point leaves the previous checkpoint at ``path``; a full
+    disk raises :class:`~megatron_lite.core.checkpoint.errors.CheckpointDiskFullError` on every rank
     (the bytes needed and free), the unfinished save removed and the previous checkpoint left as it was.
     The steps are :func:`begin_save`, the DCP write, :func:`finish_save` (an asynchronous writer runs the
-    last two in the background, see :mod:`~megatron_lite.core.checkpoint.async_save`).
+    last two in the background, see :mod:`~megatron_lite.core.checkpoint.format.async_save`).
     """
-    target = begin_save(path, extra, allowed, in_flight)
+    target = begin_save(path, extra, allowed, in_flight, latest)
     writer = ChecksummingFileSystemWriter(target.tmp)
     try:
         dcp.save(state, storage_writer=writer)
@@ -307,32 +137,34 @@ class SaveTarget:
     """The hidden temporary sibling the files are written into."""
     meta: Optional[bytes]
     """``meta.json``'s content on rank 0 (None on the other ranks)."""
+    latest: bool
+    """Whether the commit records it in ``latest_checkpoint.json`` (a training run's save)."""
     step: Optional[int]
-    """The global step recorded in ``latest_checkpoint.json``."""
+    """The global step recorded there."""
     embedded: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
     """The :data:`EMBEDDED_FILES` copied into :attr:`tmp` (rank 0), for the manifest."""
 
 
 def begin_save(path: str | os.PathLike, extra: Optional[dict] = None, allowed: Sequence[type] = (),
-               in_flight: Sequence[str | os.PathLike] = ()) -> SaveTarget:
+               in_flight: Sequence[str | os.PathLike] = (), latest: bool = False) -> SaveTarget:
     """Encode ``extra`` (refused before a byte is written), clean up leftovers and create the temporary
-    directory (rank 0); collective."""
+    directory (rank 0); collective. ``latest``: record the checkpoint as its directory's latest once committed."""
     path = Path(path)
     extra = dict(extra) if extra is not None else {}
     files = _embedded_names(extra.pop(EMBEDDED_FILES, None))
     meta = on_rank0(lambda: meta_json.dumps(extra, allowed), share=False)
     tmp, embedded = on_rank0(lambda: _begin_save(path, in_flight, files))
     step = extra.get("global_step")
-    return SaveTarget(path, Path(tmp), meta, step if isinstance(step, int) else None, embedded)
+    return SaveTarget(path, Path(tmp), meta, latest, step if isinstance(step, int) else None, embedded)
 
 
 def finish_save(target: SaveTarget, records: dict[str, FileRecord], group=None) -> None:
     """After every rank's DCP write returned: gather the ranks' file records, and rank 0 writes the
-    manifest, commits and records the latest; collective (over ``group`` when given)."""
+    manifest, commits and (:attr:`SaveTarget.latest`) records the latest; collective (over ``group`` when given)."""
     merged: dict[str, FileRecord] = dict(target.embedded)
     for rank_records in gather_to_all(records, group):
         merged.update(rank_records)
-    on_rank0(lambda: _finish_save(target.tmp, target.path, target.meta, merged, target.step), group=group)
+    on_rank0(lambda: _finish_save(target, merged), group=group)
 
 
 def _embedded_names(files: Any) -> dict[str, str]:
@@ -370,15 +202,17 @@ def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike],
     return str(tmp), records
 
 
-def _finish_save(tmp: Path, path: Path, meta: bytes, records: dict[str, FileRecord], step: Optional[int]) -> None:
+def _finish_save(target: SaveTarget, records: dict[str, FileRecord]) -> None:
+    tmp, meta = target.tmp, target.meta
     write_file_durably(tmp / META, meta)
     records = {**records, META: record_bytes(meta)}
     missing = [n for n in records if not (tmp / n).is_file()]
     if missing:
         raise RuntimeError(f"checkpoint files {missing} were recorded but not written into {tmp}")
     write_file_durably(tmp / MANIFEST, manifest_bytes(records))
-    commit(tmp, path)
-    record_latest(path, step if isinstance(step, int) else None)
+    commit(tmp, target.path)
+    if target.latest:
+        record_latest(target.path, target.step)
 
 
 def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequence[type] = (),
@@ -405,14 +239,14 @@ def dcp_error(error: CheckpointException, doing: str) -> Exception:
     error handling does not expect): the failure itself, as the same error on every rank."""
     failures = sorted(error.failures.items(), key=lambda item: item[0])
     for _, (exc, _trace) in failures:
-        if isinstance(exc, (UnsafeCheckpointError, CorruptCheckpointError, meta_json.CheckpointMetaError)):
+        if isinstance(exc, (UnsafeCheckpointError, CorruptCheckpointError, CheckpointMetaError)):
             return exc
     rank, (exc, _trace) = failures[0]
     return RuntimeError(f"torch.distributed.checkpoint failed {doing} on rank {rank}: {type(exc).__name__}: {exc}")
 
 
 def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) -> dict:
-    """The non-tensor part of a checkpoint: ``meta.json`` (see :mod:`~megatron_lite.core.checkpoint.meta_json`;
+    """The non-tensor part of a checkpoint: ``meta.json`` (see :mod:`~megatron_lite.core.checkpoint.format.meta_json`;
     dataclasses rebuilt only from the default config classes and ``allowed``), or for checkpoints written
     before it, ``meta.pt`` read with ``weights_only=True`` and the same classes; ``{}`` if neither is there.
     Nothing in either file can run code on load."""
