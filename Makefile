@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast bench reliability clean
+.PHONY: install demo test test-fast bench reliability docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/generate.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/post_training.py
+
+# The documentation site (mkdocs.yml) into build/site; --strict: a broken link or a page missing from the nav fails
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 # The fault tests write what they saw into build/reliability; docs/reliability.md is rendered from it.
 FAULT_TESTS := tests/integration/test_torchrun_restart.py tests/integration/test_graceful_exit.py \

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
 from megatron_lite.data import PretrainDataModule, bundled_corpus
@@ -84,7 +85,9 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp), accelerator="cpu",
         devices=args.devices, max_steps=args.max_steps, val_check_interval=100, limit_val_batches=4,
-        log_every_n_steps=10, callbacks=[summary], default_root_dir="runs/demo", enable_model_summary=False)
+        log_every_n_steps=10, default_root_dir="runs/demo", enable_model_summary=False,
+        # runs/demo/checkpoints/last.ckpt: the checkpoint the guides' generation and post-training examples load
+        callbacks=[summary, ModelCheckpoint(dirpath="runs/demo/checkpoints", save_last=True)])
     start = time.perf_counter()
     trainer.fit(module, data)
     minutes = (time.perf_counter() - start) / 60

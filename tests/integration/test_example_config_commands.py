@@ -9,7 +9,6 @@ this process (a forked rank's warnings are recorded by pytest's capture there, n
 from __future__ import annotations
 
 import csv
-import re
 import shlex
 import sys
 import warnings
@@ -24,26 +23,8 @@ import megatron_lite as ml
 from megatron_lite.cli import main
 from megatron_lite.data import MockGPTDataModule
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
-# what a shortened fit adds to the command as written (later options win)
-SHORT_FIT = ["--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps",
-             "1", "--model.optimizer.lr_warmup_iters", "1", "--trainer.strategy.init_args.start_method", "fork",
-             "--trainer.enable_progress_bar", "false", "--trainer.callbacks.every_n_train_steps", "1"]
-
-
-def header_commands(config: Path) -> list[list[str]]:
-    """The ``megatron-lite`` commands of the comment lines that open ``config``: a line of its own (continued
-    after a trailing backslash, a note in parentheses after it dropped) or one with arguments in backticks."""
-    header = []
-    for line in config.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line[1:].strip())
-    text = "\n".join(header).replace("\\\n", " ")
-    commands = [re.sub(r"\s{2,}\(.*\)$", "", line) for line in text.splitlines() if line.startswith("megatron-lite ")]
-    commands += re.findall(r"`(megatron-lite \S+ [^`]+)`", text)  # with arguments: "`megatron-lite plot`" names it
-    return [shlex.split(command)[1:] for command in commands]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from config_headers import CONFIGS, REPO, SHORT_FIT, header_commands  # noqa: E402
 
 
 def _run(args: list[str]) -> None:
