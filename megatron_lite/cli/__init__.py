@@ -92,13 +92,15 @@ def help_text() -> str:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``megatron-lite`` console script and ``python -m megatron_lite``: exits with the verb's
-    exit code."""
+    """Entry point of the ``megatron-lite`` console script and ``python -m megatron_lite``: exits with a tool's exit
+    code; returns after a LightningCLI run that went well (as ``LightningCLI`` does)."""
     argv = list(sys.argv[1:] if args is None else args)
-    sys.exit(closing_quietly_on_broken_pipe(lambda: _dispatch(argv)))
+    status = closing_quietly_on_broken_pipe(lambda: _dispatch(argv))
+    if status is not None:
+        sys.exit(status)
 
 
-def _dispatch(argv: list[str]) -> int:
+def _dispatch(argv: list[str]) -> Optional[int]:
     if not argv:
         return report_user_error(PROG, ValueError(f"name a verb: {', '.join((*TRAINING, *TOOLS))}; see "
                                                   f"`{PROG} --help`"))
@@ -117,7 +119,7 @@ def _dispatch(argv: list[str]) -> int:
         from megatron_lite.cli.lightning_cli import run_lightning_cli
 
         run_lightning_cli(argv)
-        return EXIT_OK
+        return None
     except Exception as exc:  # noqa: BLE001 - our own configuration errors in one line, anything else re-raised
         error = None if os.environ.get(DEBUG_VARIABLE) else our_configuration_error(exc)
         if error is None:

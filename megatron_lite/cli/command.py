@@ -70,7 +70,7 @@ def print_result(result: Any, as_json: bool, text: Callable[[Any], str], indent:
     print(json.dumps(result, indent=indent) if as_json else text(result))
 
 
-def closing_quietly_on_broken_pipe(run: Callable[[], int]) -> int:
+def closing_quietly_on_broken_pipe(run: Callable[[], T]) -> T | int:
     """``run()``, except that a reader that stopped reading (``megatron-lite checkpoint inspect CKPT | head``) ends
     it quietly, as it ends Unix tools: no ``BrokenPipeError`` traceback, :data:`EXIT_BROKEN_PIPE`."""
     try:
