@@ -176,6 +176,13 @@ def test_bare_install_help_import_and_mock_fit(bare: BareInstall) -> None:
                            (["preprocess", "--help"], "--tokenizer-type"), (["estimate", "--help"], "--devices")):
         proc = _run([bare.bin("megatron-lite"), *args], bare.root, bare.env)
         assert proc.returncode == 0 and expected in proc.stdout, (args, proc.stdout[-2000:], proc.stderr[-3000:])
+    # the installed console script starts a tool without Lightning; Python's import-time report names what the
+    # `import` statements imported (the verb's own module comes through importlib, which it does not time)
+    proc = _run([bare.bin("python"), "-X", "importtime", bare.bin("megatron-lite"), "checkpoint", "inspect", "--help"],
+                bare.root, bare.env)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert proc.returncode == 0 and "megatron_lite.core.checkpoint.inspect" in imported, proc.stderr[-3000:]
+    assert not [m for m in imported if m.split(".")[0] in ("lightning", "jsonargparse")], sorted(imported)
 
     # the optional packages really are absent (not tqdm: Lightning needs it), the installed package (not the
     # checkout) is what runs, and it trains
