@@ -111,3 +111,12 @@ def test_every_tool_names_a_module_with_a_main() -> None:
 
     for verb in TOOLS.values():
         assert callable(importlib.import_module(verb.module).main), verb
+
+
+def test_the_lightning_cli_class_is_still_an_attribute_of_the_package() -> None:
+    import megatron_lite.cli as cli
+    from megatron_lite.cli.lightning_cli import CommandLineError, MegatronLiteCLI
+
+    assert (cli.MegatronLiteCLI, cli.CommandLineError) == (MegatronLiteCLI, CommandLineError)
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        cli.nope  # noqa: B018
