@@ -8,6 +8,7 @@ A verb's ``main(argv) -> int`` parses its arguments, runs its work through :func
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 from megatron_lite.utils.optional import MissingDependencyError
 
@@ -50,6 +51,15 @@ def report_user_error(prog: str, error: BaseException) -> int:
         raise error
     print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace | int:
+    """``parser.parse_args(argv)``, or the exit code argparse ends with instead of its SystemExit (``--help``: 0, a
+    usage error: 2, its message printed), for the verbs whose ``main`` returns its code in every case."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
 
 
 def run_verb(prog: str, work: Callable[[], T], show: Callable[[T], Optional[int]],

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from megatron_lite.cli.command import run_verb
+from megatron_lite.cli.command import parse_arguments, run_verb
 from megatron_lite.core.parallel.pipeline.timeline import (
     StepTimeline,
     TimelineError,
@@ -139,10 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     """Entry point of ``megatron-lite pipeline-timeline``; returns the exit status (2: a problem the user can fix)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2): argparse printed the message
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_arguments(build_parser(), argv)
+    if isinstance(args, int):  # --help, or a usage error argparse printed
+        return args
 
     def work() -> tuple[Path, Path]:
         events_dir = find_events_dir(args.run_dir)

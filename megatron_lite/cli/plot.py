@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megatron_lite.cli.command import run_verb
+from megatron_lite.cli.command import parse_arguments, run_verb
 from megatron_lite.utils.optional import MissingDependencyError, require
 
 Series = dict  # step -> value
@@ -175,10 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     """Entry point of ``megatron-lite plot``; returns the exit status (2 for a problem the user can fix)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2): argparse printed the message
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_arguments(build_parser(), argv)
+    if isinstance(args, int):  # --help, or a usage error argparse printed
+        return args
     out = args.out if args.out is not None else args.run_dir / "metrics.png"
 
     def work() -> RunMetrics:
