@@ -5,8 +5,8 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
 1. **Bubble sweep.** For every P in ``--pp`` (2, 4) and M in ``P x --m-multipliers`` (P, 2P, 4P, 8P): a real
    ``Trainer(strategy=MegatronStrategy(pipeline_model_parallel_size=P, start_method="fork"))`` fitting
    ``GPTModule`` (M microbatches of ``--micro-batch-size`` per step) with the ``PipelineTimeline`` callback.
-   Per recorded step after ``--warmup``: the measured bubble (``megatron_lite.pipeline_timeline``: per stage
-   ``1 - busy / span``, span from the first forward's start to the last backward's end, mean over stages);
+   Per recorded step after ``--warmup``: the measured bubble (``megatron_lite.core.parallel.pipeline.timeline``: per
+   stage ``1 - busy / span``, span from the first forward's start to the last backward's end, mean over stages);
    the median over those steps is reported beside the theory, 1F1B ``(P-1)/(M+P-1)``. The same at P=2 with
    the interleaved schedule, V=2 (``(P-1)/(V·M+P-1)``). The last recorded step of every run is drawn to
    ``--png-dir`` (``pp<P>_m<M>[_v2].png``), and its events are kept in ``pp<P>_m<M>[_v2]/pipeline_events``.
@@ -75,10 +75,10 @@ import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_envi
 from megatron_lite.callbacks import PipelineTimeline  # noqa: E402
 from megatron_lite.core.optim import build_optimizer  # noqa: E402
 from megatron_lite.data import MockGPTDataModule, MockGPTDataset  # noqa: E402
-from megatron_lite.pipeline_timeline import (  # noqa: E402
+from megatron_lite.cli.pipeline_timeline import plot_timeline  # noqa: E402
+from megatron_lite.core.parallel.pipeline.timeline import (  # noqa: E402
     load_steps,
     measured_bubble,
-    plot_timeline,
     theoretical_bubble,
 )
 

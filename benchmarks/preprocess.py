@@ -17,7 +17,7 @@
    beyond tokenizing: close to the plain loop's means the time lost at 2 workers went to waiting for a core
    (other jobs), not to work. Every run checks that its tokens equal the plain loop's, and that 1 and 2
    workers wrote byte-identical files.
-   One end-to-end run of the command (``python -m megatron_lite.data.preprocess``, interpreter start and
+   One end-to-end run of the command (``python -m megatron_lite preprocess``, interpreter start and
    imports included) is timed too.
 
 2. **Random reads**: samples per second of ``GPTDataset[i]`` (``seq_length`` + 1 tokens, cut across
@@ -100,8 +100,8 @@ def run_preprocess(tokenizer: Any, workers: int, out_dir: str) -> tuple[float, f
 
 
 def run_cli(tok_args: dict[str, str], workers: int, out_dir: str) -> float:
-    """One end-to-end run of ``python -m megatron_lite.data.preprocess`` (start-up and imports included)."""
-    cmd = [sys.executable, "-m", "megatron_lite.data.preprocess", "--input", str(CORPUS), "--append-eod",
+    """One end-to-end run of ``python -m megatron_lite preprocess`` (start-up and imports included)."""
+    cmd = [sys.executable, "-m", "megatron_lite", "preprocess", "--input", str(CORPUS), "--append-eod",
            "--workers", str(workers), "--output-prefix", os.path.join(out_dir, "cli")]
     for key, value in tok_args.items():
         cmd += [f"--{key.replace('_', '-')}", value]
@@ -190,7 +190,7 @@ def main() -> None:
               f"{r['tokens_per_s']:>12,.0f}{r['vs_plain']:>9.2f}x")
     print(f"1 and {max(args.workers)} workers byte-identical: {identical}; target at 2 workers: >= {TARGET_RATIO}x")
     if cli_seconds is not None:
-        print(f"end to end `python -m megatron_lite.data.preprocess --workers {max(args.workers)}`: "
+        print(f"end to end `python -m megatron_lite preprocess --workers {max(args.workers)}`: "
               f"{cli_seconds:.2f} s ({n_tokens / cli_seconds:,.0f} tokens/s incl. interpreter start and imports)")
     print(f"random reads, seq_length {args.seq_length}: IndexedDataset.get {reads['indexed_dataset_get_per_s']:,.0f}/s"
           + (f", GPTDataset[i] {reads['gpt_dataset_samples_per_s']:,.0f}/s ({reads['gpt_dataset_len']:,} samples)"

@@ -33,7 +33,8 @@ from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers
-from megatron_lite.pretrained import load_pretrained
+from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
+from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
 from megatron_lite.core.inference import GenerationResult, SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
@@ -48,8 +49,6 @@ from megatron_lite.core.parallel.schedules import (
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _POST_STEP_CHECKPOINT_WARNING = ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
                                  "pre-optimization state was saved.")
-TOKENIZER_KEY = "megatron_lite_tokenizer"
-"""Checkpoint entry naming the data's tokenizer (``build_tokenizer`` arguments), written by GPTModule."""
 
 
 class GPTModule(pl.LightningModule):
@@ -421,8 +420,6 @@ class GPTModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Which tokenizer the data used, with copies of its files (the originals may sit in a cache that goes
         # away), so `megatron-lite generate` can detokenize and `convert --to hf` export it.
-        from megatron_lite.pretrained import tokenizer_metadata
-
         checkpoint.update(tokenizer_metadata(
             getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None)))
 

@@ -40,6 +40,7 @@ from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.tokenizers.build import TOKENIZER_KEY, portable_tokenizer_spec, tokenizer_spec
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
 
@@ -123,13 +124,10 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
 
 def tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
     """The checkpoint entries that make a checkpoint carry ``tokenizer``: the ``build_tokenizer`` arguments
-    (``megatron_lite.module.TOKENIZER_KEY``) naming copies of its files inside the checkpoint, and those files
-    (:data:`~megatron_lite.core.checkpoint.format.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None or a
-    tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the tokenizer is
+    (:data:`~megatron_lite.tokenizers.build.TOKENIZER_KEY`) naming copies of its files inside the checkpoint, and
+    those files (:data:`~megatron_lite.core.checkpoint.format.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None
+    or a tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the tokenizer is
     then recorded where its files were, with a warning."""
-    from megatron_lite.module import TOKENIZER_KEY
-    from megatron_lite.tokenizers.build import portable_tokenizer_spec, tokenizer_spec
-
     record = portable_tokenizer_spec(tokenizer) if tokenizer is not None else None
     if record is None:
         return {}

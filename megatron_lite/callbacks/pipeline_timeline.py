@@ -4,7 +4,8 @@ Each rank appends one JSON line per recorded step to ``<run dir>/pipeline_events
 the rank, its coordinates in the layout, the schedule and its events (the engine's :class:`PipelineEvent`:
 ``kind`` F/B, ``chunk``, ``virtual_stage``, ``microbatch``, ``start``, ``end`` in ``time.time()`` seconds).
 ``megatron-lite pipeline-timeline RUN_DIR`` reads them back, prints the measured bubble beside the theory
-and draws the PNG (:mod:`megatron_lite.pipeline_timeline`).
+and draws the PNG (:mod:`megatron_lite.cli.pipeline_timeline`, reading them with
+:mod:`megatron_lite.core.parallel.pipeline.timeline`).
 
 Recording is cheap (two clock reads per forward and backward, one small file append per step) and the
 engine records only on the steps chosen here.
@@ -20,7 +21,7 @@ from typing import Iterable, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from megatron_lite.pipeline_timeline import EVENTS_DIR
+from megatron_lite.core.parallel.pipeline.timeline import EVENTS_DIR
 
 
 class PipelineTimeline(pl.Callback):

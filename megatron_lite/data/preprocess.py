@@ -2,7 +2,7 @@
 
     megatron-lite preprocess --input corpus.jsonl.gz --json-keys text --tokenizer-type GPT2BPETokenizer \\
         --vocab-file vocab.json --merge-file merges.txt --output-prefix out/corpus --workers 4 --append-eod
-    python -m megatron_lite.data.preprocess merge --input out/a_text_document out/b_text_document \\
+    megatron-lite preprocess merge --input out/a_text_document out/b_text_document \\
         --output-prefix out/ab_text_document
 
 Inputs (``--input``, files or globs): JSON lines (``.jsonl``/``.json``/``.ndjson``, gzipped or not), a JSON
@@ -11,11 +11,11 @@ is ever fetched from the hub. Each key of ``--json-keys`` gives ``{output_prefix
 (``_sentence`` with ``--split-sentences``). The main process reads the input and writes the output; worker
 processes tokenize chunks of documents, and results are written in input order, so any ``--workers`` gives
 byte-identical files. Documents that tokenize to nothing are skipped and counted. Output goes to temporary
-names and is renamed at the end, so a failed run never leaves a half-written pair.
+names and is renamed at the end, so a failed run never leaves a half-written pair. The command line is
+:mod:`megatron_lite.cli.preprocess`.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import multiprocessing as mp
 import os
@@ -33,7 +33,7 @@ import numpy as np
 from megatron_lite.data.corpus_readers import PreprocessError, chunk_items, input_kind, read_items, resolve_inputs
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
 from megatron_lite.utils.jsonl import parse_object_line, require_object
-from megatron_lite.utils.optional import MissingDependencyError, require
+from megatron_lite.utils.optional import require
 
 
 @dataclass
@@ -301,99 +301,24 @@ def _run(paths: list[str], keys: Sequence[str], hf_split: str, chunk_size: int, 
         pool.join()
 
 
-# --- command line --------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``preprocess`` argument parser (Megatron-LM's option names)."""
-    p = argparse.ArgumentParser(prog="megatron-lite preprocess", description=__doc__.split("\n\n")[0],
-                                epilog="Merge pairs: megatron-lite preprocess merge --input PREFIX... --output-prefix OUT")
-    p.add_argument("--input", nargs="+", required=True, help="files or globs: .jsonl[.gz], .json, .parquet, "
-                   "or datasets save_to_disk directories")
-    p.add_argument("--json-keys", "--json-key", nargs="+", default=["text"], dest="json_keys",
-                   help="keys (columns) holding the text; one output pair per key")
-    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOD id to every document")
-    p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (regex splitter)")
-    p.add_argument("--tokenizer-type", required=True, help="SentencePieceTokenizer, GPT2BPETokenizer, "
-                   "HuggingFaceTokenizer, TikTokenizer or NullTokenizer")
-    p.add_argument("--tokenizer-model", help="SentencePiece .model, HF tokenizer dir/json, or tiktoken file")
-    p.add_argument("--vocab-file", help="GPT-2 vocab.json")
-    p.add_argument("--merge-file", help="GPT-2 merges.txt")
-    p.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, TikTokenizer)")
-    p.add_argument("--log-interval", type=int, default=1000, help="documents between log lines without a tty")
-    p.add_argument("--chunk-size", type=int, default=256, help="documents per task sent to a worker")
-    p.add_argument("--hf-split", default="train", help="split of a saved DatasetDict")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: when stderr is a terminal)")
-    return p
-
-
-def _fail(err: BaseException) -> None:
-    """Print a user error as one line and exit 2, unless MEGATRON_LITE_DEBUG asks for the traceback."""
-    if os.environ.get("MEGATRON_LITE_DEBUG"):
-        raise err
-    print(f"megatron-lite preprocess: error: {err}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``megatron-lite preprocess ...`` (and ``... preprocess merge ...``); returns 0, exits 2 on bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        from megatron_lite.tokenizers import build_tokenizer
-
-        tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                    vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
-        result = preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys, workers=args.workers,
-                            append_eod=args.append_eod, split_sentences=args.split_sentences,
-                            chunk_size=args.chunk_size, log_interval=args.log_interval, progress=args.progress,
-                            hf_split=args.hf_split)
-    except (ValueError, OSError, MissingDependencyError) as err:
-        _fail(err)
-    for key, prefix in result.output_prefixes.items():
-        empty = result.empty_documents[key]
-        print(f"preprocess: {key!r}: {result.documents[key]:,} documents ({empty:,} empty skipped), "
-              f"{result.tokens[key]:,} tokens -> {prefix}.bin/.idx")
-    print(f"preprocess: {sum(result.tokens.values()):,} tokens in {result.seconds:.2f} s "
-          f"({result.tokens_per_second:,.0f} tokens/s, workers={args.workers})")
-    return 0
-
-
-def merge_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``... preprocess merge --input PREFIX... --output-prefix OUT``: concatenate ``.bin``/``.idx`` pairs."""
-    p = argparse.ArgumentParser(prog="megatron-lite preprocess merge",
-                                description="Concatenate indexed datasets (in the order given) into one pair.")
-    p.add_argument("--input", nargs="+", required=True,
-                   help="prefixes (path without .bin/.idx), .idx/.bin files or globs of them, or a directory "
-                        "(all its pairs, sorted by name)")
-    p.add_argument("--output-prefix", required=True, help="writes OUT.bin and OUT.idx")
-    args = p.parse_args(argv)
-    try:
-        prefixes: list[str] = []
-        for pattern in args.input:
-            if os.path.isdir(pattern):
-                found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.idx")))
-                if not found:
-                    raise PreprocessError(f"--input {pattern} is a directory with no .idx files")
-            else:
-                found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-                if not found:
-                    raise PreprocessError(f"--input {pattern} matches no file")
-            for path in found:
-                prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
-                if prefix not in prefixes:
-                    prefixes.append(prefix)
-        _check_output(args.output_prefix)
-        merge_datasets(prefixes, args.output_prefix)
-    except (ValueError, OSError) as err:
-        _fail(err)
-    print(f"merge: {len(prefixes)} datasets -> {args.output_prefix}.bin/.idx")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def merge(inputs: Sequence[str], output_prefix: str) -> list[str]:
+    """Concatenate the ``.bin``/``.idx`` pairs ``inputs`` name, in order, into ``output_prefix``: prefixes (path
+    without ``.bin``/``.idx``), ``.idx``/``.bin`` files or globs of them, or directories (all their pairs, sorted by
+    name). Returns the prefixes merged; PreprocessError naming the input that matches nothing."""
+    prefixes: list[str] = []
+    for pattern in inputs:
+        if os.path.isdir(pattern):
+            found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.idx")))
+            if not found:
+                raise PreprocessError(f"--input {pattern} is a directory with no .idx files")
+        else:
+            found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            if not found:
+                raise PreprocessError(f"--input {pattern} matches no file")
+        for path in found:
+            prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+            if prefix not in prefixes:
+                prefixes.append(prefix)
+    _check_output(output_prefix)
+    merge_datasets(prefixes, output_prefix)
+    return prefixes

@@ -43,6 +43,7 @@ class _QuantSelfAttention(QuantModule):
 
 
 def register_attention() -> None:
-    """Register SelfAttention with ModelOpt (idempotent; called by ``modelopt_registry.register_layers``)."""
+    """Register SelfAttention with ModelOpt (idempotent; ``quantize`` and ``restore_quantization`` call it beside
+    ``modelopt_registry.register_layers``)."""
     if SelfAttention not in QuantModuleRegistry:
         QuantModuleRegistry.register({SelfAttention: ATTENTION_KEY})(_QuantSelfAttention)

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron_lite.core.models.attention import SelfAttention
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShard
 from megatron_lite.utils.optional import require
@@ -81,21 +82,16 @@ class _QuantRowParallelLinear(_QuantTensorParallelLinear):
 
 
 def register_layers() -> None:
-    """Put our TP linears (and the attention's KV cache, see ``kv_quant``) in ModelOpt's registry; idempotent.
-    ModelOpt's registry is process-wide by its design; registering the same classes again is a no-op."""
+    """Put our TP linears in ModelOpt's registry (the attention's KV cache: ``kv_quant.register_attention``);
+    idempotent. ModelOpt's registry is process-wide by its design; registering the same classes again is a no-op."""
     if ColumnParallelLinear not in QuantModuleRegistry:
         QuantModuleRegistry.register({ColumnParallelLinear: COLUMN_KEY})(_QuantColumnParallelLinear)
     if RowParallelLinear not in QuantModuleRegistry:
         QuantModuleRegistry.register({RowParallelLinear: ROW_KEY})(_QuantRowParallelLinear)
-    from megatron_lite.post_training.kv_quant import register_attention
-
-    register_attention()
 
 
 def set_parallel_state(model: nn.Module, layout: ParallelLayout) -> None:
     """Give every quantizable module of ``model`` the layout's groups, before or after conversion."""
-    from megatron_lite.core.models.attention import SelfAttention
-
     state = parallel_state(layout)
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, SelfAttention)):

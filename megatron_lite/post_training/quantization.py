@@ -44,6 +44,15 @@ def _mtq():
     return require("modelopt.torch.quantization", "megatron-lite quantization")
 
 
+def _register_with_modelopt() -> None:
+    """Our TP linears (:mod:`modelopt_registry`) and the attention's KV-cache quantizers (:mod:`kv_quant`) in
+    ModelOpt's registry; idempotent. Both modules import modelopt, so they are imported when quantizing."""
+    from megatron_lite.post_training import kv_quant, modelopt_registry
+
+    modelopt_registry.register_layers()
+    kv_quant.register_attention()
+
+
 def available_configs() -> list[str]:
     """The ModelOpt config names :func:`quantize` accepts (``INT8_SMOOTHQUANT_CFG``, ``FP8_DEFAULT_CFG``, ...)."""
     from megatron_lite.post_training.kv_quant import KV_CONFIGS
@@ -201,7 +210,7 @@ def quantize(target: Any, config: Optional[str] = "INT8_SMOOTHQUANT_CFG",
     if forward_loop is None and _needs_data(cfg):
         raise ValueError(f"{config or kv_cache} calibrates activations: pass calibration batches "
                          f"(e.g. calibration=[next(iter(datamodule.train_dataloader()))])")
-    registry.register_layers()
+    _register_with_modelopt()
     registry.set_parallel_state(model, layout)
     mtq.quantize(model, cfg, forward_loop)
     registry.mark_quantizer_shards(model)
@@ -277,7 +286,7 @@ def restore_quantization(model: nn.Module, recipe: dict, tensor_shapes: dict[str
         raise ValueError("the model is already quantized: restore into a freshly built model")
     layout = layout or getattr(model, "layout", None) or ParallelLayout.single()
     cfg = resolve_config(recipe["config"], recipe["kv_cache"])
-    registry.register_layers()
+    _register_with_modelopt()
     registry.set_parallel_state(model, layout)
     mtq.quantize(model, {**cfg, "algorithm": None}, None)  # the quantizers as configured, nothing calibrated
     quantizers = _quantizers(model)

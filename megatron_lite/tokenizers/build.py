@@ -173,6 +173,8 @@ FILE_ARGUMENTS = ("tokenizer_model", "vocab_file", "merge_file")
 """The ``build_tokenizer`` arguments that name files."""
 TOKENIZER_FOLDER = "tokenizer"
 """The folder inside a checkpoint that holds the copies of its tokenizer's files."""
+TOKENIZER_KEY = "megatron_lite_tokenizer"
+"""Checkpoint entry naming the data's tokenizer (``build_tokenizer`` arguments), written by GPTModule."""
 
 
 def portable_tokenizer_spec(tokenizer: object, folder: str = TOKENIZER_FOLDER) -> tuple[dict, dict[str, str]] | None:

@@ -48,7 +48,7 @@ def build(root: Path) -> Path:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import megatron_lite as ml
-    from megatron_lite.convert import to_hf
+    from megatron_lite.cli.convert import to_hf
     from megatron_lite.data import PretrainDataModule
     from megatron_lite.data.preprocess import preprocess
     from megatron_lite.tokenizers import build_tokenizer

@@ -116,7 +116,7 @@ class BareInstall:
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory: pytest.TempPathFactory) -> BareInstall:
-    """A venv with megatron-lite and its base requirements only. ``megatron-lite --help`` runs once before
+    """A venv with megatron-lite and its base requirements only. ``megatron-lite fit --help`` runs once before
     jsonargparse's distributions are linked in (the state ``pip install --no-deps megatron-lite`` leaves)."""
     root = tmp_path_factory.mktemp("bare")
     wheel, build_log = _build_wheel(root)
@@ -141,7 +141,7 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> BareInstall:
     install = _run([*pip, "install", "--no-deps", "--no-index", str(wheel)], root, env)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
     assert (venv / "bin" / "megatron-lite").is_file(), install.stdout[-2000:]
-    help_without_jsonargparse = _run([str(venv / "bin" / "megatron-lite"), "--help"], root, env)
+    help_without_jsonargparse = _run([str(venv / "bin" / "megatron-lite"), "fit", "--help"], root, env)
     for name in sorted(cli_only):
         _link_into(site, everything[name])
     return BareInstall(root=root, venv=venv, site=site, env=env, build_log=build_log, requirements=requirements,
@@ -163,8 +163,8 @@ def test_wheel_builds_without_licence_warnings_and_declares_its_extras(bare: Bar
 
 
 def test_bare_install_help_import_and_mock_fit(bare: BareInstall) -> None:
-    """The issue's list: `megatron-lite --help`, `preprocess --help`, `estimate --help`, `import megatron_lite.data`
-    and a 1-process fit on mock data, in a venv without any extra."""
+    """The issue's list: `megatron-lite --help` (and `fit --help`), `preprocess --help`, `estimate --help`,
+    `import megatron_lite.data` and a 1-process fit on mock data, in a venv without any extra."""
     # without jsonargparse (as after `pip install --no-deps`): one line naming the extra, not a traceback
     proc = bare.help_without_jsonargparse
     assert (proc.returncode, proc.stderr.strip()) == (2, (
@@ -172,10 +172,17 @@ def test_bare_install_help_import_and_mock_fit(bare: BareInstall) -> None:
         "package: pip install \"megatron-lite[cli]\"")), proc.stdout + proc.stderr
     assert bare.pip_check.returncode == 0, bare.pip_check.stdout + bare.pip_check.stderr  # the closure is complete
 
-    for args, expected in ((["--help"], "{fit,validate,test,predict}"), (["preprocess", "--help"], "--tokenizer-type"),
-                           (["estimate", "--help"], "--devices")):
+    for args, expected in ((["--help"], "{fit,validate,test,predict}"), (["fit", "--help"], "--trainer.max_steps"),
+                           (["preprocess", "--help"], "--tokenizer-type"), (["estimate", "--help"], "--devices")):
         proc = _run([bare.bin("megatron-lite"), *args], bare.root, bare.env)
         assert proc.returncode == 0 and expected in proc.stdout, (args, proc.stdout[-2000:], proc.stderr[-3000:])
+    # the installed console script starts a tool without Lightning; Python's import-time report names what the
+    # `import` statements imported (the verb's own module comes through importlib, which it does not time)
+    proc = _run([bare.bin("python"), "-X", "importtime", bare.bin("megatron-lite"), "checkpoint", "inspect", "--help"],
+                bare.root, bare.env)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert proc.returncode == 0 and "megatron_lite.core.checkpoint.format.inspect" in imported, proc.stderr[-3000:]
+    assert not [m for m in imported if m.split(".")[0] in ("lightning", "jsonargparse")], sorted(imported)
 
     # the optional packages really are absent (not tqdm: Lightning needs it), the installed package (not the
     # checkout) is what runs, and it trains

@@ -19,15 +19,14 @@ from pathlib import Path
 import pytest
 
 import megatron_lite as ml
-from megatron_lite import convert, prune, quantize
+from megatron_lite.cli import convert, prune, quantize
 from megatron_lite.cli import main as cli_main
 from megatron_lite.core.checkpoint.format.integrity import read_manifest, verify_checkpoint
 from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.data.bundled import bundled_corpus
-from megatron_lite.module import TOKENIZER_KEY
 from megatron_lite.pretrained import save_weights_checkpoint
 from megatron_lite.tokenizers import build_tokenizer
-from megatron_lite.tokenizers.build import tokenizer_spec
+from megatron_lite.tokenizers.build import TOKENIZER_KEY, tokenizer_spec
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, SEQ = 384, 16

@@ -13,7 +13,7 @@ import yaml
 from megatron_lite.core.estimator import estimate_for_run, training_flops_per_step
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
-from megatron_lite.estimate import main
+from megatron_lite.cli.estimate import main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "examples" / "configs" / "gpt_tiny.yaml"
@@ -112,7 +112,7 @@ def test_missing_and_unparsable_files_exit_2(capsys, tmp_path):
 def test_module_entry_point_prints_the_same_json(capsys):
     in_process = _run_json(capsys, "--config", str(TINY_YAML))
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-m", "megatron_lite.estimate", "--config", str(TINY_YAML), "--json"],
+    done = subprocess.run([sys.executable, "-m", "megatron_lite", "estimate", "--config", str(TINY_YAML), "--json"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == in_process

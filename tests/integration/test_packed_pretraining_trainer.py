@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lite.cli import MegatronLiteCLI
+from megatron_lite.cli.lightning_cli import MegatronLiteCLI
 from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.core.parallel.schedules import gpt_forward_step
 from megatron_lite.data import PretrainDataModule, PretrainingDataModule

@@ -18,7 +18,7 @@ import megatron_lite as ml
 from megatron_lite.callbacks import PipelineTimeline
 from megatron_lite.core.parallel.pipeline.schedules import interleaved_order, one_f_one_b_order
 from megatron_lite.data import MockGPTDataModule
-from megatron_lite.pipeline_timeline import main
+from megatron_lite.cli.pipeline_timeline import main
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed"))

@@ -12,7 +12,7 @@ from PIL import Image
 import megatron_lite as ml
 from megatron_lite.callbacks import MegatronMetrics
 from megatron_lite.data import MockGPTDataModule
-from megatron_lite.plot import DPI, FIGURE_INCHES, load_run, main, plot_run
+from megatron_lite.cli.plot import DPI, FIGURE_INCHES, load_run, main, plot_run
 
 SEQ, STEPS = 16, 6
 

@@ -244,7 +244,7 @@ def test_convert_cli_writes_a_quantized_checkpoint_in_the_unified_format(tmp_pat
     """`megatron-lite convert --to hf` on a checkpoint of a quantized module: the model is restored with its
     quantizers from the checkpoint (no calibration) and the export equals the in-memory model's, tensor for tensor."""
     import megatron_lite as ml
-    from megatron_lite.convert import main as convert_main
+    from megatron_lite.cli.convert import main as convert_main
     from megatron_lite.pretrained import save_weights_checkpoint
 
     module = ml.GPTModule(CONFIG)

@@ -661,7 +661,7 @@ def test_estimate_command_reads_context_parallelism_from_the_yaml(tmp_path, caps
     """``megatron-lite estimate`` on a fit YAML whose strategy has context_parallel_size / cp_comm_type."""
     import yaml
 
-    from megatron_lite.estimate import main
+    from megatron_lite.cli.estimate import main
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/configs/gpt_tiny.yaml").read_text())
     raw["trainer"]["strategy"]["init_args"].update(tensor_model_parallel_size=1, sequence_parallel=False,

@@ -97,3 +97,37 @@ print(json.dumps(dict(eager=eager, metrics=type(metrics).__module__, data=type(d
     assert result["same"] and result["listed"] == ["callbacks", "data", "tokenizers"]
     assert result["missing"] == "module 'megatron_lite' has no attribute 'nope'"
     assert result["optional_imported"] == [], "the data extra's packages are imported only where they are used"
+
+
+def test_moved_modules_keep_their_old_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``megatron_lite.convert`` and the other verbs that moved into ``megatron_lite.cli`` still import, as the very
+    module at the new place, with a DeprecationWarning naming it."""
+    import importlib
+
+    import megatron_lite
+    from megatron_lite._moved_modules import MOVED
+
+    for old, new in MOVED.items():
+        monkeypatch.delitem(sys.modules, old, raising=False)
+        monkeypatch.delitem(vars(megatron_lite), old.rpartition(".")[2], raising=False)  # (hasattr would import it)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}; import it from there"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new) and sys.modules[old] is module
+    # the forms in use: `from megatron_lite.X import name`, `from megatron_lite import X`, `ml.X`
+    from megatron_lite import convert
+    from megatron_lite.pipeline_timeline import measured_bubble
+    from megatron_lite.plot import main
+
+    assert convert.to_hf.__module__ == "megatron_lite.cli.convert" and main.__module__ == "megatron_lite.cli.plot"
+    assert measured_bubble.__module__ == "megatron_lite.core.parallel.pipeline.timeline"
+    assert megatron_lite.quantize is sys.modules["megatron_lite.cli.quantize"]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("megatron_lite.not_a_module")
+
+
+def test_data_lists_every_lazy_name() -> None:
+    import megatron_lite.data as data
+
+    assert sorted(data.__all__) == sorted(data._PUBLIC) and set(data.__all__) <= set(dir(data))
+    assert all(getattr(data, name).__module__ == module for name, module in data._PUBLIC.items()
+               if hasattr(getattr(data, name), "__module__"))

@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, schedule_order
-from megatron_lite.pipeline_timeline import TimelineError, measured_bubble, theoretical_bubble
+from megatron_lite.core.parallel.pipeline.timeline import TimelineError, measured_bubble, theoretical_bubble
 
 T0 = 1_700_000_000.0  # wall-clock seconds, as time.time() gives them: the arithmetic must not depend on the origin
 

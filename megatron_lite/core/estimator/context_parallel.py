@@ -13,26 +13,37 @@ an fp32 copy of a 16-bit block it computes on, and the scores of one query chunk
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megatron_lite.core.models.config import GPTConfig
-
-if TYPE_CHECKING:  # memory.py imports this module: the type only
-    from megatron_lite.core.estimator.memory import EstimateLayout
 
 # Score-sized tensors one block computation holds at once (the scores, their scaled and masked copies;
 # measured with the probe's forward peak on torch 2.13 CPU).
 SCORE_TENSORS_IN_FLIGHT = 3
 
 
-def _sizes(config: GPTConfig, layout: "EstimateLayout") -> tuple[int, int, int, int]:
+class ContextParallelLayout(Protocol):
+    """What this module reads of a run's layout (``memory.EstimateLayout`` has it; memory.py imports this
+    module, so the layout is described here rather than imported)."""
+
+    micro_batch_size: int
+    tensor_model_parallel_size: int
+    context_parallel_size: int
+    cp_comm_type: str
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence one rank holds."""
+
+
+def _sizes(config: GPTConfig, layout: ContextParallelLayout) -> tuple[int, int, int, int]:
     """(local tokens of a microbatch, query heads per rank, key/value heads per rank, head width)."""
     tp = layout.tensor_model_parallel_size
     tokens = layout.local_seq_length * layout.micro_batch_size
     return tokens, config.num_attention_heads // tp, config.num_query_groups // tp, config.kv_channels
 
 
-def context_parallel_attention_parts(config: GPTConfig, layout: "EstimateLayout", compute_bytes: int, rope: bool,
+def context_parallel_attention_parts(config: GPTConfig, layout: ContextParallelLayout, compute_bytes: int, rope: bool,
                                      gqa: bool) -> dict:
     """Bytes one layer keeps for backward around context-parallel attention, by tensor (matmul outputs of
     ``compute_bytes`` per element): replaces the ``qkv``, ``attention_out`` and ``logsumexp`` entries of the
@@ -53,7 +64,7 @@ def context_parallel_attention_parts(config: GPTConfig, layout: "EstimateLayout"
     }
 
 
-def context_parallel_attention_transient(config: GPTConfig, layout: "EstimateLayout", compute_bytes: int,
+def context_parallel_attention_transient(config: GPTConfig, layout: ContextParallelLayout, compute_bytes: int,
                                          selective: bool = False) -> int:
     """Bytes context-parallel attention holds while it runs, beyond what the layer keeps for backward
     (under selective recompute its fp32 output and log-sum-exp are transient too)."""

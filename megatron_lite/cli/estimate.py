@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from megatron_lite.cli.command import report_user_error
 from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import MemoryEstimate, estimate_for_run
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
@@ -42,7 +43,6 @@ from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.validation import validate_run
-from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 GIB = 1024**3
 
@@ -311,7 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite estimate ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -328,8 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            device_type=args.device_type)
         estimate, flops = estimate_run(run)
     except (ValueError, TypeError, OSError) as err:
-        print(f"megatron-lite estimate: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return report_user_error("megatron-lite estimate", err)
     device_memory = (args.device_memory_gib * GIB if args.device_memory_gib is not None
                      else default_device_memory_bytes())
     warning = memory_warning(estimate, device_memory)
@@ -354,6 +352,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(warning, file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

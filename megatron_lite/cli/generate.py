@@ -22,8 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.inference.sampling import SamplingParams
-from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -44,47 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default cpu)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
-    p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)")
-    p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--vocab-file", default=None)
-    p.add_argument("--merge-file", default=None)
+    add_tokenizer_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
     p.add_argument("--draft", default=None, help="speculative decoding with this draft head (a file or checkpoint "
                    "of TrainDraftHead; greedy, one process): the same text, fewer base-model forwards")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft head proposes per base forward")
     return p
-
-
-def load_tokenizer(path: Path, args: argparse.Namespace):
-    """The tokenizer named on the command line, else the model's own: the one our checkpoint records (the
-    training data's, its files in the checkpoint's ``tokenizer/``), the one a converted Hugging Face model
-    brought (``hf/`` inside the checkpoint), or the one in a Hugging Face directory."""
-    from megatron_lite.core.checkpoint.full.reader import is_checkpoint_directory
-    from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
-    from megatron_lite.core.models import GPTConfig
-    from megatron_lite.core.optim import OptimizerConfig
-    from megatron_lite.module import TOKENIZER_KEY
-    from megatron_lite.core.checkpoint.hf.directory import CHECKPOINT_SIDE_DIR as HF_SIDE_DIR
-    from megatron_lite.tokenizers import build_tokenizer
-    from megatron_lite.tokenizers.build import build_recorded_tokenizer
-
-    if args.tokenizer_type is not None:
-        spec = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
-                "vocab_file": args.vocab_file, "merge_file": args.merge_file}
-        return build_tokenizer(**{k: v for k, v in spec.items() if v is not None})
-    hf_dir = path / HF_SIDE_DIR if is_checkpoint_directory(path) else path
-    spec = read_checkpoint_meta(path, [GPTConfig, OptimizerConfig]).get(TOKENIZER_KEY) \
-        if is_checkpoint_directory(path) else None
-    if spec:
-        return build_recorded_tokenizer(spec, path)
-    if (hf_dir / "tokenizer.json").is_file():
-        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_dir))
-    if (hf_dir / "tokenizer.model").is_file():
-        return build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(hf_dir / "tokenizer.model"))
-    where = "no tokenizer.json or tokenizer.model in it" if not is_checkpoint_directory(path) else \
-        "its training data had none, and it brought no Hugging Face tokenizer"
-    raise ValueError(f"{path} names no tokenizer ({where}); pass --tokenizer-type and its files "
-                     f"(--tokenizer-model, or --vocab-file and --merge-file)")
 
 
 def _check_args(args: argparse.Namespace) -> SamplingParams:
@@ -107,11 +72,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Generate for every ``--prompt``; returns one record per prompt."""
     from megatron_lite.data.prompts import PromptDataModule
     from megatron_lite.module import GPTModule
+    from megatron_lite.tokenizers.model_tokenizer import model_tokenizer
 
     sampling = _check_args(args)
     path = Path(args.ckpt)
     module = GPTModule.from_pretrained(path)
-    tokenizer = load_tokenizer(path, args)
+    tokenizer = model_tokenizer(path, **tokenizer_options(args))
     stop = [] if args.ignore_eod or tokenizer.eod is None else [tokenizer.eod]
     prompts = [tokenizer.tokenize(p) for p in args.prompt]
     data = PromptDataModule(prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
@@ -167,7 +133,6 @@ def completion(tokenizer, prompt: list[int], new: list[int]) -> str:
     return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(new)
 
 
-@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite generate ...``: prints each prompt with its continuation; 2 on bad input."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -32,8 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lite.core.checkpoint.format.output_dir import check_output, mark_output
-from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
+from megatron_lite.cli.command import run_verb
 from megatron_lite.core.checkpoint.full.reader import read_checkpoint_hparams, read_model_tensors
 from megatron_lite.core.checkpoint.hf.directory import (
     CHECKPOINT_SIDE_DIR,
@@ -46,8 +45,6 @@ from megatron_lite.core.checkpoint.hf.directory import (
 )
 from megatron_lite.post_training.export import has_quantizer_state
 from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
-from megatron_lite.utils.console import exits_quietly_on_broken_pipe
-from megatron_lite.utils.optional import MissingDependencyError
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -171,29 +168,23 @@ def _to_quantized_hf(checkpoint: str | Path, output: str, dtype: str, source_con
             f"(KV cache {algo.get('kv_cache_quant_algo')}), other tensors {dtype}, files {files}")
 
 
-@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite convert ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if args.source == "hf":
-            for flag, value in (("--dtype", args.dtype is not None), ("--tokenizer", args.tokenizer),
-                                ("--max-shard-size", args.max_shard_size)):
-                if value:
-                    raise ValueError(f"{flag} applies to --to hf; our checkpoints hold fp32 weights")
-            summary = from_hf(args.input, args.output, seq_length=args.seq_length, overwrite=args.overwrite)
-        else:
-            if args.seq_length is not None:
-                raise ValueError("--seq-length applies to --from hf (an export keeps the checkpoint's config)")
-            shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
-            summary = to_hf(args.input, args.output, dtype=args.dtype, tokenizer=args.tokenizer,
-                            max_shard_bytes=shard, overwrite=args.overwrite)
-    except (ValueError, TypeError, OSError, MissingDependencyError) as err:  # the last: a quantized model, no modelopt
-        print(f"megatron-lite convert: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    print(f"megatron-lite convert: {summary}")
-    return 0
+    return run_verb("megatron-lite convert", lambda: _convert(args),
+                    lambda summary: print(f"megatron-lite convert: {summary}"))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _convert(args: argparse.Namespace) -> str:
+    """The conversion ``args`` ask for; its one-line summary."""
+    if args.source == "hf":
+        for flag, value in (("--dtype", args.dtype is not None), ("--tokenizer", args.tokenizer),
+                            ("--max-shard-size", args.max_shard_size)):
+            if value:
+                raise ValueError(f"{flag} applies to --to hf; our checkpoints hold fp32 weights")
+        return from_hf(args.input, args.output, seq_length=args.seq_length, overwrite=args.overwrite)
+    if args.seq_length is not None:
+        raise ValueError("--seq-length applies to --from hf (an export keeps the checkpoint's config)")
+    shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
+    return to_hf(args.input, args.output, dtype=args.dtype, tokenizer=args.tokenizer, max_shard_bytes=shard,
+                 overwrite=args.overwrite)

@@ -19,12 +19,12 @@ nothing else. Exit code 2 on bad input, with one line that says what to change.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_lite.utils.console import exits_quietly_on_broken_pipe
+from megatron_lite.cli.command import print_result, run_verb
+from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 
@@ -47,53 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text", help="JSONL field holding the text (default 'text')")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)")
-    p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--vocab-file", default=None)
-    p.add_argument("--merge-file", default=None)
+    add_tokenizer_options(p)
     return p
-
-
-def _token_stream(args: argparse.Namespace, tokenizer, needed: int) -> list[int]:
-    """At least ``needed`` tokens of ``--data`` (documents in order, each followed by the end-of-document token)
-    when it has them; fewer otherwise."""
-    from megatron_lite.data.indexed_dataset import IndexedDataset
-
-    tokens: list[int] = []
-    if IndexedDataset.exists(args.data):
-        dataset = IndexedDataset(args.data)
-        for i in range(len(dataset)):
-            tokens.extend(int(t) for t in dataset[i])
-            if len(tokens) >= needed:
-                break
-        return tokens
-    from megatron_lite.data.bundled import resolve_corpus
-    from megatron_lite.utils.jsonl import iter_jsonl_texts
-
-    try:
-        path = resolve_corpus(args.data)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"--data {args.data}: not an indexed dataset prefix (PREFIX.bin/.idx) either; "
-                                f"{err}") from None
-    for text in iter_jsonl_texts(path, args.json_key, what="--data", option="--json-key"):
-        tokens.extend(tokenizer.tokenize(text))
-        if tokenizer.eod is not None:
-            tokens.append(tokenizer.eod)
-        if len(tokens) >= needed:
-            break
-    return tokens
-
-
-def _batches(tokens: list[int], count: int, rows: int, seq_length: int, vocab_size: int):
-    import torch
-
-    window = seq_length + 1
-    flat = torch.tensor(tokens[: count * rows * seq_length + 1], dtype=torch.long)
-    if int(flat.max()) >= vocab_size:
-        raise ValueError(f"--data holds token id {int(flat.max())}, outside the model's vocabulary ({vocab_size}); "
-                         f"tokenize it with the model's tokenizer")
-    return [{"tokens": torch.stack([flat[(b * rows + r) * seq_length:][:window] for r in range(rows)])}
-            for b in range(count)]
 
 
 def _mean_loss(module, batches) -> float:
@@ -107,10 +62,11 @@ def _mean_loss(module, batches) -> float:
 def run(args: argparse.Namespace) -> dict:
     """Prune ``--ckpt`` and write ``--output``; returns the summary."""
     from megatron_lite.core.checkpoint.format.output_dir import check_output
-    from megatron_lite.generate import load_tokenizer
+    from megatron_lite.data.calibration import calibration_batches
     from megatron_lite.module import GPTModule
     from megatron_lite.post_training.pruning import PruneTarget, apply_plan, estimate_importance, plan_pruning
     from megatron_lite.pretrained import hf_side_directory, save_weights_checkpoint
+    from megatron_lite.tokenizers.model_tokenizer import model_tokenizer
 
     for name in ("calib_batches", "eval_batches", "batch_size", "seq_length"):
         value = getattr(args, name)
@@ -121,16 +77,11 @@ def run(args: argparse.Namespace) -> dict:
     check_output(output, [source], args.overwrite)
     module = GPTModule.from_pretrained(source)
     target.pruned_config(module.config)  # an impossible target is named before any data is read
-    tokenizer = load_tokenizer(source, args)
+    tokenizer = model_tokenizer(source, **tokenizer_options(args))
     seq_length = args.seq_length or module.config.seq_length
-    needed = (args.calib_batches + args.eval_batches) * args.batch_size * seq_length + 1
-    tokens = _token_stream(args, tokenizer, needed)
-    if len(tokens) < needed:
-        raise ValueError(f"--data has {len(tokens)} tokens, fewer than the {needed} that {args.calib_batches} + "
-                         f"{args.eval_batches} batches of {args.batch_size} x {seq_length} need; lower --calib-batches, "
-                         f"--batch-size or --seq-length, or give more text")
-    batches = _batches(tokens, args.calib_batches + args.eval_batches, args.batch_size, seq_length,
-                       module.config.vocab_size)
+    batches = calibration_batches(args.data, tokenizer, seq_length, args.batch_size,
+                                  args.calib_batches + args.eval_batches, json_key=args.json_key,
+                                  vocab_size=module.config.vocab_size)
     calib, held_out = batches[: args.calib_batches], batches[args.calib_batches:]
     importance = estimate_importance(module, calib, args.layer_metric)
     plan = plan_pruning(module.config, importance, target)
@@ -149,26 +100,16 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite prune ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        summary = run(args)
-    except (ValueError, TypeError, OSError) as err:
-        print(f"megatron-lite prune: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary))
-        return 0
+    return run_verb("megatron-lite prune", lambda: run(args), lambda summary: print_result(summary, args.json, _text))
+
+
+def _text(summary: dict) -> str:
     shape = ", ".join(f"{name} {a}->{b}" for name, (a, b) in summary["shape"].items() if a != b)
     before, after = summary["parameters"]
     line = f"megatron-lite prune: wrote {summary['output']}: {shape}; parameters {before:,} -> {after:,}"
     if "held_out_loss" in summary:
         line += f"; held-out loss {summary['held_out_loss'][0]:.4f} -> {summary['held_out_loss'][1]:.4f}"
-    print(line)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return line

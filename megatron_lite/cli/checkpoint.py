@@ -8,12 +8,11 @@ a checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Optional, Sequence
 
+from megatron_lite.cli.command import EXIT_FAILED, EXIT_OK, print_result, run_verb
 from megatron_lite.core.checkpoint.format.inspect import describe_checkpoint, is_healthy
-from megatron_lite.utils.console import exits_quietly_on_broken_pipe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,17 +82,14 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@exits_quietly_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``megatron-lite checkpoint inspect ...``: 0 intact, 1 damaged, 2 not a checkpoint (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        info = describe_checkpoint(args.path, checksums=not args.no_checksums)
-    except (OSError, ValueError) as error:
-        print(f"megatron-lite checkpoint: error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(info, indent=2) if args.json else format_text(info))
-    return 0 if is_healthy(info) else 1
 
+    def show(info: dict[str, Any]) -> int:
+        print_result(info, args.json, format_text, indent=2)
+        return EXIT_OK if is_healthy(info) else EXIT_FAILED
 
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_verb("megatron-lite checkpoint", lambda: describe_checkpoint(args.path, checksums=not args.no_checksums),
+                    show, errors=(OSError, ValueError))
+

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_lite.cli.command import parse_arguments, run_verb
 from megatron_lite.utils.optional import MissingDependencyError, require
 
 Series = dict  # step -> value
@@ -175,25 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     """Entry point of ``megatron-lite plot``; returns the exit status (2 for a problem the user can fix)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2): argparse printed the message
-        return exc.code if isinstance(exc.code, int) else 2
+    args = parse_arguments(build_parser(), argv)
+    if isinstance(args, int):  # --help, or a usage error argparse printed
+        return args
     out = args.out if args.out is not None else args.run_dir / "metrics.png"
-    try:
+
+    def work() -> RunMetrics:
         run = load_run(args.run_dir)
         plot_run(run, out, title=str(args.run_dir))
-    except (PlotError, MissingDependencyError) as exc:
-        print(f"megatron-lite plot: error: {exc}", file=sys.stderr)
-        return 2
-    steps = {step for series in run.series.values() for step in series}
-    last = max(steps) if steps else math.nan
-    print(f"wrote {out} (steps up to {last}, from {', '.join(map(str, run.sources))})")
-    if run.ignored:
-        print(f"note: {len(run.ignored)} older log(s) under {args.run_dir} not plotted "
-              f"(pass a version directory to plot one): {', '.join(map(str, run.ignored))}")
-    return 0
+        return run
 
+    def show(run: RunMetrics) -> None:
+        steps = {step for series in run.series.values() for step in series}
+        last = max(steps) if steps else math.nan
+        print(f"wrote {out} (steps up to {last}, from {', '.join(map(str, run.sources))})")
+        if run.ignored:
+            print(f"note: {len(run.ignored)} older log(s) under {args.run_dir} not plotted "
+                  f"(pass a version directory to plot one): {', '.join(map(str, run.ignored))}")
 
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_verb("megatron-lite plot", work, show, errors=(PlotError, MissingDependencyError))
