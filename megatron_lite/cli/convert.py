@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_lite.cli.command import run_verb
+from megatron_lite.core.checkpoint.format.output_dir import check_output, mark_output
+from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
 from megatron_lite.core.checkpoint.full.reader import read_checkpoint_hparams, read_model_tensors
 from megatron_lite.core.checkpoint.hf.directory import (
     CHECKPOINT_SIDE_DIR,
