@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, consumed_samples_after
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler, RankBatchSampler
 
@@ -89,8 +90,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Micro/global batch size and sequence length of this datamodule."""
         return self._geometry
 
-    def validate_inputs(self) -> None:
-        """Check the input files; MegatronStrategy calls this in the launching process before any rank
+    def check_before_launch(self, run: RunSpec, trainer: Optional[pl.Trainer] = None, module: Any = None,
+                            datamodule: Any = None) -> None:
+        """Check the input files (MegatronStrategy's pre-launch check): in the launching process before any rank
         starts, so a bad file fails once, with one message, instead of in every rank after launch.
         Subclasses that read files override it (nothing to check here)."""
 

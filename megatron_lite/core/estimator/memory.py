@@ -36,7 +36,6 @@ from megatron_lite.core.estimator.context_parallel import (
     context_parallel_attention_transient,
     layer_bytes_until_attention,
 )
-from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.estimator.precision_bytes import (
     DISTRIBUTED_GRAD_BYTES,
     DISTRIBUTED_MAIN_BYTES,
@@ -86,7 +85,8 @@ class EstimateLayout:
     use_distributed_optimizer: bool = False
     """Shard the optimizer state (and master weights) over DP (ZeRO-1)."""
     use_torch_fsdp2: bool = False
-    """Shard weights, gradients and optimizer state over DP (FSDP2, ZeRO-3)."""
+    """Shard weights, gradients and optimizer state over DP (FSDP2, ZeRO-3; where it composes is
+    :class:`~megatron_lite.core.parallel.run_spec.RunSpec`'s to check)."""
     optimizer: str = "adam"
     """'adam' (two moments) or 'sgd'."""
     sgd_momentum: float = 0.9
@@ -124,9 +124,6 @@ class EstimateLayout:
             raise ValueError(f"seq_length ({self.seq_length}) / context_parallel_size ({self.context_parallel_size}) "
                              f"must be divisible by tensor_model_parallel_size ({self.tensor_model_parallel_size}) "
                              f"with sequence_parallel=True")
-        if self.use_distributed_optimizer and self.use_torch_fsdp2:
-            raise ValueError("use_distributed_optimizer and use_torch_fsdp2 are alternatives (FSDP2 already shards "
-                             "the optimizer state); set one of them")
         self.parallel_config()  # the pipeline options, validated as the strategy validates them
 
     def parallel_config(self) -> ParallelConfig:
@@ -570,42 +567,3 @@ def estimate_memory(config: GPTConfig, layout: EstimateLayout) -> MemoryEstimate
     stages = estimate_stages(config, layout)
     most = max(stages, key=lambda e: e.total_bytes)
     return dataclasses.replace(most, stages=stages)
-
-
-def estimate_for_run(config: GPTConfig, *, micro_batch_size: int, global_batch_size: Optional[int] = None,
-                     seq_length: Optional[int] = None, tensor_model_parallel_size: int = 1, data_parallel_size: int = 1,
-                     pipeline_model_parallel_size: int = 1, sequence_parallel: bool = False,
-                     precision="32-true", optimizer=None, use_distributed_optimizer: Optional[bool] = None,
-                     use_torch_fsdp2: bool = False, device_type: str = "cuda",
-                     virtual_pipeline_model_parallel_size: int = 1, pipeline_schedule: Optional[str] = None,
-                     num_layers_in_first_pipeline_stage: Optional[int] = None,
-                     num_layers_in_last_pipeline_stage: Optional[int] = None, context_parallel_size: int = 1,
-                     cp_comm_type: str = "p2p", objective: ObjectiveCost = ObjectiveCost()) -> MemoryEstimate:
-    """The estimate for a run described as the strategy and the datamodule describe it (the pipeline and
-    context-parallel options are the strategy's). ``optimizer``: an ``OptimizerConfig`` (None: Adam), whose
-    ``use_distributed_optimizer`` is the default of that argument; ``global_batch_size`` gives the
-    microbatches per step (they matter with pipelining only). Batch sizes count the data's samples;
-    ``objective`` says how many sequences a sample is (a microbatch runs that many times its samples as rows)
-    and how many frozen copies of the model the objective holds."""
-    if use_distributed_optimizer is None:
-        use_distributed_optimizer = bool(getattr(optimizer, "use_distributed_optimizer", False))
-    num_microbatches = 1
-    if global_batch_size is not None:
-        unit = micro_batch_size * data_parallel_size
-        if global_batch_size % unit:
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size x "
-                             f"data-parallel size = {unit}")
-        num_microbatches = global_batch_size // unit
-    layout = EstimateLayout(
-        micro_batch_size=micro_batch_size * objective.sequences_per_sample,
-        seq_length=config.seq_length if seq_length is None else seq_length,
-        tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        pipeline_schedule=pipeline_schedule, num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
-        context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type, precision=precision,
-        use_distributed_optimizer=use_distributed_optimizer, use_torch_fsdp2=use_torch_fsdp2,
-        optimizer=getattr(optimizer, "optimizer", "adam"), sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
-        num_microbatches=num_microbatches, device_type=device_type, frozen_models=objective.frozen_models)
-    return estimate_memory(config, layout)
