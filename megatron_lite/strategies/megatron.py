@@ -11,7 +11,6 @@ import atexit
 import dataclasses
 import logging
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -61,6 +60,7 @@ from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.run_spec import RunSpec, check_bucket_size
 from megatron_lite.core.timers import timed
+from megatron_lite.strategies.default_callbacks import add_default_callbacks
 from megatron_lite.strategies.hand_back import hand_back, receive_results
 from megatron_lite.strategies.launch_checks import (
     check_checkpoint_fits,
@@ -71,23 +71,17 @@ from megatron_lite.strategies.launch_checks import (
 )
 from megatron_lite.strategies.pre_launch import check_run
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
+from megatron_lite.strategies.process_groups import join_process_groups, release_process_groups
 from megatron_lite.strategies._lightning_private import (
     InPlaceLauncher,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
     attached_trainer,
     make_launcher,
 )
 from megatron_lite.strategies.auto_resume import AutoResume, replace_last, resume_checkpoint
-from megatron_lite.strategies.rank_failure import (
-    RUN_DIR_ENV,
-    failure_file,
-    next_run_number,
-    read_failure,
-    record_failure,
-)
+from megatron_lite.strategies.rank_failure import RUN_DIR_ENV, failure_file, next_run_number, report_rank_failure
 
 
 log = logging.getLogger(__name__)
@@ -328,8 +322,7 @@ class MegatronStrategy(ParallelStrategy):
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
         self._run_spec = check_run(self, self.lightning_module, getattr(trainer, "datamodule", None), trainer,
                                    self.num_nodes * self.num_processes, device=self.root_device)
-        self._add_metrics_callback(trainer)
-        self._add_exit_callback(trainer)
+        add_default_callbacks(trainer, self.log_metrics, self.exit_signal_handler)
         if self._started_externally and os.environ.get(RUN_DIR_ENV):
             # A rank re-running the user's script (no launcher of its own): its run directory comes from rank 0.
             self.begin_launch(os.environ[RUN_DIR_ENV], next_run_number())
@@ -337,37 +330,17 @@ class MegatronStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
             _get_default_process_group_backend_for_device(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
         self.precision_plugin.device_type = self.root_device.type
         self.precision_plugin.check_device(self.root_device)
-        self._created_default_group = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type,
-                                            timeout=self._timeout)
+        self._layout, self._created_default_group = join_process_groups(
+            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout,
+            self.parallel_config)
         if self._run_dir is None or self._start_method == "popen":
             # A process that goes on after the run (a script, torchrun, the launching process itself) may
             # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
             # they are destroyed when the process exits, before gloo's own teardown can abort it.
-            atexit.register(_release, self._layout, self._created_default_group)  # not self: keeps the model alive
+            atexit.register(release_process_groups, self._layout, self._created_default_group)  # not self
         log.info("megatron-lite layout: %s", self._layout.describe())
-
-    def _add_metrics_callback(self, trainer) -> None:
-        # Here, in every rank before Lightning calls the callbacks' setup: the timers' gather is a
-        # collective, so every rank needs the callback.
-        from megatron_lite.callbacks import MegatronMetrics
-
-        if self.log_metrics and trainer is not None and not any(isinstance(c, MegatronMetrics) for c in trainer.callbacks):
-            trainer.callbacks.append(MegatronMetrics())
-
-    def _add_exit_callback(self, trainer) -> None:
-        # Every rank needs it: the ranks agree on stopping with a collective at each step boundary.
-        from megatron_lite.callbacks.graceful_exit import GracefulExit
-
-        if self.exit_signal_handler and trainer is not None and trainer.checkpoint_callback is not None and \
-                not any(isinstance(c, GracefulExit) for c in trainer.callbacks):
-            trainer.callbacks.append(GracefulExit())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -442,21 +415,11 @@ class MegatronStrategy(ParallelStrategy):
         """Destroy the layout's process groups, and the default one if this strategy created it. Local
         (no collective), idempotent. Called when a forked rank's run ends, and at the exit of any other
         process; the trained model cannot run collectives afterwards."""
-        _release(self._layout, self._created_default_group)
+        release_process_groups(self._layout, self._created_default_group)
         self._created_default_group = False
 
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, SystemExit):
-            return  # a deliberate exit that every rank agreed on (e.g. code 16 of the rerun policy): not a failure
-        # Before the teardown closes this rank's connections: a peer's collective error comes after.
-        rank = self.process_rank
-        record_failure(self._failure_file, rank, exception)
-        record = read_failure(self._failure_file)
-        if self._started_externally and rank != 0 and record is not None and record["rank"] != rank:
-            # A rank re-running the user's script whose error is a consequence of another rank's (a
-            # collective that lost its peer): the failing rank and rank 0 report it, this one exits quietly.
-            sys.stderr.flush()
-            os._exit(1)
+        report_rank_failure(self._failure_file, self.process_rank, exception, script_rank=self._started_externally)
 
     # --- the launcher's side: runs, results, failures -------------------------------------
     @property
@@ -724,13 +687,6 @@ def _dataclass_types(values: list[Any]) -> set[type]:
         elif isinstance(value, (list, tuple)):
             pending += list(value)
     return found
-
-
-def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
-    if layout is not None:
-        layout.destroy()
-    if default_group and _distributed_is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _recover_interrupted_saves(trainer) -> None:
