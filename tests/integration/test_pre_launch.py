@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -20,23 +21,8 @@ from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data import DataGeometry, MockGPTDataModule
 from megatron_lite.strategies.pre_launch import PreLaunchCheck
 
-_FORK_MARKER: Optional[Path] = None
-
-
-def _mark_forked_child() -> None:
-    if _FORK_MARKER is not None:
-        _FORK_MARKER.touch()
-
-
-os.register_at_fork(after_in_child=_mark_forked_child)
-
-
-@pytest.fixture
-def fork_marker(tmp_path):
-    global _FORK_MARKER
-    _FORK_MARKER = tmp_path / "a-rank-was-forked"
-    yield _FORK_MARKER
-    _FORK_MARKER = None
+sys.path.insert(0, str(Path(__file__).parent))
+from test_bad_input import fork_marker  # noqa: E402,F401  (the probe that a rank was forked: a pytest fixture)
 
 
 def _config() -> ml.GPTConfig:
