@@ -101,24 +101,18 @@ class MegatronStrategy(ParallelStrategy):
             ``"gpipe"``.
         num_layers_in_first_pipeline_stage: layers of the first stage for an uneven cut.
         num_layers_in_last_pipeline_stage: layers of the last stage for an uneven cut.
-        context_parallel_size: ranks that split every sequence (Megatron's ``--context-parallel-size``):
-            the sequence is cut into ``2 x context_parallel_size`` chunks, rank r holding chunks r and
-            2C-1-r (the same causal work on every rank); attention is exact (keys/values exchanged and
-            the partial softmax results merged by log-sum-exp). Needs the data's ``seq_length`` divisible
-            by ``2 x context_parallel_size`` (and the local length ``seq_length / context_parallel_size``
-            by ``tensor_model_parallel_size`` under sequence parallelism) and ``attention_dropout=0``.
-        cp_comm_type: how context-parallel attention gets the other ranks' keys and values
-            (Megatron's ``--cp-comm-type``): ``"p2p"`` (passed around the CP ring, the next block in flight
-            while the current one is computed; two blocks of ``seq_length / C`` tokens in memory) or
-            ``"all_gather"`` (all at once: the whole sequence's keys and values in memory during attention).
+        context_parallel_size: ranks that split every sequence into ``2 x C`` chunks, rank r holding chunks r
+            and 2C-1-r; exact attention (log-sum-exp merge). Needs ``seq_length`` divisible by ``2 x C`` (by
+            ``2 x C x TP`` under sequence parallelism) and ``attention_dropout=0``.
+        cp_comm_type: how CP attention gets the other ranks' keys and values: ``"p2p"`` (around the ring, one
+            block in flight) or ``"all_gather"`` (the whole sequence's at once).
         use_torch_fsdp2: shard parameters, gradients and optimizer state over the data-parallel ranks
             with PyTorch's FSDP2 (ZeRO-3), composed with TP. For ZeRO-1 (sharded optimizer state and
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
         ddp_bucket_size: elements per gradient bucket (Megatron's ``--ddp-bucket-size``; default
             max(40M, 1M x dp)).
         log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` callback (throughput, TFLOP/s,
-            MFU, memory, timers, a Megatron-style console line) unless the Trainer already has one;
-            ``False`` removes it.
+            MFU, memory, timers, Megatron's console line) unless the Trainer has one.
         async_save: checkpoints saved by callbacks during ``fit`` (Lightning's ``ModelCheckpoint``) are
             written in the background: the save copies the state to host memory and returns, DCP writes
             the files in a thread, and the checkpoint is committed (renamed into place, recorded as
@@ -128,23 +122,17 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: reduce each gradient bucket over DP (all-reduce, or reduce-scatter with
             the distributed optimizer) asynchronously during the backward of the last microbatch
             (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
-        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s numbers, for the
-            module's objective) exceeds what the machine has, before any process starts or weight is built:
-            on CPU the ranks of this host together against its available memory, on a GPU each rank against
-            its device's free memory. ``False`` skips the check (estimates can be conservative).
+        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s) exceeds the host's
+            available memory (CPU: its ranks together) or a GPU's free memory, before anything is built.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: how long a collective waits for its peers, in every process group of the run (the
             layout's tensor/pipeline/data/context-parallel groups too), before it fails.
-        exit_signal_handler: on SIGTERM (to any rank) save a checkpoint into the checkpoint callback's
-            directory (``last.ckpt``, what ``ckpt_path="last"`` resumes) and stop at the next step boundary,
-            whenever the Trainer has a checkpoint callback: adds a
-            :class:`megatron_lite.callbacks.GracefulExit` unless the Trainer already has one (pass your own
-            for other signals, ``exit_interval`` or ``exit_duration_in_mins``). ``False``: no such callback.
-        start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
-            (notebooks and tests) or ``"spawn"``. Ignored under torchrun / SLURM, which start the ranks.
-            With fork/spawn the ranks hand back to the launching process the whole trained model (full
-            tensors, loaded into a one-process model: ``module.model``), ``callback_metrics``, the fit
-            loop's progress and every data-parallel rank's predictions; a rank's exception is raised there.
+        exit_signal_handler: on SIGTERM save ``last.ckpt`` into the checkpoint callback's directory and stop at
+            the next step boundary: adds a :class:`megatron_lite.callbacks.GracefulExit` when the Trainer has a
+            checkpoint callback and no GracefulExit (pass your own for other signals or time limits).
+        start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"`` (notebooks,
+            tests) or ``"spawn"``; ignored under torchrun / SLURM. With fork/spawn the ranks hand back the
+            trained model, ``callback_metrics``, the loop's progress and the predictions (see ``hand_back``).
     """
 
     strategy_name = "megatron"

@@ -26,6 +26,7 @@ import torch
 
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.run import estimate_objective
+from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.validation import check_run_fits_model
@@ -69,7 +70,7 @@ def check_run(strategy: Any, module: Any, datamodule: Any, trainer: Any, world_s
     callbacks = list(getattr(trainer, "callbacks", None) or [])
     _call_check(module, run, trainer, module, datamodule)
     config = module.config if isinstance(module, EngineModule) else None
-    check_run_fits_model(run, config if hasattr(config, "validate_parallelism") else None)
+    check_run_fits_model(run, config if isinstance(config, GPTConfig) else None)
     if strategy.check_memory:
         _check_memory(strategy, run, module, datamodule, trainer, device)
     _call_check(datamodule, run, trainer, module, datamodule)

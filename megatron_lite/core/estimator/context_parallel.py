@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from megatron_lite.core.models.config import GPTConfig
 
-if TYPE_CHECKING:  # memory.py imports this module: the type only
+if TYPE_CHECKING:  # memory.py imports this module (through activations.py): the type only
     from megatron_lite.core.estimator.memory import EstimateLayout
 
 # Score-sized tensors one block computation holds at once (the scores, their scaled and masked copies;

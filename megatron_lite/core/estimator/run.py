@@ -48,7 +48,7 @@ def estimate_objective(module: Any, run: "RunSpec", datamodule: Any = None,
     ``datamodule`` as ``run`` describes it, every pipeline stage's in ``.stages``; None when they do not say
     enough (another kind of module or model, data without a declared geometry). An estimate that cannot be made
     raises ValueError/TypeError."""
-    if not isinstance(module, EngineModule) or not hasattr(module.config, "validate_parallelism") or run.data is None:
+    if not isinstance(module, EngineModule) or not isinstance(module.config, GPTConfig) or run.data is None:
         return None
     return estimate_for_run(module.config, run, module.optimizer_config, device_type=device_type,
                             objective=objective_cost(module, datamodule))

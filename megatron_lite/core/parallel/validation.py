@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.run_spec import RunSpec
 
 
-def check_run_fits_model(run: RunSpec, model_config: Any = None) -> None:
+def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None) -> None:
     """What :class:`RunSpec` cannot check alone: the model (a GPTConfig, or None when the module has none) and
     the data's sequences against the layout -- context parallelism, heads and groups over TP, layers into the
     pipeline stages, the data's ``seq_length`` against the model and under sequence parallelism.
