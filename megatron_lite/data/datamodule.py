@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, consumed_samples_after
-from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler, RankBatchSampler
+
+if TYPE_CHECKING:  # the run description, for the pre-launch check's signature
+    from megatron_lite.core.parallel.run_spec import RunSpec
 
 
 class ResumableDataLoader(DataLoader):

@@ -44,7 +44,7 @@ from megatron_lite.core.parallel.loss_report import report_entry
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
-from megatron_lite.rl.reference import frozen_reference, refuse_fsdp2
+from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
 
 # GPTConfig fields that decide the weights' shapes: a reference must agree on all of them.
@@ -199,7 +199,7 @@ class DPOModule(GPTModule):
     # --- checks before launch ------------------------------------------------------------
     def check_before_launch(self, run: RunSpec, trainer: Any, module: Any, datamodule: Any) -> None:
         super().check_before_launch(run, trainer, module, datamodule)
-        refuse_fsdp2(run, "DPOModule", " instead")
+        run.check_frozen_copy("DPOModule", " instead")
         if self.reference is not None:
             self._check_reference_shape(reference_config(self.reference))
 

@@ -33,7 +33,7 @@ from megatron_lite.core.parallel.loss_report import add_reports, report_entry
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import StepLoss, gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
-from megatron_lite.rl.reference import frozen_reference, refuse_fsdp2
+from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.grpo_config import GRPOConfig
 from megatron_lite.rl.grpo_loss import (
     group_advantages,
@@ -157,7 +157,7 @@ class GRPOModule(GPTModule):
                 f"{run.parallel.context_parallel_size}): rollouts are generated and scored per whole sequence; set "
                 f"context_parallel_size=1 and use tensor, pipeline or data parallelism.")
         if self.grpo.beta > 0:
-            refuse_fsdp2(run, "GRPOModule with beta > 0", ", or beta=0")
+            run.check_frozen_copy("GRPOModule with beta > 0", ", or beta=0")
         if trainer.state.fn == "fit" and run.data is not None and run.data.rampup_batch_size:
             raise ValueError("GRPOModule takes a fixed number of prompts per rollout; remove rampup_batch_size")
         longest = getattr(datamodule, "longest_prompt", None)

@@ -6,16 +6,6 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from megatron_lite.core.checkpoint.full_state import carry_over_state, same_layout
-from megatron_lite.core.parallel.run_spec import RunSpec
-
-
-def refuse_fsdp2(run: RunSpec, objective: str, otherwise: str) -> None:
-    """A frozen reference is a plain copy of the policy's TP/PP shard, which FSDP2 (sharding the policy over DP)
-    does not give: refuse ``run`` with FSDP2, naming ``objective`` and ``otherwise`` (the other way out)."""
-    if run.use_torch_fsdp2:
-        raise ValueError(f"{objective} does not run with use_torch_fsdp2=True (its frozen reference is a plain sharded "
-                         f"copy of the policy); use the distributed optimizer (model.optimizer.use_distributed_optimizer"
-                         f"=true) for ZeRO-1{otherwise}")
 
 
 def frozen_reference(module: Any, previous: Optional[nn.Module],

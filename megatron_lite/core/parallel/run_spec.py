@@ -99,6 +99,16 @@ class RunSpec:
                 "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "
                 "OptimizerConfig(use_distributed_optimizer=False) or drop use_torch_fsdp2.")
 
+    def check_frozen_copy(self, objective: str, otherwise: str) -> None:
+        """Refuse FSDP2 for ``objective``, which keeps a frozen copy of the model (a DPO/GRPO reference): that copy
+        is a plain copy of the policy's TP/PP shard, which FSDP2 (sharding the policy over DP) does not give;
+        ``otherwise`` completes the fix."""
+        if self.use_torch_fsdp2:
+            raise ValueError(
+                f"{objective} does not run with use_torch_fsdp2=True (its frozen reference is a plain sharded copy of "
+                f"the policy); use the distributed optimizer (model.optimizer.use_distributed_optimizer=true) for "
+                f"ZeRO-1{otherwise}")
+
     # --- batches ----------------------------------------------------------------------------
     def _check_batches(self, data: DataGeometry) -> None:
         """Every batch (each of a ramp-up included) in whole microbatches on every data-parallel rank, and in
