@@ -127,12 +127,16 @@ class MegatronStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: how long a collective waits for its peers, in every process group of the run (the
             layout's tensor/pipeline/data/context-parallel groups too), before it fails.
-        exit_signal_handler: on SIGTERM save ``last.ckpt`` into the checkpoint callback's directory and stop at
-            the next step boundary: adds a :class:`megatron_lite.callbacks.GracefulExit` when the Trainer has a
-            checkpoint callback and no GracefulExit (pass your own for other signals or time limits).
-        start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"`` (notebooks,
-            tests) or ``"spawn"``; ignored under torchrun / SLURM. With fork/spawn the ranks hand back the
-            trained model, ``callback_metrics``, the loop's progress and the predictions (see ``hand_back``).
+        exit_signal_handler: on SIGTERM (to any rank) save a checkpoint into the checkpoint callback's
+            directory (``last.ckpt``, what ``ckpt_path="last"`` resumes) and stop at the next step boundary,
+            whenever the Trainer has a checkpoint callback: adds a
+            :class:`megatron_lite.callbacks.GracefulExit` unless the Trainer already has one (pass your own
+            for other signals, ``exit_interval`` or ``exit_duration_in_mins``). ``False``: no such callback.
+        start_method: ``"popen"`` (re-run the script per rank; scripts and the CLI), ``"fork"``
+            (notebooks and tests) or ``"spawn"``. Ignored under torchrun / SLURM, which start the ranks.
+            With fork/spawn the ranks hand back to the launching process the whole trained model (full
+            tensors, loaded into a one-process model: ``module.model``), ``callback_metrics``, the fit
+            loop's progress and every data-parallel rank's predictions; a rank's exception is raised there.
     """
 
     strategy_name = "megatron"
