@@ -244,9 +244,10 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
     world_size = _world_size(trainer, devices, num_nodes)
     # at this data-parallel size first: the geometry alone would name the fix for one rank
     num_microbatches(geometry["global_batch_size"], geometry["micro_batch_size"], parallel.data_parallel_size(world_size))
-    spec = RunSpec(parallel=parallel, world_size=world_size, data=DataGeometry(**geometry),
-                   precision=str(trainer.get("precision", "32-true")),
-                   use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)))
+    batches = DataGeometry(geometry["micro_batch_size"], geometry["global_batch_size"], geometry["seq_length"],
+                           rampup_batch_size=data.get("rampup_batch_size"))  # a ramp-up is checked, not estimated
+    spec = RunSpec(parallel=parallel, world_size=world_size, data=batches, precision=str(trainer.get("precision",
+                   "32-true")), use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)))
     return RunDescription(config=config, optimizer=optimizer, spec=spec, device_type=device_type,
                           vocab_source=vocab_source, objective=cost, objective_name=type(objective).__name__)
 

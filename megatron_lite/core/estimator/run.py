@@ -37,7 +37,8 @@ def estimate_for_run(config: GPTConfig, run: "RunSpec", optimizer: Any = None, *
         context_parallel_size=parallel.context_parallel_size, cp_comm_type=parallel.cp_comm_type,
         precision=run.precision, use_distributed_optimizer=bool(getattr(optimizer, "use_distributed_optimizer", False)),
         use_torch_fsdp2=run.shards_with_fsdp2, optimizer=getattr(optimizer, "optimizer", "adam"),
-        sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9), num_microbatches=run.num_microbatches,
+        sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
+        num_microbatches=run.data.num_microbatches(run.data_parallel_size),
         device_type=device_type, frozen_models=objective.frozen_models)
     return estimate_memory(config, layout)
 
