@@ -35,6 +35,8 @@ from megatron_lite.strategies.memory_check import check_memory_fits
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from megatron_lite.strategies.megatron import MegatronStrategy
+
 
 @runtime_checkable
 class PreLaunchCheck(Protocol):
@@ -49,15 +51,15 @@ class PreLaunchCheck(Protocol):
         ...
 
 
-def build_run_spec(strategy: Any, datamodule: Any, world_size: int) -> RunSpec:
-    """The run description of ``strategy`` (a MegatronStrategy) over ``world_size`` ranks with ``datamodule``'s
+def build_run_spec(strategy: "MegatronStrategy", datamodule: Any, world_size: int) -> RunSpec:
+    """The run description of ``strategy`` over ``world_size`` ranks with ``datamodule``'s
     declared batch geometry."""
     return RunSpec(parallel=strategy.parallel_config, world_size=world_size, data=declared_geometry(datamodule),
                    precision=strategy.precision_plugin.precision, use_torch_fsdp2=strategy.use_torch_fsdp2,
                    ddp_bucket_size=strategy.ddp_bucket_size, overlap_grad_reduce=strategy.overlap_grad_reduce)
 
 
-def check_run(strategy: Any, module: Any, datamodule: Any, trainer: Any, world_size: int,
+def check_run(strategy: "MegatronStrategy", module: Any, datamodule: Any, trainer: Any, world_size: int,
               device: Optional[torch.device] = None) -> RunSpec:
     """Build the run description and check the run in the documented order (see the module docstring); return
     the description. Given a rank's CUDA ``device``, its free memory is checked too."""
@@ -67,14 +69,13 @@ def check_run(strategy: Any, module: Any, datamodule: Any, trainer: Any, world_s
         if callable(getattr(optimizer_config, "validate", None)):
             optimizer_config.validate()  # again: a field may have been set after construction (lr=nan)
         run.check_optimizer(optimizer_config)
-    callbacks = list(getattr(trainer, "callbacks", None) or [])
     _call_check(module, run, trainer, module, datamodule)
     config = module.config if isinstance(module, EngineModule) else None
     check_run_fits_model(run, config if isinstance(config, GPTConfig) else None)
     if strategy.check_memory:
         _check_memory(strategy, run, module, datamodule, trainer, device)
     _call_check(datamodule, run, trainer, module, datamodule)
-    for callback in callbacks:
+    for callback in list(getattr(trainer, "callbacks", None) or []):
         _call_check(callback, run, trainer, module, datamodule)
     return run
 
@@ -84,7 +85,7 @@ def _call_check(checker: Any, run: RunSpec, trainer: Any, module: Any, datamodul
         checker.check_before_launch(run, trainer, module, datamodule)
 
 
-def _check_memory(strategy: Any, run: RunSpec, module: Any, datamodule: Any, trainer: Any,
+def _check_memory(strategy: "MegatronStrategy", run: RunSpec, module: Any, datamodule: Any, trainer: Any,
                   device: Optional[torch.device]) -> None:
     """Refuse the run before anything is allocated when its estimate exceeds the machine (see memory_check)."""
     device_type = device.type if device is not None else (
