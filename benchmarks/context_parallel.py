@@ -70,6 +70,8 @@ from megatron_lite.core.estimator import (  # noqa: E402
     measure_step_activations,
 )
 from megatron_lite.core.parallel import context_parallel as cp_attention  # noqa: E402
+from megatron_lite.core.parallel.geometry import DataGeometry  # noqa: E402
+from megatron_lite.core.parallel.run_spec import RunSpec  # noqa: E402
 from megatron_lite.core.parallel.context_parallel import (  # noqa: E402
     AttentionContext,
     context_parallel_microbatch,
@@ -133,8 +135,9 @@ def memory_sweep(args) -> list[dict]:
             ranks = _measure_ranks(args, seq_length, cp)
             held, forward_peak, step_peak = (max(r[key] for r in ranks)
                                              for key in ("held_bytes", "forward_peak_bytes", "step_peak_bytes"))
-            estimate = estimate_for_run(_config(args, seq_length), micro_batch_size=1, device_type="cpu",
-                                        context_parallel_size=cp).activations
+            run = RunSpec(ml.ParallelConfig(context_parallel_size=cp), world_size=cp,
+                          data=DataGeometry(micro_batch_size=1, global_batch_size=1, seq_length=seq_length))
+            estimate = estimate_for_run(_config(args, seq_length), run, device_type="cpu").activations
             base = base or {"held": held, "step_peak": step_peak}
             row = {"seq_length": seq_length, "cp": cp, "held_bytes": held, "forward_peak_bytes": forward_peak,
                    "step_peak_bytes": step_peak, "per_rank_held_bytes": [r["held_bytes"] for r in ranks],

@@ -97,7 +97,7 @@ def optimizer_rows() -> list[dict]:
 
 
 def activation_rows() -> list[dict]:
-    from megatron_lite.core.estimator.memory import EstimateLayout, activation_breakdown
+    from megatron_lite.core.estimator import EstimateLayout, activation_breakdown
     from megatron_lite.core.estimator.probe import measure_activation_bytes
 
     settings = {"none": {}, "selective": dict(recompute_granularity="selective"),

@@ -31,7 +31,9 @@ from megatron_lite.core.optim.distributed import DistributedOptimizer
 from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
+from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.timers import Timers
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
 from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
@@ -203,12 +205,14 @@ class GPTModule(pl.LightningModule):
         load_full_state(self, state, vocab_size=self.config.vocab_size)
 
     def _fsdp(self) -> bool:
-        # With one data-parallel rank there is nothing to shard: FSDP2 would only add its hooks.
-        return bool(self._strategy_option("use_torch_fsdp2", False)) and self.parallel_layout.dp_size > 1
+        run = self._run_spec()
+        return run is not None and run.shards_with_fsdp2
 
-    def _strategy_option(self, name: str, default: Any) -> Any:
+    def _run_spec(self) -> Optional[RunSpec]:
+        """The run's description under MegatronStrategy (None alone or under another strategy)."""
         trainer = self._attached_trainer()
-        return getattr(trainer.strategy, name, default) if trainer is not None else default
+        run = getattr(trainer.strategy, "run_spec", None) if trainer is not None else None
+        return run if isinstance(run, RunSpec) else None
 
     def run_timers(self) -> Optional[Timers]:
         """The run's Megatron timers (held by the MegatronMetrics callback), if any."""
@@ -256,9 +260,9 @@ class GPTModule(pl.LightningModule):
         return type(self).loss_fn is not GPTModule.loss_fn
 
     def micro_batch_size(self, batch: dict) -> int:
-        """Samples per microbatch: the datamodule's ``micro_batch_size``, else the whole batch."""
-        mbs = getattr(getattr(self._attached_trainer(), "datamodule", None), "micro_batch_size", None)
-        return mbs if mbs is not None else next(iter(batch.values())).shape[0]
+        """Samples per microbatch: the ``micro_batch_size`` of the datamodule's geometry, else the whole batch."""
+        geometry = declared_geometry(getattr(self._attached_trainer(), "datamodule", None))
+        return geometry.micro_batch_size if geometry is not None else next(iter(batch.values())).shape[0]
 
     def step_microbatches(self, batch: dict) -> list[dict]:
         """``batch`` cut into the microbatches the engine runs; under context parallelism each is this CP
@@ -429,12 +433,14 @@ class GPTModule(pl.LightningModule):
         return ObjectiveCost()
 
     # --- optimizer ------------------------------------------------------------------------
-    def validate_configuration(self, trainer: "pl.Trainer", datamodule=None) -> None:
-        """Checks that need the Trainer or the data; MegatronStrategy calls this before it starts any process."""
+    def check_before_launch(self, run: RunSpec, trainer: "pl.Trainer", module: "pl.LightningModule",
+                            datamodule: Optional["pl.LightningDataModule"]) -> None:
+        """Checks that need the Trainer, the run or the data (MegatronStrategy's pre-launch check: before it
+        starts any process, and again in every rank)."""
         if trainer.state.fn == "fit":
             schedule_lengths(self.optimizer_config, trainer.max_steps)  # every schedule check, in its unit
             cfg = self.optimizer_config
-            if getattr(datamodule, "rampup_batch_size", None) and not cfg.sample_based and \
+            if run.data is not None and run.data.rampup_batch_size and not cfg.sample_based and \
                     (cfg.lr_decay_style != "constant" or cfg.lr_warmup_iters > 0):
                 # Megatron refuses iteration-based schedules with ramp-up: steps of different sizes.
                 raise ValueError(
@@ -446,39 +452,29 @@ class GPTModule(pl.LightningModule):
                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "
                     f"over microbatches itself; raise the datamodule's global_batch_size instead (it is split into "
                     f"global_batch_size / (micro_batch_size x dp) microbatches per step).")
-            self._check_pipeline(trainer)
+            self._check_pipeline(run)
             if trainer.gradient_clip_val:
                 raise ValueError(
                     f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
                     f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead.")
-        if trainer.state.fn != "predict":  # predict runs whole sequences on every CP rank
-            self._check_context_parallel(trainer)
-        self._check_vocab(datamodule)
-        check_prompts = getattr(datamodule, "check_fits_model", None)  # a PromptDataModule: prompts vs the model
-        if callable(check_prompts):
-            check_prompts(self.config)
-
-    def _check_context_parallel(self, trainer: "pl.Trainer") -> None:
-        parallel = getattr(trainer.strategy, "parallel_config", None)
-        if parallel is None or parallel.context_parallel_size == 1:
-            return
-        if self._overrides_loss_fn():
+        if trainer.state.fn != "predict" and run.parallel.context_parallel_size > 1 and self._overrides_loss_fn():
+            # predict runs whole sequences on every CP rank
             raise ValueError(
                 f"{type(self).__name__} overrides loss_fn, which is given whole {{'tokens': [b, s+1]}} microbatches; "
                 f"under context parallelism each rank holds a share of every sequence ('tokens' and 'labels' "
                 f"[b, s/C]): override forward_step(part, microbatch, input_tensor) and loss(output, microbatch) "
                 f"instead, or set context_parallel_size=1.")
+        self._check_vocab(datamodule)
 
-    def _check_pipeline(self, trainer: "pl.Trainer") -> None:
-        parallel = getattr(trainer.strategy, "parallel_config", None)
-        if parallel is None or parallel.pipeline_model_parallel_size == 1:
+    def _check_pipeline(self, run: RunSpec) -> None:
+        if run.parallel.pipeline_model_parallel_size == 1:
             return
         if self._overrides_loss_fn():
             raise ValueError(
                 f"{type(self).__name__} overrides loss_fn, which runs the whole model in one call; under pipeline "
                 f"parallelism each stage runs only its layers: override forward_step(part, microbatch, input_tensor) "
                 f"and loss(output, microbatch) instead, or set pipeline_model_parallel_size=1.")
-        if self.config.share_embeddings_and_output_weights and getattr(trainer.strategy, "overlap_grad_reduce", False):
+        if self.config.share_embeddings_and_output_weights and run.overlap_grad_reduce:
             raise ValueError(
                 "overlap_grad_reduce=True with tied embeddings under pipeline parallelism: the embedding's gradient "
                 "must be summed over the first and last stage before its bucket is reduced; set "
@@ -491,8 +487,9 @@ class GPTModule(pl.LightningModule):
         fp16 = self._precision().startswith("16")
         if self.megatron_optimizer is not None:  # a second fit on this module: detach the previous one
             self.megatron_optimizer.remove_hooks()
-        buckets = dict(bucket_size=self._strategy_option("ddp_bucket_size", None),
-                       overlap_grad_reduce=self._strategy_option("overlap_grad_reduce", False))
+        run = self._run_spec()
+        buckets = dict(bucket_size=run.ddp_bucket_size if run is not None else None,
+                       overlap_grad_reduce=run is not None and run.overlap_grad_reduce)
         if cfg.use_distributed_optimizer:
             self.megatron_optimizer = DistributedOptimizer(self.model, cfg, layout, fp16=fp16, **buckets)
         elif self._fsdp():

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.post_training.distillation import Distillation, DistillationConfig, load_teacher
 
 
@@ -43,14 +44,13 @@ class Distill(pl.Callback):
         self.extension: Optional[Distillation] = None
         """The extension added to the module (after ``setup``)."""
 
-    def validate_run(self, trainer: "pl.Trainer", module: Any) -> None:
-        """Checks run by MegatronStrategy before any rank starts (and again in ``setup``)."""
+    def check_before_launch(self, run: RunSpec, trainer: "pl.Trainer", module: Any, datamodule: Any) -> None:
+        """MegatronStrategy's pre-launch check: before any rank starts, and in every rank before its setup."""
         config = _student_config(module)
-        parallel = getattr(trainer.strategy, "parallel_config", None)
-        tp = getattr(parallel, "tensor_model_parallel_size", 1)
-        pp = getattr(parallel, "pipeline_model_parallel_size", 1)
-        Distillation(self.teacher, self.config).check(config, tp, pp)
-        if isinstance(self.teacher, str) and getattr(trainer.strategy, "use_torch_fsdp2", False):
+        parallel = run.parallel
+        Distillation(self.teacher, self.config).check(config, parallel.tensor_model_parallel_size,
+                                                      parallel.pipeline_model_parallel_size)
+        if isinstance(self.teacher, str) and run.use_torch_fsdp2:
             raise ValueError("Distill(teacher='self') with use_torch_fsdp2=True: the student is FSDP-sharded before "
                              "the copy could be taken; save the student (ModelCheckpoint) and pass its checkpoint "
                              "as the teacher, or use the distributed optimizer instead of FSDP2")

@@ -41,9 +41,9 @@ from megatron_lite.callbacks.peak_flops import (
     measure_matmul_tflops,
     precision_dtype,
 )
-from megatron_lite.core.estimator.flops import training_flops_per_step
-from megatron_lite.core.estimator.objective_cost import objective_cost
+from megatron_lite.callbacks.memory_report import flops_per_step
 from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.timers import LogOption, TimerReport, Timers
 
 # Megatron's timer names and levels (0: always on; 1: per-step phases; 2: finest).
@@ -76,7 +76,7 @@ class MegatronMetrics(pl.Callback):
     ``train/tflops_per_device``, ``train/mfu``, ``train/mem_peak_gib`` and ``timers/<name>`` (max
     ms per step across ranks) at every logging step, and ``val/perplexity`` (``exp(val/loss)``)
     after each validation. FLOPs come from :func:`training_flops_per_step` of the module's
-    ``config`` (a :class:`GPTConfig`) and the datamodule's ``global_batch_size``/``seq_length``, with
+    ``config`` (a :class:`GPTConfig`) and the datamodule's batch ``geometry`` (global batch, seq_length), with
     what one sample costs the module's objective (``objective_cost``: a DPO pair is two sequences and the
     reference model's forward over both, a GRPO prompt ``group_size`` sequences and their extra forwards).
 
@@ -161,10 +161,10 @@ class MegatronMetrics(pl.Callback):
         if not self._energy.available:
             rank_zero_warn(f"MegatronMetrics logs no train/energy_per_step_j: {self._energy.reason}")
         datamodule = getattr(trainer, "datamodule", None)
-        if not (isinstance(getattr(pl_module, "config", None), GPTConfig)
-                and getattr(datamodule, "global_batch_size", None) and getattr(datamodule, "seq_length", None)):
+        if not (isinstance(getattr(pl_module, "config", None), GPTConfig) and declared_geometry(datamodule)):
             rank_zero_warn("MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
-                           "datamodule with `global_batch_size` and `seq_length` (e.g. GPTModule + MockGPTDataModule).")
+                           "datamodule with a batch `geometry` (a DataGeometry: global_batch_size, seq_length; e.g. "
+                           "GPTModule + MockGPTDataModule).")
 
     def _intervals(self, trainer: "pl.Trainer") -> tuple[int, int]:
         """(log interval, console timer-block interval) in steps; 0 means never."""
@@ -175,15 +175,13 @@ class MegatronMetrics(pl.Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._reset_run_state()
         datamodule = getattr(trainer, "datamodule", None)
-        self._global_batch_size = getattr(datamodule, "global_batch_size", None)
-        self._seq_length = getattr(datamodule, "seq_length", None)
-        config = getattr(pl_module, "config", None)
-        if isinstance(config, GPTConfig) and self._global_batch_size and self._seq_length:
+        geometry = declared_geometry(datamodule)
+        if geometry is not None:
+            self._global_batch_size, self._seq_length = geometry.global_batch_size, geometry.seq_length
+        if isinstance(getattr(pl_module, "config", None), GPTConfig) and geometry is not None:
             layout = getattr(trainer.strategy, "parallel_layout", None)
             tp = layout.tp_size if layout is not None else 1  # decides the vocabulary padding
-            self._flops_per_step = training_flops_per_step(config, self._global_batch_size, self._seq_length,
-                                                           tensor_model_parallel_size=tp,
-                                                           cost=objective_cost(pl_module, datamodule))
+            self._flops_per_step = flops_per_step(pl_module, datamodule, geometry, tp)
             self._flops_per_sample = self._flops_per_step / self._global_batch_size  # linear in the batch
             self._dp_size = layout.dp_size if layout is not None else 1
             self._peak_tflops = self._resolve_peak(trainer)

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from megatron_lite.callbacks.graceful_exit import save_and_stop
 from megatron_lite.core.engine import TrainingEngine
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.rerun import EXIT_CODE_RESUME_TO_DISAMBIGUATE, Policy, RerunConfig, RerunStateMachine
 
 METRICS = ("rejected", "transient", "reproducible", "skipped")
@@ -63,8 +64,9 @@ class RerunValidation(pl.Callback):
                             f"another module that trains through TrainingEngine.train_step, or remove the callback")
         return engine
 
-    def validate_run(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """MegatronStrategy calls this before it starts any rank."""
+    def check_before_launch(self, run: RunSpec, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                            datamodule: Any) -> None:
+        """MegatronStrategy's pre-launch check: before it starts any rank, and in every rank."""
         if pl_module is not None and not isinstance(getattr(type(pl_module), "engine", None), property):
             self._engine(pl_module)  # raises, naming the fix
 

@@ -32,7 +32,7 @@ import yaml
 
 from megatron_lite.cli.command import report_user_error
 from megatron_lite.core.estimator.flops import training_flops_per_step
-from megatron_lite.core.estimator.memory import MemoryEstimate, estimate_for_run
+from megatron_lite.core.estimator.memory import MemoryEstimate
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
 from megatron_lite.core.estimator.report import (  # noqa: F401  (re-exported: the command's API)
     default_device_memory_bytes,
@@ -41,8 +41,11 @@ from megatron_lite.core.estimator.report import (  # noqa: F401  (re-exported: t
 )
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.optim.config import OptimizerConfig
+from megatron_lite.core.estimator.run import estimate_for_run
+from megatron_lite.core.parallel.geometry import DataGeometry, num_microbatches
 from megatron_lite.core.parallel.layout import ParallelConfig
-from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.core.parallel.run_spec import RunSpec
+from megatron_lite.core.parallel.validation import check_run_fits_model
 
 GIB = 1024**3
 
@@ -59,36 +62,8 @@ class RunDescription:
     """The model."""
     optimizer: OptimizerConfig
     """The optimizer settings (its kind and the distributed-optimizer switch matter)."""
-    micro_batch_size: int
-    """Samples per microbatch."""
-    global_batch_size: int
-    """Samples per optimizer step."""
-    seq_length: int
-    """Tokens per sample."""
-    world_size: int
-    """Ranks: devices x nodes."""
-    tensor_model_parallel_size: int
-    """TP size."""
-    pipeline_model_parallel_size: int
-    """PP size."""
-    virtual_pipeline_model_parallel_size: int
-    """Model chunks (virtual stages) per pipeline rank."""
-    pipeline_schedule: Optional[str]
-    """The strategy's pipeline schedule (None: its default)."""
-    num_layers_in_first_pipeline_stage: Optional[int]
-    """Layers of the first pipeline stage of an uneven cut."""
-    num_layers_in_last_pipeline_stage: Optional[int]
-    """Layers of the last pipeline stage of an uneven cut."""
-    sequence_parallel: bool
-    """Sequence parallelism on."""
-    context_parallel_size: int
-    """CP size."""
-    cp_comm_type: str
-    """How CP attention exchanges keys/values ('p2p' or 'all_gather')."""
-    use_torch_fsdp2: bool
-    """FSDP2 over the data-parallel ranks."""
-    precision: str
-    """Lightning precision string."""
+    spec: RunSpec
+    """The run as the strategy would describe it: layout, world size, the data's geometry, precision, FSDP2."""
     device_type: str
     """'cuda' or 'cpu'."""
     vocab_source: str
@@ -256,8 +231,7 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         else:
             device_type = "cpu" if accelerator == "cpu" else "cuda"
-    return RunDescription(
-        config=config, optimizer=optimizer, world_size=_world_size(trainer, devices, num_nodes),
+    parallel = ParallelConfig(
         tensor_model_parallel_size=int(strategy.get("tensor_model_parallel_size", 1)),
         pipeline_model_parallel_size=int(strategy.get("pipeline_model_parallel_size", 1)),
         virtual_pipeline_model_parallel_size=int(strategy.get("virtual_pipeline_model_parallel_size", 1)),
@@ -266,33 +240,27 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
         num_layers_in_last_pipeline_stage=_optional_int(strategy.get("num_layers_in_last_pipeline_stage")),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         context_parallel_size=int(strategy.get("context_parallel_size", 1)),
-        cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),
-        use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)),
-        precision=str(trainer.get("precision", "32-true")), device_type=device_type, vocab_source=vocab_source,
-        objective=cost, objective_name=type(objective).__name__, **geometry)
+        cp_comm_type=str(strategy.get("cp_comm_type", "p2p")))
+    world_size = _world_size(trainer, devices, num_nodes)
+    # at this data-parallel size first: the geometry alone would name the fix for one rank
+    num_microbatches(geometry["global_batch_size"], geometry["micro_batch_size"], parallel.data_parallel_size(world_size))
+    batches = DataGeometry(geometry["micro_batch_size"], geometry["global_batch_size"], geometry["seq_length"],
+                           rampup_batch_size=data.get("rampup_batch_size"))  # a ramp-up is checked, not estimated
+    spec = RunSpec(parallel=parallel, world_size=world_size, data=batches, precision=str(trainer.get("precision",
+                   "32-true")), use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)))
+    return RunDescription(config=config, optimizer=optimizer, spec=spec, device_type=device_type,
+                          vocab_source=vocab_source, objective=cost, objective_name=type(objective).__name__)
 
 
 def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
     """(per-rank memory estimate, model FLOPs per step) of ``run``; ValueError naming the fix if invalid."""
-    pipeline = dict(pipeline_model_parallel_size=run.pipeline_model_parallel_size,
-                    virtual_pipeline_model_parallel_size=run.virtual_pipeline_model_parallel_size,
-                    pipeline_schedule=run.pipeline_schedule,
-                    num_layers_in_first_pipeline_stage=run.num_layers_in_first_pipeline_stage,
-                    num_layers_in_last_pipeline_stage=run.num_layers_in_last_pipeline_stage)
-    context = dict(context_parallel_size=run.context_parallel_size, cp_comm_type=run.cp_comm_type)
-    parallel = ParallelConfig(tensor_model_parallel_size=run.tensor_model_parallel_size,
-                              sequence_parallel=run.sequence_parallel, **pipeline, **context)
-    dp = validate_run(parallel, run.world_size, run.config, micro_batch_size=run.micro_batch_size,
-                      global_batch_size=run.global_batch_size, seq_length=run.seq_length,
-                      use_torch_fsdp2=run.use_torch_fsdp2)
-    estimate = estimate_for_run(
-        run.config, micro_batch_size=run.micro_batch_size, global_batch_size=run.global_batch_size,
-        seq_length=run.seq_length, tensor_model_parallel_size=run.tensor_model_parallel_size, data_parallel_size=dp,
-        sequence_parallel=run.sequence_parallel, precision=run.precision, optimizer=run.optimizer,
-        use_torch_fsdp2=run.use_torch_fsdp2, device_type=run.device_type, objective=run.objective, **pipeline,
-        **context)
-    flops = training_flops_per_step(run.config, run.global_batch_size, run.seq_length,
-                                    tensor_model_parallel_size=run.tensor_model_parallel_size, cost=run.objective)
+    spec = run.spec
+    check_run_fits_model(spec, run.config)
+    estimate = estimate_for_run(run.config, spec, run.optimizer, device_type=run.device_type, objective=run.objective)
+    assert spec.data is not None  # describe_run always reads the geometry
+    flops = training_flops_per_step(run.config, spec.data.global_batch_size, spec.data.seq_length,
+                                    tensor_model_parallel_size=spec.parallel.tensor_model_parallel_size,
+                                    cost=run.objective)
     return estimate, flops
 
 
@@ -331,12 +299,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device_memory = (args.device_memory_gib * GIB if args.device_memory_gib is not None
                      else default_device_memory_bytes())
     warning = memory_warning(estimate, device_memory)
-    world = run.world_size
+    world = run.spec.world_size
     if args.json:
         out = estimate.to_dict()
         out.update(flops_per_step=flops, flops_per_rank_per_step=flops / world, world_size=world,
                    vocab_size=run.config.vocab_size, padded_vocab_size=run.config.padded_vocab_size(
-                       run.tensor_model_parallel_size), vocab_size_source=run.vocab_source,
+                       run.spec.parallel.tensor_model_parallel_size), vocab_size_source=run.vocab_source,
                    device_memory_bytes=device_memory, warning=warning, objective=run.objective_name,
                    objective_cost=dataclasses.asdict(run.objective))
         print(json.dumps(out, indent=2))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -12,6 +12,9 @@ from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, 
 from megatron_lite.data.eval_padding import PaddedEvaluationDataset, masked_padding_sample
 from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler, RankBatchSampler
+
+if TYPE_CHECKING:  # the run description, for the pre-launch check's signature
+    from megatron_lite.core.parallel.run_spec import RunSpec
 
 
 class ResumableDataLoader(DataLoader):
@@ -95,8 +98,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Micro/global batch size and sequence length of this datamodule."""
         return self._geometry
 
-    def validate_inputs(self) -> None:
-        """Check the input files; MegatronStrategy calls this in the launching process before any rank
+    def check_before_launch(self, run: RunSpec, trainer: Optional[pl.Trainer] = None, module: Any = None,
+                            datamodule: Any = None) -> None:
+        """Check the input files (MegatronStrategy's pre-launch check): in the launching process before any rank
         starts, so a bad file fails once, with one message, instead of in every rank after launch.
         Subclasses that read files override it (nothing to check here)."""
 

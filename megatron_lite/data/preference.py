@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.packing import check_cu_seqlens
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
@@ -325,9 +326,10 @@ class PreferenceDataModule(PretrainingDataModule):
         # Read (not tokenized) now: a malformed line is reported before any process is started.
         self._pairs: Optional[list[Pair]] = [pair for p in self.paths for pair in read_preferences(p, self.keys)]
 
-    def validate_inputs(self) -> None:
-        """Tokenize (and pack) every split here, in the launching process (MegatronStrategy calls this before it
-        starts any rank): a pair that cannot be used fails once, naming its line, instead of in every rank's
+    def check_before_launch(self, run: RunSpec, trainer: Any = None, module: Any = None, datamodule: Any = None
+                            ) -> None:
+        """Tokenize (and pack) every split here, in the launching process (MegatronStrategy's pre-launch check,
+        before it starts any rank): a pair that cannot be used fails once, naming its line, instead of in every rank's
         setup; forked ranks inherit the datasets and do not tokenize again."""
         self.setup()
 

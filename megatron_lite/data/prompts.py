@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 from megatron_lite.core.inference.generate import model_context
 from megatron_lite.core.inference.prompts import check_prompts, check_stop_ids
 from megatron_lite.core.inference.sampling import SamplingParams
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.tokenizers.base import Tokenizer
 
 Prompt = Union[str, Sequence[int]]
@@ -61,7 +63,7 @@ class PromptDataModule(pl.LightningDataModule):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer: pass tokenizer=... (or token-id lists)")
             prompts = [tokenizer.tokenize(p) if isinstance(p, str) else p for p in prompts]
-        # Everything but the model's vocabulary and context, which check_fits_model checks.
+        # Everything but the model's vocabulary and context, which check_fits_model checks (before launch too).
         self.prompts = check_prompts(prompts, max_new_tokens, vocab_size=None, context=None)
         self.stop_ids = check_stop_ids(stop_ids, vocab_size=None)
         self.max_new_tokens = max_new_tokens
@@ -75,6 +77,12 @@ class PromptDataModule(pl.LightningDataModule):
         (a GPTConfig): ids outside its vocabulary, a prompt plus max_new_tokens past its context."""
         check_prompts(self.prompts, self.max_new_tokens, config.vocab_size, model_context(config))
         check_stop_ids(self.stop_ids, config.vocab_size)
+
+    def check_before_launch(self, run: RunSpec, trainer: Any, module: Any, datamodule: Any) -> None:
+        """MegatronStrategy's pre-launch check: the prompts against the module's model (a GPTConfig ``config``)."""
+        config = getattr(module, "config", None)
+        if isinstance(config, GPTConfig):
+            self.check_fits_model(config)
 
     def generation_options(self) -> dict[str, Any]:
         """What each batch carries to :meth:`GPTModule.generate_batch`."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.core.parallel.packing import check_cu_seqlens
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
@@ -203,9 +204,10 @@ class SFTDataModule(PretrainingDataModule):
             pack_sequences, chat_template, messages_key, seed)
         self.vocab_size = tokenizer.vocab_size
         self.datasets: dict[str, SFTDataset] = {}
-        self._validated_inputs: Optional[tuple] = None  # (path, size, mtime, key) of the file validate_inputs read
+        self._validated_inputs: Optional[tuple] = None  # (path, size, mtime, key) of the file last checked
 
-    def validate_inputs(self) -> None:
+    def check_before_launch(self, run: RunSpec, trainer: Any = None, module: Any = None, datamodule: Any = None
+                            ) -> None:
         """Read the whole file once and refuse it, naming the line and the fix, if it is empty, holds no
         ``messages_key`` list, a malformed message, or too few conversations for a train split. Every
         rank parses the whole file in ``setup`` anyway; this pass, in the launching process, makes a bad

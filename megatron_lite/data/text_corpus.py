@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.bundled import resolve_corpus
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
@@ -143,7 +144,7 @@ class TextCorpusDataModule(PretrainingDataModule):
         self.train_dataset: TokenWindowDataset | None = None
         self.val_dataset: TokenWindowDataset | None = None
         self.test_dataset: TokenWindowDataset | None = None
-        self._validated_inputs: tuple[object, ...] | None = None  # _corpus_identity() validate_inputs read
+        self._validated_inputs: tuple[object, ...] | None = None  # _corpus_identity() check_before_launch read
 
     # ---- cache -------------------------------------------------------------------------------------------
 
@@ -212,7 +213,8 @@ class TextCorpusDataModule(PretrainingDataModule):
         return os.path.isfile(tokenizer_path) and all(
             os.path.isfile(p) for p in self._token_paths(tokenizer_path).values())
 
-    def validate_inputs(self) -> None:
+    def check_before_launch(self, run: RunSpec, trainer: object = None, module: object = None,
+                            datamodule: object = None) -> None:
         """Refuse a corpus with a malformed line (not JSON, not an object, no ``json_key``, not a string),
         naming ``file:line`` and the fix, before any rank starts. The constructor read only up to the first
         text; building the cache reads every line, so the whole file is checked here, once, unless this

@@ -142,7 +142,7 @@ class Distillation(ObjectiveExtension):
 
     def check(self, student_config: GPTConfig, tp: int = 1, pp: int = 1) -> None:
         """Bad input, before the models are built (and before ranks start, from the callback's
-        ``validate_run``): vocabulary, layer names, layouts it cannot run."""
+        ``check_before_launch``): vocabulary, layer names, layouts it cannot run."""
         teacher = self.teacher_config(student_config)
         if teacher.vocab_size != student_config.vocab_size:
             raise ValueError(f"the teacher's vocabulary ({teacher.vocab_size} tokens) differs from the student's "

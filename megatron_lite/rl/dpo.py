@@ -41,6 +41,7 @@ from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
 from megatron_lite.core.parallel.loss_report import report_entry
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.reference import frozen_reference
@@ -196,12 +197,9 @@ class DPOModule(GPTModule):
         return dpo
 
     # --- checks before launch ------------------------------------------------------------
-    def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
-        super().validate_configuration(trainer, datamodule)
-        if getattr(trainer.strategy, "use_torch_fsdp2", False):
-            raise ValueError("DPOModule does not run with use_torch_fsdp2=True (its frozen reference is a plain "
-                             "sharded copy of the policy); use the distributed optimizer "
-                             "(model.optimizer.use_distributed_optimizer=true) for ZeRO-1 instead")
+    def check_before_launch(self, run: RunSpec, trainer: Any, module: Any, datamodule: Any) -> None:
+        super().check_before_launch(run, trainer, module, datamodule)
+        run.check_frozen_copy("DPOModule", " instead")
         if self.reference is not None:
             self._check_reference_shape(reference_config(self.reference))
 

@@ -30,6 +30,7 @@ from megatron_lite.core.optim.optimizer import StepResult
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.loss_report import add_reports, report_entry
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import StepLoss, gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.reference import frozen_reference
@@ -148,19 +149,16 @@ class GRPOModule(GPTModule):
                 self.reference_model = self.build_model(ParallelLayout.single()).requires_grad_(False).eval()
             load_full_state(self.reference_model, reference, vocab_size=self.config.vocab_size)
 
-    def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
-        super().validate_configuration(trainer, datamodule)
-        parallel = getattr(trainer.strategy, "parallel_config", None)
-        if parallel is not None and parallel.context_parallel_size > 1:
+    def check_before_launch(self, run: RunSpec, trainer: Any, module: Any, datamodule: Any) -> None:
+        super().check_before_launch(run, trainer, module, datamodule)
+        if run.parallel.context_parallel_size > 1:
             raise ValueError(
                 f"GRPOModule does not run under context parallelism (context_parallel_size="
-                f"{parallel.context_parallel_size}): rollouts are generated and scored per whole sequence; set "
+                f"{run.parallel.context_parallel_size}): rollouts are generated and scored per whole sequence; set "
                 f"context_parallel_size=1 and use tensor, pipeline or data parallelism.")
-        if self.grpo.beta > 0 and getattr(trainer.strategy, "use_torch_fsdp2", False):
-            raise ValueError("GRPOModule with beta > 0 does not run with use_torch_fsdp2=True (its frozen reference is "
-                             "a plain sharded copy of the policy); use the distributed optimizer "
-                             "(model.optimizer.use_distributed_optimizer=true) for ZeRO-1, or beta=0")
-        if datamodule is not None and trainer.state.fn == "fit" and getattr(datamodule, "rampup_batch_size", None):
+        if self.grpo.beta > 0:
+            run.check_frozen_copy("GRPOModule with beta > 0", ", or beta=0")
+        if trainer.state.fn == "fit" and run.data is not None and run.data.rampup_batch_size:
             raise ValueError("GRPOModule takes a fixed number of prompts per rollout; remove rampup_batch_size")
         longest = getattr(datamodule, "longest_prompt", None)
         if callable(longest):

@@ -15,6 +15,7 @@ from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.reward import RewardModel, chunk_rewards
 from megatron_lite.core.optim import OptimizerConfig
 from megatron_lite.core.parallel.loss_report import report_entry
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.losses import bradley_terry_loss, preference_correct
 
@@ -30,13 +31,13 @@ class RewardModelModule(GPTModule):
     def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234):
         super().__init__(config, optimizer, seed)
 
-    def validate_configuration(self, trainer: Any, datamodule: Any = None) -> None:
-        super().validate_configuration(trainer, datamodule)
+    def check_before_launch(self, run: RunSpec, trainer: Any, module: Any, datamodule: Any) -> None:
+        super().check_before_launch(run, trainer, module, datamodule)
         if getattr(datamodule, "pack_sequences", False):
             raise ValueError("RewardModelModule reads one pair per row pair: set the PreferenceDataModule's "
                              "pack_sequences=False (packed rows of pairs are for DPOModule)")
-        parallel = getattr(trainer.strategy, "parallel_config", None)
-        if parallel is not None and parallel.context_parallel_size > 1:
+        parallel = run.parallel
+        if parallel.context_parallel_size > 1:
             # The reward is read at each sequence's last real token, which lies on one CP rank only, and the
             # pairs' microbatches are not token sequences that the zigzag split knows how to cut.
             raise ValueError(

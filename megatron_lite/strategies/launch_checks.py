@@ -1,5 +1,5 @@
-"""Checks of what ``trainer.fit/validate/test/predict`` was given beyond the module and the data, run in
-the launching process before any rank starts: the checkpoint to resume and the callbacks' own checks.
+"""Checks of the checkpoint given to ``trainer.fit/validate/test/predict`` (``ckpt_path``), run in the launching
+process before any rank starts (the module's, the data's and the callbacks' checks are ``pre_launch``'s).
 A bad ``ckpt_path`` used to surface inside every rank, after the process groups existed, as DCP's error."""
 from __future__ import annotations
 
@@ -113,10 +113,3 @@ def mismatch_message(path: Path, module: Any, mismatch: EntryMismatch, meta: Opt
             f"load only the entries both have on purpose with module.strict_loading = False (Lightning's switch; "
             f"`--model.strict_loading false` on the command line): the others keep their current values.")
 
-
-def check_callbacks(trainer: Any, module: Any) -> None:
-    """Run each callback's ``validate_run(trainer, module)``, if it has one (raises naming the fix)."""
-    for callback in getattr(trainer, "callbacks", None) or []:
-        check = getattr(callback, "validate_run", None)
-        if callable(check):
-            check(trainer, module)

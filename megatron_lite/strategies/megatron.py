@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -29,39 +28,29 @@ from megatron_lite.core.checkpoint.checkpointer import Checkpointer
 from megatron_lite.core.checkpoint.errors import EntryMismatchError
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
-from megatron_lite.core.checkpoint.full.state import (
-    gather_full_state,
-    load_full_state,
-    read_full_state,
-    write_full_state,
-)
 from megatron_lite.core.checkpoint.resume.entries import holds_training_state, read_meta_plain
 from megatron_lite.core.engine.contract import EngineModule
-from megatron_lite.core.estimator.flops import training_flops_per_step
-from megatron_lite.core.estimator.objective_cost import objective_cost
-from megatron_lite.core.estimator.report import format_table, memory_warning
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
-from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.core.parallel.run_spec import RunSpec, check_bucket_size
+from megatron_lite.strategies.default_callbacks import add_default_callbacks
+from megatron_lite.strategies.hand_back import hand_back, receive_results
 from megatron_lite.strategies.launch_checks import (
-    check_callbacks,
     check_checkpoint_fits,
     check_ckpt_path,
     ckpt_path_of,
     mismatch_message,
     weights_only_message,
 )
-from megatron_lite.strategies.memory_check import check_memory_fits, run_memory_estimate
+from megatron_lite.strategies.pre_launch import check_run
 from megatron_lite.strategies.precision import MegatronPrecision, as_megatron_precision
-from megatron_lite.strategies.predictions import merge_predictions, write_predictions
+from megatron_lite.strategies.process_groups import join_process_groups, release_process_groups
 from megatron_lite.strategies._lightning_private import (
     InPlaceLauncher,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
     attached_trainer,
     make_launcher,
-    predictions_with_indices,
 )
 from megatron_lite.strategies.auto_resume import AutoResume, recover_interrupted_saves, replace_last, resume_checkpoint
 from megatron_lite.strategies.checkpointing import (
@@ -70,13 +59,7 @@ from megatron_lite.strategies.checkpointing import (
     refuse_without_weights,
     saves_asynchronously,
 )
-from megatron_lite.strategies.rank_failure import (
-    RUN_DIR_ENV,
-    failure_file,
-    next_run_number,
-    read_failure,
-    record_failure,
-)
+from megatron_lite.strategies.rank_failure import RUN_DIR_ENV, failure_file, next_run_number, report_rank_failure
 
 
 log = logging.getLogger(__name__)
@@ -96,24 +79,18 @@ class MegatronStrategy(ParallelStrategy):
             ``"gpipe"``.
         num_layers_in_first_pipeline_stage: layers of the first stage for an uneven cut.
         num_layers_in_last_pipeline_stage: layers of the last stage for an uneven cut.
-        context_parallel_size: ranks that split every sequence (Megatron's ``--context-parallel-size``):
-            the sequence is cut into ``2 x context_parallel_size`` chunks, rank r holding chunks r and
-            2C-1-r (the same causal work on every rank); attention is exact (keys/values exchanged and
-            the partial softmax results merged by log-sum-exp). Needs the data's ``seq_length`` divisible
-            by ``2 x context_parallel_size`` (and the local length ``seq_length / context_parallel_size``
-            by ``tensor_model_parallel_size`` under sequence parallelism) and ``attention_dropout=0``.
-        cp_comm_type: how context-parallel attention gets the other ranks' keys and values
-            (Megatron's ``--cp-comm-type``): ``"p2p"`` (passed around the CP ring, the next block in flight
-            while the current one is computed; two blocks of ``seq_length / C`` tokens in memory) or
-            ``"all_gather"`` (all at once: the whole sequence's keys and values in memory during attention).
+        context_parallel_size: ranks that split every sequence into ``2 x C`` chunks, rank r holding chunks r
+            and 2C-1-r; exact attention (log-sum-exp merge). Needs ``seq_length`` divisible by ``2 x C`` (by
+            ``2 x C x TP`` under sequence parallelism) and ``attention_dropout=0``.
+        cp_comm_type: how CP attention gets the other ranks' keys and values: ``"p2p"`` (around the ring, one
+            block in flight) or ``"all_gather"`` (the whole sequence's at once).
         use_torch_fsdp2: shard parameters, gradients and optimizer state over the data-parallel ranks
             with PyTorch's FSDP2 (ZeRO-3), composed with TP. For ZeRO-1 (sharded optimizer state and
             fp32 masters only) set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
         ddp_bucket_size: elements per gradient bucket (Megatron's ``--ddp-bucket-size``; default
             max(40M, 1M x dp)).
         log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` callback (throughput, TFLOP/s,
-            MFU, memory, timers, a Megatron-style console line) unless the Trainer already has one;
-            ``False`` removes it.
+            MFU, memory, timers, Megatron's console line) unless the Trainer has one.
         async_save: checkpoints saved by callbacks during ``fit`` (Lightning's ``ModelCheckpoint``) are
             written in the background: the save copies the state to host memory and returns, DCP writes
             the files in a thread, and the checkpoint is committed (renamed into place, recorded as
@@ -123,10 +100,8 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: reduce each gradient bucket over DP (all-reduce, or reduce-scatter with
             the distributed optimizer) asynchronously during the backward of the last microbatch
             (Megatron's ``--overlap-grad-reduce``). FSDP2 always overlaps its reductions.
-        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s numbers, for the
-            module's objective) exceeds what the machine has, before any process starts or weight is built:
-            on CPU the ranks of this host together against its available memory, on a GPU each rank against
-            its device's free memory. ``False`` skips the check (estimates can be conservative).
+        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s) exceeds the host's
+            available memory (CPU: its ranks together) or a GPU's free memory, before anything is built.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: how long a collective waits for its peers, in every process group of the run (the
             layout's tensor/pipeline/data/context-parallel groups too), before it fails.
@@ -188,8 +163,7 @@ class MegatronStrategy(ParallelStrategy):
             num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
             num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
             context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type)
-        if ddp_bucket_size is not None and ddp_bucket_size <= 0:
-            raise ValueError(f"ddp_bucket_size must be a positive number of elements, got {ddp_bucket_size}")
+        check_bucket_size(ddp_bucket_size)
         self.use_torch_fsdp2 = bool(use_torch_fsdp2)
         self.ddp_bucket_size = ddp_bucket_size
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
@@ -213,6 +187,7 @@ class MegatronStrategy(ParallelStrategy):
         # Set by the launcher: where the ranks hand results back and record the first failure.
         self._run_dir: Optional[str] = None
         self._failure_file: Optional[str] = None
+        self._run_spec: Optional[RunSpec] = None
         self.memory_estimate = None
         """The per-rank memory estimate logged when ``fit`` starts (a MemoryEstimate), if one could be made: the
         most loaded pipeline stage's, every stage's in ``.stages`` (this rank's: ``.stages[pp_rank]``)."""
@@ -222,6 +197,12 @@ class MegatronStrategy(ParallelStrategy):
     def parallel_layout(self) -> Optional[ParallelLayout]:
         """The layout of this run (None until the process group exists)."""
         return self._layout
+
+    @property
+    def run_spec(self) -> Optional[RunSpec]:
+        """The description of the current run (layout, data geometry, precision, FSDP2 and bucket options) that the
+        pre-launch checks received; built in the launching process and again in each rank (None before)."""
+        return self._run_spec
 
     @property
     def root_device(self) -> torch.device:
@@ -298,9 +279,8 @@ class MegatronStrategy(ParallelStrategy):
         ckpt_path = ckpt_path_of(args)
         check_ckpt_path(ckpt_path)
         check_checkpoint_fits(ckpt_path, module, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
-        self.validate(module, datamodule, self.num_nodes * self.num_processes, trainer)
+        self._run_spec = check_run(self, module, datamodule, trainer, self.num_nodes * self.num_processes)
         recover_interrupted_saves(trainer)
-        check_callbacks(trainer, module)
         return self._prepare_run_args(args, kwargs, trainer)
 
     def _prepare_run_args(self, args: tuple, kwargs: dict, trainer) -> tuple:
@@ -311,59 +291,13 @@ class MegatronStrategy(ParallelStrategy):
         args, self._auto_resume = replace_last(args, trainer, fitting)
         return args
 
-    def validate(self, module: Optional[LightningModule], datamodule: Optional[LightningDataModule],
-                 world_size: int, trainer=None, device: Optional[torch.device] = None) -> int:
-        """Check the layout against the world size, the model config, the data geometry, the
-        precision, the optimizer config, the module's own checks (``validate_configuration``), the estimated
-        memory against the host's (and, given a rank's CUDA ``device``, the device's) and the datamodule's
-        input files (``validate_inputs``)."""
-        precision = self.precision_plugin.precision  # MegatronPrecision refused unsupported ones already
-        if self.use_torch_fsdp2 and precision.endswith("-true") and precision != "32-true":
-            raise ValueError(
-                f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
-                f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
-        engine_module = module if isinstance(module, EngineModule) else None
-        optimizer_config = engine_module.optimizer_config if engine_module is not None else None
-        if callable(getattr(optimizer_config, "validate", None)):
-            optimizer_config.validate()  # again: a field may have been set after construction (lr=nan)
-        if self.use_torch_fsdp2 and self.parallel_config.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                "use_torch_fsdp2=True with pipeline_model_parallel_size > 1 is not composed yet (FSDP2 gathers and "
-                "reduces in module hooks that the pipeline schedule would have to drive per stage); use the "
-                "distributed optimizer, OptimizerConfig(use_distributed_optimizer=True), with pipeline parallelism.")
-        if self.use_torch_fsdp2 and getattr(optimizer_config, "use_distributed_optimizer", False):
-            raise ValueError(
-                "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "
-                "OptimizerConfig(use_distributed_optimizer=False) or drop use_torch_fsdp2.")
-        if trainer is not None and engine_module is not None:
-            engine_module.validate_configuration(trainer, datamodule)
-        model_config = engine_module.config if engine_module is not None else None
-        if model_config is not None and not hasattr(model_config, "validate_parallelism"):
-            model_config = None
-        dp_size = validate_run(
-            self.parallel_config, world_size, model_config,
-            micro_batch_size=getattr(datamodule, "micro_batch_size", None),
-            global_batch_size=getattr(datamodule, "global_batch_size", None),
-            seq_length=getattr(datamodule, "seq_length", None),
-            rampup_batch_size=getattr(datamodule, "rampup_batch_size", None),
-            use_torch_fsdp2=self.use_torch_fsdp2,
-        )
-        if self.check_memory:
-            self._check_memory(module, datamodule, dp_size, world_size, trainer, device)
-        # Last: it may read the data files. Here, in the launching process, a bad file fails once, before
-        # any rank exists, instead of in a rank's setup while the others wait in a collective.
-        if callable(getattr(datamodule, "validate_inputs", None)):
-            datamodule.validate_inputs()
-        return dp_size
-
     def setup_environment(self) -> None:
         super().setup_environment()
         # Again in every rank: under torchrun or SLURM no launcher ran the checks before.
         trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
-        self.validate(self.lightning_module, getattr(trainer, "datamodule", None), self.num_nodes * self.num_processes,
-                      trainer, device=self.root_device)
-        self._add_metrics_callback(trainer)
-        self._add_exit_callback(trainer)
+        self._run_spec = check_run(self, self.lightning_module, getattr(trainer, "datamodule", None), trainer,
+                                   self.num_nodes * self.num_processes, device=self.root_device)
+        add_default_callbacks(trainer, self.log_metrics, self.exit_signal_handler)
         if self._started_externally and os.environ.get(RUN_DIR_ENV):
             # A rank re-running the user's script (no launcher of its own): its run directory comes from rank 0.
             self.begin_launch(os.environ[RUN_DIR_ENV], next_run_number())
@@ -371,37 +305,17 @@ class MegatronStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
             _get_default_process_group_backend_for_device(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
         self.precision_plugin.device_type = self.root_device.type
         self.precision_plugin.check_device(self.root_device)
-        self._created_default_group = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._layout = ParallelLayout.build(self.parallel_config, device_type=self.root_device.type,
-                                            timeout=self._timeout)
+        self._layout, self._created_default_group = join_process_groups(
+            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout,
+            self.parallel_config)
         if self._run_dir is None or self._start_method == "popen":
             # A process that goes on after the run (a script, torchrun, the launching process itself) may
             # still use the trained model's groups (generation on every TP rank after fit, as in the demo):
             # they are destroyed when the process exits, before gloo's own teardown can abort it.
-            atexit.register(_release, self._layout, self._created_default_group)  # not self: keeps the model alive
+            atexit.register(release_process_groups, self._layout, self._created_default_group)  # not self
         log.info("megatron-lite layout: %s", self._layout.describe())
-
-    def _add_metrics_callback(self, trainer) -> None:
-        # Here, in every rank before Lightning calls the callbacks' setup: the timers' gather is a
-        # collective, so every rank needs the callback.
-        from megatron_lite.callbacks import MegatronMetrics
-
-        if self.log_metrics and trainer is not None and not any(isinstance(c, MegatronMetrics) for c in trainer.callbacks):
-            trainer.callbacks.append(MegatronMetrics())
-
-    def _add_exit_callback(self, trainer) -> None:
-        # Every rank needs it: the ranks agree on stopping with a collective at each step boundary.
-        from megatron_lite.callbacks.graceful_exit import GracefulExit
-
-        if self.exit_signal_handler and trainer is not None and trainer.checkpoint_callback is not None and \
-                not any(isinstance(c, GracefulExit) for c in trainer.callbacks):
-            trainer.callbacks.append(GracefulExit())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -411,8 +325,11 @@ class MegatronStrategy(ParallelStrategy):
 
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        if trainer.state.fn == "fit":
-            self.memory_estimate = self._log_memory_estimate(trainer)
+        if trainer.state.fn == "fit" and self._run_spec is not None and self._layout is not None:
+            from megatron_lite.callbacks.memory_report import report_memory_estimate
+
+            self.memory_estimate = report_memory_estimate(self.lightning_module, trainer.datamodule, self._run_spec,
+                                                          self.root_device)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -421,52 +338,9 @@ class MegatronStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self.barrier()
 
-    def _check_memory(self, module, datamodule, dp_size: int, world_size: int, trainer,
-                      device: Optional[torch.device]) -> None:
-        """Refuse the run before anything is allocated when its estimate exceeds the machine (see memory_check)."""
-        device_type = device.type if device is not None else (
-            self.parallel_devices[0].type if self.parallel_devices else "cpu")
-        try:
-            estimate = run_memory_estimate(module, datamodule, self.parallel_config, dp_size,
-                                           self.precision_plugin.precision, self.use_torch_fsdp2, device_type)
-        except (ValueError, TypeError):
-            return  # no estimate: nothing to compare (the start-up report says why)
-        if estimate is not None:
-            fitting = trainer is None or trainer.state.fn in (None, TrainerFn.FITTING)
-            check_memory_fits(estimate, fitting=fitting, device_type=device_type,
-                              ranks_on_host=max(self.num_processes, 1), world_size=world_size, device=device)
-
-    def _log_memory_estimate(self, trainer):
-        """Megatron-style start-up report: per-rank memory and FLOPs per step from the configs, with a
-        warning when it exceeds the device's memory. Never stops a run: an estimate it cannot make is
-        a warning."""
-        module, datamodule = self.lightning_module, getattr(trainer, "datamodule", None)
-        if self._layout is None:
-            return None
-        layout = self._layout
-        try:
-            estimate = run_memory_estimate(module, datamodule, layout.config, layout.dp_size,
-                                           self.precision_plugin.precision, self.use_torch_fsdp2,
-                                           self.root_device.type)
-            if estimate is None:
-                return None
-            flops = training_flops_per_step(module.config, datamodule.global_batch_size, datamodule.seq_length,
-                                            tensor_model_parallel_size=layout.tp_size,
-                                            cost=objective_cost(module, datamodule))
-        except (ValueError, TypeError) as error:
-            rank_zero_warn(f"megatron-lite: no memory estimate for this run ({error})")
-            return None
-        rank_zero_info("megatron-lite memory estimate (before the first step):\n" + format_table(estimate, flops))
-        total = torch.cuda.get_device_properties(self.root_device).total_memory \
-            if self.root_device.type == "cuda" else None
-        warning = memory_warning(estimate, total)
-        if warning:
-            rank_zero_warn(warning)
-        return estimate
-
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.use_torch_fsdp2 and self._layout is not None and self._layout.dp_size > 1:
+        if self._run_spec is not None and self._run_spec.shards_with_fsdp2 and self._layout is not None:
             # fully_shard already placed the shards on the mesh's device; Module.to() would replace
             # every DTensor parameter with a new Parameter and drop our TP metadata on it.
             return
@@ -507,7 +381,7 @@ class MegatronStrategy(ParallelStrategy):
             # the success path, where every rank gets here), then release the groups -- the process
             # ends right after.
             if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
-                self._hand_back(trainer, self._run_dir)
+                hand_back(self, trainer, self._run_dir)
             # Only our groups: the default one stays for whatever Lightning and the callbacks do after teardown.
             self._layout.destroy()
         super().teardown()
@@ -516,21 +390,11 @@ class MegatronStrategy(ParallelStrategy):
         """Destroy the layout's process groups, and the default one if this strategy created it. Local
         (no collective), idempotent. Called when a forked rank's run ends, and at the exit of any other
         process; the trained model cannot run collectives afterwards."""
-        _release(self._layout, self._created_default_group)
+        release_process_groups(self._layout, self._created_default_group)
         self._created_default_group = False
 
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, SystemExit):
-            return  # a deliberate exit that every rank agreed on (e.g. code 16 of the rerun policy): not a failure
-        # Before the teardown closes this rank's connections: a peer's collective error comes after.
-        rank = self.process_rank
-        record_failure(self._failure_file, rank, exception)
-        record = read_failure(self._failure_file)
-        if self._started_externally and rank != 0 and record is not None and record["rank"] != rank:
-            # A rank re-running the user's script whose error is a consequence of another rank's (a
-            # collective that lost its peer): the failing rank and rank 0 report it, this one exits quietly.
-            sys.stderr.flush()
-            os._exit(1)
+        report_rank_failure(self._failure_file, self.process_rank, exception, script_rank=self._started_externally)
 
     # --- the launcher's side: runs, results, failures -------------------------------------
     @property
@@ -549,65 +413,9 @@ class MegatronStrategy(ParallelStrategy):
         self._run_dir = run_dir
         self._failure_file = failure_file(run_dir, sequence)
 
-    def _hand_back(self, trainer, run_dir: str) -> None:
-        """In every rank: after fit, the whole model as full tensors (one file per distinct piece); after
-        predict, this replica's predictions with their sample indices."""
-        assert self._layout is not None and self.lightning_module is not None
-        if trainer.state.fn == TrainerFn.FITTING:
-            state = gather_full_state(self.lightning_module, self._layout, substitutes=self._master_weights())
-            if state is not None:
-                os.makedirs(os.path.join(run_dir, "model"), exist_ok=True)
-                write_full_state(state, os.path.join(run_dir, "model"), self.global_rank)
-        elif trainer.state.fn == TrainerFn.PREDICTING and trainer.predict_loop.return_predictions:
-            layout = self._layout
-            if layout.tp_rank == 0 and layout.cp_rank == 0 and layout.is_last_pipeline_stage:
-                os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
-                write_predictions(predictions_with_indices(trainer), layout,
-                                   os.path.join(run_dir, "predictions", f"rank{self.global_rank:05d}.safetensors"))
-
-    def _master_weights(self) -> dict[str, Tensor]:
-        """The optimizer's fp32 masters of a half-precision (``bf16-true``/``16-true``) model, by the module's
-        parameter names: what training arrived at, of which the model holds a rounded copy. Collective under the
-        distributed optimizer (gathered over DP)."""
-        mopt = self._megatron_optimizer()
-        if mopt is None:
-            return {}
-        assert self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        params = dict(mopt.named_params)
-        # a parameter the module no longer has (distillation projections taken off at the end) is not handed back
-        return {names[id(params[n])]: master for n, master in mopt.master_weights().items() if id(params[n]) in names}
-
     def receive_results(self, trainer, run_dir: str, rank_zero_result: Any) -> Any:
-        """In the launching process after the ranks finished: load the handed-back model into the module
-        (after fit) and return what ``trainer.<fn>`` should (the merged predictions after predict)."""
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._receive_model(os.path.join(run_dir, "model"))
-        if trainer.state.fn == TrainerFn.PREDICTING:  # files only where the ranks kept predictions
-            return merge_predictions(os.path.join(run_dir, "predictions"), rank_zero_result)
-        return rank_zero_result
-
-    def _receive_model(self, directory: str) -> None:
-        module = self.lightning_module
-        assert module is not None
-        try:
-            state = read_full_state(directory)
-            loader = getattr(module, "load_full_state_dict", None)
-            if callable(loader):
-                loader(state)
-            else:
-                load_full_state(module, state)
-        except (ValueError, FileNotFoundError) as error:
-            message = (
-                f"the trained weights of {type(module).__name__} could not be handed back from the forked ranks "
-                f"({error}); validate/test/predict/save_checkpoint here would use stale weights, so they are "
-                f"refused. Build the model in __init__, or give the module a load_full_state_dict(state) method "
-                f"that builds it (GPTModule has one), or save checkpoints during fit (ModelCheckpoint) and pass "
-                f"ckpt_path=...")
-            module._megatron_lite_weights_missing = message
-            rank_zero_warn(message)
-            return
-        module._megatron_lite_weights_missing = None
+        """In the launching process after the ranks finished (see ``hand_back``)."""
+        return receive_results(self, trainer, run_dir, rank_zero_result)
 
     # --- checkpoints: Lightning's checkpoint dict to and from the Checkpointer ------------------
     @property
@@ -740,11 +548,6 @@ class MegatronStrategy(ParallelStrategy):
             self._pending_cpu_rng = None
 
 
-def _release(layout: Optional[ParallelLayout], default_group: bool) -> None:
-    if layout is not None:
-        layout.destroy()
-    if default_group and _distributed_is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 STRATEGY_NAMES = {

@@ -1,9 +1,9 @@
 """The run's memory estimate, and refusing a run that cannot fit before any weight is built.
 
-:func:`run_memory_estimate` is the per-rank estimate of a module, its data and the strategy's layout (every
-pipeline stage's), with what a sample costs the module's objective (a DPO pair is two rows and a reference
-model). :func:`check_memory_fits` compares it with what the machine has, where the strategy validates a run
-(before it starts any process, and in every rank before its weights are built):
+:func:`~megatron_lite.core.estimator.run.estimate_objective` is the per-rank estimate of a module and its data
+as the run description lays them out (every pipeline stage's), with what a sample costs the module's objective (a
+DPO pair is two rows and a reference model). :func:`check_memory_fits` compares it with what the machine has,
+where the strategy checks a run (before it starts any process, and in every rank before its weights are built):
 
 - on CPU, every rank of a host allocates from the same memory: the ranks on this host (devices per node)
   together against ``MemAvailable`` of ``/proc/meminfo`` (and a container's cgroup limit, when lower);
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from megatron_lite.core.engine.contract import EngineModule
-from megatron_lite.core.estimator.memory import MemoryEstimate, estimate_for_run
-from megatron_lite.core.estimator.objective_cost import objective_cost
+from megatron_lite.core.estimator.memory import MemoryEstimate
 from megatron_lite.core.estimator.report import format_bytes
-from megatron_lite.core.parallel.layout import ParallelConfig
 
 _NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
 
@@ -39,32 +36,6 @@ class InsufficientMemoryError(ValueError):
         """Estimated bytes (of the ranks on this host on CPU, of one rank on a GPU)."""
         self.available = available
         """Bytes available to them."""
-
-
-def run_memory_estimate(module: Any, datamodule: Any, parallel: ParallelConfig, data_parallel_size: int,
-                        precision: str, use_torch_fsdp2: bool, device_type: str) -> Optional[MemoryEstimate]:
-    """The per-rank estimate of training ``module`` on ``datamodule`` (every stage's in ``.stages``); None
-    when they do not say enough (a model without a GPTConfig, data without batch sizes). An estimate that
-    cannot be made raises ValueError/TypeError."""
-    if not isinstance(module, EngineModule):
-        return None
-    config = module.config
-    geometry = {k: getattr(datamodule, k, None) for k in ("micro_batch_size", "global_batch_size", "seq_length")}
-    if not hasattr(config, "validate_parallelism") or None in geometry.values():
-        return None
-    optimizer = module.optimizer_config
-    return estimate_for_run(
-        config, **geometry, tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        data_parallel_size=data_parallel_size, sequence_parallel=parallel.sequence_parallel, precision=precision,
-        optimizer=optimizer, use_distributed_optimizer=getattr(optimizer, "use_distributed_optimizer", False),
-        use_torch_fsdp2=use_torch_fsdp2 and data_parallel_size > 1, device_type=device_type,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        pipeline_schedule=parallel.pipeline_schedule,
-        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
-        context_parallel_size=parallel.context_parallel_size, cp_comm_type=parallel.cp_comm_type,
-        objective=objective_cost(module, datamodule))
 
 
 def available_host_memory() -> Optional[tuple[int, str]]:

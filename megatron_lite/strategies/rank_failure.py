@@ -114,3 +114,18 @@ def rebuild_exception(record: dict[str, Any]) -> BaseException:
 def failure_file(run_dir: Optional[str], sequence: int) -> Optional[str]:
     """Where the ``sequence``-th launch of this process records its first failure."""
     return os.path.join(run_dir, f"failure-{sequence}.json") if run_dir else None
+
+
+def report_rank_failure(path: Optional[str], rank: int, error: BaseException, script_rank: bool) -> None:
+    """In a failing rank, before its teardown closes its connections (a peer's collective error comes after):
+    record ``error`` as the run's first failure unless another rank's came first. A rank re-running the user's
+    script (``script_rank``), other than rank 0, whose error is such a consequence (a collective that lost its
+    peer) exits at once with status 1: the failing rank and rank 0 report it. A deliberate exit that every rank
+    agreed on (``SystemExit``: code 16 of the rerun policy) is no failure."""
+    if isinstance(error, SystemExit):
+        return
+    record_failure(path, rank, error)
+    record = read_failure(path)
+    if script_rank and rank != 0 and record is not None and record["rank"] != rank:
+        sys.stderr.flush()
+        os._exit(1)

@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 
 import megatron_lite as ml
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data import MockGPTDataModule, SFTDataModule, TextCorpusDataModule
 from megatron_lite.tokenizers import NullTokenizer
 
@@ -285,18 +286,20 @@ def test_sft_file_without_messages_is_refused_before_launch(fork_marker, tmp_pat
 
 
 def test_sft_file_is_read_once_per_version():
-    """validate_inputs remembers the file version it read (a second fit, and every forked rank, skip it)."""
+    """The data's pre-launch check remembers the file version it read (a second fit, and every forked rank, skip
+    it)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         path = _write_jsonl(Path(tmp) / "chats.jsonl", [CHAT] * 2)
         data = _sft_data(path)
-        data.validate_inputs()
+        run = RunSpec(ml.ParallelConfig(), world_size=1, data=data.geometry)
+        data.check_before_launch(run)
         assert data._validated_inputs is not None
         _write_jsonl(Path(path), [{"conversation": []}])  # the file changes: read again, and refused
         os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
         with pytest.raises(ValueError, match="chats.jsonl:1 has no non-empty list under 'messages'"):
-            data.validate_inputs()
+            data.check_before_launch(run)
 
 
 def _text_corpus(tmp_path: Path, records: list) -> TextCorpusDataModule:

@@ -13,6 +13,9 @@ import yaml
 from megatron_lite.core.estimator import estimate_for_run, training_flops_per_step
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.optim import OptimizerConfig
+from megatron_lite.core.parallel import ParallelConfig
+from megatron_lite.core.parallel.geometry import DataGeometry
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.cli.estimate import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,10 +44,9 @@ def test_json_per_rank_numbers_are_the_estimators_for_the_example_config(capsys)
     # What `megatron-lite fit` builds from this file: the data's seq_length and vocabulary linked into the model.
     data = raw["data"]["init_args"]
     config = GPTConfig(**raw["model"]["config"], seq_length=data["seq_length"], vocab_size=data["vocab_size"])
-    expected = estimate_for_run(
-        config, micro_batch_size=data["micro_batch_size"], global_batch_size=data["global_batch_size"],
-        tensor_model_parallel_size=2, data_parallel_size=1, precision="32-true",
-        optimizer=OptimizerConfig(**raw["model"]["optimizer"]), device_type="cpu")
+    run = RunSpec(ParallelConfig(tensor_model_parallel_size=2), world_size=2, precision="32-true",
+                  data=DataGeometry(data["micro_batch_size"], data["global_batch_size"], config.seq_length))
+    expected = estimate_for_run(config, run, OptimizerConfig(**raw["model"]["optimizer"]), device_type="cpu")
     for key in ("params", "weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"):
         assert out[key] == getattr(expected, key), key
     assert out["flops_per_step"] == training_flops_per_step(config, data["global_batch_size"],
@@ -125,7 +127,7 @@ def test_the_strategy_makes_the_estimate_when_fit_starts(tmp_path):
     import torch
 
     import megatron_lite as ml
-    from megatron_lite.core.estimator.memory import estimate_for_run
+    from megatron_lite.core.estimator.run import estimate_for_run
     from megatron_lite.data import MockGPTDataModule
 
     class Keep(L.Callback):
@@ -139,8 +141,8 @@ def test_the_strategy_makes_the_estimate_when_fit_starts(tmp_path):
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Keep()])
     trainer.fit(ml.GPTModule(config, optimizer),
                 MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8, vocab_size=256))
-    expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=8, seq_length=16, data_parallel_size=2,
-                                optimizer=optimizer, use_distributed_optimizer=True, device_type="cpu").to_dict()
+    run = RunSpec(ParallelConfig(), world_size=2, data=DataGeometry(2, 8, 16))
+    expected = estimate_for_run(config, run, optimizer, device_type="cpu").to_dict()
     assert torch.load(tmp_path / "estimate.pt", weights_only=False) == expected
 
 
@@ -161,8 +163,9 @@ def test_pipeline_options_from_the_yaml_give_one_estimate_per_stage(capsys, tmp_
     raw = yaml.safe_load(path.read_text())
     data = raw["data"]["init_args"]
     config = GPTConfig(**raw["model"]["config"], seq_length=data["seq_length"], vocab_size=data["vocab_size"])
-    expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=16, optimizer=OptimizerConfig(
-        **raw["model"]["optimizer"]), device_type="cpu", **options)
+    run = RunSpec(ParallelConfig(**options), world_size=options["pipeline_model_parallel_size"],
+                  data=DataGeometry(2, 16, config.seq_length))
+    expected = estimate_for_run(config, run, OptimizerConfig(**raw["model"]["optimizer"]), device_type="cpu")
     assert [s["pipeline_stage"] for s in out["stages"]] == [0, 1]
     assert out["stages"] == expected.to_dict()["stages"]
     assert out["total_bytes"] == max(s["total_bytes"] for s in out["stages"])
@@ -211,8 +214,8 @@ def test_the_strategy_estimates_every_pipeline_stage_when_fit_starts(tmp_path):
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Keep()])
     trainer.fit(ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8,
                                                         vocab_size=256))
-    expected = estimate_for_run(config, micro_batch_size=2, global_batch_size=8, seq_length=16, device_type="cpu",
-                                **strategy).to_dict()
+    run = RunSpec(ParallelConfig(**strategy), world_size=2, data=DataGeometry(2, 8, 16))
+    expected = estimate_for_run(config, run, device_type="cpu").to_dict()
     for rank in range(2):
         assert torch.load(tmp_path / f"estimate{rank}.pt", weights_only=False) == expected
     assert [s["activation_breakdown"]["chunks"][0]["num_layers"] for s in expected["stages"]] == [1, 2]
@@ -245,10 +248,10 @@ def test_dpo_is_estimated_with_both_sequences_of_a_pair_and_its_reference_model(
     assert live["objective"] == "DPOModule" and live["objective_cost"]["frozen_models"] == 1
     assert live["flops_per_step"] == pytest.approx(2 * (3 + 1) * per_sequence * data["global_batch_size"], rel=1e-12)
     assert precomputed["flops_per_step"] == pytest.approx(2 * 3 * per_sequence * data["global_batch_size"], rel=1e-12)
+    doubled = DataGeometry(2 * data["micro_batch_size"], 2 * data["global_batch_size"], config.seq_length)
     expected = estimate_for_run(  # the same run's memory with microbatches of twice the rows
-        config, micro_batch_size=2 * data["micro_batch_size"], global_batch_size=2 * data["global_batch_size"],
-        tensor_model_parallel_size=2, precision="32-true", optimizer=OptimizerConfig(**model["optimizer"]),
-        device_type="cpu")
+        config, RunSpec(ParallelConfig(tensor_model_parallel_size=2), world_size=2, data=doubled),
+        OptimizerConfig(**model["optimizer"]), device_type="cpu")
     for out in (live, precomputed):
         assert out["layout"]["micro_batch_size"] == 2 * data["micro_batch_size"]
         assert out["activation_bytes"] == expected.activation_bytes

@@ -21,6 +21,7 @@ from torch.multiprocessing import ProcessExitedException
 import megatron_lite as ml
 from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.callbacks import GracefulExit
+from megatron_lite.strategies.default_callbacks import add_default_callbacks
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -177,7 +178,7 @@ def test_the_strategy_adds_graceful_exit_when_there_is_a_checkpoint_callback(che
     strategy = ml.MegatronStrategy(exit_signal_handler=option)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=checkpointing, callbacks=[GracefulExit(exit_interval=7)] if own else [])
-    strategy._add_exit_callback(trainer)  # what setup_environment does in every rank
+    add_default_callbacks(trainer, strategy.log_metrics, strategy.exit_signal_handler)  # as in every rank's set-up
     added = [c for c in trainer.callbacks if isinstance(c, GracefulExit)]
     assert len(added) == expected
     if own:

@@ -13,9 +13,13 @@ import pytest
 import megatron_lite as ml
 from megatron_lite.core.estimator import ObjectiveCost, estimate_for_run
 from megatron_lite.core.estimator.report import format_bytes
+from megatron_lite.core.parallel import ParallelConfig
+from megatron_lite.core.parallel.geometry import DataGeometry
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data import MockGPTDataModule, PreferenceDataModule
 from megatron_lite.rl import DPOModule
 from megatron_lite.strategies.memory_check import InsufficientMemoryError
+from megatron_lite.strategies.pre_launch import check_run
 from megatron_lite.tokenizers import NullTokenizer
 
 SEQ = 2048
@@ -48,8 +52,8 @@ def test_a_model_far_larger_than_the_host_is_refused_before_anything_is_built(tm
     with pytest.raises(InsufficientMemoryError) as refused:
         _trainer().fit(module, data)
     assert module.model is None  # refused before configure_model built anything
-    per_rank = estimate_for_run(GPT3, micro_batch_size=1, global_batch_size=2, data_parallel_size=2,
-                                device_type="cpu", objective=cost)
+    run = RunSpec(ParallelConfig(), world_size=2, data=DataGeometry(1, 2, SEQ))
+    per_rank = estimate_for_run(GPT3, run, device_type="cpu", objective=cost)
     error = refused.value
     assert error.needed == 2 * per_rank.total_bytes  # the host's two ranks together
     assert 0 < error.available < error.needed
@@ -70,5 +74,6 @@ def test_validate_needs_the_weights_and_check_memory_false_lets_the_run_through(
         _trainer().validate(module, data)
     assert module.model is None
     trainer = _trainer(check_memory=False)
-    assert trainer.strategy.validate(module, data, 2, trainer) == 2  # every other check passes: dp = 2
+    run = check_run(trainer.strategy, module, data, trainer, world_size=2)  # every other check passes
+    assert run.data_parallel_size == 2
 

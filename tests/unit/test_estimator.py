@@ -32,7 +32,9 @@ from megatron_lite.core.estimator import (
 from megatron_lite.core.estimator.report import format_table
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import OptimizerConfig, build_optimizer
+from megatron_lite.core.parallel.geometry import DataGeometry
 from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, ParallelLayout
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -138,6 +140,16 @@ def test_parameter_shapes_are_the_real_models_at_tp1_and_its_shards_at_tp2(varia
                 assert 2 * param.numel() == torch.Size(meta.global_shape).numel(), name
 
 
+def _run(config: GPTConfig, micro_batch_size: int, global_batch_size=None, *, data_parallel_size: int = 1,
+         precision: str = "32-true", **parallel) -> RunSpec:
+    """The run the strategy would describe: ``data_parallel_size`` replicas of the ``parallel`` layout on data of
+    the model's seq_length, one microbatch per step unless ``global_batch_size`` says otherwise."""
+    layout = ParallelConfig(**parallel)
+    gbs = global_batch_size if global_batch_size is not None else micro_batch_size * data_parallel_size
+    return RunSpec(layout, world_size=layout.model_parallel_size * data_parallel_size, precision=precision,
+                   data=DataGeometry(micro_batch_size, gbs, config.seq_length))
+
+
 @pytest.mark.parametrize("optimizer", [OptimizerConfig(), OptimizerConfig(optimizer="sgd", sgd_momentum=0.9)])
 def test_weights_grads_and_optimizer_state_equal_the_bytes_after_one_step(optimizer):
     config = GPTConfig(**TINY, **VARIANTS["gpt2_dropout"])
@@ -149,7 +161,7 @@ def test_weights_grads_and_optimizer_state_equal_the_bytes_after_one_step(optimi
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    est = estimate_for_run(config, micro_batch_size=2, optimizer=optimizer, device_type="cpu")
+    est = estimate_for_run(config, _run(config, 2), optimizer, device_type="cpu")
     assert (est.weights_bytes, est.grads_bytes) == (weights, grads)
     assert est.optimizer_bytes + est.optimizer_host_bytes == state  # moments + Adam's per-tensor step counters
 
@@ -200,8 +212,9 @@ def test_weights_grads_and_optimizer_state_of_the_megatron_optimizer(precision, 
         measured = [_optimizer_bytes_after_a_step(0, 1, shape, precision, distributed)]
     else:
         measured = run_ranks(_optimizer_bytes_after_a_step, dp, shape, precision, distributed)
-    est = estimate_for_run(GPTConfig(**shape), micro_batch_size=2, precision=precision, data_parallel_size=dp,
-                           use_distributed_optimizer=distributed, device_type="cpu")
+    config = GPTConfig(**shape)
+    est = estimate_for_run(config, _run(config, 2, data_parallel_size=dp, precision=precision),
+                           OptimizerConfig(use_distributed_optimizer=distributed), device_type="cpu")
     for rank in measured:
         assert (rank["weights"], rank["grads"], rank["optimizer"]) == \
                (est.weights_bytes, est.grads_bytes, est.optimizer_bytes)
@@ -216,12 +229,14 @@ def test_bytes_per_parameter_follow_the_design_table(precision, dp, per_param):
     """DESIGN.md: 18 and 6 + 12/dp with half weights; fp32 weights (autocast) 16, and 8 + 12/dp under ZeRO-1,
     which keeps an fp32 main shard beside the fp32 weights."""
     config = GPTConfig(**LLAMA2_7B)
-    est = estimate_for_run(config, micro_batch_size=1, precision=precision, data_parallel_size=dp,
-                           use_distributed_optimizer=dp > 1)
+    est = estimate_for_run(config, _run(config, 1, data_parallel_size=dp, precision=precision),
+                           OptimizerConfig(use_distributed_optimizer=dp > 1))
     assert est.params % dp == 0
     assert (est.weights_bytes + est.grads_bytes + est.optimizer_bytes) / est.params == per_param
-    fsdp = estimate_for_run(config, micro_batch_size=1, precision=precision, data_parallel_size=dp,
-                            use_torch_fsdp2=True)  # ZeRO-3: everything divided over DP (dims divisible here)
+    # ZeRO-3: everything divided over DP (dims divisible here); the layout itself (a run refuses FSDP2 with
+    # bf16-true: FSDP keeps fp32 masters of its own)
+    fsdp = estimate_memory(config, EstimateLayout(micro_batch_size=1, seq_length=config.seq_length,
+                                                  data_parallel_size=dp, precision=precision, use_torch_fsdp2=True))
     assert (fsdp.weights_bytes + fsdp.grads_bytes + fsdp.optimizer_bytes) * dp / fsdp.params == \
            (16 if precision != "bf16-true" else 18)
 
@@ -241,7 +256,7 @@ def test_activation_estimate_matches_the_probe(variant, precision):
         measured = measure_activation_bytes(model, lambda: (tokens, tokens))
         saved = measure_saved_tensors(model, lambda: (tokens, tokens)).total_bytes
     assert saved == pytest.approx(measured, rel=0.002)
-    est = estimate_for_run(config, micro_batch_size=2, precision=precision, device_type="cpu")
+    est = estimate_for_run(config, _run(config, 2, precision=precision), device_type="cpu")
     assert est.activations.held_after_forward == pytest.approx(measured, rel=0.02)
 
 
@@ -269,7 +284,7 @@ def test_activation_estimate_with_recompute_matches_the_probe(variant, recompute
     tokens = torch.randint(0, config.vocab_size, (2, config.seq_length))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
         measured = measure_activation_bytes(model, lambda: (tokens, tokens))
-    est = estimate_for_run(config, micro_batch_size=2, precision=precision, device_type="cpu")
+    est = estimate_for_run(config, _run(config, 2, precision=precision), device_type="cpu")
     assert est.activations.held_after_forward == pytest.approx(measured, rel=0.02)
 
 
@@ -284,7 +299,7 @@ def test_forward_peaks_while_the_loss_is_computed(variant, recompute, precision)
     tokens = torch.randint(0, config.vocab_size, (2, 32))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
         report = measure_retained_tensors(model, lambda: (tokens, tokens))
-    acts = estimate_for_run(config, micro_batch_size=2, precision=precision, device_type="cpu").activations
+    acts = estimate_for_run(config, _run(config, 2, precision=precision), device_type="cpu").activations
     assert acts.loss_transient > 0.3 * acts.held_after_forward
     assert acts.held_after_forward + acts.loss_transient == pytest.approx(report.peak_bytes, rel=0.02)
     assert acts.peak == acts.held_after_forward + max(acts.loss_transient, acts.recompute_working_set)
@@ -303,8 +318,9 @@ def _tp_probe(rank: int, world: int, shape: dict, sequence_parallel: bool) -> in
 def test_activation_estimate_matches_the_probe_on_tensor_parallel_ranks(sequence_parallel):
     shape = dict(TINY, **VARIANTS["gpt2_dropout"])
     measured = run_ranks(_tp_probe, 2, shape, sequence_parallel)
-    est = estimate_for_run(GPTConfig(**shape), micro_batch_size=2, tensor_model_parallel_size=2,
-                           sequence_parallel=sequence_parallel, precision="bf16-mixed", device_type="cpu")
+    config = GPTConfig(**shape)
+    est = estimate_for_run(config, _run(config, 2, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel,
+                                        precision="bf16-mixed"), device_type="cpu")
     for rank_bytes in measured:
         assert est.activations.held_after_forward == pytest.approx(rank_bytes, rel=0.02)
 
@@ -446,8 +462,7 @@ def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m)
 
 def test_first_stage_holds_most_activations_under_one_f_one_b_and_the_report_marks_the_most_loaded():
     config = GPTConfig(**dict(TINY, num_layers=8, vocab_size=64))
-    est = estimate_for_run(config, micro_batch_size=2, global_batch_size=32, pipeline_model_parallel_size=4,
-                           device_type="cpu")
+    est = estimate_for_run(config, _run(config, 2, 32, pipeline_model_parallel_size=4), device_type="cpu")
     held = [stage.activations.held_after_forward for stage in est.stages]
     assert held == sorted(held, reverse=True) and est.pipeline_stage == 0
     # 1F1B: stage p keeps P - p microbatches; every stage but the last keeps its 16 sent outputs until the step ends
@@ -472,9 +487,9 @@ def test_layout_errors_name_the_fix():
     with pytest.raises(ValueError, match="unknown precision"):
         EstimateLayout(micro_batch_size=1, seq_length=32, precision="fp8")
     with pytest.raises(ValueError, match="num_attention_heads .* divisible by tensor_model_parallel_size"):
-        estimate_for_run(GPTConfig(**TINY), micro_batch_size=1, tensor_model_parallel_size=3)
+        estimate_for_run(GPTConfig(**TINY), _run(GPTConfig(**TINY), 1, tensor_model_parallel_size=3))
     with pytest.raises(ValueError, match="global_batch_size"):
-        estimate_for_run(GPTConfig(**TINY), micro_batch_size=2, global_batch_size=6, data_parallel_size=2)
+        estimate_for_run(GPTConfig(**TINY), _run(GPTConfig(**TINY), 2, 6, data_parallel_size=2))
 
 
 # --- pipeline stages --------------------------------------------------------------------------------
@@ -540,8 +555,7 @@ def test_per_stage_activations_match_a_measured_pipeline_fit(tmp_path, run):
     config = GPTConfig(**dict(TINY, num_layers=4, **model))
     strategy = dict(pipeline_model_parallel_size=2, **strategy)
     measured = _fit_and_measure(tmp_path, config, strategy, precision, gbs)
-    est = estimate_for_run(config, micro_batch_size=2, global_batch_size=gbs, precision=precision,
-                           device_type="cpu", **strategy)
+    est = estimate_for_run(config, _run(config, 2, gbs, precision=precision, **strategy), device_type="cpu")
     branch_output = 2 * config.seq_length * config.hidden_size * 4
     for stage, held, peak in measured:
         acts = est.stages[stage].activations
@@ -588,8 +602,9 @@ def test_context_parallel_activations_match_the_probe_on_cp_ranks(name):
     shape = dict(TINY, seq_length=512 * world, vocab_size=128, make_vocab_size_divisible_by=32, num_query_groups=2,
                  **options)
     measured = run_ranks(_cp_probe, world, shape, comm_type, precision)
-    acts = estimate_for_run(GPTConfig(**shape), micro_batch_size=2, precision=precision, device_type="cpu",
-                            context_parallel_size=world, cp_comm_type=comm_type).activations
+    config = GPTConfig(**shape)
+    acts = estimate_for_run(config, _run(config, 2, precision=precision, context_parallel_size=world,
+                                         cp_comm_type=comm_type), device_type="cpu").activations
     assert acts.chunks[0].attention_peak > acts.held_after_forward + acts.loss_transient  # attention's peak
     for held, peak in measured:
         assert acts.held_after_forward == pytest.approx(held, rel=0.002)
@@ -603,8 +618,8 @@ def test_context_parallel_activations_shrink_as_one_over_cp():
     config = GPTConfig(**dict(TINY, seq_length=256, num_query_groups=2))
 
     def acts(cp, comm="p2p"):
-        return estimate_for_run(config, micro_batch_size=2, device_type="cpu", context_parallel_size=cp,
-                                cp_comm_type=comm).activations
+        return estimate_for_run(config, _run(config, 2, context_parallel_size=cp, cp_comm_type=comm),
+                                device_type="cpu").activations
 
     held = {cp: acts(cp).held_after_forward for cp in (2, 4, 8)}
     assert held[2] == 2 * held[4] == 4 * held[8]
@@ -636,8 +651,8 @@ def test_attention_flops_per_cp_rank_are_even_under_the_zigzag_split():
 
 def test_report_and_flops_per_rank_count_the_cp_ranks():
     config = GPTConfig(**dict(TINY, seq_length=256))
-    est = estimate_for_run(config, micro_batch_size=2, global_batch_size=4, tensor_model_parallel_size=2,
-                           data_parallel_size=2, context_parallel_size=2, cp_comm_type="all_gather")
+    est = estimate_for_run(config, _run(config, 2, 4, tensor_model_parallel_size=2, data_parallel_size=2,
+                                        context_parallel_size=2, cp_comm_type="all_gather"))
     flops = training_flops_per_step(config, 4)
     table = format_table(est, flops)
     assert "layout: 8 ranks = tp 2 x cp 2 x pp 1 x dp 2" in table

@@ -18,7 +18,7 @@ from megatron_lite.core.parallel.microbatches import (
     build_num_microbatches_calculator,
     consumed_samples_after,
 )
-from megatron_lite.core.parallel.validation import validate_run
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.datamodule import RampupDataLoader
 from megatron_lite.data.geometry import DataGeometry
 from megatron_lite.data.indexed_dataset import write_dataset
@@ -101,7 +101,7 @@ def test_bad_sizes_are_refused_naming_the_fix(args: tuple, message: str) -> None
         build_num_microbatches_calculator(*args)
 
 
-def test_bad_positions_and_ramp_checks_in_geometry_and_validate_run() -> None:
+def test_bad_positions_and_ramp_checks_in_geometry_and_the_run_spec() -> None:
     calculator = build_num_microbatches_calculator(32, 2, 1, [4, 4, 100])
     with pytest.raises(ValueError, match="consumed_samples must be an integer >= 0"):
         calculator.update(-1, consistency_check=True)
@@ -113,12 +113,16 @@ def test_bad_positions_and_ramp_checks_in_geometry_and_validate_run() -> None:
         geometry.num_microbatches_calculator(4)  # what DP 4 adds: 4 samples cannot split into 4 x 2
     with pytest.raises(ValueError, match=r"rampup_batch_size\[1\] .* \(3\) must be a multiple of"):
         DataGeometry(micro_batch_size=2, global_batch_size=30, seq_length=8, rampup_batch_size=[6, 3, 100])
-    assert validate_run(ParallelConfig(), 2, micro_batch_size=2, global_batch_size=32, rampup_batch_size=[8, 8, 9]) == 2
+
+    def ramp(world_size: int, rampup_batch_size: list) -> RunSpec:
+        return RunSpec(ParallelConfig(), world_size, DataGeometry(2, 32, 8, rampup_batch_size=rampup_batch_size))
+
+    assert ramp(2, [8, 8, 9]).data_parallel_size == 2
     with pytest.raises(ValueError, match=r"rampup_batch_size\[0\] .* \(6\) must be a multiple of micro_batch_size "
                                          r"\(2\) x data-parallel size \(2\) = 4"):
-        validate_run(ParallelConfig(), 2, micro_batch_size=2, global_batch_size=32, rampup_batch_size=[6, 2, 9])
+        ramp(2, [6, 2, 9])
     with pytest.raises(ValueError, match=r"data-parallel size \(4\) = 8.*device count"):
-        validate_run(ParallelConfig(), 4, micro_batch_size=2, global_batch_size=32, rampup_batch_size=[8, 4, 9])
+        ramp(4, [8, 4, 9])
 
 
 # ---------------------------------------------------------------- samplers under a ramp-up

@@ -3,7 +3,8 @@
 Written as a ``typing.Protocol`` so that the strategy checks it once (``isinstance``) and then reads
 plain attributes, instead of probing a module with ``getattr`` look-ups. A LightningModule that does
 not satisfy it still runs under the strategy (``examples/own_lightning_module.py``): it just gets no
-model-aware validation, estimate or optimizer checkpointing.
+model-aware validation, estimate or optimizer checkpointing. A module's own checks before launch are the
+strategy's pre-launch protocol (``check_before_launch``), which any module may implement.
 """
 from __future__ import annotations
 
@@ -24,10 +25,6 @@ class EngineModule(Protocol):
     megatron_optimizer: Optional[MegatronOptimizer]
     """The core optimizer (fp32 masters, ZeRO-1, loss scaler) whose state checkpoints save in the place of the
     first optimizer's (:class:`~megatron_lite.core.checkpoint.Checkpointer`)."""
-
-    def validate_configuration(self, trainer: Any, datamodule: Any) -> None:
-        """The module's own checks, run before any process starts (raise ValueError naming the fix)."""
-        ...
 
     def run_timers(self) -> Optional[Timers]:
         """The run's Megatron timers, if a callback keeps them."""

@@ -1,54 +1,44 @@
-"""Checks of a run's parallel configuration that run before any process group or weight exists."""
+"""Checks of a run against its model that run before any process group or weight exists (those that need no
+model are :class:`~megatron_lite.core.parallel.run_spec.RunSpec`'s)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
+from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.layout import ParallelConfig
-from megatron_lite.core.parallel.microbatches import build_num_microbatches_calculator
+from megatron_lite.core.parallel.run_spec import RunSpec
 
 
-def validate_run(parallel: ParallelConfig, world_size: int, model_config=None, micro_batch_size: Optional[int] = None,
-                 global_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
-                 rampup_batch_size: Optional[Sequence[int]] = None, use_torch_fsdp2: bool = False) -> int:
-    """Validate sizes against the world, the model and the batch geometry (every batch of a ramp-up
-    ``[start, increment, rampup_samples]`` included) and context parallelism against the model, the
-    data and FSDP2; return the DP size.
+def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None) -> None:
+    """What :class:`RunSpec` cannot check alone: the model (a GPTConfig, or None when the module has none) and
+    the data's sequences against the layout -- context parallelism, heads and groups over TP, layers into the
+    pipeline stages, the data's ``seq_length`` against the model and under sequence parallelism.
 
     Every failure is a ValueError whose message says what to change.
     """
-    dp = parallel.data_parallel_size(world_size)
-    check_context_parallel(parallel, model_config, seq_length, use_torch_fsdp2)
-    if model_config is not None:
-        model_config.validate_parallelism(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                                          parallel.context_parallel_size, parallel.sequence_parallel)
-        parallel.stage_chunks(model_config.num_layers, 0)  # the layers split into the pipeline stages
-    if micro_batch_size is not None and global_batch_size is not None:
-        if global_batch_size % (micro_batch_size * dp) != 0:
-            unit = micro_batch_size * dp
-            raise ValueError(
-                f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) "
-                f"x data-parallel size ({dp}) = {unit}; set global_batch_size to a multiple of {unit} "
-                f"(e.g. {max(unit, global_batch_size // unit * unit)}) or change micro_batch_size / the device count.")
-        if rampup_batch_size is not None:
-            build_num_microbatches_calculator(global_batch_size, micro_batch_size, dp, rampup_batch_size)
-        if parallel.schedule == "interleaved_1f1b":
-            _check_interleaved_microbatches(parallel, micro_batch_size, dp, global_batch_size, rampup_batch_size)
-    if model_config is not None and seq_length is not None:
-        check_seq_length(seq_length, model_config)
-    if (model_config is not None and seq_length is not None and parallel.sequence_parallel
-            and seq_length % parallel.tensor_model_parallel_size):
+    parallel = run.parallel
+    seq_length = run.data.seq_length if run.data is not None else None
+    check_context_parallel(parallel, model_config, seq_length)
+    if model_config is None:
+        return
+    model_config.validate_parallelism(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                      parallel.context_parallel_size, parallel.sequence_parallel)
+    parallel.stage_chunks(model_config.num_layers, 0)  # the layers split into the pipeline stages
+    if seq_length is None:
+        return
+    check_seq_length(seq_length, model_config)
+    if parallel.sequence_parallel and seq_length % parallel.tensor_model_parallel_size:
         raise ValueError(
             f"the data's seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
             f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True.")
-    return dp
 
 
-def check_context_parallel(parallel: ParallelConfig, model_config=None, seq_length: Optional[int] = None,
-                           use_torch_fsdp2: bool = False) -> None:
+def check_context_parallel(parallel: ParallelConfig, model_config: Any = None, seq_length: Optional[int] = None
+                           ) -> None:
     """Refuse context parallelism where it cannot run exactly: sequences that do not cut into ``2 x C``
     equal chunks (the model's and the data's), a local length ``s / C`` that sequence parallelism cannot
-    split over TP, attention dropout (the blockwise CP attention has none) and FSDP2 (not composed)."""
+    split over TP and attention dropout (the blockwise CP attention has none); FSDP2 is refused by the
+    :class:`RunSpec`."""
     cp = parallel.context_parallel_size
     if cp == 1:
         return
@@ -77,29 +67,6 @@ def check_context_parallel(parallel: ParallelConfig, model_config=None, seq_leng
             f"attention_dropout={model_config.attention_dropout} with context_parallel_size={cp}: context-parallel "
             f"attention merges blockwise softmax results and applies no dropout to the probabilities; set "
             f"GPTConfig(attention_dropout=0.0) (hidden_dropout is fine) or context_parallel_size=1.")
-    if use_torch_fsdp2:
-        raise ValueError(
-            f"use_torch_fsdp2=True with context_parallel_size={cp} is not composed yet (FSDP2 would shard over the "
-            f"data-parallel ranks only, while gradients must be reduced over data x context parallel ranks); use the "
-            f"distributed optimizer, OptimizerConfig(use_distributed_optimizer=True), with context parallelism.")
-
-
-def _check_interleaved_microbatches(parallel: ParallelConfig, micro_batch_size: int, dp: int, global_batch_size: int,
-                                    rampup_batch_size: Optional[Sequence[int]]) -> None:
-    """Megatron's interleaved schedule runs microbatches in groups of pipeline_model_parallel_size."""
-    pp = parallel.pipeline_model_parallel_size
-    sizes = [global_batch_size]
-    if rampup_batch_size is not None:
-        start, increment, _ = rampup_batch_size
-        sizes = list(range(start, global_batch_size + 1, increment)) + [global_batch_size]
-    for size in sizes:
-        microbatches = size // (micro_batch_size * dp)
-        if microbatches % pp:
-            raise ValueError(
-                f"the interleaved pipeline schedule needs the number of microbatches per step to be a multiple of "
-                f"pipeline_model_parallel_size ({pp}), got {microbatches} (global batch {size} / (micro_batch_size "
-                f"{micro_batch_size} x dp {dp})); set global_batch_size to a multiple of {micro_batch_size * dp * pp} "
-                f"(and so every ramp-up size) or use pipeline_schedule='1f1b'.")
 
 
 def check_seq_length(seq_length: int, model_config) -> None:
