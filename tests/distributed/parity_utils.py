@@ -2,6 +2,7 @@
 tests compare: the loss of every step and the full (TP-gathered) gradients of the first step."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -127,3 +128,28 @@ def assert_same_training(result: dict, reference: dict, rtol: float = 1e-5, grad
         scale = grad.abs().max().item()
         torch.testing.assert_close(result["grads"][name], grad, rtol=rtol, atol=rtol * scale,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class _NodeLayout(L.Callback):
+    """Global rank 0 writes OUT/layout.json: per global rank, its node and the global ranks of its TP and DP groups."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+
+    def on_train_end(self, trainer, pl_module):
+        layout = pl_module.parallel_layout
+        mine = {"node": trainer.node_rank, "tp": torch.distributed.get_process_group_ranks(layout.group("tp")),
+                "dp": torch.distributed.get_process_group_ranks(layout.group("dp"))}
+        ranks = [None] * trainer.world_size
+        torch.distributed.all_gather_object(ranks, mine)
+        if trainer.global_rank == 0:
+            (self.out / "layout.json").write_text(json.dumps(ranks))
+
+
+if __name__ == "__main__":
+    # One rank of a run that torchrun (or SLURM) started: python parity_utils.py OUT '{"devices": 2, "tp": 2, ...}'
+    # (run's keyword arguments as JSON); OUT gets result.pt and layout.json.
+    import sys
+
+    torch.set_num_threads(1)
+    run(Path(sys.argv[1]), callbacks=[_NodeLayout(Path(sys.argv[1]))], **json.loads(sys.argv[2]))
