@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import megatron_lite as ml
+from megatron_lite import cli
 from megatron_lite.data import MockGPTDataModule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,14 +64,17 @@ def test_cli_fit_with_example_config_from_another_directory(tmp_path):
     assert events, "the default TensorBoard logger wrote nothing"
 
 
-def test_cli_reports_missing_corpus_before_training(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
-           "--data.init_args.path", str(tmp_path / "nope.jsonl")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in proc.stderr
-    assert "or the name of a bundled corpus: shakespeare" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_reports_missing_corpus_before_training(tmp_path, monkeypatch, capsys):
+    """One line, no traceback (the CLI's entry in this process: the error comes before any launch)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(["fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
+                  "--data.init_args.path", str(tmp_path / "nope.jsonl")])
+    err = capsys.readouterr().err
+    assert exit_code.value.code != 0
+    assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in err
+    assert "or the name of a bundled corpus: shakespeare" in err
+    assert "Traceback" not in err
 
 
 def test_checkpoint_resume_gives_the_same_next_losses(tmp_path):
