@@ -180,16 +180,18 @@ def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
     assert abs(fresh - val_during_fit) > 1e-3  # the checkpoint's weights were really loaded
 
 
-def test_cli_preprocess_then_fit_on_bin_idx(tmp_path):
-    """The README's two-step pipeline: `megatron-lite preprocess` to .bin/.idx, then `fit` on it (TP2 + SP)."""
+def test_cli_preprocess_then_fit_on_bin_idx(tmp_path, capsys):
+    """The README's two-step pipeline: `megatron-lite preprocess` to .bin/.idx, then `fit` on it (TP2 + SP).
+    preprocess through the CLI's entry in this process (its 2 workers forked from it; test_preprocess.py runs
+    its own entry as a process), fit as a process of its own."""
     gpt2 = REPO / "tests" / "data" / "tokenizers" / "gpt2"
     prefix = tmp_path / "data" / "shakespeare"
-    pre = subprocess.run([sys.executable, "-m", "megatron_lite", "preprocess", "--input",
-                          str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"), "--output-prefix", str(prefix),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(gpt2 / "vocab.json"),
-                          "--merge-file", str(gpt2 / "merges.txt"), "--workers", "2", "--append-eod", "--no-progress"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert pre.returncode == 0, pre.stderr[-3000:]
+    with pytest.raises(SystemExit) as pre:
+        cli.main(["preprocess", "--input", str(REPO / "megatron_lite/data/corpora/shakespeare.jsonl.gz"),
+                  "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                  str(gpt2 / "vocab.json"), "--merge-file", str(gpt2 / "merges.txt"), "--workers", "2", "--append-eod",
+                  "--no-progress"])
+    assert pre.value.code == 0, capsys.readouterr().err[-3000:]
     assert (tmp_path / "data" / "shakespeare_text_document.idx").is_file()
     fit = subprocess.run([sys.executable, "-m", "megatron_lite", "fit", "--config",
                           str(REPO / "examples/configs/gpt_pretrain_bin.yaml"),
@@ -198,7 +200,10 @@ def test_cli_preprocess_then_fit_on_bin_idx(tmp_path):
                           "--data.init_args.tokenizer.init_args.merge_file", str(gpt2 / "merges.txt"),
                           "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
                           "--model.optimizer.lr_warmup_iters", "1", "--trainer.enable_progress_bar", "false",
-                          "--trainer.default_root_dir", str(tmp_path / "run")],
+                          "--trainer.default_root_dir", str(tmp_path / "run"),
+                          # 4 sequences of 32 tokens a step, not 16 of 128 (GPT-2's 50257 logits per token)
+                          "--data.init_args.seq_length", "32", "--data.init_args.micro_batch_size", "2",
+                          "--data.init_args.global_batch_size", "4"],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in fit.stderr + fit.stdout
@@ -239,7 +244,7 @@ def test_resume_with_dropout_is_exact(tmp_path):
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=0)
 
 
-def test_cli_loggers_then_plot_and_estimate(tmp_path):
+def test_cli_loggers_then_plot_and_estimate(tmp_path, capsys):
     """TensorBoard + CSV + offline W&B configured from YAML, Megatron's metrics in them, then `plot` and
     `estimate` on the same config."""
     import yaml
@@ -266,13 +271,17 @@ def test_cli_loggers_then_plot_and_estimate(tmp_path):
     steps = sorted({int(r["step"]) for r in rows if r.get("train/tokens_per_sec")})
     assert steps and steps == sorted(set(steps)) and max(steps) <= 3  # optimizer steps, once each
     assert any(r.get("val/perplexity") for r in rows)
+    # the tools through the CLI's entry in this process: the fit above ran `python -m megatron_lite` as a process
+    # (test_estimate_cli.py runs estimate's own entry as one, test_bare_install.py the `megatron-lite` script)
     png = tmp_path / "curves.png"
-    plot = subprocess.run([sys.executable, "-m", "megatron_lite", "plot", str(run_dir), "--out", str(png)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert plot.returncode == 0, plot.stderr[-2000:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as plot:
+        cli.main(["plot", str(run_dir), "--out", str(png)])
+    assert plot.value.code == 0, capsys.readouterr().err[-2000:]
     assert png.stat().st_size > 10_000
-    estimate = subprocess.run([sys.executable, "-m", "megatron_lite", "estimate", "--config",
-                               str(REPO / "examples/configs/gpt_tiny.yaml"), "--json"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert estimate.returncode == 0, estimate.stderr[-2000:]
-    assert json.loads(estimate.stdout)["flops_per_step"] > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as estimate:
+        cli.main(["estimate", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"), "--json"])
+    out = capsys.readouterr()
+    assert estimate.value.code == 0, out.err[-2000:]
+    assert json.loads(out.out)["flops_per_step"] > 0
