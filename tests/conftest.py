@@ -1,6 +1,8 @@
-"""Test-wide settings: one torch thread per process (ranks are forked from the test process), and the
-longest test files first (see docs/test-budget.md)."""
+"""Test-wide settings: one torch thread per process (ranks are forked from the test process), the package
+compiled once for the processes the tests start, and the longest test files first (see docs/test-budget.md)."""
+import compileall
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -8,6 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_configure(config) -> None:
+    """Compile the package's bytecode once (in the controlling process, not in each xdist worker). With
+    PYTHONDONTWRITEBYTECODE set nothing is cached, and each of the ~70 interpreters the tests start (CLI runs,
+    torchrun and script ranks) would compile the package again: ~0.35 s of CPU apiece."""
+    if not hasattr(config, "workerinput"):
+        compileall.compile_dir(Path(__file__).resolve().parents[1] / "megatron_lite", quiet=1)
 
 
 def _module_rank(items) -> int:
