@@ -25,10 +25,10 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    """Freeze what collection imported (every test module: ~700k objects, ModelOpt's alone make most of them)
-    out of the garbage collector's sight. A forked rank inherits that heap; each full collection in it walked
-    all of it, touching (so copying) every page: a 2-rank run cost twice the CPU of the same run forked from a
-    small process. Objects made by the tests themselves are collected as before."""
+    """Freeze what collection imported (every test module with Lightning, transformers, ModelOpt...: ~700k
+    objects) out of the garbage collector's sight. A forked rank inherits that heap, and each full collection
+    in it walked all of it, touching (so copying) its pages: a 2-rank run forked after ModelOpt's import cost
+    twice the CPU of the same run forked from a small process. Objects the tests make are collected as before."""
     gc.collect()
     gc.freeze()
 
