@@ -1,8 +1,7 @@
 """Test-wide settings: one torch thread per process (ranks are forked from the test process), the package
-compiled once for the processes the tests start, the collected heap frozen for the garbage collector, and under
-xdist whole modules per worker, the longest kinds first (see docs/test-budget.md)."""
+compiled once for the processes the tests start, and under xdist whole modules per worker, the longest kinds
+first (see docs/test-budget.md)."""
 import compileall
-import gc
 import os
 from pathlib import Path
 
@@ -22,15 +21,6 @@ def pytest_configure(config) -> None:
     torchrun and script ranks) would compile the package again: ~0.35 s of CPU apiece."""
     if not hasattr(config, "workerinput"):
         compileall.compile_dir(Path(__file__).resolve().parents[1] / "megatron_lite", quiet=1)
-
-
-def pytest_collection_finish(session) -> None:
-    """Freeze what collection imported (every test module with Lightning, transformers, ModelOpt...: ~700k
-    objects) out of the garbage collector's sight. A forked rank inherits that heap, and each full collection
-    in it walked all of it, touching (so copying) its pages: a 2-rank run forked after ModelOpt's import cost
-    twice the CPU of the same run forked from a small process. Objects the tests make are collected as before."""
-    gc.collect()
-    gc.freeze()
 
 
 def _module_rank(items) -> int:
