@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 def pytest_configure(config) -> None:
     """Compile the package's bytecode once (in the controlling process, not in each xdist worker). With
-    PYTHONDONTWRITEBYTECODE set nothing is cached, and each of the ~70 interpreters the tests start (CLI runs,
+    PYTHONDONTWRITEBYTECODE set nothing is cached, and each of the ~85 interpreters the tests start (CLI runs,
     torchrun and script ranks) would compile the package again: ~0.35 s of CPU apiece."""
     if not hasattr(config, "workerinput"):
         compileall.compile_dir(Path(__file__).resolve().parents[1] / "megatron_lite", quiet=1)
