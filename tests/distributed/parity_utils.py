@@ -2,6 +2,7 @@
 tests compare: the loss of every step and the full (TP-gathered) gradients of the first step."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -9,9 +10,16 @@ import lightning as L
 import torch
 
 import megatron_lite as ml
+from megatron_lite.callbacks import MegatronMetrics
 from megatron_lite.core.parallel.fsdp import full_local_tensor
 from megatron_lite.core.parallel.tensor_parallel import gather_full
 from megatron_lite.data import MockGPTDataModule
+
+
+# The MFU peak of the MegatronMetrics the strategy adds, given here: without it every rank of every run times
+# a matmul for ~60 ms to estimate one (~14% of a 2-rank run's CPU). Parity compares numbers, not throughput;
+# the measured peak is tested where MFU is (test_metrics_callback.py).
+PEAK_TFLOPS = 1.0
 
 
 def tiny_config(**overrides) -> ml.GPTConfig:
@@ -88,6 +96,8 @@ def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, pp: int =
                                  vocab_size=config.vocab_size, seed=7)
     optimizer = optimizer or ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4)
     callbacks = [Recorder(out), *trainer_kwargs.pop("callbacks", [])]
+    if (strategy_kwargs or {}).get("log_metrics", True) and not any(isinstance(c, MegatronMetrics) for c in callbacks):
+        callbacks.append(MegatronMetrics(peak_tflops_per_device=PEAK_TFLOPS))  # where the strategy adds its own
     settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     limit_val_batches=0)
     settings.update(trainer_kwargs)
@@ -127,3 +137,28 @@ def assert_same_training(result: dict, reference: dict, rtol: float = 1e-5, grad
         scale = grad.abs().max().item()
         torch.testing.assert_close(result["grads"][name], grad, rtol=rtol, atol=rtol * scale,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class _NodeLayout(L.Callback):
+    """Global rank 0 writes OUT/layout.json: per global rank, its node and the global ranks of its TP and DP groups."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+
+    def on_train_end(self, trainer, pl_module):
+        layout = pl_module.parallel_layout
+        mine = {"node": trainer.node_rank, "tp": torch.distributed.get_process_group_ranks(layout.group("tp")),
+                "dp": torch.distributed.get_process_group_ranks(layout.group("dp"))}
+        ranks = [None] * trainer.world_size
+        torch.distributed.all_gather_object(ranks, mine)
+        if trainer.global_rank == 0:
+            (self.out / "layout.json").write_text(json.dumps(ranks))
+
+
+if __name__ == "__main__":
+    # One rank of a run that torchrun (or SLURM) started: python parity_utils.py OUT '{"devices": 2, "tp": 2, ...}'
+    # (run's keyword arguments as JSON); OUT gets result.pt and layout.json.
+    import sys
+
+    torch.set_num_threads(1)
+    run(Path(sys.argv[1]), callbacks=[_NodeLayout(Path(sys.argv[1]))], **json.loads(sys.argv[2]))

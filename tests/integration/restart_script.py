@@ -1,22 +1,26 @@
-"""A TP2 x DP2 training run (4 ranks) under ``torchrun --max-restarts 1`` that SIGKILLs one of its ranks once,
-at a chosen point, for fault 1 of issue 13::
+"""A TP2 x DP2 training run (4 ranks) under ``torchrun --max-restarts 3`` that SIGKILLs one of its ranks in
+each of its first attempts, each time at another point, for fault 1 of issue 13::
 
-    KILL_POINT=mid-step KILL_RANK=1 KILL_STEP=5 \\
-        python -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 1 restart_script.py OUT
+    KILLS=mid-step:1:5,mid-save:0:6,after-save:3:6 \\
+        python -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 3 restart_script.py OUT
 
-- ``mid-step``: rank KILL_RANK dies in the forward of the second microbatch of step KILL_STEP + 1 (after the
+KILLS holds one ``point:rank:step`` per attempt: attempt k (torchrun's TORCHELASTIC_RESTART_COUNT) kills
+global rank ``rank`` at ``point`` after ``step`` steps; the attempts past the list train to the end.
+
+- ``mid-step``: rank ``rank`` dies in the forward of the second microbatch of step ``step`` + 1 (after the
   first microbatch's forward and backward), while its peers wait in that step's collectives;
-- ``mid-save``: rank KILL_RANK dies during the first top-1 save after step KILL_STEP, once a shard of it is
+- ``mid-save``: rank ``rank`` dies during the first top-1 save after step ``step``, once a shard of it is
   written and before it is committed (a thread of that rank watches the checkpoint directory while the rank
   is inside the save);
-- ``after-save``: rank KILL_RANK dies at the start of step KILL_STEP + 1, right after step KILL_STEP's
+- ``after-save``: rank ``rank`` dies at the start of step ``step`` + 1, right after step ``step``'s
   checkpoints were committed.
 
-OUT/armed.json is the marker: written before the kill is armed, it tells the restarted ranks not to kill
-again. Every incarnation's rank 0 writes OUT/start<restart>.txt (the step training starts from) and the rank
-0 that finishes writes OUT/result.pt (parity_utils.Recorder: the losses of its steps, the final full
-parameters). The run is parity_utils.run(devices=4, tp=2, steps=STEPS) plus a ModelCheckpoint every 2 steps
-(top-1 and last.ckpt), resumed with ckpt_path="last": the test's uninterrupted reference.
+What the test reads, per attempt k: OUT/armed<k>.json (written when the kill is armed), OUT/killed<k>.txt
+(where the rank died), OUT/start<k>.txt (rank 0: the step training starts from) and OUT/losses<k>.json
+(rank 0: the loss of every step it finished); the rank 0 that finishes writes OUT/result.pt
+(parity_utils.Recorder: the losses of its steps, the final full parameters). The run is
+parity_utils.run(devices=4, tp=2, steps=STEPS) plus a ModelCheckpoint every 2 steps (top-1 and last.ckpt),
+resumed with ckpt_path="last": the test's uninterrupted reference.
 """
 import json
 import os
@@ -26,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -41,8 +46,12 @@ STEPS, SAVE_EVERY, GBS, MBS = 8, 2, 8, 2
 _TOP1_SAVE = re.compile(r"^\.epoch=\d+-step=(?P<step>\d+)\.ckpt\.tmp-[0-9a-f]{8}$")
 
 
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def _die(out: Path, what: str) -> None:
-    (out / "killed.txt").write_text(what)  # evidence for the test (the marker was written before arming)
+    (out / f"killed{_attempt()}.txt").write_text(what)  # evidence for the test (armed<k>.json came before)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -64,23 +73,26 @@ def _watch_saves(out: Path, ckpt: Path) -> None:
 
 
 class KillOnce(L.Callback):
-    """SIGKILLs global rank ``rank`` at ``point`` after ``step`` steps, unless the marker says it was armed before."""
+    """SIGKILLs global rank ``rank`` at ``point`` after ``step`` steps, once (point None: kills nothing).
+    Rank 0 also writes where the attempt started and the loss of every step it finished."""
 
-    def __init__(self, out: Path, point: str, rank: int, step: int):
+    def __init__(self, out: Path, point: Optional[str], rank: int, step: int):
         self.out, self.point, self.rank, self.step = out, point, rank, step
         self.ckpt = out / "ckpt"
+        self.armed = False
+        self.losses: dict[int, float] = {}
 
     def _arm(self, trainer) -> bool:
-        if trainer.global_rank != self.rank or trainer.global_step != self.step or (self.out / "armed.json").exists():
+        if self.armed or trainer.global_rank != self.rank or trainer.global_step != self.step:
             return False
-        (self.out / "armed.json").write_text(json.dumps({"point": self.point, "rank": self.rank, "step": self.step,
-                                                         "armed_at": time.time(), "pid": os.getpid()}))
+        self.armed = True
+        (self.out / f"armed{_attempt()}.json").write_text(json.dumps(
+            {"point": self.point, "rank": self.rank, "step": self.step, "armed_at": time.time(), "pid": os.getpid()}))
         return True
 
     def on_train_start(self, trainer, pl_module):
         if trainer.global_rank == 0:
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            (self.out / f"start{restart}.txt").write_text(f"{trainer.global_step} {time.time()!r}")
+            (self.out / f"start{_attempt()}.txt").write_text(f"{trainer.global_step} {time.time()!r}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.point == "after-save" and self._arm(trainer):
@@ -95,6 +107,9 @@ class KillOnce(L.Callback):
             pl_module.model.register_forward_hook(second_microbatch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 0:  # before the save of this step (and a kill in it)
+            self.losses[trainer.global_step] = float(outputs["loss"])
+            (self.out / f"losses{_attempt()}.json").write_text(json.dumps(self.losses))
         # before ModelCheckpoint's on_train_batch_end (Lightning runs checkpoint callbacks last), which saves
         if self.point == "mid-save" and self._arm(trainer):
             threading.Thread(target=_watch_saves, args=(self.out, self.ckpt), daemon=True).start()
@@ -105,7 +120,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
-    kill = KillOnce(out, os.environ["KILL_POINT"], int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"]))
+    kills = [spec.split(":") for spec in os.environ["KILLS"].split(",")]
+    point, rank, step = kills[_attempt()] if _attempt() < len(kills) else (None, "-1", "-1")
+    kill = KillOnce(out, point, int(rank), int(step))
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=2), accelerator="cpu", devices=4, max_steps=STEPS,
         callbacks=[Recorder(out), kill,

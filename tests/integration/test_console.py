@@ -25,6 +25,8 @@ from megatron_lite.data import MockGPTDataModule
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integration" / "console_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from console_run import SEPARATOR  # noqa: E402
 
 BAR = re.compile(r"\d+%\||\d+/\?? ?\[|it/s\]|s/it\]")  # a tqdm bar: "40%|", "3/12 [", "2.1it/s]"
 OURS = re.compile(r"iteration +\d+/|time across ranks|\.{3,}: \(|megatron_lite")
@@ -33,7 +35,7 @@ TIMER_HEADER = "(min, max) time across ranks (ms):"
 TIMER_LINE = re.compile(r" {4}[\w-]+ \.+: \((\d+\.\d\d), (\d+\.\d\d)\)")
 
 
-def _run_script(tmp_path: Path, **settings) -> str:
+def _run_script(tmp_path: Path, settings) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("MASTER_PORT", None)  # let the launcher pick a free port
@@ -101,7 +103,7 @@ def check_console(console: str, max_steps: int) -> tuple:
 def test_demo_strategy_console_with_the_default_metrics(tmp_path):
     """The demo's launcher (each rank re-runs the script) and the callback the strategy adds: an
     iteration line every log step, one timer block per 10 log steps, nothing inside a bar line."""
-    console = _run_script(tmp_path, start_method="popen", max_steps=12, log_every_n_steps=1, metrics=None)
+    console = _run_script(tmp_path, dict(start_method="popen", max_steps=12, log_every_n_steps=1, metrics=None))
     iterations, blocks = check_console(console, max_steps=12)
     assert [step for step, _ in iterations] == list(range(1, 13))
     assert len(blocks) == 1  # at step 10 (10 x log_every_n_steps), not at every log step
@@ -111,11 +113,29 @@ def test_demo_strategy_console_with_the_default_metrics(tmp_path):
     assert {"forward-backward", "optimizer"} <= set(names)
 
 
-def test_notebook_launcher_console_with_chosen_intervals(tmp_path):
+# The fork launcher's runs (as in a notebook): one script process trains them one after the other, and the
+# tests below read each one's console (one interpreter start instead of three; the tests share a worker).
+FORK_RUNS = {
+    "chosen_intervals": dict(start_method="fork", max_steps=12, log_every_n_steps=1,
+                             metrics=dict(log_interval=2, timers_interval=4)),
+    "timers_off": dict(start_method="fork", max_steps=4, log_every_n_steps=1, metrics=dict(timers_interval=0)),
+    "console_off": dict(start_method="fork", max_steps=4, log_every_n_steps=1, metrics=dict(console=False)),
+}
+
+
+@pytest.fixture(scope="module")
+def fork_consoles(tmp_path_factory) -> dict:
+    console = _run_script(tmp_path_factory.mktemp("fork"), list(FORK_RUNS.values()))
+    consoles = console.split(SEPARATOR + "\n")
+    assert len(consoles) == len(FORK_RUNS), console[-4000:]
+    return dict(zip(FORK_RUNS, consoles))
+
+
+@pytest.mark.xdist_group("console_fork")
+def test_notebook_launcher_console_with_chosen_intervals(fork_consoles):
     """The fork launcher (notebooks) with MegatronMetrics(log_interval=2, timers_interval=4): a line every
     2 steps, a block every 4, each block the per-step times over its 4 steps."""
-    console = _run_script(tmp_path, start_method="fork", max_steps=12, log_every_n_steps=1,
-                          metrics=dict(log_interval=2, timers_interval=4))
+    console = fork_consoles["chosen_intervals"]
     iterations, blocks = check_console(console, max_steps=12)
     assert [step for step, _ in iterations] == [2, 4, 6, 8, 10, 12]
     assert [[step for step, i in iterations if i < at][-1] for _, at in blocks] == [4, 8, 12]
@@ -124,12 +144,11 @@ def test_notebook_launcher_console_with_chosen_intervals(tmp_path):
         assert dict((name, high) for name, _, high in block)["forward-backward"] > 0.0
 
 
-def test_timer_block_off_and_console_off(tmp_path):
-    console = _run_script(tmp_path, start_method="fork", max_steps=4, log_every_n_steps=1,
-                          metrics=dict(timers_interval=0))
-    iterations, blocks = check_console(console, max_steps=4)
+@pytest.mark.xdist_group("console_fork")
+def test_timer_block_off_and_console_off(fork_consoles):
+    iterations, blocks = check_console(fork_consoles["timers_off"], max_steps=4)
     assert len(iterations) == 4 and blocks == []
-    console = _run_script(tmp_path, start_method="fork", max_steps=4, log_every_n_steps=1, metrics=dict(console=False))
+    console = fork_consoles["console_off"]
     assert "iteration " not in console and TIMER_HEADER not in console
 
 

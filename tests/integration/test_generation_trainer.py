@@ -103,15 +103,20 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_cli_generates_from_a_trainer_checkpoint(checkpoint, tmp_path):
+def test_cli_generates_from_a_trainer_checkpoint(checkpoint, tmp_path, capsys):
+    """The text output from the CLI's entry in this process (one device: no launch); TP2 and JSON through
+    `python -m megatron_lite generate`, a process of its own, as a user runs it."""
     tokenizer = _tokenizer(checkpoint)
     prompts = [tokenizer.tokenize(t) for t in TEXTS[:2]]
     expected = _predict(checkpoint, prompts, stop_ids=[tokenizer.eod])
     args = ["--ckpt", str(checkpoint), "--prompt", TEXTS[0], "--prompt", TEXTS[1], "--max-new-tokens", "10"]
-    text = _cli(*args, cwd=tmp_path)
-    assert text.returncode == 0, text.stderr[-3000:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(["generate", *args])
+    text = capsys.readouterr()
+    assert exit_code.value.code == 0, text.err[-3000:]
     completions = [tokenizer.detokenize(p + e)[len(tokenizer.detokenize(p)):] for p, e in zip(prompts, expected)]
-    assert text.stdout == f"{TEXTS[0]}{completions[0]}\n\n{TEXTS[1]}{completions[1]}\n"
+    assert text.out == f"{TEXTS[0]}{completions[0]}\n\n{TEXTS[1]}{completions[1]}\n"
     tp2 = _cli(*args, "--json", "--devices", "2", "--tensor-model-parallel-size", "2", cwd=tmp_path)
     assert tp2.returncode == 0, tp2.stderr[-3000:]
     records = [json.loads(line) for line in tp2.stdout.splitlines()]

@@ -4,9 +4,7 @@ says how to fix it."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 from PIL import Image
 
 import megatron_lite as ml
+from megatron_lite import cli
 from megatron_lite.callbacks import PipelineTimeline
 from megatron_lite.core.parallel.pipeline.schedules import interleaved_order, one_f_one_b_order
 from megatron_lite.data import MockGPTDataModule
@@ -96,25 +95,23 @@ def test_every_rank_records_the_schedule_that_ran(run_dir):
                 assert by_stage[source]["start"] < e["start"], f"{kind}{mb} on virtual stage {stage} started early"
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def test_cli_prints_the_bubble_and_writes_a_png(run_dir, tmp_path):
+def test_cli_prints_the_bubble_and_writes_a_png(run_dir, tmp_path, capsys):
+    """Through the CLI's entry (`megatron-lite pipeline-timeline`), in this process: `python -m megatron_lite`
+    runs its tools as processes in test_generation_trainer.py and test_trainer_and_cli.py."""
     root, vpp = run_dir
     out = tmp_path / "timeline.png"
-    proc = subprocess.run([sys.executable, "-m", "megatron_lite", "pipeline-timeline", str(root), "--out", str(out)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith(f"step {RECORDED[-1]}: ")  # the last recorded step by default
-    measured = float(re.search(r"bubble fraction: measured ([0-9.]+)", proc.stdout).group(1))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(["pipeline-timeline", str(root), "--out", str(out)])
+    proc = capsys.readouterr()
+    assert exit_code.value.code == 0, proc.err[-3000:]
+    assert proc.out.startswith(f"step {RECORDED[-1]}: ")  # the last recorded step by default
+    measured = float(re.search(r"bubble fraction: measured ([0-9.]+)", proc.out).group(1))
     assert 0.0 < measured < 1.0
     formula = "(P-1)/(M+P-1)" if vpp == 1 else "(P-1)/(V*M+P-1)"
     theory = (P - 1) / (vpp * M + P - 1)
-    assert f"theory {formula} = {theory:.4f}" in proc.stdout
-    assert f"wrote {out}" in proc.stdout
+    assert f"theory {formula} = {theory:.4f}" in proc.out
+    assert f"wrote {out}" in proc.out
     with Image.open(out) as image:
         assert image.format == "PNG"
         assert len(image.convert("RGB").getcolors(maxcolors=1 << 16)) > 10  # drawn, not a blank canvas

@@ -13,11 +13,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import megatron_lite as ml
+from megatron_lite import cli
 from megatron_lite.data import MockGPTDataModule
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed"))
-from parity_utils import run, tiny_config  # noqa: E402
+from parity_utils import assert_same_training, run, tiny_config  # noqa: E402
 
 
 def _env():
@@ -43,14 +44,17 @@ def test_fork_name_resolves():
     assert trainer.strategy._start_method == "fork"
 
 
-def test_cli_reports_missing_corpus_before_training(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_lite", "fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
-           "--data.init_args.path", str(tmp_path / "nope.jsonl")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in proc.stderr
-    assert "or the name of a bundled corpus: shakespeare" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_reports_missing_corpus_before_training(tmp_path, monkeypatch, capsys):
+    """One line, no traceback (the CLI's entry in this process: the error comes before any launch)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(["fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
+                  "--data.init_args.path", str(tmp_path / "nope.jsonl")])
+    err = capsys.readouterr().err
+    assert exit_code.value.code != 0
+    assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in err
+    assert "or the name of a bundled corpus: shakespeare" in err
+    assert "Traceback" not in err
 
 
 def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path):
@@ -110,6 +114,30 @@ def test_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (result["world_size"], result["dp"]) == (2, 2) and len(result["losses"]) == 3
+
+
+def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
+    """Two "nodes" (a torchrun each, 2 processes, --nnodes 2 --node-rank, rendezvous on 127.0.0.1) and
+    Trainer(num_nodes=2, devices=2) with TP2: tensor parallelism inside a node, data parallelism across the
+    nodes, and the same losses, first-step gradients and final parameters as one process (fp32 tolerance)."""
+    run_args = dict(devices=2, num_nodes=2, tp=2, steps=3)
+    torchrun, port = Path(sys.executable).with_name("torchrun"), str(_free_port())
+    nodes = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", port,
+                               str(REPO / "tests/distributed/parity_utils.py"), str(tmp_path / "run"),
+                               json.dumps(run_args)],
+                              cwd=tmp_path, env=dict(_env(), PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node in range(2)]
+    reference = run(tmp_path / "reference", devices=1, steps=run_args["steps"])  # meanwhile, in this process
+    for node in nodes:
+        out, _ = node.communicate(timeout=300)
+        assert node.returncode == 0, out[-3000:]
+    layout = json.loads((tmp_path / "run" / "layout.json").read_text())
+    assert [rank["node"] for rank in layout] == [0, 0, 1, 1]
+    for rank in layout:
+        assert {layout[r]["node"] for r in rank["tp"]} == {rank["node"]} and len(rank["tp"]) == 2  # TP in a node
+        assert {layout[r]["node"] for r in rank["dp"]} == {0, 1} and len(rank["dp"]) == 2  # DP across nodes
+    assert_same_training(torch.load(tmp_path / "run" / "result.pt", weights_only=False), reference)
 
 
 def test_in_a_slurm_allocation(tmp_path):
