@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -181,7 +181,7 @@ class ParallelLayout:
                  config.context_parallel_size, config.tensor_model_parallel_size)
         # DeviceMesh makes its groups with torch's default timeout unless given options that carry one; a
         # dimension spanning every rank reuses the default group, which has the timeout already.
-        override = None if timeout is None else {
+        override: Optional[dict[int | str, Any]] = None if timeout is None else {
             name: _group_options(timeout) for name, size in zip(MESH_DIMS, shape) if size < world_size}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None)
         coords = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
