@@ -80,7 +80,8 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
-    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
+    # resolved by GPTConfig.__post_init__
+    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
     tokens = s * b  # inside TP regions every rank sees the whole (CP-local) sequence ...
     local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
     c, r = pb.compute, pb.residual

@@ -65,7 +65,8 @@ def forward_flops_breakdown(config: GPTConfig, seq_length: Optional[int] = None,
     """
     s = config.seq_length if seq_length is None else seq_length
     h, layers, d = config.hidden_size, config.num_layers, config.kv_channels
-    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
+    # resolved by GPTConfig.__post_init__
+    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
     q_width = config.num_attention_heads * d
     kv_width = 2 * config.num_query_groups * d
     gated = 2 if config.activation == "swiglu" else 1  # SwiGLU's fc1 holds gate and up
