@@ -28,7 +28,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,8 @@ Policy = Literal["continue", "skip", "exit"]
 POLICIES = ("continue", "skip", "exit")
 Action = Literal["accept", "replay", "continue", "skip", "exit"]
 
+FaultKind = Literal["nan", "inf", "spike"]
+FaultTarget = Literal["loss", "grad"]
 _INJECTION = re.compile(r"^(nan|inf|spike)_(loss|grad)@(\d+)(?::(once|always))?(?::rank(\d+))?$")
 
 
@@ -53,9 +55,9 @@ _INJECTION = re.compile(r"^(nan|inf|spike)_(loss|grad)@(\d+)(?::(once|always))?(
 class FaultInjection:
     """A fault to inject into one step (counted in optimizer steps, 0-based: Lightning's ``global_step``)."""
 
-    kind: Literal["nan", "inf", "spike"]
+    kind: FaultKind
     """NaN, Inf, or a spike (the loss x ``SPIKE_FACTOR``)."""
-    target: Literal["loss", "grad"]
+    target: FaultTarget
     """The loss (its gradients follow), or only the gradients (the loss stays finite)."""
     step: int
     """The optimizer step to inject into."""
@@ -76,8 +78,9 @@ class FaultInjection:
                 f"fault injection {text!r} is not <nan|inf|spike>_<loss|grad>@<step>[:once|:always][:rank<r>]; "
                 f"e.g. 'nan_loss@3' (once: a transient fault) or 'nan_loss@3:always' (a reproducible one)")
         kind, target, step, times, rank = match.groups()
-        return cls(kind=kind, target=target, step=int(step), always=times == "always",
-                   rank=None if rank is None else int(rank))
+        # the pattern's alternatives are exactly the Literal values
+        return cls(kind=cast(FaultKind, kind), target=cast(FaultTarget, target), step=int(step),
+                   always=times == "always", rank=None if rank is None else int(rank))
 
     def applies(self, step: int, attempt: int, rank: int) -> bool:
         return step == self.step and (self.always or attempt == 0) and self.rank in (None, rank)
@@ -223,6 +226,7 @@ class RerunStateMachine:
             self._action: Action = "replay"
             return False
         # a replay: compare with the first attempt, bit for bit (NaN == NaN), on every rank
+        assert self._first is not None  # recorded when attempt 0 was rejected
         differs = self._agree(not all(_same(a, b) for a, b in zip(values, self._first)))
         verdict = "transient" if differs else "reproducible"
         setattr(self.counts, verdict, getattr(self.counts, verdict) + 1)

@@ -117,7 +117,7 @@ class Watchdog:
                 with open(self.dump_dir / f"rank{self.rank}.txt", "w") as f:
                     self._dump(f, header)
                 alarm = self.alarm_file
-                if not alarm.exists():
+                if alarm is not None and not alarm.exists():
                     tmp = alarm.with_name(f".{alarm.name}.rank{self.rank}")
                     tmp.write_text(f"rank {self.rank}")
                     tmp.replace(alarm)

@@ -36,7 +36,7 @@ class CheckpointDiskFullError(OSError):
         """Bytes free on the checkpoint's file system once the unfinished save was removed (None: unknown)."""
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""  # always the message: OSError(code, message) sets it
 
 
 class AsyncCheckpointError(RuntimeError):

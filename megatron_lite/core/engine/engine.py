@@ -184,10 +184,11 @@ class TrainingEngine:
             self.reduce_shared_embedding_grads()
             # The check runs once the norm is known and before the optimizer (or the loss scaler) changed
             # anything: a replay starts from exactly the state this attempt started from.
-            accept = self._rerun_check(step.loss, seen) if rerun is not None else None
+            accept = self._rerun_check(rerun, mopt, step.loss, seen) if rerun is not None else None
             result = mopt.prepare_step(step.grad_scale, accept=accept)
             if result is not None:
                 break
+            assert rerun is not None  # only the rerun check's verdict withholds a step
             action = rerun.next_action()
             if action == "replay":
                 rerun.restore(self.model)
@@ -204,12 +205,14 @@ class TrainingEngine:
             rerun.end_step()
         return step, result
 
-    def _rerun_check(self, loss: torch.Tensor, seen: dict) -> Callable[[torch.Tensor], bool]:
+    @staticmethod
+    def _rerun_check(rerun: RerunStateMachine, mopt: MegatronOptimizer, loss: torch.Tensor,
+                     seen: dict) -> Callable[[torch.Tensor], bool]:
         """The rerun state machine's verdict on this attempt, given the global gradient norm (fp16 loss
         scaling skips overflowing gradients itself: then only the loss is validated)."""
         def accept(norm: torch.Tensor) -> bool:
             seen["grad_norm"] = norm
-            return self.rerun.validate(loss, norm if self.optimizer.loss_scaler is None else None)
+            return rerun.validate(loss, norm if mopt.loss_scaler is None else None)
 
         return accept
 
@@ -236,6 +239,7 @@ class TrainingEngine:
             return [step(self.parts[0], mb, None) for mb in microbatches]
         result = self._run(microbatches, forward_only=True, loss=False, keep_outputs=True, forward_step=step)
         group = self.layout.group("pp")
+        assert group is not None  # pipelined: pp_size > 1
         last = dist.get_global_rank(group, self.layout.pp_size - 1)
         outputs = []
         for index in range(len(microbatches)):

@@ -80,6 +80,8 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
+    # resolved by GPTConfig.__post_init__
+    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
     tokens = s * b  # inside TP regions every rank sees the whole (CP-local) sequence ...
     local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
     c, r = pb.compute, pb.residual
@@ -138,6 +140,7 @@ def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, t
     in every layer that stores its activations; checkpointed layers hold the fp32 tables as inputs."""
     if config.position_embedding_type != "rope":
         return 0
+    assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
     rot = int(config.kv_channels * config.rotary_percent)
     rot -= rot % 2
     # Under CP the positions come per sample ([b, s/C], the zigzag share's), and so do the tables.
@@ -156,6 +159,7 @@ def _recompute_groups(config: GPTConfig, stage_layers: int) -> tuple:
     k = config.recompute_num_layers
     if config.recompute_granularity != "full":
         return groups, "selective (core attention)" if config.recompute_granularity else "none"
+    assert k is not None  # GPTConfig refuses 'full' granularity without recompute_num_layers
     if config.recompute_method == "block":
         return groups, f"full, block: first {min(k, stage_layers)} of {stage_layers} layers"
     return groups, f"full, uniform: chunks of {k} layer(s)"

@@ -40,6 +40,7 @@ def _sizes(config: GPTConfig, layout: ContextParallelLayout) -> tuple[int, int, 
     """(local tokens of a microbatch, query heads per rank, key/value heads per rank, head width)."""
     tp = layout.tensor_model_parallel_size
     tokens = layout.local_seq_length * layout.micro_batch_size
+    assert config.num_query_groups is not None and config.kv_channels is not None  # resolved by GPTConfig.__post_init__
     return tokens, config.num_attention_heads // tp, config.num_query_groups // tp, config.kv_channels
 
 

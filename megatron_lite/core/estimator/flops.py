@@ -65,6 +65,8 @@ def forward_flops_breakdown(config: GPTConfig, seq_length: Optional[int] = None,
     """
     s = config.seq_length if seq_length is None else seq_length
     h, layers, d = config.hidden_size, config.num_layers, config.kv_channels
+    # resolved by GPTConfig.__post_init__
+    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
     q_width = config.num_attention_heads * d
     kv_width = 2 * config.num_query_groups * d
     gated = 2 if config.activation == "swiglu" else 1  # SwiGLU's fc1 holds gate and up
@@ -123,6 +125,7 @@ def attention_flops_per_cp_rank(config: GPTConfig, seq_length: Optional[int] = N
         raise ValueError(f"seq_length ({s}) must be divisible by the {pieces} chunks of a {split} split over "
                          f"{cp_size} ranks")
     chunk = s // pieces
+    assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
     per_pair = config.num_layers * 2 * (2 * chunk * chunk * config.num_attention_heads * config.kv_channels)
 
     def work(c: int) -> float:  # chunk c against chunks 0..c-1 in full, itself at half

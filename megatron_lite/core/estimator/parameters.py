@@ -51,6 +51,8 @@ def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pip
 
 def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    assert f is not None and d is not None and config.num_query_groups is not None \
+        and config.max_position_embeddings is not None  # resolved by GPTConfig.__post_init__
     vocab = config.padded_vocab_size(tp)
     qkv = d * (config.num_attention_heads + 2 * config.num_query_groups)
     fc1 = f * (2 if config.activation == "swiglu" else 1)

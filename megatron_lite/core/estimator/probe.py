@@ -68,8 +68,9 @@ class SavedTensorsReport:
         return dict(out)
 
 
-def _storage_key(t: torch.Tensor):
-    """(device, data pointer) of ``t``'s storage and its size; None for tensors without one (meta, sparse)."""
+def _storage_key(t: object):
+    """(device, data pointer) of ``t``'s storage and its size; None for tensors without one (meta, sparse) and
+    for what is not a tensor (any leaf of a model's output)."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
         return None
     try:

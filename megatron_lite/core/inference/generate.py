@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from megatron_lite.core.inference.prompts import PromptBatch, attention_mask, ch
 from megatron_lite.core.inference.sampling import SamplingParams, TokenSampler, token_log_probs
 from megatron_lite.core.inference.step import StepRunner
 from megatron_lite.core.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron_lite.core.models.gpt import GPTModel
 
 
 @dataclass
@@ -43,7 +46,7 @@ def model_context(config: Any) -> int:
 
 
 @contextlib.contextmanager
-def generation_mode(model: nn.Module) -> Iterator[None]:
+def generation_mode(model: GPTModel) -> Iterator[None]:
     """Eval mode, whole rows (sequence and context parallelism off) and, under FSDP2, the parameters
     gathered once for the whole generation rather than per layer per token; all restored afterwards."""
     was_training = model.training
@@ -75,7 +78,7 @@ def _fsdp_units(model: nn.Module) -> list:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompts: Any, max_new_tokens: int, sampling: Optional[SamplingParams] = None, *,
+def generate(model: GPTModel, prompts: Any, max_new_tokens: int, sampling: Optional[SamplingParams] = None, *,
              stop_ids: Optional[Iterable[int]] = None, return_log_probs: bool = False, use_cache: bool = True,
              row_ids: Optional[Sequence[int]] = None, layout: Optional[ParallelLayout] = None) -> GenerationResult:
     """Continue each of ``prompts`` (lists of token ids, of any lengths) by up to ``max_new_tokens`` tokens.
@@ -102,7 +105,7 @@ def generate(model: nn.Module, prompts: Any, max_new_tokens: int, sampling: Opti
                        row_ids if row_ids is not None else range(len(rows)))
 
 
-def _decode(model: nn.Module, layout: ParallelLayout, rows: list[list[int]], max_new_tokens: int,
+def _decode(model: GPTModel, layout: ParallelLayout, rows: list[list[int]], max_new_tokens: int,
             sampling: SamplingParams, stops: tuple[int, ...], return_log_probs: bool, use_cache: bool,
             row_ids: Sequence[int]) -> GenerationResult:
     runner = StepRunner(model, layout)
@@ -127,6 +130,7 @@ def _decode(model: nn.Module, layout: ParallelLayout, rows: list[list[int]], max
             else:
                 logits = runner(inputs, step)
                 if sampler is not None:
+                    assert logits is not None  # the runner returns logits on the sampler's rank
                     chosen = sampler(logits)
                     payload[:b] = chosen
                     if return_log_probs:
@@ -135,6 +139,7 @@ def _decode(model: nn.Module, layout: ParallelLayout, rows: list[list[int]], max
                 chosen, lps = payload[:b].to(torch.int64), payload[b:]
             new_tokens[:, t] = chosen.cpu()
             if log_probs is not None:
+                assert lps is not None  # asked for (return_log_probs): both branches give them
                 log_probs[:, t] = lps.cpu()
             if stops:
                 ended = torch.isin(chosen, stop_tensor) & ~finished
@@ -154,8 +159,8 @@ def _decode(model: nn.Module, layout: ParallelLayout, rows: list[list[int]], max
         if cache is not None:
             cache.free()
     tokens = [new_tokens[i, : lengths[i]].tolist() for i in range(b)]
-    lps = [log_probs[i, : lengths[i]].tolist() for i in range(b)] if log_probs is not None else None
-    return GenerationResult(tokens, lps, [bool(row) and row[-1] in stops for row in tokens])
+    row_log_probs = [log_probs[i, : lengths[i]].tolist() for i in range(b)] if log_probs is not None else None
+    return GenerationResult(tokens, row_log_probs, [bool(row) and row[-1] in stops for row in tokens])
 
 
 def _step(batch: PromptBatch, start: int, length: int, cache: Optional[KVCache]) -> InferenceStep:

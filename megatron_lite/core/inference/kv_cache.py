@@ -10,9 +10,12 @@ of a long batch can be as large as the activations of a training step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_lite.core.models.gpt import GPTModel
 
 
 class KVCache:
@@ -30,10 +33,12 @@ class KVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> "KVCache":
-        """A cache for the layers ``model`` (a GPTModel: this rank's pipeline stages) holds."""
+    def for_model(cls, model: GPTModel, batch_size: int, max_len: int) -> "KVCache":
+        """A cache for the layers ``model`` (this rank's pipeline stages) holds."""
         param = next(model.parameters())
         config = model.config
+        # resolved by GPTConfig.__post_init__
+        assert config.num_query_groups is not None and config.kv_channels is not None
         groups = config.num_query_groups // model.layout.tp_size  # this rank's key/value heads
         return cls([int(i) for i in model.layers.keys()], batch_size, max_len, groups, config.kv_channels,
                    param.dtype, param.device)

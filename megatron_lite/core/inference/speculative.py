@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
-from torch import nn
 
 from megatron_lite.core.inference.generate import generation_mode, model_context
 from megatron_lite.core.inference.kv_cache import InferenceStep, KVCache
 from megatron_lite.core.inference.prompts import attention_mask, check_prompts, check_stop_ids
 from megatron_lite.core.models.attention import rotary_tables
 from megatron_lite.core.models.draft_head import EagleDraftHead, base_fingerprint
+from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
 
 
@@ -55,7 +55,7 @@ class SpeculativeResult:
         return sum(len(t) for t in self.tokens) / max(1, sum(self.base_forwards))
 
 
-def check_draft(model: nn.Module, draft: Any, num_draft_tokens: int, check_base: bool = True) -> None:
+def check_draft(model: GPTModel, draft: Any, num_draft_tokens: int, check_base: bool = True) -> None:
     """One clear error when ``draft`` cannot draft for ``model`` (another base model -- compared only with
     ``check_base`` --, another layout, a head never trained) or ``num_draft_tokens`` is not an integer >= 1."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
@@ -66,6 +66,9 @@ def check_draft(model: nn.Module, draft: Any, num_draft_tokens: int, check_base:
                         f"loaded with megatron_lite.post_training.load_draft_head), got {type(draft).__name__}")
     if model.layout.pp_size > 1:
         raise ValueError("speculative decoding runs the whole model on each rank: set pipeline_model_parallel_size=1")
+    if model.output_layer is None:
+        raise ValueError("speculative decoding verifies the draft with the model's output layer: this model was built "
+                         "with output_layer=False")
     if draft.layout.tp_size != model.layout.tp_size or draft.layout.tp_rank != model.layout.tp_rank:
         raise ValueError(f"the draft head is built for TP rank {draft.layout.tp_rank} of {draft.layout.tp_size}, the "
                          f"model for rank {model.layout.tp_rank} of {model.layout.tp_size}: load the draft head for "
@@ -83,7 +86,7 @@ def check_draft(model: nn.Module, draft: Any, num_draft_tokens: int, check_base:
 
 
 @torch.no_grad()
-def speculative_generate(model: nn.Module, draft: EagleDraftHead, prompts: Any, max_new_tokens: int, *,
+def speculative_generate(model: GPTModel, draft: EagleDraftHead, prompts: Any, max_new_tokens: int, *,
                          num_draft_tokens: int = 4, stop_ids: Optional[Iterable[int]] = None,
                          check_base: bool = True) -> SpeculativeResult:
     """Greedy continuation of each of ``prompts`` (lists of token ids) by up to ``max_new_tokens`` tokens,
@@ -115,16 +118,22 @@ def speculative_generate(model: nn.Module, draft: EagleDraftHead, prompts: Any, 
 class _Speculator:
     """The state of one prompt's speculative decoding: the base's and the draft head's KV caches."""
 
-    def __init__(self, model: nn.Module, draft: EagleDraftHead, max_len: int):
+    def __init__(self, model: GPTModel, draft: EagleDraftHead, max_len: int):
         self.model, self.draft = model, draft
+        # check_draft: one pipeline stage (it embeds and ends the model) with its output layer
+        assert model.embedding is not None and model.final_layernorm is not None and model.output_layer is not None
+        self.embedding, self.final_layernorm, self.output_layer = \
+            model.embedding, model.final_layernorm, model.output_layer
         self.tp_group = model.layout.group("tp") if model.layout.tp_size > 1 else None
         self.device = next(model.parameters()).device
         self.cache = KVCache.for_model(model, 1, max_len)
         config = model.config
+        # resolved by GPTConfig.__post_init__
+        assert config.num_query_groups is not None and config.kv_channels is not None
         param = next(draft.parameters())
         self.draft_cache = KVCache([0], 1, max_len, config.num_query_groups // model.layout.tp_size,
                                    config.kv_channels, param.dtype, param.device)
-        self.output_weight = model.embedding.weight if config.share_embeddings_and_output_weights else None
+        self.output_weight = model._output_weight()
         self.base_forwards = self.draft_steps = 0
 
     def run(self, row: list[int], max_new_tokens: int, k: int, stops: tuple[int, ...]) -> tuple[list[int], int, int]:
@@ -171,7 +180,7 @@ class _Speculator:
 
     def _logits_argmax(self, features: torch.Tensor) -> list[int]:
         """The base's greedy token after each of ``features`` [s, 1, h] (the output layer's input)."""
-        local = self.model.output_layer(features, self.output_weight)[:, 0].float()  # [s, V_padded/tp]
+        local = self.output_layer(features, self.output_weight)[:, 0].float()  # [s, V_padded/tp]
         return gather_real_vocab(local, self.tp_group, self.model.config.vocab_size).argmax(dim=-1).tolist()
 
     def _base(self, tokens: list[int], start: int) -> tuple[torch.Tensor, list[int]]:
@@ -183,8 +192,8 @@ class _Speculator:
         rope = self._rope(step)
         x = model._embed(ids, step.positions)  # the model's own embedding (word + learned positions)
         for i in model.chunks[0].stage.layers:
-            x = model.layers[str(i)].inference_forward(x, rope, step.kv(i), step)
-        features = model.final_layernorm(x)
+            x = model.layer(i).inference_forward(x, rope, step.kv(i), step)
+        features = self.final_layernorm(x)
         self.base_forwards += 1
         return features, self._logits_argmax(features)
 
@@ -196,7 +205,7 @@ class _Speculator:
         while len(proposals) < count:
             ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             step = self._step(slot, len(tokens), None)
-            embeddings = self.model.embedding(ids.t())
+            embeddings = self.embedding(ids.t())
             predicted = self.draft.inference_forward(features, embeddings, self._rope(step),
                                                      self.draft_cache.layers[0], step)[-1:]
             self.draft_steps += 1

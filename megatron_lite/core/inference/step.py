@@ -27,19 +27,22 @@ compute nothing and only receive the broadcast tokens.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron_lite.core.inference.kv_cache import InferenceStep
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import all_gather_into_tensor
 
+if TYPE_CHECKING:
+    from megatron_lite.core.models.gpt import GPTModel
+
 
 def _mesh_rank(layout: ParallelLayout, **coords: int) -> int:
     """Global rank of the mesh point with this rank's coordinates, overridden by ``coords``."""
+    assert layout.mesh is not None  # asked only when distributed
     point = [coords.get(name, layout.coords.get(name, 0)) for name in ("pp", "dp", "ep", "cp", "tp")]
     return int(layout.mesh.mesh[tuple(point)])
 
@@ -53,7 +56,7 @@ def _group(layout: ParallelLayout, name: str):
 class StepRunner:
     """Runs generation steps of ``model`` (this rank's part of one replica under ``layout``)."""
 
-    def __init__(self, model: nn.Module, layout: ParallelLayout):
+    def __init__(self, model: GPTModel, layout: ParallelLayout):
         self.model, self.layout = model, layout
         self.vocab_size = model.config.vocab_size
         self.hidden_size = model.config.hidden_size
@@ -97,7 +100,8 @@ class StepRunner:
                 out = out.contiguous()
                 sends.append((dist.isend(out, self.next_rank, group=self.pp_group, tag=stage.virtual_stage + 1), out))
         for work, _ in sends:
-            work.wait()
+            if work is not None:  # None: this rank is not in the group, nothing was sent
+                work.wait()
         if logits is None:
             return None
         return self._gather_vocab(logits)
@@ -115,6 +119,7 @@ class StepRunner:
             best, index = local[:, :real].max(dim=-1)  # ties: the first, as argmax over the whole vocabulary
             mine[:, 0], mine[:, 1] = best, index + start
             mine[:, 2] = torch.logsumexp(local[:, :real], dim=-1) if with_log_probs else 0.0
+            assert self.model.embedding is not None  # one pipeline stage (exchanges_greedy): it embeds
             mine[:, 3:] = self.model.embedding.weight[index]
         else:
             mine[:, 0] = mine[:, 2] = float("-inf")

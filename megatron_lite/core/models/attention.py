@@ -29,6 +29,8 @@ class SelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layout: ParallelLayout, output_init_std: float):
         super().__init__()
         tp = layout.tp_size
+        # resolved by GPTConfig.__post_init__
+        assert config.kv_channels is not None and config.num_query_groups is not None
         self.head_dim = config.kv_channels
         self.groups_per_rank = config.num_query_groups // tp
         self.q_per_group = config.num_attention_heads // config.num_query_groups

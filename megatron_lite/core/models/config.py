@@ -20,7 +20,10 @@ LLAMA3_ROPE_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
 
 @dataclass
 class GPTConfig:
-    """Shape and options of a GPT model (defaults: a tiny Llama-style model)."""
+    """Shape and options of a GPT model (defaults: a tiny Llama-style model).
+
+    The shape fields whose None means "derive it" (num_query_groups, ffn_hidden_size, kv_channels,
+    max_position_embeddings) hold their resolved ints once the config is built (``__post_init__``)."""
 
     num_layers: int = 2
     """Transformer layers."""
@@ -158,12 +161,12 @@ class GPTConfig:
             for name, default in LLAMA3_ROPE_DEFAULTS.items():
                 if getattr(self, name) is None:
                     setattr(self, name, default)
-            if self.rope_original_max_position_embeddings is not None:
-                _positive_int("rope_original_max_position_embeddings", self.rope_original_max_position_embeddings)
-            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+            assert low is not None and high is not None  # the defaults just filled them in
+            _positive_int("rope_original_max_position_embeddings", self.rope_original_max_position_embeddings)
+            if not 0 < low < high:
                 raise ValueError(
-                    f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and below "
-                    f"rope_high_freq_factor ({self.rope_high_freq_factor}).")
+                    f"rope_low_freq_factor ({low}) must be positive and below rope_high_freq_factor ({high}).")
         if isinstance(self.rope_scaling_factor, bool) or not isinstance(self.rope_scaling_factor, (int, float)) \
                 or self.rope_scaling_factor <= 0:
             raise ValueError(f"rope_scaling_factor must be a positive number, got {self.rope_scaling_factor!r}")
@@ -172,6 +175,8 @@ class GPTConfig:
         """The RoPE frequency scaling these fields describe (None: plain RoPE)."""
         if self.rope_scaling_type is None:
             return None
+        # _validate_rope_scaling refused a scaling type without a factor
+        assert self.rope_scaling_factor is not None
         return RopeScaling(self.rope_scaling_type, float(self.rope_scaling_factor),
                            low_freq_factor=float(self.rope_low_freq_factor or 1.0),
                            high_freq_factor=float(self.rope_high_freq_factor or 4.0),
@@ -209,6 +214,7 @@ class GPTConfig:
                              context_parallel_size: int = 1, sequence_parallel: bool = False) -> None:
         """Raise a ValueError naming the fix if this model cannot be split this way."""
         tp = tensor_model_parallel_size
+        assert self.num_query_groups is not None and self.ffn_hidden_size is not None  # resolved by __post_init__
         checks = [
             (self.num_attention_heads, "num_attention_heads"),
             (self.num_query_groups, "num_query_groups"),
@@ -238,6 +244,8 @@ class GPTConfig:
     def num_parameters(self) -> int:
         """Parameters of the model with its padded vocabulary at TP=1 (for reports and FLOPs)."""
         h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.padded_vocab_size()
+        assert f is not None and self.num_query_groups is not None and self.kv_channels is not None \
+            and self.max_position_embeddings is not None  # resolved by __post_init__
         q = self.num_attention_heads * self.kv_channels
         kv = 2 * self.num_query_groups * self.kv_channels
         fc1 = f * (2 if self.activation == "swiglu" else 1)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.gpt import TransformerLayer
+from megatron_lite.core.models.gpt import GPTModel, TransformerLayer
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import gather_full, initialize_parameters, mark_parameter
 
@@ -62,7 +62,7 @@ def config_digest(config: GPTConfig) -> str:
 
 
 @torch.no_grad()
-def base_fingerprint(model: nn.Module) -> BaseFingerprint:
+def base_fingerprint(model: GPTModel) -> BaseFingerprint:
     """The fingerprint of ``model`` (a GPTModel; its draft head, if attached, left out).
 
     Collective over tensor parallelism (each TP-sharded weight is gathered to its full tensor, vocabulary
@@ -90,6 +90,9 @@ class EagleDraftHead(nn.Module):
 
     Built for one rank of ``layout`` like the base (its transformer layer is tensor-parallel; ``fc`` is
     replicated). The base's embedding, rotary tables and output layer are passed in, never copied."""
+
+    base_config_digest: torch.Tensor
+    base_weights_digest: torch.Tensor
 
     def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234):
         super().__init__()

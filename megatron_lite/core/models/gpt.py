@@ -7,7 +7,7 @@ names do not depend on the layout.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -155,27 +155,31 @@ class GPTModel(nn.Module):
         tied = config.share_embeddings_and_output_weights and output_layer
         self.has_output_layer = output_layer
 
-        self.embedding = None
+        self.embedding: Optional[VocabParallelEmbedding] = None
         if self.pre_process or (self.post_process and tied):
             # The last stage of a pipeline keeps its own copy of a tied embedding (drawn from the same
             # seed and name, so equal); their gradients are summed over the first and last stage.
             self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, layout,
                                                     init_std=config.init_method_std, vocab_size=config.vocab_size)
             if tied and layout.pp_size > 1:
-                self.embedding.weight.shared_embedding = True
-                self.embedding.weight.pipeline_duplicate = not self.pre_process
-        self.position_embeddings = None
+                # read with getattr by the engine (gradient sum) and gradient clipping (counted once)
+                setattr(self.embedding.weight, "shared_embedding", True)
+                setattr(self.embedding.weight, "pipeline_duplicate", not self.pre_process)
+        self.position_embeddings: Optional[nn.Embedding] = None
+        self.rotary: Optional[RotaryEmbedding] = None
         if config.position_embedding_type == "learned_absolute":
             if self.pre_process:
+                assert config.max_position_embeddings is not None  # resolved by GPTConfig.__post_init__
                 self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
                 mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
-            self.rotary = None
         else:
+            assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
             self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
                                           scaling=config.rope_scaling())
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layout)
                                      for stage in stages for i in stage.layers})
-        self.final_layernorm = self.output_layer = None
+        self.final_layernorm: Optional[Norm] = None
+        self.output_layer: Optional[ColumnParallelLinear] = None
         if self.post_process:
             self.final_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
                                         layout.sequence_parallel)
@@ -193,6 +197,18 @@ class GPTModel(nn.Module):
             for stage in stages]
         initialize_parameters(self, seed)
 
+    def layer(self, index: int) -> TransformerLayer:
+        """The transformer layer of global index ``index`` (one of this rank's stages')."""
+        # nn.ModuleDict is untyped; self.layers holds the TransformerLayers built in __init__
+        return cast(TransformerLayer, self.layers[str(index)])
+
+    def _output_weight(self) -> Optional[torch.Tensor]:
+        """The weight the output layer multiplies by when it is tied to the embedding (None: its own)."""
+        if not self.config.share_embeddings_and_output_weights:
+            return None
+        assert self.embedding is not None  # a last stage with a tied output layer keeps a copy of the embedding
+        return self.embedding.weight
+
     def set_sequence_parallel(self, enabled: bool) -> None:
         """Switch sequence parallelism on or off (e.g. off for generation at arbitrary lengths).
 
@@ -202,7 +218,7 @@ class GPTModel(nn.Module):
             raise ValueError("this model was not built with sequence_parallel=True")
         for module in self.modules():
             if hasattr(module, "sequence_parallel"):
-                module.sequence_parallel = enabled
+                setattr(module, "sequence_parallel", enabled)
 
     @contextlib.contextmanager
     def whole_sequence(self) -> Iterator[None]:
@@ -225,6 +241,7 @@ class GPTModel(nn.Module):
 
     def _embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         ids = tokens.t()  # [s, b]
+        assert self.embedding is not None  # built on every first stage
         x = self.embedding(ids)
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -271,18 +288,18 @@ class GPTModel(nn.Module):
             x = hidden_states
         rng = self.rng_tracker
         for layer_ids, checkpointed in self.layer_groups[chunk]:
-            group = [self.layers[str(i)] for i in layer_ids]
+            group = [self.layer(i) for i in layer_ids]
             if checkpointed and recompute_active(self):
                 x = checkpoint(_run_layers, group, x, rope, rng, context, rng_tracker=rng)
             else:
                 x = _run_layers(group, x, rope, rng, context)
         if not stage.post_process:
             return x
+        assert self.final_layernorm is not None  # built on every last stage
         x = self.final_layernorm(x)
         if self.output_layer is None:
             return x
-        weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
-        logits = self.output_layer(x, weight)  # [s, b, V/tp]
+        logits = self.output_layer(x, self._output_weight())  # [s, b, V/tp]
         if labels is None:
             return mask_vocab_padding(logits, self.vocab_start, self.config.vocab_size).transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start,
@@ -307,6 +324,9 @@ class GPTModel(nn.Module):
         if self.rotary is not None:  # once per step; [s, b, 1, 1, dim] broadcasts over query groups and heads
             rope = rotary_tables(*(t.unsqueeze(3) for t in self.rotary(step.positions)))
         if not stage.pre_process:
+            if hidden_states is None:
+                raise ValueError(f"chunk {chunk} (virtual stage {stage.virtual_stage}) starts inside the model: pass "
+                                 f"the previous stage's activations as hidden_states")
             x = hidden_states
         elif embeddings is None:
             x = self._embed(tokens, step.positions)
@@ -315,12 +335,14 @@ class GPTModel(nn.Module):
             if self.position_embeddings is not None:
                 x = x + self.position_embeddings(step.positions).transpose(0, 1)
         for i in stage.layers:
-            x = self.layers[str(i)].inference_forward(x, rope, step.kv(i), step)
+            x = self.layer(i).inference_forward(x, rope, step.kv(i), step)
         if not stage.post_process:
             return x
-        x = self.final_layernorm(x[-1:])
-        weight = self.embedding.weight if self.config.share_embeddings_and_output_weights else None
-        return self.output_layer(x, weight)[0]
+        if self.output_layer is None:
+            raise ValueError("generation needs the vocabulary projection: this model was built with "
+                             "output_layer=False")
+        assert self.final_layernorm is not None  # built on every last stage
+        return self.output_layer(self.final_layernorm(x[-1:]), self._output_weight())[0]
 
     @property
     def vocab_start(self) -> int:

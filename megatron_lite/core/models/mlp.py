@@ -16,6 +16,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig, layout: ParallelLayout, output_init_std: float):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
+        assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_out, layout, bias=config.add_bias_linear,

@@ -64,6 +64,7 @@ def full_recompute_groups(config: GPTConfig, num_layers: Optional[int] = None) -
     if config.recompute_granularity != "full" or n == 0:
         return [(range(n), False)] if n else []
     k = config.recompute_num_layers
+    assert k is not None  # GPTConfig refuses 'full' granularity without recompute_num_layers
     if config.recompute_method == "uniform":
         return [(range(start, min(start + k, n)), True) for start in range(0, n, k)]
     checkpointed = [(range(i, i + 1), True) for i in range(min(k, n))]

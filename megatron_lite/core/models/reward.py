@@ -30,7 +30,7 @@ class RewardModel(GPTModel):
 
     def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234):
         super().__init__(config, layout, seed, output_layer=False)
-        self.value_head = None
+        self.value_head: Optional[nn.Linear] = None
         if self.post_process:
             # No bias: a pairwise (Bradley-Terry) loss only sees differences of rewards, so a bias
             # would never receive a gradient. Under SP each TP rank sees part of the sequence, so
@@ -41,14 +41,18 @@ class RewardModel(GPTModel):
             # Drawn from (seed, "value_head.weight"), like every other parameter: layout-independent.
             initialize_parameters(nn.ModuleDict({"value_head": self.value_head}), seed)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
         """``tokens`` [b, s] -> per-token values [b, s] on the last stage (activations elsewhere);
-        the keyword arguments are GPTModel's (positions, packed-sequence ids, pipeline chunk)."""
+        the other arguments are GPTModel's (positions, packed-sequence ids, pipeline chunk)."""
         if labels is not None:
             raise ValueError("RewardModel has no vocabulary and takes no labels; call it with tokens only")
-        x = super().forward(tokens, **kwargs)
-        if not self.chunks[kwargs.get("chunk", 0)].post_process:
+        x = super().forward(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens, hidden_states=hidden_states,
+                            chunk=chunk)
+        if not self.chunks[chunk].post_process:
             return x
+        assert self.value_head is not None  # built on every last stage
         values = self.value_head(x).squeeze(-1)  # [s(/tp), b]
         if self.sequence_parallel:
             # The consumer (the loss) is replicated over TP: the backward keeps this rank's slice.

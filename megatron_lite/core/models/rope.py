@@ -50,6 +50,8 @@ def inverse_frequencies(dim: int, base: float, scaling: Optional[RopeScaling] = 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions; applied to the first ``rotary_percent`` of each head."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000,
                  scaling: Optional[RopeScaling] = None):
         super().__init__()

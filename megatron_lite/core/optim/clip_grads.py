@@ -59,11 +59,11 @@ def global_grad_norm(params: Iterable[torch.Tensor], layout: ParallelLayout) -> 
 
 
 @torch.no_grad()
-def scale_grads(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every gradient in place by a 0-d ``factor`` (no host sync)."""
-    grads = [_local(g) for g in grads if g is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor.to(device=grads[0].device, dtype=torch.float32))
+def scale_grads(grads: Iterable[Optional[torch.Tensor]], factor: torch.Tensor) -> None:
+    """Multiply every gradient in place by a 0-d ``factor`` (no host sync); None entries are skipped."""
+    local = [_local(g) for g in grads if g is not None]
+    if local:
+        torch._foreach_mul_(local, factor.to(device=local[0].device, dtype=torch.float32))
 
 
 @torch.no_grad()

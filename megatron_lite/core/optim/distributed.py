@@ -17,6 +17,7 @@ master copy (the optimizer steps views into them): 4 + 4 + 8/dp.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,7 +29,7 @@ from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.clip_grads import counts_in_norm
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
-from megatron_lite.core.parallel.grad_buffers import Bucket, Reduction
+from megatron_lite.core.parallel.grad_buffers import Bucket, GradBuffers, Reduction
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _gather_first
 from megatron_lite.core.timers import timed
@@ -44,7 +45,7 @@ class _Piece:
     param_hi: int
     shard_lo: int
     """Where the owned elements start in this rank's shard of the bucket."""
-    main: Optional[torch.Tensor] = None
+    main: torch.Tensor
     """The fp32 main-parameter view the torch optimizer steps."""
 
 
@@ -74,6 +75,8 @@ class DistributedOptimizer(MegatronOptimizer):
     """
 
     buffer_reduction: Reduction = "reduce_scatter"
+    grad_buffers: GradBuffers
+    """Always there: ZeRO-1 reduce-scatters its own buffers (FSDP is MegatronOptimizer's)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
@@ -107,12 +110,13 @@ class DistributedOptimizer(MegatronOptimizer):
                 start, end = max(lo, offset), min(hi, offset + param.numel())
                 if start >= end:
                     continue
-                piece = _Piece(name, param, start - offset, end - offset, start - lo)
+                param_lo, param_hi, shard_lo = start - offset, end - offset, start - lo
                 if shard.main_shard is None:
-                    piece.main = param.data.view(-1)[piece.param_lo:piece.param_hi]
+                    main = param.data.view(-1)[param_lo:param_hi]
                 else:
-                    piece.main = shard.main_shard[piece.shard_lo:piece.shard_lo + end - start]
-                    piece.main.copy_(param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
+                    main = shard.main_shard[shard_lo:shard_lo + end - start]
+                    main.copy_(param.detach().reshape(-1)[param_lo:param_hi])
+                piece = _Piece(name, param, param_lo, param_hi, shard_lo, main)
                 shard.pieces.append(piece)
                 entries.append((name, param, piece.main))
         return entries
@@ -209,7 +213,7 @@ class DistributedOptimizer(MegatronOptimizer):
         keys, scalars = self._state_keys()
         for shard in self.shards:
             for key in keys:
-                gathered = self._gather_per_param(shard, lambda pc, k=key: self.optimizer.state.get(pc.main, {}).get(k))
+                gathered = self._gather_per_param(shard, functools.partial(self._state_slice, key))
                 for name, value in gathered.items():
                     state[name][key] = value
             if shard.main_shard is not None:  # fp32 weights are their own master: saved with the model
@@ -219,6 +223,10 @@ class DistributedOptimizer(MegatronOptimizer):
             for name in state:
                 state[name][key] = value.clone()
         return state
+
+    def _state_slice(self, key: str, piece: _Piece) -> Optional[torch.Tensor]:
+        """This rank's slice of ``piece``'s optimizer state ``key`` (None before its first step)."""
+        return self.optimizer.state.get(piece.main, {}).get(key)
 
     def _state_keys(self) -> tuple[list[str], dict[str, torch.Tensor]]:
         """Names of per-element state tensors, and the scalar entries (Adam's step), agreed across DP."""
@@ -238,7 +246,7 @@ class DistributedOptimizer(MegatronOptimizer):
         else:
             agreed = [(sorted(keys), {k: float(v) for k, v in scalars.items()})]
         all_keys = sorted({k for ks, _ in agreed for k in ks})
-        all_scalars = {}
+        all_scalars: dict[str, torch.Tensor] = {}
         for _, sc in agreed:
             for k, v in sc.items():
                 all_scalars[k] = torch.tensor(max(v, float(all_scalars.get(k, v))), dtype=torch.float32)

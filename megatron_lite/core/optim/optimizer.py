@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from megatron_lite.core.parallel.data_parallel import reduce_sequence_parallel_g
 from megatron_lite.core.parallel.grad_buffers import GradBuffers, Reduction
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import timed
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 GradReduction = Literal["all_reduce", "fsdp"]
 
@@ -97,7 +100,7 @@ class MegatronOptimizer:
     def _main_param_entries(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """(name, model param, main param) for the torch optimizer; masters only for half params."""
         self.masters: dict[str, torch.Tensor] = {}
-        entries = []
+        entries: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, param in self.named_params:
             if param.dtype in (torch.float16, torch.bfloat16):
                 self.masters[name] = param.detach().clone().float()
@@ -156,11 +159,14 @@ class MegatronOptimizer:
             with self.grad_buffers.no_sync():
                 yield
             return
-        self.model.set_requires_gradient_sync(False)
+        # grad_reduction="fsdp": the model was sharded with fully_shard (an FSDPModule); torch's nn.Module is
+        # not typed as one
+        fsdp_model = cast("FSDPModule", self.model)
+        fsdp_model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            fsdp_model.set_requires_gradient_sync(True)
 
     def zero_grad(self) -> None:
         for _, p in self.named_params:
@@ -182,6 +188,7 @@ class MegatronOptimizer:
             return
         # A parameter that got no gradient keeps a zero buffer slice and still takes a step (weight
         # decay, Adam's moments), as with Megatron's buffers, the same under every optimizer and precision.
+        assert self.grad_buffers is not None  # every reduction but FSDP's has them
         self.grad_buffers.reduce()
 
     def collect_main_grads(self) -> None:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -39,6 +40,8 @@ def schedule_lengths(cfg: OptimizerConfig, max_steps: Optional[int]) -> Schedule
     Lightning run does not have.
     """
     run_length = max_steps if max_steps is not None and max_steps >= 0 else None
+    decay: Optional[int]
+    incr: Optional[int]
     if cfg.sample_based:
         if cfg.lr_decay_samples is None:
             raise ValueError("a sample-based schedule needs lr_decay_samples (the consumed samples at which the "
@@ -149,11 +152,11 @@ class MegatronLRScheduler(LRScheduler):
         """The weight decay at the current position, before any group's wd_mult."""
         return weight_decay_at(self.num_steps, self.config, self.lengths.weight_decay_incr)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:  # LRScheduler's type; ours are always floats
         lr = self.current_lr
         return [lr * group.get("lr_mult", 1.0) for group in self.optimizer.param_groups]
 
-    def step(self, increment: Optional[int] = None) -> None:  # type: ignore[override]
+    def step(self, increment: Optional[int] = None) -> None:
         """Advance the schedule (after ``optimizer.step()``) and set every group's lr and weight decay."""
         if self._applying_initial_values:
             increment = 0

@@ -180,6 +180,7 @@ class AttentionContext:
         """Per row, the document ranges of a row of ``length`` tokens (one host sync, cached)."""
         key = ("docs", length)
         if key not in self._plans:
+            assert self.cu_seqlens is not None  # asked only for packed rows
             rows = self.cu_seqlens.tolist()
             self._plans[key] = [document_ranges(row, length) for row in rows]
         return self._plans[key]
@@ -310,6 +311,7 @@ class _Ring:
 
     def __init__(self, context: AttentionContext):
         group, size, rank = context.cp_group, context.cp_size, context.cp_rank
+        assert group is not None  # a ring only for cp_size > 1, which has a CP group
         self.group = group
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
@@ -430,6 +432,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 if step + 1 < size:
                     _wait(works)
                     current = incoming
+            assert accumulated is not None  # the loop ran cp_size >= 2 times
             _wait(accumulated[1])
             dkv = accumulated[0]
         dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)

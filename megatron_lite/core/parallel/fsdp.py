@@ -13,10 +13,15 @@ untouched. Two adjustments to FSDP's defaults:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard
+
 import torch
 from torch import nn
 
 from megatron_lite.core.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _PARAM_METADATA = ("init_spec", "tp_shard", "sequence_parallel_grad")
 
@@ -48,7 +53,8 @@ def apply_fsdp2(model: nn.Module, layout: ParallelLayout, reshard_after_forward:
     return model
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a DTensor (FSDP2's parameters), without importing torch.distributed.tensor."""
     return hasattr(t, "full_tensor") and hasattr(t, "placements")
 
 

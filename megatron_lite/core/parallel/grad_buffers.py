@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,11 @@ class Bucket:
     """``padded / dp``: the slice each DP rank receives from a reduce-scatter."""
     dtype: torch.dtype
     """The parameters' dtype (the buffer itself is fp32)."""
-    buffer: Optional[torch.Tensor] = None
+    buffer: torch.Tensor
+    """The flat fp32 gradient buffer, ``padded`` elements on the parameters' device."""
     ready: int = 0
     """Parameters whose gradient of the last backward has arrived (overlapped reduction)."""
-    pending: Optional[tuple] = None
+    pending: Optional[tuple[Optional[dist.Work], torch.Tensor]] = None
     """(async work or None, reduced tensor): the launched reduction and where its result lands."""
 
     def view(self, index: int) -> torch.Tensor:
@@ -58,8 +59,9 @@ class Bucket:
         return self.buffer[offset:offset + param.numel()].view(param.shape)
 
 
-def make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[Bucket]:
-    """Consecutive parameters of one dtype, closed once ``bucket_size`` elements are reached."""
+def make_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[Bucket]:
+    """Consecutive parameters of one dtype, closed once ``bucket_size`` elements are reached, each with its
+    zeroed buffer."""
     buckets: list[Bucket] = []
     current: list[tuple[str, torch.Tensor]] = []
 
@@ -71,7 +73,9 @@ def make_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_size: int,
             offsets.append(total)
             total += p.numel()
         padded = -(-total // dp) * dp
-        buckets.append(Bucket(list(current), offsets, total, padded, padded // dp, current[0][1].dtype))
+        first = current[0][1]
+        buffer = torch.zeros(padded, dtype=torch.float32, device=first.device)
+        buckets.append(Bucket(list(current), offsets, total, padded, padded // dp, first.dtype, buffer))
         current.clear()
 
     size = 0
@@ -96,7 +100,7 @@ class GradBuffers:
         overlap: launch each bucket's reduction during the backward (see the module docstring).
     """
 
-    def __init__(self, named_params: list[tuple[str, torch.Tensor]], layout: ParallelLayout,
+    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], layout: ParallelLayout,
                  reduction: Reduction = "all_reduce", bucket_size: Optional[int] = None,
                  overlap: bool = False) -> None:
         self.layout, self.reduction, self.overlap = layout, reduction, overlap
@@ -111,8 +115,6 @@ class GradBuffers:
         self.overlapped_reductions = 0
         """Bucket reductions launched during a backward so far (observability, tests)."""
         for bucket in self.buckets:
-            device = bucket.params[0][1].device
-            bucket.buffer = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
             for index, (name, param) in enumerate(bucket.params):
                 self._where[name] = (bucket, index)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(bucket, index)))
@@ -131,7 +133,7 @@ class GradBuffers:
             if self.overlap and self._sync:
                 bucket.ready += 1
                 if bucket.ready == len(bucket.params):
-                    self._launch(bucket, async_op=True)
+                    bucket.pending = self._launch(bucket, async_op=True)
                     self.overlapped_reductions += 1
 
         return accumulate
@@ -181,17 +183,20 @@ class GradBuffers:
                     f"MegatronStrategy(overlap_grad_reduce=False) for models with unused parameters.")
         for bucket in self.buckets:
             if bucket.pending is None:
-                self._launch(bucket, async_op=False)
+                bucket.pending = self._launch(bucket, async_op=False)
             work, _ = bucket.pending
             if work is not None:
                 work.wait()
 
     def reduced_shard(self, bucket: Bucket) -> torch.Tensor:
         """This rank's slice of the reduced bucket (reduce-scatter; the whole buffer for all-reduce)."""
+        if bucket.pending is None:
+            raise RuntimeError("reduced_shard() reads the result of reduce(): call reduce() first")
         return bucket.pending[1]
 
-    def _launch(self, bucket: Bucket, async_op: bool) -> None:
-        """Sequence-parallel gradients of the bucket over TP, then its reduction over DP."""
+    def _launch(self, bucket: Bucket, async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor]:
+        """Sequence-parallel gradients of the bucket over TP, then its reduction over DP; returns the
+        launched reduction (its work when ``async_op``) and where its result lands."""
         if self.layout.sequence_parallel:
             all_reduce_coalesced([bucket.view(i).view(-1) for i, (_, p) in enumerate(bucket.params)
                                   if getattr(p, "sequence_parallel_grad", False)], self.layout.group("tp"))
@@ -199,11 +204,9 @@ class GradBuffers:
             work = None
             if self.dp_size > 1:
                 work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=async_op)
-            bucket.pending = (work if async_op else None, bucket.buffer)
-            return
+            return work if async_op else None, bucket.buffer
         if self.dp_size == 1:
-            bucket.pending = (None, bucket.buffer[:bucket.shard_size])
-            return
+            return None, bucket.buffer[:bucket.shard_size]
         shard = torch.empty(bucket.shard_size, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
         work = _reduce_scatter_single(shard, bucket.buffer, group=self.dp_group, async_op=async_op)
-        bucket.pending = (work if async_op else None, shard)
+        return work if async_op else None, shard

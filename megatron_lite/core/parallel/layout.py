@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
 from megatron_lite.core.parallel.pipeline.stages import PIPELINE_SCHEDULES, StageChunk, stage_chunks
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Mesh dimension names, slowest-varying first (the DeviceMesh convention), i.e. ``tp-cp-ep-dp-pp``
 # read right to left.
@@ -141,11 +144,11 @@ class ParallelLayout:
     """Total number of ranks."""
     rank: int
     """This process's global rank."""
-    mesh: Optional[object] = None
+    mesh: Optional[DeviceMesh] = None
     """torch DeviceMesh with dims ``MESH_DIMS``; None when running alone."""
-    coords: dict = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=dict)
     """This rank's index along each mesh dimension."""
-    groups: dict = field(default_factory=dict)
+    groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     """Process group per dimension name (and 'mp', 'dp_cp'); None entries mean 'alone'."""
     destroyed: bool = False
     """Whether :meth:`destroy` released the process groups (sizes and coordinates stay readable)."""
@@ -178,11 +181,11 @@ class ParallelLayout:
                  config.context_parallel_size, config.tensor_model_parallel_size)
         # DeviceMesh makes its groups with torch's default timeout unless given options that carry one; a
         # dimension spanning every rank reuses the default group, which has the timeout already.
-        override = None if timeout is None else {
+        override: Optional[dict[int | str, Any]] = None if timeout is None else {
             name: _group_options(timeout) for name, size in zip(MESH_DIMS, shape) if size < world_size}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None)
         coords = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
-        groups = {name: mesh.get_group(name) for name in MESH_DIMS}
+        groups: dict[str, Optional[dist.ProcessGroup]] = {name: mesh.get_group(name) for name in MESH_DIMS}
         # Flattened groups: every rank of one model replica ("mp") and the gradient-reduction group
         # of data plus context parallelism ("dp_cp"), as in Megatron.
         groups["mp"] = _new_subgroups(mesh, ("pp", "ep", "cp", "tp"), timeout)
@@ -257,7 +260,7 @@ class ParallelLayout:
         """Whether this rank holds the output layer and computes the loss."""
         return self.pp_rank == self.pp_size - 1
 
-    def group(self, name: str):
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of dimension ``name``; None when that dimension has size 1."""
         if self.destroyed:
             # None would read as "alone" and silently skip the collective.

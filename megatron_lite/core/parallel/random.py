@@ -56,7 +56,13 @@ class RNGStatesTracker:
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Restore states saved by :meth:`get_states`."""
-        self.states = {tuple(k.split("@", 1)): v.clone() for k, v in states.items()}
+        self.states = {_stream_key(k): v.clone() for k, v in states.items()}
+
+
+def _stream_key(key: str) -> tuple[str, str]:
+    """(stream name, device) of a :meth:`RNGStatesTracker.get_states` key ``name@device``."""
+    name, _, device = key.partition("@")
+    return name, device
 
 
 # The device-specific parts: CUDA calls only for CUDA devices.

@@ -33,7 +33,7 @@ class StepLoss:
     """Mean per-token loss over the global batch."""
     num_tokens: torch.Tensor
     """Loss tokens in the global batch."""
-    grad_scale: Optional[torch.Tensor] = None
+    grad_scale: torch.Tensor
     """Factor that turns the accumulated gradients into those of the global-batch mean loss (times
     the loss scale, if any); already applied unless the schedule ran with ``scale_grads=False``."""
     report: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -111,17 +111,22 @@ class TPShard:
         return view, global_view, d + 1
 
 
-def mark_parameter(param: nn.Parameter, init: tuple, shard: Optional[TPShard] = None,
-                   sequence_parallel_grad: bool = False) -> nn.Parameter:
+_Param = TypeVar("_Param", bound=torch.Tensor)
+
+
+def mark_parameter(param: _Param, init: tuple, shard: Optional[TPShard] = None,
+                   sequence_parallel_grad: bool = False) -> _Param:
     """Attach the metadata every parameter of our models carries.
 
     ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
     parameters; ``sequence_parallel_grad`` marks replicated parameters whose gradient is partial
     per TP rank under sequence parallelism (norm weights, row-parallel biases).
     """
-    param.init_spec = init
-    param.tp_shard = shard
-    param.sequence_parallel_grad = sequence_parallel_grad
+    # Plain attributes on the tensor (Megatron's convention: they follow the parameter wherever it goes);
+    # readers take them with getattr(param, name, default).
+    setattr(param, "init_spec", init)
+    setattr(param, "tp_shard", shard)
+    setattr(param, "sequence_parallel_grad", sequence_parallel_grad)
     return param
 
 

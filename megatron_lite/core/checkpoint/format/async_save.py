@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from megatron_lite.core.checkpoint.errors import AsyncCheckpointError
 from megatron_lite.core.checkpoint.format.commit import remove_checkpoint
@@ -89,7 +90,7 @@ def _copy_local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-class _StagedAlready:
+class _StagedAlready(AsyncStager):
     """DCP's stager protocol for a state dict this writer has staged itself (so DCP copies nothing again)."""
 
     should_synchronize_after_execute = False
@@ -142,6 +143,7 @@ class AsyncCheckpointWriter:
         group = self._checkpoint_group()
         writer = ChecksummingFileSystemWriter(target.tmp)
         written = dcp.async_save(staged, storage_writer=writer, process_group=group, async_stager=_StagedAlready())
+        assert isinstance(written, Future)  # a stager that returns the state dict itself: the upload's future
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-lite-checkpoint")
         job = _Job(target, tensor_bytes(state))
@@ -153,9 +155,10 @@ class AsyncCheckpointWriter:
         """Remove a checkpoint (rank 0's part of a top-k removal): now, or after the save in flight
         committed -- never while it may still fail, and never if it did."""
         with self._lock:
-            outcome = self._job.outcome if self._job is not None else "committed"
-            if outcome == "writing":
-                self._job.removals.append(Path(path))
+            job = self._job
+            outcome = job.outcome if job is not None else "committed"
+            if job is not None and outcome == "writing":
+                job.removals.append(Path(path))
                 return
         if outcome == "failed":
             log.warning("megatron-lite: kept %s: the save meant to replace it failed", path)
@@ -210,9 +213,9 @@ class AsyncCheckpointWriter:
             self._drop_removals(job)
             disk_full = [o[1] for _, o in failed if o[1] is not None]
             if disk_full:  # every rank sees the same outcomes, so all of them make this collective call
-                error = disk_full_error(path, job.target.tmp, OSError(*disk_full[0]), job.tensor_bytes, group)
+                full_error = disk_full_error(path, job.target.tmp, OSError(*disk_full[0]), job.tensor_bytes, group)
                 raise AsyncCheckpointError(f"the checkpoint {path} could not be written in the background: "
-                                           f"{error}") from error
+                                           f"{full_error}") from full_error
             rank, (message, _) = failed[0]
             raise AsyncCheckpointError(
                 f"the checkpoint {path} could not be written in the background (rank {rank}: {message}); "

@@ -72,6 +72,7 @@ def disk_full_error(path: Path, tmp: Path, cause: OSError, local_bytes: dict[str
         merged.update(rank_bytes)
     needed = sum(merged.values())
     free, previous = on_rank0(lambda: _give_back_space(path, tmp), group=group)
+    assert cause.errno is not None  # a disk-full error (disk_full_cause): ENOSPC or EDQUOT
     what = DISK_FULL[cause.errno]
     where = f" ({cause.filename})" if cause.filename else ""
     space = f"{format_bytes(free)} are free there" if free is not None else "the free space there is unknown"

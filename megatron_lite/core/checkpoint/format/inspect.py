@@ -115,10 +115,10 @@ def describe_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict
         info["model_parameters"] = sum(math.prod(m.size) for k, m in tensors.items() if k.startswith("model."))
     except (OSError, ValueError) as error:
         info["dcp_metadata_error"] = str(error)
-    meta, source, error = _read_meta(path)
+    meta, source, meta_error = _read_meta(path)
     info["meta_file"] = source
-    if error is not None:
-        info["meta_error"] = error
+    if meta_error is not None:
+        info["meta_error"] = meta_error
     if meta is not None:
         consumed, owner = _consumed_samples(meta)
         info.update(global_step=meta.get("global_step"), epoch=meta.get("epoch"), consumed_samples=consumed,

@@ -131,13 +131,13 @@ class _ChecksummingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         if "r" in mode and "+" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
+            with super().create_stream(path, mode) as reader:
+                yield reader
             return
         if mode not in ("wb", "xb"):
             raise ValueError(f"checksummed checkpoint files are written whole, not opened with mode {mode!r}")
         path = Path(path)
-        stream = None
+        stream: Optional[_ChecksummingStream] = None
         try:
             with path.open(mode) as raw:
                 stream = _ChecksummingStream(raw)
@@ -148,7 +148,8 @@ class _ChecksummingFileSystem(FileSystem):
             if cause is None or cause.errno is None:
                 raise
             raise OSError(cause.errno, cause.strerror, str(path)) from error
-        with self._lock:  # reached only when the body finished without an exception
+        assert stream is not None  # reached only when the body finished without an exception
+        with self._lock:
             self.records[path.name] = FileRecord(stream.size, stream.crc)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -169,7 +170,7 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _ChecksummingFileSystem()
+        self.fs: _ChecksummingFileSystem = _ChecksummingFileSystem()
         self.path = self.fs.init_path(path)
 
     @property

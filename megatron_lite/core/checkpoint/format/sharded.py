@@ -204,6 +204,7 @@ def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike],
 
 def _finish_save(target: SaveTarget, records: dict[str, FileRecord]) -> None:
     tmp, meta = target.tmp, target.meta
+    assert meta is not None  # rank 0 (this function's only caller) encoded it in begin_save
     write_file_durably(tmp / META, meta)
     records = {**records, META: record_bytes(meta)}
     missing = [n for n in records if not (tmp / n).is_file()]
@@ -256,9 +257,8 @@ def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) 
     legacy = path / LEGACY_META
     if not legacy.is_file():
         return {}
-    classes = [*meta_json.default_config_classes(), *allowed]
     try:
-        with torch.serialization.safe_globals(classes):
+        with torch.serialization.safe_globals([*meta_json.default_config_classes(), *allowed]):
             return torch.load(legacy, weights_only=True)
     except pickle.UnpicklingError as error:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(legacy))

@@ -166,7 +166,8 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
     if config.add_qkv_bias:
         model_type = "qwen2"  # bias on q/k/v only: Qwen2's attention
     else:
-        model_type = source.get("model_type") if source.get("model_type") in ("llama", "mistral") else "llama"
+        imported = source.get("model_type")
+        model_type = imported if imported in ("llama", "mistral") else "llama"
     hf: dict[str, Any] = {
         "architectures": [CAUSAL_LM[model_type]], "model_type": model_type,
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,

@@ -35,8 +35,10 @@ def fit_vocab_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """HF names and shapes of layer ``i``."""
-    h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size
-    q, kv = config.num_attention_heads * d, config.num_query_groups * d
+    groups, _, d = _query_groups(config)
+    h, f = config.hidden_size, config.ffn_hidden_size
+    assert f is not None  # resolved by GPTConfig.__post_init__
+    q, kv = config.num_attention_heads * d, groups * d
     p = f"model.layers.{i}."
     shapes = {
         p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
@@ -104,9 +106,15 @@ def raise_shape_mismatch(saved: Mapping[str, tuple[int, ...]], expected: Mapping
                      f"load it with the configuration it was saved with.")
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+def _query_groups(config: GPTConfig) -> tuple[int, int, int]:
+    """(key/value groups, query heads per group, head width) of ``config``."""
     groups, d = config.num_query_groups, config.kv_channels
-    per_group = config.num_attention_heads // groups
+    assert groups is not None and d is not None  # resolved by GPTConfig.__post_init__
+    return groups, config.num_attention_heads // groups, d
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    groups, per_group, d = _query_groups(config)
     rest = q.shape[1:]
     fused = torch.cat([q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest),
                        v.reshape(groups, d, *rest)], dim=1)
@@ -114,8 +122,7 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConf
 
 
 def _split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, d = config.num_query_groups, config.kv_channels
-    per_group = config.num_attention_heads // groups
+    groups, per_group, d = _query_groups(config)
     rest = qkv.shape[1:]
     q, k, v = qkv.reshape(groups, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
     return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
@@ -136,52 +143,53 @@ class _Tensors:
 def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our full state (GPTModel names, exactly ``vocab_size`` vocabulary rows, the HF dtype) from HF tensors
     whose shapes :func:`check_hf_shapes` accepted."""
-    tensors = _Tensors(tensors, "the HF checkpoint")
-    state = {"embedding.weight": tensors["model.embed_tokens.weight"],
-             "final_layernorm.weight": tensors["model.norm.weight"]}
+    source = _Tensors(tensors, "the HF checkpoint")
+    state = {"embedding.weight": source["model.embed_tokens.weight"],
+             "final_layernorm.weight": source["model.norm.weight"]}
     if not config.share_embeddings_and_output_weights:
-        state["output_layer.weight"] = tensors["lm_head.weight"]
+        state["output_layer.weight"] = source["lm_head.weight"]
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        state[ours + "input_layernorm.weight"] = tensors[hf + "input_layernorm.weight"]
-        state[ours + "pre_mlp_layernorm.weight"] = tensors[hf + "post_attention_layernorm.weight"]
+        state[ours + "input_layernorm.weight"] = source[hf + "input_layernorm.weight"]
+        state[ours + "pre_mlp_layernorm.weight"] = source[hf + "post_attention_layernorm.weight"]
         attn, mlp = hf + "self_attn.", hf + "mlp."
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
         for kind in kinds:
             state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                tensors[f"{attn}q_proj.{kind}"], tensors[f"{attn}k_proj.{kind}"], tensors[f"{attn}v_proj.{kind}"],
+                source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"],
                 config)
         for kind in (["weight", "bias"] if config.add_bias_linear else ["weight"]):
-            state[f"{ours}self_attention.linear_proj.{kind}"] = tensors[f"{attn}o_proj.{kind}"]
+            state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
             state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
-                [tensors[f"{mlp}gate_proj.{kind}"], tensors[f"{mlp}up_proj.{kind}"]], dim=0)
-            state[f"{ours}mlp.linear_fc2.{kind}"] = tensors[f"{mlp}down_proj.{kind}"]
+                [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0)
+            state[f"{ours}mlp.linear_fc2.{kind}"] = source[f"{mlp}down_proj.{kind}"]
     return state
 
 
 def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """HF tensors from our full state (any vocabulary padding; ``linear_fc1`` flat ``[2f, h]`` or blocked
     ``[2, f, h]`` as our checkpoints store it)."""
-    state = _Tensors(state, "the model state")
+    source = _Tensors(state, "the model state")
     v = config.vocab_size
-    out = {"model.embed_tokens.weight": fit_vocab_rows(state["embedding.weight"], v),
-           "model.norm.weight": state["final_layernorm.weight"]}
+    out = {"model.embed_tokens.weight": fit_vocab_rows(source["embedding.weight"], v),
+           "model.norm.weight": source["final_layernorm.weight"]}
     if not config.share_embeddings_and_output_weights:
-        out["lm_head.weight"] = fit_vocab_rows(state["output_layer.weight"], v)
+        out["lm_head.weight"] = fit_vocab_rows(source["output_layer.weight"], v)
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        out[hf + "input_layernorm.weight"] = state[ours + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
+        out[hf + "input_layernorm.weight"] = source[ours + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = source[ours + "pre_mlp_layernorm.weight"]
         attn, mlp = hf + "self_attn.", hf + "mlp."
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
         for kind in kinds:
-            q, k, vv = _split_qkv(state[f"{ours}self_attention.linear_qkv.{kind}"], config)
+            q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)
             out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
         for kind in (["weight", "bias"] if config.add_bias_linear else ["weight"]):
-            out[f"{attn}o_proj.{kind}"] = state[f"{ours}self_attention.linear_proj.{kind}"]
-            fc1 = state[f"{ours}mlp.linear_fc1.{kind}"]
+            out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
+            fc1 = source[f"{ours}mlp.linear_fc1.{kind}"]
             rest = (config.hidden_size,) if kind == "weight" else ()
+            assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
             gate, up = fc1.reshape(2, config.ffn_hidden_size, *rest).unbind(0)
             out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate, up
-            out[f"{mlp}down_proj.{kind}"] = state[f"{ours}mlp.linear_fc2.{kind}"]
+            out[f"{mlp}down_proj.{kind}"] = source[f"{ours}mlp.linear_fc2.{kind}"]
     return {name: t.contiguous() for name, t in out.items()}

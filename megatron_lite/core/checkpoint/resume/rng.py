@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -72,7 +73,7 @@ def rng_placeholders(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
     metadata = read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata
     prefix = f"{_PREFIX}{rank}."
     return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in metadata.items() if k.startswith(prefix) and hasattr(m, "size")}
+            for k, m in metadata.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
 
 
 def layout_mismatch(loaded: dict[str, torch.Tensor], layout: ParallelLayout, rank: int) -> Optional[str]:

@@ -31,6 +31,7 @@ class PipelineP2P:
         self.forward_group = layout.group("pp")
         self.backward_group = layout.group("pp_backward")
         size, rank = layout.pp_size, layout.pp_rank
+        assert self.forward_group is not None  # built only under pipeline parallelism (pp_size > 1)
         self.next_rank = dist.get_global_rank(self.forward_group, (rank + 1) % size)
         self.prev_rank = dist.get_global_rank(self.forward_group, (rank - 1) % size)
         self.device = device

@@ -92,12 +92,24 @@ def schedule_order(schedule: str, num_microbatches: int, pp_size: int, pp_rank: 
     return order
 
 
+class VirtualStage(Protocol):
+    """Where a model chunk sits in the pipeline (a :class:`~megatron_lite.core.parallel.pipeline.stages.StageChunk`)."""
+
+    @property
+    def virtual_stage(self) -> int: ...
+
+
 class StagePart(Protocol):
     """A model chunk as the executor sees it."""
 
-    pre_process: bool
-    post_process: bool
-    stage: object  # has .virtual_stage
+    @property
+    def pre_process(self) -> bool: ...
+
+    @property
+    def post_process(self) -> bool: ...
+
+    @property
+    def stage(self) -> VirtualStage: ...
 
 
 ForwardStep = Callable[[StagePart, dict, Optional[torch.Tensor]], torch.Tensor]
@@ -192,6 +204,7 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
                         mb_loss, mb_tokens, mb_report = split_loss(loss_step(out, microbatches[mb]))
                         loss_sum += mb_loss.detach().to(torch.float64)
                         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
+                        assert result.report is not None  # made for the last chunk (parts[-1]), this one
                         result.report.add(mb_report)
                         if keep_outputs:
                             result.outputs.append(out.detach())
@@ -208,10 +221,12 @@ def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatch
             grad = None if part.post_process else p2p.recv_backward(stage, out, mine)
             post_ahead(index + 1)
             start = time.time() if record_events else 0.0
-            sync = no_sync is None or last_backward[chunk] == mb
-            with contextlib.nullcontext() if sync else no_sync():
+            last_of_chunk = last_backward[chunk] == mb
+            with no_sync() if no_sync is not None and not last_of_chunk else contextlib.nullcontext():
                 torch.autograd.backward(out, grad_tensors=grad)
             if not part.pre_process:
+                # received activations (requires_grad) that the backward just reached
+                assert x is not None and x.grad is not None
                 p2p.send_backward(x.grad, stage - 1)
         if record_events:
             result.events.append(PipelineEvent(kind, chunk, stage, mb, start, time.time()))
