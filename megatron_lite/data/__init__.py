@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from megatron_lite.data.bundled import bundled_corpora, bundled_corpus, resolve_corpus
     from megatron_lite.data.datamodule import PretrainingDataModule
     from megatron_lite.data.fim import FIMDataset, FIMTokens
-    from megatron_lite.data.geometry import DataGeometry
+    from megatron_lite.core.parallel.geometry import DataGeometry
     from megatron_lite.data.gpt_dataset import GPTDataset
     from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
     from megatron_lite.data.mock import MockGPTDataModule, MockGPTDataset
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 _PUBLIC = {
     "BlendedDataset": "megatron_lite.data.blended",
-    "DataGeometry": "megatron_lite.data.geometry",
+    "DataGeometry": "megatron_lite.core.parallel.geometry",
     "FIMDataset": "megatron_lite.data.fim",
     "FIMTokens": "megatron_lite.data.fim",
     "GPTDataset": "megatron_lite.data.gpt_dataset",
