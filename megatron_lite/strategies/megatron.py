@@ -1,11 +1,10 @@
 """MegatronStrategy: Megatron-style tensor, sequence, pipeline, context and data parallelism for Lightning's Trainer.
 
-The strategy is thin: Lightning's properties (devices, ranks, how data splits over DP ranks), its set-up hooks (the
-process groups and the :class:`ParallelLayout` over a DeviceMesh) and collectives. Launching and the checks before
-it are its launch half (``launch.py``), writing and reading distributed checkpoints its checkpoint half
-(``checkpointing.py``), its options a dataclass (``options.py``). The training step itself (microbatch schedule,
-gradient reduction, clipping) lives in ``megatron_lite.core`` and is driven by the LightningModule (see
-:class:`megatron_lite.GPTModule`).
+The strategy itself is Lightning's properties (devices, ranks, how data splits over DP ranks), the set-up (the process
+groups and the :class:`ParallelLayout`) and the collectives. Its options are ``options.py``'s dataclass; launching and
+the checks before it its launch half (``launch.py``); distributed checkpoints its checkpoint half
+(``checkpointing.py``). The training step (schedule, gradient reduction, clipping) is ``megatron_lite.core``'s, driven
+by the LightningModule (see :class:`megatron_lite.GPTModule`).
 """
 from __future__ import annotations
 
@@ -61,21 +60,20 @@ class MegatronStrategy(ParallelStrategy):
         ddp_bucket_size: elements per gradient bucket (Megatron's ``--ddp-bucket-size``; default max(40M, 1M x dp)).
         overlap_grad_reduce: reduce each gradient bucket over DP during the backward of the last microbatch
             (Megatron's ``--overlap-grad-reduce``; FSDP2 always overlaps its reductions).
-        log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` callback (throughput, TFLOP/s, MFU,
-            memory, timers, Megatron's console line) unless the Trainer has one.
-        exit_signal_handler: where the Trainer has a checkpoint callback, add a
-            :class:`megatron_lite.callbacks.GracefulExit` unless it has one: on SIGTERM, save ``last.ckpt`` and stop.
-        async_save: write the checkpoint callbacks' saves during ``fit`` in the background, committed once every
-            rank's files are written; the next save, the end of fit and teardown wait for it and raise its error.
-        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s) exceeds the host's available
-            memory (CPU: its ranks together) or a GPU's free memory, before anything is built.
+        log_metrics: add a :class:`megatron_lite.callbacks.MegatronMetrics` (throughput, MFU, memory, timers, Megatron's
+            console line) unless the Trainer has one.
+        exit_signal_handler: add a :class:`megatron_lite.callbacks.GracefulExit` (on SIGTERM save ``last.ckpt`` and
+            stop) where the Trainer has a checkpoint callback and no GracefulExit.
+        async_save: write the checkpoint callbacks' saves during ``fit`` in the background; the next save, the end of
+            fit and teardown wait for each (and raise its error).
+        check_memory: refuse a run whose estimated memory (``megatron-lite estimate``'s) exceeds the host's or a GPU's
+            free memory, before anything is built.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
         timeout: how long a collective of any of the run's process groups (the layout's too) waits for its peers.
         start_method: ``"popen"`` (re-run the script per rank: scripts, the CLI), ``"fork"`` (notebooks, tests) or
             ``"spawn"``; ignored under torchrun / SLURM. Forked/spawned ranks hand the trained model, the metrics, the
             loop's progress and the predictions back to this process; a rank's exception is raised here.
-        checkpoint_io: refused (here or in ``Trainer(plugins=...)``): the strategy writes its distributed checkpoints
-            itself.
+        checkpoint_io: refused (also in ``Trainer(plugins=...)``): the strategy writes its checkpoints itself.
     """
 
     strategy_name = "megatron"
@@ -111,7 +109,6 @@ class MegatronStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        # Validated here, at construction, before anything starts.
         self.options = StrategyOptions(
             parallel=ParallelConfig(
                 tensor_model_parallel_size=tensor_model_parallel_size, sequence_parallel=sequence_parallel,
@@ -320,14 +317,13 @@ class MegatronStrategy(ParallelStrategy):
         pass  # loaded in place by load_checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` (Lightning's dict) with the Checkpointer: its tensors' entries as DCP shards, the rest
-        as ``meta.json``. In the background for ModelCheckpoint's saves with ``async_save=True`` (or with
+        """A distributed checkpoint; in the background for ModelCheckpoint's saves with ``async_save=True`` (or with
         ``storage_options={"async_save": True}``)."""
         self.checkpoints.save(checkpoint, filepath, storage_options)
 
     def remove_checkpoint(self, filepath) -> None:
-        """Remove a checkpoint directory (ModelCheckpoint's top-k and ``last`` replacement): renamed away at
-        once, then deleted, never before a save in flight that replaces it is committed (see Checkpointer.remove)."""
+        """Remove a checkpoint directory (ModelCheckpoint's top-k and ``last`` replacement), never before a save in
+        flight that replaces it is committed (see Checkpointer.remove)."""
         self.checkpoints.checkpointer().remove(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -47,7 +47,8 @@ class StrategyOptions:
 
     def __post_init__(self) -> None:
         if self.start_method not in get_args(StartMethod):
-            raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {self.start_method!r}")
+            raise ValueError(
+                f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {self.start_method!r}")
         check_bucket_size(self.ddp_bucket_size)
         for name in _SWITCHES:
             object.__setattr__(self, name, bool(getattr(self, name)))  # frozen: set once, here
