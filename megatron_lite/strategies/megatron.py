@@ -205,7 +205,7 @@ class MegatronStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.launch.check_rank(attached_trainer(self.lightning_module) if self.lightning_module is not None else None)
+        self.launch.check_rank(attached_trainer(self.lightning_module))
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
@@ -270,7 +270,7 @@ class MegatronStrategy(ParallelStrategy):
 
     # --- the end of a run -----------------------------------------------------------------
     def teardown(self) -> None:
-        trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
         self.checkpoints.close(raise_error=running)  # before the groups go
         if self.launch.forked and self._layout is not None:
