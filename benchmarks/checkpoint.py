@@ -89,7 +89,7 @@ class TimedCheckpoint(ModelCheckpoint):
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        checkpointer = getattr(trainer.strategy, "_checkpointer_in_use", None)
+        checkpointer = trainer.strategy.checkpoints.in_use
         self.steps.append([time.perf_counter() - self._step_start,
                            checkpointer is not None and checkpointer.pending is not None])
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

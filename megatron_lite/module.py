@@ -4,15 +4,15 @@ One Lightning batch is one optimizer step's worth of samples for this data-paral
 engine (``megatron_lite.core.engine``) runs the schedule (no pipelining, or a pipeline schedule that
 does the backward passes), reduces gradients, clips the global norm and steps the optimizer; the
 module supplies only the model, a stage forward and the loss. That is why the module uses
-Lightning's manual optimization: Lightning must not run a second backward.
+Lightning's manual optimization: Lightning must not run a second backward. Its inference entry points
+(``full_logits``, ``generate``, ``generate_batch``) are ``module_inference.py``'s.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -35,11 +35,9 @@ from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.timers import Timers
+from megatron_lite.module_inference import GPTInference
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
 from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
-from megatron_lite.core.inference import GenerationResult, SamplingParams
-from megatron_lite.core.inference import generate as generate_tokens
-from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
     gpt_forward_step,
@@ -53,7 +51,7 @@ _POST_STEP_CHECKPOINT_WARNING = ("Using ModelCheckpoint with manual optimization
                                  "pre-optimization state was saved.")
 
 
-class GPTModule(pl.LightningModule):
+class GPTModule(GPTInference, pl.LightningModule):
     """Train a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or alone).
 
     The engine calls :meth:`forward_step` on each model chunk and :meth:`loss` on the last stage's
@@ -374,53 +372,6 @@ class GPTModule(pl.LightningModule):
             return self.generate_batch(batch)
         return self.full_logits(batch["tokens"])
 
-    @torch.no_grad()
-    def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits over the real vocabulary ``[b, s, vocab_size]`` for ``tokens`` [b, s], on every rank
-        (through the pipeline's stages when there are several). In eval mode (no dropout), whatever mode the
-        model is in; its mode is left as it was."""
-        with _eval_mode(self.model):
-            if self.parallel_layout.pp_size == 1:
-                return self.model.full_logits(tokens)
-            logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
-        return gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: Optional[int] = None, stop_ids: Optional[list[int]] = None,
-                 return_log_probs: bool = False) -> GenerationResult:
-        """Continue each prompt (a list of token ids; any lengths) by up to ``max_new_tokens`` tokens with a KV
-        cache: greedy at ``temperature=0``, else sampled (``top_k``/``top_p`` filtering, reproducible with
-        ``seed``). A row ends after one of ``stop_ids``. Returns the new tokens of each prompt (and with
-        ``return_log_probs`` their log-probs under the model: temperature 1, unfiltered).
-
-        Works alone (the model is built for one process if needed) and inside a Trainer at any layout, where
-        every rank of a model replica must call it with the same arguments (they all get the same result).
-        """
-        if self.model is None:
-            self.configure_model()
-        with _eval_mode(self.model):
-            return generate_tokens(self.model, prompts, max_new_tokens,
-                                   SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-                                   stop_ids=stop_ids, return_log_probs=return_log_probs)
-
-    def generate_batch(self, batch: dict) -> torch.Tensor:
-        """Continue a batch of a :class:`~megatron_lite.data.PromptDataModule`: ``prompt_tokens`` [b, L] (each
-        row's first ``prompt_lengths`` entries), its ``generation`` options and ``index`` (the prompts' dataset
-        indices, which seed their samples: the result does not depend on batching or data parallelism).
-        Returns the new tokens [b, max_new_tokens] (int64, -1 after a row's end)."""
-        options = dict(batch["generation"])
-        lengths = batch["prompt_lengths"].tolist()
-        prompts = [row[:n] for row, n in zip(batch["prompt_tokens"].tolist(), lengths)]
-        max_new_tokens = int(options.pop("max_new_tokens"))
-        sampling = SamplingParams(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p", "seed")})
-        with _eval_mode(self.model):
-            result = generate_tokens(self.model, prompts, max_new_tokens, sampling, stop_ids=options.pop("stop_ids"),
-                                     row_ids=batch["index"].tolist())
-        out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
-        for i, tokens in enumerate(result.tokens):
-            out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        return out
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Which tokenizer the data used, with copies of its files (the originals may sit in a cache that goes
         # away), so `megatron-lite generate` can detokenize and `convert --to hf` export it.
@@ -500,21 +451,3 @@ class GPTModule(pl.LightningModule):
         optimizer = self.megatron_optimizer.optimizer
         scheduler = MegatronLRScheduler(optimizer, cfg, trainer.max_steps if trainer is not None else None)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode (no dropout) for an inference call, then every sub-module back in its own mode
-    (a model handed back by a forked fit is in train mode, and a frozen part of it may be in eval mode)."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def _logits_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
-    """A stage forward that ends in this TP rank's logits (no labels: no loss)."""
-    return part(microbatch["tokens"], hidden_states=input_tensor)

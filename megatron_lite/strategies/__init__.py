@@ -1,5 +1,6 @@
 """Lightning strategies."""
 from megatron_lite.strategies.megatron import MegatronStrategy, register_megatron_strategy
+from megatron_lite.strategies.options import StrategyOptions
 from megatron_lite.strategies.pre_launch import PreLaunchCheck
 
-__all__ = ["MegatronStrategy", "PreLaunchCheck", "register_megatron_strategy"]
+__all__ = ["MegatronStrategy", "PreLaunchCheck", "StrategyOptions", "register_megatron_strategy"]

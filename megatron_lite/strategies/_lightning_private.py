@@ -104,7 +104,7 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
             run_dir = tempfile.mkdtemp(prefix="megatron-lite-run-")
             os.environ[RUN_DIR_ENV] = run_dir
             atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
-        self._strategy.begin_launch(os.environ.get(RUN_DIR_ENV), next_run_number())
+        self._strategy.launch.begin(os.environ.get(RUN_DIR_ENV), next_run_number())
         if launching:
             self._call_children_scripts()
             _ChildWatcher(os.getpid(), self.procs).start()
@@ -117,8 +117,8 @@ class _ValidatingSubprocessScriptLauncher(_SubprocessScriptLauncher):
             self._wait_for_children(_EXIT_GRACE_S)
             raise
         except BaseException as error:
-            rank = self._strategy.process_rank
-            failure = self._strategy.failure_file
+            rank = self._strategy.launch.process_rank
+            failure = self._strategy.launch.failure_file
             record_failure(failure, rank, error)  # unless the strategy's on_exception did already
             record = read_failure(failure)
             if record is None or record["rank"] == rank:
@@ -191,7 +191,7 @@ class _RankZeroResults(_MultiProcessingLauncher):
             # this process, before the launching process reads them, and anything put on the queue (a pipe) past
             # its ~64 KiB buffer blocks this rank until the launching process reads -- which it does only after
             # every rank has exited: a deadlock for all but tiny predictions.
-            path = os.path.join(self._strategy._run_dir, "rank_zero_predictions.pt")
+            path = os.path.join(self._strategy.launch.run_dir, "rank_zero_predictions.pt")
             torch.save(results, path)
             extra["predictions_file"], results = path, None
         return _WorkerOutput(best_model_path, None, trainer.state, results, extra)
@@ -240,7 +240,7 @@ class _MegatronMultiProcessingLauncher(_Launcher):
         if trainer is not None:
             _settle_logger_versions(trainer)
         run_dir = tempfile.mkdtemp(prefix="megatron-lite-run-")
-        self._strategy.begin_launch(run_dir, next_run_number())
+        self._strategy.launch.begin(run_dir, next_run_number())
         try:
             # Lightning's launcher sets MASTER_PORT (and more) in this process for the ranks it starts: the
             # notebook's environment is left as it was found.
@@ -249,10 +249,10 @@ class _MegatronMultiProcessingLauncher(_Launcher):
             if trainer is not None and trainer.state.fn == TrainerFn.PREDICTING:
                 result = self._launcher.rank_zero_predictions
             if trainer is not None and trainer.state.status == TrainerStatus.FINISHED:
-                result = self._strategy.receive_results(trainer, run_dir, result)
+                result = self._strategy.launch.receive_results(trainer, run_dir, result)
             return result
         finally:
-            self._strategy.begin_launch(None, -1)
+            self._strategy.launch.begin(None, -1)
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _launch_ranks(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
@@ -261,7 +261,7 @@ class _MegatronMultiProcessingLauncher(_Launcher):
             return self._launcher.launch(functools.partial(_run_rank, self._strategy, function), *args,
                                          trainer=trainer, **kwargs)
         except (ProcessRaisedException, ProcessExitedException):
-            record = read_failure(self._strategy.failure_file)
+            record = read_failure(self._strategy.launch.failure_file)
             if record is None:
                 raise  # no rank recorded an exception (one was killed): torch's report is all there is
             first = rebuild_exception(record)
@@ -325,9 +325,9 @@ def _run_rank(strategy, function: Callable, *args: Any, **kwargs: Any) -> Any:
     except SystemExit:
         raise  # a deliberate exit (every rank agreed on it): the process ends with its code
     except BaseException as error:
-        rank = strategy.process_rank
-        record_failure(strategy.failure_file, rank, error)
-        record = read_failure(strategy.failure_file)
+        rank = strategy.launch.process_rank
+        record_failure(strategy.launch.failure_file, rank, error)
+        record = read_failure(strategy.launch.failure_file)
         if record is not None and record["rank"] != rank:
             _finish_wandb()
             sys.stderr.flush()

@@ -1,19 +1,37 @@
-"""What MegatronStrategy's checkpoint methods need from Lightning besides the Checkpointer
-(``core/checkpoint/checkpointer.py``), which writes and reads the checkpoints: which saves run in the background,
-the config classes a checkpoint's metadata may rebuild, and the refusals of what the strategy cannot do.
+"""MegatronStrategy's checkpoint half: Lightning's checkpoint dicts to and from the run's
+:class:`~megatron_lite.core.checkpoint.checkpointer.Checkpointer` (``core/checkpoint/checkpointer.py``), which writes
+and reads the checkpoints, and what that needs from Lightning besides: which saves run in the background, the config
+classes a checkpoint's metadata may rebuild, and the refusals of what the strategy cannot do.
 
 Lightning hands a strategy a checkpoint dict (``state_dict``, ``optimizer_states`` and the rest) to save and
-expects one back from a load; the strategy passes the tensors' entries to :meth:`Checkpointer.save` as they are and
-the rest as its ``meta``, and returns the loaded ``meta``."""
+expects one back from a load; :class:`StrategyCheckpoints` passes the tensors' entries to :meth:`Checkpointer.save` as
+they are and the rest as its ``meta``, and returns the loaded ``meta``. The strategy holds one and its checkpoint hooks
+call it."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 
+from megatron_lite.core.checkpoint.checkpointer import Checkpointer
+from megatron_lite.core.checkpoint.errors import EntryMismatchError
+from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.format.meta_json import dataclass_types
+from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
+from megatron_lite.core.checkpoint.resume.entries import holds_training_state, read_meta_plain
 from megatron_lite.core.engine.contract import EngineModule
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.strategies._lightning_private import _distributed_is_initialized, attached_trainer
+from megatron_lite.strategies.auto_resume import AutoResume, resume_checkpoint
+from megatron_lite.strategies.launch_checks import mismatch_message, weights_only_message
+
+if TYPE_CHECKING:
+    from megatron_lite.strategies.megatron import MegatronStrategy
 
 # Lightning hooks in which checkpoint callbacks save (ModelCheckpoint: every_n_train_steps, every epoch,
 # after validation); a save made elsewhere (training_step, after fit) was asked for by the user.
@@ -65,3 +83,129 @@ def refuse_without_weights(module: Optional[LightningModule]) -> None:
     message = getattr(module, "_megatron_lite_weights_missing", None)
     if message:
         raise RuntimeError(message)
+
+
+def megatron_optimizer_of(module: Optional[LightningModule]) -> Any:
+    """The module's core optimizer wrapper (fp32 masters, ZeRO-1, loss scaler), if it has one."""
+    return module.megatron_optimizer if isinstance(module, EngineModule) else None
+
+
+class StrategyCheckpoints:
+    """The checkpoints of one MegatronStrategy: one Checkpointer for as long as the module, optimizers and layout it
+    was made over stay the same (a save in flight is waited for by the next), and the CPU generator's state a load
+    leaves for the first step."""
+
+    def __init__(self, strategy: "MegatronStrategy") -> None:
+        self._strategy = strategy
+        self.in_use: Optional[Checkpointer] = None
+        """The run's Checkpointer (None before the first save or load, and after the run)."""
+        self._sources: tuple = ()  # what `in_use` was made over (see checkpointer)
+        # The global CPU generator's state to set before the first step after a load.
+        self._pending_cpu_rng: Optional[Tensor] = None
+
+    def live_layout(self) -> Optional[ParallelLayout]:
+        """This rank's layout while its process groups exist (None in the launching process, or after the run)."""
+        layout = self._strategy.parallel_layout
+        live = layout is not None and not layout.destroyed and _distributed_is_initialized()
+        return layout if live else None
+
+    def checkpointer(self) -> Checkpointer:
+        """The Checkpointer over this process's module, optimizers and layout as they are now: the same one for a
+        whole run, a new one when they changed (a forked rank, the next ``trainer.fit``)."""
+        strategy = self._strategy
+        module = strategy.lightning_module
+        assert module is not None
+        layout = self.live_layout()
+        sources = (module, layout, tuple(getattr(o, "_optimizer", o) for o in strategy.optimizers),
+                   megatron_optimizer_of(module), strategy.options.use_torch_fsdp2 and layout is not None,
+                   module.run_timers() if isinstance(module, EngineModule) else None,
+                   tuple(checkpoint_classes(module, attached_trainer(module))))
+        if self.in_use is None or sources != self._sources:
+            if self.in_use is not None:
+                self.in_use.close()
+            module, layout, optimizers, mopt, fsdp, timers, allowed = sources
+            self.in_use = Checkpointer(module, layout, optimizers, megatron_optimizer=mopt, allowed=allowed,
+                                       fsdp=fsdp, timers=timers)
+            self._sources = sources
+        return self.in_use
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        """Write ``checkpoint`` (Lightning's dict): its tensors' entries as DCP shards, the rest as ``meta.json``. In
+        the background for ModelCheckpoint's saves with ``async_save=True`` (or ``storage_options={"async_save":
+        True}``)."""
+        strategy = self._strategy
+        live = self.live_layout() is not None
+        module = strategy.lightning_module
+        asynchronous = saves_asynchronously(strategy.options.async_save, storage_options, live, module,
+                                            attached_trainer(module))
+        refuse_without_weights(module)
+        path = Path(strategy.broadcast(str(filepath)))
+        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        if not live and not optimizer_states:
+            # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
+            # held the optimizer.
+            rank_zero_warn("megatron-lite: this checkpoint holds the model's weights but no optimizer state (the "
+                           "forked ranks kept it); resuming from it restarts the optimizer. For an exact resume "
+                           "save checkpoints during fit (ModelCheckpoint).")
+        self.checkpointer().save(path, checkpoint, model_state=model_state, optimizer_states=optimizer_states,
+                                 asynchronous=asynchronous)
+
+    def load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> dict[str, Any]:
+        """Load ``checkpoint_path`` into the module in place (and, in ``fit``, the optimizers and RNG states); return
+        its ``meta``, Lightning's checkpoint dict without the tensors. ``auto_resume``: ``ckpt_path="last"`` as the
+        launcher replaced it, if it did."""
+        path = self._checkpoint_to_load(checkpoint_path, auto_resume)
+        module = self._strategy.lightning_module
+        trainer = attached_trainer(module)
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        meta = read_meta_plain(path)
+        if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
+            raise ValueError(weights_only_message(path))
+        try:
+            loaded = self.checkpointer().load(path, optimizers=fitting, rng=fitting, strict=module.strict_loading,
+                                              verify=False, restore_cpu_rng=False)
+        except EntryMismatchError as error:
+            raise ValueError(mismatch_message(path, module, error.mismatch, meta)) from None
+        if loaded.mismatch:
+            rank_zero_warn(f"megatron-lite: strict_loading=False: loaded the entries {path} shares with the module; "
+                           f"{loaded.mismatch.describe()} (the missing ones keep their current values).")
+        # The global CPU generator is set right before the first step (restore_cpu_rng): Lightning draws from it
+        # after the load, once per DataLoader iterator it creates (its shared seed), which an uninterrupted run did
+        # before the saved step.
+        self._pending_cpu_rng = loaded.cpu_rng_state
+        if auto_resume is not None and str(checkpoint_path) == auto_resume.requested:
+            rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} "
+                           f"(global step {loaded.meta.get('global_step')})")
+        return loaded.meta
+
+    def _checkpoint_to_load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> Path:
+        """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked
+        against the checksums written with it, on all ranks together. For ``ckpt_path="last"``: the newest
+        checkpoint of the run's directories that passes, the newer ones skipped with a warning."""
+        if auto_resume is not None and str(checkpoint_path) == auto_resume.requested:
+            return resume_checkpoint(auto_resume)
+        path = resolve_checkpoint(self._strategy.broadcast(str(checkpoint_path)))
+        verdict = verify_checkpoint(path)
+        if verdict.status == "unverified":
+            rank_zero_warn(f"megatron-lite: {path} has no manifest.json (written before checksums existed, or by "
+                           f"plain DCP); its files are loaded without an integrity check.")
+        return path
+
+    def restore_cpu_rng(self) -> None:
+        """At the first step after a load: the global CPU generator as the checkpoint left it (see :meth:`load`)."""
+        if self._pending_cpu_rng is not None:
+            torch.set_rng_state(self._pending_cpu_rng)
+            self._pending_cpu_rng = None
+
+    def wait(self) -> None:
+        """Block until a checkpoint being written in the background is committed; raise its error."""
+        if self.in_use is not None:
+            self.in_use.wait()
+
+    def close(self, raise_error: bool) -> None:
+        """At the end of the run, before its process groups go: a save in flight is committed if every rank wrote it
+        and its error raised -- or, with ``raise_error=False`` (a failing run), logged rather than hiding the run's
+        own."""
+        checkpointer, self.in_use, self._sources = self.in_use, None, ()
+        if checkpointer is not None:
+            checkpointer.close(raise_error=raise_error)

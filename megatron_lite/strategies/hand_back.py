@@ -23,6 +23,7 @@ from megatron_lite.core.checkpoint.full.state import (
     write_full_state,
 )
 from megatron_lite.strategies._lightning_private import predictions_with_indices
+from megatron_lite.strategies.checkpointing import megatron_optimizer_of
 from megatron_lite.strategies.predictions import merge_predictions, write_predictions
 
 
@@ -47,7 +48,7 @@ def master_weights(strategy: Any) -> dict[str, Tensor]:
     """The optimizer's fp32 masters of a half-precision (``bf16-true``/``16-true``) model, by the module's
     parameter names: what training arrived at, of which the model holds a rounded copy. Collective under the
     distributed optimizer (gathered over DP)."""
-    mopt = strategy._megatron_optimizer()
+    mopt = megatron_optimizer_of(strategy.lightning_module)
     if mopt is None:
         return {}
     names = {id(p): n for n, p in strategy.lightning_module.named_parameters()}

@@ -54,9 +54,10 @@ class PreLaunchCheck(Protocol):
 def build_run_spec(strategy: "MegatronStrategy", datamodule: Any, world_size: int) -> RunSpec:
     """The run description of ``strategy`` over ``world_size`` ranks with ``datamodule``'s
     declared batch geometry."""
-    return RunSpec(parallel=strategy.parallel_config, world_size=world_size, data=declared_geometry(datamodule),
-                   precision=strategy.precision_plugin.precision, use_torch_fsdp2=strategy.use_torch_fsdp2,
-                   ddp_bucket_size=strategy.ddp_bucket_size, overlap_grad_reduce=strategy.overlap_grad_reduce)
+    options = strategy.options
+    return RunSpec(parallel=options.parallel, world_size=world_size, data=declared_geometry(datamodule),
+                   precision=strategy.precision_plugin.precision, use_torch_fsdp2=options.use_torch_fsdp2,
+                   ddp_bucket_size=options.ddp_bucket_size, overlap_grad_reduce=options.overlap_grad_reduce)
 
 
 def check_run(strategy: "MegatronStrategy", module: Any, datamodule: Any, trainer: Any, world_size: int,
@@ -72,7 +73,7 @@ def check_run(strategy: "MegatronStrategy", module: Any, datamodule: Any, traine
     _call_check(module, run, trainer, module, datamodule)
     config = module.config if isinstance(module, EngineModule) else None
     check_run_fits_model(run, config if isinstance(config, GPTConfig) else None)
-    if strategy.check_memory:
+    if strategy.options.check_memory:
         _check_memory(strategy, run, module, datamodule, trainer, device)
     _call_check(datamodule, run, trainer, module, datamodule)
     for callback in list(getattr(trainer, "callbacks", None) or []):

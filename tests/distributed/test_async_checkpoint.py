@@ -58,7 +58,7 @@ class InFlight(L.Callback):
         self.out, self.seen = out, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        checkpointer = trainer.strategy._checkpointer_in_use
+        checkpointer = trainer.strategy.checkpoints.in_use
         pending = checkpointer.pending if checkpointer is not None else None
         self.seen.append([trainer.global_step, pending.name if pending is not None else None])
 
@@ -160,7 +160,7 @@ class FailAtStep(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            assert trainer.strategy._checkpointer_in_use.pending is not None  # the save is the run's last act
+            assert trainer.strategy.checkpoints.in_use.pending is not None  # the save is the run's last act
             raise ValueError(f"failing on purpose at step {self.step}")
 
 

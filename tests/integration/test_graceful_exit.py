@@ -178,7 +178,7 @@ def test_the_strategy_adds_graceful_exit_when_there_is_a_checkpoint_callback(che
     strategy = ml.MegatronStrategy(exit_signal_handler=option)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=checkpointing, callbacks=[GracefulExit(exit_interval=7)] if own else [])
-    add_default_callbacks(trainer, strategy.log_metrics, strategy.exit_signal_handler)  # as in every rank's set-up
+    add_default_callbacks(trainer, strategy.options.log_metrics, strategy.options.exit_signal_handler)  # as in every rank's set-up
     added = [c for c in trainer.callbacks if isinstance(c, GracefulExit)]
     assert len(added) == expected
     if own:

@@ -41,7 +41,7 @@ def test_strategy_by_name_in_a_script(tmp_path):
 def test_fork_name_resolves():
     trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ml.MegatronStrategy)
-    assert trainer.strategy._start_method == "fork"
+    assert trainer.strategy.options.start_method == "fork"
 
 
 def test_cli_reports_missing_corpus_before_training(tmp_path, monkeypatch, capsys):

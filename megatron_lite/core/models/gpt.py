@@ -355,7 +355,7 @@ class GPTModel(nn.Module):
         stage only: under pipeline parallelism the engine's forward-only pipeline gives them)."""
         if len(self.chunks) != 1 or not (self.pre_process and self.post_process):
             raise RuntimeError("full_logits runs the whole model on one rank; under pipeline parallelism use "
-                               "megatron_lite.core.engine.pipeline_full_logits (GPTModule.predict_step does)")
+                               "GPTModule.full_logits (the engine's forward-only pipeline)")
         # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
         with self.whole_sequence():
             return gather_real_vocab(self(tokens), self.tp_group, self.config.vocab_size)
