@@ -28,6 +28,9 @@ MOVED = {
     "megatron_lite.plot": "megatron_lite.cli.plot",
     "megatron_lite.prune": "megatron_lite.cli.prune",
     "megatron_lite.quantize": "megatron_lite.cli.quantize",
+    # moved down (or up) a layer so that no two packages import each other (the acyclic contract, pyproject.toml)
+    "megatron_lite.core.parallel.pipeline.stages": "megatron_lite.core.parallel.pipeline_stages",
+    "megatron_lite.core.parallel.validation": "megatron_lite.core.models.run_checks",
 }
 """Old module name -> where the module is now."""
 

@@ -15,7 +15,28 @@ from typing import Any, Literal, Optional, Sequence, Union
 import lightning.pytorch as pl
 
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.post_training.distillation import Distillation, DistillationConfig, load_teacher
+from megatron_lite.module import GPTModule
+from megatron_lite.post_training.distillation import Distillation, DistillationConfig
+
+TeacherSource = Union[str, Path, Any]  # a checkpoint or HF directory, a GPTModule, or "self"
+
+
+def load_teacher(teacher: TeacherSource) -> Any:
+    """The teacher as a GPTModule holding its weights, or ``"self"`` (a copy of the student, frozen)."""
+    if isinstance(teacher, str) and teacher == "self":
+        return "self"
+    if isinstance(teacher, GPTModule):
+        if teacher.model is None:
+            raise ValueError("the teacher GPTModule holds no weights yet: train it first or load it with "
+                             "GPTModule.from_pretrained(path)")
+        return teacher
+    if isinstance(teacher, (str, Path)):
+        if not Path(teacher).exists():
+            raise FileNotFoundError(f"teacher {str(teacher)!r} does not exist: pass one of our checkpoints, a "
+                                    f"Hugging Face model directory, a GPTModule or 'self'")
+        return GPTModule.from_pretrained(str(teacher))
+    raise TypeError(f"teacher must be a checkpoint/HF directory path, a GPTModule or 'self', "
+                    f"got {type(teacher).__name__}")
 
 
 class Distill(pl.Callback):
@@ -32,7 +53,7 @@ class Distill(pl.Callback):
     Logs ``train/lm_loss``, ``train/kd_loss`` (and ``train/intermediate_loss``) beside ``train/loss``.
     """
 
-    def __init__(self, teacher: Union[str, Path, Any], temperature: float = 1.0, kd_loss_scale: float = 1.0,
+    def __init__(self, teacher: TeacherSource, temperature: float = 1.0, kd_loss_scale: float = 1.0,
                  skip_lm_loss: bool = False, intermediate_layer_pairs: Sequence[tuple[str, str]] = (),
                  intermediate_loss: Literal["cosine", "mse"] = "cosine", intermediate_loss_scale: float = 1.0) -> None:
         self.config = DistillationConfig(temperature=temperature, kd_loss_scale=kd_loss_scale,

@@ -45,7 +45,7 @@ from megatron_lite.core.estimator.run import estimate_for_run
 from megatron_lite.core.parallel.geometry import DataGeometry, num_microbatches
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.core.parallel.validation import check_run_fits_model
+from megatron_lite.core.models.run_checks import check_run_fits_model
 
 GIB = 1024**3
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.core.checkpoint.resume.rng import restore_rng_state, rng_state
+from megatron_lite.core.parallel.random import model_rng_state, restore_model_rng_state
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 """Megatron's exit code for "a reproducible fault: restart from the checkpoint, elsewhere"."""
@@ -183,11 +183,11 @@ class RerunStateMachine:
     def begin_step(self, model: nn.Module) -> None:
         """Before the first attempt of a step: remember the RNG streams a replay restores."""
         self._attempt, self._first, self._rejection = 0, None, ""
-        self._rng = rng_state(model, 0)
+        self._rng = model_rng_state(model)
 
     def restore(self, model: nn.Module) -> None:
         """Before a replay: the RNG streams as they were when the step began."""
-        restore_rng_state(model, self._rng, 0)
+        restore_model_rng_state(model, self._rng)
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` with this step's injected fault, if one applies to this attempt on this rank."""

@@ -16,8 +16,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,29 +87,6 @@ def matchable_modules(config: GPTConfig) -> list[str]:
     return [f"layers.{i}" for i in range(config.num_layers)] + ["final_layernorm"]
 
 
-TeacherSource = Union[str, Path, Any]  # a checkpoint or HF directory, a GPTModule, or "self"
-
-
-def load_teacher(teacher: TeacherSource) -> Any:
-    """The teacher as a GPTModule holding its weights, or ``"self"`` (a copy of the student, frozen)."""
-    from megatron_lite.module import GPTModule  # module.py imports the engine; here: no import cycle
-
-    if isinstance(teacher, str) and teacher == "self":
-        return "self"
-    if isinstance(teacher, GPTModule):
-        if teacher.model is None:
-            raise ValueError("the teacher GPTModule holds no weights yet: train it first or load it with "
-                             "GPTModule.from_pretrained(path)")
-        return teacher
-    if isinstance(teacher, (str, Path)):
-        if not Path(teacher).exists():
-            raise FileNotFoundError(f"teacher {str(teacher)!r} does not exist: pass one of our checkpoints, a "
-                                    f"Hugging Face model directory, a GPTModule or 'self'")
-        return GPTModule.from_pretrained(str(teacher))
-    raise TypeError(f"teacher must be a checkpoint/HF directory path, a GPTModule or 'self', "
-                    f"got {type(teacher).__name__}")
-
-
 @dataclass
 class _DistillOutput:
     """The last stage's output: the wrapped objective's, and the per-token distillation terms [b, s]."""
@@ -123,7 +99,7 @@ class _DistillOutput:
 class Distillation(ObjectiveExtension):
     """Adds a frozen teacher's logits KL (and intermediate-layer losses) to a GPT module's objective.
 
-    ``teacher`` is what :func:`load_teacher` returns. Its loss reports, per training step (global-batch means
+    ``teacher`` is what :func:`megatron_lite.callbacks.distill.load_teacher` returns. Its loss reports, per training step (global-batch means
     over the loss tokens, logged on every rank): ``train/lm_loss``, ``train/kd_loss`` and, with layer pairs,
     ``train/intermediate_loss``; ``train/loss`` is their weighted sum.
     """

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from megatron_lite.core.estimator.memory import MemoryEstimate
-from megatron_lite.core.estimator.report import format_bytes
+from megatron_lite.core.units import format_bytes
 
 _NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
 

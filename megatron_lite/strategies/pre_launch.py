@@ -29,7 +29,7 @@ from megatron_lite.core.estimator.run import estimate_objective
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.core.parallel.validation import check_run_fits_model
+from megatron_lite.core.models.run_checks import check_run_fits_model
 from megatron_lite.strategies.memory_check import check_memory_fits
 
 if TYPE_CHECKING:

@@ -249,7 +249,7 @@ def test_data_longer_than_a_learned_position_table_is_refused_before_launch(fork
 
 
 def test_rope_model_with_a_larger_max_position_embeddings_takes_longer_data():
-    from megatron_lite.core.parallel.validation import check_seq_length
+    from megatron_lite.core.models.run_checks import check_seq_length
 
     check_seq_length(32, _config(seq_length=16, max_position_embeddings=32))  # asked for on the model: fine
     check_seq_length(8, _config(seq_length=16))  # shorter data: fine

@@ -15,6 +15,7 @@ import megatron_lite as ml
 
 from megatron_lite.core.estimator import (
     EstimateLayout,
+    PRECISION_BYTES,
     KernelSaves,
     ScheduleActivationProbe,
     activation_breakdown,
@@ -36,6 +37,7 @@ from megatron_lite.core.parallel.geometry import DataGeometry
 from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
+from megatron_lite.core.precision import PRECISION_ALIASES, PRECISIONS, normalize_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from spawn_utils import run_ranks  # noqa: E402
@@ -490,6 +492,14 @@ def test_layout_errors_name_the_fix():
         estimate_for_run(GPTConfig(**TINY), _run(GPTConfig(**TINY), 1, tensor_model_parallel_size=3))
     with pytest.raises(ValueError, match="global_batch_size"):
         estimate_for_run(GPTConfig(**TINY), _run(GPTConfig(**TINY), 2, 6, data_parallel_size=2))
+
+
+def test_every_precision_a_run_may_have_has_its_bytes():
+    """The names a run's precision is read against (core/precision.py) and the byte tables keyed by them are one
+    set: a precision the RunSpec accepts always has an estimate."""
+    assert set(PRECISION_BYTES) == set(PRECISIONS)
+    assert {normalize_precision(alias) for alias in PRECISION_ALIASES} <= set(PRECISION_BYTES)
+    assert normalize_precision(16) == "16-mixed" and normalize_precision("bf16-true") == "bf16-true"
 
 
 # --- pipeline stages --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
-from megatron_lite.core.parallel.pipeline.stages import layers_per_virtual_stage
+from megatron_lite.core.parallel.pipeline_stages import layers_per_virtual_stage
 
 
 def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:

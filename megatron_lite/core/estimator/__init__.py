@@ -21,7 +21,7 @@ from megatron_lite.core.estimator.memory import EstimateLayout, MemoryEstimate, 
 from megatron_lite.core.estimator.parameters import ParamShape, parameter_shapes
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
 from megatron_lite.core.estimator.run import estimate_for_run, estimate_objective
-from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves, normalize_precision
+from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, ScheduleMemory, schedule_memory
 from megatron_lite.core.estimator.probe import (
     SavedTensorsReport,
@@ -32,6 +32,7 @@ from megatron_lite.core.estimator.probe import (
     measure_saved_tensors,
     measure_step_activations,
 )
+from megatron_lite.core.precision import normalize_precision
 
 __all__ = [
     "FlopsBreakdown", "attention_flops_per_cp_rank", "forward_flops_breakdown", "forward_flops_per_token",

@@ -32,10 +32,10 @@ from megatron_lite.core.estimator.precision_bytes import (
     KERNEL_SAVES,
     PRECISION_BYTES,
     KernelSaves,
-    normalize_precision,
 )
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.layout import CP_COMM_TYPES, ParallelConfig
+from megatron_lite.core.precision import normalize_precision
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Bytes per element of what each training precision keeps, and what the kernels of a device type save for
 backward: the tables the memory estimate multiplies by (the one place to edit when precision handling or a
-kernel changes)."""
+kernel changes; a new precision is named in :data:`megatron_lite.core.precision.PRECISIONS` first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron_lite.core.precision import PRECISION_ALIASES, normalize_precision  # noqa: F401  (their old place)
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class PrecisionBytes:
     """The residual stream and the norms' inputs (autocast leaves additions and norms in fp32)."""
 
 
-# Bytes per element for each Lightning precision string, as core/optim keeps them. "*-mixed" is
+# Bytes per element for each Lightning precision string (core/precision.py's PRECISIONS), as core/optim keeps them. "*-mixed" is
 # torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes. "*-true" is Megatron's
 # layout: half parameters, fp32 main grads, fp32 master copy + Adam: 2 + 4 + 4 + 8 = 18 (DESIGN.md).
 # With the distributed optimizer see DISTRIBUTED_*_BYTES: 6 + 12/dp for "*-true", 8 + 12/dp for fp32.
@@ -42,8 +44,6 @@ PRECISION_BYTES = {
 # are their own main copy): 4 + (4 + 8)/dp bytes beyond half weights, 4 + 8/dp beyond fp32 ones.
 DISTRIBUTED_MAIN_BYTES = 4
 DISTRIBUTED_GRAD_BYTES = 4
-# Lightning's short spellings (Trainer(precision=...)).
-PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "half": "16-true"}
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,3 @@ KERNEL_SAVES = {
                         fp32_attention_output_is_copied=True, attention_rng_bytes=16),
 }
 
-
-def normalize_precision(precision) -> str:
-    """Lightning's precision spelling (``"bf16"``, ``16``, ``"32-true"``, ...) as a key of :data:`PRECISION_BYTES`."""
-    key = str(precision)
-    key = PRECISION_ALIASES.get(key, key)
-    if key not in PRECISION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; use one of {sorted(PRECISION_BYTES)}")
-    return key

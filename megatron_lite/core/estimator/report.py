@@ -5,16 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_lite.core.estimator.memory import MemoryEstimate
-
-GIB = 1024 ** 3
-
-
-def format_bytes(n: float) -> str:
-    """``1.50 GiB``, ``12.00 MiB``, ``512 B``."""
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+from megatron_lite.core.units import GIB, format_bytes  # noqa: F401  (their old place)
 
 
 def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = None) -> str:

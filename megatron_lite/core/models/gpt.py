@@ -22,7 +22,7 @@ from megatron_lite.core.models.rope import RotaryEmbedding
 from megatron_lite.core.parallel.context_parallel import AttentionContext
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.pipeline.stages import StageChunk
+from megatron_lite.core.parallel.pipeline_stages import StageChunk
 from megatron_lite.core.parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_lite.core.parallel.random import (
     DATA_PARALLEL_RNG,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
-from megatron_lite.core.parallel.pipeline.stages import PIPELINE_SCHEDULES, StageChunk, stage_chunks
+from megatron_lite.core.parallel.pipeline_stages import PIPELINE_SCHEDULES, StageChunk, stage_chunks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 DATA_PARALLEL_RNG = "data-parallel-rng"
@@ -91,3 +92,40 @@ def model_parallel_rng_tracker(seed: int, tp_rank: int, pp_rank: int = 0) -> RNG
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     tracker.add(DATA_PARALLEL_RNG, seed + 100 * pp_rank)
     return tracker
+
+
+def rng_trackers(module: nn.Module) -> dict[str, RNGStatesTracker]:
+    """The dropout streams of ``module`` and its sub-modules, keyed by the owner's name ("root": ``module``)."""
+    return {name or "root": m.rng_tracker for name, m in module.named_modules()
+            if isinstance(getattr(m, "rng_tracker", None), RNGStatesTracker)}
+
+
+def model_rng_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every generator ``module``'s steps draw from, as it is now: the global CPU generator (``"torch"``), the
+    CUDA one once initialised (``"cuda"``) and each dropout stream (``"owner|stream"``); see
+    :func:`restore_model_rng_state`."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    for owner, tracker in rng_trackers(module).items():
+        for stream, value in tracker.get_states().items():
+            state[f"{owner}|{stream}"] = value
+    return state
+
+
+def restore_model_rng_state(module: nn.Module, state: dict[str, torch.Tensor], cpu_generator: bool = True) -> None:
+    """Put a :func:`model_rng_state` back (other keys are ignored). ``cpu_generator=False`` leaves the global
+    CPU generator as it is."""
+    if cpu_generator and "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    trackers = rng_trackers(module)
+    per_owner: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in state.items():
+        if "|" in name:
+            owner, stream = name.split("|", 1)
+            per_owner.setdefault(owner, {})[stream] = value
+    for owner, states in per_owner.items():
+        if owner in trackers:
+            trackers[owner].set_states(states)

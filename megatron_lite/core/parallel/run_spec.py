@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_lite.core.estimator.precision_bytes import normalize_precision
 from megatron_lite.core.parallel.geometry import DataGeometry
 from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.precision import normalize_precision
 
 
 def check_bucket_size(ddp_bucket_size: Optional[int]) -> None:

@@ -22,7 +22,7 @@ import torch
 from megatron_lite.core.checkpoint.errors import CheckpointDiskFullError
 from megatron_lite.core.checkpoint.format.commit import LATEST, remove_tree
 from megatron_lite.core.checkpoint.format.rank_zero import gather_to_all, on_rank0
-from megatron_lite.core.estimator.report import format_bytes
+from megatron_lite.core.units import format_bytes
 
 DISK_FULL = {errno.ENOSPC: "no space left on device (ENOSPC)", errno.EDQUOT: "disk quota exceeded (EDQUOT)"}
 

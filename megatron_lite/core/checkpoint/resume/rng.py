@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.random import RNGStatesTracker
+from megatron_lite.core.parallel.random import model_rng_state, restore_model_rng_state, rng_trackers
 
 _PREFIX = "rng_rank"
 _LAYOUT = "layout"
@@ -32,12 +32,6 @@ _LAYOUT = "layout"
 # rank's coordinates in them. A new entry goes at the end (older checkpoints then simply differ).
 FINGERPRINT_FIELDS = ("world_size", "tp", "pp", "vpp", "dp", "cp", "ep", "sequence_parallel",
                       "tp_rank", "pp_rank", "dp_rank", "cp_rank", "ep_rank")
-
-
-def _trackers(module: nn.Module) -> dict[str, RNGStatesTracker]:
-    # Keyed by module name ("root" for the module itself); "|" separates owner and stream in the keys.
-    return {name or "root": m.rng_tracker for name, m in module.named_modules()
-            if isinstance(getattr(m, "rng_tracker", None), RNGStatesTracker)}
 
 
 def layout_fingerprint(layout: ParallelLayout) -> torch.Tensor:
@@ -58,13 +52,8 @@ def rng_state(module: nn.Module, rank: int, layout: Optional[ParallelLayout] = N
     """This rank's RNG states (global CPU/CUDA generators and the module's dropout streams) as flat DCP
     entries, with the fingerprint of ``layout`` (the one they were drawn in; one process if None)."""
     key = f"{_PREFIX}{rank}"
-    state = {f"{key}.torch": torch.get_rng_state(),
-             f"{key}.{_LAYOUT}": layout_fingerprint(layout if layout is not None else ParallelLayout.single())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state[f"{key}.cuda"] = torch.cuda.get_rng_state()
-    for owner, tracker in _trackers(module).items():
-        for stream, value in tracker.get_states().items():
-            state[f"{key}.{owner}|{stream}"] = value
+    state = {f"{key}.{name}": value for name, value in model_rng_state(module).items()}
+    state[f"{key}.{_LAYOUT}"] = layout_fingerprint(layout if layout is not None else ParallelLayout.single())
     return state
 
 
@@ -103,20 +92,9 @@ def restore_rng_state(module: nn.Module, loaded: dict[str, torch.Tensor], rank: 
     """Put states loaded into :func:`rng_placeholders` back into the generators and streams (the caller
     checked :func:`layout_mismatch` first). ``cpu_generator=False`` leaves the global CPU generator to the
     caller (see :func:`saved_cpu_generator_state`)."""
-    key = f"{_PREFIX}{rank}"
-    if cpu_generator and f"{key}.torch" in loaded:
-        torch.set_rng_state(loaded[f"{key}.torch"])
-    if f"{key}.cuda" in loaded and torch.cuda.is_available():
-        torch.cuda.set_rng_state(loaded[f"{key}.cuda"])
-    trackers = _trackers(module)
-    per_owner: dict[str, dict[str, torch.Tensor]] = {}
-    for name, value in loaded.items():
-        if name.startswith(f"{key}.") and "|" in name:
-            owner, stream = name[len(key) + 1:].split("|", 1)
-            per_owner.setdefault(owner, {})[stream] = value
-    for owner, states in per_owner.items():
-        if owner in trackers:
-            trackers[owner].set_states(states)
+    prefix = f"{_PREFIX}{rank}."
+    restore_model_rng_state(module, {name[len(prefix):]: value for name, value in loaded.items()
+                                     if name.startswith(prefix)}, cpu_generator)
 
 
 def derived_seed(seed: int, step: int) -> int:
@@ -140,7 +118,7 @@ def rederive_rng_state(module: nn.Module, step: int, cpu_generator: bool = True)
         torch.set_rng_state(derived_cpu_generator_state(step))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed(derived_seed(torch.cuda.initial_seed(), step))
-    for tracker in _trackers(module).values():
+    for tracker in rng_trackers(module).values():
         devices = {d for (_, d) in tracker.states} | {"cpu"}
         tracker.states = {(name, device): torch.Generator(device=device).manual_seed(
             derived_seed(seed, step)).get_state() for name, seed in tracker.seeds.items() for device in devices}

@@ -93,7 +93,7 @@ def schedule_order(schedule: str, num_microbatches: int, pp_size: int, pp_rank: 
 
 
 class VirtualStage(Protocol):
-    """Where a model chunk sits in the pipeline (a :class:`~megatron_lite.core.parallel.pipeline.stages.StageChunk`)."""
+    """Where a model chunk sits in the pipeline (a :class:`~megatron_lite.core.parallel.pipeline_stages.StageChunk`)."""
 
     @property
     def virtual_stage(self) -> int: ...

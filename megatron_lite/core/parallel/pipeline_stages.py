@@ -4,6 +4,10 @@ Virtual stage ``s = v * P + p`` is chunk ``v`` of pipeline rank ``p`` (Megatron'
 order): the layers are dealt out in that order, so consecutive virtual stages live on consecutive
 ranks and activations travel around the pipeline ring V times. The first virtual stage holds the
 embedding, the last the final norm, the output layer and the loss.
+
+The cut and the schedule names are part of the parallel configuration (``ParallelConfig`` validates and cuts
+with them), so they live below ``layout``, outside ``pipeline/``: the pipeline's runtime (transfers, schedules)
+is built on the layout.
 """
 from __future__ import annotations
 

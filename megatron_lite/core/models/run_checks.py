@@ -1,5 +1,6 @@
 """Checks of a run against its model that run before any process group or weight exists (those that need no
-model are :class:`~megatron_lite.core.parallel.run_spec.RunSpec`'s)."""
+model are :class:`~megatron_lite.core.parallel.run_spec.RunSpec`'s). They read the model's config, so they sit with
+the models, above the parallel layer they check against."""
 from __future__ import annotations
 
 from typing import Any, Optional
