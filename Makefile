@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast bench reliability docs clean
+.PHONY: install demo lint test test-fast bench reliability docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+# The habits that keep the code in shape, a few seconds each: lint and formatting (ruff), types of the core (mypy),
+# the layer contracts (import-linter; PYTHONPATH: this checkout's code, whatever the venv's editable install points at).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
+
+test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q tests
 
 test-fast: $(STAMP)

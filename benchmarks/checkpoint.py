@@ -23,6 +23,7 @@ GB/s against ``torch.save`` / ``torch.load`` of the same tensors in one file, an
 Nothing is asserted; targets are printed as met or missed. Run from the repository root:
 ``python benchmarks/checkpoint.py [--hidden-size 256 --steps 8 ...]``; JSON in ``benchmarks/results/checkpoint.json``.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,10 +49,10 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import lightning as L  # noqa: E402
+import overhead  # noqa: E402  (benchmarks/overhead.py: _restore_environ, _seed, _print_table, write_result)
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
-import overhead  # noqa: E402  (benchmarks/overhead.py: _restore_environ, _seed, _print_table, write_result)
 from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded  # noqa: E402
 from megatron_lite.core.checkpoint.state import sharded_model_state, sharded_optimizer_state  # noqa: E402
 from megatron_lite.core.parallel.layout import ParallelLayout  # noqa: E402
@@ -62,13 +63,23 @@ BLOCKED_TARGET = 0.10
 
 
 def _config(args) -> ml.GPTConfig:
-    return ml.GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
+    return ml.GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+    )
 
 
 def _data(args) -> MockGPTDataModule:
-    return MockGPTDataModule(seq_length=args.seq_length, micro_batch_size=2, global_batch_size=4,
-                             vocab_size=args.vocab_size, seed=overhead.DATA_SEED)
+    return MockGPTDataModule(
+        seq_length=args.seq_length,
+        micro_batch_size=2,
+        global_batch_size=4,
+        vocab_size=args.vocab_size,
+        seed=overhead.DATA_SEED,
+    )
 
 
 class TimedCheckpoint(ModelCheckpoint):
@@ -90,8 +101,9 @@ class TimedCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         checkpointer = trainer.strategy.checkpoints.in_use
-        self.steps.append([time.perf_counter() - self._step_start,
-                           checkpointer is not None and checkpointer.pending is not None])
+        self.steps.append(
+            [time.perf_counter() - self._step_start, checkpointer is not None and checkpointer.pending is not None]
+        )
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_end(self, trainer, pl_module):
@@ -108,10 +120,19 @@ def run_training(args, ckpt_dir: Path, *, async_save: bool, tp: int = 2) -> dict
         overhead._seed()
         timer = TimedCheckpoint(out, dirpath=ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1)
         trainer = L.Trainer(
-            strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork", log_metrics=False,
-                                         async_save=async_save),
-            accelerator="cpu", devices=tp, max_steps=args.steps, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer])
+            strategy=ml.MegatronStrategy(
+                tensor_model_parallel_size=tp, start_method="fork", log_metrics=False, async_save=async_save
+            ),
+            accelerator="cpu",
+            devices=tp,
+            max_steps=args.steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[timer],
+        )
         trainer.fit(ml.GPTModule(_config(args), seed=overhead.MODEL_SEED), _data(args))
         return json.loads(out.read_text())
 
@@ -131,9 +152,18 @@ class _TimedLoadStrategy(ml.MegatronStrategy):
 def time_load_at_tp1(args, checkpoint: Path, step: int) -> float:
     strategy = _TimedLoadStrategy(log_metrics=False)
     strategy.load_seconds = []
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=step + 1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=step + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     try:
         trainer.fit(ml.GPTModule(_config(args), seed=overhead.MODEL_SEED), _data(args), ckpt_path=str(checkpoint))
     finally:
@@ -152,11 +182,17 @@ def bandwidth(args, directory: Path) -> dict:
         p.grad = torch.randn_like(p)
     optimizer.step()  # moments exist and are not zero
     layout = ParallelLayout.single()
-    state = {"model": sharded_model_state(module, layout),
-             "optimizer_0": sharded_optimizer_state(module, optimizer, layout)}
+    state = {
+        "model": sharded_model_state(module, layout),
+        "optimizer_0": sharded_optimizer_state(module, optimizer, layout),
+    }
     state["optimizer_0"].pop("param_groups")
-    flat = {f"{group}.{key}": value for group, values in state.items() for key, value in values.items()
-            if torch.is_tensor(value)}
+    flat = {
+        f"{group}.{key}": value
+        for group, values in state.items()
+        for key, value in values.items()
+        if torch.is_tensor(value)
+    }
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     times: dict[str, list[float]] = {"ours_save": [], "torch_save": [], "ours_load": [], "torch_load": []}
     for i in range(args.repeats):
@@ -177,8 +213,14 @@ def bandwidth(args, directory: Path) -> dict:
         start = time.perf_counter()
         torch.load(one_file, weights_only=True)
         times["torch_load"].append(time.perf_counter() - start)
-    result = {name: {"seconds": values, "median_s": statistics.median(values),
-                     "gb_per_s": nbytes / statistics.median(values) / 1e9} for name, values in times.items()}
+    result = {
+        name: {
+            "seconds": values,
+            "median_s": statistics.median(values),
+            "gb_per_s": nbytes / statistics.median(values) / 1e9,
+        }
+        for name, values in times.items()
+    }
     result["tensor_bytes"] = nbytes
     result["save_ratio"] = result["ours_save"]["gb_per_s"] / result["torch_save"]["gb_per_s"]
     result["load_ratio"] = result["ours_load"]["gb_per_s"] / result["torch_load"]["gb_per_s"]
@@ -189,10 +231,14 @@ def _blocked(run: dict) -> dict:
     saves = run["saves"][1:]  # the first save also creates the checkpoint process group
     with_write = [s for s, busy in run["steps"] if busy]
     without = [s for s, busy in run["steps"][2:] if not busy]
-    return {"saves_s": run["saves"], "blocked_s": sum(saves), "final_wait_s": run["final_wait"],
-            "median_save_s": statistics.median(saves) if saves else None,
-            "median_step_s_with_write_in_flight": statistics.median(with_write) if with_write else None,
-            "median_step_s_without": statistics.median(without) if without else None}
+    return {
+        "saves_s": run["saves"],
+        "blocked_s": sum(saves),
+        "final_wait_s": run["final_wait"],
+        "median_save_s": statistics.median(saves) if saves else None,
+        "median_step_s_with_write_in_flight": statistics.median(with_write) if with_write else None,
+        "median_step_s_without": statistics.median(without) if without else None,
+    }
 
 
 def main(argv=None) -> dict:
@@ -212,16 +258,30 @@ def main(argv=None) -> dict:
         size = sum(f.stat().st_size for f in tp2_ckpt.iterdir())
     ratio = asynchronous["blocked_s"] / sync["blocked_s"]
     result = {
-        "config": vars(args), "checkpoint_bytes": size,
-        "machine": {"torch": torch.__version__, "lightning": L.__version__, "cpus": os.cpu_count(),
-                    "platform": platform.platform(), "load_average": list(os.getloadavg()),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-        "blocked": {"sync": sync, "async": asynchronous, "ratio": ratio, "target": BLOCKED_TARGET,
-                    "met": ratio <= BLOCKED_TARGET},
+        "config": vars(args),
+        "checkpoint_bytes": size,
+        "machine": {
+            "torch": torch.__version__,
+            "lightning": L.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average": list(os.getloadavg()),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "blocked": {
+            "sync": sync,
+            "async": asynchronous,
+            "ratio": ratio,
+            "target": BLOCKED_TARGET,
+            "met": ratio <= BLOCKED_TARGET,
+        },
         "bandwidth": bw,
-        "resharded_load": {"tp2_to_tp1_s": resharded, "tp1_to_tp1_s": same,
-                           "median_tp2_to_tp1_s": statistics.median(resharded),
-                           "median_tp1_to_tp1_s": statistics.median(same)},
+        "resharded_load": {
+            "tp2_to_tp1_s": resharded,
+            "tp1_to_tp1_s": same,
+            "median_tp2_to_tp1_s": statistics.median(resharded),
+            "median_tp1_to_tp1_s": statistics.median(same),
+        },
     }
     _print(result)
     overhead.write_result(result, args.out, DEFAULT_OUT)
@@ -230,37 +290,70 @@ def main(argv=None) -> dict:
 
 def _print(r: dict) -> None:
     b, bw, rl = r["blocked"], r["bandwidth"], r["resharded_load"]
-    print(f"checkpoint: {r['checkpoint_bytes'] / 1e6:.1f} MB on disk at TP2 (model + AdamW moments + RNG), "
-          f"load average {', '.join(f'{x:.1f}' for x in r['machine']['load_average'])}")
+    print(
+        f"checkpoint: {r['checkpoint_bytes'] / 1e6:.1f} MB on disk at TP2 (model + AdamW moments + RNG), "
+        f"load average {', '.join(f'{x:.1f}' for x in r['machine']['load_average'])}"
+    )
     saves = len(b["sync"]["saves_s"]) - 1
-    rows = [(f"training blocked by {saves} sync saves", f"{b['sync']['blocked_s']:.3f} s",
-             f"median {b['sync']['median_save_s']:.3f} s/save", "1.000 (baseline)"),
-            (f"training blocked by {saves} async saves", f"{b['async']['blocked_s']:.3f} s",
-             f"median {b['async']['median_save_s']:.3f} s/save "
-             f"(+ {b['async']['final_wait_s']:.3f} s at the end of fit)",
-             f"{b['ratio']:.3f} vs sync ({'met' if b['met'] else 'missed'}: <= {BLOCKED_TARGET:.2f})"),
-            ("save: ours (DCP, CRC, fsync, commit)", f"{bw['ours_save']['gb_per_s']:.2f} GB/s",
-             f"{bw['ours_save']['median_s']:.3f} s", f"{bw['save_ratio']:.2f}x torch.save"),
-            ("save: torch.save one file + fsync", f"{bw['torch_save']['gb_per_s']:.2f} GB/s",
-             f"{bw['torch_save']['median_s']:.3f} s", "1.00 (baseline)"),
-            ("load: ours (verify + safe DCP read)", f"{bw['ours_load']['gb_per_s']:.2f} GB/s",
-             f"{bw['ours_load']['median_s']:.3f} s", f"{bw['load_ratio']:.2f}x torch.load"),
-            ("load: torch.load(weights_only=True)", f"{bw['torch_load']['gb_per_s']:.2f} GB/s",
-             f"{bw['torch_load']['median_s']:.3f} s", "1.00 (baseline)"),
-            ("load at TP1 of a TP1 checkpoint", f"{rl['median_tp1_to_tp1_s']:.3f} s", "", "1.000 (baseline)"),
-            ("load at TP1 of a TP2 checkpoint", f"{rl['median_tp2_to_tp1_s']:.3f} s", "",
-             f"{rl['median_tp2_to_tp1_s'] / rl['median_tp1_to_tp1_s']:.3f} vs same layout")]
+    rows = [
+        (
+            f"training blocked by {saves} sync saves",
+            f"{b['sync']['blocked_s']:.3f} s",
+            f"median {b['sync']['median_save_s']:.3f} s/save",
+            "1.000 (baseline)",
+        ),
+        (
+            f"training blocked by {saves} async saves",
+            f"{b['async']['blocked_s']:.3f} s",
+            f"median {b['async']['median_save_s']:.3f} s/save (+ {b['async']['final_wait_s']:.3f} s at the end of fit)",
+            f"{b['ratio']:.3f} vs sync ({'met' if b['met'] else 'missed'}: <= {BLOCKED_TARGET:.2f})",
+        ),
+        (
+            "save: ours (DCP, CRC, fsync, commit)",
+            f"{bw['ours_save']['gb_per_s']:.2f} GB/s",
+            f"{bw['ours_save']['median_s']:.3f} s",
+            f"{bw['save_ratio']:.2f}x torch.save",
+        ),
+        (
+            "save: torch.save one file + fsync",
+            f"{bw['torch_save']['gb_per_s']:.2f} GB/s",
+            f"{bw['torch_save']['median_s']:.3f} s",
+            "1.00 (baseline)",
+        ),
+        (
+            "load: ours (verify + safe DCP read)",
+            f"{bw['ours_load']['gb_per_s']:.2f} GB/s",
+            f"{bw['ours_load']['median_s']:.3f} s",
+            f"{bw['load_ratio']:.2f}x torch.load",
+        ),
+        (
+            "load: torch.load(weights_only=True)",
+            f"{bw['torch_load']['gb_per_s']:.2f} GB/s",
+            f"{bw['torch_load']['median_s']:.3f} s",
+            "1.00 (baseline)",
+        ),
+        ("load at TP1 of a TP1 checkpoint", f"{rl['median_tp1_to_tp1_s']:.3f} s", "", "1.000 (baseline)"),
+        (
+            "load at TP1 of a TP2 checkpoint",
+            f"{rl['median_tp2_to_tp1_s']:.3f} s",
+            "",
+            f"{rl['median_tp2_to_tp1_s'] / rl['median_tp1_to_tp1_s']:.3f} vs same layout",
+        ),
+    ]
     overhead._print_table(rows, ("what", "value", "detail", "ratio"))
     s, a = b["sync"], b["async"]
     if a["median_step_s_with_write_in_flight"] and a["median_step_s_without"]:
-        print(f"async run: median step {a['median_step_s_with_write_in_flight'] * 1e3:.1f} ms with a background write "
-              f"in flight, {a['median_step_s_without'] * 1e3:.1f} ms without (sync run: "
-              f"{s['median_step_s_without'] * 1e3:.1f} ms)")
+        print(
+            f"async run: median step {a['median_step_s_with_write_in_flight'] * 1e3:.1f} ms with a background write "
+            f"in flight, {a['median_step_s_without'] * 1e3:.1f} ms without (sync run: "
+            f"{s['median_step_s_without'] * 1e3:.1f} ms)"
+        )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-attention-heads", type=int, default=8)

@@ -30,6 +30,7 @@ timings of 2. run one rank at a time). Nothing is asserted: targets are printed 
 
 Run from the repository root: ``python benchmarks/context_parallel.py [--seq-lengths 1024 8192 ...]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,35 +62,41 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import lightning as L  # noqa: E402
+import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_environ, _print_table, write_result)
 
 import megatron_lite as ml  # noqa: E402
-import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_environ, _print_table, write_result)
 from megatron_lite.core.estimator import (  # noqa: E402
     attention_flops_per_cp_rank,
     estimate_for_run,
     measure_step_activations,
 )
 from megatron_lite.core.parallel import context_parallel as cp_attention  # noqa: E402
-from megatron_lite.core.parallel.geometry import DataGeometry  # noqa: E402
-from megatron_lite.core.parallel.run_spec import RunSpec  # noqa: E402
 from megatron_lite.core.parallel.context_parallel import (  # noqa: E402
     AttentionContext,
     context_parallel_microbatch,
     packed_attention,
 )
+from megatron_lite.core.parallel.geometry import DataGeometry  # noqa: E402
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout  # noqa: E402
+from megatron_lite.core.parallel.run_spec import RunSpec  # noqa: E402
 from megatron_lite.data import MockGPTDataModule  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "context_parallel.json"
 MEMORY_TOLERANCE = 0.15  # held bytes x C against C = 1's
 BALANCE_TOLERANCE = 0.05  # zigzag ranks' attention work, (max - min) / min
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _config(args, seq_length: int) -> ml.GPTConfig:
-    return ml.GPTConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                        num_query_groups=args.num_query_groups, vocab_size=args.vocab_size, seq_length=seq_length,
-                        make_vocab_size_divisible_by=64)
+    return ml.GPTConfig(
+        num_layers=1,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        vocab_size=args.vocab_size,
+        seq_length=seq_length,
+        make_vocab_size_divisible_by=64,
+    )
 
 
 def _free_port() -> int:
@@ -103,8 +110,9 @@ def _memory_rank(rank: int, world: int, args, seq_length: int, out_dir: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        layout = ParallelLayout.build(ParallelConfig(context_parallel_size=world)) if world > 1 else \
-            ParallelLayout.single()
+        layout = (
+            ParallelLayout.build(ParallelConfig(context_parallel_size=world)) if world > 1 else ParallelLayout.single()
+        )
         model = ml.GPTModel(_config(args, seq_length), layout, seed=overhead.MODEL_SEED).train()
         tokens = torch.randint(0, args.vocab_size, (1, seq_length + 1), generator=torch.Generator().manual_seed(0))
         if world > 1:
@@ -133,21 +141,35 @@ def memory_sweep(args) -> list[dict]:
         for cp in args.cp_sizes:
             t = time.perf_counter()
             ranks = _measure_ranks(args, seq_length, cp)
-            held, forward_peak, step_peak = (max(r[key] for r in ranks)
-                                             for key in ("held_bytes", "forward_peak_bytes", "step_peak_bytes"))
-            run = RunSpec(ml.ParallelConfig(context_parallel_size=cp), world_size=cp,
-                          data=DataGeometry(micro_batch_size=1, global_batch_size=1, seq_length=seq_length))
+            held, forward_peak, step_peak = (
+                max(r[key] for r in ranks) for key in ("held_bytes", "forward_peak_bytes", "step_peak_bytes")
+            )
+            run = RunSpec(
+                ml.ParallelConfig(context_parallel_size=cp),
+                world_size=cp,
+                data=DataGeometry(micro_batch_size=1, global_batch_size=1, seq_length=seq_length),
+            )
             estimate = estimate_for_run(_config(args, seq_length), run, device_type="cpu").activations
             base = base or {"held": held, "step_peak": step_peak}
-            row = {"seq_length": seq_length, "cp": cp, "held_bytes": held, "forward_peak_bytes": forward_peak,
-                   "step_peak_bytes": step_peak, "per_rank_held_bytes": [r["held_bytes"] for r in ranks],
-                   "estimated_held_bytes": estimate.held_after_forward, "estimated_peak_bytes": estimate.peak,
-                   "held_times_cp_over_cp1": held * cp / base["held"],
-                   "step_peak_times_cp_over_cp1": step_peak * cp / base["step_peak"]}
+            row = {
+                "seq_length": seq_length,
+                "cp": cp,
+                "held_bytes": held,
+                "forward_peak_bytes": forward_peak,
+                "step_peak_bytes": step_peak,
+                "per_rank_held_bytes": [r["held_bytes"] for r in ranks],
+                "estimated_held_bytes": estimate.held_after_forward,
+                "estimated_peak_bytes": estimate.peak,
+                "held_times_cp_over_cp1": held * cp / base["held"],
+                "step_peak_times_cp_over_cp1": step_peak * cp / base["step_peak"],
+            }
             rows.append(row)
-            print(f"  s={seq_length:<5d} C={cp}  held {held / MIB:8.1f} MiB (x C / C=1: "
-                  f"{row['held_times_cp_over_cp1']:.3f})  forward peak {forward_peak / MIB:8.1f}  step peak "
-                  f"{step_peak / MIB:8.1f} MiB  ({time.perf_counter() - t:.1f} s)", flush=True)
+            print(
+                f"  s={seq_length:<5d} C={cp}  held {held / MIB:8.1f} MiB (x C / C=1: "
+                f"{row['held_times_cp_over_cp1']:.3f})  forward peak {forward_peak / MIB:8.1f}  step peak "
+                f"{step_peak / MIB:8.1f} MiB  ({time.perf_counter() - t:.1f} s)",
+                flush=True,
+            )
     return rows
 
 
@@ -173,14 +195,19 @@ def _time_rank_blocks(args, seq_length: int, cp: int, rank: int, split: str) -> 
     if split == "zigzag":
         context = AttentionContext(cp_size=cp, cp_rank=rank)
         per_source = context.blocks(local, 1)
-        sources = [(cp_attention._to_blocks(torch.randn(local, 1, groups, d, generator=generator), groups),
-                    cp_attention._to_blocks(torch.randn(local, 1, groups, d, generator=generator), groups), blocks)
-                   for blocks in per_source]
+        sources = [
+            (
+                cp_attention._to_blocks(torch.randn(local, 1, groups, d, generator=generator), groups),
+                cp_attention._to_blocks(torch.randn(local, 1, groups, d, generator=generator), groups),
+                blocks,
+            )
+            for blocks in per_source
+        ]
     else:
         keys = cp_attention._to_blocks(torch.randn(seq_length, 1, groups, d, generator=generator), groups)
         values = cp_attention._to_blocks(torch.randn(seq_length, 1, groups, d, generator=generator), groups)
         sources = [(keys, values, _contiguous_blocks(seq_length, cp, rank))]
-    scale = 1.0 / d ** 0.5
+    scale = 1.0 / d**0.5
     times = []
     for _ in range(args.balance_repeats):
         start = time.process_time()
@@ -206,13 +233,21 @@ def attention_balance(args) -> list[dict]:
         for split in ("zigzag", "contiguous"):
             flops = attention_flops_per_cp_rank(config, seq_length, cp, split=split)
             seconds = [_time_rank_blocks(args, seq_length, cp, r, split) for r in range(cp)]
-            row = {"seq_length": seq_length, "cp": cp, "split": split, "flops_per_rank": flops,
-                   "flops_max_over_min": max(flops) / min(flops), "seconds_per_rank": seconds,
-                   "time_max_over_min": max(seconds) / min(seconds)}
+            row = {
+                "seq_length": seq_length,
+                "cp": cp,
+                "split": split,
+                "flops_per_rank": flops,
+                "flops_max_over_min": max(flops) / min(flops),
+                "seconds_per_rank": seconds,
+                "time_max_over_min": max(seconds) / min(seconds),
+            }
             rows.append(row)
-            print(f"  C={cp} {split:10s} FLOPs max/min {row['flops_max_over_min']:.2f}  CPU time max/min "
-                  f"{row['time_max_over_min']:.2f}  per rank " + " ".join(f"{s * 1e3:.0f}" for s in seconds) + " ms",
-                  flush=True)
+            print(
+                f"  C={cp} {split:10s} FLOPs max/min {row['flops_max_over_min']:.2f}  CPU time max/min "
+                f"{row['time_max_over_min']:.2f}  per rank " + " ".join(f"{s * 1e3:.0f}" for s in seconds) + " ms",
+                flush=True,
+            )
     return rows
 
 
@@ -222,24 +257,49 @@ def run_fit(args, *, cp: int, comm_type: str = "p2p") -> dict:
     with tempfile.TemporaryDirectory(prefix="ml_cp_step_") as tmp, overhead._restore_environ():
         out_file = Path(tmp) / "rank0.json"
         overhead._seed()
-        data = MockGPTDataModule(seq_length=seq_length, micro_batch_size=1, global_batch_size=1,
-                                 vocab_size=args.vocab_size, seed=overhead.DATA_SEED)
-        strategy = ml.MegatronStrategy(context_parallel_size=cp, cp_comm_type=comm_type, log_metrics=False,
-                                       start_method="fork" if cp > 1 else "popen")
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=cp, max_steps=args.steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[overhead.StepTimer(out_file)])
+        data = MockGPTDataModule(
+            seq_length=seq_length,
+            micro_batch_size=1,
+            global_batch_size=1,
+            vocab_size=args.vocab_size,
+            seed=overhead.DATA_SEED,
+        )
+        strategy = ml.MegatronStrategy(
+            context_parallel_size=cp,
+            cp_comm_type=comm_type,
+            log_metrics=False,
+            start_method="fork" if cp > 1 else "popen",
+        )
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=cp,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[overhead.StepTimer(out_file)],
+        )
         try:
-            trainer.fit(ml.GPTModule(_config(args, seq_length), ml.OptimizerConfig(lr=1e-4), seed=overhead.MODEL_SEED),
-                        data)
+            trainer.fit(
+                ml.GPTModule(_config(args, seq_length), ml.OptimizerConfig(lr=1e-4), seed=overhead.MODEL_SEED), data
+            )
         finally:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()  # the in-process (1-rank) run leaves its group behind
         result = json.loads(out_file.read_text())
-    steps = result["step_s"][args.warmup:]
-    return {"cp": cp, "cp_comm_type": comm_type if cp > 1 else None, "median_ms": statistics.median(steps) * 1e3,
-            "step_ms": [s * 1e3 for s in result["step_s"]], "losses": result["losses"],
-            "tokens_per_s": seq_length / statistics.median(steps)}
+    steps = result["step_s"][args.warmup :]
+    return {
+        "cp": cp,
+        "cp_comm_type": comm_type if cp > 1 else None,
+        "median_ms": statistics.median(steps) * 1e3,
+        "step_ms": [s * 1e3 for s in result["step_s"]],
+        "losses": result["losses"],
+        "tokens_per_s": seq_length / statistics.median(steps),
+    }
 
 
 def step_times(args) -> list[dict]:
@@ -247,8 +307,11 @@ def step_times(args) -> list[dict]:
     for cp, comm_type in ((1, "p2p"), (2, "p2p"), (2, "all_gather")):
         t = time.perf_counter()
         rows.append(run_fit(args, cp=cp, comm_type=comm_type))
-        print(f"  C={cp} {comm_type if cp > 1 else '':10s} {rows[-1]['median_ms']:8.0f} ms/step "
-              f"({time.perf_counter() - t:.1f} s)", flush=True)
+        print(
+            f"  C={cp} {comm_type if cp > 1 else '':10s} {rows[-1]['median_ms']:8.0f} ms/step "
+            f"({time.perf_counter() - t:.1f} s)",
+            flush=True,
+        )
     return rows
 
 
@@ -291,8 +354,10 @@ def packed_rows(args) -> list[dict]:
     k = torch.randn(s, 1, groups, d, generator=generator, requires_grad=True)
     v = torch.randn(s, 1, groups, d, generator=generator, requires_grad=True)
     rows, outputs = [], {}
-    for name, module in (("packed (per document)", _PackedAttention(cu_seqlens)),
-                         ("dense [s, s] mask", _DenseMaskAttention(cu_seqlens, s))):
+    for name, module in (
+        ("packed (per document)", _PackedAttention(cu_seqlens)),
+        ("dense [s, s] mask", _DenseMaskAttention(cu_seqlens, s)),
+    ):
         memory = measure_step_activations(module, lambda: (q, k, v))
         times = []
         for _ in range(args.repeats):
@@ -302,11 +367,22 @@ def packed_rows(args) -> list[dict]:
             times.append(time.perf_counter() - start)
         outputs[name] = out.detach()
         mask_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-        rows.append({"path": name, "length": s, "documents": docs, "median_ms": statistics.median(times) * 1e3,
-                     "held_bytes": memory.held_bytes, "step_peak_bytes": memory.step_peak_bytes,
-                     "mask_bytes": mask_bytes})
-        print(f"  {name:22s} {rows[-1]['median_ms']:7.0f} ms fwd+bwd  held {memory.held_bytes / MIB:7.1f} MiB  "
-              f"step peak {memory.step_peak_bytes / MIB:7.1f} MiB  + mask {mask_bytes / MIB:.1f} MiB", flush=True)
+        rows.append(
+            {
+                "path": name,
+                "length": s,
+                "documents": docs,
+                "median_ms": statistics.median(times) * 1e3,
+                "held_bytes": memory.held_bytes,
+                "step_peak_bytes": memory.step_peak_bytes,
+                "mask_bytes": mask_bytes,
+            }
+        )
+        print(
+            f"  {name:22s} {rows[-1]['median_ms']:7.0f} ms fwd+bwd  held {memory.held_bytes / MIB:7.1f} MiB  "
+            f"step peak {memory.step_peak_bytes / MIB:7.1f} MiB  + mask {mask_bytes / MIB:.1f} MiB",
+            flush=True,
+        )
     difference = (outputs["packed (per document)"] - outputs["dense [s, s] mask"]).abs().max().item()
     for row in rows:
         row["max_output_difference"] = difference
@@ -319,47 +395,107 @@ def _mark(ok) -> str:
 
 
 def report(memory: list[dict], balance: list[dict], steps: list[dict], packed: list[dict]) -> dict:
-    targets = {f"s{r['seq_length']}_cp{r['cp']}": abs(r["held_times_cp_over_cp1"] - 1) <= MEMORY_TOLERANCE
-               for r in memory if r["cp"] > 1}
+    targets = {
+        f"s{r['seq_length']}_cp{r['cp']}": abs(r["held_times_cp_over_cp1"] - 1) <= MEMORY_TOLERANCE
+        for r in memory
+        if r["cp"] > 1
+    }
     print()
-    overhead._print_table([(str(r["seq_length"]), str(r["cp"]), f"{r['held_bytes'] / MIB:.1f}",
-                            f"{r['estimated_held_bytes'] / MIB:.1f}", f"{r['held_times_cp_over_cp1']:.3f}",
-                            f"{r['forward_peak_bytes'] / MIB:.1f}", f"{r['estimated_peak_bytes'] / MIB:.1f}",
-                            f"{r['step_peak_bytes'] / MIB:.1f}", f"{r['step_peak_times_cp_over_cp1']:.2f}",
-                            _mark(targets.get(f"s{r['seq_length']}_cp{r['cp']}")))
-                           for r in memory],
-                          ("seq", "C", "held MiB", "est.", "held x C / C=1", "fwd peak MiB", "est.", "step peak MiB",
-                           "peak x C / C=1", "target"))
+    overhead._print_table(
+        [
+            (
+                str(r["seq_length"]),
+                str(r["cp"]),
+                f"{r['held_bytes'] / MIB:.1f}",
+                f"{r['estimated_held_bytes'] / MIB:.1f}",
+                f"{r['held_times_cp_over_cp1']:.3f}",
+                f"{r['forward_peak_bytes'] / MIB:.1f}",
+                f"{r['estimated_peak_bytes'] / MIB:.1f}",
+                f"{r['step_peak_bytes'] / MIB:.1f}",
+                f"{r['step_peak_times_cp_over_cp1']:.2f}",
+                _mark(targets.get(f"s{r['seq_length']}_cp{r['cp']}")),
+            )
+            for r in memory
+        ],
+        (
+            "seq",
+            "C",
+            "held MiB",
+            "est.",
+            "held x C / C=1",
+            "fwd peak MiB",
+            "est.",
+            "step peak MiB",
+            "peak x C / C=1",
+            "target",
+        ),
+    )
     print(f"per rank (the largest rank); target: held x C within {MEMORY_TOLERANCE:.0%} of C=1's.")
-    balance_ok = {f"cp{r['cp']}": (r["time_max_over_min"] - 1) <= BALANCE_TOLERANCE and
-                  (r["flops_max_over_min"] - 1) <= BALANCE_TOLERANCE for r in balance if r["split"] == "zigzag"}
+    balance_ok = {
+        f"cp{r['cp']}": (r["time_max_over_min"] - 1) <= BALANCE_TOLERANCE
+        and (r["flops_max_over_min"] - 1) <= BALANCE_TOLERANCE
+        for r in balance
+        if r["split"] == "zigzag"
+    }
     print()
-    overhead._print_table([(str(r["cp"]), r["split"], f"{r['flops_max_over_min']:.2f}", f"{2 * r['cp'] - 1}"
-                            if r["split"] == "contiguous" else "1", f"{r['time_max_over_min']:.2f}",
-                            " ".join(f"{s * 1e3:.0f}" for s in r["seconds_per_rank"]),
-                            _mark(balance_ok.get(f"cp{r['cp']}")) if r["split"] == "zigzag" else "")
-                           for r in balance],
-                          ("C", "split", "FLOPs max/min", "theory", "CPU time max/min", "CPU ms per rank", "target"))
+    overhead._print_table(
+        [
+            (
+                str(r["cp"]),
+                r["split"],
+                f"{r['flops_max_over_min']:.2f}",
+                f"{2 * r['cp'] - 1}" if r["split"] == "contiguous" else "1",
+                f"{r['time_max_over_min']:.2f}",
+                " ".join(f"{s * 1e3:.0f}" for s in r["seconds_per_rank"]),
+                _mark(balance_ok.get(f"cp{r['cp']}")) if r["split"] == "zigzag" else "",
+            )
+            for r in balance
+        ],
+        ("C", "split", "FLOPs max/min", "theory", "CPU time max/min", "CPU ms per rank", "target"),
+    )
     print(f"target: zigzag ranks within {BALANCE_TOLERANCE:.0%} of each other (FLOPs and time).")
     print()
     base = steps[0]["median_ms"]
-    overhead._print_table([(f"C={r['cp']}" + (f" {r['cp_comm_type']}" if r["cp_comm_type"] else ""),
-                            f"{r['median_ms']:.0f}", f"{r['tokens_per_s']:,.0f}", f"{base / r['median_ms']:.2f}")
-                           for r in steps], ("run", "ms/step", "tokens/s", "speed-up vs C=1"))
+    overhead._print_table(
+        [
+            (
+                f"C={r['cp']}" + (f" {r['cp_comm_type']}" if r["cp_comm_type"] else ""),
+                f"{r['median_ms']:.0f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{base / r['median_ms']:.2f}",
+            )
+            for r in steps
+        ],
+        ("run", "ms/step", "tokens/s", "speed-up vs C=1"),
+    )
     losses = max(abs(a - b) for r in steps[1:] for a, b in zip(r["losses"], steps[0]["losses"]))
     print(f"max |loss difference| CP2 vs one process over the steps: {losses:.1e}")
     print()
-    overhead._print_table([(r["path"], f"{r['median_ms']:.0f}", f"{r['held_bytes'] / MIB:.1f}",
-                            f"{r['step_peak_bytes'] / MIB:.1f}", f"{r['mask_bytes'] / MIB:.1f}") for r in packed],
-                          ("attention of one packed row", "ms fwd+bwd", "held MiB", "step peak MiB", "mask MiB"))
+    overhead._print_table(
+        [
+            (
+                r["path"],
+                f"{r['median_ms']:.0f}",
+                f"{r['held_bytes'] / MIB:.1f}",
+                f"{r['step_peak_bytes'] / MIB:.1f}",
+                f"{r['mask_bytes'] / MIB:.1f}",
+            )
+            for r in packed
+        ],
+        ("attention of one packed row", "ms fwd+bwd", "held MiB", "step peak MiB", "mask MiB"),
+    )
     print(f"max |output difference| packed vs dense mask: {packed[0]['max_output_difference']:.1e}")
-    return {"memory_held_within_15pct_of_1_over_c": targets, "zigzag_balanced_within_5pct": balance_ok,
-            "max_loss_difference_cp2_vs_one_process": losses}
+    return {
+        "memory_held_within_15pct_of_1_over_c": targets,
+        "zigzag_balanced_within_5pct": balance_ok,
+        "max_loss_difference_cp2_vs_one_process": losses,
+    }
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="must start with 1 (the base)")
     p.add_argument("--hidden-size", type=int, default=256)
@@ -372,8 +508,11 @@ def parse_args(argv=None):
     p.add_argument("--balance-repeats", type=int, default=1, help="timed repetitions of each rank's blocks in 2.")
     p.add_argument("--packed-length", type=int, default=8192)
     p.add_argument("--documents", type=int, default=16)
-    p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
-                   help="JSON output path (a relative default is under the repository root)")
+    p.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
+        help="JSON output path (a relative default is under the repository root)",
+    )
     args = p.parse_args(argv)
     if args.cp_sizes[0] != 1:
         p.error("--cp-sizes must start with 1: the per-rank memory is compared with one process's")
@@ -394,9 +533,12 @@ def main(argv=None) -> dict:
         logging.getLogger(name).setLevel(logging.WARNING)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     started, load_before = time.perf_counter(), list(os.getloadavg())
-    print(f"megatron-lite context-parallel benchmark: 1 layer, h={args.hidden_size}, heads={args.num_attention_heads} "
-          f"(kv {args.num_query_groups}), V={args.vocab_size}, fp32, one sequence per step, {cores} cores, 1 torch "
-          f"thread per rank, load average {load_before[0]:.2f}", flush=True)
+    print(
+        f"megatron-lite context-parallel benchmark: 1 layer, h={args.hidden_size}, heads={args.num_attention_heads} "
+        f"(kv {args.num_query_groups}), V={args.vocab_size}, fp32, one sequence per step, {cores} cores, 1 torch "
+        f"thread per rank, load average {load_before[0]:.2f}",
+        flush=True,
+    )
     print("1. activation memory per rank (one training step on real CP ranks)", flush=True)
     memory = memory_sweep(args)
     print(f"2. attention work per rank at s={max(args.seq_lengths)}", flush=True)
@@ -407,15 +549,27 @@ def main(argv=None) -> dict:
     packed = packed_rows(args)
     targets = report(memory, balance, steps, packed)
     load_after = list(os.getloadavg())
-    print(f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after (a shared machine: other jobs move the timings, not the memory)")
+    print(
+        f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after (a shared machine: other jobs move the timings, not the memory)"
+    )
     result = {
         "benchmark": "context_parallel",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": cores,
-                    "torch": torch.__version__, "load_average_before": load_before, "load_average_after": load_after},
-        "args": vars(args), "memory": memory, "attention_balance": balance, "step_times": steps,
-        "packed": packed, "targets": targets,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cores": cores,
+            "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+        },
+        "args": vars(args),
+        "memory": memory,
+        "attention_balance": balance,
+        "step_times": steps,
+        "packed": packed,
+        "targets": targets,
     }
     overhead.write_result(result, args.out, DEFAULT_OUT)
     return result

@@ -26,11 +26,12 @@ libraries run the same weights; without it, a ``GPTModel`` of the same shape. Ro
 Every process and rank uses one torch thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). Rows are
 run ``--repeats`` times in rotation so slow drifts of a shared machine hit them all; medians are reported,
 with the load average, and for the decode rows also the process CPU time per token (which other jobs on
-the cores move much less than wall time). Nothing is asserted; targets are printed as met or missed: cached >= 5x recompute at
-256 new tokens, cached >= 1.0x transformers.
+the cores move much less than wall time). Nothing is asserted; targets are printed as met or missed: cached >= 5x
+recompute at 256 new tokens, cached >= 1.0x transformers.
 
 Run from the repository root: ``python benchmarks/generate.py [--repeats 5] [--skip-tp] [--skip-hf]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,9 @@ from megatron_lite.core.checkpoint.full.state import carry_over_state  # noqa: E
 from megatron_lite.core.inference import SamplingParams, generate  # noqa: E402
 from megatron_lite.core.models import GPTModel  # noqa: E402
 
-SHAPE = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=352,
-             vocab_size=2048)
+SHAPE = dict(
+    num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=352, vocab_size=2048
+)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1)
 
 
@@ -79,10 +81,16 @@ def build_weights(directory: Path, context: int, use_hf: bool):
 
     torch.manual_seed(1234)
     hf_config = transformers.LlamaConfig(
-        vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"], intermediate_size=SHAPE["ffn_hidden_size"],
-        num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_attention_heads"],
-        num_key_value_heads=SHAPE["num_query_groups"], max_position_embeddings=context, rms_norm_eps=1e-5,
-        tie_word_embeddings=False)
+        vocab_size=SHAPE["vocab_size"],
+        hidden_size=SHAPE["hidden_size"],
+        intermediate_size=SHAPE["ffn_hidden_size"],
+        num_hidden_layers=SHAPE["num_layers"],
+        num_attention_heads=SHAPE["num_attention_heads"],
+        num_key_value_heads=SHAPE["num_query_groups"],
+        max_position_embeddings=context,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(hf_config).save_pretrained(directory)
     hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
     return ml.GPTModule.from_pretrained(directory), hf
@@ -94,7 +102,7 @@ def full_logits_loop(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             seq = torch.cat([seq, model.full_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[0, len(prompt):].tolist()
+    return seq[0, len(prompt) :].tolist()
 
 
 def timed(fn: Callable[[], object], cpu: Optional[list] = None) -> float:
@@ -126,8 +134,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _layout_worker(rank: int, world: int, port: int, out: str, parallel: dict, source, prompt, n: int,
-                   repeats: int) -> None:
+def _layout_worker(
+    rank: int, world: int, port: int, out: str, parallel: dict, source, prompt, n: int, repeats: int
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -163,8 +172,12 @@ def run_layout(world: int, parallel: dict, source, prompt: list[int], n: int, re
     """Rank 0's timings of ``world`` forked ranks at the layout ``parallel`` (ParallelConfig fields)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.start_processes(_layout_worker, args=(world, _free_port(), out, parallel, source, prompt, n, repeats),
-                           nprocs=world, start_method="fork")
+        mp.start_processes(
+            _layout_worker,
+            args=(world, _free_port(), out, parallel, source, prompt, n, repeats),
+            nprocs=world,
+            start_method="fork",
+        )
         return torch.load(out, weights_only=False)
 
 
@@ -195,8 +208,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             use_hf = False
     context = max(args.prompt_length + args.new_tokens, args.prefill_length + 1, 512)
     n, prompt = args.new_tokens, [(7 * i + 3) % SHAPE["vocab_size"] for i in range(args.prompt_length)]
-    prefill = [[(11 * i + 5 * b + 1) % SHAPE["vocab_size"] for i in range(args.prefill_length)]
-               for b in range(args.prefill_batch)]
+    prefill = [
+        [(11 * i + 5 * b + 1) % SHAPE["vocab_size"] for i in range(args.prefill_length)]
+        for b in range(args.prefill_batch)
+    ]
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         module, hf = build_weights(Path(tmp) / "llama", context, use_hf)
@@ -214,12 +229,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         def hf_generate(input_ids: torch.Tensor, new: int):
             with torch.no_grad():
-                return hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new,
-                                   min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+                return hf.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
 
         decode_rows["transformers"] = lambda: hf_generate(ids, n)
         prefill_rows["transformers prefill"] = lambda: hf_generate(torch.tensor(prefill), 1)
-        same = generate(model, [prompt], n).tokens[0] == hf_generate(ids, n)[0, len(prompt):].tolist()
+        same = generate(model, [prompt], n).tokens[0] == hf_generate(ids, n)[0, len(prompt) :].tolist()
     prefill_times, prefill_cpu = rotate(prefill_rows, args.repeats)
     decode, decode_cpu = rotate(decode_rows, args.repeats)
     rates = {name: median_rate(t, n) for name, t in decode.items()}
@@ -230,14 +252,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     tp: dict = {}
     if not args.skip_tp:
-        layouts = {"TP1": (1, {}), "TP2": (2, dict(tensor_model_parallel_size=2)),
-                   "PP2": (2, dict(pipeline_model_parallel_size=2))}
+        layouts = {
+            "TP1": (1, {}),
+            "TP2": (2, dict(tensor_model_parallel_size=2)),
+            "PP2": (2, dict(pipeline_model_parallel_size=2)),
+        }
         for name, (world, parallel) in layouts.items():
             tp[name] = run_layout(world, parallel, module, prompt, args.tp_new_tokens, args.repeats)
     load_after = os.getloadavg()
 
-    print(f"generate benchmark: {SHAPE}, context {context}, one thread per process; load average "
-          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores: above 2 means contention)")
+    print(
+        f"generate benchmark: {SHAPE}, context {context}, one thread per process; load average "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores: above 2 means contention)"
+    )
     print(f"\ndecode, 1 prompt of {args.prompt_length} tokens, {n} new tokens (median of {args.repeats})")
     print(f"{'row':<22}{'tokens/s':>10}{'ms/token':>10}{'CPU ms/token':>14}")
     for name, rate in rates.items():
@@ -245,9 +272,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nprefill, {args.prefill_batch} prompts x {args.prefill_length} tokens, 1 new token")
     for name, rate in prefill_rates.items():
         print(f"{name:<22}{rate:>10.0f} prompt tokens/s, {prefill_cpu_rates[name]:.0f} per CPU second")
-    ratios = {"cached_vs_recompute": rates["cached"] / rates["recompute"],
-              "cached_vs_recompute_cpu": cpu_rates["cached"] / cpu_rates["recompute"],
-              "cached_vs_full_logits_loop": rates["cached"] / rates["full-logits loop"]}
+    ratios = {
+        "cached_vs_recompute": rates["cached"] / rates["recompute"],
+        "cached_vs_recompute_cpu": cpu_rates["cached"] / cpu_rates["recompute"],
+        "cached_vs_full_logits_loop": rates["cached"] / rates["full-logits loop"],
+    }
     if hf is not None:
         ratios["cached_vs_transformers"] = rates["cached"] / rates["transformers"]
         ratios["cached_vs_transformers_cpu"] = cpu_rates["cached"] / cpu_rates["transformers"]
@@ -259,6 +288,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         tp_rates = {name: {row: median_rate(t, m) for row, t in r["times"].items()} for name, r in tp.items()}
         print(f"\nlayouts, {m} new tokens (forked gloo ranks, median of {args.repeats}; tokens/s)")
         print(f"{'row':<22}" + "".join(f"{name:>9}" for name in tp) + f"{'TP2/TP1':>9}{'PP2/TP1':>9}")
+
         def cell(name: str, row: str, over: Optional[str] = None) -> str:
             rate = tp_rates[name].get(row)
             if rate is None:
@@ -266,32 +296,56 @@ def main(argv: Optional[list[str]] = None) -> int:
             return f"{rate / tp_rates[over][row]:>9.2f}" if over else f"{rate:>9.0f}"
 
         for row in tp_rates["TP1"]:
-            print(f"{row:<22}" + "".join(cell(name, row) for name in tp) + cell("TP2", row, "TP1")
-                  + cell("PP2", row, "TP1"))
+            print(
+                f"{row:<22}"
+                + "".join(cell(name, row) for name in tp)
+                + cell("TP2", row, "TP1")
+                + cell("PP2", row, "TP1")
+            )
         latency = tp["TP2"]["all_reduce_s"]
         collectives = 2 * SHAPE["num_layers"] + 1
-        print(f"one gloo all-reduce of [1, 1, 128] between 2 ranks: {latency * 1e6:.0f} us; a greedy TP2 decode step "
-              f"waits on {collectives} collectives = {collectives * latency * 1e3:.2f} ms of its "
-              f"{1000 / tp_rates['TP2']['cached']:.2f} ms")
+        print(
+            f"one gloo all-reduce of [1, 1, 128] between 2 ranks: {latency * 1e6:.0f} us; a greedy TP2 decode step "
+            f"waits on {collectives} collectives = {collectives * latency * 1e3:.2f} ms of its "
+            f"{1000 / tp_rates['TP2']['cached']:.2f} ms"
+        )
         print(f"TP2 and PP2 tokens equal TP1's: {tp['TP1']['tokens'] == tp['TP2']['tokens'] == tp['PP2']['tokens']}")
         ratios["tp2_vs_tp1_cached"] = tp_rates["TP2"]["cached"] / tp_rates["TP1"]["cached"]
-        ratios["tp2_vs_tp1_full_logits_loop"] = tp_rates["TP2"]["full-logits loop"] / tp_rates["TP1"]["full-logits loop"]
+        ratios["tp2_vs_tp1_full_logits_loop"] = (
+            tp_rates["TP2"]["full-logits loop"] / tp_rates["TP1"]["full-logits loop"]
+        )
         ratios["pp2_vs_tp1_cached"] = tp_rates["PP2"]["cached"] / tp_rates["TP1"]["cached"]
     print("\ntargets:")
-    print(f"  cached >= 5x recompute at {n} new tokens: {ratios['cached_vs_recompute']:.1f}x wall "
-          f"({'met' if ratios['cached_vs_recompute'] >= 5 else 'missed'}), {ratios['cached_vs_recompute_cpu']:.1f}x "
-          f"CPU time; {ratios['cached_vs_full_logits_loop']:.1f}x the full-logits loop")
+    print(
+        f"  cached >= 5x recompute at {n} new tokens: {ratios['cached_vs_recompute']:.1f}x wall "
+        f"({'met' if ratios['cached_vs_recompute'] >= 5 else 'missed'}), {ratios['cached_vs_recompute_cpu']:.1f}x "
+        f"CPU time; {ratios['cached_vs_full_logits_loop']:.1f}x the full-logits loop"
+    )
     if hf is not None:
-        print(f"  cached >= 1.0x transformers: {ratios['cached_vs_transformers']:.2f}x wall "
-              f"({'met' if ratios['cached_vs_transformers'] >= 1.0 else 'missed'}), "
-              f"{ratios['cached_vs_transformers_cpu']:.2f}x CPU time")
-    result = {"config": {**vars(args), "shape": SHAPE, "context": context},
-              "machine": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                          "load_before": load_before, "load_after": load_after},
-              "decode_s": decode, "decode_cpu_s": decode_cpu, "decode_tokens_per_s": rates,
-              "decode_tokens_per_cpu_s": cpu_rates, "prefill_s": prefill_times, "prefill_cpu_s": prefill_cpu,
-              "prefill_tokens_per_s": prefill_rates, "ratios": ratios,
-              "layouts": {name: {"times_s": r["times"], "all_reduce_s": r["all_reduce_s"]} for name, r in tp.items()}}
+        print(
+            f"  cached >= 1.0x transformers: {ratios['cached_vs_transformers']:.2f}x wall "
+            f"({'met' if ratios['cached_vs_transformers'] >= 1.0 else 'missed'}), "
+            f"{ratios['cached_vs_transformers_cpu']:.2f}x CPU time"
+        )
+    result = {
+        "config": {**vars(args), "shape": SHAPE, "context": context},
+        "machine": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": load_after,
+        },
+        "decode_s": decode,
+        "decode_cpu_s": decode_cpu,
+        "decode_tokens_per_s": rates,
+        "decode_tokens_per_cpu_s": cpu_rates,
+        "prefill_s": prefill_times,
+        "prefill_cpu_s": prefill_cpu,
+        "prefill_tokens_per_s": prefill_rates,
+        "ratios": ratios,
+        "layouts": {name: {"times_s": r["times"], "all_reduce_s": r["all_reduce_s"]} for name, r in tp.items()},
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

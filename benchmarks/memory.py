@@ -18,6 +18,7 @@ with and without recomputation. Prints tables and writes JSON (``--out``).
 
 Run from the repository root: ``python benchmarks/memory.py [--out benchmarks/results/memory.json]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,14 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer  # noqa: E402
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout  # noqa: E402
 from megatron_lite.core.parallel.schedules import forward_backward_no_pipelining  # noqa: E402
 
-MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=4096, seq_length=128,
-             make_vocab_size_divisible_by=128)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    vocab_size=4096,
+    seq_length=128,
+    make_vocab_size_divisible_by=128,
+)
 
 
 def _bytes(tensors) -> int:
@@ -56,7 +63,9 @@ def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
     model = ml.GPTModel(config, layout, seed=1).to(torch.bfloat16)
     cfg = ml.OptimizerConfig(lr=1e-4, lr_decay_style="constant", use_distributed_optimizer=distributed)
     opt = DistributedOptimizer(model, cfg, layout) if distributed else MegatronOptimizer(model, cfg, layout)
-    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(
+        0, config.vocab_size, (2, config.seq_length + 1), generator=torch.Generator().manual_seed(rank)
+    )
     opt.zero_grad()
     step = forward_backward_no_pipelining(model, [{"tokens": tokens}], layout, scale_grads=False)
     result = opt.prepare_step(step.grad_scale)
@@ -66,9 +75,15 @@ def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
     grads = _bytes(b.buffer for b in opt.grad_buffers.buckets)
     masters = _bytes(s.main_shard for s in opt.shards) if distributed else _bytes(opt.masters.values())
     state = _bytes(v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    row = dict(dp=world, distributed_optimizer=distributed, params=params,
-               weights_bytes=_bytes(model.parameters()), grads_bytes=grads, master_bytes=masters,
-               optimizer_state_bytes=state)
+    row = dict(
+        dp=world,
+        distributed_optimizer=distributed,
+        params=params,
+        weights_bytes=_bytes(model.parameters()),
+        grads_bytes=grads,
+        master_bytes=masters,
+        optimizer_state_bytes=state,
+    )
     row["total_bytes"] = row["weights_bytes"] + grads + masters + state
     row["bytes_per_param"] = row["total_bytes"] / params
     row["formula_bytes_per_param"] = 6 + 12 / world if distributed else 18.0
@@ -100,25 +115,39 @@ def activation_rows() -> list[dict]:
     from megatron_lite.core.estimator import EstimateLayout, activation_breakdown
     from megatron_lite.core.estimator.probe import measure_activation_bytes
 
-    settings = {"none": {}, "selective": dict(recompute_granularity="selective"),
-                "full_uniform_1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-                # attention dropout forces the math SDPA kernel, which keeps the [b, a, s, s] probabilities:
-                # that is what selective recompute is for (flash kernels keep only the log-sum-exp)
-                "none+attn_dropout": dict(attention_dropout=0.1),
-                "selective+attn_dropout": dict(attention_dropout=0.1, recompute_granularity="selective")}
+    settings = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective"),
+        "full_uniform_1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        # attention dropout forces the math SDPA kernel, which keeps the [b, a, s, s] probabilities:
+        # that is what selective recompute is for (flash kernels keep only the log-sum-exp)
+        "none+attn_dropout": dict(attention_dropout=0.1),
+        "selective+attn_dropout": dict(attention_dropout=0.1, recompute_granularity="selective"),
+    }
     rows = []
-    tokens = torch.randint(0, MODEL["vocab_size"], (2, MODEL["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, MODEL["vocab_size"], (2, MODEL["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
+    )
     for name, extra in settings.items():
         config = ml.GPTConfig(**MODEL, **extra)
         model = ml.GPTModel(config, seed=1).train()
         measured = measure_activation_bytes(model, lambda: (tokens[:, :-1], tokens[:, 1:]))
-        breakdown = activation_breakdown(config, EstimateLayout(micro_batch_size=2, seq_length=MODEL["seq_length"],
-                                                                precision="32-true", device_type="cpu"))
+        breakdown = activation_breakdown(
+            config,
+            EstimateLayout(micro_batch_size=2, seq_length=MODEL["seq_length"], precision="32-true", device_type="cpu"),
+        )
         # The probe sees what is held at the end of the forward; the estimate's total adds the
         # working set of the one region being recomputed during the backward (its peak).
         held = breakdown.held_after_forward
-        rows.append(dict(recompute=name, measured_bytes=measured, estimated_bytes=held,
-                         estimated_peak_bytes=breakdown.total, ratio_measured_to_estimate=measured / held))
+        rows.append(
+            dict(
+                recompute=name,
+                measured_bytes=measured,
+                estimated_bytes=held,
+                estimated_peak_bytes=breakdown.total,
+                ratio_measured_to_estimate=measured / held,
+            )
+        )
     for row in rows:
         base = rows[3 if "attn_dropout" in row["recompute"] else 0]["measured_bytes"]
         row["relative_to_no_recompute"] = row["measured_bytes"] / base
@@ -132,20 +161,26 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     opt_rows = optimizer_rows()
     print(f"model: {MODEL}, {opt_rows[0]['params']:,} parameters, bf16 weights, fp32 masters, AdamW\n")
-    print(f"{'optimizer':<12}{'dp':>3}{'weights':>10}{'grads':>10}{'masters':>10}{'adam':>10}"
-          f"{'B/param':>9}{'formula':>9}{'ratio':>8}")
+    print(
+        f"{'optimizer':<12}{'dp':>3}{'weights':>10}{'grads':>10}{'masters':>10}{'adam':>10}"
+        f"{'B/param':>9}{'formula':>9}{'ratio':>8}"
+    )
     for r in opt_rows:
-        mib = 2.0 ** 20
-        print(f"{'ZeRO-1' if r['distributed_optimizer'] else 'plain':<12}{r['dp']:>3}{r['weights_bytes'] / mib:>9.2f}M"
-              f"{r['grads_bytes'] / mib:>9.2f}M{r['master_bytes'] / mib:>9.2f}M{r['optimizer_state_bytes'] / mib:>9.2f}M"
-              f"{r['bytes_per_param']:>9.2f}{r['formula_bytes_per_param']:>9.2f}{r['ratio_to_formula']:>8.3f}")
+        mib = 2.0**20
+        print(
+            f"{'ZeRO-1' if r['distributed_optimizer'] else 'plain':<12}{r['dp']:>3}{r['weights_bytes'] / mib:>9.2f}M"
+            f"{r['grads_bytes'] / mib:>9.2f}M{r['master_bytes'] / mib:>9.2f}M{r['optimizer_state_bytes'] / mib:>9.2f}M"
+            f"{r['bytes_per_param']:>9.2f}{r['formula_bytes_per_param']:>9.2f}{r['ratio_to_formula']:>8.3f}"
+        )
     act_rows = activation_rows()
     print(f"\nactivations of one microbatch (b=2, s={MODEL['seq_length']}, fp32), held at the end of the forward")
     print(f"{'recompute':<24}{'measured':>11}{'estimate':>11}{'meas/est':>10}{'vs none':>9}{'est. peak':>11}")
     for r in act_rows:
-        print(f"{r['recompute']:<24}{r['measured_bytes'] / 2 ** 20:>10.2f}M{r['estimated_bytes'] / 2 ** 20:>10.2f}M"
-              f"{r['ratio_measured_to_estimate']:>10.3f}{r['relative_to_no_recompute']:>9.3f}"
-              f"{r['estimated_peak_bytes'] / 2 ** 20:>10.2f}M")
+        print(
+            f"{r['recompute']:<24}{r['measured_bytes'] / 2**20:>10.2f}M{r['estimated_bytes'] / 2**20:>10.2f}M"
+            f"{r['ratio_measured_to_estimate']:>10.3f}{r['relative_to_no_recompute']:>9.3f}"
+            f"{r['estimated_peak_bytes'] / 2**20:>10.2f}M"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": MODEL, "optimizer": opt_rows, "activations": act_rows}, indent=2))

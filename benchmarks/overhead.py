@@ -39,6 +39,7 @@ the same model on the same data. Timings are never asserted on.
 
 Run from the repository root: ``python benchmarks/overhead.py [--steps 30 --warmup 5 ...]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -131,8 +132,15 @@ def run_plain(config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args) -> dict:
         step_s.append(time.perf_counter() - start)
         cpu_s.append(time.process_time() - cpu_start)
         losses.append(float(loss))
-    return {"step_s": step_s, "cpu_s": cpu_s, "interval_s": interval_s, "losses": losses,
-            "threads_seen": torch.get_num_threads(), "world_size": 1, "global_step": len(step_s)}
+    return {
+        "step_s": step_s,
+        "cpu_s": cpu_s,
+        "interval_s": interval_s,
+        "losses": losses,
+        "threads_seen": torch.get_num_threads(),
+        "world_size": 1,
+        "global_step": len(step_s),
+    }
 
 
 # --- the framework run ---------------------------------------------------------------------------
@@ -173,9 +181,15 @@ class StepTimer(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank != 0:
             return
-        result = {"step_s": self.step_s, "cpu_s": self.cpu_s, "interval_s": self.interval_s,
-                  "losses": self.losses, "threads_seen": self.threads_seen, "world_size": trainer.world_size,
-                  "global_step": trainer.global_step}
+        result = {
+            "step_s": self.step_s,
+            "cpu_s": self.cpu_s,
+            "interval_s": self.interval_s,
+            "losses": self.losses,
+            "threads_seen": self.threads_seen,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+        }
         if self.paired is not None:
             result["paired_plain"] = self.paired.result()
         self.out_file.write_text(json.dumps(result))
@@ -200,8 +214,15 @@ class InterleavedPlainSteps(L.Callback):
         self.losses.append(float(loss))
 
     def result(self) -> dict:
-        return {"step_s": self.step_s, "cpu_s": self.cpu_s, "interval_s": [], "losses": self.losses,
-                "threads_seen": torch.get_num_threads(), "world_size": 1, "global_step": len(self.step_s)}
+        return {
+            "step_s": self.step_s,
+            "cpu_s": self.cpu_s,
+            "interval_s": [],
+            "losses": self.losses,
+            "threads_seen": torch.get_num_threads(),
+            "world_size": 1,
+            "global_step": len(self.step_s),
+        }
 
 
 @contextlib.contextmanager
@@ -216,8 +237,17 @@ def _restore_environ():
         os.environ.update(saved)
 
 
-def run_framework(config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args, *, devices: int = 1, tp: int = 1,
-                  start_method: str = "popen", steps: Optional[int] = None, interleave_plain: bool = False) -> dict:
+def run_framework(
+    config: ml.GPTConfig,
+    opt_cfg: ml.OptimizerConfig,
+    args,
+    *,
+    devices: int = 1,
+    tp: int = 1,
+    start_method: str = "popen",
+    steps: Optional[int] = None,
+    interleave_plain: bool = False,
+) -> dict:
     """A real Trainer + MegatronStrategy + GPTModule + MockGPTDataModule run; rank 0's measurements.
 
     ``start_method="popen"`` with one device runs in this process (no child is started).
@@ -232,13 +262,25 @@ def run_framework(config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args, *, de
             timer.paired = InterleavedPlainSteps(PlainLoop(config, opt_cfg, args, steps))
             callbacks.append(timer.paired)  # after the timer: its step runs outside the framework's window
         _seed()
-        data = MockGPTDataModule(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                 global_batch_size=args.global_batch_size, vocab_size=config.vocab_size,
-                                 seed=DATA_SEED)
+        data = MockGPTDataModule(
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            vocab_size=config.vocab_size,
+            seed=DATA_SEED,
+        )
         trainer = L.Trainer(
             strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method=start_method),
-            accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
+            accelerator="cpu",
+            devices=devices,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=callbacks,
+        )
         module = ml.GPTModule(config, optimizer=opt_cfg, seed=MODEL_SEED)
         trainer.fit(module, data)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -271,7 +313,9 @@ def _summary(reps: list[dict], warmup: int, tokens_per_step: int) -> dict:
         "threads_seen": [rep["threads_seen"] for rep in reps],
         "world_size": reps[0]["world_size"],
         "timed_steps": len(steps),
-        "median_ms": p50, "p10_ms": p10, "p90_ms": p90,
+        "median_ms": p50,
+        "p10_ms": p10,
+        "p90_ms": p90,
         "per_repetition_median_ms": [float(np.median(rep["step_s"][warmup:])) * 1e3 for rep in reps],
         "tokens_per_s": tokens_per_step / (p50 / 1e3),
         "cpu_median_ms": float(np.median(cpu)) * 1e3,
@@ -285,8 +329,10 @@ def _max_loss_diff(a: dict, b: dict) -> float:
 
 def _print_table(rows: list[tuple], headers: tuple) -> None:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
-                              for i, (c, w) in enumerate(zip(r, widths)))
+
+    def fmt(r: tuple) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     print(fmt(headers))
     print("-" * len(fmt(headers)))
     for r in rows:
@@ -294,17 +340,28 @@ def _print_table(rows: list[tuple], headers: tuple) -> None:
 
 
 def _row(label: str, s: dict, ratio: str) -> tuple:
-    return (label, f"{s['median_ms']:.1f}", f"{s['p10_ms']:.1f}", f"{s['p90_ms']:.1f}",
-            f"{s['tokens_per_s']:,.0f}", ratio)
+    return (
+        label,
+        f"{s['median_ms']:.1f}",
+        f"{s['p10_ms']:.1f}",
+        f"{s['p90_ms']:.1f}",
+        f"{s['tokens_per_s']:,.0f}",
+        ratio,
+    )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (warmup included)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of every run left out of the statistics")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="repetitions of each comparison, alternating the order (ABBA) so noise hits both")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="repetitions of each comparison, alternating the order (ABBA) so noise hits both",
+    )
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-attention-heads", type=int, default=8)
@@ -314,8 +371,11 @@ def parse_args(argv=None):
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--skip-tp", action="store_true", help="skip the TP2-vs-TP1 comparison (2 forked ranks)")
     p.add_argument("--skip-interleaved", action="store_true", help="skip the step-interleaved comparison")
-    p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
-                   help="JSON output path (a relative default is under the repository root)")
+    p.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
+        help="JSON output path (a relative default is under the repository root)",
+    )
     args = p.parse_args(argv)
     if args.steps <= args.warmup + 1:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 2")
@@ -328,12 +388,15 @@ def parse_args(argv=None):
 
 def _alternating(names: tuple[str, str], runners: dict, repeats: int, warmup: int, raw: dict) -> None:
     for rep in range(repeats):
-        for name in (names if rep % 2 == 0 else names[::-1]):
+        for name in names if rep % 2 == 0 else names[::-1]:
             t = time.perf_counter()
             raw.setdefault(name, []).append(runners[name]())
-            print(f"  [{rep + 1}/{repeats}] {name:9s} median "
-                  f"{np.median(raw[name][-1]['step_s'][warmup:]) * 1e3:7.1f} ms/step "
-                  f"({time.perf_counter() - t:.1f} s)", flush=True)
+            print(
+                f"  [{rep + 1}/{repeats}] {name:9s} median "
+                f"{np.median(raw[name][-1]['step_s'][warmup:]) * 1e3:7.1f} ms/step "
+                f"({time.perf_counter() - t:.1f} s)",
+                flush=True,
+            )
 
 
 def main(argv=None) -> dict:
@@ -343,23 +406,34 @@ def main(argv=None) -> dict:
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")  # Lightning 2.6 against torch 2.13
     for name in ("lightning.pytorch", "lightning.fabric"):  # no per-run banners between the progress lines
         logging.getLogger(name).setLevel(logging.WARNING)
-    config = ml.GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                          num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                          seq_length=args.seq_length)
+    config = ml.GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+    )
     # constant lr: the plain loop has no scheduler, and equal lrs make the two runs' losses comparable
     opt_cfg = ml.OptimizerConfig(lr=3e-4, lr_decay_style="constant", clip_grad=1.0, weight_decay=0.01)
     tokens_per_step = args.global_batch_size * args.seq_length
     started = time.perf_counter()
-    print(f"megatron-lite overhead benchmark: {config.num_parameters() / 1e6:.2f}M parameters "
-          f"(h={args.hidden_size}, L={args.num_layers}, s={args.seq_length}, V={args.vocab_size}), "
-          f"mbs={args.micro_batch_size}, gbs={args.global_batch_size}, {args.steps} steps "
-          f"({args.warmup} warmup) x {args.repeats} repetitions, torch threads={THREADS}", flush=True)
+    print(
+        f"megatron-lite overhead benchmark: {config.num_parameters() / 1e6:.2f}M parameters "
+        f"(h={args.hidden_size}, L={args.num_layers}, s={args.seq_length}, V={args.vocab_size}), "
+        f"mbs={args.micro_batch_size}, gbs={args.global_batch_size}, {args.steps} steps "
+        f"({args.warmup} warmup) x {args.repeats} repetitions, torch threads={THREADS}",
+        flush=True,
+    )
 
     raw: dict[str, list[dict]] = {}
     # 1a. plain vs framework: separate runs in this process, ABBA order
-    _alternating(("plain", "megatron"), {"plain": lambda: run_plain(config, opt_cfg, args),
-                                         "megatron": lambda: run_framework(config, opt_cfg, args)},
-                 args.repeats, args.warmup, raw)
+    _alternating(
+        ("plain", "megatron"),
+        {"plain": lambda: run_plain(config, opt_cfg, args), "megatron": lambda: run_framework(config, opt_cfg, args)},
+        args.repeats,
+        args.warmup,
+        raw,
+    )
     # 1b. plain vs framework: one step each, alternating inside one Trainer run
     if not args.skip_interleaved:
         t = time.perf_counter()
@@ -369,97 +443,139 @@ def main(argv=None) -> dict:
         print(f"  interleaved: {len(pair['step_s'])} pairs ({time.perf_counter() - t:.1f} s)", flush=True)
     # 2. TP2 vs TP1, both fork-launched
     if not args.skip_tp:
-        _alternating(("tp1", "tp2"), {
-            "tp1": lambda: run_framework(config, opt_cfg, args, devices=1, tp=1, start_method="fork"),
-            "tp2": lambda: run_framework(config, opt_cfg, args, devices=2, tp=2, start_method="fork")},
-            args.repeats, args.warmup, raw)
+        _alternating(
+            ("tp1", "tp2"),
+            {
+                "tp1": lambda: run_framework(config, opt_cfg, args, devices=1, tp=1, start_method="fork"),
+                "tp2": lambda: run_framework(config, opt_cfg, args, devices=2, tp=2, start_method="fork"),
+            },
+            args.repeats,
+            args.warmup,
+            raw,
+        )
 
     runs = {name: _summary(reps, args.warmup, tokens_per_step) for name, reps in raw.items()}
     plain, meg = runs["plain"], runs["megatron"]
     ratios = {
         "framework_overhead": meg["median_ms"] / plain["median_ms"] - 1,
         "framework_overhead_ms": meg["median_ms"] - plain["median_ms"],
-        "framework_overhead_per_repetition": [m / p - 1 for m, p in zip(meg["per_repetition_median_ms"],
-                                                                        plain["per_repetition_median_ms"])],
+        "framework_overhead_per_repetition": [
+            m / p - 1 for m, p in zip(meg["per_repetition_median_ms"], plain["per_repetition_median_ms"])
+        ],
         "framework_overhead_interval": meg["interval_median_ms"] / plain["interval_median_ms"] - 1,
         "framework_overhead_cpu": meg["cpu_median_ms"] / plain["cpu_median_ms"] - 1,
     }
     checks = {"max_loss_difference_plain_vs_megatron": _max_loss_diff(plain, meg)}
 
     headers = ("run", "median ms/step", "p10", "p90", "tokens/s", "ratio vs baseline")
-    rows = [_row("plain PyTorch loop", plain, "1.000 (baseline)"),
-            _row("GPTModule + MegatronStrategy", meg, f"{meg['median_ms'] / plain['median_ms']:.3f} vs plain")]
+    rows = [
+        _row("plain PyTorch loop", plain, "1.000 (baseline)"),
+        _row("GPTModule + MegatronStrategy", meg, f"{meg['median_ms'] / plain['median_ms']:.3f} vs plain"),
+    ]
     if "megatron_interleaved" in runs:
         pi, mi = runs["plain_interleaved"], runs["megatron_interleaved"]
         w = args.warmup
-        pairs = [m / p for m, p in zip(raw["megatron_interleaved"][0]["step_s"][w:],
-                                       raw["plain_interleaved"][0]["step_s"][w:])]
+        pairs = [
+            m / p
+            for m, p in zip(raw["megatron_interleaved"][0]["step_s"][w:], raw["plain_interleaved"][0]["step_s"][w:])
+        ]
         ratios["framework_overhead_interleaved"] = mi["median_ms"] / pi["median_ms"] - 1
         ratios["framework_overhead_interleaved_ms"] = mi["median_ms"] - pi["median_ms"]
         ratios["framework_overhead_interleaved_median_of_pairs"] = float(np.median(pairs)) - 1
         ratios["framework_overhead_interleaved_cpu"] = mi["cpu_median_ms"] / pi["cpu_median_ms"] - 1
         checks["max_loss_difference_interleaved"] = _max_loss_diff(pi, mi)
-        rows += [_row("plain loop, step-interleaved", pi, "1.000 (baseline)"),
-                 _row("GPTModule, step-interleaved", mi, f"{mi['median_ms'] / pi['median_ms']:.3f} vs plain")]
+        rows += [
+            _row("plain loop, step-interleaved", pi, "1.000 (baseline)"),
+            _row("GPTModule, step-interleaved", mi, f"{mi['median_ms'] / pi['median_ms']:.3f} vs plain"),
+        ]
     if "tp2" in runs:
         tp1, tp2 = runs["tp1"], runs["tp2"]
         ratios["tp2_vs_tp1"] = tp2["median_ms"] / tp1["median_ms"]
         ratios["tp2_vs_tp1_interval"] = tp2["interval_median_ms"] / tp1["interval_median_ms"]
         ratios["tp1_fork_vs_in_process"] = tp1["median_ms"] / meg["median_ms"]
         checks["max_loss_difference_tp1_vs_tp2"] = _max_loss_diff(tp1, tp2)
-        rows += [_row("TP1 (MegatronStrategy, fork, 1 rank)", tp1, "1.000 (baseline)"),
-                 _row("TP2 (MegatronStrategy, fork, 2 ranks)", tp2, f"{ratios['tp2_vs_tp1']:.3f} vs TP1")]
+        rows += [
+            _row("TP1 (MegatronStrategy, fork, 1 rank)", tp1, "1.000 (baseline)"),
+            _row("TP2 (MegatronStrategy, fork, 2 ranks)", tp2, f"{ratios['tp2_vs_tp1']:.3f} vs TP1"),
+        ]
 
     print()
     _print_table(rows, headers)
     print()
     overhead = ratios["framework_overhead"]
     per_rep = ratios["framework_overhead_per_repetition"]
-    print(f"framework overhead, separate runs: {overhead * 100:+.2f}% ({ratios['framework_overhead_ms']:+.2f} "
-          f"ms/step); per repetition {', '.join(f'{r * 100:+.1f}%' for r in per_rep)}; "
-          f"CPU time {ratios['framework_overhead_cpu'] * 100:+.1f}%; loop interval (adds data loading and "
-          f"Lightning's work between steps) {ratios['framework_overhead_interval'] * 100:+.1f}%")
+    print(
+        f"framework overhead, separate runs: {overhead * 100:+.2f}% ({ratios['framework_overhead_ms']:+.2f} "
+        f"ms/step); per repetition {', '.join(f'{r * 100:+.1f}%' for r in per_rep)}; "
+        f"CPU time {ratios['framework_overhead_cpu'] * 100:+.1f}%; loop interval (adds data loading and "
+        f"Lightning's work between steps) {ratios['framework_overhead_interval'] * 100:+.1f}%"
+    )
     if "framework_overhead_interleaved" in ratios:
-        print(f"framework overhead, step-interleaved: {ratios['framework_overhead_interleaved'] * 100:+.2f}% "
-              f"({ratios['framework_overhead_interleaved_ms']:+.2f} ms/step); median of per-pair ratios "
-              f"{ratios['framework_overhead_interleaved_median_of_pairs'] * 100:+.2f}%; CPU time "
-              f"{ratios['framework_overhead_interleaved_cpu'] * 100:+.1f}%")
-    print("max |loss difference| (same model, data and lr): "
-          + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items()))
+        print(
+            f"framework overhead, step-interleaved: {ratios['framework_overhead_interleaved'] * 100:+.2f}% "
+            f"({ratios['framework_overhead_interleaved_ms']:+.2f} ms/step); median of per-pair ratios "
+            f"{ratios['framework_overhead_interleaved_median_of_pairs'] * 100:+.2f}%; CPU time "
+            f"{ratios['framework_overhead_interleaved_cpu'] * 100:+.1f}%"
+        )
+    print(
+        "max |loss difference| (same model, data and lr): "
+        + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items())
+    )
     met = overhead <= OVERHEAD_TARGET
     verdicts = {"separate runs": met}
     if "framework_overhead_interleaved" in ratios:
         verdicts["step-interleaved"] = ratios["framework_overhead_interleaved"] <= OVERHEAD_TARGET
-    print(f"target: framework overhead <= {OVERHEAD_TARGET * 100:.0f}% -> "
-          + ", ".join(f"{k}: {'MET' if v else 'NOT MET'}" for k, v in verdicts.items())
-          + " (timing is never asserted on)")
+    print(
+        f"target: framework overhead <= {OVERHEAD_TARGET * 100:.0f}% -> "
+        + ", ".join(f"{k}: {'MET' if v else 'NOT MET'}" for k, v in verdicts.items())
+        + " (timing is never asserted on)"
+    )
     spread = max(per_rep) - min(per_rep)
     if len(per_rep) > 1 and spread > OVERHEAD_TARGET:
-        print(f"note: the repetitions disagree by {spread * 100:.0f} points, more than the 3% to resolve: the "
-              f"machine is noisy (other processes?). Trust the step-interleaved line, or rerun on an idle "
-              f"machine / with more --steps and --repeats.")
+        print(
+            f"note: the repetitions disagree by {spread * 100:.0f} points, more than the 3% to resolve: the "
+            f"machine is noisy (other processes?). Trust the step-interleaved line, or rerun on an idle "
+            f"machine / with more --steps and --repeats."
+        )
     if "tp2_vs_tp1" in ratios:
-        print(f"TP2 / TP1 step time: {ratios['tp2_vs_tp1']:.3f}. On a {os.cpu_count()}-core CPU box this measures "
-              f"tensor parallelism's gloo all-reduces (plus half the compute per rank, on 2 cores of {THREADS} "
-              f"thread against TP1's one): TP is not expected to be faster here, and any other process on the "
-              f"machine stalls one rank and so both, so this ratio swings widely on a shared machine.")
+        print(
+            f"TP2 / TP1 step time: {ratios['tp2_vs_tp1']:.3f}. On a {os.cpu_count()}-core CPU box this measures "
+            f"tensor parallelism's gloo all-reduces (plus half the compute per rank, on 2 cores of {THREADS} "
+            f"thread against TP1's one): TP is not expected to be faster here, and any other process on the "
+            f"machine stalls one rank and so both, so this ratio swings widely on a shared machine."
+        )
     print(f"total wall time {time.perf_counter() - started:.0f} s")
 
     result = {
         "benchmark": "overhead",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "lightning": L.__version__,
-                    "torch_threads": THREADS, "load_average": list(os.getloadavg())},
-        "config": {"args": vars(args), "model": asdict(config), "optimizer": asdict(opt_cfg),
-                   "num_parameters": config.num_parameters(), "tokens_per_step": tokens_per_step,
-                   "num_microbatches": args.global_batch_size // args.micro_batch_size,
-                   "model_seed": MODEL_SEED, "data_seed": DATA_SEED},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "lightning": L.__version__,
+            "torch_threads": THREADS,
+            "load_average": list(os.getloadavg()),
+        },
+        "config": {
+            "args": vars(args),
+            "model": asdict(config),
+            "optimizer": asdict(opt_cfg),
+            "num_parameters": config.num_parameters(),
+            "tokens_per_step": tokens_per_step,
+            "num_microbatches": args.global_batch_size // args.micro_batch_size,
+            "model_seed": MODEL_SEED,
+            "data_seed": DATA_SEED,
+        },
         "runs": runs,
         "ratios": ratios,
         "checks": checks,
-        "target": {"framework_overhead_max": OVERHEAD_TARGET, "met": met,
-                   "met_step_interleaved": verdicts.get("step-interleaved")},
+        "target": {
+            "framework_overhead_max": OVERHEAD_TARGET,
+            "met": met,
+            "met_step_interleaved": verdicts.get("step-interleaved"),
+        },
     }
     write_result(result, args.out, DEFAULT_OUT)
     return result

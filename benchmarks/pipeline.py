@@ -32,6 +32,7 @@ Nothing is asserted; the targets are printed as met or missed.
 
 Run from the repository root: ``python benchmarks/pipeline.py [--steps 4 --warmup 1 ...]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,20 +68,20 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import lightning as L  # noqa: E402
+import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_environ, _summary, write_result)
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
-import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_environ, _summary, write_result)
 from megatron_lite.callbacks import PipelineTimeline  # noqa: E402
-from megatron_lite.core.optim import build_optimizer  # noqa: E402
-from megatron_lite.data import MockGPTDataModule, MockGPTDataset  # noqa: E402
 from megatron_lite.cli.pipeline_timeline import plot_timeline  # noqa: E402
+from megatron_lite.core.optim import build_optimizer  # noqa: E402
 from megatron_lite.core.parallel.pipeline.timeline import (  # noqa: E402
     load_steps,
     measured_bubble,
     theoretical_bubble,
 )
+from megatron_lite.data import MockGPTDataModule, MockGPTDataset  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "pipeline.json"
 DEFAULT_PNG_DIR = REPO_ROOT / "benchmarks" / "results" / "pipeline"
@@ -92,9 +93,15 @@ OVERHEAD_TARGET = 0.05  # plain pipelining tokens/s / PP2 tokens/s - 1
 
 def _config(args) -> ml.GPTConfig:
     # No dropout: the three throughput runners then compute the same losses (a check that they run one model).
-    return ml.GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                        seq_length=args.seq_length, hidden_dropout=0.0, attention_dropout=0.0)
+    return ml.GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _optimizer() -> ml.OptimizerConfig:
@@ -103,8 +110,9 @@ def _optimizer() -> ml.OptimizerConfig:
 
 
 # --- the framework ---------------------------------------------------------------------------------
-def run_framework(args, *, pp: int, num_microbatches: int, vpp: int = 1, steps: int,
-                  events_dir: Optional[Path] = None) -> dict:
+def run_framework(
+    args, *, pp: int, num_microbatches: int, vpp: int = 1, steps: int, events_dir: Optional[Path] = None
+) -> dict:
     """One ``Trainer.fit`` of ``GPTModule``; rank 0's step times (``overhead.StepTimer``) and, with
     ``events_dir``, the pipeline events of every step after the warm-up."""
     torch.set_num_threads(overhead.THREADS)
@@ -114,14 +122,32 @@ def run_framework(args, *, pp: int, num_microbatches: int, vpp: int = 1, steps: 
         if events_dir is not None:
             callbacks.append(PipelineTimeline(dirpath=events_dir, steps=range(args.warmup, steps)))
         overhead._seed()
-        data = MockGPTDataModule(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                 global_batch_size=num_microbatches * args.micro_batch_size,
-                                 vocab_size=args.vocab_size, seed=overhead.DATA_SEED)
-        strategy = ml.MegatronStrategy(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                                       start_method="fork" if pp > 1 else "popen", log_metrics=False)
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=pp, max_steps=steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks)
+        data = MockGPTDataModule(
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=num_microbatches * args.micro_batch_size,
+            vocab_size=args.vocab_size,
+            seed=overhead.DATA_SEED,
+        )
+        strategy = ml.MegatronStrategy(
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            start_method="fork" if pp > 1 else "popen",
+            log_metrics=False,
+        )
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=pp,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+        )
         try:
             trainer.fit(ml.GPTModule(_config(args), optimizer=_optimizer(), seed=overhead.MODEL_SEED), data)
         finally:
@@ -173,8 +199,12 @@ def _plain_pipeline_rank(rank: int, world: int, args, num_microbatches: int, ste
     optimizer = build_optimizer(module, _optimizer())
     clip = _optimizer().clip_grad
     gbs = num_microbatches * args.micro_batch_size
-    loader = DataLoader(MockGPTDataset(steps * gbs, args.seq_length, config.vocab_size, overhead.DATA_SEED),
-                        batch_size=gbs, shuffle=False, drop_last=True)
+    loader = DataLoader(
+        MockGPTDataset(steps * gbs, args.seq_length, config.vocab_size, overhead.DATA_SEED),
+        batch_size=gbs,
+        shuffle=False,
+        drop_last=True,
+    )
     step_s, cpu_s, interval_s, losses = [], [], [], []
     start = None
     for batch in loader:
@@ -204,9 +234,18 @@ def _plain_pipeline_rank(rank: int, world: int, args, num_microbatches: int, ste
         if rank == world - 1:
             losses.append(float(torch.stack(mb_losses).detach().mean()))
     if rank == 0:
-        Path(out_dir, "times.json").write_text(json.dumps({"step_s": step_s, "cpu_s": cpu_s, "interval_s": interval_s,
-                                                          "threads_seen": torch.get_num_threads(),
-                                                          "world_size": world, "global_step": len(step_s)}))
+        Path(out_dir, "times.json").write_text(
+            json.dumps(
+                {
+                    "step_s": step_s,
+                    "cpu_s": cpu_s,
+                    "interval_s": interval_s,
+                    "threads_seen": torch.get_num_threads(),
+                    "world_size": world,
+                    "global_step": len(step_s),
+                }
+            )
+        )
     if rank == world - 1:
         Path(out_dir, "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
@@ -222,8 +261,9 @@ def run_plain_pipeline(args, *, pp: int, num_microbatches: int, steps: int) -> d
     """The hand-written pipelining loop on ``pp`` forked ranks; rank 0's times, the last rank's losses."""
     with tempfile.TemporaryDirectory(prefix="ml_plain_pp_") as tmp, overhead._restore_environ():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        mp.start_processes(_plain_pipeline_rank, args=(pp, args, num_microbatches, steps, tmp), nprocs=pp,
-                           start_method="fork")
+        mp.start_processes(
+            _plain_pipeline_rank, args=(pp, args, num_microbatches, steps, tmp), nprocs=pp, start_method="fork"
+        )
         result = json.loads(Path(tmp, "times.json").read_text())
         result["losses"] = json.loads(Path(tmp, "losses.json").read_text())
         return result
@@ -251,57 +291,97 @@ def bubble_sweep(args, png_dir: Path, cores: int) -> list[dict]:
         png = png_dir / f"{name}.png"
         plot_timeline(timelines[-1], png)
         tokens_per_step = m * args.micro_batch_size * args.seq_length
-        median_ms = float(np.median(run["step_s"][args.warmup:])) * 1e3
-        row = {"pp": pp, "num_microbatches": m, "vpp": vpp, "schedule": schedule, "contended": pp > cores,
-               "theory": theory, "measured": measured, "measured_over_theory": measured / theory,
-               "measured_per_step": [b.mean for b in bubbles],
-               "per_stage": [[b.per_stage[s] for s in sorted(b.per_stage)] for b in bubbles],
-               "span_ms": [b.span_s * 1e3 for b in bubbles], "busy_ms": [[b.busy_s[s] * 1e3 for s in sorted(b.busy_s)]
-                                                                         for b in bubbles],
-               "steps": [tl.step for tl in timelines], "png": str(png), "median_ms": median_ms,
-               "tokens_per_s": tokens_per_step / (median_ms / 1e3), "step_ms": [s * 1e3 for s in run["step_s"]]}
+        median_ms = float(np.median(run["step_s"][args.warmup :])) * 1e3
+        row = {
+            "pp": pp,
+            "num_microbatches": m,
+            "vpp": vpp,
+            "schedule": schedule,
+            "contended": pp > cores,
+            "theory": theory,
+            "measured": measured,
+            "measured_over_theory": measured / theory,
+            "measured_per_step": [b.mean for b in bubbles],
+            "per_stage": [[b.per_stage[s] for s in sorted(b.per_stage)] for b in bubbles],
+            "span_ms": [b.span_s * 1e3 for b in bubbles],
+            "busy_ms": [[b.busy_s[s] * 1e3 for s in sorted(b.busy_s)] for b in bubbles],
+            "steps": [tl.step for tl in timelines],
+            "png": str(png),
+            "median_ms": median_ms,
+            "tokens_per_s": tokens_per_step / (median_ms / 1e3),
+            "step_ms": [s * 1e3 for s in run["step_s"]],
+        }
         rows.append(row)
-        print(f"  P={pp} M={m:<3d} {schedule:17s} bubble {measured:.3f} (theory {theory:.3f}, x{measured / theory:.2f})"
-              f"{'  [contended]' if row['contended'] else ''}  {median_ms:7.0f} ms/step  "
-              f"({time.perf_counter() - t:.1f} s)",
-              flush=True)
+        print(
+            f"  P={pp} M={m:<3d} {schedule:17s} bubble {measured:.3f} (theory {theory:.3f}, x{measured / theory:.2f})"
+            f"{'  [contended]' if row['contended'] else ''}  {median_ms:7.0f} ms/step  "
+            f"({time.perf_counter() - t:.1f} s)",
+            flush=True,
+        )
     return rows
 
 
 def bubble_targets(rows: list[dict]) -> dict:
     """The P=2 targets: measured within 10 % of theory for M >= 2P (1F1B and interleaved), and interleaved
     V=2 at most 0.6x the 1F1B bubble at the same M."""
-    within = {f"pp2_m{r['num_microbatches']}_{r['schedule']}": abs(r["measured_over_theory"] - 1) <= BUBBLE_TOLERANCE
-              for r in rows if r["pp"] == 2 and r["num_microbatches"] >= 4}
+    within = {
+        f"pp2_m{r['num_microbatches']}_{r['schedule']}": abs(r["measured_over_theory"] - 1) <= BUBBLE_TOLERANCE
+        for r in rows
+        if r["pp"] == 2 and r["num_microbatches"] >= 4
+    }
     one_f_one_b = {r["num_microbatches"]: r["measured"] for r in rows if r["pp"] == 2 and r["vpp"] == 1}
-    interleaved = {f"pp2_m{r['num_microbatches']}": r["measured"] / one_f_one_b[r["num_microbatches"]]
-                   for r in rows if r["pp"] == 2 and r["vpp"] == 2 and r["num_microbatches"] in one_f_one_b}
-    return {"bubble_within_10pct_of_theory": within, "interleaved_over_1f1b": interleaved,
-            "interleaved_at_most_0.6x": {k: v <= INTERLEAVED_TARGET for k, v in interleaved.items()}}
+    interleaved = {
+        f"pp2_m{r['num_microbatches']}": r["measured"] / one_f_one_b[r["num_microbatches"]]
+        for r in rows
+        if r["pp"] == 2 and r["vpp"] == 2 and r["num_microbatches"] in one_f_one_b
+    }
+    return {
+        "bubble_within_10pct_of_theory": within,
+        "interleaved_over_1f1b": interleaved,
+        "interleaved_at_most_0.6x": {k: v <= INTERLEAVED_TARGET for k, v in interleaved.items()},
+    }
 
 
 # --- 2. throughput ----------------------------------------------------------------------------------
 def throughput(args) -> tuple[dict, dict]:
     m, steps = args.throughput_microbatches, args.throughput_steps
     runners = {
-        "one_process": ("GPTModule, 1 process (no pipeline)", 1,
-                        lambda: run_framework(args, pp=1, num_microbatches=m, steps=steps)),
-        "megatron_pp2": ("GPTModule + MegatronStrategy PP2 (1F1B)", 2,
-                         lambda: run_framework(args, pp=2, num_microbatches=m, steps=steps)),
-        "plain_pipelining_pp2": ("plain torch.distributed.pipelining 1F1B", 2,
-                                 lambda: run_plain_pipeline(args, pp=2, num_microbatches=m, steps=steps)),
+        "one_process": (
+            "GPTModule, 1 process (no pipeline)",
+            1,
+            lambda: run_framework(args, pp=1, num_microbatches=m, steps=steps),
+        ),
+        "megatron_pp2": (
+            "GPTModule + MegatronStrategy PP2 (1F1B)",
+            2,
+            lambda: run_framework(args, pp=2, num_microbatches=m, steps=steps),
+        ),
+        "plain_pipelining_pp2": (
+            "plain torch.distributed.pipelining 1F1B",
+            2,
+            lambda: run_plain_pipeline(args, pp=2, num_microbatches=m, steps=steps),
+        ),
     }
     raw: dict[str, list[dict]] = {name: [] for name in runners}
     for rep in range(args.repeats):
-        for name in (list(runners) if rep % 2 == 0 else list(runners)[::-1]):  # ABBA
+        for name in list(runners) if rep % 2 == 0 else list(runners)[::-1]:  # ABBA
             t = time.perf_counter()
             raw[name].append(runners[name][2]())
-            print(f"  [{rep + 1}/{args.repeats}] {runners[name][0]:42s} median "
-                  f"{np.median(raw[name][-1]['step_s'][args.warmup:]) * 1e3:7.0f} ms/step "
-                  f"({time.perf_counter() - t:.1f} s)", flush=True)
+            print(
+                f"  [{rep + 1}/{args.repeats}] {runners[name][0]:42s} median "
+                f"{np.median(raw[name][-1]['step_s'][args.warmup :]) * 1e3:7.0f} ms/step "
+                f"({time.perf_counter() - t:.1f} s)",
+                flush=True,
+            )
     tokens_per_step = m * args.micro_batch_size * args.seq_length
-    runs = {name: {"description": runners[name][0], "world_size": runners[name][1],
-                   **overhead._summary(reps, args.warmup, tokens_per_step)} for name, reps in raw.items()}
+    runs = {
+        name: {
+            "description": runners[name][0],
+            "world_size": runners[name][1],
+            **overhead._summary(reps, args.warmup, tokens_per_step),
+        }
+        for name, reps in raw.items()
+    }
     return runs, raw
 
 
@@ -315,18 +395,40 @@ def _mark(ok: Optional[bool]) -> str:
 
 
 def print_bubble_table(rows: list[dict], targets: dict) -> None:
-    headers = ("P", "M", "schedule", "measured", "theory", "meas/theory", "per stage", "ms/step", "tokens/s",
-               "target", "note")
+    headers = (
+        "P",
+        "M",
+        "schedule",
+        "measured",
+        "theory",
+        "meas/theory",
+        "per stage",
+        "ms/step",
+        "tokens/s",
+        "target",
+        "note",
+    )
     table = []
     for r in rows:
         key = f"pp2_m{r['num_microbatches']}_{r['schedule']}"
         ok = targets["bubble_within_10pct_of_theory"].get(key) if r["pp"] == 2 else None
         last = r["per_stage"][-1]
         schedule = r["schedule"] + (f" V={r['vpp']}" if r["vpp"] > 1 else "")
-        table.append((str(r["pp"]), str(r["num_microbatches"]), schedule,
-                      f"{r['measured']:.3f}", f"{r['theory']:.3f}", f"{r['measured_over_theory']:.2f}",
-                      " ".join(f"{x:.2f}" for x in last), f"{r['median_ms']:.0f}", f"{r['tokens_per_s']:,.0f}",
-                      _mark(ok), "contended" if r["contended"] else ""))
+        table.append(
+            (
+                str(r["pp"]),
+                str(r["num_microbatches"]),
+                schedule,
+                f"{r['measured']:.3f}",
+                f"{r['theory']:.3f}",
+                f"{r['measured_over_theory']:.2f}",
+                " ".join(f"{x:.2f}" for x in last),
+                f"{r['median_ms']:.0f}",
+                f"{r['tokens_per_s']:,.0f}",
+                _mark(ok),
+                "contended" if r["contended"] else "",
+            )
+        )
     overhead._print_table(table, headers)
 
 
@@ -342,10 +444,13 @@ def main(argv=None) -> dict:
     png_dir = Path(args.png_dir)
     started = time.perf_counter()
     load_before = list(os.getloadavg())
-    print(f"megatron-lite pipeline benchmark: {config.num_parameters() / 1e6:.2f}M parameters (L={args.num_layers}, "
-          f"h={args.hidden_size}, heads={args.num_attention_heads}, s={args.seq_length}, V={args.vocab_size}), "
-          f"micro batch {args.micro_batch_size}, {args.steps} steps per sweep run ({args.warmup} warm-up), "
-          f"{cores} cores, torch threads={overhead.THREADS}, load average {load_before[0]:.2f}", flush=True)
+    print(
+        f"megatron-lite pipeline benchmark: {config.num_parameters() / 1e6:.2f}M parameters (L={args.num_layers}, "
+        f"h={args.hidden_size}, heads={args.num_attention_heads}, s={args.seq_length}, V={args.vocab_size}), "
+        f"micro batch {args.micro_batch_size}, {args.steps} steps per sweep run ({args.warmup} warm-up), "
+        f"{cores} cores, torch threads={overhead.THREADS}, load average {load_before[0]:.2f}",
+        flush=True,
+    )
 
     print("1. bubble: measured (median over the recorded steps) against theory", flush=True)
     rows = bubble_sweep(args, png_dir, cores)
@@ -353,54 +458,111 @@ def main(argv=None) -> dict:
     print(f"2. throughput at P=2, M={args.throughput_microbatches}", flush=True)
     runs, raw = throughput(args)
     one, pp2, plain = runs["one_process"], runs["megatron_pp2"], runs["plain_pipelining_pp2"]
-    ratios = {"pp2_over_one_process": pp2["tokens_per_s"] / one["tokens_per_s"],
-              "framework_overhead_vs_plain_pipelining": plain["tokens_per_s"] / pp2["tokens_per_s"] - 1,
-              "framework_overhead_cpu_vs_plain_pipelining": pp2["cpu_median_ms"] / plain["cpu_median_ms"] - 1}
-    checks = {"max_loss_difference_pp2_vs_one_process": _loss_difference(pp2, one),
-              "max_loss_difference_plain_pipelining_vs_one_process": _loss_difference(plain, one)}
-    targets.update({"pp2_at_least_1.5x_one_process": ratios["pp2_over_one_process"] >= SPEEDUP_TARGET,
-                    "overhead_vs_plain_pipelining_at_most_5pct":
-                        ratios["framework_overhead_vs_plain_pipelining"] <= OVERHEAD_TARGET})
+    ratios = {
+        "pp2_over_one_process": pp2["tokens_per_s"] / one["tokens_per_s"],
+        "framework_overhead_vs_plain_pipelining": plain["tokens_per_s"] / pp2["tokens_per_s"] - 1,
+        "framework_overhead_cpu_vs_plain_pipelining": pp2["cpu_median_ms"] / plain["cpu_median_ms"] - 1,
+    }
+    checks = {
+        "max_loss_difference_pp2_vs_one_process": _loss_difference(pp2, one),
+        "max_loss_difference_plain_pipelining_vs_one_process": _loss_difference(plain, one),
+    }
+    targets.update(
+        {
+            "pp2_at_least_1.5x_one_process": ratios["pp2_over_one_process"] >= SPEEDUP_TARGET,
+            "overhead_vs_plain_pipelining_at_most_5pct": ratios["framework_overhead_vs_plain_pipelining"]
+            <= OVERHEAD_TARGET,
+        }
+    )
     load_after = list(os.getloadavg())
 
     print()
     print_bubble_table(rows, targets)
-    print(f"per stage: the last recorded step's bubble of each stage. target (P=2, M >= 2P): within "
-          f"{BUBBLE_TOLERANCE:.0%} of theory. contended: more ranks than the {cores} cores.")
+    print(
+        f"per stage: the last recorded step's bubble of each stage. target (P=2, M >= 2P): within "
+        f"{BUBBLE_TOLERANCE:.0%} of theory. contended: more ranks than the {cores} cores."
+    )
     for key, value in targets["interleaved_over_1f1b"].items():
-        print(f"interleaved V=2 / 1F1B bubble at {key}: {value:.2f} (target <= {INTERLEAVED_TARGET}: "
-              f"{_mark(value <= INTERLEAVED_TARGET)})")
+        print(
+            f"interleaved V=2 / 1F1B bubble at {key}: {value:.2f} (target <= {INTERLEAVED_TARGET}: "
+            f"{_mark(value <= INTERLEAVED_TARGET)})"
+        )
     print()
     headers = ("run", "procs", "ms/step", "p10", "p90", "CPU ms", "tokens/s", "ratio")
-    overhead._print_table([
-        (one["description"], "1", f"{one['median_ms']:.0f}", f"{one['p10_ms']:.0f}", f"{one['p90_ms']:.0f}",
-         f"{one['cpu_median_ms']:.0f}", f"{one['tokens_per_s']:,.0f}", "1.000 (base)"),
-        (pp2["description"], "2", f"{pp2['median_ms']:.0f}", f"{pp2['p10_ms']:.0f}", f"{pp2['p90_ms']:.0f}",
-         f"{pp2['cpu_median_ms']:.0f}", f"{pp2['tokens_per_s']:,.0f}",
-         f"{ratios['pp2_over_one_process']:.3f} vs 1 proc"),
-        (plain["description"], "2", f"{plain['median_ms']:.0f}", f"{plain['p10_ms']:.0f}", f"{plain['p90_ms']:.0f}",
-         f"{plain['cpu_median_ms']:.0f}", f"{plain['tokens_per_s']:,.0f}",
-         f"{pp2['tokens_per_s'] / plain['tokens_per_s']:.3f} PP2/plain")], headers)
-    print(f"PP2 / one process: {ratios['pp2_over_one_process']:.2f}x (target >= {SPEEDUP_TARGET}: "
-          f"{_mark(targets['pp2_at_least_1.5x_one_process'])}); framework overhead vs plain pipelining "
-          f"{ratios['framework_overhead_vs_plain_pipelining'] * 100:+.1f}% tokens/s (target <= "
-          f"{OVERHEAD_TARGET:.0%}: {_mark(targets['overhead_vs_plain_pipelining_at_most_5pct'])}), rank 0 CPU time "
-          f"{ratios['framework_overhead_cpu_vs_plain_pipelining'] * 100:+.1f}%")
-    print("max |loss difference| over the first steps (same weights and data; fp32 rounding only): "
-          + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items()))
-    print(f"timelines (the last recorded step): {png_dir}/pp<P>_m<M>[_v2].png; every recorded step: megatron-lite "
-          f"pipeline-timeline {png_dir}/pp<P>_m<M>[_v2] --step N")
-    print(f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after (a shared machine: other jobs move these numbers)")
+    overhead._print_table(
+        [
+            (
+                one["description"],
+                "1",
+                f"{one['median_ms']:.0f}",
+                f"{one['p10_ms']:.0f}",
+                f"{one['p90_ms']:.0f}",
+                f"{one['cpu_median_ms']:.0f}",
+                f"{one['tokens_per_s']:,.0f}",
+                "1.000 (base)",
+            ),
+            (
+                pp2["description"],
+                "2",
+                f"{pp2['median_ms']:.0f}",
+                f"{pp2['p10_ms']:.0f}",
+                f"{pp2['p90_ms']:.0f}",
+                f"{pp2['cpu_median_ms']:.0f}",
+                f"{pp2['tokens_per_s']:,.0f}",
+                f"{ratios['pp2_over_one_process']:.3f} vs 1 proc",
+            ),
+            (
+                plain["description"],
+                "2",
+                f"{plain['median_ms']:.0f}",
+                f"{plain['p10_ms']:.0f}",
+                f"{plain['p90_ms']:.0f}",
+                f"{plain['cpu_median_ms']:.0f}",
+                f"{plain['tokens_per_s']:,.0f}",
+                f"{pp2['tokens_per_s'] / plain['tokens_per_s']:.3f} PP2/plain",
+            ),
+        ],
+        headers,
+    )
+    print(
+        f"PP2 / one process: {ratios['pp2_over_one_process']:.2f}x (target >= {SPEEDUP_TARGET}: "
+        f"{_mark(targets['pp2_at_least_1.5x_one_process'])}); framework overhead vs plain pipelining "
+        f"{ratios['framework_overhead_vs_plain_pipelining'] * 100:+.1f}% tokens/s (target <= "
+        f"{OVERHEAD_TARGET:.0%}: {_mark(targets['overhead_vs_plain_pipelining_at_most_5pct'])}), rank 0 CPU time "
+        f"{ratios['framework_overhead_cpu_vs_plain_pipelining'] * 100:+.1f}%"
+    )
+    print(
+        "max |loss difference| over the first steps (same weights and data; fp32 rounding only): "
+        + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items())
+    )
+    print(
+        f"timelines (the last recorded step): {png_dir}/pp<P>_m<M>[_v2].png; every recorded step: megatron-lite "
+        f"pipeline-timeline {png_dir}/pp<P>_m<M>[_v2] --step N"
+    )
+    print(
+        f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after (a shared machine: other jobs move these numbers)"
+    )
 
     result = {
         "benchmark": "pipeline",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": cores,
-                    "torch": torch.__version__, "lightning": L.__version__, "torch_threads": overhead.THREADS,
-                    "load_average_before": load_before, "load_average_after": load_after},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": cores,
+            "torch": torch.__version__,
+            "lightning": L.__version__,
+            "torch_threads": overhead.THREADS,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+        },
         "config": {"args": vars(args), "model": asdict(config), "optimizer": asdict(_optimizer())},
-        "bubble": rows, "throughput": runs, "ratios": ratios, "checks": checks, "targets": targets,
+        "bubble": rows,
+        "throughput": runs,
+        "ratios": ratios,
+        "checks": checks,
+        "targets": targets,
         "wall_s": time.perf_counter() - started,
     }
     overhead.write_result(result, args.out, DEFAULT_OUT)
@@ -408,11 +570,17 @@ def main(argv=None) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes P of the bubble sweep")
-    p.add_argument("--m-multipliers", type=int, nargs="+", default=[1, 2, 4, 8],
-                   help="microbatch counts M = P x these in the bubble sweep")
+    p.add_argument(
+        "--m-multipliers",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="microbatch counts M = P x these in the bubble sweep",
+    )
     p.add_argument("--skip-interleaved", action="store_true", help="no interleaved (V=2) rows at P=2")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per bubble-sweep run (warm-up included)")
     p.add_argument("--warmup", type=int, default=1, help="first steps of every run left out of the statistics")
@@ -426,8 +594,11 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=512, help="small: the last stage's output layer stays cheap")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--png-dir", default=str(DEFAULT_PNG_DIR), help="where the timelines are drawn")
-    p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
-                   help="JSON output path (a relative default is under the repository root)")
+    p.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT.relative_to(REPO_ROOT)),
+        help="JSON output path (a relative default is under the repository root)",
+    )
     args = p.parse_args(argv)
     if args.steps <= args.warmup or args.throughput_steps <= args.warmup + 1:
         p.error(f"--steps and --throughput-steps must exceed --warmup ({args.warmup}) (throughput by at least 2)")

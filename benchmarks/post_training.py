@@ -22,6 +22,7 @@ checkpoints (or ``--checkpoint`` names one). Then, per format, the checkpoint is
 Every process uses one torch thread. Nothing is asserted: the table reports.
 Run from the repository root: ``python benchmarks/post_training.py [--steps 400] [--repeats 3]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,11 +63,25 @@ def train(args, data: TextCorpusDataModule, out: Path) -> Path:
     from megatron_lite.pretrained import save_weights_checkpoint
 
     config = ml.GPTConfig(**SHAPE, vocab_size=args.vocab_size, seq_length=args.seq_length)
-    optimizer = ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=args.steps // 10,
-                                   lr_decay_style="cosine", lr_decay_iters=args.steps, weight_decay=0.01)
+    optimizer = ml.OptimizerConfig(
+        lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_iters=args.steps // 10,
+        lr_decay_style="cosine",
+        lr_decay_iters=args.steps,
+        weight_decay=0.01,
+    )
     module = ml.GPTModule(config, optimizer, seed=1234)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     start = time.perf_counter()
     trainer.fit(module, data)
     print(f"trained {args.steps} steps in {time.perf_counter() - start:.0f} s")
@@ -90,13 +105,17 @@ def directory_bytes(path: Path) -> int:
 
 def linear_weight_bytes(model) -> tuple[int, int]:
     """(bytes of the transformer layers' linear weights, bytes of all parameters)."""
-    linear = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                 if n.startswith("layers.") and n.endswith(".weight") and "layernorm" not in n)
+    linear = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.startswith("layers.") and n.endswith(".weight") and "layernorm" not in n
+    )
     return linear, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(name: Optional[str], checkpoint: Path, calib: list, evaluation: list, prompt: list[int], args,
-            tmp: Path) -> dict:
+def measure(
+    name: Optional[str], checkpoint: Path, calib: list, evaluation: list, prompt: list[int], args, tmp: Path
+) -> dict:
     """One row: load, quantize (``name`` None: not), perplexity, decode speed, export size."""
     from megatron_lite.post_training.export import save_quantized_hf
     from megatron_lite.post_training.quantization import perplexity, quantize
@@ -123,9 +142,13 @@ def measure(name: Optional[str], checkpoint: Path, calib: list, evaluation: list
             warnings.simplefilter("ignore")
             mtq.compress(module.model)
         after = linear_weight_bytes(module.model)
-        real = {"linear_weight_bytes_fp32": before[0], "linear_weight_bytes_fp8": after[0],
-                "parameter_bytes_fp32": before[1], "parameter_bytes_real_quant": after[1],
-                "perplexity": perplexity(module, evaluation)}
+        real = {
+            "linear_weight_bytes_fp32": before[0],
+            "linear_weight_bytes_fp8": after[0],
+            "parameter_bytes_fp32": before[1],
+            "parameter_bytes_real_quant": after[1],
+            "perplexity": perplexity(module, evaluation),
+        }
         real["decode_tokens_per_s"], real["tokens"] = decode_rate(module, prompt, args.new_tokens, args.repeats)
         row["real_quant"] = real
     return row
@@ -152,8 +175,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     load_before = os.getloadavg()
     cache = REPO_ROOT / "build" / "post_training_bench"
-    data = TextCorpusDataModule("shakespeare", seq_length=args.seq_length, micro_batch_size=8, global_batch_size=16,
-                                vocab_size=args.vocab_size, cache_dir=str(cache / "data"))
+    data = TextCorpusDataModule(
+        "shakespeare",
+        seq_length=args.seq_length,
+        micro_batch_size=8,
+        global_batch_size=16,
+        vocab_size=args.vocab_size,
+        cache_dir=str(cache / "data"),
+    )
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         checkpoint = Path(args.checkpoint) if args.checkpoint else train(args, data, tmp / "trained")
@@ -167,8 +196,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"measuring {name} ...", flush=True)
             rows.append(measure(name, checkpoint, calib, evaluation, prompt, args, tmp))
     base = rows[0]
-    print(f"\n{'format':<22}{'perplexity':>11}{'change':>9}{'decode tok/s':>14}{'vs fp32':>9}{'HF export':>11}"
-          f"{'vs bf16':>9}{'same tokens':>13}")
+    print(
+        f"\n{'format':<22}{'perplexity':>11}{'change':>9}{'decode tok/s':>14}{'vs fp32':>9}{'HF export':>11}"
+        f"{'vs bf16':>9}{'same tokens':>13}"
+    )
     for row in rows:
         row["perplexity_change"] = row["perplexity"] / base["perplexity"] - 1
         row["decode_vs_unquantized"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
@@ -177,26 +208,40 @@ def main(argv: Optional[list[str]] = None) -> int:
         row["export_vs_bf16"] = size / base["hf_export_bytes"] if size else None
         size_text = f"{size / 2**20:.2f} MiB" if size else "-"
         ratio_text = f"{row['export_vs_bf16']:.2f}x" if size else "-"
-        print(f"{row['format']:<22}{row['perplexity']:>11.3f}{row['perplexity_change']:>+9.2%}"
-              f"{row['decode_tokens_per_s']:>14.1f}{row['decode_vs_unquantized']:>8.2f}x"
-              f"{size_text:>11}{ratio_text:>9}{row['same_greedy_tokens']:>12.0%}")
+        print(
+            f"{row['format']:<22}{row['perplexity']:>11.3f}{row['perplexity_change']:>+9.2%}"
+            f"{row['decode_tokens_per_s']:>14.1f}{row['decode_vs_unquantized']:>8.2f}x"
+            f"{size_text:>11}{ratio_text:>9}{row['same_greedy_tokens']:>12.0%}"
+        )
     fp8 = next((r for r in rows if r["format"] == "FP8_DEFAULT_CFG"), None)
     if fp8 is not None:
         real = fp8["real_quant"]
         real["same_tokens_as_fake_quant"] = real["tokens"] == fp8["tokens"]
-        print(f"\nFP8 real-quant (mtq.compress): linear weights "
-              f"{real['linear_weight_bytes_fp32'] / 2**20:.2f} MiB fp32 -> "
-              f"{real['linear_weight_bytes_fp8'] / 2**20:.2f} MiB fp8 "
-              f"({real['linear_weight_bytes_fp8'] / real['linear_weight_bytes_fp32']:.2f}x); all parameters "
-              f"{real['parameter_bytes_real_quant'] / real['parameter_bytes_fp32']:.2f}x; perplexity "
-              f"{real['perplexity']:.3f}; decode {real['decode_tokens_per_s']:.1f} tok/s; greedy tokens "
-              f"{'equal to' if real['same_tokens_as_fake_quant'] else 'differ from'} the fake-quantized model's")
-    print("\nFake quantization on CPU rounds every weight and activation at every call: it measures accuracy, not the "
-          "speed of quantized kernels (a GPU property).")
-    result = {"config": {**vars(args), "shape": SHAPE}, "checkpoint_trained_here": args.checkpoint is None,
-              "machine": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                          "load_before": load_before, "load_after": os.getloadavg()},
-              "rows": rows}
+        print(
+            f"\nFP8 real-quant (mtq.compress): linear weights "
+            f"{real['linear_weight_bytes_fp32'] / 2**20:.2f} MiB fp32 -> "
+            f"{real['linear_weight_bytes_fp8'] / 2**20:.2f} MiB fp8 "
+            f"({real['linear_weight_bytes_fp8'] / real['linear_weight_bytes_fp32']:.2f}x); all parameters "
+            f"{real['parameter_bytes_real_quant'] / real['parameter_bytes_fp32']:.2f}x; perplexity "
+            f"{real['perplexity']:.3f}; decode {real['decode_tokens_per_s']:.1f} tok/s; greedy tokens "
+            f"{'equal to' if real['same_tokens_as_fake_quant'] else 'differ from'} the fake-quantized model's"
+        )
+    print(
+        "\nFake quantization on CPU rounds every weight and activation at every call: it measures accuracy, not the "
+        "speed of quantized kernels (a GPU property)."
+    )
+    result = {
+        "config": {**vars(args), "shape": SHAPE},
+        "checkpoint_trained_here": args.checkpoint is None,
+        "machine": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+        },
+        "rows": rows,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -29,6 +29,7 @@ machine's CPU count and load average are recorded, since other jobs on a shared 
 
 Run from the repository root: ``.venv/bin/python benchmarks/preprocess.py [--repeats 3 --reads 20000]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,11 @@ TARGET_RATIO = 1.8
 
 def load_tokenizer() -> tuple[Any, dict[str, str]]:
     """GPT-2 BPE from tests/data; the tokenizer and the CLI arguments that build it."""
-    args = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(GPT2_DIR / "vocab.json"),
-            "merge_file": str(GPT2_DIR / "merges.txt")}
+    args = {
+        "tokenizer_type": "GPT2BPETokenizer",
+        "vocab_file": str(GPT2_DIR / "vocab.json"),
+        "merge_file": str(GPT2_DIR / "merges.txt"),
+    }
     return build_tokenizer(**args), args
 
 
@@ -94,15 +98,27 @@ def plain_loop(tokenizer: Any) -> tuple[float, float, np.ndarray]:
 def run_preprocess(tokenizer: Any, workers: int, out_dir: str) -> tuple[float, float, str]:
     """One library run with ``workers`` processes; (seconds, CPU seconds of all processes, output prefix)."""
     start, cpu = time.perf_counter(), _cpu_seconds()
-    result = preprocess([str(CORPUS)], os.path.join(out_dir, f"w{workers}"), tokenizer, workers=workers,
-                        append_eod=True, progress=False)
+    result = preprocess(
+        [str(CORPUS)], os.path.join(out_dir, f"w{workers}"), tokenizer, workers=workers, append_eod=True, progress=False
+    )
     return time.perf_counter() - start, _cpu_seconds() - cpu, result.output_prefixes["text"]
 
 
 def run_cli(tok_args: dict[str, str], workers: int, out_dir: str) -> float:
     """One end-to-end run of ``python -m megatron_lite preprocess`` (start-up and imports included)."""
-    cmd = [sys.executable, "-m", "megatron_lite", "preprocess", "--input", str(CORPUS), "--append-eod",
-           "--workers", str(workers), "--output-prefix", os.path.join(out_dir, "cli")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_lite",
+        "preprocess",
+        "--input",
+        str(CORPUS),
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--output-prefix",
+        os.path.join(out_dir, "cli"),
+    ]
     for key, value in tok_args.items():
         cmd += [f"--{key.replace('_', '-')}", value]
     start = time.perf_counter()
@@ -138,8 +154,9 @@ def random_reads(prefix: str, n: int, seq_length: int, cache_dir: str) -> dict[s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=5, help="rounds of (plain, 1 worker, 2 workers)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure")
     p.add_argument("--reads", type=int, default=20000, help="random reads per reader")
@@ -167,8 +184,15 @@ def main() -> None:
                 written = np.concatenate(IndexedDataset(prefixes[w])[:])
                 if not np.array_equal(written, reference):
                     sys.exit(f"preprocess with {w} workers wrote different tokens than the plain loop")
-        identical = len({Path(prefixes[w] + ".bin").read_bytes() + Path(prefixes[w] + ".idx").read_bytes()
-                         for w in args.workers}) == 1
+        identical = (
+            len(
+                {
+                    Path(prefixes[w] + ".bin").read_bytes() + Path(prefixes[w] + ".idx").read_bytes()
+                    for w in args.workers
+                }
+            )
+            == 1
+        )
         cli_seconds = None if args.skip_cli else run_cli(tok_args, max(args.workers), tmp)
         reads = random_reads(prefixes[args.workers[0]], args.reads, args.seq_length, os.path.join(tmp, "cache"))
     load_after = os.getloadavg()
@@ -178,32 +202,63 @@ def main() -> None:
     rows = []
     for name, values in times.items():
         median = statistics.median(values)
-        rows.append({"method": "plain loop" if name == "plain" else f"preprocess --workers {name.split('_')[1]}",
-                     "median_s": median, "min_s": min(values), "max_s": max(values),
-                     "median_cpu_s": statistics.median(cpu[name]),
-                     "tokens_per_s": n_tokens / median, "vs_plain": plain / median})
-    print(f"corpus: {CORPUS.name} ({n_tokens:,} tokens with EOD), tokenizer: {tok_args['tokenizer_type']}, "
-          f"cpus: {os.cpu_count()}, load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f}")
+        rows.append(
+            {
+                "method": "plain loop" if name == "plain" else f"preprocess --workers {name.split('_')[1]}",
+                "median_s": median,
+                "min_s": min(values),
+                "max_s": max(values),
+                "median_cpu_s": statistics.median(cpu[name]),
+                "tokens_per_s": n_tokens / median,
+                "vs_plain": plain / median,
+            }
+        )
+    print(
+        f"corpus: {CORPUS.name} ({n_tokens:,} tokens with EOD), tokenizer: {tok_args['tokenizer_type']}, "
+        f"cpus: {os.cpu_count()}, load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f}"
+    )
     print(f"{'method':<24}{'median s':>10}{'min s':>8}{'max s':>8}{'CPU s':>8}{'tokens/s':>12}{'vs plain':>10}")
     for r in rows:
-        print(f"{r['method']:<24}{r['median_s']:>10.2f}{r['min_s']:>8.2f}{r['max_s']:>8.2f}{r['median_cpu_s']:>8.2f}"
-              f"{r['tokens_per_s']:>12,.0f}{r['vs_plain']:>9.2f}x")
+        print(
+            f"{r['method']:<24}{r['median_s']:>10.2f}{r['min_s']:>8.2f}{r['max_s']:>8.2f}{r['median_cpu_s']:>8.2f}"
+            f"{r['tokens_per_s']:>12,.0f}{r['vs_plain']:>9.2f}x"
+        )
     print(f"1 and {max(args.workers)} workers byte-identical: {identical}; target at 2 workers: >= {TARGET_RATIO}x")
     if cli_seconds is not None:
-        print(f"end to end `python -m megatron_lite preprocess --workers {max(args.workers)}`: "
-              f"{cli_seconds:.2f} s ({n_tokens / cli_seconds:,.0f} tokens/s incl. interpreter start and imports)")
-    print(f"random reads, seq_length {args.seq_length}: IndexedDataset.get {reads['indexed_dataset_get_per_s']:,.0f}/s"
-          + (f", GPTDataset[i] {reads['gpt_dataset_samples_per_s']:,.0f}/s ({reads['gpt_dataset_len']:,} samples)"
-             if "gpt_dataset_samples_per_s" in reads else f", GPTDataset not measured ({reads['gpt_dataset_error']})"))
+        print(
+            f"end to end `python -m megatron_lite preprocess --workers {max(args.workers)}`: "
+            f"{cli_seconds:.2f} s ({n_tokens / cli_seconds:,.0f} tokens/s incl. interpreter start and imports)"
+        )
+    print(
+        f"random reads, seq_length {args.seq_length}: IndexedDataset.get {reads['indexed_dataset_get_per_s']:,.0f}/s"
+        + (
+            f", GPTDataset[i] {reads['gpt_dataset_samples_per_s']:,.0f}/s ({reads['gpt_dataset_len']:,} samples)"
+            if "gpt_dataset_samples_per_s" in reads
+            else f", GPTDataset not measured ({reads['gpt_dataset_error']})"
+        )
+    )
 
     result = {
         "benchmark": "preprocess",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
-        "corpus": str(CORPUS.relative_to(REPO_ROOT)), "tokens": n_tokens, "tokenizer": tok_args["tokenizer_type"],
-        "repeats": args.repeats, "times_s": times, "cpu_s": cpu, "rows": rows, "target_ratio_at_2_workers": TARGET_RATIO,
-        "workers_byte_identical": identical, "cli_end_to_end_s": cli_seconds, "random_reads": reads,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+        },
+        "corpus": str(CORPUS.relative_to(REPO_ROOT)),
+        "tokens": n_tokens,
+        "tokenizer": tok_args["tokenizer_type"],
+        "repeats": args.repeats,
+        "times_s": times,
+        "cpu_s": cpu,
+        "rows": rows,
+        "target_ratio_at_2_workers": TARGET_RATIO,
+        "workers_byte_identical": identical,
+        "cli_end_to_end_s": cli_seconds,
+        "random_reads": reads,
     }
     out = REPO_ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)

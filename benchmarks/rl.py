@@ -6,8 +6,9 @@ One GRPO step of :class:`~megatron_lite.rl.GRPOModule` = sample ``--group-size``
 the old log-probs with the trainer's forward, then ``--updates`` engine train steps. A subclass times each
 phase with ``time.perf_counter`` (wall) per step; the first ``--warmup`` steps are dropped; step times are
 medians, the shares are each phase's total over the measured steps' total (``train`` = the rest of the step:
-the optimizer steps' forward, backward, reduction and update). ``rollout tokens/s`` = generated tokens (all ranks of one replica generate the same ones) /
-generation time. TP2 runs on 2 forked ranks (gloo) and rank 0 writes its timings to a file.
+the optimizer steps' forward, backward, reduction and update). ``rollout tokens/s`` = generated tokens (all ranks of
+one replica generate the same ones) / generation time. TP2 runs on 2 forked ranks (gloo) and rank 0 writes its timings
+to a file.
 
 The model is random (``--hidden-size`` 256, ``--num-layers`` 4, vocabulary 4096), prompts are random ids
 (NullTokenizer) of 16 tokens, and the reward is the share of even token ids in the response: cheap, never a
@@ -17,6 +18,7 @@ asserted.
 
 Run from the repository root: ``python benchmarks/rl.py [--steps 6] [--skip-tp]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -91,31 +93,63 @@ def run(args, tp: int) -> dict:
     vocab = 4096
     tokenizer = NullTokenizer(vocab)
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt": " ".join(str(int(i)) for i in torch.randint(0, vocab - 1, (16,), generator=g))}
-            for _ in range(4 * args.prompts)]
-    config = ml.GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=8,
-                          vocab_size=vocab, seq_length=16 + args.new_tokens, make_vocab_size_divisible_by=128)
-    data = RLPromptDataModule(tokenizer, rows=rows, seq_length=config.seq_length,
-                              micro_batch_size=args.micro_batch_size, global_batch_size=args.prompts)
-    grpo = GRPOConfig(group_size=args.group_size, max_new_tokens=args.new_tokens, updates_per_batch=args.updates,
-                      stop_ids=[vocab - 1])
+    rows = [
+        {"prompt": " ".join(str(int(i)) for i in torch.randint(0, vocab - 1, (16,), generator=g))}
+        for _ in range(4 * args.prompts)
+    ]
+    config = ml.GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=8,
+        vocab_size=vocab,
+        seq_length=16 + args.new_tokens,
+        make_vocab_size_divisible_by=128,
+    )
+    data = RLPromptDataModule(
+        tokenizer,
+        rows=rows,
+        seq_length=config.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.prompts,
+    )
+    grpo = GRPOConfig(
+        group_size=args.group_size, max_new_tokens=args.new_tokens, updates_per_batch=args.updates, stop_ids=[vocab - 1]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "steps.json")
-        module = TimedGRPO(config, seed=1234, grpo=grpo, reward_fn=even_share, out_file=out,
-                           optimizer=ml.OptimizerConfig(lr=1e-4, lr_decay_style="constant"))
-        trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
-                            accelerator="cpu", devices=tp, max_steps=args.steps * args.updates, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0)
+        module = TimedGRPO(
+            config,
+            seed=1234,
+            grpo=grpo,
+            reward_fn=even_share,
+            out_file=out,
+            optimizer=ml.OptimizerConfig(lr=1e-4, lr_decay_style="constant"),
+        )
+        trainer = L.Trainer(
+            strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+            accelerator="cpu",
+            devices=tp,
+            max_steps=args.steps * args.updates,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
         trainer.fit(module, data)
         recorded = json.loads(Path(out).read_text())
-    steps = recorded["steps"][args.warmup:]
+    steps = recorded["steps"][args.warmup :]
     medians = {k: statistics.median(s[k] for s in steps) for k in (*PHASES, "total")}
     tokens = args.prompts * args.group_size * args.new_tokens
-    return {"tp": tp, "steps": recorded["steps"], "median_s": medians, "rollout_tokens": tokens,
-            "rollout_tokens_per_s": tokens / medians["generate"],
-            "share": {k: sum(s_[k] for s_ in steps) / sum(s_["total"] for s_ in steps) for k in PHASES},
-            "threads": recorded["threads"]}
+    return {
+        "tp": tp,
+        "steps": recorded["steps"],
+        "median_s": medians,
+        "rollout_tokens": tokens,
+        "rollout_tokens_per_s": tokens / medians["generate"],
+        "share": {k: sum(s_[k] for s_ in steps) / sum(s_["total"] for s_ in steps) for k in PHASES},
+        "threads": recorded["threads"],
+    }
 
 
 def main() -> None:
@@ -135,20 +169,35 @@ def main() -> None:
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     runs = [run(args, 1)] + ([] if args.skip_tp else [run(args, 2)])
-    print(f"\nGRPO step: {args.prompts} prompts x {args.group_size} samples x {args.new_tokens} new tokens, "
-          f"{args.updates} update(s); model hidden {args.hidden_size}, {args.num_layers} layers; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\nGRPO step: {args.prompts} prompts x {args.group_size} samples x {args.new_tokens} new tokens, "
+        f"{args.updates} update(s); model hidden {args.hidden_size}, {args.num_layers} layers; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'layout':8} {'step s':>8} {'generate':>9} {'score':>7} {'old lp':>7} {'train':>7} {'rollout tok/s':>14}")
     for r in runs:
         m, s = r["median_s"], r["share"]
-        print(f"{'TP' + str(r['tp']):8} {m['total']:8.3f} {s['generate']:8.0%} {s['score']:7.0%} "
-              f"{s['old_log_probs']:7.0%} {s['train']:7.0%} {r['rollout_tokens_per_s']:14.0f}")
+        print(
+            f"{'TP' + str(r['tp']):8} {m['total']:8.3f} {s['generate']:8.0%} {s['score']:7.0%} "
+            f"{s['old_log_probs']:7.0%} {s['train']:7.0%} {r['rollout_tokens_per_s']:14.0f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "config": vars(args), "machine": {"torch": torch.__version__, "lightning": L.__version__,
-                                          "python": platform.python_version(), "cpus": os.cpu_count(),
-                                          "load_average": os.getloadavg()},
-        "runs": runs}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "config": vars(args),
+                "machine": {
+                    "torch": torch.__version__,
+                    "lightning": L.__version__,
+                    "python": platform.python_version(),
+                    "cpus": os.cpu_count(),
+                    "load_average": os.getloadavg(),
+                },
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

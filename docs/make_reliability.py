@@ -6,6 +6,7 @@
 Each record is one JSON file written by ``tests/integration/reliability_record.py`` from a test that passed
 (the record is written after its assertions). A fault whose test did not run, or failed, shows as "not run".
 """
+
 from __future__ import annotations
 
 import json
@@ -53,15 +54,20 @@ def render(records_dir: Path) -> str:
     for path in sorted(records_dir.glob("*.json")):
         entry = json.loads(path.read_text())
         records[entry["id"]] = entry
-    lines = [HEADER, "| # | fault | what happened | steps lost | data lost | time to recover (s) | test |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        HEADER,
+        "| # | fault | what happened | steps lost | data lost | time to recover (s) | test |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for fault_id, number, test in FAULTS:
         entry = records.get(fault_id)
         if entry is None:
             lines.append(f"| {number} | {fault_id} | not run (or failed) | - | - | - | `{test}` |")
             continue
-        lines.append(f"| {number} | {_cell(entry['fault'])} | {_cell(entry['happened'])} | {_cell(entry['steps_lost'])} "
-                     f"| {_cell(entry['data_lost'])} | {_cell(entry['recover_s'])} | `{test}` |")
+        lines.append(
+            f"| {number} | {_cell(entry['fault'])} | {_cell(entry['happened'])} | {_cell(entry['steps_lost'])} "
+            f"| {_cell(entry['data_lost'])} | {_cell(entry['recover_s'])} | `{test}` |"
+        )
     stamps = sorted(e["recorded_at"] for e in records.values())
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
     try:
@@ -80,8 +86,11 @@ def main(argv: list[str]) -> int:
         return 2
     records_dir, output = Path(argv[0]), Path(argv[1])
     if not records_dir.is_dir():
-        print(f"{records_dir} does not exist: run the fault tests with MEGATRON_LITE_RELIABILITY_DIR={records_dir} "
-              f"first (make reliability)", file=sys.stderr)
+        print(
+            f"{records_dir} does not exist: run the fault tests with MEGATRON_LITE_RELIABILITY_DIR={records_dir} "
+            f"first (make reliability)",
+            file=sys.stderr,
+        )
         return 2
     tmp = output.with_name(f".{output.name}.tmp")
     tmp.write_text(render(records_dir))

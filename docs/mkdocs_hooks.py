@@ -8,6 +8,7 @@ warning, which fails ``mkdocs build --strict`` like a broken link between pages 
 ``repo_url`` when mkdocs.yml sets one, else the path as code. Repository Markdown files listed in
 ``PAGES_FROM_REPO`` are pages of the site (the README is the home page), so links to them stay links.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,11 @@ PAGES_FROM_REPO = {"README.md": "index.md", "benchmarks/README.md": "benchmark-r
 _SLUG = slugify(case="lower")  # GitHub's heading anchors, so one link works on GitHub and on the site
 _FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[ \t]*$", re.MULTILINE | re.DOTALL)
 # a code span (left as it is) or a link/image, whose text may hold code spans and one level of brackets
-_SPAN_OR_LINK = re.compile(r"(?P<code>(?P<ticks>`+).+?(?P=ticks))"
-                           r"|(?P<text>!?\[(?:[^\[\]`]|`[^`]*`|\[[^\]]*\])*\])\((?P<target>[^()\s]+)\)", re.DOTALL)
+_SPAN_OR_LINK = re.compile(
+    r"(?P<code>(?P<ticks>`+).+?(?P=ticks))"
+    r"|(?P<text>!?\[(?:[^\[\]`]|`[^`]*`|\[[^\]]*\])*\])\((?P<target>[^()\s]+)\)",
+    re.DOTALL,
+)
 _HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 
 
@@ -72,7 +76,7 @@ def on_page_markdown(markdown: str, page, config, files):
             relative = posixpath.relpath(pages_by_repo_path[repo_path], site_dir_of_page or ".")
             return f"{text}({relative}{'#' + anchor if anchor else ''})"
         if repo_path.startswith("docs/"):  # inside docs/ but not a page (an image): mkdocs checks it
-            relative = posixpath.relpath(repo_path[len("docs/"):], site_dir_of_page or ".")
+            relative = posixpath.relpath(repo_path[len("docs/") :], site_dir_of_page or ".")
             return f"{text}({relative}{'#' + anchor if anchor else ''})"
         file = root / repo_path
         if repo_path.startswith("..") or not file.exists():
@@ -87,7 +91,7 @@ def on_page_markdown(markdown: str, page, config, files):
 
     out, last = [], 0  # fenced blocks are left as they are
     for fence in _FENCE.finditer(markdown):
-        out += [_SPAN_OR_LINK.sub(rewrite, markdown[last:fence.start()]), fence.group(0)]
+        out += [_SPAN_OR_LINK.sub(rewrite, markdown[last : fence.start()]), fence.group(0)]
         last = fence.end()
     out.append(_SPAN_OR_LINK.sub(rewrite, markdown[last:]))
     return "".join(out)

@@ -13,6 +13,7 @@ token, before and after training.
 
 The same run from the CLI: ``megatron-lite fit --config examples/configs/dpo.yaml`` (from the repository root).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,16 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> str:
             wrong = rng.choice([c for c in CUES if c != cue])
             prompt = " ".join(str(rng.randrange(20, 60)) for _ in range(rng.randint(1, 8))) + f" {cue}"
             length = rng.randint(1, 3)
-            f.write(json.dumps({"prompt": prompt, "chosen": " ".join([str(ANSWER[cue])] * length),
-                                "rejected": " ".join([str(ANSWER[wrong])] * length)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "chosen": " ".join([str(ANSWER[cue])] * length),
+                        "rejected": " ".join([str(ANSWER[wrong])] * length),
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -96,8 +105,11 @@ def main() -> None:
     parser.add_argument("--loss-type", default="sigmoid", choices=("sigmoid", "ipo"))
     parser.add_argument("--pairs", type=int, default=480)
     parser.add_argument("--out", default="runs/dpo")
-    parser.add_argument("--pack", action="store_true",
-                        help="pack pairs into rows of 65 tokens (batch sizes count rows: 8 rows, ~29 pairs a step)")
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack pairs into rows of 65 tokens (batch sizes count rows: 8 rows, ~29 pairs a step)",
+    )
     parser.add_argument("--write-pairs", help="only write the pairs file (JSONL) and exit")
     args = parser.parse_args()
     if args.write_pairs:
@@ -106,19 +118,31 @@ def main() -> None:
     torch.set_num_threads(1)
     pairs = write_pairs(Path(args.out) / "pairs.jsonl", args.pairs)
     seq_length = 64 if args.pack else 16  # unpacked: the longest sequence; packed: rows of several pairs
-    data = PreferenceDataModule(pairs, NullTokenizer(VOCAB), seq_length=seq_length,
-                                micro_batch_size=2 if args.pack else 8, global_batch_size=8 if args.pack else 32,
-                                split="80,20", seed=1, pack_sequences=args.pack)
-    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
-                          seq_length=seq_length)
-    module = DPOModule(config, ml.OptimizerConfig(lr=3e-3, lr_warmup_iters=5, lr_decay_style="cosine",
-                                                  min_lr=3e-4, weight_decay=0.0),
-                       beta=args.beta, loss_type=args.loss_type, precompute_reference_log_probs=True)
+    data = PreferenceDataModule(
+        pairs,
+        NullTokenizer(VOCAB),
+        seq_length=seq_length,
+        micro_batch_size=2 if args.pack else 8,
+        global_batch_size=8 if args.pack else 32,
+        split="80,20",
+        seed=1,
+        pack_sequences=args.pack,
+    )
+    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=seq_length)
+    module = DPOModule(
+        config,
+        ml.OptimizerConfig(lr=3e-3, lr_warmup_iters=5, lr_decay_style="cosine", min_lr=3e-4, weight_decay=0.0),
+        beta=args.beta,
+        loss_type=args.loss_type,
+        precompute_reference_log_probs=True,
+    )
     data.setup()
     train = data.datasets["train"]
     rows = len(train) * (1 if args.pack else 2)
-    print(f"train split: {rows} rows of {seq_length + 1} tokens, {train.padding_fraction:.1%} of them padding "
-          f"({'packed pairs' if args.pack else 'one sequence per row'})")
+    print(
+        f"train split: {rows} rows of {seq_length + 1} tokens, {train.padding_fraction:.1%} of them padding "
+        f"({'packed pairs' if args.pack else 'one sequence per row'})"
+    )
     # The same held-out pairs one per row (the split is by pair), for the policy's own preferences below.
     unpacked = PreferenceDataModule(pairs, NullTokenizer(VOCAB), seq_length=16, split="80,20", seed=1)
     unpacked.setup()
@@ -126,25 +150,40 @@ def main() -> None:
     module.configure_model()
     before = policy_preferences(module, held_out)
     progress = Progress(Path(args.out) / "metrics.json")
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp, start_method="fork"),
-                        accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
-                        val_check_interval=args.max_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[progress])
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp, start_method="fork"),
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.max_steps,
+        val_check_interval=args.max_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[progress],
+    )
     start = time.perf_counter()
     trainer.fit(module, data)  # the trained weights come back into this process's module
     seconds = time.perf_counter() - start
     after = policy_preferences(module, held_out)
     logged = json.loads(progress.path.read_text())
     acc, val = logged["accuracy"], logged["val"]
-    print(f"\nDPO ({args.loss_type}, beta={args.beta}) on {args.pairs} cued pairs, TP{args.tp} over {args.devices} "
-          f"processes: {args.max_steps} steps in {seconds:.0f} s")
+    print(
+        f"\nDPO ({args.loss_type}, beta={args.beta}) on {args.pairs} cued pairs, TP{args.tp} over {args.devices} "
+        f"processes: {args.max_steps} steps in {seconds:.0f} s"
+    )
     print(f"train reward accuracy: first step {acc[0]:.2f}, mean of the last 10 steps {sum(acc[-10:]) / 10:.2f}")
-    print(f"held-out ({len(held_out)} pairs): reward accuracy {val['val/reward_accuracy']:.3f}, "
-          f"margin {val['val/reward_margin']:.2f} (chosen {val['val/rewards_chosen']:+.2f}, "
-          f"rejected {val['val/rewards_rejected']:+.2f}), loss {val['val/loss']:.3f}")
-    print(f"policy prefers the chosen reply: {before[0]:.2f} before -> {after[0]:.2f} after; "
-          f"greedy answer is the preferred token: {before[1]:.2f} -> {after[1]:.2f}")
+    print(
+        f"held-out ({len(held_out)} pairs): reward accuracy {val['val/reward_accuracy']:.3f}, "
+        f"margin {val['val/reward_margin']:.2f} (chosen {val['val/rewards_chosen']:+.2f}, "
+        f"rejected {val['val/rewards_rejected']:+.2f}), loss {val['val/loss']:.3f}"
+    )
+    print(
+        f"policy prefers the chosen reply: {before[0]:.2f} before -> {after[0]:.2f} after; "
+        f"greedy answer is the preferred token: {before[1]:.2f} -> {after[1]:.2f}"
+    )
 
 
 if __name__ == "__main__":

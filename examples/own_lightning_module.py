@@ -7,6 +7,7 @@ Manual optimization keeps Lightning from running a second backward.
 
     python examples/own_lightning_module.py --devices 2 --tp 2 --max-steps 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,11 +57,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp), accelerator="cpu",
-                        devices=args.devices, max_steps=args.max_steps, logger=False, enable_checkpointing=False,
-                        limit_val_batches=0)
-    trainer.fit(MyGPT(config), MockGPTDataModule(seq_length=64, micro_batch_size=2, global_batch_size=8,
-                                                 vocab_size=512))
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp),
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(
+        MyGPT(config), MockGPTDataModule(seq_length=64, micro_batch_size=2, global_batch_size=8, vocab_size=512)
+    )
     if trainer.global_rank == 0:
         print(f"final train/loss: {float(trainer.callback_metrics['train/loss']):.4f}")
 

@@ -18,6 +18,7 @@
 Training runs on ``--devices`` forked processes (tensor parallel over ``--tp``) and hands the model back to this
 process; every later step runs here, on one process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ import torch
 
 import megatron_lite as ml
 from megatron_lite.callbacks import Distill, TrainDraftHead
-from megatron_lite.post_training import quantize, speculative_generate
 from megatron_lite.data import TextCorpusDataModule
+from megatron_lite.post_training import quantize, speculative_generate
 from megatron_lite.post_training.pruning import PruneTarget, prune
 from megatron_lite.pretrained import save_weights_checkpoint
 
@@ -40,15 +41,31 @@ SEQ, VOCAB = 64, 1024
 
 
 def data_module() -> TextCorpusDataModule:
-    return TextCorpusDataModule("shakespeare", seq_length=SEQ, micro_batch_size=16, global_batch_size=16,
-                                vocab_size=VOCAB, cache_dir=str(OUT / "data"))
+    return TextCorpusDataModule(
+        "shakespeare",
+        seq_length=SEQ,
+        micro_batch_size=16,
+        global_batch_size=16,
+        vocab_size=VOCAB,
+        cache_dir=str(OUT / "data"),
+    )
 
 
 def trainer(max_steps: int = -1, devices: int = 1, tp: int = 1, callbacks=(), val_batches: int = 32) -> L.Trainer:
     strategy = ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork" if devices > 1 else "popen")
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                     limit_val_batches=val_batches, num_sanity_val_steps=0, callbacks=list(callbacks))
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=val_batches,
+        num_sanity_val_steps=0,
+        callbacks=list(callbacks),
+    )
 
 
 def held_out(module: ml.GPTModule, data: TextCorpusDataModule) -> float:
@@ -62,15 +79,28 @@ def save(module: ml.GPTModule, path: Path, data) -> None:
 
 
 def report(step: str, module: ml.GPTModule, loss: float, extra: str = "") -> None:
-    print(f"[{step}] held-out loss {loss:.4f} (perplexity {math.exp(loss):.2f}), "
-          f"{module.config.num_parameters():,} parameters{extra}", flush=True)
+    print(
+        f"[{step}] held-out loss {loss:.4f} (perplexity {math.exp(loss):.2f}), "
+        f"{module.config.num_parameters():,} parameters{extra}",
+        flush=True,
+    )
 
 
 def step_train(args, data) -> ml.GPTModule:
-    config = ml.GPTConfig(num_layers=6, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=352, vocab_size=VOCAB, seq_length=SEQ)
-    module = ml.GPTModule(config, ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=20, weight_decay=0.1,
-                                                     adam_beta2=0.95, clip_grad=1.0), seed=1234)
+    config = ml.GPTConfig(
+        num_layers=6,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=352,
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+    )
+    module = ml.GPTModule(
+        config,
+        ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=20, weight_decay=0.1, adam_beta2=0.95, clip_grad=1.0),
+        seed=1234,
+    )
     start = time.perf_counter()
     trainer(args.max_steps, args.devices, args.tp, val_batches=0).fit(module, data)
     print(f"[1 train] {args.max_steps} steps in {time.perf_counter() - start:.0f} s on {args.devices} process(es)")
@@ -82,12 +112,15 @@ def step_quantize(data) -> ml.GPTModule:
     """INT8 SmoothQuant PTQ (with an FP8 KV cache) of a copy of the trained model, calibrated on 16 training batches."""
     module = ml.GPTModule.from_pretrained(OUT / "trained.ckpt")
     rows = [data.train_dataset[i]["tokens"] for i in range(16 * 16)]
-    calibration = [{"tokens": torch.stack(rows[i:i + 16])} for i in range(0, len(rows), 16)]
+    calibration = [{"tokens": torch.stack(rows[i : i + 16])} for i in range(0, len(rows), 16)]
     start = time.perf_counter()
     quantize(module, "INT8_SMOOTHQUANT_CFG", calibration, kv_cache="FP8_KV_CFG")
     save(module, OUT / "int8.ckpt", data)
-    print(f"[2 quantize] INT8_SMOOTHQUANT_CFG + FP8_KV_CFG calibrated in {time.perf_counter() - start:.1f} s; "
-          f"written to {OUT / 'int8.ckpt'}", flush=True)
+    print(
+        f"[2 quantize] INT8_SMOOTHQUANT_CFG + FP8_KV_CFG calibrated in {time.perf_counter() - start:.1f} s; "
+        f"written to {OUT / 'int8.ckpt'}",
+        flush=True,
+    )
     return module
 
 
@@ -102,14 +135,18 @@ def step_evaluate(module: ml.GPTModule, quantized, data) -> float:
 
 def step_prune(module: ml.GPTModule, data) -> ml.GPTModule:
     rows = [data.train_dataset[i]["tokens"] for i in range(16 * 16)]  # 16 batches of 16 training rows
-    calibration = [{"tokens": torch.stack(rows[i:i + 16])} for i in range(0, len(rows), 16)]
+    calibration = [{"tokens": torch.stack(rows[i : i + 16])} for i in range(0, len(rows), 16)]
     target = PruneTarget(num_layers=4, hidden_size=96, num_query_groups=1, ffn_hidden_size=256)
     pruned = prune(module, target, calibration, layer_metric="cosine")
     save(pruned, OUT / "pruned.ckpt", data)
     c = pruned.config
-    report("4 prune", pruned, held_out(pruned, data),
-           f" (layers {c.num_layers}, hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_query_groups} "
-           f"groups, ffn {c.ffn_hidden_size}; written to {OUT / 'pruned.ckpt'})")
+    report(
+        "4 prune",
+        pruned,
+        held_out(pruned, data),
+        f" (layers {c.num_layers}, hidden {c.hidden_size}, heads {c.num_attention_heads}/{c.num_query_groups} "
+        f"groups, ffn {c.ffn_hidden_size}; written to {OUT / 'pruned.ckpt'})",
+    )
     return pruned
 
 
@@ -117,8 +154,9 @@ def step_distill(args, data, trained_loss: float, pruned_loss: float) -> ml.GPTM
     results = {}
     for name, callbacks in (("trained alone", []), ("distilled", [Distill(str(OUT / "trained.ckpt"))])):
         student = ml.GPTModule.from_pretrained(OUT / "pruned.ckpt").train()  # Distill teaches in training mode
-        student.optimizer_config = ml.OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, weight_decay=0.1,
-                                                      adam_beta2=0.95, clip_grad=1.0)
+        student.optimizer_config = ml.OptimizerConfig(
+            lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, weight_decay=0.1, adam_beta2=0.95, clip_grad=1.0
+        )
         trainer(args.distill_steps, callbacks=callbacks, val_batches=0).fit(student, data)
         results[name] = (student, held_out(student, data))
         report(f"5 distill: pruned + {args.distill_steps} steps {name}", student, results[name][1])
@@ -130,8 +168,9 @@ def step_distill(args, data, trained_loss: float, pruned_loss: float) -> ml.GPTM
 
 def step_speculate(args, module: ml.GPTModule, data) -> None:
     """Train an EAGLE draft head on the frozen distilled model, then decode held-out prompts speculatively."""
-    module.optimizer_config = ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=min(10, args.draft_steps // 2),
-                                                 weight_decay=0.0, clip_grad=1.0)  # the head's only: the base is frozen
+    module.optimizer_config = ml.OptimizerConfig(
+        lr=3e-3, min_lr=3e-4, lr_warmup_iters=min(10, args.draft_steps // 2), weight_decay=0.0, clip_grad=1.0
+    )  # the head's only: the base is frozen
     trainer(args.draft_steps, callbacks=[TrainDraftHead()], val_batches=0).fit(module, data)
     module.model.eval()
     tokenizer = data.tokenizer
@@ -143,8 +182,11 @@ def step_speculate(args, module: ml.GPTModule, data) -> None:
             result = speculative_generate(module, [prompt], 32, num_draft_tokens=k)
             equal &= result.tokens[0] == expected
             accepted.append(result.acceptance_length)
-        print(f"[6 speculate] {k} draft tokens: acceptance length {sum(accepted) / len(accepted):.2f} tokens per base "
-              f"forward, output {'equal to' if equal else 'DIFFERENT FROM'} plain greedy", flush=True)
+        print(
+            f"[6 speculate] {k} draft tokens: acceptance length {sum(accepted) / len(accepted):.2f} tokens per base "
+            f"forward, output {'equal to' if equal else 'DIFFERENT FROM'} plain greedy",
+            flush=True,
+        )
     print(f"[6 speculate] {tokenizer.detokenize(prompts[0] + greedy[0])!r}")
 
 

@@ -7,6 +7,7 @@ acceptance length (generated tokens per base-model forward pass) and the wall-cl
 
     python examples/speculative_decoding.py [--base-steps 300] [--draft-steps 200] [--layers 4] [--hidden 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,17 @@ from megatron_lite.post_training import speculative_generate
 
 
 def _trainer(steps: int, callbacks=()) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                     callbacks=list(callbacks))
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
 
 
 def main() -> None:
@@ -41,11 +50,25 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
 
-    data = TextCorpusDataModule("shakespeare", seq_length=128, micro_batch_size=8, global_batch_size=8,
-                                vocab_size=1024, cache_dir=str(out / "cache"))
-    config = ml.GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_query_groups=2,
-                          vocab_size=data.vocab_size, seq_length=128)
-    optimizer = ml.OptimizerConfig(lr=2e-3, lr_warmup_iters=min(50, args.draft_steps // 4), lr_decay_style="cosine", min_lr=2e-4)
+    data = TextCorpusDataModule(
+        "shakespeare",
+        seq_length=128,
+        micro_batch_size=8,
+        global_batch_size=8,
+        vocab_size=1024,
+        cache_dir=str(out / "cache"),
+    )
+    config = ml.GPTConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=data.vocab_size,
+        seq_length=128,
+    )
+    optimizer = ml.OptimizerConfig(
+        lr=2e-3, lr_warmup_iters=min(50, args.draft_steps // 4), lr_decay_style="cosine", min_lr=2e-4
+    )
 
     start = time.perf_counter()
     base = ml.GPTModule(config, optimizer)
@@ -57,8 +80,10 @@ def main() -> None:
     module.configure_model()
     module.model.load_state_dict(base.model.state_dict())  # the same base, frozen by the callback
     _trainer(args.draft_steps, [TrainDraftHead(save_path=out / "draft_head.safetensors")]).fit(module, data)
-    print(f"draft head: {args.draft_steps} steps in {time.perf_counter() - start:.0f} s "
-          f"(written to {out / 'draft_head.safetensors'})")
+    print(
+        f"draft head: {args.draft_steps} steps in {time.perf_counter() - start:.0f} s "
+        f"(written to {out / 'draft_head.safetensors'})"
+    )
 
     # held-out text: the validation split, never trained on
     data.setup("validate")
@@ -82,11 +107,10 @@ def main() -> None:
     print(f"plain greedy: {sum(map(len, greedy))} tokens in {plain_s:.2f} s (best of 3)")
     print("   k  equal  acceptance length  speedup")
     for k in (1, 2, 3, 4, 6):
-        result, seconds = timed(lambda: speculative_generate(module, prompts, args.new_tokens, num_draft_tokens=k))
+        result, seconds = timed(lambda k=k: speculative_generate(module, prompts, args.new_tokens, num_draft_tokens=k))
         _, plain_again = timed(plain)  # interleaved: both measured under the same load
         plain_s = min(plain_s, plain_again)
-        print(f"{k:4d}  {str(result.tokens == greedy):5s}  {result.acceptance_length:17.2f}  "
-              f"{plain_s / seconds:6.2f}x")
+        print(f"{k:4d}  {str(result.tokens == greedy):5s}  {result.acceptance_length:17.2f}  {plain_s / seconds:6.2f}x")
     print("sample:", data.tokenizer.detokenize(prompts[0]) + " |>> " + data.tokenizer.detokenize(greedy[0]))
 
 

@@ -5,9 +5,11 @@ schedule and checkpointing all come from GPTModule and MegatronStrategy.
 
     python examples/subclass_gpt_module.py --devices 2 --tp 2 --max-steps 20
 """
+
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 import lightning as L
 import torch
@@ -21,8 +23,13 @@ from megatron_lite.data import MockGPTDataModule
 class ZLossGPTModule(ml.GPTModule):
     """Next-token loss plus ``z_loss_weight * log(Z)^2`` per token (keeps the logits from drifting)."""
 
-    def __init__(self, config: ml.GPTConfig, optimizer: ml.OptimizerConfig = ml.OptimizerConfig(),
-                 seed: int = 1234, z_loss_weight: float = 1e-4):
+    def __init__(
+        self,
+        config: ml.GPTConfig,
+        optimizer: Optional[ml.OptimizerConfig] = None,
+        seed: int = 1234,
+        z_loss_weight: float = 1e-4,
+    ):
         super().__init__(config, optimizer, seed)
         self.z_loss_weight = z_loss_weight
 
@@ -52,9 +59,15 @@ def main() -> None:
     torch.set_num_threads(1)
     config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)
     module = ZLossGPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2))
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp), accelerator="cpu",
-                        devices=args.devices, max_steps=args.max_steps, logger=False, enable_checkpointing=False,
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=args.tp),
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, MockGPTDataModule(seq_length=64, micro_batch_size=2, global_batch_size=8, vocab_size=512))
     if trainer.global_rank == 0:
         print(f"final train/loss (with z-loss): {float(trainer.callback_metrics['train/loss']):.4f}")

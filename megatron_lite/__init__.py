@@ -10,6 +10,7 @@ command's own process skips it: ``--help``, ``checkpoint inspect``, ``convert --
 touch Lightning there, and the verbs that train register the strategy themselves
 (:func:`megatron_lite.cli.lightning_cli.run_lightning_cli`).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_lite._moved_modules import MOVED, install_moved_module_aliases
 
 if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checkers and IDEs
-    from megatron_lite import callbacks, data, post_training, tokenizers
+    from megatron_lite import callbacks, data, post_training, tokenizers  # noqa: F401  (lazy subpackages)
     from megatron_lite.core.models import GPTConfig, GPTModel
     from megatron_lite.core.optim import OptimizerConfig
     from megatron_lite.core.parallel import ParallelConfig, ParallelLayout
@@ -28,8 +29,16 @@ if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checker
     from megatron_lite.strategies import MegatronStrategy
 
 __version__ = "0.1.0"
-__all__ = ["GPTConfig", "GPTModel", "GPTModule", "MegatronStrategy", "OptimizerConfig", "ParallelConfig",
-           "ParallelLayout", "__version__"]
+__all__ = [
+    "GPTConfig",
+    "GPTModel",
+    "GPTModule",
+    "MegatronStrategy",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ParallelLayout",
+    "__version__",
+]
 
 _LAZY_NAMES = {
     "GPTConfig": "megatron_lite.core.models",

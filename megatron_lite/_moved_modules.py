@@ -6,6 +6,7 @@ One finder on ``sys.meta_path``, added by ``import megatron_lite``: it answers o
 (no file has them any more), so nothing else is affected. It goes first: an editable install's finder would
 otherwise answer for them from another checkout's files.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -45,8 +46,11 @@ class _MovedModuleLoader(importlib.abc.Loader):
         return None  # a placeholder; exec_module puts the real module in its place
 
     def exec_module(self, module: ModuleType) -> None:
-        warnings.warn(f"{module.__name__} moved to {self.new_name}; import it from there (the old name will be "
-                      f"removed)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{module.__name__} moved to {self.new_name}; import it from there (the old name will be removed)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         # The import system returns what sys.modules holds under the name once the loader is done, so the old
         # name is the new module itself (one module object: its state and its patches are shared).
         sys.modules[module.__name__] = importlib.import_module(self.new_name)
@@ -55,8 +59,9 @@ class _MovedModuleLoader(importlib.abc.Loader):
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
     """Finds the old names of :data:`MOVED`, and nothing else."""
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
-                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
         new_name = MOVED.get(fullname)
         return None if new_name is None else importlib.util.spec_from_loader(fullname, _MovedModuleLoader(new_name))
 

@@ -7,6 +7,7 @@ module supplies only the model, a stage forward and the loss. That is why the mo
 Lightning's manual optimization: Lightning must not run a second backward. Its inference entry points
 (``full_logits``, ``generate``, ``generate_batch``) are ``module_inference.py``'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,18 +27,14 @@ from megatron_lite.core.engine.extensions import ExtendedObjective, ObjectiveExt
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
-from megatron_lite.core.optim.scheduler import schedule_lengths
 from megatron_lite.core.optim.distributed import DistributedOptimizer
 from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
-from megatron_lite.core.parallel.fsdp import apply_fsdp2
+from megatron_lite.core.optim.scheduler import schedule_lengths
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
+from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.core.timers import Timers
-from megatron_lite.module_inference import GPTInference
-from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
-from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
     gpt_forward_step,
@@ -45,10 +42,15 @@ from megatron_lite.core.parallel.schedules import (
     masked_token_loss,
     split_microbatches,
 )
+from megatron_lite.core.timers import Timers
+from megatron_lite.module_inference import GPTInference
+from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
+from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
-_POST_STEP_CHECKPOINT_WARNING = ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
-                                 "pre-optimization state was saved.")
+_POST_STEP_CHECKPOINT_WARNING = (
+    "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no pre-optimization state was saved."
+)
 
 
 class GPTModule(GPTInference, pl.LightningModule):
@@ -66,8 +68,13 @@ class GPTModule(GPTInference, pl.LightningModule):
     """The loss is a mean next-token negative log-likelihood, so ``exp(val/loss)`` is a perplexity (the metrics
     callback logs ``val/perplexity`` only then); objectives with another loss (DPO, reward models) set False."""
 
-    def __init__(self, config: GPTConfig, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER, seed: int = 1234,
-                 strict_loading: bool = True):
+    def __init__(
+        self,
+        config: GPTConfig,
+        optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER,
+        seed: int = 1234,
+        strict_loading: bool = True,
+    ):
         """``strict_loading``: Lightning's ``LightningModule.strict_loading`` (settable here for the CLI,
         ``--model.strict_loading false``): a checkpoint given as ``ckpt_path`` must hold exactly this module's
         tensors (missing and unexpected ones are refused by name), unless False: then the tensors both have
@@ -94,8 +101,15 @@ class GPTModule(GPTInference, pl.LightningModule):
         """The epoch means of the metrics the loss reports in evaluation, made at their first batch."""
 
     @classmethod
-    def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
-                        strict: bool = True, **config_overrides: Any) -> "GPTModule":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        optimizer: Optional[OptimizerConfig] = None,
+        seed: Optional[int] = None,
+        strict: bool = True,
+        **config_overrides: Any,
+    ) -> "GPTModule":
         """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2 directory
         (config.json + safetensors) or one of our checkpoints (its saved config, optimizer settings and seed).
 
@@ -127,7 +141,8 @@ class GPTModule(GPTInference, pl.LightningModule):
             raise ValueError(
                 f"GPTModule runs its own microbatch schedule and gradient reduction, which need "
                 f"MegatronStrategy for more than one process (got {type(trainer.strategy).__name__} with "
-                f"{trainer.world_size} processes); use Trainer(strategy='megatron').")
+                f"{trainer.world_size} processes); use Trainer(strategy='megatron')."
+            )
         return ParallelLayout.single()
 
     def build_model(self, layout: ParallelLayout) -> nn.Module:
@@ -227,7 +242,8 @@ class GPTModule(GPTInference, pl.LightningModule):
         if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
             raise ValueError(
                 f"the data's vocabulary ({data_vocab} tokens) is larger than the model's vocab_size "
-                f"({self.config.vocab_size}); set model.config.vocab_size={data_vocab}.")
+                f"({self.config.vocab_size}); set model.config.vocab_size={data_vocab}."
+            )
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(tokens, labels)
@@ -286,8 +302,9 @@ class GPTModule(GPTInference, pl.LightningModule):
         self.log_training_step(step, result, lr)
         return step.loss
 
-    def engine_train_step(self, microbatches: list[dict], global_batch_samples: int
-                          ) -> tuple[StepLoss, StepResult, float]:
+    def engine_train_step(
+        self, microbatches: list[dict], global_batch_samples: int
+    ) -> tuple[StepLoss, StepResult, float]:
         """One engine train step over ``microbatches`` (this rank's share of a global batch of
         ``global_batch_samples``), then the LR schedule's step, which (as Megatron's) advances only when the
         weights were updated. Returns the step's loss, the optimizer's result and the LR it ran at."""
@@ -361,8 +378,14 @@ class GPTModule(GPTInference, pl.LightningModule):
                 self.report_metrics[key] = MeanMetric().to(mean.device)
             metric = self.report_metrics[key]
             metric.update(mean, weight=step.report[name][1].to(mean.dtype))
-            self.log(f"{prefix}/{name}", metric, on_step=False, on_epoch=True,
-                     prog_bar=name in self.progress_bar_metrics, metric_attribute=f"report_metrics.{key}")
+            self.log(
+                f"{prefix}/{name}",
+                metric,
+                on_step=False,
+                on_epoch=True,
+                prog_bar=name in self.progress_bar_metrics,
+                metric_attribute=f"report_metrics.{key}",
+            )
 
     def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Next-token logits over the real vocabulary ``[b, s, vocab_size]`` (gathered across TP) for
@@ -375,8 +398,9 @@ class GPTModule(GPTInference, pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Which tokenizer the data used, with copies of its files (the originals may sit in a cache that goes
         # away), so `megatron-lite generate` can detokenize and `convert --to hf` export it.
-        checkpoint.update(tokenizer_metadata(
-            getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None)))
+        checkpoint.update(
+            tokenizer_metadata(getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None))
+        )
 
     def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
         """What one sample of ``datamodule`` costs per training step (FLOPs, MFU and the memory estimate count
@@ -384,37 +408,50 @@ class GPTModule(GPTInference, pl.LightningModule):
         return ObjectiveCost()
 
     # --- optimizer ------------------------------------------------------------------------
-    def check_before_launch(self, run: RunSpec, trainer: "pl.Trainer", module: "pl.LightningModule",
-                            datamodule: Optional["pl.LightningDataModule"]) -> None:
+    def check_before_launch(
+        self,
+        run: RunSpec,
+        trainer: "pl.Trainer",
+        module: "pl.LightningModule",
+        datamodule: Optional["pl.LightningDataModule"],
+    ) -> None:
         """Checks that need the Trainer, the run or the data (MegatronStrategy's pre-launch check: before it
         starts any process, and again in every rank)."""
         if trainer.state.fn == "fit":
             schedule_lengths(self.optimizer_config, trainer.max_steps)  # every schedule check, in its unit
             cfg = self.optimizer_config
-            if run.data is not None and run.data.rampup_batch_size and not cfg.sample_based and \
-                    (cfg.lr_decay_style != "constant" or cfg.lr_warmup_iters > 0):
+            if (
+                run.data is not None
+                and run.data.rampup_batch_size
+                and not cfg.sample_based
+                and (cfg.lr_decay_style != "constant" or cfg.lr_warmup_iters > 0)
+            ):
                 # Megatron refuses iteration-based schedules with ramp-up: steps of different sizes.
                 raise ValueError(
                     "rampup_batch_size with an iteration-based LR schedule: steps consume different numbers of "
                     "samples during the ramp, so set the schedule in samples (lr_warmup_samples, lr_decay_samples, "
-                    "lr_wsd_decay_samples) or use lr_decay_style='constant' without warmup.")
+                    "lr_wsd_decay_samples) or use lr_decay_style='constant' without warmup."
+                )
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(
                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "
                     f"over microbatches itself; raise the datamodule's global_batch_size instead (it is split into "
-                    f"global_batch_size / (micro_batch_size x dp) microbatches per step).")
+                    f"global_batch_size / (micro_batch_size x dp) microbatches per step)."
+                )
             self._check_pipeline(run)
             if trainer.gradient_clip_val:
                 raise ValueError(
                     f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
-                    f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead.")
+                    f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead."
+                )
         if trainer.state.fn != "predict" and run.parallel.context_parallel_size > 1 and self._overrides_loss_fn():
             # predict runs whole sequences on every CP rank
             raise ValueError(
                 f"{type(self).__name__} overrides loss_fn, which is given whole {{'tokens': [b, s+1]}} microbatches; "
                 f"under context parallelism each rank holds a share of every sequence ('tokens' and 'labels' "
                 f"[b, s/C]): override forward_step(part, microbatch, input_tensor) and loss(output, microbatch) "
-                f"instead, or set context_parallel_size=1.")
+                f"instead, or set context_parallel_size=1."
+            )
         self._check_vocab(datamodule)
 
     def _check_pipeline(self, run: RunSpec) -> None:
@@ -424,12 +461,14 @@ class GPTModule(GPTInference, pl.LightningModule):
             raise ValueError(
                 f"{type(self).__name__} overrides loss_fn, which runs the whole model in one call; under pipeline "
                 f"parallelism each stage runs only its layers: override forward_step(part, microbatch, input_tensor) "
-                f"and loss(output, microbatch) instead, or set pipeline_model_parallel_size=1.")
+                f"and loss(output, microbatch) instead, or set pipeline_model_parallel_size=1."
+            )
         if self.config.share_embeddings_and_output_weights and run.overlap_grad_reduce:
             raise ValueError(
                 "overlap_grad_reduce=True with tied embeddings under pipeline parallelism: the embedding's gradient "
                 "must be summed over the first and last stage before its bucket is reduced; set "
-                "share_embeddings_and_output_weights=False or overlap_grad_reduce=False.")
+                "share_embeddings_and_output_weights=False or overlap_grad_reduce=False."
+            )
 
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
@@ -439,8 +478,10 @@ class GPTModule(GPTInference, pl.LightningModule):
         if self.megatron_optimizer is not None:  # a second fit on this module: detach the previous one
             self.megatron_optimizer.remove_hooks()
         run = self._run_spec()
-        buckets = dict(bucket_size=run.ddp_bucket_size if run is not None else None,
-                       overlap_grad_reduce=run is not None and run.overlap_grad_reduce)
+        buckets = dict(
+            bucket_size=run.ddp_bucket_size if run is not None else None,
+            overlap_grad_reduce=run is not None and run.overlap_grad_reduce,
+        )
         if cfg.use_distributed_optimizer:
             self.megatron_optimizer = DistributedOptimizer(self.model, cfg, layout, fp16=fp16, **buckets)
         elif self._fsdp():

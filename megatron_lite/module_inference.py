@@ -2,6 +2,7 @@
 generation with a KV cache (:meth:`~GPTInference.generate`) and the continuation of a prompt batch in
 ``trainer.predict`` (:meth:`~GPTInference.generate_batch`). Each runs the model in eval mode whatever mode it is in
 and leaves that mode as it was; each works alone (no Trainer) and inside a Trainer at any layout."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +40,17 @@ class GPTInference:
             logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
         return gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: Optional[int] = None, stop_ids: Optional[list[int]] = None,
-                 return_log_probs: bool = False) -> GenerationResult:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop_ids: Optional[list[int]] = None,
+        return_log_probs: bool = False,
+    ) -> GenerationResult:
         """Continue each prompt (a list of token ids; any lengths) by up to ``max_new_tokens`` tokens with a KV
         cache: greedy at ``temperature=0``, else sampled (``top_k``/``top_p`` filtering, reproducible with
         ``seed``). A row ends after one of ``stop_ids``. Returns the new tokens of each prompt (and with
@@ -53,9 +62,14 @@ class GPTInference:
         if self.model is None:
             self.configure_model()
         with _eval_mode(self.model):
-            return generate_tokens(self.model, prompts, max_new_tokens,
-                                   SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-                                   stop_ids=stop_ids, return_log_probs=return_log_probs)
+            return generate_tokens(
+                self.model,
+                prompts,
+                max_new_tokens,
+                SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                stop_ids=stop_ids,
+                return_log_probs=return_log_probs,
+            )
 
     def generate_batch(self, batch: dict) -> torch.Tensor:
         """Continue a batch of a :class:`~megatron_lite.data.PromptDataModule`: ``prompt_tokens`` [b, L] (each
@@ -68,8 +82,14 @@ class GPTInference:
         max_new_tokens = int(options.pop("max_new_tokens"))
         sampling = SamplingParams(**{k: options.pop(k) for k in ("temperature", "top_k", "top_p", "seed")})
         with _eval_mode(self.model):
-            result = generate_tokens(self.model, prompts, max_new_tokens, sampling, stop_ids=options.pop("stop_ids"),
-                                     row_ids=batch["index"].tolist())
+            result = generate_tokens(
+                self.model,
+                prompts,
+                max_new_tokens,
+                sampling,
+                stop_ids=options.pop("stop_ids"),
+                row_ids=batch["index"].tolist(),
+            )
         out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
         for i, tokens in enumerate(result.tokens):
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)

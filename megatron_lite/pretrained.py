@@ -7,6 +7,7 @@ weights as one of our checkpoints (what ``megatron-lite convert --from hf`` prod
 format as ``trainer.save_checkpoint`` without optimizer or loop state, so ``from_pretrained``,
 ``validate/test/predict(ckpt_path=...)`` and ``convert --to hf`` read it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,10 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"unknown GPTConfig field(s) {unknown}; from_pretrained's keyword arguments are GPTConfig "
-                         f"fields (and optimizer=, seed=)")
+        raise ValueError(
+            f"unknown GPTConfig field(s) {unknown}; from_pretrained's keyword arguments are GPTConfig "
+            f"fields (and optimizer=, seed=)"
+        )
     return dataclasses.replace(config, **overrides)
 
 
@@ -78,11 +81,16 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
             f"the checkpoint {path} does not fit the module's model: {mismatch.describe()}"
             f"{f'; it was saved from a model with {differ}' if differ else ''}. Load it with the configuration it "
             f"was saved with, or pass from_pretrained(..., strict=False) to load only the entries both have (the "
-            f"others keep their initial values).")
+            f"others keep their initial values)."
+        )
     saved = {n: t for n, t in saved.items() if n in params}
-    raise_shape_mismatch({n: tuple(t.shape) for n, t in saved.items()},
-                         {n: _saved_shape(p) for n, p in params.items() if n in saved},
-                         f"the checkpoint {path}", "the module's config", vocab_size=vocab_size)
+    raise_shape_mismatch(
+        {n: tuple(t.shape) for n, t in saved.items()},
+        {n: _saved_shape(p) for n, p in params.items() if n in saved},
+        f"the checkpoint {path}",
+        "the module's config",
+        vocab_size=vocab_size,
+    )
     full = {}
     for name, tensor in saved.items():
         shape = getattr(getattr(params[name], "tp_shard", None), "global_shape", tuple(params[name].shape))
@@ -91,16 +99,25 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
     load_full_state(model, full, vocab_size=vocab_size, strict=strict)
 
 
-def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[OptimizerConfig] = None,
-                    seed: Optional[int] = None, strict: bool = True, **overrides: Any):
+def load_pretrained(
+    cls: type,
+    path: str | os.PathLike,
+    optimizer: Optional[OptimizerConfig] = None,
+    seed: Optional[int] = None,
+    strict: bool = True,
+    **overrides: Any,
+):
     """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
     checkpoints) in a one-process model, in eval mode. See :meth:`GPTModule.from_pretrained`."""
     path = Path(path)
     if is_checkpoint_directory(path):
         hparams = read_checkpoint_hparams(path)
         config = _config_with(hparams["config"], overrides)
-        module = cls(config, optimizer or hparams.get("optimizer") or OptimizerConfig(),
-                     seed if seed is not None else hparams.get("seed", 1234))
+        module = cls(
+            config,
+            optimizer or hparams.get("optimizer") or OptimizerConfig(),
+            seed if seed is not None else hparams.get("seed", 1234),
+        )
         module.model = module.build_model(ParallelLayout.single())
         _load_checkpoint_weights(module.model, path, config.vocab_size, strict, config)
     elif is_hf_directory(path):
@@ -113,11 +130,15 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
                 state[name] = fit_vocab_rows(state[name], params[name].tp_shard.global_shape[0])
         load_full_state(module.model, state, vocab_size=config.vocab_size, strict=strict)
     elif not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a local Hugging Face model directory or one of our "
-                                f"checkpoints (nothing is downloaded)")
+        raise FileNotFoundError(
+            f"{path} does not exist; pass a local Hugging Face model directory or one of our "
+            f"checkpoints (nothing is downloaded)"
+        )
     else:
-        raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
-                                f"megatron-lite checkpoint (DCP .metadata)")
+        raise FileNotFoundError(
+            f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
+            f"megatron-lite checkpoint (DCP .metadata)"
+        )
     module.model.eval()
     return module
 
@@ -125,17 +146,20 @@ def load_pretrained(cls: type, path: str | os.PathLike, optimizer: Optional[Opti
 def tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
     """The checkpoint entries that make a checkpoint carry ``tokenizer``: the ``build_tokenizer`` arguments
     (:data:`~megatron_lite.tokenizers.build.TOKENIZER_KEY`) naming copies of its files inside the checkpoint, and
-    those files (:data:`~megatron_lite.core.checkpoint.format.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for None
-    or a tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the tokenizer is
-    then recorded where its files were, with a warning."""
+    those files (:data:`~megatron_lite.core.checkpoint.format.sharded.EMBEDDED_FILES`, copied by the save). ``{}`` for
+    None or a tokenizer that is not one of ours. A file that is gone (a cleaned cache) never fails a save: the
+    tokenizer is then recorded where its files were, with a warning."""
     record = portable_tokenizer_spec(tokenizer) if tokenizer is not None else None
     if record is None:
         return {}
     spec, files = record
     gone = [source for source in files.values() if not os.path.isfile(source)]
     if gone:
-        warnings.warn(f"megatron-lite: the tokenizer file {gone[0]} is gone, so the checkpoint records the tokenizer "
-                      f"without a copy of its files", stacklevel=2)
+        warnings.warn(
+            f"megatron-lite: the tokenizer file {gone[0]} is gone, so the checkpoint records the tokenizer "
+            f"without a copy of its files",
+            stacklevel=2,
+        )
         return {TOKENIZER_KEY: tokenizer_spec(tokenizer)}
     return {TOKENIZER_KEY: spec, EMBEDDED_FILES: files}
 
@@ -144,13 +168,19 @@ def hf_side_directory(source: str | os.PathLike) -> Optional[Path]:
     """The HF files (tokenizer, generation config, config.json) that travel with the model at ``source``: an
     HF directory itself, or the ``hf/`` folder of one of our checkpoints; None when it has none."""
     source = Path(source)
-    side = source / CHECKPOINT_SIDE_DIR if is_checkpoint_directory(source) else source if is_hf_directory(source) \
-        else None
+    side = (
+        source / CHECKPOINT_SIDE_DIR if is_checkpoint_directory(source) else source if is_hf_directory(source) else None
+    )
     return side if side is not None and side.is_dir() else None
 
 
-def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional[str | os.PathLike] = None,
-                            metadata: Optional[dict[str, Any]] = None, tokenizer: Any = None) -> Path:
+def save_weights_checkpoint(
+    module,
+    path: str | os.PathLike,
+    hf_source: Optional[str | os.PathLike] = None,
+    metadata: Optional[dict[str, Any]] = None,
+    tokenizer: Any = None,
+) -> Path:
     """Write ``module``'s one-process model as one of our checkpoints (weights and hyperparameters, no optimizer
     state). ``hf_source``: an HF directory the model came from; its tokenizer, generation config and
     config.json are kept in the checkpoint's ``hf/`` folder for a later export. ``tokenizer``: the model's
@@ -161,15 +191,24 @@ def save_weights_checkpoint(module, path: str | os.PathLike, hf_source: Optional
     path = Path(path)
     carried = tokenizer_metadata(tokenizer)
     extra = {
-        "epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
-        "hyper_parameters": dict(module.hparams), "hparams_name": getattr(module, "_hparams_name", None),
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": lightning.__version__,
+        "hyper_parameters": dict(module.hparams),
+        "hparams_name": getattr(module, "_hparams_name", None),
         LAYOUT_RECORD: layout_record(ParallelLayout.single()),
-        **carried, **(metadata or {}),
+        **carried,
+        **(metadata or {}),
     }
     files = {**carried.get(EMBEDDED_FILES, {}), **(metadata or {}).get(EMBEDDED_FILES, {})}
     if hf_source is not None:
-        files.update({f"{CHECKPOINT_SIDE_DIR}/{name}": str(Path(hf_source) / name) for name in (*SIDE_FILES, CONFIG)
-                      if (Path(hf_source) / name).is_file()})
+        files.update(
+            {
+                f"{CHECKPOINT_SIDE_DIR}/{name}": str(Path(hf_source) / name)
+                for name in (*SIDE_FILES, CONFIG)
+                if (Path(hf_source) / name).is_file()
+            }
+        )
     extra[EMBEDDED_FILES] = files
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -1,6 +1,7 @@
 """Test-wide settings: one torch thread per process (ranks are forked from the test process), the package
 compiled once for the processes the tests start, and under xdist whole modules per worker, the longest kinds
 first (see docs/test-budget.md)."""
+
 import compileall
 import os
 from pathlib import Path

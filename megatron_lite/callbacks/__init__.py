@@ -1,6 +1,7 @@
 """Lightning callbacks of megatron-lite: Megatron's training metrics (throughput, MFU, timers, console log)
 and fault tolerance (graceful exit on signals and budgets, the rerun state machine, a hang watchdog,
 a straggler report) and post-training (Distill, Quantize, TrainDraftHead)."""
+
 from megatron_lite.callbacks.distill import Distill
 from megatron_lite.callbacks.draft_head import TrainDraftHead
 from megatron_lite.callbacks.graceful_exit import GracefulExit
@@ -11,5 +12,14 @@ from megatron_lite.callbacks.rerun import RerunValidation
 from megatron_lite.callbacks.straggler import StragglerReport
 from megatron_lite.callbacks.watchdog import HangWatchdog
 
-__all__ = ["Distill", "GracefulExit", "HangWatchdog", "MegatronMetrics", "PipelineTimeline", "Quantize",
-           "RerunValidation", "StragglerReport", "TrainDraftHead"]
+__all__ = [
+    "Distill",
+    "GracefulExit",
+    "HangWatchdog",
+    "MegatronMetrics",
+    "PipelineTimeline",
+    "Quantize",
+    "RerunValidation",
+    "StragglerReport",
+    "TrainDraftHead",
+]

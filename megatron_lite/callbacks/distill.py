@@ -6,6 +6,7 @@ distillation loss; the teacher never enters the optimizer or the checkpoint. Che
 hold the intermediate-layer projections (a resumed run needs the same ``Distill``); at the end of training the
 extension is removed and the student is a plain GPTModel again.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,16 +28,21 @@ def load_teacher(teacher: TeacherSource) -> Any:
         return "self"
     if isinstance(teacher, GPTModule):
         if teacher.model is None:
-            raise ValueError("the teacher GPTModule holds no weights yet: train it first or load it with "
-                             "GPTModule.from_pretrained(path)")
+            raise ValueError(
+                "the teacher GPTModule holds no weights yet: train it first or load it with "
+                "GPTModule.from_pretrained(path)"
+            )
         return teacher
     if isinstance(teacher, (str, Path)):
         if not Path(teacher).exists():
-            raise FileNotFoundError(f"teacher {str(teacher)!r} does not exist: pass one of our checkpoints, a "
-                                    f"Hugging Face model directory, a GPTModule or 'self'")
+            raise FileNotFoundError(
+                f"teacher {str(teacher)!r} does not exist: pass one of our checkpoints, a "
+                f"Hugging Face model directory, a GPTModule or 'self'"
+            )
         return GPTModule.from_pretrained(str(teacher))
-    raise TypeError(f"teacher must be a checkpoint/HF directory path, a GPTModule or 'self', "
-                    f"got {type(teacher).__name__}")
+    raise TypeError(
+        f"teacher must be a checkpoint/HF directory path, a GPTModule or 'self', got {type(teacher).__name__}"
+    )
 
 
 class Distill(pl.Callback):
@@ -53,14 +59,24 @@ class Distill(pl.Callback):
     Logs ``train/lm_loss``, ``train/kd_loss`` (and ``train/intermediate_loss``) beside ``train/loss``.
     """
 
-    def __init__(self, teacher: TeacherSource, temperature: float = 1.0, kd_loss_scale: float = 1.0,
-                 skip_lm_loss: bool = False, intermediate_layer_pairs: Sequence[tuple[str, str]] = (),
-                 intermediate_loss: Literal["cosine", "mse"] = "cosine", intermediate_loss_scale: float = 1.0) -> None:
-        self.config = DistillationConfig(temperature=temperature, kd_loss_scale=kd_loss_scale,
-                                         skip_lm_loss=skip_lm_loss,
-                                         intermediate_layer_pairs=list(intermediate_layer_pairs),
-                                         intermediate_loss=intermediate_loss,
-                                         intermediate_loss_scale=intermediate_loss_scale)
+    def __init__(
+        self,
+        teacher: TeacherSource,
+        temperature: float = 1.0,
+        kd_loss_scale: float = 1.0,
+        skip_lm_loss: bool = False,
+        intermediate_layer_pairs: Sequence[tuple[str, str]] = (),
+        intermediate_loss: Literal["cosine", "mse"] = "cosine",
+        intermediate_loss_scale: float = 1.0,
+    ) -> None:
+        self.config = DistillationConfig(
+            temperature=temperature,
+            kd_loss_scale=kd_loss_scale,
+            skip_lm_loss=skip_lm_loss,
+            intermediate_layer_pairs=list(intermediate_layer_pairs),
+            intermediate_loss=intermediate_loss,
+            intermediate_loss_scale=intermediate_loss_scale,
+        )
         self.teacher = load_teacher(teacher)
         self.extension: Optional[Distillation] = None
         """The extension added to the module (after ``setup``)."""
@@ -69,12 +85,15 @@ class Distill(pl.Callback):
         """MegatronStrategy's pre-launch check: before any rank starts, and in every rank before its setup."""
         config = _student_config(module)
         parallel = run.parallel
-        Distillation(self.teacher, self.config).check(config, parallel.tensor_model_parallel_size,
-                                                      parallel.pipeline_model_parallel_size)
+        Distillation(self.teacher, self.config).check(
+            config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        )
         if isinstance(self.teacher, str) and run.use_torch_fsdp2:
-            raise ValueError("Distill(teacher='self') with use_torch_fsdp2=True: the student is FSDP-sharded before "
-                             "the copy could be taken; save the student (ModelCheckpoint) and pass its checkpoint "
-                             "as the teacher, or use the distributed optimizer instead of FSDP2")
+            raise ValueError(
+                "Distill(teacher='self') with use_torch_fsdp2=True: the student is FSDP-sharded before "
+                "the copy could be taken; save the student (ModelCheckpoint) and pass its checkpoint "
+                "as the teacher, or use the distributed optimizer instead of FSDP2"
+            )
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit" or self.extension is not None and self.extension in pl_module.objective_extensions:
@@ -86,7 +105,8 @@ class Distill(pl.Callback):
                 raise ValueError(
                     f"Distill(teacher='self') must copy the student before other extensions change it, but "
                     f"{[type(e).__name__ for e in pl_module.objective_extensions]} came first: list Distill before "
-                    f"them in Trainer(callbacks=[...])")
+                    f"them in Trainer(callbacks=[...])"
+                )
             teacher = _Snapshot(pl_module)  # the weights as they are now, before e.g. Quantize attaches
         self.extension = Distillation(teacher, self.config)
         # First in the list: it attaches (copies a 'self' teacher) before any other extension changes the model.

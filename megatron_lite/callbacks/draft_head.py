@@ -8,6 +8,7 @@ logging and checkpoints are the pretraining ones (``train/loss`` is the draft he
 one is given (one safetensors file holding the base model's fingerprint, loaded with
 :func:`~megatron_lite.post_training.load_draft_head`).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,11 +37,18 @@ class TrainDraftHead(pl.Callback):
             the module's own weights, e.g. from ``GPTModule.from_pretrained``); how the CLI names the base.
     """
 
-    def __init__(self, kind: str = "eagle", regression_weight: float = 1.0, classification_weight: float = 0.1,
-                 seed: int = 1234, save_path: Optional[str | os.PathLike] = None,
-                 base: Optional[str | os.PathLike] = None) -> None:
-        self.config = DraftHeadConfig(kind=kind, regression_weight=regression_weight,
-                                      classification_weight=classification_weight, seed=seed)
+    def __init__(
+        self,
+        kind: str = "eagle",
+        regression_weight: float = 1.0,
+        classification_weight: float = 0.1,
+        seed: int = 1234,
+        save_path: Optional[str | os.PathLike] = None,
+        base: Optional[str | os.PathLike] = None,
+    ) -> None:
+        self.config = DraftHeadConfig(
+            kind=kind, regression_weight=regression_weight, classification_weight=classification_weight, seed=seed
+        )
         if base is not None and not os.path.exists(base):
             raise FileNotFoundError(f"TrainDraftHead(base={str(base)!r}): no such checkpoint or Hugging Face directory")
         self.save_path = save_path
@@ -49,8 +57,10 @@ class TrainDraftHead(pl.Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         add = getattr(pl_module, "add_objective_extension", None)
         if add is None:
-            raise TypeError(f"TrainDraftHead needs a megatron_lite.GPTModule (one with add_objective_extension), got "
-                            f"{type(pl_module).__name__}")
+            raise TypeError(
+                f"TrainDraftHead needs a megatron_lite.GPTModule (one with add_objective_extension), got "
+                f"{type(pl_module).__name__}"
+            )
         add(self.extension)
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

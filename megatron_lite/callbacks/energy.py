@@ -4,6 +4,7 @@ NVML's total-energy counter (millijoules since the driver loaded; Volta and newe
 start and end of an interval. It measures the whole device, so another process on the same GPU is
 counted too. On CPU, or without NVML, the meter is unavailable and says why.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -15,6 +15,7 @@ Lightning's own SIGTERM handling (its ``_SignalConnector``) broadcasts from insi
 0's flag only. So this callback replaces the handlers of its signals once Lightning has installed its
 own (``on_train_start``), and leaves restoring the pre-fit handlers to Lightning's teardown.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ def _signal(value: SignalName) -> signal.Signals:
     except (KeyError, ValueError):
         raise ValueError(f"GracefulExit(signals=...): {value!r} is not a signal; use names from {_ALLOWED}") from None
     if sig.name not in _ALLOWED:
-        raise ValueError(f"GracefulExit(signals=...): {sig.name} cannot be handled for a graceful exit; use names "
-                         f"from {_ALLOWED}")
+        raise ValueError(
+            f"GracefulExit(signals=...): {sig.name} cannot be handled for a graceful exit; use names from {_ALLOWED}"
+        )
     return sig
 
 
@@ -64,13 +66,18 @@ def save_and_stop(trainer: "pl.Trainer", reason: str, dirpath: Optional[str] = N
     the fit end after this step. Returns the checkpoint's path (None when there is nowhere to save)."""
     path = stop_checkpoint_path(trainer, dirpath)
     if path is None:
-        rank_zero_warn(f"megatron-lite: stopping ({reason}) without a checkpoint: the Trainer has no ModelCheckpoint "
-                       f"and no dirpath was given; pass GracefulExit(dirpath=...) or enable_checkpointing=True")
+        rank_zero_warn(
+            f"megatron-lite: stopping ({reason}) without a checkpoint: the Trainer has no ModelCheckpoint "
+            f"and no dirpath was given; pass GracefulExit(dirpath=...) or enable_checkpointing=True"
+        )
     else:
         trainer.save_checkpoint(str(path))
     trainer.should_stop = True
-    rank_zero_info(f"megatron-lite: {reason}: " + (f"saved {path} at step {trainer.global_step}; " if path else "")
-                   + "stopping after this step")
+    rank_zero_info(
+        f"megatron-lite: {reason}: "
+        + (f"saved {path} at step {trainer.global_step}; " if path else "")
+        + "stopping after this step"
+    )
     return path
 
 
@@ -94,19 +101,30 @@ class GracefulExit(pl.Callback):
     where it saved.
     """
 
-    def __init__(self, signals: Sequence[SignalName] = ("SIGTERM",), exit_interval: Optional[int] = None,
-                 exit_duration_in_mins: Optional[float] = None, dirpath: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        signals: Sequence[SignalName] = ("SIGTERM",),
+        exit_interval: Optional[int] = None,
+        exit_duration_in_mins: Optional[float] = None,
+        dirpath: Optional[str] = None,
+    ) -> None:
         if isinstance(signals, (str, int)):
             signals = (signals,)
         self.signals = tuple(_signal(s) for s in signals)
         if exit_interval is not None and not _is_positive_int(exit_interval):
-            raise ValueError(f"GracefulExit(exit_interval={exit_interval!r}) must be a positive number of steps "
-                             f"or None")
-        if exit_duration_in_mins is not None and (isinstance(exit_duration_in_mins, bool) or not isinstance(
-                exit_duration_in_mins, (int, float)) or not exit_duration_in_mins > 0
-                or exit_duration_in_mins == float("inf")):
-            raise ValueError(f"GracefulExit(exit_duration_in_mins={exit_duration_in_mins!r}) must be a positive "
-                             f"finite number of minutes or None")
+            raise ValueError(
+                f"GracefulExit(exit_interval={exit_interval!r}) must be a positive number of steps or None"
+            )
+        if exit_duration_in_mins is not None and (
+            isinstance(exit_duration_in_mins, bool)
+            or not isinstance(exit_duration_in_mins, (int, float))
+            or not exit_duration_in_mins > 0
+            or exit_duration_in_mins == float("inf")
+        ):
+            raise ValueError(
+                f"GracefulExit(exit_duration_in_mins={exit_duration_in_mins!r}) must be a positive "
+                f"finite number of minutes or None"
+            )
         self.exit_interval = exit_interval
         self.exit_duration_in_mins = exit_duration_in_mins
         self.dirpath = dirpath
@@ -124,13 +142,18 @@ class GracefulExit(pl.Callback):
             return
         self._received = name
         # os.write, not print: a handler may interrupt a print, and print is not reentrant
-        os.write(2, f"megatron-lite: {name} received (pid {os.getpid()}): saving a checkpoint and stopping at the "
-                    f"end of this step; send it again to exit at once\n".encode())
+        os.write(
+            2,
+            f"megatron-lite: {name} received (pid {os.getpid()}): saving a checkpoint and stopping at the "
+            f"end of this step; send it again to exit at once\n".encode(),
+        )
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            rank_zero_warn("megatron-lite: GracefulExit cannot install signal handlers outside the main thread; "
-                           "signals keep their current handlers")
+            rank_zero_warn(
+                "megatron-lite: GracefulExit cannot install signal handlers outside the main thread; "
+                "signals keep their current handlers"
+            )
             return
         for sig in self.signals:
             signal.signal(sig, self._handle)
@@ -145,8 +168,9 @@ class GracefulExit(pl.Callback):
         # After Lightning's _SignalConnector registered its handlers (right before the fit loop runs).
         self._install()
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.stop_reason is not None:
             return
         signalled, over_time = self._agree(trainer)
@@ -165,10 +189,13 @@ class GracefulExit(pl.Callback):
 
     def _agree(self, trainer: "pl.Trainer") -> tuple[bool, bool]:
         """[signal received, budget spent] on any rank: one all-reduce of two integers."""
-        over = self.exit_duration_in_mins is not None and \
-            time.monotonic() - self._start >= 60.0 * self.exit_duration_in_mins
-        flags = torch.tensor([int(self._received is not None), int(over)], dtype=torch.int32,
-                             device=trainer.strategy.root_device)
+        over = (
+            self.exit_duration_in_mins is not None
+            and time.monotonic() - self._start >= 60.0 * self.exit_duration_in_mins
+        )
+        flags = torch.tensor(
+            [int(self._received is not None), int(over)], dtype=torch.int32, device=trainer.strategy.root_device
+        )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, over_time = flags.tolist()

@@ -4,6 +4,7 @@ MegatronStrategy logs it in every rank before the model is built (``trainer.stra
 estimate); :class:`~megatron_lite.callbacks.MegatronMetrics` counts its TFLOP/s and MFU with the same
 :func:`flops_per_step`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -23,13 +24,18 @@ from megatron_lite.core.parallel.run_spec import RunSpec
 def flops_per_step(module: Any, datamodule: Any, geometry: DataGeometry, tensor_model_parallel_size: int) -> float:
     """Model FLOPs of one optimizer step of ``module`` (a GPTConfig ``config``) on a global batch of ``geometry``,
     with what one sample costs its objective (``objective_cost``)."""
-    return training_flops_per_step(module.config, geometry.global_batch_size, geometry.seq_length,
-                                   tensor_model_parallel_size=tensor_model_parallel_size,
-                                   cost=objective_cost(module, datamodule))
+    return training_flops_per_step(
+        module.config,
+        geometry.global_batch_size,
+        geometry.seq_length,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        cost=objective_cost(module, datamodule),
+    )
 
 
-def report_memory_estimate(module: Any, datamodule: Any, run: RunSpec,
-                           device: torch.device) -> Optional[MemoryEstimate]:
+def report_memory_estimate(
+    module: Any, datamodule: Any, run: RunSpec, device: torch.device
+) -> Optional[MemoryEstimate]:
     """Log the per-rank memory estimate and FLOPs per step of ``run`` (on rank 0), with a warning when it exceeds
     the CUDA ``device``'s memory; return the estimate (None if the module and data do not say enough). Never stops
     a run: an estimate it cannot make is a warning."""

@@ -23,6 +23,7 @@ and the bar. Loggers still get ``timers/<name>`` at every log interval. Warnings
 Rich's bar, Lightning's default when ``rich`` is installed, is titled "Epoch N" in a run bounded by
 ``max_steps`` (it writes "Epoch 0/-2" there: see :func:`describe_epoch_without_limit`).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,13 +36,13 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from megatron_lite.callbacks.energy import EnergyMeter
+from megatron_lite.callbacks.memory_report import flops_per_step
 from megatron_lite.callbacks.peak_flops import (
     cuda_tf32_enabled,
     known_gpu_peak_tflops,
     measure_matmul_tflops,
     precision_dtype,
 )
-from megatron_lite.callbacks.memory_report import flops_per_step
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.timers import LogOption, TimerReport, Timers
@@ -52,7 +53,7 @@ FORWARD_BACKWARD_TIMER = ("forward-backward", 1)
 OPTIMIZER_TIMER = ("optimizer", 1)
 BATCH_GENERATOR_TIMER = ("batch-generator", 2)
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def peak_memory_gib(device: torch.device) -> Optional[float]:
@@ -98,21 +99,35 @@ class MegatronMetrics(pl.Callback):
     may time its own phases with it.
     """
 
-    def __init__(self, peak_tflops_per_device: Optional[float] = None, timing_log_level: int = 1,
-                 timing_log_option: LogOption = "minmax", console: bool = True, log_interval: Optional[int] = None,
-                 timers_interval: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        peak_tflops_per_device: Optional[float] = None,
+        timing_log_level: int = 1,
+        timing_log_option: LogOption = "minmax",
+        console: bool = True,
+        log_interval: Optional[int] = None,
+        timers_interval: Optional[int] = None,
+    ) -> None:
         super().__init__()
-        if peak_tflops_per_device is not None and not (isinstance(peak_tflops_per_device, (int, float))
-                                                       and math.isfinite(peak_tflops_per_device)
-                                                       and peak_tflops_per_device > 0):
-            raise ValueError(f"peak_tflops_per_device must be a positive number of TFLOP/s or None (look it up "
-                             f"or measure it), got {peak_tflops_per_device!r}")
+        if peak_tflops_per_device is not None and not (
+            isinstance(peak_tflops_per_device, (int, float))
+            and math.isfinite(peak_tflops_per_device)
+            and peak_tflops_per_device > 0
+        ):
+            raise ValueError(
+                f"peak_tflops_per_device must be a positive number of TFLOP/s or None (look it up "
+                f"or measure it), got {peak_tflops_per_device!r}"
+            )
         if log_interval is not None and not _is_int(log_interval, minimum=1):
-            raise ValueError(f"log_interval must be a positive number of steps or None (the Trainer's "
-                             f"log_every_n_steps), got {log_interval!r}")
+            raise ValueError(
+                f"log_interval must be a positive number of steps or None (the Trainer's "
+                f"log_every_n_steps), got {log_interval!r}"
+            )
         if timers_interval is not None and not _is_int(timers_interval, minimum=0):
-            raise ValueError(f"timers_interval must be a number of steps >= 0 (0: no timer block on the console) or "
-                             f"None (10 x log_interval), got {timers_interval!r}")
+            raise ValueError(
+                f"timers_interval must be a number of steps >= 0 (0: no timer block on the console) or "
+                f"None (10 x log_interval), got {timers_interval!r}"
+            )
         self.peak_tflops_per_device = peak_tflops_per_device
         self.timing_log_level = timing_log_level
         self.timing_log_option = timing_log_option
@@ -153,18 +168,22 @@ class MegatronMetrics(pl.Callback):
             return
         log_every, timers_every = self._intervals(trainer)
         if timers_every and log_every and timers_every % log_every:
-            raise ValueError(f"MegatronMetrics(timers_interval={timers_every}) must be a multiple of the log interval "
-                             f"({log_every}): timers are gathered at log steps only; set timers_interval="
-                             f"{max(1, round(timers_every / log_every)) * log_every}.")
+            raise ValueError(
+                f"MegatronMetrics(timers_interval={timers_every}) must be a multiple of the log interval "
+                f"({log_every}): timers are gathered at log steps only; set timers_interval="
+                f"{max(1, round(timers_every / log_every)) * log_every}."
+            )
         # Here, before any progress bar is drawn: a warning raised during training lands inside a bar line.
         self._energy = EnergyMeter(trainer.strategy.root_device)
         if not self._energy.available:
             rank_zero_warn(f"MegatronMetrics logs no train/energy_per_step_j: {self._energy.reason}")
         datamodule = getattr(trainer, "datamodule", None)
         if not (isinstance(getattr(pl_module, "config", None), GPTConfig) and declared_geometry(datamodule)):
-            rank_zero_warn("MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
-                           "datamodule with a batch `geometry` (a DataGeometry: global_batch_size, seq_length; e.g. "
-                           "GPTModule + MockGPTDataModule).")
+            rank_zero_warn(
+                "MegatronMetrics logs no FLOPs or MFU: they need a module with a GPTConfig `config` and a "
+                "datamodule with a batch `geometry` (a DataGeometry: global_batch_size, seq_length; e.g. "
+                "GPTModule + MockGPTDataModule)."
+            )
 
     def _intervals(self, trainer: "pl.Trainer") -> tuple[int, int]:
         """(log interval, console timer-block interval) in steps; 0 means never."""
@@ -196,8 +215,10 @@ class MegatronMetrics(pl.Callback):
             known = known_gpu_peak_tflops(name, dtype, tf32=cuda_tf32_enabled())
             if known is not None:
                 return known
-            rank_zero_warn(f"no data-sheet peak for {name!r} in {dtype}: MFU uses a measured matmul peak; pass "
-                           f"MegatronMetrics(peak_tflops_per_device=...) for the real one.")
+            rank_zero_warn(
+                f"no data-sheet peak for {name!r} in {dtype}: MFU uses a measured matmul peak; pass "
+                f"MegatronMetrics(peak_tflops_per_device=...) for the real one."
+            )
         key = (str(device), dtype, torch.get_num_threads())
         if key not in self._measured_peaks:
             self._measured_peaks[key] = measure_matmul_tflops(device, dtype)
@@ -211,8 +232,9 @@ class MegatronMetrics(pl.Callback):
         if self.console:
             describe_epoch_without_limit(trainer)
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if self.console:  # again: a bar whose epoch start ran after ours, or whose task began mid-epoch
             describe_epoch_without_limit(trainer)
         batch_generator = self.timers(*BATCH_GENERATOR_TIMER)
@@ -228,8 +250,9 @@ class MegatronMetrics(pl.Callback):
             forward_backward.stop()
             self.timers(*OPTIMIZER_TIMER).start()
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         for phase in (OPTIMIZER_TIMER, FORWARD_BACKWARD_TIMER):
             timer = self.timers(*phase)
             if timer.started:
@@ -279,14 +302,18 @@ class MegatronMetrics(pl.Callback):
         self._paused = []
 
     # --- logging -------------------------------------------------------------------------
-    def _log_interval(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool,
-                      timer_block: bool = False) -> None:
+    def _log_interval(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", gather_timers: bool, timer_block: bool = False
+    ) -> None:
         metrics: dict[str, float] = {}
         if self._global_batch_size:
             datamodule = getattr(trainer, "datamodule", None)
             consumed_after = getattr(datamodule, "consumed_samples_after", None)  # knows the batch-size ramp-up
-            consumed = consumed_after(trainer.global_step) if callable(consumed_after) else \
-                trainer.global_step * self._global_batch_size
+            consumed = (
+                consumed_after(trainer.global_step)
+                if callable(consumed_after)
+                else trainer.global_step * self._global_batch_size
+            )
             metrics["train/consumed_samples"] = float(consumed)
         ms_per_step = None
         if self._timed_steps > 0:
@@ -320,8 +347,9 @@ class MegatronMetrics(pl.Callback):
             timer_text = self._take_timer_block()
         self._steps_since_log = 0
         for name, value in metrics.items():
-            pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
-                          rank_zero_only=True)
+            pl_module.log(
+                name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False, rank_zero_only=True
+            )
         if self.console and trainer.is_global_zero:
             self._print(trainer, iteration_line(trainer, metrics, ms_per_step, self._global_batch_size))
             if timer_text:
@@ -340,8 +368,10 @@ class MegatronMetrics(pl.Callback):
         if not self._block_steps:
             return ""
         names = list(self._block_ms)
-        per_rank = [[self._block_ms[n][rank] / self._block_steps for n in names]
-                    for rank in range(len(next(iter(self._block_ms.values()))))]
+        per_rank = [
+            [self._block_ms[n][rank] / self._block_steps for n in names]
+            for rank in range(len(next(iter(self._block_ms.values()))))
+        ]
         self._block_ms, self._block_steps = {}, 0
         return TimerReport(names=names, per_rank_ms=per_rank, log_option=self.timing_log_option).text
 
@@ -372,12 +402,14 @@ class MegatronMetrics(pl.Callback):
         loss = trainer.callback_metrics.get(f"{prefix}/loss")
         if loss is None:
             return
-        pl_module.log(f"{prefix}/perplexity", torch.exp(loss.detach().double()), on_step=False, on_epoch=True,
-                      sync_dist=True)
+        pl_module.log(
+            f"{prefix}/perplexity", torch.exp(loss.detach().double()), on_step=False, on_epoch=True, sync_dist=True
+        )
 
 
-def iteration_line(trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[float],
-                   global_batch_size: Optional[int]) -> str:
+def iteration_line(
+    trainer: "pl.Trainer", metrics: dict, ms_per_step: Optional[float], global_batch_size: Optional[int]
+) -> str:
     """Megatron's console log of an interval, in Megatron's order: iteration N/M, consumed samples,
     ms per iteration, TFLOP/s per device, learning rate, global batch size, loss, loss scale, grad
     norm, skipped iterations. The module's values (``train/lr``, ``train/loss``, ``train/loss_scale``,

@@ -6,6 +6,7 @@ core numbers. A CPU has no such number we can trust across machines, so its "pea
 best rate of a square matmul in the training dtype with this process's threads. That makes CPU MFU
 "fraction of the achievable matmul rate", which is what one wants to know on a CPU anyway.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,9 @@ def cuda_tf32_enabled() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: Optional[int] = None,
-                          min_seconds: float = 0.05) -> float:
+def measure_matmul_tflops(
+    device: torch.device, dtype: torch.dtype, size: Optional[int] = None, min_seconds: float = 0.05
+) -> float:
     """Best TFLOP/s of one ``size x size`` matmul in ``dtype`` on ``device`` over about ``min_seconds``.
 
     The default size keeps one product around a millisecond or more on a CPU thread, long enough to
@@ -89,4 +91,4 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, size: Option
         sync()
         best = min(best, time.perf_counter() - start)
         trials += 1
-    return 2.0 * size ** 3 / best / 1e12
+    return 2.0 * size**3 / best / 1e12

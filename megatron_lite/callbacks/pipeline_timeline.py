@@ -10,6 +10,7 @@ and draws the PNG (:mod:`megatron_lite.cli.pipeline_timeline`, reading them with
 Recording is cheap (two clock reads per forward and backward, one small file append per step) and the
 engine records only on the steps chosen here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,9 @@ class PipelineTimeline(pl.Callback):
     parallelism there is no schedule to draw and nothing is recorded (with a warning).
     """
 
-    def __init__(self, dirpath: Optional[Union[str, Path]] = None, steps: Optional[Iterable[int]] = None,
-                 every_n_steps: int = 1) -> None:
+    def __init__(
+        self, dirpath: Optional[Union[str, Path]] = None, steps: Optional[Iterable[int]] = None, every_n_steps: int = 1
+    ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
         self.dirpath = Path(dirpath) if dirpath is not None else None
@@ -59,16 +61,20 @@ class PipelineTimeline(pl.Callback):
             return
         # dir(), not hasattr(): GPTModule.engine is a property that raises until the model is built
         if not {"engine", "parallel_layout"} <= set(dir(pl_module)):
-            raise TypeError(f"PipelineTimeline records the megatron-lite engine's schedule; {type(pl_module).__name__} "
-                            f"has no `engine` and `parallel_layout` (train a GPTModule, or a module built on "
-                            f"megatron_lite.core.engine.TrainingEngine)")
+            raise TypeError(
+                f"PipelineTimeline records the megatron-lite engine's schedule; {type(pl_module).__name__} "
+                f"has no `engine` and `parallel_layout` (train a GPTModule, or a module built on "
+                f"megatron_lite.core.engine.TrainingEngine)"
+            )
         # One directory and one run id for every rank: rank 0's (log_dir is itself broadcast from rank 0).
         dirpath = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir)
         dirpath, self._run = trainer.strategy.broadcast((str(dirpath), time.time()), src=0)
         layout = pl_module.parallel_layout
         if layout.pp_size == 1:
-            rank_zero_warn("PipelineTimeline: pipeline_model_parallel_size is 1, so there is no pipeline schedule "
-                           "to record; nothing is written")
+            rank_zero_warn(
+                "PipelineTimeline: pipeline_model_parallel_size is 1, so there is no pipeline schedule "
+                "to record; nothing is written"
+            )
             self.path = None
             return
         self.path = Path(dirpath) / EVENTS_DIR / f"rank{trainer.global_rank}.jsonl"

@@ -15,6 +15,7 @@ A checkpoint quantized by either is loaded back quantized by ``GPTModule.from_pr
 ``trainer.fit(ckpt_path=...)`` of it needs this callback (``when="fit_start"``) so its quantizers exist before
 the checkpoint is read.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,14 @@ class Quantize(pl.Callback):
         eval_batches: validation batches for the perplexity report (None: the whole validation set; 0: none).
     """
 
-    def __init__(self, config: Optional[str] = "INT8_SMOOTHQUANT_CFG", calib_batches: int = 8, when: str = "fit_end",
-                 kv_cache: Optional[str] = None, eval_batches: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: Optional[str] = "INT8_SMOOTHQUANT_CFG",
+        calib_batches: int = 8,
+        when: str = "fit_end",
+        kv_cache: Optional[str] = None,
+        eval_batches: Optional[int] = None,
+    ) -> None:
         from megatron_lite.post_training.quantization import needs_cuda, resolve_config
 
         if when not in _WHEN:
@@ -55,9 +62,11 @@ class Quantize(pl.Callback):
         import torch
 
         if needs_cuda(cfg) and not torch.cuda.is_available():
-            raise ValueError(f"Quantize(config={config!r}) uses FP4/FP6 elements or MX block scales, which ModelOpt "
-                             f"runs only in CUDA kernels, and this machine has no GPU; pick a CPU format "
-                             f"(INT8_SMOOTHQUANT_CFG, FP8_DEFAULT_CFG, INT4_AWQ_CFG, W4A8_AWQ_BETA_CFG)")
+            raise ValueError(
+                f"Quantize(config={config!r}) uses FP4/FP6 elements or MX block scales, which ModelOpt "
+                f"runs only in CUDA kernels, and this machine has no GPU; pick a CPU format "
+                f"(INT8_SMOOTHQUANT_CFG, FP8_DEFAULT_CFG, INT4_AWQ_CFG, W4A8_AWQ_BETA_CFG)"
+            )
         self.config, self.calib_batches, self.when = config, calib_batches, when
         self.kv_cache, self.eval_batches = kv_cache, eval_batches
         self.metrics: dict[str, float] = {}
@@ -87,8 +96,12 @@ class Quantize(pl.Callback):
         from megatron_lite.post_training.quantization import quantize
 
         before = self._perplexity(trainer, pl_module)
-        quantize(pl_module, self.config, self._batches(trainer, pl_module, "train", self.calib_batches),
-                 kv_cache=self.kv_cache)
+        quantize(
+            pl_module,
+            self.config,
+            self._batches(trainer, pl_module, "train", self.calib_batches),
+            kv_cache=self.kv_cache,
+        )
         after = self._perplexity(trainer, pl_module)
         if before is not None and after is not None:
             self._report(trainer, {"val_ppl_before": before, "val_ppl_after": after, "val_ppl_ratio": after / before})
@@ -102,9 +115,11 @@ class Quantize(pl.Callback):
         if saved is not None:
             recipe, shapes = saved
             if (recipe["config"], recipe["kv_cache"]) != (self.config, self.kv_cache):
-                raise ValueError(f"the checkpoint {ckpt} was quantized with config={recipe['config']!r}, "
-                                 f"kv_cache={recipe['kv_cache']!r}, not Quantize(config={self.config!r}, "
-                                 f"kv_cache={self.kv_cache!r}); resume with the checkpoint's")
+                raise ValueError(
+                    f"the checkpoint {ckpt} was quantized with config={recipe['config']!r}, "
+                    f"kv_cache={recipe['kv_cache']!r}, not Quantize(config={self.config!r}, "
+                    f"kv_cache={self.kv_cache!r}); resume with the checkpoint's"
+                )
             restore_quantization(model, recipe, shapes, layout)
             return
         self._quantize(trainer, pl_module)
@@ -112,8 +127,10 @@ class Quantize(pl.Callback):
     def _batches(self, trainer: pl.Trainer, pl_module: Any, split: str, limit: Optional[int]) -> list:
         datamodule = getattr(trainer, "datamodule", None)
         if datamodule is None:
-            raise ValueError("Quantize takes its calibration and evaluation batches from the datamodule: pass "
-                             "trainer.fit(module, datamodule=...)")
+            raise ValueError(
+                "Quantize takes its calibration and evaluation batches from the datamodule: pass "
+                "trainer.fit(module, datamodule=...)"
+            )
         loader = datamodule.train_dataloader() if split == "train" else datamodule.val_dataloader()
         # a fresh iterator over the split: calibration reads the first batches, training's own loader is untouched
         batches = list(itertools.islice(iter(loader), limit)) if limit is not None else list(loader)

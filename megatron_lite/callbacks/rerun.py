@@ -12,6 +12,7 @@ Logged at every step (cumulative over the run):
 ``train/rerun_reproducible`` (replays that reproduced the fault) and
 ``train/rerun_skipped`` (updates dropped by the policy; also counted in ``train/skipped_steps``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -45,12 +46,26 @@ class RerunValidation(pl.Callback):
         dirpath: where the ``"exit"`` policy saves; None: the checkpoint callback's directory.
     """
 
-    def __init__(self, on_reproducible: Policy = "exit", check_loss: bool = True, check_grad_norm: bool = True,
-                 check_grad_norm_spikes: bool = False, spike_factor: float = 10.0, spike_window: int = 100,
-                 inject: Optional[str] = None, dirpath: Optional[str] = None) -> None:
-        self.config = RerunConfig(check_loss=check_loss, check_grad_norm=check_grad_norm,
-                                  check_grad_norm_spikes=check_grad_norm_spikes, spike_factor=spike_factor,
-                                  spike_window=spike_window, on_reproducible=on_reproducible, inject=inject)
+    def __init__(
+        self,
+        on_reproducible: Policy = "exit",
+        check_loss: bool = True,
+        check_grad_norm: bool = True,
+        check_grad_norm_spikes: bool = False,
+        spike_factor: float = 10.0,
+        spike_window: int = 100,
+        inject: Optional[str] = None,
+        dirpath: Optional[str] = None,
+    ) -> None:
+        self.config = RerunConfig(
+            check_loss=check_loss,
+            check_grad_norm=check_grad_norm,
+            check_grad_norm_spikes=check_grad_norm_spikes,
+            spike_factor=spike_factor,
+            spike_window=spike_window,
+            on_reproducible=on_reproducible,
+            inject=inject,
+        )
         self.dirpath = dirpath
         self.machine: Optional[RerunStateMachine] = None
         self._loaded: Optional[dict] = None
@@ -59,13 +74,16 @@ class RerunValidation(pl.Callback):
     def _engine(pl_module: "pl.LightningModule") -> TrainingEngine:
         engine = getattr(pl_module, "engine", None)
         if not isinstance(engine, TrainingEngine):
-            raise TypeError(f"RerunValidation checks the steps of the megatron-lite training engine; "
-                            f"{type(pl_module).__name__} has no `engine` (a TrainingEngine): use it with GPTModule or "
-                            f"another module that trains through TrainingEngine.train_step, or remove the callback")
+            raise TypeError(
+                f"RerunValidation checks the steps of the megatron-lite training engine; "
+                f"{type(pl_module).__name__} has no `engine` (a TrainingEngine): use it with GPTModule or "
+                f"another module that trains through TrainingEngine.train_step, or remove the callback"
+            )
         return engine
 
-    def check_before_launch(self, run: RunSpec, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                            datamodule: Any) -> None:
+    def check_before_launch(
+        self, run: RunSpec, trainer: "pl.Trainer", pl_module: "pl.LightningModule", datamodule: Any
+    ) -> None:
         """MegatronStrategy's pre-launch check: before it starts any rank, and in every rank."""
         if pl_module is not None and not isinstance(getattr(type(pl_module), "engine", None), property):
             self._engine(pl_module)  # raises, naming the fix
@@ -79,13 +97,15 @@ class RerunValidation(pl.Callback):
             rank_zero_warn(f"megatron-lite: injecting a fault for a drill: {self.machine.injection}")
         self._engine(pl_module).rerun = self.machine
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if self.machine is not None:
             self.machine.step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         machine = self.machine
         if machine is None:
             return
@@ -93,8 +113,12 @@ class RerunValidation(pl.Callback):
             pl_module.log(f"train/rerun_{name}", float(getattr(machine.counts, name)), rank_zero_only=True)
         if machine.exit_requested:
             step, what, verdict = machine.counts.reasons[-1]
-            save_and_stop(trainer, f"a {verdict} fault at step {step} ({what}): exit code "
-                                   f"{EXIT_CODE_RESUME_TO_DISAMBIGUATE}, restart from the checkpoint", self.dirpath)
+            save_and_stop(
+                trainer,
+                f"a {verdict} fault at step {step} ({what}): exit code "
+                f"{EXIT_CODE_RESUME_TO_DISAMBIGUATE}, restart from the checkpoint",
+                self.dirpath,
+            )
             raise SystemExit(EXIT_CODE_RESUME_TO_DISAMBIGUATE)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

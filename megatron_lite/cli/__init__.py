@@ -9,13 +9,15 @@
     megatron-lite checkpoint inspect runs/ckpts/last.ckpt [--json]
     megatron-lite convert --from hf --input llama_dir --output ckpt    (and --to hf --input ckpt --output hf_dir)
     megatron-lite generate --ckpt runs/demo/checkpoints/last.ckpt --prompt "ROMEO:" --temperature 0.8 --top-p 0.9
-    megatron-lite quantize --ckpt runs/demo/checkpoints/last.ckpt --config INT8_SMOOTHQUANT_CFG --data shakespeare --output q
+    megatron-lite quantize --ckpt runs/demo/checkpoints/last.ckpt --config INT8_SMOOTHQUANT_CFG --data shakespeare \
+        --output q
     megatron-lite prune --ckpt runs/demo/checkpoints/last.ckpt --data shakespeare --num-layers 2 --output pruned
 
 The dispatch looks at the verb first and imports only that verb's module (``megatron_lite.cli.<verb>``, each with
 ``main(argv) -> exit code``): the tools that need no Lightning start without importing it, and ``--help`` is
 printed here. Everything that is not a tool goes to :mod:`megatron_lite.cli.lightning_cli`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -60,14 +62,18 @@ TRAINING = {
 """LightningCLI's subcommands (:mod:`megatron_lite.cli.lightning_cli`)."""
 
 TOOLS = {
-    "preprocess": Verb("megatron_lite.cli.preprocess",
-                       "JSONL/parquet/HF datasets -> Megatron .bin/.idx (and `preprocess merge`)"),
+    "preprocess": Verb(
+        "megatron_lite.cli.preprocess", "JSONL/parquet/HF datasets -> Megatron .bin/.idx (and `preprocess merge`)"
+    ),
     "estimate": Verb("megatron_lite.cli.estimate", "per-rank memory and FLOPs of a `fit` config, before launch"),
     "plot": Verb("megatron_lite.cli.plot", "PNG of a run's loss, learning rate and throughput"),
-    "pipeline-timeline": Verb("megatron_lite.cli.pipeline_timeline",
-                              "measured pipeline bubble of a step beside the theory, and its timeline PNG"),
-    "checkpoint": Verb("megatron_lite.cli.checkpoint",
-                       "`checkpoint inspect`: what a checkpoint holds, whether its files are intact"),
+    "pipeline-timeline": Verb(
+        "megatron_lite.cli.pipeline_timeline",
+        "measured pipeline bubble of a step beside the theory, and its timeline PNG",
+    ),
+    "checkpoint": Verb(
+        "megatron_lite.cli.checkpoint", "`checkpoint inspect`: what a checkpoint holds, whether its files are intact"
+    ),
     "convert": Verb("megatron_lite.cli.convert", "Hugging Face Llama models to our checkpoints and back"),
     "generate": Verb("megatron_lite.cli.generate", "continue prompts with a trained checkpoint"),
     "quantize": Verb("megatron_lite.cli.quantize", "ModelOpt post-training quantization of a checkpoint"),
@@ -79,15 +85,22 @@ TOOLS = {
 def help_text() -> str:
     """``megatron-lite --help``: every verb in one line."""
     width = max(map(len, (*TRAINING, *TOOLS))) + 2
-    lines = [f"usage: {PROG} [-h] {{{','.join(TRAINING)}}} ... | {PROG} TOOL ...", "",
-             "megatron-lite: Megatron-style training on Lightning.", "",
-             f"training (Lightning's CLI; `{PROG} fit --help` lists every option, `--print_config` the resolved "
-             f"configuration):"]
+    lines = [
+        f"usage: {PROG} [-h] {{{','.join(TRAINING)}}} ... | {PROG} TOOL ...",
+        "",
+        "megatron-lite: Megatron-style training on Lightning.",
+        "",
+        f"training (Lightning's CLI; `{PROG} fit --help` lists every option, `--print_config` the resolved "
+        f"configuration):",
+    ]
     lines += [f"  {name:<{width}}{verb.summary}" for name, verb in TRAINING.items()]
     lines += ["", "tools:"]
     lines += [f"  {name:<{width}}{verb.summary}" for name, verb in TOOLS.items()]
-    lines += ["", f"`{PROG} VERB --help` shows a verb's options. Set {DEBUG_VARIABLE}=1 to see the traceback of a "
-                  f"configuration error."]
+    lines += [
+        "",
+        f"`{PROG} VERB --help` shows a verb's options. Set {DEBUG_VARIABLE}=1 to see the traceback of a "
+        f"configuration error.",
+    ]
     return "\n".join(lines)
 
 
@@ -102,8 +115,9 @@ def main(args: Optional[list[str]] = None) -> None:
 
 def _dispatch(argv: list[str]) -> Optional[int]:
     if not argv:
-        return report_user_error(PROG, ValueError(f"name a verb: {', '.join((*TRAINING, *TOOLS))}; see "
-                                                  f"`{PROG} --help`"))
+        return report_user_error(
+            PROG, ValueError(f"name a verb: {', '.join((*TRAINING, *TOOLS))}; see `{PROG} --help`")
+        )
     if argv[0] in ("-h", "--help"):
         print(help_text())
         return EXIT_OK

@@ -5,6 +5,7 @@ disk and the checksum verdict. Exit code 0 when the checkpoint is intact (or wri
 existed: "unverified"), 1 when a file is corrupted, missing or its metadata unreadable, 2 when PATH is not
 a checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,12 +17,16 @@ from megatron_lite.core.checkpoint.format.inspect import describe_checkpoint, is
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-lite checkpoint",
-                                     description="Look at megatron-lite checkpoints without loading them.")
+    parser = argparse.ArgumentParser(
+        prog="megatron-lite checkpoint", description="Look at megatron-lite checkpoints without loading them."
+    )
     verbs = parser.add_subparsers(dest="verb", required=True)
     inspect = verbs.add_parser("inspect", help="step, consumed samples, layout, configs, size, checksum verdict")
-    inspect.add_argument("path", help="a checkpoint directory (e.g. runs/ckpts/last.ckpt), or a directory of "
-                                      "checkpoints (its latest_checkpoint.json is followed)")
+    inspect.add_argument(
+        "path",
+        help="a checkpoint directory (e.g. runs/ckpts/last.ckpt), or a directory of "
+        "checkpoints (its latest_checkpoint.json is followed)",
+    )
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument("--no-checksums", action="store_true", help="skip reading every file to check it")
     return parser
@@ -51,9 +56,15 @@ def format_text(info: dict[str, Any]) -> str:
         rows.append(("consumed", f"{info['consumed_samples']} samples ({info['consumed_samples_from']} state)"))
     layout = info.get("layout")
     if isinstance(layout, dict):
-        short = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
-                 "virtual_pipeline_model_parallel_size": "vpp", "world_size": "ranks", "context_parallel_size": "cp",
-                 "expert_model_parallel_size": "ep", "data_parallel_size": "dp"}
+        short = {
+            "tensor_model_parallel_size": "tp",
+            "pipeline_model_parallel_size": "pp",
+            "virtual_pipeline_model_parallel_size": "vpp",
+            "world_size": "ranks",
+            "context_parallel_size": "cp",
+            "expert_model_parallel_size": "ep",
+            "data_parallel_size": "dp",
+        }
         rows.append(("layout", ", ".join(f"{short.get(k, k)}={v}" for k, v in layout.items())))
     hparams = info.get("hyper_parameters")
     if isinstance(hparams, dict):
@@ -69,10 +80,12 @@ def format_text(info: dict[str, Any]) -> str:
         rows.append(("written", info["written_at"]))
     rows.append(("metadata", info["meta_file"] or "-"))
     checks = info["checksums"]
-    verdict = {"ok": f"ok ({checks.get('files_checked')} files, {_size(checks.get('bytes_checked', 0))} checked)",
-               "unverified": "unverified (no manifest.json: written before checksums existed)",
-               "skipped": "not checked (--no-checksums)",
-               "corrupt": "CORRUPT"}[checks["status"]]
+    verdict = {
+        "ok": f"ok ({checks.get('files_checked')} files, {_size(checks.get('bytes_checked', 0))} checked)",
+        "unverified": "unverified (no manifest.json: written before checksums existed)",
+        "skipped": "not checked (--no-checksums)",
+        "corrupt": "CORRUPT",
+    }[checks["status"]]
     rows.append(("checksums", verdict))
     lines = [f"{k:<12}{v}" for k, v in rows]
     lines += [f"  {p}" for p in checks["problems"]]
@@ -90,6 +103,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_result(info, args.json, format_text, indent=2)
         return EXIT_OK if is_healthy(info) else EXIT_FAILED
 
-    return run_verb("megatron-lite checkpoint", lambda: describe_checkpoint(args.path, checksums=not args.no_checksums),
-                    show, errors=(OSError, ValueError))
-
+    return run_verb(
+        "megatron-lite checkpoint",
+        lambda: describe_checkpoint(args.path, checksums=not args.no_checksums),
+        show,
+        errors=(OSError, ValueError),
+    )

@@ -6,6 +6,7 @@ A verb's ``main(argv) -> int`` parses its arguments, runs its work through :func
 :func:`print_result`. The dispatch (:func:`megatron_lite.cli.main`) runs every verb under
 :func:`closing_quietly_on_broken_pipe`. Set ``MEGATRON_LITE_DEBUG=1`` to get the traceback of a user error instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,12 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: Optional[Sequence[str
         return done.code if isinstance(done.code, int) else EXIT_USAGE
 
 
-def run_verb(prog: str, work: Callable[[], T], show: Callable[[T], Optional[int]],
-             errors: tuple[type[BaseException], ...] = USER_ERRORS) -> int:
+def run_verb(
+    prog: str,
+    work: Callable[[], T],
+    show: Callable[[T], Optional[int]],
+    errors: tuple[type[BaseException], ...] = USER_ERRORS,
+) -> int:
     """``show(work())``: the verb's work, then its printing, which returns the exit code (None: :data:`EXIT_OK`).
     An ``errors`` raised by the work is reported in one line (:func:`report_user_error`); anything else is a bug
     and keeps its traceback."""
@@ -122,9 +127,11 @@ def our_configuration_error(error: BaseException) -> Optional[BaseException]:
     while chain[-1].__cause__ is not None:  # explicit `raise ... from` chains only
         chain.append(chain[-1].__cause__)
     root = chain[-1]
-    if isinstance(root, (ValueError, TypeError, FileNotFoundError, MissingDependencyError)) and \
-            root.__traceback__ is not None and \
-            traceback.extract_tb(root.__traceback__)[-1].filename.startswith(_PACKAGE_DIR):
+    if (
+        isinstance(root, (ValueError, TypeError, FileNotFoundError, MissingDependencyError))
+        and root.__traceback__ is not None
+        and traceback.extract_tb(root.__traceback__)[-1].filename.startswith(_PACKAGE_DIR)
+    ):
         return root
     # Our error may only survive as text, inside jsonargparse's report on a Union-typed value.
     return next((e for e in map(_error_in_union_value, chain[:-1]) if e is not None), None)
@@ -138,10 +145,15 @@ def _error_in_union_value(error: BaseException) -> Optional[ValueError]:
     one ``  - <message>`` line per subtype it tried (the first subtype's error, not ours, chained as the cause).
     """
     text = str(error)
-    if not text.startswith("Does not validate against any of the Union subtypes") or \
-            "class_path='megatron_lite." not in text:
+    if (
+        not text.startswith("Does not validate against any of the Union subtypes")
+        or "class_path='megatron_lite." not in text
+    ):
         return None
     errors = text.split("\nErrors:\n", 1)[-1].split("\nGiven value type:", 1)[0]
-    ours = [line.strip()[2:] for line in errors.splitlines()
-            if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")]
+    ours = [
+        line.strip()[2:]
+        for line in errors.splitlines()
+        if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")
+    ]
     return ValueError(" ".join(ours)) if ours else None

@@ -22,6 +22,7 @@ The output is never an input, inside one or a directory holding one; ``--overwri
 output of megatron-lite with nothing else in it (:mod:`megatron_lite.core.checkpoint.format.output_dir`). Nothing is
 downloaded. Exit code 2 on bad input, with one line that says what to change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,23 +66,38 @@ def parse_size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-lite convert",
-        description="Convert Hugging Face Llama-architecture models to megatron-lite checkpoints and back.")
+        description="Convert Hugging Face Llama-architecture models to megatron-lite checkpoints and back.",
+    )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="source", choices=["hf"], help="read an HF model directory")
     direction.add_argument("--to", dest="target", choices=["hf"], help="write an HF model directory")
     parser.add_argument("--input", required=True, help="HF directory (--from hf) or our checkpoint (--to hf)")
     parser.add_argument("--output", required=True, help="our checkpoint (--from hf) or an HF directory (--to hf)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="--from hf: the model's training sequence length (default: max_position_embeddings)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="--to hf: dtype of the written weights (default float32, lossless; a quantized model's "
-                             "unquantized tensors: bfloat16, as serving engines run them)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="--to hf: copy the tokenizer files of this directory (default: the checkpoint's hf/)")
-    parser.add_argument("--max-shard-size", default=None,
-                        help=f"--to hf: largest safetensors file; more files get an index (default "
-                             f"{DEFAULT_MAX_SHARD_BYTES // 1024**3}GiB)")
+    parser.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="--from hf: the model's training sequence length (default: max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="--to hf: dtype of the written weights (default float32, lossless; a quantized model's "
+        "unquantized tensors: bfloat16, as serving engines run them)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="--to hf: copy the tokenizer files of this directory (default: the checkpoint's hf/)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        help=f"--to hf: largest safetensors file; more files get an index (default "
+        f"{DEFAULT_MAX_SHARD_BYTES // 1024**3}GiB)",
+    )
     return parser
 
 
@@ -94,17 +110,21 @@ def from_hf(hf_dir: str, output: str, seq_length: Optional[int] = None, overwrit
     if seq_length is not None and seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
     if seq_length is not None and isinstance(limit, int) and seq_length > limit:
-        raise ValueError(f"--seq-length {seq_length} is longer than the model's context, max_position_embeddings "
-                         f"{limit} in {Path(hf_dir) / CONFIG} (positions past it were never trained); pass "
-                         f"--seq-length {limit} or less, or leave it out")
+        raise ValueError(
+            f"--seq-length {seq_length} is longer than the model's context, max_position_embeddings "
+            f"{limit} in {Path(hf_dir) / CONFIG} (positions past it were never trained); pass "
+            f"--seq-length {limit} or less, or leave it out"
+        )
     out = Path(output)
     check_output(out, [hf_dir], overwrite)
     overrides = {"seq_length": seq_length} if seq_length is not None else {}
     module = GPTModule.from_pretrained(hf_dir, **overrides)
     save_weights_checkpoint(module, out, hf_source=hf_dir)
     c = module.config
-    return (f"wrote {out}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
-            f"{'tied' if c.share_embeddings_and_output_weights else 'untied'} embeddings")
+    return (
+        f"wrote {out}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+        f"{'tied' if c.share_embeddings_and_output_weights else 'untied'} embeddings"
+    )
 
 
 def gather_side_files(checkpoint: str | Path, into: Path) -> Optional[Path]:
@@ -113,21 +133,37 @@ def gather_side_files(checkpoint: str | Path, into: Path) -> Optional[Path]:
     which wins), and a ``tokenizer_config.json`` naming transformers' class for a SentencePiece or GPT-2
     tokenizer that brought none (it adds no BOS/EOS, as ours). ``into``, or None when there are none."""
     checkpoint = Path(checkpoint)
-    copied = [name for folder in (checkpoint / CHECKPOINT_SIDE_DIR, checkpoint / TOKENIZER_FOLDER) if folder.is_dir()
-              for name in copy_side_files(folder, into)]
+    copied = [
+        name
+        for folder in (checkpoint / CHECKPOINT_SIDE_DIR, checkpoint / TOKENIZER_FOLDER)
+        if folder.is_dir()
+        for name in copy_side_files(folder, into)
+    ]
     if not copied:
         return None
     if not (into / "tokenizer_config.json").is_file() and not (into / "tokenizer.json").is_file():
-        kind = "LlamaTokenizer" if (into / "tokenizer.model").is_file() else \
-            "GPT2Tokenizer" if (into / "vocab.json").is_file() and (into / "merges.txt").is_file() else None
+        kind = (
+            "LlamaTokenizer"
+            if (into / "tokenizer.model").is_file()
+            else "GPT2Tokenizer"
+            if (into / "vocab.json").is_file() and (into / "merges.txt").is_file()
+            else None
+        )
         if kind is not None:
-            (into / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": kind, "add_bos_token": False, "add_eos_token": False}, indent=2) + "\n")
+            (into / "tokenizer_config.json").write_text(
+                json.dumps({"tokenizer_class": kind, "add_bos_token": False, "add_eos_token": False}, indent=2) + "\n"
+            )
     return into
 
 
-def to_hf(checkpoint: str, output: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
-          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> str:
+def to_hf(
+    checkpoint: str,
+    output: str,
+    dtype: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> str:
     """Our checkpoint -> HF directory (ModelOpt's unified quantized format for a quantized model), with the
     tokenizer of ``tokenizer`` (a directory) or the one the checkpoint carries; returns a one-line summary."""
     config = read_checkpoint_hparams(checkpoint)["config"]
@@ -135,58 +171,93 @@ def to_hf(checkpoint: str, output: str, dtype: Optional[str] = None, tokenizer: 
     side = source / CHECKPOINT_SIDE_DIR
     source_config = read_hf_config(side) if (side / CONFIG).is_file() else None
     if tokenizer is not None and not Path(tokenizer).is_dir():
-        raise FileNotFoundError(f"--tokenizer {tokenizer} is not a directory; pass the folder holding tokenizer.json "
-                                f"(or tokenizer.model)")
+        raise FileNotFoundError(
+            f"--tokenizer {tokenizer} is not a directory; pass the folder holding tokenizer.json (or tokenizer.model)"
+        )
     check_output(output, [checkpoint, source, tokenizer], overwrite)  # before reading any weights
     state = read_model_tensors(source)
     with tempfile.TemporaryDirectory(prefix="megatron-lite-side-") as gathered:
         side_files = tokenizer if tokenizer is not None else gather_side_files(source, Path(gathered))
         if has_quantizer_state(state):
-            summary = _to_quantized_hf(source, output, dtype or "bfloat16", source_config, side_files,
-                                       max_shard_bytes)
+            summary = _to_quantized_hf(source, output, dtype or "bfloat16", source_config, side_files, max_shard_bytes)
         else:
-            save_hf(output, config, state, dtype=dtype or "float32", source_config=source_config,
-                    side_files_from=side_files, max_shard_bytes=max_shard_bytes, overwrite=True)
+            save_hf(
+                output,
+                config,
+                state,
+                dtype=dtype or "float32",
+                source_config=source_config,
+                side_files_from=side_files,
+                max_shard_bytes=max_shard_bytes,
+                overwrite=True,
+            )
             files = sorted(p.name for p in Path(output).iterdir())
-            summary = (f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype or 'float32'}, "
-                       f"files {files}")
+            summary = (
+                f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype or 'float32'}, "
+                f"files {files}"
+            )
     mark_output(output, "megatron-lite convert --to hf")
     return summary
 
 
-def _to_quantized_hf(checkpoint: str | Path, output: str, dtype: str, source_config: Optional[dict],
-                     side_files: Optional[str | Path], max_shard_bytes: int) -> str:
+def _to_quantized_hf(
+    checkpoint: str | Path,
+    output: str,
+    dtype: str,
+    source_config: Optional[dict],
+    side_files: Optional[str | Path],
+    max_shard_bytes: int,
+) -> str:
     """A quantized checkpoint -> ModelOpt's unified HF format, through a one-process model restored with its
     quantizers (whatever layout wrote the checkpoint)."""
     from megatron_lite.module import GPTModule  # imports Lightning and modelopt: only for this path
     from megatron_lite.post_training.export import read_quant_config, save_quantized_hf
 
     module = GPTModule.from_pretrained(checkpoint)
-    save_quantized_hf(output, module.model, dtype=dtype, source_config=source_config, side_files_from=side_files,
-                      max_shard_bytes=max_shard_bytes, overwrite=True)
+    save_quantized_hf(
+        output,
+        module.model,
+        dtype=dtype,
+        source_config=source_config,
+        side_files_from=side_files,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=True,
+    )
     algo = (read_quant_config(output) or {}).get("quantization", {})
     files = sorted(p.name for p in Path(output).iterdir())
-    return (f"wrote {output}: {module.config.num_layers} layers, quantized {algo.get('quant_algo')} "
-            f"(KV cache {algo.get('kv_cache_quant_algo')}), other tensors {dtype}, files {files}")
+    return (
+        f"wrote {output}: {module.config.num_layers} layers, quantized {algo.get('quant_algo')} "
+        f"(KV cache {algo.get('kv_cache_quant_algo')}), other tensors {dtype}, files {files}"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-lite convert ...``: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    return run_verb("megatron-lite convert", lambda: _convert(args),
-                    lambda summary: print(f"megatron-lite convert: {summary}"))
+    return run_verb(
+        "megatron-lite convert", lambda: _convert(args), lambda summary: print(f"megatron-lite convert: {summary}")
+    )
 
 
 def _convert(args: argparse.Namespace) -> str:
     """The conversion ``args`` ask for; its one-line summary."""
     if args.source == "hf":
-        for flag, value in (("--dtype", args.dtype is not None), ("--tokenizer", args.tokenizer),
-                            ("--max-shard-size", args.max_shard_size)):
+        for flag, value in (
+            ("--dtype", args.dtype is not None),
+            ("--tokenizer", args.tokenizer),
+            ("--max-shard-size", args.max_shard_size),
+        ):
             if value:
                 raise ValueError(f"{flag} applies to --to hf; our checkpoints hold fp32 weights")
         return from_hf(args.input, args.output, seq_length=args.seq_length, overwrite=args.overwrite)
     if args.seq_length is not None:
         raise ValueError("--seq-length applies to --from hf (an export keeps the checkpoint's config)")
     shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
-    return to_hf(args.input, args.output, dtype=args.dtype, tokenizer=args.tokenizer, max_shard_bytes=shard,
-                 overwrite=args.overwrite)
+    return to_hf(
+        args.input,
+        args.output,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        max_shard_bytes=shard,
+        overwrite=args.overwrite,
+    )

@@ -15,6 +15,7 @@ line per stage (``stages`` in the JSON). Under context parallelism (``context_pa
 ``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. Exit
 code 2 on bad input, with one line that says what to change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,13 @@ from megatron_lite.core.estimator.report import (  # noqa: F401  (re-exported: t
     format_table,
     memory_warning,
 )
-from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.estimator.run import estimate_for_run
+from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.run_checks import check_run_fits_model
+from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.geometry import DataGeometry, num_microbatches
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.core.models.run_checks import check_run_fits_model
 
 GIB = 1024**3
 
@@ -106,8 +107,11 @@ def _class_defaults(node: Any) -> dict:
     cls = _import_class(node, "data")
     if cls is None:
         return {}
-    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    return {
+        name: p.default
+        for name, p in inspect.signature(cls).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 class _ConfiguredDataModule:
@@ -165,8 +169,10 @@ def _vocab_size(data: dict, data_defaults: dict, model_config: dict, override: O
 
             return SentencePieceTokenizer(model_file).vocab_size, "data.init_args.tokenizer_model"
     except Exception as err:  # noqa: BLE001
-        raise EstimateError(f"could not build the data's tokenizer to read its vocabulary size "
-                            f"({' '.join(str(err).split())}); fix its paths or pass --vocab-size") from err
+        raise EstimateError(
+            f"could not build the data's tokenizer to read its vocabulary size "
+            f"({' '.join(str(err).split())}); fix its paths or pass --vocab-size"
+        ) from err
     if data.get("vocab_size") is not None:
         return int(data["vocab_size"]), "data.init_args.vocab_size"
     if data_defaults.get("vocab_size") is not None:
@@ -183,8 +189,10 @@ def _world_size(trainer: dict, devices: Optional[int], num_nodes: Optional[int])
     elif isinstance(per_node, str) and per_node.strip().lstrip("-").isdigit():
         per_node = int(per_node)
     if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
-        raise EstimateError(f"trainer.devices is {per_node!r}: the estimate needs a number of devices; "
-                            f"set trainer.devices or pass --devices N")
+        raise EstimateError(
+            f"trainer.devices is {per_node!r}: the estimate needs a number of devices; "
+            f"set trainer.devices or pass --devices N"
+        )
     nodes = num_nodes if num_nodes is not None else int(trainer.get("num_nodes", 1) or 1)
     return per_node * nodes
 
@@ -193,8 +201,14 @@ def _optional_int(value: Any) -> Optional[int]:
     return None if value is None else int(value)
 
 
-def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optional[int] = None,
-                 vocab_size: Optional[int] = None, device_type: Optional[str] = None) -> RunDescription:
+def describe_run(
+    raw: dict,
+    *,
+    devices: Optional[int] = None,
+    num_nodes: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    device_type: Optional[str] = None,
+) -> RunDescription:
     """Read a parsed ``megatron-lite fit`` YAML (overrides as the command-line flags give them)."""
     if not isinstance(raw, dict):
         raise EstimateError("the config file must be a YAML mapping with model/data/trainer sections")
@@ -202,8 +216,11 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
     model_config = _init_args(model.get("config"))
     data_node = raw.get("data") or {}
     data = _init_args(data_node)
-    data_defaults = _class_defaults(data_node) if any(
-        k not in data for k in ("micro_batch_size", "global_batch_size", "seq_length", "vocab_size")) else {}
+    data_defaults = (
+        _class_defaults(data_node)
+        if any(k not in data for k in ("micro_batch_size", "global_batch_size", "seq_length", "vocab_size"))
+        else {}
+    )
     trainer = raw.get("trainer") or {}
     strategy = _init_args(trainer.get("strategy"))
 
@@ -240,16 +257,35 @@ def describe_run(raw: dict, *, devices: Optional[int] = None, num_nodes: Optiona
         num_layers_in_last_pipeline_stage=_optional_int(strategy.get("num_layers_in_last_pipeline_stage")),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         context_parallel_size=int(strategy.get("context_parallel_size", 1)),
-        cp_comm_type=str(strategy.get("cp_comm_type", "p2p")))
+        cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),
+    )
     world_size = _world_size(trainer, devices, num_nodes)
     # at this data-parallel size first: the geometry alone would name the fix for one rank
-    num_microbatches(geometry["global_batch_size"], geometry["micro_batch_size"], parallel.data_parallel_size(world_size))
-    batches = DataGeometry(geometry["micro_batch_size"], geometry["global_batch_size"], geometry["seq_length"],
-                           rampup_batch_size=data.get("rampup_batch_size"))  # a ramp-up is checked, not estimated
-    spec = RunSpec(parallel=parallel, world_size=world_size, data=batches, precision=str(trainer.get("precision",
-                   "32-true")), use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)))
-    return RunDescription(config=config, optimizer=optimizer, spec=spec, device_type=device_type,
-                          vocab_source=vocab_source, objective=cost, objective_name=type(objective).__name__)
+    num_microbatches(
+        geometry["global_batch_size"], geometry["micro_batch_size"], parallel.data_parallel_size(world_size)
+    )
+    batches = DataGeometry(
+        geometry["micro_batch_size"],
+        geometry["global_batch_size"],
+        geometry["seq_length"],
+        rampup_batch_size=data.get("rampup_batch_size"),
+    )  # a ramp-up is checked, not estimated
+    spec = RunSpec(
+        parallel=parallel,
+        world_size=world_size,
+        data=batches,
+        precision=str(trainer.get("precision", "32-true")),
+        use_torch_fsdp2=bool(strategy.get("use_torch_fsdp2", False)),
+    )
+    return RunDescription(
+        config=config,
+        optimizer=optimizer,
+        spec=spec,
+        device_type=device_type,
+        vocab_source=vocab_source,
+        objective=cost,
+        objective_name=type(objective).__name__,
+    )
 
 
 def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
@@ -258,9 +294,13 @@ def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
     check_run_fits_model(spec, run.config)
     estimate = estimate_for_run(run.config, spec, run.optimizer, device_type=run.device_type, objective=run.objective)
     assert spec.data is not None  # describe_run always reads the geometry
-    flops = training_flops_per_step(run.config, spec.data.global_batch_size, spec.data.seq_length,
-                                    tensor_model_parallel_size=spec.parallel.tensor_model_parallel_size,
-                                    cost=run.objective)
+    flops = training_flops_per_step(
+        run.config,
+        spec.data.global_batch_size,
+        spec.data.seq_length,
+        tensor_model_parallel_size=spec.parallel.tensor_model_parallel_size,
+        cost=run.objective,
+    )
     return estimate, flops
 
 
@@ -271,10 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="devices per node (overrides trainer.devices)")
     p.add_argument("--num-nodes", type=int, help="nodes (overrides trainer.num_nodes)")
     p.add_argument("--vocab-size", type=int, help="vocabulary size (overrides what the data config gives)")
-    p.add_argument("--device-type", choices=("cuda", "cpu"),
-                   help="whose kernels to assume (default: from trainer.accelerator)")
-    p.add_argument("--device-memory-gib", type=float,
-                   help="warn when the per-rank total exceeds this (default: the CUDA device's memory, if any)")
+    p.add_argument(
+        "--device-type", choices=("cuda", "cpu"), help="whose kernels to assume (default: from trainer.accelerator)"
+    )
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        help="warn when the per-rank total exceeds this (default: the CUDA device's memory, if any)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
 
@@ -285,38 +329,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         path = Path(args.config)
         if not path.is_file():
-            raise EstimateError(f"config file {str(path)!r} does not exist; "
-                                f"pass the path of a `megatron-lite fit` YAML")
+            raise EstimateError(
+                f"config file {str(path)!r} does not exist; pass the path of a `megatron-lite fit` YAML"
+            )
         try:
             raw = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:
             raise EstimateError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
-        run = describe_run(raw, devices=args.devices, num_nodes=args.num_nodes, vocab_size=args.vocab_size,
-                           device_type=args.device_type)
+        run = describe_run(
+            raw,
+            devices=args.devices,
+            num_nodes=args.num_nodes,
+            vocab_size=args.vocab_size,
+            device_type=args.device_type,
+        )
         estimate, flops = estimate_run(run)
     except (ValueError, TypeError, OSError) as err:
         return report_user_error("megatron-lite estimate", err)
-    device_memory = (args.device_memory_gib * GIB if args.device_memory_gib is not None
-                     else default_device_memory_bytes())
+    device_memory = (
+        args.device_memory_gib * GIB if args.device_memory_gib is not None else default_device_memory_bytes()
+    )
     warning = memory_warning(estimate, device_memory)
     world = run.spec.world_size
     if args.json:
         out = estimate.to_dict()
-        out.update(flops_per_step=flops, flops_per_rank_per_step=flops / world, world_size=world,
-                   vocab_size=run.config.vocab_size, padded_vocab_size=run.config.padded_vocab_size(
-                       run.spec.parallel.tensor_model_parallel_size), vocab_size_source=run.vocab_source,
-                   device_memory_bytes=device_memory, warning=warning, objective=run.objective_name,
-                   objective_cost=dataclasses.asdict(run.objective))
+        out.update(
+            flops_per_step=flops,
+            flops_per_rank_per_step=flops / world,
+            world_size=world,
+            vocab_size=run.config.vocab_size,
+            padded_vocab_size=run.config.padded_vocab_size(run.spec.parallel.tensor_model_parallel_size),
+            vocab_size_source=run.vocab_source,
+            device_memory_bytes=device_memory,
+            warning=warning,
+            objective=run.objective_name,
+            objective_cost=dataclasses.asdict(run.objective),
+        )
         print(json.dumps(out, indent=2))
     else:
         print(f"megatron-lite estimate: {args.config} (vocabulary {run.config.vocab_size} from {run.vocab_source})")
         if run.objective != ObjectiveCost():
             c = run.objective
-            print(f"objective {run.objective_name}: a sample is {c.sequences_per_sample} sequence(s), each trained "
-                  f"{c.training_passes}x and run forward-only {c.forward_only_passes}x per step; "
-                  f"{c.frozen_models} frozen reference model(s)")
+            print(
+                f"objective {run.objective_name}: a sample is {c.sequences_per_sample} sequence(s), each trained "
+                f"{c.training_passes}x and run forward-only {c.forward_only_passes}x per step; "
+                f"{c.frozen_models} frozen reference model(s)"
+            )
         print(format_table(estimate, flops))
     if warning:
         print(warning, file=sys.stderr)
     return 0
-

@@ -12,6 +12,7 @@ generates in this process; more run ``trainer.predict`` with a
 :class:`~megatron_lite.data.PromptDataModule` on forked ranks at the layout asked for. A row stops at
 the tokenizer's end-of-document token unless ``--ignore-eod``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-lite generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="megatron-lite generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
@@ -46,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     add_tokenizer_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
-    p.add_argument("--draft", default=None, help="speculative decoding with this draft head (a file or checkpoint "
-                   "of TrainDraftHead; greedy, one process): the same text, fewer base-model forwards")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="speculative decoding with this draft head (a file or checkpoint "
+        "of TrainDraftHead; greedy, one process): the same text, fewer base-model forwards",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft head proposes per base forward")
     return p
 
@@ -61,10 +67,16 @@ def _check_args(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if any(not p for p in args.prompt):
         raise ValueError("--prompt is empty: give each prompt some text")
-    if args.draft is not None and (not sampling.greedy or args.devices != 1 or args.pipeline_model_parallel_size != 1
-                                   or args.tensor_model_parallel_size != 1):
-        raise ValueError("--draft (speculative decoding) is greedy and runs in one process: drop --temperature, "
-                         "--devices, --tensor-model-parallel-size and --pipeline-model-parallel-size")
+    if args.draft is not None and (
+        not sampling.greedy
+        or args.devices != 1
+        or args.pipeline_model_parallel_size != 1
+        or args.tensor_model_parallel_size != 1
+    ):
+        raise ValueError(
+            "--draft (speculative decoding) is greedy and runs in one process: drop --temperature, "
+            "--devices, --tensor-model-parallel-size and --pipeline-model-parallel-size"
+        )
     return sampling
 
 
@@ -80,9 +92,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     tokenizer = model_tokenizer(path, **tokenizer_options(args))
     stop = [] if args.ignore_eod or tokenizer.eod is None else [tokenizer.eod]
     prompts = [tokenizer.tokenize(p) for p in args.prompt]
-    data = PromptDataModule(prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                            seed=sampling.seed, stop_ids=stop)
+    data = PromptDataModule(
+        prompts,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop_ids=stop,
+    )
     data.check_fits_model(module.config)
     if args.draft is not None:
         return _speculative(module, args, tokenizer, prompts, stop)
@@ -90,8 +109,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         new_tokens = [out for batch in data.predict_dataloader() for out in _rows(module.generate_batch(batch))]
     else:
         new_tokens = _predict(module, data, args)
-    return [{"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids, "new_tokens": new}
-            for text, ids, new in zip(args.prompt, prompts, new_tokens)]
+    return [
+        {"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids, "new_tokens": new}
+        for text, ids, new in zip(args.prompt, prompts, new_tokens)
+    ]
 
 
 def _speculative(module, args: argparse.Namespace, tokenizer, prompts: list[list[int]], stop: list[int]) -> list[dict]:
@@ -100,11 +121,19 @@ def _speculative(module, args: argparse.Namespace, tokenizer, prompts: list[list
     draft = load_draft_head(args.draft, module.model)
     records = []
     for text, ids in zip(args.prompt, prompts):
-        result = speculative_generate(module, [ids], args.max_new_tokens, draft=draft,
-                                      num_draft_tokens=args.num_draft_tokens, stop_ids=stop)
+        result = speculative_generate(
+            module, [ids], args.max_new_tokens, draft=draft, num_draft_tokens=args.num_draft_tokens, stop_ids=stop
+        )
         new = result.tokens[0]
-        records.append({"prompt": text, "completion": completion(tokenizer, ids, new), "prompt_tokens": ids,
-                        "new_tokens": new, "acceptance_length": result.acceptance_length})
+        records.append(
+            {
+                "prompt": text,
+                "completion": completion(tokenizer, ids, new),
+                "prompt_tokens": ids,
+                "new_tokens": new,
+                "acceptance_length": result.acceptance_length,
+            }
+        )
     return records
 
 
@@ -119,10 +148,20 @@ def _predict(module, data, args: argparse.Namespace) -> list[list[int]]:
 
     from megatron_lite.strategies import MegatronStrategy
 
-    strategy = MegatronStrategy(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                pipeline_model_parallel_size=args.pipeline_model_parallel_size, start_method="fork")
-    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    strategy = MegatronStrategy(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        start_method="fork",
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     return [row for batch in trainer.predict(module, datamodule=data) for row in _rows(batch)]
 
 
@@ -130,7 +169,7 @@ def completion(tokenizer, prompt: list[int], new: list[int]) -> str:
     """The text ``new`` adds after ``prompt``: detokenized together, so a word boundary at the seam keeps its
     space (SentencePiece drops a leading one when the new tokens are detokenized alone)."""
     before, whole = tokenizer.detokenize(prompt), tokenizer.detokenize(prompt + new)
-    return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(new)
+    return whole[len(before) :] if whole.startswith(before) else tokenizer.detokenize(new)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -8,6 +8,7 @@ by default. Every strategy, model and data option can be overridden on the comma
 shows the full resolved configuration. A mistake on the command line or in the YAML is one line
 (:mod:`megatron_lite.cli.parse_errors`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,12 +18,13 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_utilities.core.imports import RequirementCache
 
 from megatron_lite.cli.parse_errors import explain_parse_error
-from megatron_lite.data import PretrainingDataModule
+
 # jsonargparse offers the loaded subclasses of a base class by their short names (`--data MockGPTDataModule`)
 from megatron_lite.data import (  # noqa: F401
     MockGPTDataModule,
     PreferenceDataModule,
     PretrainDataModule,
+    PretrainingDataModule,
     PromptDataModule,
     RLPromptDataModule,
     SFTDataModule,
@@ -96,10 +98,12 @@ def run_lightning_cli(args: list[str]) -> None:
         args=args,
         # exit_on_error=False: a parsing mistake reaches MegatronLiteCLI.parse_arguments as an exception (printed
         # there in one line) instead of jsonargparse printing the whole usage and exiting
-        parser_kwargs={"description": "megatron-lite: Megatron-style training on Lightning. Tools: "
-                                      "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate|quantize|prune --help`.",
-                       "default_env": False, "exit_on_error": False,
-                       **{name: {"exit_on_error": False} for name in MegatronLiteCLI.subcommands()}},
+        parser_kwargs={
+            "description": "megatron-lite: Megatron-style training on Lightning. Tools: "
+            "`megatron-lite preprocess|estimate|plot|checkpoint|convert|generate|quantize|prune --help`.",
+            "default_env": False,
+            "exit_on_error": False,
+            **{name: {"exit_on_error": False} for name in MegatronLiteCLI.subcommands()},
+        },
         save_config_kwargs={"overwrite": True},
     )
-

@@ -5,6 +5,7 @@ Union it tried, the value it was given, the error of each. :func:`explain_parse_
 matters in that report and says it in one line, with a "did you mean" for a misspelled option or class name.
 Anything it does not recognise is passed on as jsonargparse's innermost line, still one line.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -16,17 +17,23 @@ from typing import Optional
 
 _PARSER_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<error>.*)$')
 _CLASS_PATH = re.compile(r"^Problem with given class_path '(?P<class_path>[^']+)':$")
-_STRUCTURE = re.compile(r"^(Does not validate against any of the Union subtypes|Errors:|Given value type: |"
-                        r"Given value: )")
+_STRUCTURE = re.compile(
+    r"^(Does not validate against any of the Union subtypes|Errors:|Given value type: |"
+    r"Given value: )"
+)
 _SUBTYPES = re.compile(r"^Subtypes: (?P<subtypes>.*)$")
 # the alternatives of a Union that the user did not mean: a config file path, None, or a plain string
-_OTHER_ALTERNATIVE = re.compile(r"^(Expected a path but .* either not accessible or invalid|"
-                                r"Expected a <class '(NoneType|str)'>)$")
+_OTHER_ALTERNATIVE = re.compile(
+    r"^(Expected a path but .* either not accessible or invalid|"
+    r"Expected a <class '(NoneType|str)'>)$"
+)
 _UNRECOGNIZED = re.compile(r"^unrecognized arguments: --(?P<name>[^\s=]+)")
 # an unknown option from the command line or from a YAML file (the last: "Subcommand 'fit' does not accept option
 # 'trainer.max_stepz'", "Group 'optimizer' does not accept option 'lrr'")
-_NOT_ACCEPTED = re.compile(r"^(Option '(?P<name>[^']+)' is not accepted|Subcommand '\w+' does not accept option "
-                           r"'(?P<top>[^']+)'|Group '(?P<group>[^']+)' does not accept option '(?P<member>[^']+)')$")
+_NOT_ACCEPTED = re.compile(
+    r"^(Option '(?P<name>[^']+)' is not accepted|Subcommand '\w+' does not accept option "
+    r"'(?P<top>[^']+)'|Group '(?P<group>[^']+)' does not accept option '(?P<member>[^']+)')$"
+)
 _WRONG_TYPE = re.compile(r"^Expected a <class '(?P<type>[^']+)'>\. Got value: (?P<value>.*)$")
 _NOT_A_CLASS = re.compile(r"^Expected a dot import path string: (?P<value>.+)$")
 _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'$")
@@ -76,8 +83,10 @@ def explain_parse_error(message: str, known_options: Callable[[], Iterable[str]]
     if (match := _NOT_A_CLASS.match(error.text)) is not None:
         value = match["value"]
         names = _subclass_names(error.subtypes or "")
-        return (f"{error.option}: {value} is neither a known class name nor an import path"
-                f"{_did_you_mean(value, names)}; give the class's import path, e.g. package.module.ClassName")
+        return (
+            f"{error.option}: {value} is neither a known class name nor an import path"
+            f"{_did_you_mean(value, names)}; give the class's import path, e.g. package.module.ClassName"
+        )
     if (match := _NO_ATTRIBUTE.match(error.text)) is not None:
         module, name = match["module"], match["name"]
         try:

@@ -8,6 +8,7 @@ interleaved 1F1B ``(P - 1) / (V·M + P - 1)``. Every rank's events are in one pi
 clock; with several pipelines (data, tensor or context parallel replicas), the one of data/tensor/context rank 0
 is shown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,10 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
     hatched) as a block coloured by its microbatch and labelled with its index (``microbatch.chunk``
     with virtual stages). Writes ``out``; returns the matplotlib Figure."""
     try:
+        import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
-        import matplotlib
     except ImportError as exc:
         raise TimelineError(f"drawing the timeline needs matplotlib: {LOGGING_EXTRA}") from exc
     bubble = measured_bubble(timeline.stages)
@@ -74,19 +75,34 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
             x0, w = (e.start - bubble.start) * scale, (e.end - e.start) * scale
             hue = e.microbatch % 10
             forward = e.kind == "F"
-            axes.broken_barh([(x0, w)], (y - 0.38, 0.76), facecolors=palette[2 * hue + (1 if forward else 0)],
-                             edgecolors="white" if forward else "black", linewidth=0.6,
-                             hatch=None if forward else "//")
+            axes.broken_barh(
+                [(x0, w)],
+                (y - 0.38, 0.76),
+                facecolors=palette[2 * hue + (1 if forward else 0)],
+                edgecolors="white" if forward else "black",
+                linewidth=0.6,
+                hatch=None if forward else "//",
+            )
             label = str(e.microbatch) if V == 1 else f"{e.microbatch}.{e.chunk}"
             size = _label_size(label, w / span_ms * width * DPI * _AXES_SHARE)
             if size:
-                axes.text(x0 + w / 2, y, label, ha="center", va="center", fontsize=size,
-                          color=_FORWARD_TEXT if forward else "white", fontweight="bold",
-                          bbox=None if forward else dict(boxstyle="square,pad=0.1", facecolor=palette[2 * hue],
-                                                         edgecolor="none"))
+                axes.text(
+                    x0 + w / 2,
+                    y,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color=_FORWARD_TEXT if forward else "white",
+                    fontweight="bold",
+                    bbox=None
+                    if forward
+                    else dict(boxstyle="square,pad=0.1", facecolor=palette[2 * hue], edgecolor="none"),
+                )
     axes.set_yticks(range(P))
-    axes.set_yticklabels([f"stage {s} (rank {timeline.ranks[s]})\nbubble {bubble.per_stage[s]:.1%}"
-                          for s in reversed(range(P))])
+    axes.set_yticklabels(
+        [f"stage {s} (rank {timeline.ranks[s]})\nbubble {bubble.per_stage[s]:.1%}" for s in reversed(range(P))]
+    )
     axes.set_ylim(-0.6, P - 0.4)
     axes.set_xlim(0, span_ms)
     axes.set_xlabel("time since the step's first forward (ms)")
@@ -94,14 +110,26 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
     axes.set_axisbelow(True)
     theory = theoretical_bubble(timeline.schedule, P, M, V)
     vpp = f", V={V}" if V > 1 else ""
-    axes.set_title(title or f"step {timeline.step}: {timeline.schedule}, P={P}{vpp}, M={M}; bubble measured "
-                            f"{bubble.mean:.1%} (mean over stages), theory {theory_formula(timeline.schedule)} = "
-                            f"{theory:.1%}", fontsize="medium")
+    axes.set_title(
+        title
+        or f"step {timeline.step}: {timeline.schedule}, P={P}{vpp}, M={M}; bubble measured "
+        f"{bubble.mean:.1%} (mean over stages), theory {theory_formula(timeline.schedule)} = "
+        f"{theory:.1%}",
+        fontsize="medium",
+    )
     label_note = "microbatch" if V == 1 else "microbatch.chunk"
-    axes.legend(handles=[Patch(facecolor=palette[1], edgecolor="white", label="forward"),
-                         Patch(facecolor=palette[0], edgecolor="black", hatch="//", label="backward")],
-                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", title=f"labels: {label_note}",
-                title_fontsize="small", frameon=False)
+    axes.legend(
+        handles=[
+            Patch(facecolor=palette[1], edgecolor="white", label="forward"),
+            Patch(facecolor=palette[0], edgecolor="black", hatch="//", label="backward"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize="small",
+        title=f"labels: {label_note}",
+        title_fontsize="small",
+        frameon=False,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=DPI)
     return figure
@@ -114,13 +142,17 @@ def report(timeline: StepTimeline) -> str:
     P, V, M = timeline.pp_size, timeline.virtual_pipeline_size, timeline.num_microbatches
     theory = theoretical_bubble(timeline.schedule, P, M, V)
     vpp = f", V={V}" if V > 1 else ""
-    lines = [f"step {timeline.step}: {timeline.schedule}, P={P}{vpp}, M={M}, span {bubble.span_s * 1e3:.1f} ms",
-             f"bubble fraction: measured {bubble.mean:.4f} (mean over stages), "
-             f"theory {theory_formula(timeline.schedule)} = {theory:.4f}"
-             + (f", measured/theory {bubble.mean / theory:.2f}" if theory > 0 else "")]
+    lines = [
+        f"step {timeline.step}: {timeline.schedule}, P={P}{vpp}, M={M}, span {bubble.span_s * 1e3:.1f} ms",
+        f"bubble fraction: measured {bubble.mean:.4f} (mean over stages), "
+        f"theory {theory_formula(timeline.schedule)} = {theory:.4f}"
+        + (f", measured/theory {bubble.mean / theory:.2f}" if theory > 0 else ""),
+    ]
     for stage in range(P):
-        lines.append(f"  stage {stage} (rank {timeline.ranks[stage]}): busy {bubble.busy_s[stage] * 1e3:.1f} ms, "
-                     f"bubble {bubble.per_stage[stage]:.4f}")
+        lines.append(
+            f"  stage {stage} (rank {timeline.ranks[stage]}): busy {bubble.busy_s[stage] * 1e3:.1f} ms, "
+            f"bubble {bubble.per_stage[stage]:.4f}"
+        )
     return "\n".join(lines)
 
 
@@ -128,12 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-lite pipeline-timeline",
         description="Measured pipeline bubble of a training step beside the schedule's theory, and a PNG timeline "
-                    "of its forwards and backwards (events recorded by megatron_lite.callbacks.PipelineTimeline).")
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path,
-                        help="the run's log_dir (holding pipeline_events/), PipelineTimeline's dirpath, or a parent")
+        "of its forwards and backwards (events recorded by megatron_lite.callbacks.PipelineTimeline).",
+    )
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        type=Path,
+        help="the run's log_dir (holding pipeline_events/), PipelineTimeline's dirpath, or a parent",
+    )
     parser.add_argument("--step", type=int, default=None, help="optimizer step to show (default: the last recorded)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="PNG to write (default: pipeline_timeline_step<N>.png beside pipeline_events/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG to write (default: pipeline_timeline_step<N>.png beside pipeline_events/)",
+    )
     return parser
 
 
@@ -151,5 +192,9 @@ def main(argv: Optional[list] = None) -> int:
         plot_timeline(timeline, out)
         return out, events_dir
 
-    return run_verb("megatron-lite pipeline-timeline", work,
-                    lambda written: print(f"wrote {written[0]} (events from {written[1]})"), errors=(TimelineError,))
+    return run_verb(
+        "megatron-lite pipeline-timeline",
+        work,
+        lambda written: print(f"wrote {written[0]} (events from {written[1]})"),
+        errors=(TimelineError,),
+    )

@@ -6,6 +6,7 @@ Reads what the run's loggers wrote under ``RUN_DIR``: Lightning's ``CSVLogger`` 
 plotted; pass a version directory to choose another. Drawn headless (matplotlib's Agg canvas, no
 display and no global pyplot state).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,9 @@ def read_csv_metrics(path: Path, into: RunMetrics) -> None:
 
 def read_tensorboard_metrics(directory: Path, into: RunMetrics) -> None:
     """Every scalar of the event files in ``directory``."""
-    reader = require("tensorboard.backend.event_processing.event_accumulator",
-                     f"reading the TensorBoard event files in {directory}")
+    reader = require(
+        "tensorboard.backend.event_processing.event_accumulator", f"reading the TensorBoard event files in {directory}"
+    )
     accumulator = reader.EventAccumulator(str(directory), size_guidance={"scalars": 0})  # 0: keep every event
     accumulator.Reload()
     for tag in accumulator.Tags().get("scalars", []):
@@ -85,14 +87,18 @@ def read_tensorboard_metrics(directory: Path, into: RunMetrics) -> None:
 def load_run(run_dir: Path) -> RunMetrics:
     """The newest ``metrics.csv`` and the newest TensorBoard log directory under ``run_dir``, merged."""
     if not run_dir.is_dir():
-        raise PlotError(f"run directory {run_dir} does not exist; pass the directory the run logged into "
-                        f"(the Trainer's default_root_dir or a logger's save_dir)")
+        raise PlotError(
+            f"run directory {run_dir} does not exist; pass the directory the run logged into "
+            f"(the Trainer's default_root_dir or a logger's save_dir)"
+        )
     csv_files = _newest_first(run_dir.rglob("metrics.csv"))
     event_dirs = _newest_first({p.parent for p in run_dir.rglob("events.out.tfevents.*")})
     if not csv_files and not event_dirs:
-        raise PlotError(f"no metrics.csv or TensorBoard event files under {run_dir}; train with "
-                        f"Trainer(logger=CSVLogger(...)) or TensorBoardLogger(...) writing there, or pass that "
-                        f"logger's directory")
+        raise PlotError(
+            f"no metrics.csv or TensorBoard event files under {run_dir}; train with "
+            f"Trainer(logger=CSVLogger(...)) or TensorBoardLogger(...) writing there, or pass that "
+            f"logger's directory"
+        )
     run = RunMetrics()
     if event_dirs:
         read_tensorboard_metrics(event_dirs[0], run)
@@ -102,8 +108,10 @@ def load_run(run_dir: Path) -> RunMetrics:
         run.sources.append(csv_files[0])
     run.ignored = [*event_dirs[1:], *csv_files[1:]]
     if not any(tag in run.series for tag in PLOTTED_TAGS):
-        raise PlotError(f"none of {', '.join(PLOTTED_TAGS)} in {', '.join(map(str, run.sources))}; train with "
-                        f"GPTModule (loss, lr) and the MegatronMetrics callback (throughput)")
+        raise PlotError(
+            f"none of {', '.join(PLOTTED_TAGS)} in {', '.join(map(str, run.sources))}; train with "
+            f"GPTModule (loss, lr) and the MegatronMetrics callback (throughput)"
+        )
     return run
 
 
@@ -152,8 +160,11 @@ def plot_run(run: RunMetrics, out: Path, title: str):
     if run.series.get(THROUGHPUT_TAG):
         _draw(speed_axes, run.series[THROUGHPUT_TAG], "tokens/s")
         # TFLOP/s and MFU are tokens/s times constants: a second curve would add nothing but a summary does.
-        summary = [f"mean {_mean(run.series[tag]):{fmt}} {unit}" for tag, fmt, unit in (
-            (TFLOPS_TAG, ".3g", "TFLOP/s/device"), (MFU_TAG, ".2%", "MFU")) if run.series.get(tag)]
+        summary = [
+            f"mean {_mean(run.series[tag]):{fmt}} {unit}"
+            for tag, fmt, unit in ((TFLOPS_TAG, ".3g", "TFLOP/s/device"), (MFU_TAG, ".2%", "MFU"))
+            if run.series.get(tag)
+        ]
         speed_axes.set_title("throughput" + (f" ({', '.join(summary)})" if summary else ""), fontsize="medium")
     else:
         _not_logged(speed_axes, "throughput")
@@ -166,9 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-lite plot",
         description="Plot loss (train and validation), learning rate and throughput of a run from its "
-                    "CSVLogger / TensorBoardLogger files.")
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path,
-                        help="directory the run logged into (default_root_dir, a logger's save_dir or a version dir)")
+        "CSVLogger / TensorBoardLogger files.",
+    )
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        type=Path,
+        help="directory the run logged into (default_root_dir, a logger's save_dir or a version dir)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
     return parser
 
@@ -190,7 +206,9 @@ def main(argv: Optional[list] = None) -> int:
         last = max(steps) if steps else math.nan
         print(f"wrote {out} (steps up to {last}, from {', '.join(map(str, run.sources))})")
         if run.ignored:
-            print(f"note: {len(run.ignored)} older log(s) under {args.run_dir} not plotted "
-                  f"(pass a version directory to plot one): {', '.join(map(str, run.ignored))}")
+            print(
+                f"note: {len(run.ignored)} older log(s) under {args.run_dir} not plotted "
+                f"(pass a version directory to plot one): {', '.join(map(str, run.ignored))}"
+            )
 
     return run_verb("megatron-lite plot", work, show, errors=(PlotError, MissingDependencyError))

@@ -16,6 +16,7 @@ an ordinary checkpoint (weights, the smaller config, the source's tokenizer): ``
 original with ``megatron_lite.callbacks.Distill``. ``--overwrite`` replaces an earlier output of megatron-lite,
 nothing else. Exit code 2 on bad input, with one line that says what to change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,24 @@ _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-lite prune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="megatron-lite prune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
-    p.add_argument("--data", required=True,
-                   help="calibration text: a .jsonl[.gz] file, a bundled corpus name, or an indexed dataset prefix")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="calibration text: a .jsonl[.gz] file, a bundled corpus name, or an indexed dataset prefix",
+    )
     p.add_argument("--output", required=True, help="the pruned checkpoint to write")
     for name in _SHAPE_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"pruned {name} (default: keep)")
-    p.add_argument("--layer-metric", choices=["cosine", "loss"], default="cosine",
-                   help="layer importance: 1 - cos(block in, block out) (default) or the LM-loss increase when skipped")
+    p.add_argument(
+        "--layer-metric",
+        choices=["cosine", "loss"],
+        default="cosine",
+        help="layer importance: 1 - cos(block in, block out) (default) or the LM-loss increase when skipped",
+    )
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches (default 8)")
     p.add_argument("--eval-batches", type=int, default=2, help="further batches for the loss before/after (default 2)")
     p.add_argument("--batch-size", type=int, default=4, help="rows per batch (default 4)")
@@ -79,22 +88,35 @@ def run(args: argparse.Namespace) -> dict:
     target.pruned_config(module.config)  # an impossible target is named before any data is read
     tokenizer = model_tokenizer(source, **tokenizer_options(args))
     seq_length = args.seq_length or module.config.seq_length
-    batches = calibration_batches(args.data, tokenizer, seq_length, args.batch_size,
-                                  args.calib_batches + args.eval_batches, json_key=args.json_key,
-                                  vocab_size=module.config.vocab_size)
-    calib, held_out = batches[: args.calib_batches], batches[args.calib_batches:]
+    batches = calibration_batches(
+        args.data,
+        tokenizer,
+        seq_length,
+        args.batch_size,
+        args.calib_batches + args.eval_batches,
+        json_key=args.json_key,
+        vocab_size=module.config.vocab_size,
+    )
+    calib, held_out = batches[: args.calib_batches], batches[args.calib_batches :]
     importance = estimate_importance(module, calib, args.layer_metric)
     plan = plan_pruning(module.config, importance, target)
     pruned = apply_plan(module, plan)
-    metadata = {"megatron_lite_pruned_from": {"checkpoint": str(source), "layers": plan.layers,
-                                              "layer_metric": args.layer_metric}}
+    metadata = {
+        "megatron_lite_pruned_from": {
+            "checkpoint": str(source),
+            "layers": plan.layers,
+            "layer_metric": args.layer_metric,
+        }
+    }
     # the tokenizer and an HF model's files travel with the weights (of hf/config.json an export keeps only the
     # token ids and model type, never the shapes)
-    save_weights_checkpoint(pruned, output, hf_source=hf_side_directory(source), metadata=metadata,
-                            tokenizer=tokenizer)
-    summary = {"output": str(output), "kept_layers": plan.layers,
-               "parameters": [module.config.num_parameters(), pruned.config.num_parameters()],
-               "shape": {name: [getattr(module.config, name), getattr(pruned.config, name)] for name in _SHAPE_FLAGS}}
+    save_weights_checkpoint(pruned, output, hf_source=hf_side_directory(source), metadata=metadata, tokenizer=tokenizer)
+    summary = {
+        "output": str(output),
+        "kept_layers": plan.layers,
+        "parameters": [module.config.num_parameters(), pruned.config.num_parameters()],
+        "shape": {name: [getattr(module.config, name), getattr(pruned.config, name)] for name in _SHAPE_FLAGS},
+    }
     if held_out:
         summary["held_out_loss"] = [_mean_loss(module, held_out), _mean_loss(pruned, held_out)]
     return summary

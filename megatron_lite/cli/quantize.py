@@ -18,6 +18,7 @@ and ``convert --to hf`` read it, ``trainer.fit(..., ckpt_path=...)`` with ``Quan
 fine-tunes it (QAT). ``--overwrite`` replaces an earlier output of megatron-lite, nothing else. Runs in this
 process (one device). Exit code 2 on bad input, with one line that says what to change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,19 @@ from megatron_lite.core.checkpoint.format.output_dir import check_output
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-lite quantize", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="megatron-lite quantize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
-    p.add_argument("--config", default="INT8_SMOOTHQUANT_CFG",
-                   help="ModelOpt config name (default INT8_SMOOTHQUANT_CFG); 'none' quantizes only the KV cache")
+    p.add_argument(
+        "--config",
+        default="INT8_SMOOTHQUANT_CFG",
+        help="ModelOpt config name (default INT8_SMOOTHQUANT_CFG); 'none' quantizes only the KV cache",
+    )
     p.add_argument("--kv-cache", default=None, help="ModelOpt KV-cache preset, e.g. FP8_KV_CFG")
-    p.add_argument("--data", required=True,
-                   help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix")
+    p.add_argument(
+        "--data", required=True, help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix"
+    )
     p.add_argument("--json-key", default="text", help="the corpus's text field (default text)")
     p.add_argument("--output", required=True, help="directory for the quantized checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
@@ -81,9 +87,16 @@ def run(args: argparse.Namespace) -> dict:
     module = GPTModule.from_pretrained(path)
     seq_length = args.seq_length or module.config.seq_length
     total = args.calib_batches + args.eval_batches
-    batches = calibration_batches(args.data, tokenizer, seq_length, args.batch_size, total, json_key=args.json_key,
-                                  vocab_size=module.config.vocab_size)
-    calibration, evaluation = batches[:args.calib_batches], batches[args.calib_batches:]
+    batches = calibration_batches(
+        args.data,
+        tokenizer,
+        seq_length,
+        args.batch_size,
+        total,
+        json_key=args.json_key,
+        vocab_size=module.config.vocab_size,
+    )
+    calibration, evaluation = batches[: args.calib_batches], batches[args.calib_batches :]
     result: dict = {"config": config, "kv_cache": args.kv_cache, "output": str(args.output)}
     if evaluation:
         result["perplexity_before"] = perplexity(module, evaluation)
@@ -109,7 +122,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _text(result: dict) -> str:
     name = result["config"] if result["kv_cache"] is None else f"{result['config']} + {result['kv_cache']}"
-    figures = "" if "ratio" not in result else (
-        f": perplexity {result['perplexity_before']:.3f} -> {result['perplexity_after']:.3f} "
-        f"(x{result['ratio']:.4f})")
+    figures = (
+        ""
+        if "ratio" not in result
+        else (
+            f": perplexity {result['perplexity_before']:.3f} -> {result['perplexity_after']:.3f} "
+            f"(x{result['ratio']:.4f})"
+        )
+    )
     return f"quantized with {name}{figures}; wrote {result['output']}"

@@ -1,5 +1,6 @@
 """The ``--tokenizer-*`` options of the verbs that read a model (``generate``, ``quantize``, ``prune``): by default
 the model's own tokenizer (:func:`~megatron_lite.tokenizers.model_tokenizer.model_tokenizer`), or another one."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,9 @@ import argparse
 
 def add_tokenizer_options(parser: argparse.ArgumentParser) -> None:
     """``--tokenizer-type`` and its files, overriding the tokenizer the model brings."""
-    parser.add_argument("--tokenizer-type", default=None,
-                        help="override the checkpoint's tokenizer (build_tokenizer type)")
+    parser.add_argument(
+        "--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)"
+    )
     parser.add_argument("--tokenizer-model", default=None)
     parser.add_argument("--vocab-file", default=None)
     parser.add_argument("--merge-file", default=None)
@@ -16,5 +18,9 @@ def add_tokenizer_options(parser: argparse.ArgumentParser) -> None:
 
 def tokenizer_options(args: argparse.Namespace) -> dict:
     """The options :func:`add_tokenizer_options` added, as ``model_tokenizer`` takes them."""
-    return {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
-            "vocab_file": args.vocab_file, "merge_file": args.merge_file}
+    return {
+        "tokenizer_type": args.tokenizer_type,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+    }

@@ -3,6 +3,7 @@
 A leaf of ``core``: the run description (:class:`~megatron_lite.core.parallel.run_spec.RunSpec`) reads the
 precision with it, and the memory estimate's byte tables (``core/estimator/precision_bytes.py``) are keyed by it.
 """
+
 from __future__ import annotations
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")

@@ -22,6 +22,7 @@ PyTorch, driven by :meth:`megatron_lite.core.engine.TrainingEngine.train_step`:
 A :class:`FaultInjection` (``RerunConfig(inject=...)`` or the environment variable
 :data:`INJECT_ENV`) makes a step's loss NaN/Inf/huge, or its gradients NaN, for tests and drills.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,11 +77,17 @@ class FaultInjection:
         if match is None:
             raise ValueError(
                 f"fault injection {text!r} is not <nan|inf|spike>_<loss|grad>@<step>[:once|:always][:rank<r>]; "
-                f"e.g. 'nan_loss@3' (once: a transient fault) or 'nan_loss@3:always' (a reproducible one)")
+                f"e.g. 'nan_loss@3' (once: a transient fault) or 'nan_loss@3:always' (a reproducible one)"
+            )
         kind, target, step, times, rank = match.groups()
         # the pattern's alternatives are exactly the Literal values
-        return cls(kind=cast(FaultKind, kind), target=cast(FaultTarget, target), step=int(step),
-                   always=times == "always", rank=None if rank is None else int(rank))
+        return cls(
+            kind=cast(FaultKind, kind),
+            target=cast(FaultTarget, target),
+            step=int(step),
+            always=times == "always",
+            rank=None if rank is None else int(rank),
+        )
 
     def applies(self, step: int, attempt: int, rank: int) -> bool:
         return step == self.step and (self.always or attempt == 0) and self.rank in (None, rank)
@@ -113,8 +120,9 @@ class RerunConfig:
     def __post_init__(self) -> None:
         _finite_positive("spike_factor", self.spike_factor)
         if isinstance(self.spike_window, bool) or not isinstance(self.spike_window, int) or self.spike_window < 1:
-            raise ValueError(f"RerunConfig(spike_window={self.spike_window!r}) must be a positive number of steps, "
-                             f"e.g. 100")
+            raise ValueError(
+                f"RerunConfig(spike_window={self.spike_window!r}) must be a positive number of steps, e.g. 100"
+            )
         if self.on_reproducible not in POLICIES:
             raise ValueError(f"RerunConfig(on_reproducible={self.on_reproducible!r}) must be one of {POLICIES}")
         self.injection()  # a malformed injection fails here, not at the step
@@ -163,8 +171,9 @@ class RerunStateMachine:
         group: the process group whose ranks must agree (None: the default group when initialised).
     """
 
-    def __init__(self, config: Optional[RerunConfig] = None, rank: int = 0,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self, config: Optional[RerunConfig] = None, rank: int = 0, group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         self.config = config or RerunConfig()
         self.injection = self.config.injection()
         self.rank, self.group = rank, group
@@ -265,8 +274,10 @@ class RerunStateMachine:
         if spikes and len(reference) >= self.config.spike_window:
             largest = max(reference)
             if largest > 0 and value >= self.config.spike_factor * largest:
-                return [f"{name} {value:.4g} >= {self.config.spike_factor:g} x {largest:.4g} (the largest of the first "
-                        f"{self.config.spike_window})"]
+                return [
+                    f"{name} {value:.4g} >= {self.config.spike_factor:g} x {largest:.4g} (the largest of the first "
+                    f"{self.config.spike_window})"
+                ]
         return []
 
     def _accept(self, values: tuple[float, float]) -> None:
@@ -288,12 +299,19 @@ class RerunStateMachine:
     def state_dict(self) -> dict:
         """The spike references and counts (plain data), for checkpoints."""
         c = self.counts
-        return {"references": {k: list(v) for k, v in self._references.items()}, "rejected": c.rejected,
-                "transient": c.transient, "reproducible": c.reproducible, "skipped": c.skipped}
+        return {
+            "references": {k: list(v) for k, v in self._references.items()},
+            "rejected": c.rejected,
+            "transient": c.transient,
+            "reproducible": c.reproducible,
+            "skipped": c.skipped,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self._references = {k: [float(x) for x in v] for k, v in state.get("references", {}).items()} or \
-            {"loss": [], "grad_norm": []}
+        self._references = {k: [float(x) for x in v] for k, v in state.get("references", {}).items()} or {
+            "loss": [],
+            "grad_norm": [],
+        }
         for name in ("rejected", "transient", "reproducible", "skipped"):
             setattr(self.counts, name, int(state.get(name, 0)))
 

@@ -10,6 +10,7 @@ synchronization happens only when the timed device is CUDA (so CPU runs never to
 gather runs over any process group and works on gloo, and ``log`` returns a :class:`TimerReport`
 (its text *and* the numbers, for loggers) instead of printing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,10 @@ class DummyTimer:
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         """A disabled timer has measured nothing; reading it is a bug in the caller."""
-        raise RuntimeError("this timer is disabled by the log level (a DummyTimer has no elapsed time); "
-                           "raise Timers(log_level=...) to the timer's level to measure it")
+        raise RuntimeError(
+            "this timer is disabled by the log level (a DummyTimer has no elapsed time); "
+            "raise Timers(log_level=...) to the timer's level to measure it"
+        )
 
     def active_time(self) -> float:
         """A disabled timer has measured nothing (see :meth:`elapsed`)."""
@@ -187,8 +190,13 @@ class Timers:
         barrier_group: process group of ``start(barrier=True)`` / ``stop(barrier=True)``; None is the world.
     """
 
-    def __init__(self, log_level: int = 0, log_option: LogOption = "minmax",
-                 device: Union[torch.device, str, None] = None, barrier_group=None) -> None:
+    def __init__(
+        self,
+        log_level: int = 0,
+        log_option: LogOption = "minmax",
+        device: Union[torch.device, str, None] = None,
+        barrier_group=None,
+    ) -> None:
         if isinstance(log_level, bool) or not isinstance(log_level, int) or not 0 <= log_level <= MAX_LOG_LEVEL:
             raise ValueError(f"log_level must be an integer in 0..{MAX_LOG_LEVEL}, got {log_level!r}")
         if log_option not in LOG_OPTIONS:
@@ -205,8 +213,10 @@ class Timers:
         """The timer ``name`` (created on first use, at ``log_level``, default the finest level)."""
         if name in self._timers:
             if log_level is not None and log_level != self._log_levels[name]:
-                raise ValueError(f"timer {name!r} was created at log level {self._log_levels[name]}, "
-                                 f"asked for level {log_level}; use one level per timer name")
+                raise ValueError(
+                    f"timer {name!r} was created at log level {self._log_levels[name]}, "
+                    f"asked for level {log_level}; use one level per timer name"
+                )
             return self._timers[name]
         level = MAX_LOG_LEVEL if log_level is None else log_level
         if not 0 <= level <= MAX_LOG_LEVEL:
@@ -226,8 +236,14 @@ class Timers:
         """This rank's milliseconds for each of ``names`` (0.0 for a name that is not an enabled timer)."""
         return [self._timers[n].elapsed(reset=reset) * 1000.0 if n in self._timers else 0.0 for n in names]
 
-    def log(self, names: Optional[Iterable[str]] = None, normalizer: float = 1.0, group=None,
-            reset: bool = True, barrier: bool = False) -> TimerReport:
+    def log(
+        self,
+        names: Optional[Iterable[str]] = None,
+        normalizer: float = 1.0,
+        group=None,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> TimerReport:
         """Gather the elapsed times of ``names`` (default: every enabled timer) from every rank of
         ``group`` (None: the world; without a process group, this rank alone), divided by
         ``normalizer`` (e.g. iterations per interval), in ms. A collective: every rank of ``group``

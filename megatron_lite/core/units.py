@@ -1,8 +1,9 @@
 """Sizes in bytes as people read them (``1.50 GiB``): a leaf of ``core``, shared by the memory estimate's reports,
 the checkpoints' disk-space check and the strategy's memory check."""
+
 from __future__ import annotations
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def format_bytes(n: float) -> str:

@@ -16,6 +16,7 @@ Collective timeouts are a second lever: ``init_process_group(timeout=...)`` (Meg
 Only the default group gets it: torch gives groups made later (the DeviceMesh's) the 30-minute
 default, so the watchdog is what bounds a hang in a tensor- or pipeline-parallel collective.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -46,8 +47,16 @@ class Watchdog:
         poll_s: how often the thread looks at the clock and the alarm.
     """
 
-    def __init__(self, timeout_s: float, rank: int = 0, dump_dir: Optional[str] = None, run_id: str = "run",
-                 linger_s: float = 5.0, exit_code: int = WATCHDOG_EXIT_CODE, poll_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int = 0,
+        dump_dir: Optional[str] = None,
+        run_id: str = "run",
+        linger_s: float = 5.0,
+        exit_code: int = WATCHDOG_EXIT_CODE,
+        poll_s: Optional[float] = None,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"the watchdog's timeout must be a positive number of seconds, got {timeout_s!r}")
         self.timeout_s, self.rank, self.run_id = float(timeout_s), rank, run_id
@@ -107,8 +116,10 @@ class Watchdog:
                 return
 
     def _fire(self, reason: str) -> None:
-        header = (f"megatron-lite watchdog: rank {self.rank} (pid {os.getpid()}): {reason}. Python stacks of every "
-                  f"thread follow; exiting with code {self.exit_code} so that the launcher can restart the job.\n")
+        header = (
+            f"megatron-lite watchdog: rank {self.rank} (pid {os.getpid()}): {reason}. Python stacks of every "
+            f"thread follow; exiting with code {self.exit_code} so that the launcher can restart the job.\n"
+        )
         faulthandler.cancel_dump_traceback_later()
         self._dump(sys.stderr, header)
         if self.dump_dir is not None:
@@ -122,8 +133,9 @@ class Watchdog:
                     tmp.write_text(f"rank {self.rank}")
                     tmp.replace(alarm)
             except OSError as error:
-                sys.stderr.write(f"megatron-lite watchdog: rank {self.rank}: could not write to {self.dump_dir}: "
-                                 f"{error}\n")
+                sys.stderr.write(
+                    f"megatron-lite watchdog: rank {self.rank}: could not write to {self.dump_dir}: {error}\n"
+                )
         time.sleep(self.linger_s)  # the other ranks dump before this one's connections close
         sys.stderr.flush()
         os._exit(self.exit_code)

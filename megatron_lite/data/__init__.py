@@ -7,17 +7,18 @@ Every name below is imported on first use (``from megatron_lite.data import Mock
 ``megatron_lite.data.IndexedDataset``): the datamodules import Lightning, which preprocessing and the indexed
 datasets do not need.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from megatron_lite.core.parallel.geometry import DataGeometry
     from megatron_lite.data.blended import BlendedDataset
     from megatron_lite.data.bundled import bundled_corpora, bundled_corpus, resolve_corpus
     from megatron_lite.data.datamodule import PretrainingDataModule
     from megatron_lite.data.fim import FIMDataset, FIMTokens
-    from megatron_lite.core.parallel.geometry import DataGeometry
     from megatron_lite.data.gpt_dataset import GPTDataset
     from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
     from megatron_lite.data.mock import MockGPTDataModule, MockGPTDataset

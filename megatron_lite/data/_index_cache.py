@@ -96,7 +96,9 @@ def load_or_build(
     if not _writable(cache_dir):
         warnings.warn(
             f"cannot write the {kind} index cache {cache_dir}; building the indices in memory (again on every "
-            f"run). Pass a writable cache_dir to cache them.", stacklevel=3)
+            f"run). Pass a writable cache_dir to cache them.",
+            stacklevel=3,
+        )
         return build()
     if not hit():
         build_and_save()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
-import math
 from fractions import Fraction
 from typing import Any
 
@@ -26,8 +26,10 @@ def normalize_weights(weights: Sequence[float], names: Sequence[str] | None = No
         raise ValueError(f"{len(weights)} weights for {len(names)} datasets; give one weight per dataset")
     for name, weight in zip(names, weights):
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
-            raise ValueError(f"the weight of {name} is {weight!r}; every weight must be a positive number (drop "
-                             f"the dataset instead of giving it weight 0)")
+            raise ValueError(
+                f"the weight of {name} is {weight!r}; every weight must be a positive number (drop "
+                f"the dataset instead of giving it weight 0)"
+            )
     total = float(sum(weights))
     return [float(w) / total for w in weights]
 
@@ -71,7 +73,8 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
         for i in range(k):
             c = counts[i]
             if c * denominator < numerators[i] * quota_numerator and (
-                    best < 0 or numerators[i] * (counts[best] + 1) > numerators[best] * (c + 1)):
+                best < 0 or numerators[i] * (counts[best] + 1) > numerators[best] * (c + 1)
+            ):
                 best = i
         dataset_index[n] = best
         dataset_sample_index[n] = counts[best]
@@ -114,10 +117,13 @@ class BlendedDataset(Dataset):
         sizes = [len(d) for d in self.datasets]  # type: ignore[arg-type]
         if descriptions is None:
             # without descriptions a dataset is known only by its type and size: pass them to share a cache
-            descriptions = [str(getattr(d, "unique_description_hash", f"{type(d).__name__}:{n}"))
-                            for d, n in zip(self.datasets, sizes)]
-        self.description, self.unique_description_hash = describe({
-            "class": type(self).__name__, "datasets": list(descriptions), "weights": self.weights, "size": size})
+            descriptions = [
+                str(getattr(d, "unique_description_hash", f"{type(d).__name__}:{n}"))
+                for d, n in zip(self.datasets, sizes)
+            ]
+        self.description, self.unique_description_hash = describe(
+            {"class": type(self).__name__, "datasets": list(descriptions), "weights": self.weights, "size": size}
+        )
 
         def build() -> dict[str, np.ndarray]:
             dataset_index, dataset_sample_index = build_blending_indices(self.weights, size)
@@ -126,8 +132,14 @@ class BlendedDataset(Dataset):
         if cache_dir is None:
             arrays = build()
         else:
-            arrays = load_or_build(os.fspath(cache_dir), type(self).__name__, self.description,
-                                   self.unique_description_hash, ("dataset_index", "dataset_sample_index"), build)
+            arrays = load_or_build(
+                os.fspath(cache_dir),
+                type(self).__name__,
+                self.description,
+                self.unique_description_hash,
+                ("dataset_index", "dataset_sample_index"),
+                build,
+            )
         self.dataset_index: np.ndarray = arrays["dataset_index"]
         self.dataset_sample_index: np.ndarray = arrays["dataset_sample_index"]
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
@@ -135,7 +147,8 @@ class BlendedDataset(Dataset):
             if needed > available:
                 raise ValueError(
                     f"{name} has {available} samples but a blend of {size} at weight {weight:.4g} needs "
-                    f"{needed}; build it with num_samples >= {needed} (see samples_needed())")
+                    f"{needed}; build it with num_samples >= {needed} (see samples_needed())"
+                )
 
     def __len__(self) -> int:
         """Samples in the blend."""

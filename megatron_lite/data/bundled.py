@@ -33,5 +33,7 @@ def resolve_corpus(path: str | os.PathLike[str]) -> str:
         return path
     if path in bundled_corpora():
         return bundled_corpus(path)
-    raise FileNotFoundError(f"corpus {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file> or the name "
-                            f"of a bundled corpus: {', '.join(bundled_corpora())}")
+    raise FileNotFoundError(
+        f"corpus {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file> or the name "
+        f"of a bundled corpus: {', '.join(bundled_corpora())}"
+    )

@@ -8,6 +8,7 @@ by the end-of-document token). Batch ``i``'s row ``r`` is window ``i * batch_siz
 tokens starting at that many times ``seq_length`` in the token stream (inputs and shifted labels, as training
 windows are cut).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -32,8 +33,9 @@ def corpus_tokens(source: str, tokenizer: Any, needed: int, json_key: str = "tex
     try:
         path = resolve_corpus(source)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"--data {source}: not an indexed dataset prefix (PREFIX.bin/.idx) either; "
-                                f"{err}") from None
+        raise FileNotFoundError(
+            f"--data {source}: not an indexed dataset prefix (PREFIX.bin/.idx) either; {err}"
+        ) from None
     eod: Optional[int] = getattr(tokenizer, "eod", None)
     for text in iter_jsonl_texts(path, json_key, what="--data", option="--json-key"):
         tokens.extend(tokenizer.tokenize(text))
@@ -44,25 +46,38 @@ def corpus_tokens(source: str, tokenizer: Any, needed: int, json_key: str = "tex
     return tokens
 
 
-def calibration_batches(source: str, tokenizer: Any, seq_length: int, batch_size: int, count: int,
-                        json_key: str = "text", vocab_size: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+def calibration_batches(
+    source: str,
+    tokenizer: Any,
+    seq_length: int,
+    batch_size: int,
+    count: int,
+    json_key: str = "text",
+    vocab_size: Optional[int] = None,
+) -> list[dict[str, torch.Tensor]]:
     """The first ``count`` batches ``{"tokens": LongTensor[batch_size, seq_length + 1]}`` of ``source``'s windows.
     ValueError naming the fix when it holds no text, too few tokens, or (given ``vocab_size``) a token id outside
     the model's vocabulary."""
     windows = count * batch_size
     tokens = corpus_tokens(source, tokenizer, windows * seq_length + 1, json_key)
     if not tokens:
-        raise ValueError(f"--data {source} holds no text (no non-empty {json_key!r} field); pass a JSONL corpus with "
-                         f"text, or --json-key naming the field that holds it")
+        raise ValueError(
+            f"--data {source} holds no text (no non-empty {json_key!r} field); pass a JSONL corpus with "
+            f"text, or --json-key naming the field that holds it"
+        )
     found = max(0, (len(tokens) - 1) // seq_length)
     if found < windows:
-        raise ValueError(f"--data {source} holds {len(tokens)} tokens: {found} windows of {seq_length} + 1 tokens, "
-                         f"fewer than the {windows} that --calib-batches + --eval-batches batches of "
-                         f"--batch-size {batch_size} need; give more text, or lower --calib-batches, "
-                         f"--eval-batches, --batch-size or --seq-length")
+        raise ValueError(
+            f"--data {source} holds {len(tokens)} tokens: {found} windows of {seq_length} + 1 tokens, "
+            f"fewer than the {windows} that --calib-batches + --eval-batches batches of "
+            f"--batch-size {batch_size} need; give more text, or lower --calib-batches, "
+            f"--eval-batches, --batch-size or --seq-length"
+        )
     flat = torch.tensor(tokens[: windows * seq_length + 1], dtype=torch.int64)
     if vocab_size is not None and int(flat.max()) >= vocab_size:
-        raise ValueError(f"--data holds token id {int(flat.max())}, outside the model's vocabulary ({vocab_size}); "
-                         f"tokenize it with the model's tokenizer")
-    rows = [flat[i * seq_length: i * seq_length + seq_length + 1] for i in range(windows)]
-    return [{"tokens": torch.stack(rows[i:i + batch_size])} for i in range(0, windows, batch_size)]
+        raise ValueError(
+            f"--data holds token id {int(flat.max())}, outside the model's vocabulary ({vocab_size}); "
+            f"tokenize it with the model's tokenizer"
+        )
+    rows = [flat[i * seq_length : i * seq_length + seq_length + 1] for i in range(windows)]
+    return [{"tokens": torch.stack(rows[i : i + batch_size])} for i in range(0, windows, batch_size)]

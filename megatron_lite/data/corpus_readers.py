@@ -3,6 +3,7 @@
 JSON lines are handed on raw (the tokenizing workers parse them, so parsing runs in parallel), everything
 else as dict rows; chunks of them are what the workers receive. Nothing is ever fetched from the hub.
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,8 +31,10 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
         if not matches or not os.path.exists(matches[0]):
-            raise FileNotFoundError(f"--input {pattern}: no such file or directory; pass a .jsonl[.gz], .parquet or "
-                                    f"a datasets save_to_disk directory (globs allowed)")
+            raise FileNotFoundError(
+                f"--input {pattern}: no such file or directory; pass a .jsonl[.gz], .parquet or "
+                f"a datasets save_to_disk directory (globs allowed)"
+            )
         paths.extend(matches)
     return paths
 
@@ -41,23 +44,29 @@ def input_kind(path: str) -> str:
     if os.path.isdir(path):
         if any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
             return "hf"
-        raise PreprocessError(f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json or "
-                              f"dataset_dict.json); pass its data files instead, e.g. --input '{path}/*.parquet'")
+        raise PreprocessError(
+            f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json or "
+            f"dataset_dict.json); pass its data files instead, e.g. --input '{path}/*.parquet'"
+        )
     name = path[:-3] if path.endswith(".gz") else path
     if name.endswith(".parquet"):
         return "parquet"
     if name.endswith(_JSON_SUFFIXES):
         return "json"
-    raise PreprocessError(f"{path}: unsupported input format; use JSON lines (.jsonl/.json, optionally .gz), "
-                          f".parquet, or a datasets save_to_disk directory")
+    raise PreprocessError(
+        f"{path}: unsupported input format; use JSON lines (.jsonl/.json, optionally .gz), "
+        f".parquet, or a datasets save_to_disk directory"
+    )
 
 
 def _check_columns(path: str, present: Sequence[str], keys: Sequence[str]) -> None:
     """PreprocessError naming the missing keys and the columns that exist."""
     missing = [k for k in keys if k not in present]
     if missing:
-        raise PreprocessError(f"{path} has no column {', '.join(map(repr, missing))} (columns: {list(present)}); "
-                              f"pass --json-keys with the column that holds the text")
+        raise PreprocessError(
+            f"{path} has no column {', '.join(map(repr, missing))} (columns: {list(present)}); "
+            f"pass --json-keys with the column that holds the text"
+        )
 
 
 def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iterator[Any], Optional[int]]:
@@ -80,16 +89,24 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
         try:
             ds = datasets.load_from_disk(path)
         except Exception as err:  # a damaged directory: say which one
-            raise PreprocessError(f"{path}: cannot load the saved dataset ({err}); save it again with "
-                                  f"save_to_disk") from None
+            raise PreprocessError(
+                f"{path}: cannot load the saved dataset ({err}); save it again with save_to_disk"
+            ) from None
         if isinstance(ds, datasets.DatasetDict):
             if hf_split not in ds:
                 raise PreprocessError(f"{path} holds splits {list(ds)}, not {hf_split!r}; pass --hf-split <split>")
             ds = ds[hf_split]
         _check_columns(path, ds.column_names, keys)
         ds = ds.select_columns(list(keys))
-        return "record", (row for batch in ds.iter(batch_size=1024)
-                          for row in (dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys)))), len(ds)
+        return (
+            "record",
+            (
+                row
+                for batch in ds.iter(batch_size=1024)
+                for row in (dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys)))
+            ),
+            len(ds),
+        )
     with open_bytes(path) as f:  # its first bytes tell JSON lines from an array (a cut character is harmless)
         head = f.read(4096).decode("utf-8", errors="ignore").lstrip()
     if head.startswith("["):  # one JSON array of objects rather than JSON lines
@@ -104,11 +121,15 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
     def lines() -> Iterator[str]:
         number = 0
         try:
-            for number, line in read_lines(path):  # a line that is not UTF-8: a ValueError naming it
+            # a line that is not UTF-8: a ValueError naming it; `number` names the line a read error stopped at
+            for number, line in read_lines(path):  # noqa: B007
                 yield line
         except (EOFError, OSError) as err:  # mid-file: corrupt or truncated
-            raise PreprocessError(f"{path}:{number + 1} cannot be read ({err}); the file is corrupt or truncated "
-                                  f"(inputs must be UTF-8 text, optionally gzipped)") from None
+            raise PreprocessError(
+                f"{path}:{number + 1} cannot be read ({err}); the file is corrupt or truncated "
+                f"(inputs must be UTF-8 text, optionally gzipped)"
+            ) from None
+
     return "line", lines(), None
 
 

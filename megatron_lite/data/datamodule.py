@@ -72,12 +72,20 @@ class PretrainingDataModule(pl.LightningDataModule):
     batches stay at ``global_batch_size``.
     """
 
-    def __init__(self, seq_length: int, micro_batch_size: int, global_batch_size: int, num_workers: int,
-                 rampup_batch_size: Optional[list[int]] = None) -> None:
+    def __init__(
+        self,
+        seq_length: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        num_workers: int,
+        rampup_batch_size: Optional[list[int]] = None,
+    ) -> None:
         """Validate the geometry (and the ramp-up) now, before Lightning spawns any process."""
         super().__init__()
         self._geometry = DataGeometry(
-            micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            seq_length=seq_length,
             rampup_batch_size=rampup_batch_size,
         )
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -98,8 +106,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Micro/global batch size and sequence length of this datamodule."""
         return self._geometry
 
-    def check_before_launch(self, run: RunSpec, trainer: Optional[pl.Trainer] = None, module: Any = None,
-                            datamodule: Any = None) -> None:
+    def check_before_launch(
+        self, run: RunSpec, trainer: Optional[pl.Trainer] = None, module: Any = None, datamodule: Any = None
+    ) -> None:
         """Check the input files (MegatronStrategy's pre-launch check): in the launching process before any rank
         starts, so a bad file fails once, with one message, instead of in every rank after launch.
         Subclasses that read files override it (nothing to check here)."""
@@ -192,11 +201,19 @@ class PretrainingDataModule(pl.LightningDataModule):
                 f"the last {rest} of the {total} samples of the {split} split are not evaluated ({type(self).__name__}"
                 f"'s samples cannot be padded with masked-out ones), so the {split} metrics depend on "
                 f"global_batch_size; make the split a multiple of global_batch_size ({self.global_batch_size}) "
-                f"to evaluate every sample")
+                f"to evaluate every sample"
+            )
         return dataset
 
-    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int, split: str,
-                      calculator: Optional[NumMicroBatchesCalculator] = None) -> GlobalBatchSampler:
+    def _make_sampler(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        dp_size: int,
+        rank: int,
+        split: str,
+        calculator: Optional[NumMicroBatchesCalculator] = None,
+    ) -> GlobalBatchSampler:
         """The sampler of ``_loader``: Megatron's sequential one, for every split; ``calculator`` (train under a
         ramp-up) gives each step's global batch size.
 

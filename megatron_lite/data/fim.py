@@ -10,6 +10,7 @@ The three sentinel tokens make a sample longer; the suffix is truncated to keep 
 document is left untouched when it is too short to pay for them). Randomness is drawn from
 ``(seed, sample index)`` alone, so a sample is the same in every run, rank and worker.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ class FIMTokens:
     """End-of-document id: documents inside a sample are permuted separately."""
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, prefix: str = "<fim_prefix>", middle: str = "<fim_middle>",
-                       suffix: str = "<fim_suffix>") -> "FIMTokens":
+    def from_tokenizer(
+        cls, tokenizer, prefix: str = "<fim_prefix>", middle: str = "<fim_middle>", suffix: str = "<fim_suffix>"
+    ) -> "FIMTokens":
         """Look the sentinels up by text; each must be a single token of ``tokenizer``."""
         ids = []
         for text in (prefix, middle, suffix):
@@ -43,7 +45,8 @@ class FIMTokens:
             if len(tokens) != 1:
                 raise ValueError(
                     f"the tokenizer has no single token for {text!r} (it gives {tokens}); add it as a special "
-                    f"token, or build FIMTokens(prefix=..., middle=..., suffix=..., eod=...) with explicit ids")
+                    f"token, or build FIMTokens(prefix=..., middle=..., suffix=..., eod=...) with explicit ids"
+                )
             ids.append(tokens[0])
         return cls(prefix=ids[0], middle=ids[1], suffix=ids[2], eod=tokenizer.eod)
 
@@ -77,8 +80,9 @@ def permute_document(doc: np.ndarray, rng: np.random.RandomState, spm: bool, tok
     return out
 
 
-def fim_sample(sample: np.ndarray, rng: np.random.RandomState, fim_rate: float, fim_spm_rate: float,
-               tokens: FIMTokens) -> np.ndarray:
+def fim_sample(
+    sample: np.ndarray, rng: np.random.RandomState, fim_rate: float, fim_spm_rate: float, tokens: FIMTokens
+) -> np.ndarray:
     """Apply FIM to each document (split at EOD tokens, which stay in place) of a token window."""
     out = sample.copy()
     boundaries = np.flatnonzero(sample == tokens.eod)
@@ -94,8 +98,9 @@ def fim_sample(sample: np.ndarray, rng: np.random.RandomState, fim_rate: float, 
 class FIMDataset(Dataset):
     """Wraps a dataset of ``{"tokens": [seq_length + 1]}`` samples and applies FIM to them."""
 
-    def __init__(self, dataset: Dataset, tokens: FIMTokens, fim_rate: float = 0.5, fim_spm_rate: float = 0.5,
-                 seed: int = 1234):
+    def __init__(
+        self, dataset: Dataset, tokens: FIMTokens, fim_rate: float = 0.5, fim_spm_rate: float = 0.5, seed: int = 1234
+    ):
         if not 0.0 <= fim_rate <= 1.0:
             raise ValueError(f"fim_rate must be in [0, 1], got {fim_rate}")
         if not 0.0 <= fim_spm_rate <= 1.0:
@@ -114,8 +119,9 @@ class FIMDataset(Dataset):
         return item
 
 
-def fim_dataset_or_plain(dataset: Dataset, tokens: Optional[FIMTokens], fim_rate: float, fim_spm_rate: float,
-                         seed: int) -> Dataset:
+def fim_dataset_or_plain(
+    dataset: Dataset, tokens: Optional[FIMTokens], fim_rate: float, fim_spm_rate: float, seed: int
+) -> Dataset:
     """``dataset`` wrapped in FIM when ``fim_rate > 0``."""
     if fim_rate <= 0.0:
         return dataset

@@ -146,14 +146,19 @@ class GPTDataset(Dataset):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
         if eod_token is not None and eod_mask_token is not None and eod_token != eod_mask_token:
-            raise ValueError(f"eod_token={eod_token} and eod_mask_token={eod_mask_token} name different EOD ids; "
-                             f"documents end with one EOD: pass the same id (or only one of them)")
+            raise ValueError(
+                f"eod_token={eod_token} and eod_mask_token={eod_mask_token} name different EOD ids; "
+                f"documents end with one EOD: pass the same id (or only one of them)"
+            )
         eod_token = eod_token if eod_token is not None else eod_mask_token
         if (reset_position_ids or reset_attention_mask) and eod_token is None:
-            raise ValueError("reset_position_ids / reset_attention_mask find documents by their EOD token; pass "
-                             "eod_token=tokenizer.eod")
-        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
-                                        or num_samples < 1):
+            raise ValueError(
+                "reset_position_ids / reset_attention_mask find documents by their EOD token; pass "
+                "eod_token=tokenizer.eod"
+            )
+        if num_samples is not None and (
+            isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1
+        ):
             raise ValueError(f"num_samples must be None (one epoch) or an integer >= 1, got {num_samples!r}")
         self.dataset = indexed_dataset
         self.path_prefix = os.path.abspath(dataset_path_prefix)
@@ -179,24 +184,38 @@ class GPTDataset(Dataset):
             raise ValueError(
                 f"the {split} split of {self.path_prefix} holds {len(self.indices)} documents with {tokens} tokens, "
                 f"fewer than one sample of seq_length + 1 = {seq_length + 1}; give the {split} split a larger "
-                f"share of the data split, lower seq_length, or add data (megatron-lite preprocess)")
+                f"share of the data split, lower seq_length, or add data (megatron-lite preprocess)"
+            )
         self.num_tokens_per_epoch = tokens
         """Tokens in one pass over the split's documents."""
         self.num_samples = num_samples
         """Samples asked for (None: one epoch); ``len(self)`` is at least this."""
         # The reset_* options and the EOD loss mask are left out of the key on purpose: they are computed from a
         # sample's tokens in __getitem__ and change none of the cached arrays, so every setting shares one cache.
-        self.description, self.unique_description_hash = describe({
-            "class": type(self).__name__, "dataset_path_prefix": self.path_prefix, "split": split,
-            "indices_md5": array_digest(self.indices), "num_documents": len(self.indices),
-            "num_sequences_in_file": len(lengths), "num_tokens_per_epoch": tokens, "num_samples": num_samples,
-            "seq_length": seq_length, "seed": seed, "add_extra_token_to_sequence": True,
-        })
+        self.description, self.unique_description_hash = describe(
+            {
+                "class": type(self).__name__,
+                "dataset_path_prefix": self.path_prefix,
+                "split": split,
+                "indices_md5": array_digest(self.indices),
+                "num_documents": len(self.indices),
+                "num_sequences_in_file": len(lengths),
+                "num_tokens_per_epoch": tokens,
+                "num_samples": num_samples,
+                "seq_length": seq_length,
+                "seed": seed,
+                "add_extra_token_to_sequence": True,
+            }
+        )
         self.cache_dir = cache_dir or os.path.join(self.path_prefix, "cache", f"{type(self).__name__}_indices")
         arrays = load_or_build(
-            self.cache_dir, f"{type(self).__name__}-{split}", self.description, self.unique_description_hash,
+            self.cache_dir,
+            f"{type(self).__name__}-{split}",
+            self.description,
+            self.unique_description_hash,
             ("document_index", "sample_index", "shuffle_index"),
-            lambda: build_gpt_indices(lengths, self.indices, num_samples, seq_length, seed))
+            lambda: build_gpt_indices(lengths, self.indices, num_samples, seq_length, seed),
+        )
         self.document_index: np.ndarray = arrays["document_index"]
         self.sample_index: np.ndarray = arrays["sample_index"]
         self.shuffle_index: np.ndarray = arrays["shuffle_index"]
@@ -213,8 +232,11 @@ class GPTDataset(Dataset):
         first_doc, first_offset = (int(x) for x in self.sample_index[j])
         last_doc, last_offset = (int(x) for x in self.sample_index[j + 1])
         if first_doc == last_doc:
-            parts = [self.dataset.get(int(self.document_index[first_doc]), offset=first_offset,
-                                      length=last_offset - first_offset + 1)]
+            parts = [
+                self.dataset.get(
+                    int(self.document_index[first_doc]), offset=first_offset, length=last_offset - first_offset + 1
+                )
+            ]
         else:
             parts = [self.dataset.get(int(self.document_index[first_doc]), offset=first_offset)]
             parts += [self.dataset.get(int(self.document_index[d])) for d in range(first_doc + 1, last_doc)]

@@ -18,6 +18,7 @@ memory-mapped; reading a sequence, or a slice of one with :meth:`IndexedDataset.
 bytes. Opening validates the header and both file sizes, so a truncated or foreign pair fails at once
 with a message naming the file, never later with a wrong sample.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,14 @@ _HEADER_SIZE = 34
 _REBUILD = "rebuild it with `megatron-lite preprocess`"
 
 DTYPE_CODES: dict[int, type[np.number]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 """Megatron-LM's dtype codes of the ``.idx`` header."""
 
@@ -55,8 +63,10 @@ def dtype_code(dtype: Any) -> int:
     for code, candidate in DTYPE_CODES.items():
         if np.dtype(candidate) == np_dtype:
             return code
-    raise ValueError(f"dtype {np_dtype} cannot be stored in a Megatron indexed dataset; "
-                     f"use one of {[np.dtype(d).name for d in DTYPE_CODES.values()]}")
+    raise ValueError(
+        f"dtype {np_dtype} cannot be stored in a Megatron indexed dataset; "
+        f"use one of {[np.dtype(d).name for d in DTYPE_CODES.values()]}"
+    )
 
 
 def get_idx_path(path_prefix: str) -> str:
@@ -89,19 +99,26 @@ class _Index:
         with open(idx_path, "rb") as stream:
             header = stream.read(_HEADER_SIZE)
         if header[:9] != _INDEX_HEADER:
-            raise ValueError(f"{idx_path} is not a Megatron indexed dataset index (bad magic {header[:9]!r}, "
-                             f"expected {_INDEX_HEADER!r}); {_REBUILD}")
+            raise ValueError(
+                f"{idx_path} is not a Megatron indexed dataset index (bad magic {header[:9]!r}, "
+                f"expected {_INDEX_HEADER!r}); {_REBUILD}"
+            )
         if len(header) < _HEADER_SIZE:
-            raise ValueError(f"{idx_path} is truncated: {size} bytes, shorter than the {_HEADER_SIZE}-byte header; "
-                             f"{_REBUILD}")
+            raise ValueError(
+                f"{idx_path} is truncated: {size} bytes, shorter than the {_HEADER_SIZE}-byte header; {_REBUILD}"
+            )
         version, code, count, doc_count = struct.unpack("<QBQQ", header[9:])
         if version != _VERSION:
-            raise ValueError(f"{idx_path} has index version {version}; only version {_VERSION} (Megatron-LM's) "
-                             f"can be read; {_REBUILD}")
+            raise ValueError(
+                f"{idx_path} has index version {version}; only version {_VERSION} (Megatron-LM's) "
+                f"can be read; {_REBUILD}"
+            )
         if code not in DTYPE_CODES:
             known = ", ".join(f"{c} {np.dtype(d).name}" for c, d in DTYPE_CODES.items())
-            raise ValueError(f"{idx_path} has unknown dtype code {code} (known: {known}); the file is corrupt "
-                             f"or from another tool; {_REBUILD}")
+            raise ValueError(
+                f"{idx_path} has unknown dtype code {code} (known: {known}); the file is corrupt "
+                f"or from another tool; {_REBUILD}"
+            )
         self.dtype: type[np.number] = DTYPE_CODES[code]
         self.itemsize = np.dtype(self.dtype).itemsize
         self.sequence_count = count
@@ -112,8 +129,10 @@ class _Index:
             hint = ""
             if not multimodal and size - expected == count > 0:
                 hint = " It looks like a multimodal index: open it with multimodal=True."
-            raise ValueError(f"{idx_path} is {what}: its header promises {count} sequences and {doc_count} "
-                             f"document indices ({expected} bytes) but the file has {size} bytes.{hint} {_REBUILD}")
+            raise ValueError(
+                f"{idx_path} is {what}: its header promises {count} sequences and {doc_count} "
+                f"document indices ({expected} bytes) but the file has {size} bytes.{hint} {_REBUILD}"
+            )
         if doc_count < 1:
             raise ValueError(f"{idx_path} has no document indices (Megatron-LM writes at least [0]); {_REBUILD}")
 
@@ -128,22 +147,27 @@ class _Index:
         self.document_indices: np.ndarray = np.frombuffer(buffer, dtype="<i8", count=doc_count, offset=offset)
         offset += 8 * doc_count
         self.sequence_modes: Optional[np.ndarray] = (
-            np.frombuffer(buffer, dtype=np.int8, count=count, offset=offset) if multimodal else None)
+            np.frombuffer(buffer, dtype=np.int8, count=count, offset=offset) if multimodal else None
+        )
 
         # cheap consistency checks: O(1) reads, so opening stays instant for any size
         first, last = int(self.document_indices[0]), int(self.document_indices[-1])
         if first != 0 or last != count:
-            raise ValueError(f"{idx_path} has inconsistent document indices (first {first}, last {last}; "
-                             f"expected 0 and the sequence count {count}); {_REBUILD}")
+            raise ValueError(
+                f"{idx_path} has inconsistent document indices (first {first}, last {last}; "
+                f"expected 0 and the sequence count {count}); {_REBUILD}"
+            )
         if bin_size is not None:
             end = 0 if count == 0 else int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.itemsize
             start = 0 if count == 0 else int(self.sequence_pointers[0])
             if start != 0 or end != bin_size:
                 bin_path = idx_path[:-4] + ".bin"
-                raise ValueError(f"{bin_path} has {bin_size} bytes but {idx_path} describes {end} bytes of "
-                                 f"{np.dtype(self.dtype).name} tokens in {count} sequences (first pointer {start}); "
-                                 f"the .bin and .idx do not belong together or one of them is truncated; "
-                                 f"rebuild both with `megatron-lite preprocess`")
+                raise ValueError(
+                    f"{bin_path} has {bin_size} bytes but {idx_path} describes {end} bytes of "
+                    f"{np.dtype(self.dtype).name} tokens in {count} sequences (first pointer {start}); "
+                    f"the .bin and .idx do not belong together or one of them is truncated; "
+                    f"rebuild both with `megatron-lite preprocess`"
+                )
 
 
 class IndexedDataset(torch.utils.data.Dataset):
@@ -202,8 +226,10 @@ class IndexedDataset(torch.utils.data.Dataset):
                     self._bin_file.seek(pointer + done)
                     n = self._bin_file.readinto(view[done:]) or 0
                 if n == 0:
-                    raise ValueError(f"{get_bin_path(self.path_prefix)} ended at byte {pointer + done}: it was "
-                                     f"truncated after it was opened; {_REBUILD}")
+                    raise ValueError(
+                        f"{get_bin_path(self.path_prefix)} ended at byte {pointer + done}: it was "
+                        f"truncated after it was opened; {_REBUILD}"
+                    )
                 done += n
             return out
         return np.frombuffer(self._bin, dtype=self.index.dtype, count=count, offset=pointer)
@@ -249,8 +275,10 @@ class IndexedDataset(torch.utils.data.Dataset):
         if length is None:
             length = seq_len - offset
         if offset < 0 or length < 0 or offset + length > seq_len:
-            raise IndexError(f"get({idx}, offset={offset}, length={length}) is outside sequence {idx} of "
-                             f"{self.path_prefix}, which has {seq_len} tokens")
+            raise IndexError(
+                f"get({idx}, offset={offset}, length={length}) is outside sequence {idx} of "
+                f"{self.path_prefix}, which has {seq_len} tokens"
+            )
         seq = self._read(int(self.index.sequence_pointers[i]) + offset * self.index.itemsize, length)
         return (seq, self.index.sequence_modes[i]) if self.index.sequence_modes is not None else seq
 
@@ -299,8 +327,10 @@ class IndexedDataset(torch.utils.data.Dataset):
         np.cumsum(lengths[:-1].astype(np.int64) * self.index.itemsize, out=expected[1:])
         if not np.array_equal(expected, pointers):
             bad = int(np.flatnonzero(expected != pointers)[0])
-            raise ValueError(f"{idx_path}: pointer of sequence {bad} is {int(pointers[bad])}, expected "
-                             f"{int(expected[bad])} (sequences must be stored back to back); {_REBUILD}")
+            raise ValueError(
+                f"{idx_path}: pointer of sequence {bad} is {int(pointers[bad])}, expected "
+                f"{int(expected[bad])} (sequences must be stored back to back); {_REBUILD}"
+            )
         if np.any(np.diff(self.document_indices) < 0):
             raise ValueError(f"{idx_path} has document indices that decrease; {_REBUILD}")
 
@@ -311,9 +341,11 @@ class IndexedDataset(torch.utils.data.Dataset):
             chunk = self._read(start * self.index.itemsize, min(chunk_tokens, n - start))
             low, high = int(chunk.min()), int(chunk.max())
             if low < 0 or high >= vocab_size:
-                raise ValueError(f"{get_bin_path(self.path_prefix)} holds token id {high if high >= vocab_size else low}"
-                                 f", outside the vocabulary of {vocab_size}: the data was tokenized with a different "
-                                 f"tokenizer; re-run `megatron-lite preprocess` with the model's tokenizer")
+                raise ValueError(
+                    f"{get_bin_path(self.path_prefix)} holds token id {high if high >= vocab_size else low}"
+                    f", outside the vocabulary of {vocab_size}: the data was tokenized with a different "
+                    f"tokenizer; re-run `megatron-lite preprocess` with the model's tokenizer"
+                )
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
@@ -351,9 +383,11 @@ class IndexedDatasetBuilder:
         if self._info is not None and values.size:
             low, high = values.min(), values.max()
             if low < self._info.min or high > self._info.max:
-                raise ValueError(f"value {high if high > self._info.max else low} does not fit the {self._info.dtype} "
-                                 f"tokens of {self.bin_path}; build with dtype=optimal_dtype(vocab_size) of the "
-                                 f"tokenizer that produced it (int32 for vocabularies of 65,500 or more)")
+                raise ValueError(
+                    f"value {high if high > self._info.max else low} does not fit the {self._info.dtype} "
+                    f"tokens of {self.bin_path}; build with dtype=optimal_dtype(vocab_size) of the "
+                    f"tokenizer that produced it (int32 for vocabularies of 65,500 or more)"
+                )
         return values.astype(np.dtype(self.dtype).newbyteorder("<"), copy=False)
 
     def add_item(self, tensor: ArrayLike, mode: int = 0) -> None:
@@ -368,8 +402,10 @@ class IndexedDatasetBuilder:
         """Append a whole document: ``tensor`` holds its sequences back to back, ``lengths`` their sizes."""
         values = self._as_array(tensor)
         if sum(int(n) for n in lengths) != values.size:
-            raise ValueError(f"add_document: lengths {list(lengths)[:8]}... sum to {sum(int(n) for n in lengths)} "
-                             f"but the document has {values.size} tokens")
+            raise ValueError(
+                f"add_document: lengths {list(lengths)[:8]}... sum to {sum(int(n) for n in lengths)} "
+                f"but the document has {values.size} tokens"
+            )
         self.data_file.write(values.tobytes(order="C"))
         self.sequence_lengths.extend(int(n) for n in lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -383,8 +419,10 @@ class IndexedDatasetBuilder:
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         per_doc = np.asarray(sequences_per_document, dtype=np.int64).reshape(-1)
         if int(lengths.sum()) != values.size or int(per_doc.sum()) != lengths.size:
-            raise ValueError(f"add_documents: {values.size} tokens, lengths summing to {int(lengths.sum())}, "
-                             f"{lengths.size} sequences but sequences_per_document summing to {int(per_doc.sum())}")
+            raise ValueError(
+                f"add_documents: {values.size} tokens, lengths summing to {int(lengths.sum())}, "
+                f"{lengths.size} sequences but sequences_per_document summing to {int(per_doc.sum())}"
+            )
         self.data_file.write(values.tobytes(order="C"))
         base = len(self.sequence_lengths)
         self.sequence_lengths.frombytes(lengths.tobytes())
@@ -401,9 +439,11 @@ class IndexedDatasetBuilder:
         other = IndexedDataset(path_prefix, multimodal=self.multimodal)
         other.verify()  # pointers are recomputed from lengths on finalize: they must have been contiguous
         if other.dtype != self.dtype:
-            raise ValueError(f"cannot merge {path_prefix} ({np.dtype(other.dtype).name} tokens) into {self.bin_path} "
-                             f"({np.dtype(self.dtype).name}): the inputs were tokenized with different vocabularies; "
-                             f"preprocess all of them with the same tokenizer")
+            raise ValueError(
+                f"cannot merge {path_prefix} ({np.dtype(other.dtype).name} tokens) into {self.bin_path} "
+                f"({np.dtype(self.dtype).name}): the inputs were tokenized with different vocabularies; "
+                f"preprocess all of them with the same tokenizer"
+            )
         offset = len(self.sequence_lengths)
         self.sequence_lengths.frombytes(other.sequence_lengths.astype(np.int64).tobytes())
         self.document_indices.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())
@@ -417,8 +457,10 @@ class IndexedDatasetBuilder:
         self.data_file.close()
         lengths = np.frombuffer(self.sequence_lengths, dtype=np.int64)
         if len(lengths) and int(lengths.max()) > np.iinfo(np.int32).max:
-            raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit the int32 lengths of {idx_path}; "
-                             f"split long documents into sentences (--split-sentences) or shorter documents")
+            raise ValueError(
+                f"a sequence of {int(lengths.max())} tokens does not fit the int32 lengths of {idx_path}; "
+                f"split long documents into sentences (--split-sentences) or shorter documents"
+            )
         pointers = np.zeros(len(lengths), dtype="<i8")
         np.cumsum(lengths[:-1] * np.dtype(self.dtype).itemsize, out=pointers[1:])
         documents = np.frombuffer(self.document_indices, dtype=np.int64)
@@ -484,6 +526,13 @@ def merge_datasets(input_prefixes: Sequence[str], output_prefix: str) -> str:
 
 
 __all__ = [
-    "DTYPE_CODES", "IndexedDataset", "IndexedDatasetBuilder", "dtype_code", "get_bin_path", "get_idx_path",
-    "merge_datasets", "optimal_dtype", "write_dataset",
+    "DTYPE_CODES",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "dtype_code",
+    "get_bin_path",
+    "get_idx_path",
+    "merge_datasets",
+    "optimal_dtype",
+    "write_dataset",
 ]

@@ -25,8 +25,12 @@ class MockGPTDataset(Dataset):
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
         """Validate sizes; nothing is generated until a sample is read."""
-        for name, value, minimum in (("num_samples", num_samples, 1), ("seq_length", seq_length, 1),
-                                     ("vocab_size", vocab_size, 2), ("seed", seed, 0)):
+        for name, value, minimum in (
+            ("num_samples", num_samples, 1),
+            ("seq_length", seq_length, 1),
+            ("vocab_size", vocab_size, 2),
+            ("seed", seed, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; set {name}=<int>")
         self.num_samples = num_samples

@@ -36,6 +36,7 @@ holds whole pairs); the rest of a row is padding. One item is one ROW, with the 
 with ``P = (seq_length + 1) // 2`` pair slots (:func:`max_pairs_per_row`), the same for every split. A pair
 whose two sequences (each cut at ``seq_length`` as above) exceed a row is refused, naming the line.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,25 +81,32 @@ def _parse_pair(obj: dict, keys: Sequence[str], where: str) -> Pair:
     chat = any(isinstance(v, (list, dict)) for v in values)
     if not chat:
         missing = [k for k, v in zip(keys, values) if not isinstance(v, str)]
-        raise ValueError(f"{where} lacks string field(s) {missing} (found {sorted(obj)}); every line needs "
-                         f"{{{', '.join(repr(k) + ': str' for k in keys)}}}, or chat messages "
-                         f"{{{chosen_key!r}: [messages], {rejected_key!r}: [messages]}}")
+        raise ValueError(
+            f"{where} lacks string field(s) {missing} (found {sorted(obj)}); every line needs "
+            f"{{{', '.join(repr(k) + ': str' for k in keys)}}}, or chat messages "
+            f"{{{chosen_key!r}: [messages], {rejected_key!r}: [messages]}}"
+        )
     prompt, chosen, rejected = values
     for key, value in ((chosen_key, chosen), (rejected_key, rejected)):
         if value is None:
-            raise ValueError(f"{where} lacks the field {key!r} (found {sorted(obj)}); a chat pair needs "
-                             f"{{{chosen_key!r}: [messages], {rejected_key!r}: [messages]}} or a {prompt_key!r} "
-                             f"list of messages and one assistant message each")
+            raise ValueError(
+                f"{where} lacks the field {key!r} (found {sorted(obj)}); a chat pair needs "
+                f"{{{chosen_key!r}: [messages], {rejected_key!r}: [messages]}} or a {prompt_key!r} "
+                f"list of messages and one assistant message each"
+            )
     if prompt is None:  # two whole conversations: the prompt is what they share
         conversations = [_messages(v, where, k) for k, v in ((chosen_key, chosen), (rejected_key, rejected))]
         if any(len(c) < 2 for c in conversations) or conversations[0][:-1] != conversations[1][:-1]:
-            raise ValueError(f"{where}: {chosen_key!r} and {rejected_key!r} must be conversations with the same "
-                             f"messages before their last (assistant) message, or give {prompt_key!r} separately")
+            raise ValueError(
+                f"{where}: {chosen_key!r} and {rejected_key!r} must be conversations with the same "
+                f"messages before their last (assistant) message, or give {prompt_key!r} separately"
+            )
         prompt = conversations[0][:-1]
         replies = [c[-1] for c in conversations]
     else:
-        prompt = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
-                  else _messages(prompt, where, prompt_key))
+        prompt = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, where, prompt_key)
+        )
         replies = [_reply(v, prompt, where, k) for k, v in ((chosen_key, chosen), (rejected_key, rejected))]
     for key, reply in zip((chosen_key, rejected_key), replies):
         if reply["role"] != "assistant":
@@ -109,10 +117,15 @@ def _parse_pair(obj: dict, keys: Sequence[str], where: str) -> Pair:
 def _messages(value: Any, where: str, key: str) -> list[dict]:
     if isinstance(value, dict):
         value = [value]
-    if not isinstance(value, list) or not value or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value):
-        raise ValueError(f"{where}: {key!r} must be a non-empty list of {{\"role\": one of {list(ROLES)}, "
-                         f"\"content\": str}} messages, got {value!r:.120}")
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value)
+    ):
+        raise ValueError(
+            f'{where}: {key!r} must be a non-empty list of {{"role": one of {list(ROLES)}, '
+            f'"content": str}} messages, got {value!r:.120}'
+        )
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -122,8 +135,10 @@ def _reply(value: Any, prompt: list[dict], where: str, key: str) -> dict:
         return {"role": "assistant", "content": value}
     messages = _messages(value, where, key)
     if len(messages) > 1 and messages[:-1] != prompt:
-        raise ValueError(f"{where}: {key!r} holds {len(messages)} messages that do not start with the prompt's; give "
-                         f"the assistant reply alone or the whole conversation")
+        raise ValueError(
+            f"{where}: {key!r} holds {len(messages)} messages that do not start with the prompt's; give "
+            f"the assistant reply alone or the whole conversation"
+        )
     return messages[-1]
 
 
@@ -137,10 +152,12 @@ def _pair_texts(pair: Pair, render: Callable[[list, bool], str]) -> tuple[str, s
     for reply in (chosen, rejected):
         full = render(prompt + [reply], False)
         if not full.startswith(prompt_text):
-            raise ValueError(f"{where}: the chat template renders the prompt with the generation prompt as text that "
-                             f"the whole conversation does not start with, so prompt and reply cannot be told apart; "
-                             f"use a prefix-stable template (chat_template=...)")
-        responses.append(full[len(prompt_text):])
+            raise ValueError(
+                f"{where}: the chat template renders the prompt with the generation prompt as text that "
+                f"the whole conversation does not start with, so prompt and reply cannot be told apart; "
+                f"use a prefix-stable template (chat_template=...)"
+            )
+        responses.append(full[len(prompt_text) :])
     return prompt_text, responses[0], responses[1]
 
 
@@ -179,9 +196,16 @@ class PreferenceDataset(Dataset):
     """Tokenized preference pairs (see the module docstring for the items), one pair per item or, with
     ``pack_sequences``, several pairs per packed row."""
 
-    def __init__(self, pairs: Sequence[Pair], tokenizer: Tokenizer, seq_length: int, append_eod: bool = True,
-                 indices: Optional[Sequence[int]] = None, chat_template: Optional[str] = None,
-                 pack_sequences: bool = False):
+    def __init__(
+        self,
+        pairs: Sequence[Pair],
+        tokenizer: Tokenizer,
+        seq_length: int,
+        append_eod: bool = True,
+        indices: Optional[Sequence[int]] = None,
+        chat_template: Optional[str] = None,
+        pack_sequences: bool = False,
+    ):
         """``indices``: each pair's id, yielded as ``index`` (a global pair number, unique across splits: DPO
         caches reference log-probs by it); by default the position in ``pairs``."""
         if seq_length < 2:
@@ -207,11 +231,15 @@ class PreferenceDataset(Dataset):
             for name, text in (("chosen", chosen), ("rejected", rejected)):
                 response = tokenizer.tokenize(text) + ([tokenizer.eod] if append_eod else [])
                 if not response:
-                    raise ValueError(f"{where}: the {name} response is empty (no tokens); remove the pair or keep "
-                                     f"append_eod=True so every response ends in EOD")
+                    raise ValueError(
+                        f"{where}: the {name} response is empty (no tokens); remove the pair or keep "
+                        f"append_eod=True so every response ends in EOD"
+                    )
                 if len(prompt_ids) >= seq_length:
-                    raise ValueError(f"{where}: the prompt's {len(prompt_ids)} tokens fill seq_length={seq_length}, "
-                                     f"leaving nothing of the {name} response; raise seq_length or shorten the prompt")
+                    raise ValueError(
+                        f"{where}: the prompt's {len(prompt_ids)} tokens fill seq_length={seq_length}, "
+                        f"leaving nothing of the {name} response; raise seq_length or shorten the prompt"
+                    )
                 self.num_truncated += len(prompt_ids) + len(response) > seq_length
                 sequences.append((prompt_ids + response)[:seq_length])
             tokenized.append((where, len(prompt_ids), *sequences))
@@ -228,7 +256,7 @@ class PreferenceDataset(Dataset):
     def _sequence_mask(self, prompt_length: int, length: int, size: int) -> np.ndarray:
         """1 where predicting token j+1 predicts a response token of a sequence starting at 0 (size >= length - 1)."""
         mask = np.zeros(size, dtype=np.float32)
-        mask[prompt_length - 1 if prompt_length else 0:length - 1] = 1.0
+        mask[prompt_length - 1 if prompt_length else 0 : length - 1] = 1.0
         return mask
 
     def _pair_sample(self, pair: tuple, pair_index: int) -> dict[str, torch.Tensor]:
@@ -236,11 +264,12 @@ class PreferenceDataset(Dataset):
         sample = {}
         for name, ids in zip(("chosen", "rejected"), sequences):
             tokens = np.full(self.seq_length + 1, self.pad, dtype=np.int64)
-            tokens[:len(ids)] = ids
+            tokens[: len(ids)] = ids
             sample[f"{name}_tokens"] = torch.from_numpy(tokens)
             sample[f"{name}_length"] = torch.tensor(len(ids))
-            sample[f"{name}_loss_mask"] = torch.from_numpy(self._sequence_mask(prompt_length, len(ids),
-                                                                               self.seq_length))
+            sample[f"{name}_loss_mask"] = torch.from_numpy(
+                self._sequence_mask(prompt_length, len(ids), self.seq_length)
+            )
         sample["prompt_length"] = torch.tensor(prompt_length)
         sample["index"] = torch.tensor(pair_index)
         return sample
@@ -254,7 +283,8 @@ class PreferenceDataset(Dataset):
                     f"{where}: the pair's chosen and rejected sequences hold {len(chosen)} + {len(rejected)} tokens "
                     f"(prompt included, each cut at seq_length), more than a packed row of seq_length + 1 = "
                     f"{capacity}; raise seq_length to >= {len(chosen) + len(rejected) - 1}, or set "
-                    f"pack_sequences=False (one pair per row, each sequence padded to its own row)")
+                    f"pack_sequences=False (one pair per row, each sequence padded to its own row)"
+                )
         slots = max_pairs_per_row(self.seq_length)
         rows = []
         for members in first_fit([len(c) + len(r) for _, _, c, r in tokenized], capacity):
@@ -267,18 +297,23 @@ class PreferenceDataset(Dataset):
                 _, prompt_length, *sequences = tokenized[member]
                 for ids in sequences:  # document 2p: pair p's chosen, 2p + 1: its rejected
                     n = len(ids)
-                    tokens[offset:offset + n] = ids
-                    mask[offset:offset + n] = self._sequence_mask(prompt_length, n, n)
-                    positions[offset:offset + n] = np.arange(n)
+                    tokens[offset : offset + n] = ids
+                    mask[offset : offset + n] = self._sequence_mask(prompt_length, n, n)
+                    positions[offset : offset + n] = np.arange(n)
                     cu.append(offset)
                     offset += n
             cu += [offset, capacity] if offset < capacity else [capacity]  # the padding is a document of its own
             index = np.full(slots, -1, dtype=np.int64)
-            index[:len(members)] = [indices[m] for m in members]
-            rows.append({"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask[:-1]),
-                         "position_ids": torch.from_numpy(positions[:-1]),
-                         "cu_seqlens": torch.tensor(cu + [-1] * (2 * slots + 2 - len(cu)), dtype=torch.int32),
-                         "index": torch.from_numpy(index)})
+            index[: len(members)] = [indices[m] for m in members]
+            rows.append(
+                {
+                    "tokens": torch.from_numpy(tokens),
+                    "loss_mask": torch.from_numpy(mask[:-1]),
+                    "position_ids": torch.from_numpy(positions[:-1]),
+                    "cu_seqlens": torch.tensor(cu + [-1] * (2 * slots + 2 - len(cu)), dtype=torch.int32),
+                    "index": torch.from_numpy(index),
+                }
+            )
         return rows
 
     def __len__(self) -> int:
@@ -299,11 +334,24 @@ class PreferenceDataModule(PretrainingDataModule):
     the global batch's pairs. The packing is deterministic (seed and files), so a resumed run sees the same rows.
     """
 
-    def __init__(self, path: Union[str, Sequence[str]], tokenizer: Tokenizer, seq_length: int = 512,
-                 micro_batch_size: int = 4, global_batch_size: int = 16, split: str = "98,2", append_eod: bool = True,
-                 prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
-                 chat_template: Optional[str] = None, seed: int = 1234, num_workers: int = 0,
-                 rampup_batch_size: Optional[list[int]] = None, pack_sequences: bool = False) -> None:
+    def __init__(
+        self,
+        path: Union[str, Sequence[str]],
+        tokenizer: Tokenizer,
+        seq_length: int = 512,
+        micro_batch_size: int = 4,
+        global_batch_size: int = 16,
+        split: str = "98,2",
+        append_eod: bool = True,
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        chat_template: Optional[str] = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+        rampup_batch_size: Optional[list[int]] = None,
+        pack_sequences: bool = False,
+    ) -> None:
         """``chat_template``: a Jinja2 template (text) for chat pairs; the tokenizer's or the default otherwise.
         ``pack_sequences``: pack several pairs per row of ``seq_length + 1`` tokens (batch sizes then count rows)."""
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
@@ -312,11 +360,14 @@ class PreferenceDataModule(PretrainingDataModule):
             raise ValueError("PreferenceDataModule needs at least one path (a .jsonl or .jsonl.gz file)")
         for p in self.paths:
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"preference data {p} does not exist; pass data.path=<a .jsonl(.gz) file of "
-                                        f"{{\"{prompt_key}\": ..., \"{chosen_key}\": ..., \"{rejected_key}\": ...}} lines>")
+                raise FileNotFoundError(
+                    f"preference data {p} does not exist; pass data.path=<a .jsonl(.gz) file of "
+                    f'{{"{prompt_key}": ..., "{chosen_key}": ..., "{rejected_key}": ...}} lines>'
+                )
         if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be a megatron_lite Tokenizer (see build_tokenizer), got "
-                            f"{type(tokenizer).__name__}")
+            raise TypeError(
+                f"tokenizer must be a megatron_lite Tokenizer (see build_tokenizer), got {type(tokenizer).__name__}"
+            )
         self.tokenizer, self.split, self.append_eod, self.seed = tokenizer, parse_split(split), append_eod, seed
         self.keys = (prompt_key, chosen_key, rejected_key)
         self.chat_template = chat_template
@@ -326,8 +377,9 @@ class PreferenceDataModule(PretrainingDataModule):
         # Read (not tokenized) now: a malformed line is reported before any process is started.
         self._pairs: Optional[list[Pair]] = [pair for p in self.paths for pair in read_preferences(p, self.keys)]
 
-    def check_before_launch(self, run: RunSpec, trainer: Any = None, module: Any = None, datamodule: Any = None
-                            ) -> None:
+    def check_before_launch(
+        self, run: RunSpec, trainer: Any = None, module: Any = None, datamodule: Any = None
+    ) -> None:
         """Tokenize (and pack) every split here, in the launching process (MegatronStrategy's pre-launch check,
         before it starts any rank): a pair that cannot be used fails once, naming its line, instead of in every rank's
         setup; forked ranks inherit the datasets and do not tokenize again."""
@@ -343,14 +395,21 @@ class PreferenceDataModule(PretrainingDataModule):
         bounds = split_boundaries(self.split, len(pairs))
         for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):
             if hi > lo:
-                self.datasets[name] = PreferenceDataset([pairs[i] for i in order[lo:hi]], self.tokenizer,
-                                                        self.seq_length, self.append_eod,
-                                                        indices=[int(i) for i in order[lo:hi]],
-                                                        chat_template=self.chat_template,
-                                                        pack_sequences=self.pack_sequences)
+                self.datasets[name] = PreferenceDataset(
+                    [pairs[i] for i in order[lo:hi]],
+                    self.tokenizer,
+                    self.seq_length,
+                    self.append_eod,
+                    indices=[int(i) for i in order[lo:hi]],
+                    chat_template=self.chat_template,
+                    pack_sequences=self.pack_sequences,
+                )
                 if self.pack_sequences:  # every row is in memory: check them all before the first step
-                    check_cu_seqlens(torch.stack([row["cu_seqlens"] for row in self.datasets[name].samples]),
-                                     self.seq_length + 1, f"the packed {name} rows' cu_seqlens")
+                    check_cu_seqlens(
+                        torch.stack([row["cu_seqlens"] for row in self.datasets[name].samples]),
+                        self.seq_length + 1,
+                        f"the packed {name} rows' cu_seqlens",
+                    )
 
     def _split(self, name: str) -> PreferenceDataset:
         self.setup()
@@ -369,5 +428,6 @@ class PreferenceDataModule(PretrainingDataModule):
 
     def _too_small_hint(self, split: str) -> str:
         rows = " (with pack_sequences=True it counts packed rows of several pairs)" if self.pack_sequences else ""
-        return (f"add preference pairs to {self.paths}, raise the {split} weight in split, or lower "
-                f"global_batch_size{rows}")
+        return (
+            f"add preference pairs to {self.paths}, raise the {split} weight in split, or lower global_batch_size{rows}"
+        )

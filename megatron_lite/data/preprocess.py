@@ -14,6 +14,7 @@ byte-identical files. Documents that tokenize to nothing are skipped and counted
 names and is renamed at the end, so a failed run never leaves a half-written pair. The command line is
 :mod:`megatron_lite.cli.preprocess`.
 """
+
 from __future__ import annotations
 
 import glob
@@ -67,7 +68,7 @@ def split_sentences(text: str) -> list[str]:
     lines; stripped, empty ones dropped. A plain regex (no nltk download), so "Mr. Smith" is cut too."""
     sentences, start = [], 0
     for match in _SENTENCE_END.finditer(text):
-        piece = text[start:match.end()].strip()
+        piece = text[start : match.end()].strip()
         if piece:
             sentences.append(piece)
         start = match.end()
@@ -99,8 +100,9 @@ def _texts(item: Any, where: str, keys: Sequence[str]) -> Optional[dict[str, lis
     out = {}
     for key in keys:
         if key not in item:
-            raise PreprocessError(f"{where} has no key {key!r} (keys: {sorted(item)}); pass --json-keys with the key "
-                                  f"that holds the text")
+            raise PreprocessError(
+                f"{where} has no key {key!r} (keys: {sorted(item)}); pass --json-keys with the key that holds the text"
+            )
         value = item[key]
         if value is None:
             value = []
@@ -146,7 +148,7 @@ def _encode_chunk(chunk: tuple[str, str, int, list]) -> tuple[int, dict[str, tup
         doc_starts: list[tuple[int, int]] = []  # (first token, record) of each written document, for errors
         empty = pos = 0
         for (j, _), n in zip(records, counts):
-            doc = [ids for ids in batch[pos:pos + n] if len(ids) > 0]  # Megatron drops empty sentences
+            doc = [ids for ids in batch[pos : pos + n] if len(ids) > 0]  # Megatron drops empty sentences
             pos += n
             if not doc:
                 empty += 1
@@ -166,25 +168,34 @@ def _encode_chunk(chunk: tuple[str, str, int, list]) -> tuple[int, dict[str, tup
             raise PreprocessError(
                 f"{where(j)}: {type(tok).__name__} produced token id {int(ids_array[bad_at])}, outside its vocabulary "
                 f"of {vocab_size}: the tokenizer files do not match each other (e.g. --vocab-size too small, or a "
-                f"vocab file of another model); fix --tokenizer-model/--vocab-file/--vocab-size")
-        out[key] = (ids_array.astype(_WORKER["dtype"]), np.asarray(lengths, dtype=np.int64),
-                    np.asarray(per_doc, dtype=np.int64), np.int64(empty))
+                f"vocab file of another model); fix --tokenizer-model/--vocab-file/--vocab-size"
+            )
+        out[key] = (
+            ids_array.astype(_WORKER["dtype"]),
+            np.asarray(lengths, dtype=np.int64),
+            np.asarray(per_doc, dtype=np.int64),
+            np.int64(empty),
+        )
     return len(records), out
 
 
 # --- the run (main process) ----------------------------------------------------------------------------
 
+
 def _check_output(output_prefix: str) -> None:
     """The output directory exists (created if needed) and is writable, else PreprocessError naming it."""
     if os.path.isdir(output_prefix) or output_prefix.endswith(os.sep):
-        raise PreprocessError(f"--output-prefix {output_prefix} is a directory; give a file prefix such as "
-                              f"{os.path.join(output_prefix, 'corpus')}")
+        raise PreprocessError(
+            f"--output-prefix {output_prefix} is a directory; give a file prefix such as "
+            f"{os.path.join(output_prefix, 'corpus')}"
+        )
     parent = os.path.dirname(os.path.abspath(output_prefix))
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as err:
-        raise PreprocessError(f"cannot create output directory {parent} ({err.strerror}); choose another "
-                              f"--output-prefix") from None
+        raise PreprocessError(
+            f"cannot create output directory {parent} ({err.strerror}); choose another --output-prefix"
+        ) from None
     if not os.access(parent, os.W_OK):
         raise PreprocessError(f"output directory {parent} is not writable; choose another --output-prefix")
 
@@ -204,8 +215,9 @@ def preprocess(
 ) -> PreprocessResult:
     """Tokenize ``inputs`` into one ``.bin``/``.idx`` pair per JSON key; ``progress`` None = a bar on a tty."""
     if workers < 1 or chunk_size < 1 or log_interval < 1:
-        raise PreprocessError(f"--workers ({workers}), --chunk-size ({chunk_size}) and --log-interval "
-                              f"({log_interval}) must be >= 1")
+        raise PreprocessError(
+            f"--workers ({workers}), --chunk-size ({chunk_size}) and --log-interval ({log_interval}) must be >= 1"
+        )
     paths = resolve_inputs(inputs)
     for path in paths:
         input_kind(path)  # fail on an unsupported file before any work
@@ -218,11 +230,23 @@ def preprocess(
     level = "sentence" if split_sentences else "document"
     finals = {k: f"{output_prefix}_{k}_{level}" for k in json_keys}
     temps = {k: f"{p}.tmp{os.getpid()}" for k, p in finals.items()}
-    state = {"tokenizer": tokenizer, "keys": list(json_keys), "append_eod": append_eod, "eod": eod,
-             "split_sentences": split_sentences, "vocab_size": vocab_size, "dtype": dtype}
+    state = {
+        "tokenizer": tokenizer,
+        "keys": list(json_keys),
+        "append_eod": append_eod,
+        "eod": eod,
+        "split_sentences": split_sentences,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+    }
     builders: dict[str, IndexedDatasetBuilder] = {}
-    result = PreprocessResult(dict(finals), dict.fromkeys(json_keys, 0), dict.fromkeys(json_keys, 0),
-                              dict.fromkeys(json_keys, 0), inputs=paths)
+    result = PreprocessResult(
+        dict(finals),
+        dict.fromkeys(json_keys, 0),
+        dict.fromkeys(json_keys, 0),
+        dict.fromkeys(json_keys, 0),
+        inputs=paths,
+    )
     start = time.perf_counter()
     try:
         for key in json_keys:
@@ -233,8 +257,10 @@ def preprocess(
             raise PreprocessError(f"no documents found in {', '.join(paths)}; the input is empty")
         for key in json_keys:
             if result.documents[key] == 0:
-                raise PreprocessError(f"all {result.empty_documents[key]} documents under {key!r} in "
-                                      f"{', '.join(paths)} are empty; check --json-keys and the input")
+                raise PreprocessError(
+                    f"all {result.empty_documents[key]} documents under {key!r} in "
+                    f"{', '.join(paths)} are empty; check --json-keys and the input"
+                )
             builders[key].finalize(temps[key] + ".idx")
         # .bin first: a crash between the renames leaves a pair that fails the size check, never a wrong sample
         for key in json_keys:
@@ -250,9 +276,19 @@ def preprocess(
     return result
 
 
-def _run(paths: list[str], keys: Sequence[str], hf_split: str, chunk_size: int, workers: int,
-         state: dict[str, Any], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult,
-         log_interval: int, progress: Optional[bool], start: float) -> None:
+def _run(
+    paths: list[str],
+    keys: Sequence[str],
+    hf_split: str,
+    chunk_size: int,
+    workers: int,
+    state: dict[str, Any],
+    builders: dict[str, IndexedDatasetBuilder],
+    result: PreprocessResult,
+    log_interval: int,
+    progress: Optional[bool],
+    start: float,
+) -> None:
     """Read, tokenize in ``workers`` processes, and write in input order, with a progress bar or log lines."""
     sources = [(p, *read_items(p, keys, hf_split)) for p in paths]
     known = [n for _, _, _, n in sources]
@@ -282,8 +318,11 @@ def _run(paths: list[str], keys: Sequence[str], hf_split: str, chunk_size: int, 
                 bar.update(n)
                 bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
             elif records >= next_log:
-                print(f"preprocess: {records:,} documents, {sum(result.tokens.values()):,} tokens "
-                      f"({rate:,.0f} tokens/s)", file=sys.stderr, flush=True)
+                print(
+                    f"preprocess: {records:,} documents, {sum(result.tokens.values()):,} tokens ({rate:,.0f} tokens/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 next_log = (records // log_interval + 1) * log_interval
 
         try:

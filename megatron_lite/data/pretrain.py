@@ -51,8 +51,10 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], list[flo
     if all(w is None for w in weights) and all(number(p) is None for p in items[1::2]):
         return items, None  # paths only
     if len(items) % 2 or any(w is None for w in weights) or any(number(p) is not None for p in items[1::2]):
-        raise ValueError(f"data path {items!r} is neither a list of prefixes nor weight/prefix pairs; use e.g. "
-                         f"['0.7', '/data/a_text_document', '0.3', '/data/b_text_document']")
+        raise ValueError(
+            f"data path {items!r} is neither a list of prefixes nor weight/prefix pairs; use e.g. "
+            f"['0.7', '/data/a_text_document', '0.3', '/data/b_text_document']"
+        )
     prefixes = items[1::2]
     normalize_weights([float(w) for w in weights], prefixes)  # type: ignore[arg-type]  # raises naming a bad one
     return prefixes, [float(w) for w in weights]  # type: ignore[arg-type]
@@ -65,7 +67,8 @@ def _check_prefix(path: str) -> str:
         if not os.path.isfile(prefix + suffix):
             raise FileNotFoundError(
                 f"{prefix + suffix} does not exist: data paths are prefixes of .bin/.idx pairs; create them with "
-                f"`megatron-lite preprocess --output-prefix {prefix} ...` or fix the path")
+                f"`megatron-lite preprocess --output-prefix {prefix} ...` or fix the path"
+            )
     return prefix
 
 
@@ -75,7 +78,7 @@ def _max_token_id(prefix: str, dtype: Any) -> int:
     if size == 0:
         return -1
     tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
-    return int(max(tokens[i: i + _SCAN_CHUNK].max() for i in range(0, size, _SCAN_CHUNK)))
+    return int(max(tokens[i : i + _SCAN_CHUNK].max() for i in range(0, size, _SCAN_CHUNK)))
 
 
 class PretrainDataModule(PretrainingDataModule):
@@ -137,12 +140,17 @@ class PretrainDataModule(PretrainingDataModule):
         if sampler not in _SAMPLERS:
             raise ValueError(f"sampler must be one of {_SAMPLERS}, got {sampler!r}")
         for name, value in (("train_samples", train_samples), ("eval_samples", eval_samples)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < global_batch_size):
-                raise ValueError(f"{name} must be None or an integer >= global_batch_size ({global_batch_size}), "
-                                 f"got {value!r}")
-        for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
-                            ("reset_attention_mask", reset_attention_mask)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < global_batch_size
+            ):
+                raise ValueError(
+                    f"{name} must be None or an integer >= global_batch_size ({global_batch_size}), got {value!r}"
+                )
+        for name, value in (
+            ("eod_mask_loss", eod_mask_loss),
+            ("reset_position_ids", reset_position_ids),
+            ("reset_attention_mask", reset_attention_mask),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
             if value and tokenizer is None:
@@ -165,7 +173,8 @@ class PretrainDataModule(PretrainingDataModule):
             if bounds[1] == 0:
                 raise ValueError(
                     f"split {split!r} leaves the train split of {prefix} with 0 of its {len(data)} documents; "
-                    f"raise the train weight of split (e.g. split='98,2') or use a file with more documents")
+                    f"raise the train weight of split (e.g. split='98,2') or use a file with more documents"
+                )
             tokens.append(int(np.asarray(data.sequence_lengths).sum(dtype=np.int64)))
             if tokenizer is None and vocab_size is None:
                 max_ids.append(_max_token_id(prefix, data.dtype))
@@ -183,24 +192,30 @@ class PretrainDataModule(PretrainingDataModule):
 
     def _resolve_vocab_size(self, tokenizer: Any, vocab_size: int | None, max_ids: list[int]) -> int:
         """Tokenizer's vocabulary, else the explicit one, else max token id + 1 (see the class docstring)."""
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
-                                       or vocab_size < 1):
+        if vocab_size is not None and (
+            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+        ):
             raise ValueError(f"vocab_size must be None or a positive integer, got {vocab_size!r}")
         if tokenizer is not None:
             size = getattr(tokenizer, "vocab_size", None)
             if not isinstance(size, int):
-                raise TypeError(f"tokenizer must be a megatron_lite Tokenizer (with an int vocab_size), got "
-                                f"{type(tokenizer).__name__}")
+                raise TypeError(
+                    f"tokenizer must be a megatron_lite Tokenizer (with an int vocab_size), got "
+                    f"{type(tokenizer).__name__}"
+                )
             if vocab_size is not None and vocab_size != size:
-                raise ValueError(f"vocab_size={vocab_size} contradicts the tokenizer's vocabulary of {size}; "
-                                 f"drop vocab_size (it is taken from the tokenizer)")
+                raise ValueError(
+                    f"vocab_size={vocab_size} contradicts the tokenizer's vocabulary of {size}; "
+                    f"drop vocab_size (it is taken from the tokenizer)"
+                )
             return size
         if vocab_size is not None:
             return vocab_size
         largest = max(max_ids)
         if largest < 0:
-            raise ValueError(f"{self.prefixes} hold no tokens; preprocess a corpus with text "
-                             f"(megatron-lite preprocess)")
+            raise ValueError(
+                f"{self.prefixes} hold no tokens; preprocess a corpus with text (megatron-lite preprocess)"
+            )
         return largest + 1
 
     # ---- datasets ----------------------------------------------------------------------------------------
@@ -227,15 +242,26 @@ class PretrainDataModule(PretrainingDataModule):
             if bounds[which + 1] <= bounds[which]:
                 raise ValueError(
                     f"the {split} split of {prefix} is empty ({len(data)} documents, split={self.split!r}); "
-                    f"{self._too_small_hint(split)}{eval_skip_hint(split)}")
+                    f"{self._too_small_hint(split)}{eval_skip_hint(split)}"
+                )
             per_file.append((prefix, data, np.arange(bounds[which], bounds[which + 1], dtype=np.int64)))
         eod = self.tokenizer.eod if self.tokenizer is not None else None
 
         def gpt(prefix: str, data: IndexedDataset, docs: np.ndarray, num_samples: int | None) -> GPTDataset:
-            return GPTDataset(data, prefix, docs, num_samples, self.seq_length, self.seed, split,
-                              cache_dir=self.cache_dir, eod_mask_token=eod if self.eod_mask_loss else None,
-                              reset_position_ids=self.reset_position_ids,
-                              reset_attention_mask=self.reset_attention_mask, eod_token=eod)
+            return GPTDataset(
+                data,
+                prefix,
+                docs,
+                num_samples,
+                self.seq_length,
+                self.seed,
+                split,
+                cache_dir=self.cache_dir,
+                eod_mask_token=eod if self.eod_mask_loss else None,
+                reset_position_ids=self.reset_position_ids,
+                reset_attention_mask=self.reset_attention_mask,
+                eod_token=eod,
+            )
 
         if len(per_file) == 1:
             return gpt(*per_file[0], target)
@@ -248,8 +274,13 @@ class PretrainDataModule(PretrainingDataModule):
         else:
             datasets = [gpt(*item, max(1, n)) for item, n in zip(per_file, samples_needed(self.weights, target))]
         blend_cache = self.cache_dir or os.path.join(self.prefixes[0], "cache", "BlendedDataset_indices")
-        return BlendedDataset(datasets, self.weights, target,
-                              descriptions=[d.unique_description_hash for d in datasets], cache_dir=blend_cache)
+        return BlendedDataset(
+            datasets,
+            self.weights,
+            target,
+            descriptions=[d.unique_description_hash for d in datasets],
+            cache_dir=blend_cache,
+        )
 
     def prepare_data(self) -> None:
         """Nothing: ``setup`` builds the index caches on global rank 0 while the other ranks wait."""
@@ -272,8 +303,9 @@ class PretrainDataModule(PretrainingDataModule):
         if getattr(self, attribute) is None:
             dataset = self._build(split)
             if self.reset_attention_mask:  # bad packing fails here, before the first step, not inside attention
-                check_cu_seqlens(dataset[0]["cu_seqlens"], self.seq_length + 1,
-                                 f"the first {split} sample's cu_seqlens")
+                check_cu_seqlens(
+                    dataset[0]["cu_seqlens"], self.seq_length + 1, f"the first {split} sample's cu_seqlens"
+                )
             setattr(self, attribute, dataset)
         return getattr(self, attribute)
 
@@ -297,15 +329,25 @@ class PretrainDataModule(PretrainingDataModule):
         else:  # under a ramp-up passes do not end at multiples of usable: walk the schedule
             mid_epoch = ramp_position(consumed, usable, self.geometry.num_microbatches_calculator(1))[2] != 0
         if restored.get("sampler") not in (None, self.sampler):
-            warnings.warn(f"the checkpoint was trained with sampler={restored['sampler']!r}, this run uses "
-                          f"{self.sampler!r}: the resumed order does not continue the old one", stacklevel=3)
-        elif (self.sampler == "cyclic" and self.data_sharding and restored.get("data_sharding") and mid_epoch
-              and old_dp not in (None, dp_size)):
+            warnings.warn(
+                f"the checkpoint was trained with sampler={restored['sampler']!r}, this run uses "
+                f"{self.sampler!r}: the resumed order does not continue the old one",
+                stacklevel=3,
+            )
+        elif (
+            self.sampler == "cyclic"
+            and self.data_sharding
+            and restored.get("data_sharding")
+            and mid_epoch
+            and old_dp not in (None, dp_size)
+        ):
             warnings.warn(
                 f"resuming the cyclic sampler with data_sharding at data-parallel size {dp_size} after {old_dp}, "
                 f"mid-epoch: each rank's shard depends on that size, so until this epoch ends some samples repeat "
                 f"and others are skipped. Resume at the old size, or use sampler='sequential' or "
-                f"data_sharding=False, whose order does not depend on it.", stacklevel=3)
+                f"data_sharding=False, whose order does not depend on it.",
+                stacklevel=3,
+            )
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches for this DP rank, always from the start of the validation split."""
@@ -315,19 +357,35 @@ class PretrainDataModule(PretrainingDataModule):
         """Test batches for this DP rank (needs a test weight in ``split``, e.g. '969,30,1')."""
         return self._loader(self._dataset("test"), "test")
 
-    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int, split: str,
-                      calculator: NumMicroBatchesCalculator | None = None) -> GlobalBatchSampler:
+    def _make_sampler(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        dp_size: int,
+        rank: int,
+        split: str,
+        calculator: NumMicroBatchesCalculator | None = None,
+    ) -> GlobalBatchSampler:
         """The base class's sequential sampler, or the cyclic random sampler for training."""
         if split != "train" or self.sampler == "sequential":
             return super()._make_sampler(total_samples, consumed_samples, dp_size, rank, split, calculator)
         return MegatronPretrainingRandomSampler(
-            total_samples=total_samples, consumed_samples=consumed_samples, global_batch_size=self.global_batch_size,
-            num_replicas=dp_size, rank=rank, seed=self.seed, data_sharding=self.data_sharding, calculator=calculator)
+            total_samples=total_samples,
+            consumed_samples=consumed_samples,
+            global_batch_size=self.global_batch_size,
+            num_replicas=dp_size,
+            rank=rank,
+            seed=self.seed,
+            data_sharding=self.data_sharding,
+            calculator=calculator,
+        )
 
     def _too_small_hint(self, split: str) -> str:
         """Name the knobs that grow a split."""
-        return (f"give the {split} split a larger share of split={self.split!r} (weights over documents: "
-                f"train,validation,test), lower global_batch_size or seq_length, or add data to {self.prefixes}")
+        return (
+            f"give the {split} split a larger share of split={self.split!r} (weights over documents: "
+            f"train,validation,test), lower global_batch_size or seq_length, or add data to {self.prefixes}"
+        )
 
     # ---- checkpoint state --------------------------------------------------------------------------------
 
@@ -335,8 +393,9 @@ class PretrainDataModule(PretrainingDataModule):
         """Consumed samples, plus the sampler and DP size they were reached with (to flag a layout change)."""
         state = super().state_dict()
         if self.trainer is not None:
-            state.update(sampler=self.sampler, data_sharding=self.data_sharding,
-                         data_parallel_size=self._dp_size_and_rank()[0])
+            state.update(
+                sampler=self.sampler, data_sharding=self.data_sharding, data_parallel_size=self._dp_size_and_rank()[0]
+            )
         elif state:
             state.update(self._restored_layout)  # restored but not yet used: hand it on unchanged
         return state
@@ -344,5 +403,6 @@ class PretrainDataModule(PretrainingDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``consumed_samples``; keep the saved layout to check against the resumed one."""
         super().load_state_dict(state_dict)
-        self._restored_layout = {k: state_dict[k] for k in ("sampler", "data_sharding", "data_parallel_size")
-                                 if k in state_dict}
+        self._restored_layout = {
+            k: state_dict[k] for k in ("sampler", "data_sharding", "data_parallel_size") if k in state_dict
+        }

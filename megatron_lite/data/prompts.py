@@ -6,6 +6,7 @@ A batch is ``{"prompt_tokens": [b, L] (each row's prompt, then zeros), "prompt_l
 sampling generator, so a prompt's sampled tokens depend on the seed and the prompt alone, not on the
 batch size or the number of data-parallel replicas.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
@@ -46,10 +47,19 @@ class PromptDataModule(pl.LightningDataModule):
     is launched.
     """
 
-    def __init__(self, prompts: Sequence[Prompt], batch_size: int = 8, max_new_tokens: int = 32,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                 stop_ids: Optional[Sequence[int]] = None, tokenizer: Optional[Tokenizer] = None,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        batch_size: int = 8,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop_ids: Optional[Sequence[int]] = None,
+        tokenizer: Optional[Tokenizer] = None,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -87,16 +97,27 @@ class PromptDataModule(pl.LightningDataModule):
     def generation_options(self) -> dict[str, Any]:
         """What each batch carries to :meth:`GPTModule.generate_batch`."""
         s = self.sampling
-        return {"max_new_tokens": self.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,
-                "top_p": s.top_p, "seed": s.seed, "stop_ids": list(self.stop_ids)}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "stop_ids": list(self.stop_ids),
+        }
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Prompts of one batch, left-aligned and zero-filled to the longest."""
         return {**pad_prompts(samples), "generation": self.generation_options()}
 
     def predict_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
 
 
 def pad_prompts(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -106,5 +127,8 @@ def pad_prompts(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     tokens = torch.zeros(len(samples), int(lengths.max()), dtype=torch.int64)
     for row, sample in enumerate(samples):
         tokens[row, : len(sample["prompt"])] = sample["prompt"]
-    return {"prompt_tokens": tokens, "prompt_lengths": lengths,
-            "index": torch.tensor([s["index"] for s in samples], dtype=torch.int64)}
+    return {
+        "prompt_tokens": tokens,
+        "prompt_lengths": lengths,
+        "index": torch.tensor([s["index"] for s in samples], dtype=torch.int64),
+    }

@@ -45,8 +45,16 @@ class MegatronPretrainingRandomSampler(GlobalBatchSampler):
     ) -> None:
         """Validate the sizes; see the class docstring for the order produced and ``GlobalBatchSampler`` for
         ``calculator`` (a batch-size ramp-up)."""
-        super().__init__(total_samples, consumed_samples, global_batch_size, num_replicas, rank, drop_last,
-                         more_integers=[("seed", seed, 0)], calculator=calculator)
+        super().__init__(
+            total_samples,
+            consumed_samples,
+            global_batch_size,
+            num_replicas,
+            rank,
+            drop_last,
+            more_integers=[("seed", seed, 0)],
+            calculator=calculator,
+        )
         self.seed = seed
         """Epoch ``e`` is shuffled with ``seed + e``."""
         self.data_sharding = data_sharding
@@ -87,11 +95,15 @@ class MegatronPretrainingRandomSampler(GlobalBatchSampler):
         if self.data_sharding:
             bucket_start = self.rank * (self.usable_samples // self.num_replicas)
             position = offset // self.num_replicas
-            return [bucket_start + i for i in order[position: position + local]]
+            return [bucket_start + i for i in order[position : position + local]]
         begin = offset + self.rank * local
-        return order[begin: begin + local]
+        return order[begin : begin + local]
 
     def state_dict(self) -> dict[str, Any]:
         """The resume position and the layout it was reached with (a sharded order depends on the DP size)."""
-        return {"consumed_samples": self.consumed_samples, "num_replicas": self.num_replicas,
-                "data_sharding": self.data_sharding, "seed": self.seed}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "num_replicas": self.num_replicas,
+            "data_sharding": self.data_sharding,
+            "seed": self.seed,
+        }

@@ -12,6 +12,7 @@ microbatch of the update. A training batch is this data-parallel rank's prompts:
 The train order is reshuffled every pass from ``seed`` and resumes exactly from ``consumed_samples``
 (the module updates ``updates_per_batch`` times per rollout: the position counts rollouts, not optimizer steps).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,10 @@ def read_prompt_rows(path: str, prompt_key: str = "prompt", answer_key: str = "a
         if obj is None:
             continue
         if not isinstance(obj.get(prompt_key), str):
-            raise ValueError(f"{where} lacks a string field {prompt_key!r} (found {sorted(obj)}); every line needs "
-                             f"{{{prompt_key!r}: str, {answer_key!r}: str (optional)}}")
+            raise ValueError(
+                f"{where} lacks a string field {prompt_key!r} (found {sorted(obj)}); every line needs "
+                f"{{{prompt_key!r}: str, {answer_key!r}: str (optional)}}"
+            )
         answer = obj.get(answer_key)
         if answer is not None and not isinstance(answer, (str, int, float)):
             raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {type(answer).__name__}")
@@ -58,8 +61,9 @@ class RLPromptDataset(Dataset):
         self.rows = []
         for number, row in enumerate(rows):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"prompt row {number} must be a dict with a string 'prompt' (and an 'answer'), "
-                                 f"got {row!r}")
+                raise ValueError(
+                    f"prompt row {number} must be a dict with a string 'prompt' (and an 'answer'), got {row!r}"
+                )
             ids = tokenizer.tokenize(row["prompt"])
             if not ids:
                 raise ValueError(f"prompt row {number} ({row['prompt']!r}) has no tokens; a prompt needs at least one")
@@ -92,20 +96,37 @@ class RLPromptDataModule(PretrainingDataModule):
     against it before launch); ``global_batch_size`` counts prompts per rollout.
     """
 
-    def __init__(self, tokenizer: Tokenizer, rows: Optional[Sequence[dict[str, Any]]] = None, path: Optional[str] = None,
-                 val_rows: Optional[Sequence[dict[str, Any]]] = None, seq_length: int = 64, micro_batch_size: int = 1,
-                 global_batch_size: int = 8, val_global_batch_size: Optional[int] = None, split: str = "100,0",
-                 prompt_key: str = "prompt", answer_key: str = "answer", seed: int = 1234, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        rows: Optional[Sequence[dict[str, Any]]] = None,
+        path: Optional[str] = None,
+        val_rows: Optional[Sequence[dict[str, Any]]] = None,
+        seq_length: int = 64,
+        micro_batch_size: int = 1,
+        global_batch_size: int = 8,
+        val_global_batch_size: Optional[int] = None,
+        split: str = "100,0",
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers)
         if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be a megatron_lite Tokenizer (see build_tokenizer), got "
-                            f"{type(tokenizer).__name__}")
+            raise TypeError(
+                f"tokenizer must be a megatron_lite Tokenizer (see build_tokenizer), got {type(tokenizer).__name__}"
+            )
         if (rows is None) == (path is None):
-            raise ValueError("give the prompts as rows=[{'prompt': ..., 'answer': ...}, ...] or path=<a .jsonl file>, "
-                             "exactly one of them")
+            raise ValueError(
+                "give the prompts as rows=[{'prompt': ..., 'answer': ...}, ...] or path=<a .jsonl file>, "
+                "exactly one of them"
+            )
         if path is not None and not os.path.isfile(path):
-            raise FileNotFoundError(f"prompt data {path} does not exist; pass path=<a .jsonl(.gz) file of "
-                                    f"{{\"{prompt_key}\": ..., \"{answer_key}\": ...}} lines>")
+            raise FileNotFoundError(
+                f"prompt data {path} does not exist; pass path=<a .jsonl(.gz) file of "
+                f'{{"{prompt_key}": ..., "{answer_key}": ...}} lines>'
+            )
         self.tokenizer, self.path, self.seed = tokenizer, path, seed
         self.keys = (prompt_key, answer_key)
         self.split = parse_split(split)
@@ -140,8 +161,9 @@ class RLPromptDataModule(PretrainingDataModule):
     def _split(self, name: str) -> RLPromptDataset:
         self.setup()
         if name not in self.datasets:
-            raise ValueError(f"the {name} prompt split is empty; give it a weight in split (e.g. '90,10') or pass "
-                             f"val_rows")
+            raise ValueError(
+                f"the {name} prompt split is empty; give it a weight in split (e.g. '90,10') or pass val_rows"
+            )
         return self.datasets[name]
 
     def consumed_samples_after(self, steps: int) -> int:
@@ -157,25 +179,47 @@ class RLPromptDataModule(PretrainingDataModule):
         dp_size, rank = self._dp_size_and_rank()
         size = min(self.val_global_batch_size, len(dataset) - len(dataset) % dp_size)
         if size < dp_size:
-            raise ValueError(f"the validation split has {len(dataset)} prompts, fewer than the {dp_size} data-parallel "
-                             f"ranks; add held-out prompts")
+            raise ValueError(
+                f"the validation split has {len(dataset)} prompts, fewer than the {dp_size} data-parallel "
+                f"ranks; add held-out prompts"
+            )
         size -= size % dp_size
-        sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=0, global_batch_size=size,
-                                             num_replicas=dp_size, rank=rank, rewind=True)
-        return ResumableDataLoader(dataset, batch_size=size // dp_size, sampler=sampler, drop_last=True,
-                                   collate_fn=collate_prompts, num_workers=self.num_workers)
+        sampler = MegatronPretrainingSampler(
+            total_samples=len(dataset),
+            consumed_samples=0,
+            global_batch_size=size,
+            num_replicas=dp_size,
+            rank=rank,
+            rewind=True,
+        )
+        return ResumableDataLoader(
+            dataset,
+            batch_size=size // dp_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=collate_prompts,
+            num_workers=self.num_workers,
+        )
 
     def _with_collate(self, loader: DataLoader) -> DataLoader:
         loader.collate_fn = collate_prompts
         return loader
 
-    def _make_sampler(self, total_samples: int, consumed_samples: int, dp_size: int, rank: int, split: str,
-                      calculator: Optional[NumMicroBatchesCalculator] = None) -> GlobalBatchSampler:
+    def _make_sampler(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        dp_size: int,
+        rank: int,
+        split: str,
+        calculator: Optional[NumMicroBatchesCalculator] = None,
+    ) -> GlobalBatchSampler:
         if split != "train":
             return super()._make_sampler(total_samples, consumed_samples, dp_size, rank, split, calculator)
         # Reshuffled every pass; one permutation cut into global batches, so the order does not depend on dp.
-        return MegatronPretrainingRandomSampler(total_samples, consumed_samples, self.global_batch_size, dp_size,
-                                                rank, seed=self.seed, data_sharding=False)
+        return MegatronPretrainingRandomSampler(
+            total_samples, consumed_samples, self.global_batch_size, dp_size, rank, seed=self.seed, data_sharding=False
+        )
 
     def _too_small_hint(self, split: str) -> str:
         return "add prompts, raise the split's weight, or lower global_batch_size"

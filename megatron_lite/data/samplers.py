@@ -70,11 +70,14 @@ class GlobalBatchSampler(DistributedSampler):
             # a trailing partial global batch would give DP ranks different batch sizes and hang collectives
             raise ValueError(f"{type(self).__name__} only supports drop_last=True; pass drop_last=True")
         if calculator is not None and (calculator.global_batch_size, calculator.data_parallel_size) != (
-                global_batch_size, num_replicas):
+            global_batch_size,
+            num_replicas,
+        ):
             raise ValueError(
                 f"the calculator is for global_batch_size {calculator.global_batch_size} at data-parallel size "
                 f"{calculator.data_parallel_size}, the sampler for {global_batch_size} at {num_replicas}; build it "
-                f"with the sampler's sizes")
+                f"with the sampler's sizes"
+            )
 
         self.total_samples = total_samples
         """Samples in the dataset."""
@@ -191,8 +194,9 @@ class MegatronPretrainingSampler(GlobalBatchSampler):
         Lightning stops early (``limit_val_batches``). ``calculator`` ramps the batch size up (see
         :class:`GlobalBatchSampler`).
         """
-        super().__init__(total_samples, consumed_samples, global_batch_size, num_replicas, rank, drop_last,
-                         calculator=calculator)
+        super().__init__(
+            total_samples, consumed_samples, global_batch_size, num_replicas, rank, drop_last, calculator=calculator
+        )
         self.rewind = rewind
         """Whether each ``__iter__`` restarts at ``initial_consumed_samples``."""
         self.initial_consumed_samples = consumed_samples

@@ -12,6 +12,7 @@ full, then the row length ``seq_length + 1``, padded with -1: the format of
 packed-sequence attention. Every item is ``{"tokens": [s+1], "loss_mask": [s], "position_ids": [s],
 "cu_seqlens": [cu_seqlens_length]}`` where ``loss_mask[j]`` says whether predicting ``tokens[j+1]`` counts.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,14 +44,15 @@ def iter_conversations(path: str, messages_key: str = "messages") -> Iterator[li
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{where} is not valid JSON ({err}); {_LINE_FORMAT.format(key=messages_key)}") \
-                from err
+            raise ValueError(f"{where} is not valid JSON ({err}); {_LINE_FORMAT.format(key=messages_key)}") from err
         messages = obj.get(messages_key) if isinstance(obj, dict) else None
         if not isinstance(messages, list) or not messages:
             keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
             hint = " (or pass messages_key=<the key that holds them>)" if isinstance(obj, dict) else ""
-            raise ValueError(f"{where} has no non-empty list under {messages_key!r} (found {keys}); "
-                             f"{_LINE_FORMAT.format(key=messages_key)}{hint}")
+            raise ValueError(
+                f"{where} has no non-empty list under {messages_key!r} (found {keys}); "
+                f"{_LINE_FORMAT.format(key=messages_key)}{hint}"
+            )
         for m in messages:
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(f"{where}: every message needs a role in {ROLES} and a string content, got {m!r}")
@@ -74,8 +76,9 @@ def _no_conversations(path: str, messages_key: str) -> str:
     return f"{path} holds no conversations; {_LINE_FORMAT.format(key=messages_key)}"
 
 
-def tokenize_conversation(messages: Sequence[dict], render: Render, tokenize: Callable[[str], list[int]],
-                          eod: int) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_conversation(
+    messages: Sequence[dict], render: Render, tokenize: Callable[[str], list[int]], eod: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, per-token train mask) of one conversation, EOD appended (and trained)."""
     ids: list[int] = []
     mask: list[int] = []
@@ -86,8 +89,9 @@ def tokenize_conversation(messages: Sequence[dict], render: Render, tokenize: Ca
         if not text.startswith(shown):
             raise ValueError(
                 "the chat template is not prefix-stable (rendering the first k turns is not a prefix of rendering "
-                "k+1 turns), so prompt and reply tokens cannot be told apart; use a template without that property")
-        piece = tokenize(text[len(shown):]) if len(text) > len(shown) else []
+                "k+1 turns), so prompt and reply tokens cannot be told apart; use a template without that property"
+            )
+        piece = tokenize(text[len(shown) :]) if len(text) > len(shown) else []
         ids.extend(piece)
         mask.extend([int(train)] * len(piece))
         shown = text
@@ -120,8 +124,16 @@ def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 class SFTDataset(Dataset):
     """Tokenized (optionally packed) chat conversations; see the module docstring for the items."""
 
-    def __init__(self, conversations: Sequence[Sequence[dict]], tokenizer, seq_length: int, *, pack_sequences: bool = True,
-                 chat_template: Optional[str] = None, seed: int = 1234):
+    def __init__(
+        self,
+        conversations: Sequence[Sequence[dict]],
+        tokenizer,
+        seq_length: int,
+        *,
+        pack_sequences: bool = True,
+        chat_template: Optional[str] = None,
+        seed: int = 1234,
+    ):
         if seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {seq_length}")
         self.seq_length = seq_length
@@ -131,7 +143,11 @@ class SFTDataset(Dataset):
         tokenized = [tokenize_conversation(conversations[i], render, tokenizer.tokenize, tokenizer.eod) for i in order]
         capacity = seq_length + 1
         self.num_truncated = sum(len(ids) > capacity for ids, _ in tokenized)
-        bins = pack([len(ids) for ids, _ in tokenized], capacity) if pack_sequences else [[i] for i in range(len(tokenized))]
+        bins = (
+            pack([len(ids) for ids, _ in tokenized], capacity)
+            if pack_sequences
+            else [[i] for i in range(len(tokenized))]
+        )
         self.max_seqs = max(len(b) for b in bins)
         """Most conversations in one sample."""
         rows = [self._build(b, tokenized, capacity) for b in bins]
@@ -151,18 +167,21 @@ class SFTDataset(Dataset):
         for i in members:
             ids, mask = tokenized[i]
             n = min(len(ids), capacity - offset)
-            tokens[offset:offset + n] = ids[:n]
-            train[offset:offset + n] = mask[:n]
-            positions[offset:offset + n] = np.arange(n)
+            tokens[offset : offset + n] = ids[:n]
+            train[offset : offset + n] = mask[:n]
+            positions[offset : offset + n] = np.arange(n)
             cu.append(offset)
             offset += n
         # Padding is a document of its own (never trained, seen by no real token), so the row always ends
         # at its length, the one format check_cu_seqlens and packed attention expect.
         cu += [offset, capacity] if offset < capacity else [capacity]
         # Never train across a conversation boundary: the first token of the next one is not predictable.
-        train[cu[1:len(members)]] = 0
-        sample = {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(train[1:]).float(),
-                  "position_ids": torch.from_numpy(positions[:-1])}
+        train[cu[1 : len(members)]] = 0
+        sample = {
+            "tokens": torch.from_numpy(tokens),
+            "loss_mask": torch.from_numpy(train[1:]).float(),
+            "position_ids": torch.from_numpy(positions[:-1]),
+        }
         return sample, cu
 
     def __len__(self) -> int:
@@ -178,8 +197,13 @@ def _renderer(tokenizer, chat_template: Optional[str]) -> Render:
     template = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
 
     def render(messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        return render_chat_template(template, list(messages), add_generation_prompt=add_generation_prompt,
-                                    bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        return render_chat_template(
+            template,
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+        )
 
     return render
 
@@ -191,23 +215,41 @@ class SFTDataModule(PretrainingDataModule):
     is the mean over those tokens (see ``megatron_lite.core.parallel.schedules``).
     """
 
-    def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int = 512, micro_batch_size: int = 4,
-                 global_batch_size: int = 16, split: str = "98,2", pack_sequences: bool = True,
-                 chat_template: Optional[str] = None, messages_key: str = "messages", seed: int = 1234,
-                 num_workers: int = 0, rampup_batch_size: Optional[list[int]] = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Tokenizer,
+        seq_length: int = 512,
+        micro_batch_size: int = 4,
+        global_batch_size: int = 16,
+        split: str = "98,2",
+        pack_sequences: bool = True,
+        chat_template: Optional[str] = None,
+        messages_key: str = "messages",
+        seed: int = 1234,
+        num_workers: int = 0,
+        rampup_batch_size: Optional[list[int]] = None,
+    ) -> None:
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"SFT data {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file "
-                                    f"of {{\"{messages_key}\": [...]}} lines>")
+            raise FileNotFoundError(
+                f"SFT data {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file "
+                f'of {{"{messages_key}": [...]}} lines>'
+            )
         self.path, self.tokenizer, self.split = path, tokenizer, parse_split(split)
         self.pack_sequences, self.chat_template, self.messages_key, self.seed = (
-            pack_sequences, chat_template, messages_key, seed)
+            pack_sequences,
+            chat_template,
+            messages_key,
+            seed,
+        )
         self.vocab_size = tokenizer.vocab_size
         self.datasets: dict[str, SFTDataset] = {}
         self._validated_inputs: Optional[tuple] = None  # (path, size, mtime, key) of the file last checked
 
-    def check_before_launch(self, run: RunSpec, trainer: Any = None, module: Any = None, datamodule: Any = None
-                            ) -> None:
+    def check_before_launch(
+        self, run: RunSpec, trainer: Any = None, module: Any = None, datamodule: Any = None
+    ) -> None:
         """Read the whole file once and refuse it, naming the line and the fix, if it is empty, holds no
         ``messages_key`` list, a malformed message, or too few conversations for a train split. Every
         rank parses the whole file in ``setup`` anyway; this pass, in the launching process, makes a bad
@@ -221,8 +263,10 @@ class SFTDataModule(PretrainingDataModule):
             raise ValueError(_no_conversations(self.path, self.messages_key))
         bounds = split_boundaries(self.split, count)
         if bounds[1] == bounds[0]:
-            raise ValueError(f"{self.path} holds {count} conversation(s), which leaves the train split empty "
-                             f"(split fractions {self.split}); add conversations or raise the train weight of split")
+            raise ValueError(
+                f"{self.path} holds {count} conversation(s), which leaves the train split empty "
+                f"(split fractions {self.split}); add conversations or raise the train weight of split"
+            )
         self._validated_inputs = identity
 
     def setup(self, stage: Optional[str] = None) -> None:
@@ -233,12 +277,20 @@ class SFTDataModule(PretrainingDataModule):
         bounds = split_boundaries(self.split, len(conversations))
         for name, lo, hi in zip(("train", "validation", "test"), bounds[:-1], bounds[1:]):
             if hi > lo:
-                dataset = SFTDataset([conversations[i] for i in order[lo:hi]], self.tokenizer,
-                                     self.seq_length, pack_sequences=self.pack_sequences,
-                                     chat_template=self.chat_template, seed=self.seed)
+                dataset = SFTDataset(
+                    [conversations[i] for i in order[lo:hi]],
+                    self.tokenizer,
+                    self.seq_length,
+                    pack_sequences=self.pack_sequences,
+                    chat_template=self.chat_template,
+                    seed=self.seed,
+                )
                 # every row is already in memory: check them all at once, before the first step
-                check_cu_seqlens(torch.stack([sample["cu_seqlens"] for sample in dataset.samples]),
-                                 self.seq_length + 1, f"the {name} samples' cu_seqlens")
+                check_cu_seqlens(
+                    torch.stack([sample["cu_seqlens"] for sample in dataset.samples]),
+                    self.seq_length + 1,
+                    f"the {name} samples' cu_seqlens",
+                )
                 self.datasets[name] = dataset
 
     def _split(self, name: str) -> SFTDataset:

@@ -10,11 +10,14 @@ def parse_split(split: str) -> tuple[float, float, float]:
     except (AttributeError, ValueError) as err:
         raise ValueError(f"split {split!r} is not a list of numbers; use e.g. split='98,2' or '969,30,1'") from err
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {split!r} needs 1-3 non-negative weights (train,validation[,test]) with a "
-                         f"positive sum; use e.g. split='98,2'")
+        raise ValueError(
+            f"split {split!r} needs 1-3 non-negative weights (train,validation[,test]) with a "
+            f"positive sum; use e.g. split='98,2'"
+        )
     if weights[0] <= 0:
-        raise ValueError(f"split {split!r} leaves the train split empty; give train a positive weight, "
-                         f"e.g. split='98,2'")
+        raise ValueError(
+            f"split {split!r} leaves the train split empty; give train a positive weight, e.g. split='98,2'"
+        )
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     return (weights[0] / total, weights[1] / total, weights[2] / total)

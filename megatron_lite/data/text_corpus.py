@@ -63,8 +63,10 @@ def _check_corpus(path: str, json_key: str) -> None:
         raise FileNotFoundError(f"corpus {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file>")
     for _ in _iter_documents(path, json_key):
         return
-    raise ValueError(f"corpus {path} holds no non-empty text under key {json_key!r}; pass a corpus with text, "
-                     f"or the json_key its objects use")
+    raise ValueError(
+        f"corpus {path} holds no non-empty text under key {json_key!r}; pass a corpus with text, "
+        f"or the json_key its objects use"
+    )
 
 
 def _default_cache_dir(path: str) -> str:
@@ -136,8 +138,10 @@ class TextCorpusDataModule(PretrainingDataModule):
             self.tokenizer = SentencePieceTokenizer(tokenizer_model)
             vocab_size = self.tokenizer.vocab_size
         elif isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BYTE_FALLBACK_VOCAB:
-            raise ValueError(f"vocab_size must be an integer >= {MIN_BYTE_FALLBACK_VOCAB} to train a byte-fallback "
-                             f"tokenizer, got {vocab_size!r}; use e.g. vocab_size=4096")
+            raise ValueError(
+                f"vocab_size must be an integer >= {MIN_BYTE_FALLBACK_VOCAB} to train a byte-fallback "
+                f"tokenizer, got {vocab_size!r}; use e.g. vocab_size=4096"
+            )
         self.vocab_size: int = vocab_size
         # "seed" is left out: Lightning refuses to log hparams when the module saves a different "seed".
         self.save_hyperparameters(ignore=["seed"])
@@ -162,8 +166,9 @@ class TextCorpusDataModule(PretrainingDataModule):
 
     def _token_paths(self, tokenizer_path: str) -> dict[str, str]:
         """Cached token array per split name."""
-        key = _digest(_CACHE_VERSION, *self._corpus_identity(), self.split_fractions, self.seed,
-                      _file_sha256(tokenizer_path))
+        key = _digest(
+            _CACHE_VERSION, *self._corpus_identity(), self.split_fractions, self.seed, _file_sha256(tokenizer_path)
+        )
         return {name: os.path.join(self.cache_dir, f"tokens-{key}-{name}.npy") for name in _SPLIT_NAMES}
 
     def _build_cache(self) -> dict[str, str]:
@@ -173,8 +178,9 @@ class TextCorpusDataModule(PretrainingDataModule):
             os.makedirs(self.cache_dir, exist_ok=True)
             with locked(tokenizer_path + ".lock"):
                 if not os.path.isfile(tokenizer_path):
-                    train_sentencepiece(_iter_documents(self.path, self.json_key),
-                                        tokenizer_path[: -len(".model")], self.vocab_size)
+                    train_sentencepiece(
+                        _iter_documents(self.path, self.json_key), tokenizer_path[: -len(".model")], self.vocab_size
+                    )
         if self.tokenizer is None or self.tokenizer.model_path != tokenizer_path:
             self.tokenizer = SentencePieceTokenizer(tokenizer_path)
         self.vocab_size = self.tokenizer.vocab_size
@@ -194,13 +200,16 @@ class TextCorpusDataModule(PretrainingDataModule):
         docs: list[np.ndarray] = []
         texts = _iter_documents(self.path, self.json_key)
         while chunk := list(itertools.islice(texts, _TOKENIZE_CHUNK)):
-            docs.extend(np.concatenate([np.asarray(ids, dtype=dtype), eod])
-                        for ids in self.tokenizer.tokenize_batch(chunk))
+            docs.extend(
+                np.concatenate([np.asarray(ids, dtype=dtype), eod]) for ids in self.tokenizer.tokenize_batch(chunk)
+            )
         order = np.random.default_rng(self.seed).permutation(len(docs))
         bounds = split_boundaries(self.split_fractions, len(docs))
         if bounds[1] == 0:
-            raise ValueError(f"split {self.split!r} gives the train split 0 of the corpus's {len(docs)} "
-                             f"documents; raise the train weight of split")
+            raise ValueError(
+                f"split {self.split!r} gives the train split 0 of the corpus's {len(docs)} "
+                f"documents; raise the train weight of split"
+            )
         # each file appears atomically and readers wait for all three, so the order of writes is free
         for i, name in enumerate(_SPLIT_NAMES):
             members = [docs[j] for j in order[bounds[i] : bounds[i + 1]]]
@@ -211,10 +220,12 @@ class TextCorpusDataModule(PretrainingDataModule):
         """Whether the tokenizer and every token array of this corpus version are cached already."""
         tokenizer_path = self._tokenizer_path()
         return os.path.isfile(tokenizer_path) and all(
-            os.path.isfile(p) for p in self._token_paths(tokenizer_path).values())
+            os.path.isfile(p) for p in self._token_paths(tokenizer_path).values()
+        )
 
-    def check_before_launch(self, run: RunSpec, trainer: object = None, module: object = None,
-                            datamodule: object = None) -> None:
+    def check_before_launch(
+        self, run: RunSpec, trainer: object = None, module: object = None, datamodule: object = None
+    ) -> None:
         """Refuse a corpus with a malformed line (not JSON, not an object, no ``json_key``, not a string),
         naming ``file:line`` and the fix, before any rank starts. The constructor read only up to the first
         text; building the cache reads every line, so the whole file is checked here, once, unless this
@@ -236,8 +247,7 @@ class TextCorpusDataModule(PretrainingDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Load the cached token arrays (memory-mapped) and build the split datasets."""
         paths = self._build_cache()
-        datasets = [TokenWindowDataset(np.load(paths[name], mmap_mode="r"), self.seq_length)
-                    for name in _SPLIT_NAMES]
+        datasets = [TokenWindowDataset(np.load(paths[name], mmap_mode="r"), self.seq_length) for name in _SPLIT_NAMES]
         self.train_dataset, self.val_dataset, self.test_dataset = datasets
 
     def _require_setup(self) -> None:
@@ -265,5 +275,7 @@ class TextCorpusDataModule(PretrainingDataModule):
 
     def _too_small_hint(self, split: str) -> str:
         """Name the knobs that grow a split."""
-        return (f"give the {split} split a larger share of split={self.split!r} (weights are over documents: "
-                f"train,validation,test), lower global_batch_size or seq_length, or use a larger corpus")
+        return (
+            f"give the {split} split a larger share of split={self.split!r} (weights are over documents: "
+            f"train,validation,test), lower global_batch_size or seq_length, or use a larger corpus"
+        )

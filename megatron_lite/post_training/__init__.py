@@ -17,6 +17,16 @@ from megatron_lite.post_training.speculative import (
     speculative_generate,
 )
 
-__all__ = ["DraftHeadConfig", "DraftHeadExtension", "available_configs", "load_draft_head", "perplexity",
-           "quantization_recipe", "quantize", "restore_quantization", "save_draft_head", "save_quantized_hf",
-           "speculative_generate"]
+__all__ = [
+    "DraftHeadConfig",
+    "DraftHeadExtension",
+    "available_configs",
+    "load_draft_head",
+    "perplexity",
+    "quantization_recipe",
+    "quantize",
+    "restore_quantization",
+    "save_draft_head",
+    "save_quantized_hf",
+    "speculative_generate",
+]

@@ -10,6 +10,7 @@ and sends the teacher's activations to the next stage inside the student's (conc
 dimension), so the last stage holds both models' logits. It is held by the extension, not the model: it is
 in neither the optimizer nor the student's checkpoint. Evaluation (``val/loss``) is the student's own loss.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,9 +25,9 @@ from torch import nn
 
 from megatron_lite.core.checkpoint.full.state import carry_over_state, same_layout
 from megatron_lite.core.engine.extensions import ForwardStep, LossFn, ObjectiveExtension
-from megatron_lite.core.parallel.loss_report import report_entry, split_loss, with_report
 from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.loss_report import report_entry, split_loss, with_report
 from megatron_lite.core.parallel.mappings import gather_from_sequence_parallel_region
 from megatron_lite.core.parallel.schedules import masked_token_loss
 from megatron_lite.core.parallel.vocab_parallel_kl import vocab_parallel_kl_divergence
@@ -64,13 +65,17 @@ class DistillationConfig:
         pairs = []
         for pair in self.intermediate_layer_pairs:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
-                raise ValueError(f"intermediate_layer_pairs holds (student_module, teacher_module) name pairs, "
-                                 f"e.g. [('layers.1', 'layers.3')]; got {pair!r}")
+                raise ValueError(
+                    f"intermediate_layer_pairs holds (student_module, teacher_module) name pairs, "
+                    f"e.g. [('layers.1', 'layers.3')]; got {pair!r}"
+                )
             pairs.append((_our_name(pair[0]), _our_name(pair[1])))
         self.intermediate_layer_pairs = pairs
         if self.skip_lm_loss and self.kd_loss_scale == 0 and not pairs:
-            raise ValueError("skip_lm_loss=True with kd_loss_scale=0 and no intermediate_layer_pairs leaves nothing "
-                             "to train on: raise kd_loss_scale or keep the LM loss")
+            raise ValueError(
+                "skip_lm_loss=True with kd_loss_scale=0 and no intermediate_layer_pairs leaves nothing "
+                "to train on: raise kd_loss_scale or keep the LM loss"
+            )
 
 
 def _number(value: Any) -> bool:
@@ -79,7 +84,7 @@ def _number(value: Any) -> bool:
 
 def _our_name(name: str) -> str:
     """Megatron-LM names its transformer block ``decoder``; ours are the GPTModel's attributes."""
-    return name[len("decoder."):] if name.startswith("decoder.") else name
+    return name[len("decoder.") :] if name.startswith("decoder.") else name
 
 
 def matchable_modules(config: GPTConfig) -> list[str]:
@@ -99,9 +104,9 @@ class _DistillOutput:
 class Distillation(ObjectiveExtension):
     """Adds a frozen teacher's logits KL (and intermediate-layer losses) to a GPT module's objective.
 
-    ``teacher`` is what :func:`megatron_lite.callbacks.distill.load_teacher` returns. Its loss reports, per training step (global-batch means
-    over the loss tokens, logged on every rank): ``train/lm_loss``, ``train/kd_loss`` and, with layer pairs,
-    ``train/intermediate_loss``; ``train/loss`` is their weighted sum.
+    ``teacher`` is what :func:`megatron_lite.callbacks.distill.load_teacher` returns. Its loss reports, per training
+    step (global-batch means over the loss tokens, logged on every rank): ``train/lm_loss``, ``train/kd_loss`` and,
+    with layer pairs, ``train/intermediate_loss``; ``train/loss`` is their weighted sum.
     """
 
     def __init__(self, teacher: Any, config: DistillationConfig) -> None:
@@ -121,23 +126,31 @@ class Distillation(ObjectiveExtension):
         ``check_before_launch``): vocabulary, layer names, layouts it cannot run."""
         teacher = self.teacher_config(student_config)
         if teacher.vocab_size != student_config.vocab_size:
-            raise ValueError(f"the teacher's vocabulary ({teacher.vocab_size} tokens) differs from the student's "
-                             f"({student_config.vocab_size}): distillation compares their next-token distributions "
-                             f"token by token, so both must use the same tokenizer and vocab_size")
+            raise ValueError(
+                f"the teacher's vocabulary ({teacher.vocab_size} tokens) differs from the student's "
+                f"({student_config.vocab_size}): distillation compares their next-token distributions "
+                f"token by token, so both must use the same tokenizer and vocab_size"
+            )
         if teacher.padded_vocab_size(tp) != student_config.padded_vocab_size(tp):
-            raise ValueError(f"the teacher pads its vocabulary to {teacher.padded_vocab_size(tp)} rows at TP{tp}, the "
-                             f"student to {student_config.padded_vocab_size(tp)}: set the student's "
-                             f"make_vocab_size_divisible_by={teacher.make_vocab_size_divisible_by} like the teacher's")
+            raise ValueError(
+                f"the teacher pads its vocabulary to {teacher.padded_vocab_size(tp)} rows at TP{tp}, the "
+                f"student to {student_config.padded_vocab_size(tp)}: set the student's "
+                f"make_vocab_size_divisible_by={teacher.make_vocab_size_divisible_by} like the teacher's"
+            )
         for student_name, teacher_name in self.config.intermediate_layer_pairs:
             for who, name, config in (("student", student_name, student_config), ("teacher", teacher_name, teacher)):
                 valid = matchable_modules(config)
                 if name not in valid:
-                    raise ValueError(f"intermediate layer {name!r} is not a module of the {who} "
-                                     f"({config.num_layers} layers); valid names: {', '.join(valid)}")
+                    raise ValueError(
+                        f"intermediate layer {name!r} is not a module of the {who} "
+                        f"({config.num_layers} layers); valid names: {', '.join(valid)}"
+                    )
         if self.config.intermediate_layer_pairs and pp > 1:
-            raise ValueError("intermediate_layer_pairs under pipeline parallelism is not supported (a pair's layers "
-                             "may sit on different stages): use pipeline_model_parallel_size=1, or logits "
-                             "distillation alone (no intermediate_layer_pairs)")
+            raise ValueError(
+                "intermediate_layer_pairs under pipeline parallelism is not supported (a pair's layers "
+                "may sit on different stages): use pipeline_model_parallel_size=1, or logits "
+                "distillation alone (no intermediate_layer_pairs)"
+            )
 
     def attach(self, module: Any, model: nn.Module, layout: ParallelLayout) -> None:
         self.check(module.config, layout.tp_size, layout.pp_size)
@@ -154,8 +167,9 @@ class Distillation(ObjectiveExtension):
                 carry_over_state(source, teacher, vocab_size=config.vocab_size)
         # The student's device and dtype (bf16-true students): under PP both models' activations share one tensor.
         reference = next(p for p in model.parameters() if p.is_floating_point())
-        if any(p.dtype != reference.dtype or p.device != reference.device for p in teacher.parameters()) and \
-                teacher is getattr(self.source, "model", None):
+        if any(
+            p.dtype != reference.dtype or p.device != reference.device for p in teacher.parameters()
+        ) and teacher is getattr(self.source, "model", None):
             teacher = copy.deepcopy(teacher)  # the user's teacher module keeps its own dtype and device
         self.teacher = teacher.to(device=reference.device, dtype=reference.dtype).eval().requires_grad_(False)
         self._add_projections(module, model)
@@ -188,8 +202,9 @@ class Distillation(ObjectiveExtension):
             module.objective_extensions.remove(self)
 
     # --- the objective ------------------------------------------------------------------------
-    def forward_step(self, inner: ForwardStep, part: Any, microbatch: dict,
-                     input_tensor: Optional[torch.Tensor]) -> Any:
+    def forward_step(
+        self, inner: ForwardStep, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]
+    ) -> Any:
         if self.teacher is None or not self.student.training:  # evaluation: the student's own objective
             return inner(part, microbatch, input_tensor)
         width = self.student.config.hidden_size
@@ -214,13 +229,19 @@ class Distillation(ObjectiveExtension):
             return torch.cat([out, teacher_out], dim=-1)
         if "logits" not in captured:
             raise RuntimeError("the student's last stage ran no output layer: distillation needs its logits")
-        kd = vocab_parallel_kl_divergence(captured["logits"].transpose(0, 1), teacher_out, self.layout.group("tp"),
-                                          self.student.vocab_start, self.student.config.vocab_size,
-                                          self.config.temperature)
+        kd = vocab_parallel_kl_divergence(
+            captured["logits"].transpose(0, 1),
+            teacher_out,
+            self.layout.group("tp"),
+            self.student.vocab_start,
+            self.student.config.vocab_size,
+            self.config.temperature,
+        )
         return _DistillOutput(out, kd, self._intermediate(captured))
 
     def _capture(self, model: nn.Module, into: dict, who: str, logits: bool) -> list:
         """Forward hooks that keep the outputs this step needs: the student's logits and each pair's module."""
+
         def keep(key: str):
             return lambda _module, _args, output: into.__setitem__(key, output)
 

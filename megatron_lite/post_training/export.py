@@ -20,6 +20,7 @@ Every row split is exact: quantization is per tensor, per output row or per (row
 quantized fused weight is the quantized split weight. Only a full, single-process model (TP = PP = 1) is exported
 here; ``megatron-lite convert --to hf`` rebuilds one from a checkpoint written at any layout.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,12 +57,16 @@ _KV_CACHE_MAX_BOUND = 448.0
 class _Part(nn.Module):
     """One HF linear cut out of one of ours: its rows of the weight (and bias) and its own quantizers."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_quantizer: nn.Module,
-                 input_quantizer: Optional[nn.Module]):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        weight_quantizer: nn.Module,
+        input_quantizer: Optional[nn.Module],
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(),
-                                                           requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(), requires_grad=False)
         self.weight_quantizer = weight_quantizer
         if input_quantizer is not None:
             self.input_quantizer = input_quantizer
@@ -91,8 +96,10 @@ def _split_quantizer(quantizer: nn.Module, rows: Optional[torch.Tensor], total_r
         if amax is None or amax.numel() == 1:
             continue
         if amax.shape[0] % total_rows != 0:
-            raise ValueError(f"a weight amax of shape {tuple(amax.shape)} is neither per tensor, per output channel "
-                             f"nor per block of a {total_rows}-row weight; this quantization cannot be exported")
+            raise ValueError(
+                f"a weight amax of shape {tuple(amax.shape)} is neither per tensor, per output channel "
+                f"nor per block of a {total_rows}-row weight; this quantization cannot be exported"
+            )
         per_row = amax.reshape(total_rows, -1)[rows]
         q._amax = per_row.reshape(-1, *amax.shape[1:]).clone()
         # A block quantizer remembers the weight shape it was calibrated on (to lay its amax out for export).
@@ -144,22 +151,33 @@ def _check_exportable(model: nn.Module) -> GPTConfig:
     if not isinstance(config, GPTConfig) or layout is None:
         raise TypeError(f"export_quantized_hf takes a GPTModel (GPTModule.model), got {type(model).__name__}")
     if layout.tp_size > 1 or layout.pp_size > 1 or layout.cp_size > 1:
-        raise ValueError(f"quantized HF export needs the whole model in one process (this one is {layout.describe()}); "
-                         f"save a checkpoint and run `megatron-lite convert --to hf --input CKPT --output DIR`, which "
-                         f"rebuilds it at TP=PP=1")
-    compressed = [name for name, p in model.named_parameters()
-                  if type(p).__name__ == "QTensorWrapper" or not p.is_floating_point()]
+        raise ValueError(
+            f"quantized HF export needs the whole model in one process (this one is {layout.describe()}); "
+            f"save a checkpoint and run `megatron-lite convert --to hf --input CKPT --output DIR`, which "
+            f"rebuilds it at TP=PP=1"
+        )
+    compressed = [
+        name
+        for name, p in model.named_parameters()
+        if type(p).__name__ == "QTensorWrapper" or not p.is_floating_point()
+    ]
     if compressed:
-        raise ValueError(f"{compressed[0]} holds real-quantized (compressed) data; export the fake-quantized model "
-                         f"(before modelopt's mtq.compress), whose weights the export quantizes itself")
+        raise ValueError(
+            f"{compressed[0]} holds real-quantized (compressed) data; export the fake-quantized model "
+            f"(before modelopt's mtq.compress), whose weights the export quantizes itself"
+        )
     output = getattr(model, "output_layer", None)
     if output is not None and _enabled(getattr(output, "weight_quantizer", None)):
-        raise ValueError("the output layer is quantized; ModelOpt's presets keep lm_head in high precision and so "
-                         "does this export: disable its quantizer ('*output_layer*': {'enable': False})")
+        raise ValueError(
+            "the output layer is quantized; ModelOpt's presets keep lm_head in high precision and so "
+            "does this export: disable its quantizer ('*output_layer*': {'enable': False})"
+        )
     if not has_enabled_quantizer(model):
-        raise ValueError("the model has no enabled quantizer: quantize it first (megatron_lite.callbacks.Quantize, "
-                         "`megatron-lite quantize`) or write an unquantized export with save_hf / "
-                         "`megatron-lite convert --to hf`")
+        raise ValueError(
+            "the model has no enabled quantizer: quantize it first (megatron_lite.callbacks.Quantize, "
+            "`megatron-lite quantize`) or write an unquantized export with save_hf / "
+            "`megatron-lite convert --to hf`"
+        )
     return config
 
 
@@ -212,11 +230,15 @@ def quantized_hf_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
             if weight_quantizer is None:  # never converted by ModelOpt: plain weights, listed as excluded
                 layer_formats.update({prefix + hf + ".quantization": None for hf in parts})
                 continue
-            holders = {hf: _Part(module.weight if rows is None else module.weight[rows],
-                                 None if module.bias is None else (module.bias if rows is None else module.bias[rows]),
-                                 _split_quantizer(weight_quantizer, rows, module.weight.shape[0]),
-                                 copy.deepcopy(getattr(module, "input_quantizer", None)))
-                       for hf, rows in parts.items()}
+            holders = {
+                hf: _Part(
+                    module.weight if rows is None else module.weight[rows],
+                    None if module.bias is None else (module.bias if rows is None else module.bias[rows]),
+                    _split_quantizer(weight_quantizer, rows, module.weight.shape[0]),
+                    copy.deepcopy(getattr(module, "input_quantizer", None)),
+                )
+                for hf, rows in parts.items()
+            }
             fmt = get_quantization_format(next(iter(holders.values())))
             for hf, holder in holders.items():
                 layer_formats[prefix + hf + ".quantization"] = fmt
@@ -238,8 +260,10 @@ def quantized_hf_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
     kv, attentions = _kv_cache_scales(model)
     kv_format = get_kv_cache_dtype(attentions) if attentions else None
     exported.update(kv)
-    quant = {"producer": {"name": "modelopt", "version": modelopt.__version__},
-             "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
+    quant = {
+        "producer": {"name": "modelopt", "version": modelopt.__version__},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+    }
     quant["quantization"].update(process_layer_quant_config(layer_formats))
     if kv_format is not None:
         quant["quantization"]["kv_cache_quant_algo"] = kv_format
@@ -249,16 +273,25 @@ def quantized_hf_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Unquantized floating tensors to the export dtype; quantized weights and scales as they are."""
-    if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
-            or name.endswith(_SCALE_SUFFIXES):
+    if (
+        not tensor.is_floating_point()
+        or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        or name.endswith(_SCALE_SUFFIXES)
+    ):
         return tensor.contiguous()
     return tensor.to(dtype).contiguous()
 
 
-def save_quantized_hf(directory: str | os.PathLike, model: nn.Module, *, dtype: str = "bfloat16",
-                      source_config: Optional[Mapping[str, Any]] = None,
-                      side_files_from: Optional[str | os.PathLike] = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+def save_quantized_hf(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    *,
+    dtype: str = "bfloat16",
+    source_config: Optional[Mapping[str, Any]] = None,
+    side_files_from: Optional[str | os.PathLike] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Write a ModelOpt-quantized GPTModel (TP=PP=1) as a unified HF checkpoint: ``config.json`` (with
     ``quantization_config``), ``hf_quant_config.json``, ``model.safetensors`` (quantized weights with their
     scales; the rest in ``dtype``, bfloat16 by default as the serving engines run it) and the tokenizer files of
@@ -285,4 +318,3 @@ def read_quant_config(directory: str | os.PathLike) -> Optional[dict[str, Any]]:
     """The ``hf_quant_config.json`` of an exported directory, or None for an unquantized one."""
     path = Path(directory) / QUANT_CONFIG
     return _read_json(path) if path.is_file() else None
-

@@ -10,14 +10,15 @@ through the same rounding. Each TP rank holds other heads: ModelOpt's calibratio
 amax over TP and DP (the module carries the layout's ``ParallelState``), so every rank caches alike.
 Registry key: ``megatron_lite_SelfAttention``.
 """
+
 from __future__ import annotations
 
 import torch
+from modelopt.torch.quantization.nn import TensorQuantizer
+from modelopt.torch.quantization.tensor_quant import QUANT_DESC_8BIT_PER_TENSOR
 
 from megatron_lite.core.models.attention import SelfAttention
 from megatron_lite.post_training.modelopt_registry import NO_GROUP, ParallelState, QuantModule, QuantModuleRegistry
-from modelopt.torch.quantization.nn import TensorQuantizer
-from modelopt.torch.quantization.tensor_quant import QUANT_DESC_8BIT_PER_TENSOR
 
 ATTENTION_KEY = "megatron_lite_SelfAttention"
 KV_CONFIGS = ("FP8_KV_CFG", "FP8_AFFINE_KV_CFG", "NVFP4_KV_CFG", "NVFP4_AFFINE_KV_CFG", "NVFP4_KV_ROTATE_CFG")

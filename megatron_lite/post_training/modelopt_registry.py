@@ -18,6 +18,7 @@ GPTModel (``layers.<i>.self_attention.linear_qkv``, ``.linear_proj``, ``layers.<
 
 Imported only by the functions that quantize: ``import megatron_lite`` never imports modelopt.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -118,8 +119,13 @@ def mark_quantizer_shards(model: nn.Module) -> None:
         if shard is None or not hasattr(module, "weight_quantizer"):
             continue
         amax = getattr(module.weight_quantizer, "_amax", None)
-        if isinstance(module, ColumnParallelLinear) and amax is not None and amax.dim() == 2 \
-                and amax.shape[0] == module.weight.shape[0] and amax.shape[0] > 1:
+        if (
+            isinstance(module, ColumnParallelLinear)
+            and amax is not None
+            and amax.dim() == 2
+            and amax.shape[0] == module.weight.shape[0]
+            and amax.shape[0] > 1
+        ):
             amax.tp_shard = TPShard(0, shard.stride, (shard.global_shape[0], amax.shape[1]), shard.rank, shard.size)
         scale = getattr(module.input_quantizer, "_pre_quant_scale", None)
         if isinstance(module, RowParallelLinear) and scale is not None and scale.dim() == 1 and shard.size > 1:

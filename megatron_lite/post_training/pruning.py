@@ -23,6 +23,7 @@ Statistics are taken on one process: :func:`prune` takes a module whose model is
 gather. The pruned module is an ordinary :class:`~megatron_lite.GPTModule`; ``megatron_lite.pretrained
 .save_weights_checkpoint`` writes it as one of our checkpoints (``megatron-lite prune`` does both).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,19 +59,24 @@ class PruneTarget:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"PruneTarget({f.name}={value!r}): {f.name} must be a positive integer or None "
-                                 f"(keep the model's)")
+                raise ValueError(
+                    f"PruneTarget({f.name}={value!r}): {f.name} must be a positive integer or None (keep the model's)"
+                )
         if all(getattr(self, f.name) is None for f in dataclasses.fields(self)):
-            raise ValueError("PruneTarget() prunes nothing: set at least one of num_layers, hidden_size, "
-                             "num_attention_heads, num_query_groups, ffn_hidden_size")
+            raise ValueError(
+                "PruneTarget() prunes nothing: set at least one of num_layers, hidden_size, "
+                "num_attention_heads, num_query_groups, ffn_hidden_size"
+            )
 
     def pruned_config(self, config: GPTConfig) -> GPTConfig:
         """``config`` cut to this target; a ValueError naming the fix when the target cannot be reached."""
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             value, size = getattr(self, name), getattr(config, name)
             if value is not None and value > size:
-                raise ValueError(f"PruneTarget({name}={value}) is larger than the model's {name} ({size}); pruning "
-                                 f"only removes: choose {name} <= {size}")
+                raise ValueError(
+                    f"PruneTarget({name}={value}) is larger than the model's {name} ({size}); pruning "
+                    f"only removes: choose {name} <= {size}"
+                )
         heads, groups = self.num_attention_heads, self.num_query_groups
         mha = config.num_query_groups == config.num_attention_heads
         if groups is None:
@@ -79,21 +85,31 @@ class PruneTarget:
         if heads is None:
             heads = groups * (config.num_attention_heads // config.num_query_groups)
         if heads % groups:
-            raise ValueError(f"PruneTarget: num_attention_heads ({heads}) must be a multiple of num_query_groups "
-                             f"({groups}); every query group keeps the same number of heads")
+            raise ValueError(
+                f"PruneTarget: num_attention_heads ({heads}) must be a multiple of num_query_groups "
+                f"({groups}); every query group keeps the same number of heads"
+            )
         if heads // groups > config.num_attention_heads // config.num_query_groups:
-            raise ValueError(f"PruneTarget: {heads} heads in {groups} query groups is {heads // groups} per group, more "
-                             f"than the model's {config.num_attention_heads // config.num_query_groups}; keep more "
-                             f"groups or fewer heads")
+            raise ValueError(
+                f"PruneTarget: {heads} heads in {groups} query groups is {heads // groups} per group, more "
+                f"than the model's {config.num_attention_heads // config.num_query_groups}; keep more "
+                f"groups or fewer heads"
+            )
         layers = self.num_layers or config.num_layers
         recompute = {}
         if config.recompute_num_layers is not None and config.recompute_num_layers > layers:
             recompute["recompute_num_layers"] = layers  # otherwise the pruned config would refuse itself
         # kv_channels is kept explicitly: a head's width (and RoPE's rotation) does not change with the count.
-        return dataclasses.replace(config, num_layers=layers, hidden_size=self.hidden_size or config.hidden_size,
-                                   num_attention_heads=heads, num_query_groups=groups,
-                                   ffn_hidden_size=self.ffn_hidden_size or config.ffn_hidden_size,
-                                   kv_channels=config.kv_channels, **recompute)
+        return dataclasses.replace(
+            config,
+            num_layers=layers,
+            hidden_size=self.hidden_size or config.hidden_size,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            ffn_hidden_size=self.ffn_hidden_size or config.ffn_hidden_size,
+            kv_channels=config.kv_channels,
+            **recompute,
+        )
 
 
 @dataclass
@@ -135,12 +151,15 @@ class PrunePlan:
 def _single_process_model(module: Any) -> GPTModel:
     model = getattr(module, "model", None)
     if not isinstance(model, GPTModel):
-        raise ValueError("prune needs a GPTModule holding a built GPTModel; load one with "
-                         "GPTModule.from_pretrained(checkpoint)")
+        raise ValueError(
+            "prune needs a GPTModule holding a built GPTModel; load one with GPTModule.from_pretrained(checkpoint)"
+        )
     if model.layout.world_size != 1:
-        raise ValueError(f"pruning statistics are taken on one process, but this model is built for "
-                         f"{model.layout.world_size} (tp={model.layout.tp_size}, pp={model.layout.pp_size}); load the "
-                         f"checkpoint with GPTModule.from_pretrained(path), which builds a one-process model")
+        raise ValueError(
+            f"pruning statistics are taken on one process, but this model is built for "
+            f"{model.layout.world_size} (tp={model.layout.tp_size}, pp={model.layout.pp_size}); load the "
+            f"checkpoint with GPTModule.from_pretrained(path), which builds a one-process model"
+        )
     if not model.has_output_layer:
         raise ValueError("prune needs a language model with its output layer (the LM loss ranks layers)")
     return model
@@ -152,11 +171,15 @@ def _calibration_tokens(batches: Iterable[Any], seq_limit: int) -> list[torch.Te
     for batch in batches:
         tokens = batch["tokens"] if isinstance(batch, dict) else batch
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] < 2:
-            raise ValueError("calibration batches are {'tokens': LongTensor[b, s+1]} (or such tensors), as the "
-                             "datamodules' train batches are")
+            raise ValueError(
+                "calibration batches are {'tokens': LongTensor[b, s+1]} (or such tensors), as the "
+                "datamodules' train batches are"
+            )
         if tokens.shape[1] - 1 > seq_limit:
-            raise ValueError(f"calibration rows of {tokens.shape[1] - 1} tokens are longer than the model's "
-                             f"max_position_embeddings ({seq_limit}); cut them to seq_length + 1 tokens")
+            raise ValueError(
+                f"calibration rows of {tokens.shape[1] - 1} tokens are longer than the model's "
+                f"max_position_embeddings ({seq_limit}); cut them to seq_length + 1 tokens"
+            )
         out.append(tokens.long())
     if not out:
         raise ValueError("prune needs at least one calibration batch; pass e.g. a few of the training batches")
@@ -172,36 +195,45 @@ def _mean_loss(model: GPTModel, batches: list[torch.Tensor]) -> float:
 
 
 @torch.no_grad()
-def estimate_importance(module: Any, calib_batches: Iterable[Any],
-                        layer_metric: Literal["cosine", "loss"] = "cosine") -> Importance:
+def estimate_importance(
+    module: Any, calib_batches: Iterable[Any], layer_metric: Literal["cosine", "loss"] = "cosine"
+) -> Importance:
     """Importance of every layer, head, neuron and hidden channel of ``module``'s one-process model, from
     forward hooks over ``calib_batches`` (``{"tokens": [b, s+1]}`` dicts or tensors)."""
     if layer_metric not in LAYER_METRICS:
         raise ValueError(f"layer_metric must be one of {LAYER_METRICS}, got {layer_metric!r}")
     model = _single_process_model(module)
     config: GPTConfig = model.config
-    batches = _calibration_tokens(calib_batches, config.max_position_embeddings
-                                  if config.position_embedding_type == "learned_absolute" else 1 << 62)
+    batches = _calibration_tokens(
+        calib_batches,
+        config.max_position_embeddings if config.position_embedding_type == "learned_absolute" else 1 << 62,
+    )
     L, H, d = config.num_layers, config.num_attention_heads, config.kv_channels
-    sums = {"layers": torch.zeros(L, dtype=torch.float64), "heads": torch.zeros(L, H, dtype=torch.float64),
-            "neurons": torch.zeros(L, config.ffn_hidden_size, dtype=torch.float64),
-            "channels": torch.zeros(config.hidden_size, dtype=torch.float64)}
+    sums = {
+        "layers": torch.zeros(L, dtype=torch.float64),
+        "heads": torch.zeros(L, H, dtype=torch.float64),
+        "neurons": torch.zeros(L, config.ffn_hidden_size, dtype=torch.float64),
+        "channels": torch.zeros(config.hidden_size, dtype=torch.float64),
+    }
 
     def block(i):
         def hook(_, args, output):
             cos = F.cosine_similarity(args[0].double(), output.double(), dim=-1)
             sums["layers"][i] += (1.0 - cos).sum()
+
         return hook
 
     def heads(i):
         def hook(_, args):  # the projection's input: [s, b, heads * d]
             x = args[0].double()
             sums["heads"][i] += x.reshape(*x.shape[:-1], H, d).norm(dim=-1).sum(dim=(0, 1))
+
         return hook
 
     def neurons(i):
         def hook(_, args):
             sums["neurons"][i] += args[0].double().abs().sum(dim=(0, 1))
+
         return hook
 
     def channels(_, args, output):
@@ -239,9 +271,14 @@ def estimate_importance(module: Any, calib_batches: Iterable[Any],
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return Importance(layers=layer_scores.float(), heads=(sums["heads"] / n).float(),
-                      neurons=(sums["neurons"] / n).float(), channels=(sums["channels"] / n).float(),
-                      layer_metric=layer_metric, base_loss=base_loss)
+    return Importance(
+        layers=layer_scores.float(),
+        heads=(sums["heads"] / n).float(),
+        neurons=(sums["neurons"] / n).float(),
+        channels=(sums["channels"] / n).float(),
+        layer_metric=layer_metric,
+        base_loss=base_loss,
+    )
 
 
 def _top(scores: torch.Tensor, k: int) -> list[int]:
@@ -263,8 +300,14 @@ def plan_pruning(config: GPTConfig, importance: Importance, target: PruneTarget)
         groups.append(kept_groups)
         heads.append([_top(per_head[g], q_new) for g in kept_groups])
         neurons.append(_top(importance.neurons[layer], new.ffn_hidden_size))
-    return PrunePlan(config=new, layers=layers, channels=_top(importance.channels, new.hidden_size),
-                     groups=groups, heads=heads, neurons=neurons)
+    return PrunePlan(
+        config=new,
+        layers=layers,
+        channels=_top(importance.channels, new.hidden_size),
+        groups=groups,
+        heads=heads,
+        neurons=neurons,
+    )
 
 
 def _sliced_state(model: GPTModel, plan: PrunePlan) -> dict[str, torch.Tensor]:
@@ -283,8 +326,9 @@ def _sliced_state(model: GPTModel, plan: PrunePlan) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(plan.layers):
         src, dst = f"layers.{layer}.", f"layers.{i}."
         # QKV rows are [groups, (queries of the group, key, value), d]: keep groups, then queries, key and value.
-        rows = torch.tensor([g * (q_old + 2) + j for g, qs in zip(plan.groups[i], plan.heads[i])
-                             for j in (*qs, q_old, q_old + 1)])
+        rows = torch.tensor(
+            [g * (q_old + 2) + j for g, qs in zip(plan.groups[i], plan.heads[i]) for j in (*qs, q_old, q_old + 1)]
+        )
         rows = (rows[:, None] * d + torch.arange(d)).reshape(-1)
         heads = torch.tensor([g * q_old + j for g, qs in zip(plan.groups[i], plan.heads[i]) for j in qs])
         cols = (heads[:, None] * d + torch.arange(d)).reshape(-1)  # linear_proj's input: [heads, d]
@@ -294,12 +338,18 @@ def _sliced_state(model: GPTModel, plan: PrunePlan) -> dict[str, torch.Tensor]:
         else:
             neurons_fc1 = neurons
         cuts = {
-            "input_layernorm.weight": (ch,), "input_layernorm.bias": (ch,),
-            "pre_mlp_layernorm.weight": (ch,), "pre_mlp_layernorm.bias": (ch,),
-            "self_attention.linear_qkv.weight": (rows, ch), "self_attention.linear_qkv.bias": (rows,),
-            "self_attention.linear_proj.weight": (ch, cols), "self_attention.linear_proj.bias": (ch,),
-            "mlp.linear_fc1.weight": (neurons_fc1, ch), "mlp.linear_fc1.bias": (neurons_fc1,),
-            "mlp.linear_fc2.weight": (ch, neurons), "mlp.linear_fc2.bias": (ch,),
+            "input_layernorm.weight": (ch,),
+            "input_layernorm.bias": (ch,),
+            "pre_mlp_layernorm.weight": (ch,),
+            "pre_mlp_layernorm.bias": (ch,),
+            "self_attention.linear_qkv.weight": (rows, ch),
+            "self_attention.linear_qkv.bias": (rows,),
+            "self_attention.linear_proj.weight": (ch, cols),
+            "self_attention.linear_proj.bias": (ch,),
+            "mlp.linear_fc1.weight": (neurons_fc1, ch),
+            "mlp.linear_fc1.bias": (neurons_fc1,),
+            "mlp.linear_fc2.weight": (ch, neurons),
+            "mlp.linear_fc2.bias": (ch,),
         }
         for suffix, index in cuts.items():
             if src + suffix in state:
@@ -316,8 +366,10 @@ def apply_plan(module: Any, plan: PrunePlan) -> Any:
     pruned.model = pruned.build_model(ParallelLayout.single())
     params = dict(pruned.model.named_parameters())
     if set(params) != set(state):
-        raise RuntimeError(f"pruned weights {sorted(set(state) ^ set(params))} do not match the pruned model: a "
-                           f"parameter this pruner does not know")
+        raise RuntimeError(
+            f"pruned weights {sorted(set(state) ^ set(params))} do not match the pruned model: a "
+            f"parameter this pruner does not know"
+        )
     with torch.no_grad():
         for name, param in params.items():
             if param.shape != state[name].shape:
@@ -327,8 +379,9 @@ def apply_plan(module: Any, plan: PrunePlan) -> Any:
     return pruned
 
 
-def prune(module: Any, target: PruneTarget, calib_batches: Iterable[Any],
-          layer_metric: Literal["cosine", "loss"] = "cosine") -> Any:
+def prune(
+    module: Any, target: PruneTarget, calib_batches: Iterable[Any], layer_metric: Literal["cosine", "loss"] = "cosine"
+) -> Any:
     """``module`` (a GPTModule with a one-process model, e.g. from ``GPTModule.from_pretrained``) pruned to
     ``target`` by importance on ``calib_batches``: a new module of the same class with the smaller config."""
     if not isinstance(target, PruneTarget):

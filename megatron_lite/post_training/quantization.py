@@ -18,6 +18,7 @@ carry them with the weights (split ones as global tensors, like parameters). Loa
 quantizers from the recipe and the saved tensors' shapes (:func:`restore_quantization`, no calibration),
 then fills the tensors. Nothing is pickled.
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,8 +59,9 @@ def available_configs() -> list[str]:
     from megatron_lite.post_training.kv_quant import KV_CONFIGS
 
     mtq = _mtq()
-    return sorted(n for n in dir(mtq) if n.endswith("_CFG") and isinstance(getattr(mtq, n), dict)
-                  and n not in KV_CONFIGS)
+    return sorted(
+        n for n in dir(mtq) if n.endswith("_CFG") and isinstance(getattr(mtq, n), dict) and n not in KV_CONFIGS
+    )
 
 
 def available_kv_configs() -> list[str]:
@@ -76,12 +78,16 @@ def resolve_config(config: Optional[str], kv_cache: Optional[str] = None) -> dic
     mtq = _mtq()
     kv_names = available_kv_configs()
     if config is None and kv_cache is None:
-        raise ValueError(f"nothing to quantize: give a config ({', '.join(available_configs())}) and/or "
-                         f"kv_cache ({', '.join(kv_names)})")
+        raise ValueError(
+            f"nothing to quantize: give a config ({', '.join(available_configs())}) and/or "
+            f"kv_cache ({', '.join(kv_names)})"
+        )
     if config is not None:
         if config in kv_names:
-            raise ValueError(f"{config} configures only the KV cache: pass kv_cache={config!r} (with config=None, or "
-                             f"with a weight config such as 'FP8_DEFAULT_CFG')")
+            raise ValueError(
+                f"{config} configures only the KV cache: pass kv_cache={config!r} (with config=None, or "
+                f"with a weight config such as 'FP8_DEFAULT_CFG')"
+            )
         if config not in available_configs():
             raise ValueError(f"unknown quantization config {config!r}; valid names: {', '.join(available_configs())}")
         cfg = copy.deepcopy(getattr(mtq, config))
@@ -100,7 +106,7 @@ def needs_cuda(cfg: dict) -> bool:
     MXFP6) or shared block scales (the MX formats, ``scale_bits``)."""
     for entry in cfg.get("quant_cfg", []):
         attrs = entry.get("cfg") if isinstance(entry, dict) else None
-        for attr in (attrs if isinstance(attrs, list) else [attrs]):
+        for attr in attrs if isinstance(attrs, list) else [attrs]:
             if not isinstance(attr, dict) or attr.get("enable") is False:
                 continue
             bits = attr.get("num_bits")
@@ -116,19 +122,24 @@ def _needs_data(cfg: dict) -> bool:
     quantizer); weight-only max calibration reads the weights alone."""
     if cfg.get("algorithm") not in (None, "max"):
         return True
-    return any(entry.get("quantizer_name", "").endswith(("input_quantizer", "bmm_quantizer"))
-               and entry.get("enable", True) is not False and entry.get("cfg") is not None
-               for entry in cfg["quant_cfg"])
+    return any(
+        entry.get("quantizer_name", "").endswith(("input_quantizer", "bmm_quantizer"))
+        and entry.get("enable", True) is not False
+        and entry.get("cfg") is not None
+        for entry in cfg["quant_cfg"]
+    )
 
 
 def _check_device(model: nn.Module, cfg: dict, name: str) -> None:
     param = next(model.parameters(), None)
     on_cuda = param is not None and param.device.type == "cuda"
     if needs_cuda(cfg) and not on_cuda:
-        raise ValueError(f"{name} (FP4/FP6 elements or MX block scales) runs only in ModelOpt's CUDA kernels and the "
-                         f"model is on {param.device if param is not None else 'no device'}; run it on a GPU "
-                         f"(accelerator='gpu'), or pick a CPU format: INT8_SMOOTHQUANT_CFG, INT8_DEFAULT_CFG, "
-                         f"FP8_DEFAULT_CFG, INT4_AWQ_CFG, W4A8_AWQ_BETA_CFG")
+        raise ValueError(
+            f"{name} (FP4/FP6 elements or MX block scales) runs only in ModelOpt's CUDA kernels and the "
+            f"model is on {param.device if param is not None else 'no device'}; run it on a GPU "
+            f"(accelerator='gpu'), or pick a CPU format: INT8_SMOOTHQUANT_CFG, INT8_DEFAULT_CFG, "
+            f"FP8_DEFAULT_CFG, INT4_AWQ_CFG, W4A8_AWQ_BETA_CFG"
+        )
 
 
 def _target(target: Any) -> tuple[nn.Module, ParallelLayout, Optional[Any]]:
@@ -137,8 +148,10 @@ def _target(target: Any) -> tuple[nn.Module, ParallelLayout, Optional[Any]]:
     if isinstance(model, nn.Module) and hasattr(target, "run_schedule"):
         return model, target.parallel_layout, target
     if hasattr(target, "run_schedule"):
-        raise ValueError(f"{type(target).__name__} has no model yet: quantize it after configure_model() (a Trainer "
-                         f"builds it), or load one with GPTModule.from_pretrained(path)")
+        raise ValueError(
+            f"{type(target).__name__} has no model yet: quantize it after configure_model() (a Trainer "
+            f"builds it), or load one with GPTModule.from_pretrained(path)"
+        )
     if not isinstance(target, nn.Module):
         raise TypeError(f"quantize takes a GPTModule or a GPTModel, got {type(target).__name__}")
     layout = getattr(target, "layout", None) or ParallelLayout.single()
@@ -150,8 +163,10 @@ def _as_batch(batch: Batch) -> dict:
         return {"tokens": batch}
     if isinstance(batch, dict) and "tokens" in batch:
         return batch
-    raise TypeError("a calibration/evaluation batch is {'tokens': LongTensor[b, s+1], ...} or such a tensor, got "
-                    f"{type(batch).__name__}")
+    raise TypeError(
+        "a calibration/evaluation batch is {'tokens': LongTensor[b, s+1], ...} or such a tensor, got "
+        f"{type(batch).__name__}"
+    )
 
 
 def _run_batches(model: nn.Module, module: Optional[Any], batches: list[dict]) -> tuple[float, float]:
@@ -186,9 +201,14 @@ def perplexity(target: Any, batches: Iterable[Batch]) -> float:
     return math.exp(total / tokens)
 
 
-def quantize(target: Any, config: Optional[str] = "INT8_SMOOTHQUANT_CFG",
-             calibration: Optional[Iterable[Batch]] = None, *, kv_cache: Optional[str] = None,
-             forward_loop: Optional[Callable[[nn.Module], Any]] = None) -> Any:
+def quantize(
+    target: Any,
+    config: Optional[str] = "INT8_SMOOTHQUANT_CFG",
+    calibration: Optional[Iterable[Batch]] = None,
+    *,
+    kv_cache: Optional[str] = None,
+    forward_loop: Optional[Callable[[nn.Module], Any]] = None,
+) -> Any:
     """Quantize ``target`` (a GPTModule with its model, or a GPTModel) in place with ModelOpt's ``config``
     (a ``*_CFG`` name, see :func:`available_configs`) and optionally the KV-cache preset ``kv_cache``,
     calibrating on ``calibration`` (batches ``{"tokens": [b, s+1]}``; each DP rank its own share) or with
@@ -200,16 +220,20 @@ def quantize(target: Any, config: Optional[str] = "INT8_SMOOTHQUANT_CFG",
 
     model, layout, module = _target(target)
     if is_quantized(model):
-        raise ValueError(f"the model is already quantized ({quantization_recipe(model)}); quantize the unquantized "
-                         f"model (load it again)")
+        raise ValueError(
+            f"the model is already quantized ({quantization_recipe(model)}); quantize the unquantized "
+            f"model (load it again)"
+        )
     cfg = resolve_config(config, kv_cache)
     _check_device(model, cfg, config or kv_cache)
     batches = [_as_batch(b) for b in calibration] if calibration is not None else None
     if forward_loop is None and batches:
         forward_loop = lambda _model: _run_batches(model, module, batches)  # noqa: E731
     if forward_loop is None and _needs_data(cfg):
-        raise ValueError(f"{config or kv_cache} calibrates activations: pass calibration batches "
-                         f"(e.g. calibration=[next(iter(datamodule.train_dataloader()))])")
+        raise ValueError(
+            f"{config or kv_cache} calibrates activations: pass calibration batches "
+            f"(e.g. calibration=[next(iter(datamodule.train_dataloader()))])"
+        )
     _register_with_modelopt()
     registry.set_parallel_state(model, layout)
     mtq.quantize(model, cfg, forward_loop)
@@ -235,8 +259,10 @@ def encode_recipe(config: Optional[str], kv_cache: Optional[str]) -> torch.Tenso
     (DCP, the forked fit's hand-back, from_pretrained) carry it with the weights and never pickle it."""
     import modelopt
 
-    text = json.dumps({"format": STATE_FORMAT, "config": config, "kv_cache": kv_cache,
-                       "modelopt_version": modelopt.__version__}, sort_keys=True)
+    text = json.dumps(
+        {"format": STATE_FORMAT, "config": config, "kv_cache": kv_cache, "modelopt_version": modelopt.__version__},
+        sort_keys=True,
+    )
     return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
 
@@ -273,8 +299,9 @@ def _split_quantizer_name(name: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def restore_quantization(model: nn.Module, recipe: dict, tensor_shapes: dict[str, tuple],
-                         layout: Optional[ParallelLayout] = None) -> nn.Module:
+def restore_quantization(
+    model: nn.Module, recipe: dict, tensor_shapes: dict[str, tuple], layout: Optional[ParallelLayout] = None
+) -> nn.Module:
     """Rebuild in the unquantized ``model`` (built for ``layout``, any TP size) the quantizers of a checkpoint:
     ``recipe`` (see :func:`decode_recipe`) configures them as :func:`quantize` did, ``tensor_shapes`` (the
     checkpoint's quantizer tensors, name -> global shape) says which hold calibrated tensors; each gets a
@@ -309,14 +336,15 @@ def restore_quantization(model: nn.Module, recipe: dict, tensor_shapes: dict[str
     return model
 
 
-def restore_from_state(model: nn.Module, state: dict[str, torch.Tensor], prefix: str = "",
-                       layout: Optional[ParallelLayout] = None) -> bool:
+def restore_from_state(
+    model: nn.Module, state: dict[str, torch.Tensor], prefix: str = "", layout: Optional[ParallelLayout] = None
+) -> bool:
     """If ``state`` (full tensors keyed ``prefix`` + the model's names) is a quantized model's, quantize the
     unquantized ``model`` like it (ready for the tensors to be loaded) and return True."""
     key = prefix + RECIPE_BUFFER
     if key not in state or is_quantized(model):
         return False
-    shapes = {n[len(prefix):]: tuple(state[n].shape) for n in quantizer_tensor_names(state) if n.startswith(prefix)}
+    shapes = {n[len(prefix) :]: tuple(state[n].shape) for n in quantizer_tensor_names(state) if n.startswith(prefix)}
     restore_quantization(model, decode_recipe(state[key]), shapes, layout)
     return True
 
@@ -347,8 +375,12 @@ def _local_shape(owner: nn.Module, quantizer: str, buffer: str, global_shape: tu
             return (global_shape[0] // shard.size, global_shape[1])
     if shard.size == 1:
         return global_shape
-    if isinstance(owner, RowParallelLinear) and quantizer == "input_quantizer" and buffer == "_pre_quant_scale" \
-            and len(global_shape) == 1:
+    if (
+        isinstance(owner, RowParallelLinear)
+        and quantizer == "input_quantizer"
+        and buffer == "_pre_quant_scale"
+        and len(global_shape) == 1
+    ):
         return (global_shape[0] // shard.size,)
     return global_shape
 
@@ -356,9 +388,9 @@ def _local_shape(owner: nn.Module, quantizer: str, buffer: str, global_shape: tu
 def read_checkpoint_quantization(path: Any) -> Optional[tuple[dict, dict[str, tuple]]]:
     """(recipe, quantizer tensor name -> global shape) of one of our checkpoints if it holds a quantized model,
     else None; reads the metadata and the small recipe tensor only."""
-    from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, read_model_tensors
     from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
     from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
+    from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, read_model_tensors
 
     path = resolve_checkpoint(path)
     entries = read_dcp_metadata(path / ".metadata").state_dict_metadata
@@ -366,5 +398,5 @@ def read_checkpoint_quantization(path: Any) -> Optional[tuple[dict, dict[str, tu
     if prefix + RECIPE_BUFFER not in entries:
         return None
     recipe = decode_recipe(read_model_tensors(path, prefix=MODEL_PREFIX + RECIPE_BUFFER)[""])
-    names = quantizer_tensor_names(k[len(prefix):] for k in entries if k.startswith(prefix))
+    names = quantizer_tensor_names(k[len(prefix) :] for k in entries if k.startswith(prefix))
     return recipe, {name: tuple(entries[prefix + name].size) for name in names}

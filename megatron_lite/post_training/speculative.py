@@ -13,6 +13,7 @@ trained to give ``g_{t+1}`` (cross entropy, weight ``classification_weight``). G
 accepts a proposal exactly when it equals the base's greedy token, so the classification target is the
 base's choice, not the data's next token.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,8 +69,10 @@ class DraftHeadConfig:
 
     def __post_init__(self) -> None:
         if self.kind == "medusa":
-            raise ValueError("kind='medusa': Medusa heads are not implemented; use kind='eagle' (an EAGLE-1 draft "
-                             "head, which also accepts more tokens per step than Medusa in the EAGLE paper)")
+            raise ValueError(
+                "kind='medusa': Medusa heads are not implemented; use kind='eagle' (an EAGLE-1 draft "
+                "head, which also accepts more tokens per step than Medusa in the EAGLE paper)"
+            )
         if self.kind not in DRAFT_KINDS:
             raise ValueError(f"unknown draft head kind {self.kind!r}; choose one of {list(DRAFT_KINDS)}")
         for name in ("regression_weight", "classification_weight"):
@@ -77,8 +80,10 @@ class DraftHeadConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.regression_weight == 0 and self.classification_weight == 0:
-            raise ValueError("regression_weight and classification_weight are both 0: nothing would be trained; "
-                             "keep EAGLE's 1.0 and 0.1")
+            raise ValueError(
+                "regression_weight and classification_weight are both 0: nothing would be trained; "
+                "keep EAGLE's 1.0 and 0.1"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 
@@ -119,10 +124,12 @@ class DraftHeadExtension(ObjectiveExtension):
             raise ValueError(
                 f"TrainDraftHead needs whole rows of the whole model on each rank: set "
                 f"pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=False (got "
-                f"pp={layout.pp_size}, cp={layout.cp_size}, sp={layout.sequence_parallel}); TP and DP are fine")
+                f"pp={layout.pp_size}, cp={layout.cp_size}, sp={layout.sequence_parallel}); TP and DP are fine"
+            )
         if getattr(model, "output_layer", None) is None:
-            raise ValueError("TrainDraftHead needs a base model with an output layer (a language model, not a "
-                             "reward model)")
+            raise ValueError(
+                "TrainDraftHead needs a base model with an output layer (a language model, not a reward model)"
+            )
         if self.base is not None and draft_head_of(model) is None:
             _load_base(module, model, self.base)
         fingerprint = base_fingerprint(model)
@@ -130,8 +137,10 @@ class DraftHeadExtension(ObjectiveExtension):
         if head is None:
             head = EagleDraftHead(model.config, layout, seed=self.config.seed).to(next(model.parameters()).device)
         elif head.base is not None and head.base.mismatch(fingerprint) is not None:
-            raise ValueError(f"the model already holds a draft head trained for another base model "
-                             f"({head.base.mismatch(fingerprint)}); build the module afresh")
+            raise ValueError(
+                f"the model already holds a draft head trained for another base model "
+                f"({head.base.mismatch(fingerprint)}); build the module afresh"
+            )
         for param in model.parameters():
             param.requires_grad_(False)
         head.bind(fingerprint)
@@ -150,14 +159,20 @@ class DraftHeadExtension(ObjectiveExtension):
             greedy = self._argmax(base_logits)  # [s, b]: the base's next token
             weight = model.embedding.weight if model.config.share_embeddings_and_output_weights else None
             embeddings = model.embedding(labels.t())  # token t+1, the head's second input at position t
-            rope = model.rotary(positions if positions is not None else
-                                torch.arange(inputs.shape[1], device=inputs.device)) if model.rotary else None
+            rope = (
+                model.rotary(
+                    positions if positions is not None else torch.arange(inputs.shape[1], device=inputs.device)
+                )
+                if model.rotary
+                else None
+            )
         predicted = head(features, embeddings, rope, model.rng_tracker, model.attention_context(cu_seqlens))
         predicted, target = predicted[:-1], features[1:]  # position t predicts position t+1
         regression = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(dim=-1)
         logits = model.output_layer(predicted, weight)  # [s-1, b, V_padded/tp]; frozen, gradient flows through
-        classification = vocab_parallel_cross_entropy(logits, greedy[1:], model.tp_group, model.vocab_start,
-                                                      model.config.vocab_size)
+        classification = vocab_parallel_cross_entropy(
+            logits, greedy[1:], model.tp_group, model.vocab_start, model.config.vocab_size
+        )
         with torch.no_grad():
             correct = (self._argmax(logits.detach()) == greedy[1:]).to(torch.float64)
         cfg = self.config
@@ -179,9 +194,14 @@ class DraftHeadExtension(ObjectiveExtension):
         count = mask.sum()
         if not per_token.requires_grad:  # evaluation runs forward only: its loss is val/loss
             return (per_token * mask).sum(), count
-        report = {name: report_entry((value * mask).sum(), count) for name, value in (
-            ("draft_regression_loss", regression), ("draft_classification_loss", classification),
-            ("draft_accuracy", correct))}
+        report = {
+            name: report_entry((value * mask).sum(), count)
+            for name, value in (
+                ("draft_regression_loss", regression),
+                ("draft_classification_loss", classification),
+                ("draft_accuracy", correct),
+            )
+        }
         return (per_token * mask).sum(), count, report
 
 
@@ -192,8 +212,10 @@ def _load_base(module: Any, model: nn.Module, path: str | os.PathLike) -> None:
     if config_digest(loaded.config) != config_digest(model.config):
         theirs, ours = dataclasses.asdict(loaded.config), dataclasses.asdict(model.config)
         differ = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
-        raise ValueError(f"TrainDraftHead(base={str(path)!r}) holds a model of another architecture than the module's "
-                         f"config (saved vs module: {differ}); build the module with the checkpoint's GPTConfig")
+        raise ValueError(
+            f"TrainDraftHead(base={str(path)!r}) holds a model of another architecture than the module's "
+            f"config (saved vs module: {differ}); build the module with the checkpoint's GPTConfig"
+        )
     carry_over_state(loaded.model, model, vocab_size=model.config.vocab_size)
 
 
@@ -225,15 +247,21 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
     if not isinstance(draft, EagleDraftHead):
         raise TypeError(f"draft must be an EagleDraftHead, got {type(draft).__name__}")
     if draft.base is None:
-        raise ValueError("the draft head was never bound to a base model (untrained): train it with TrainDraftHead "
-                         "first")
+        raise ValueError(
+            "the draft head was never bound to a base model (untrained): train it with TrainDraftHead first"
+        )
     state = gather_full_state(draft, draft.layout)
     if not holds_distinct_piece(draft.layout):
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "kind": "eagle", "base_config_sha256": draft.base.config,
-            "base_weights_sha256": draft.base.weights, "gpt_config": json.dumps(dataclasses.asdict(draft.config))}
+    meta = {
+        "format": FORMAT,
+        "kind": "eagle",
+        "base_config_sha256": draft.base.config,
+        "base_weights_sha256": draft.base.weights,
+        "gpt_config": json.dumps(dataclasses.asdict(draft.config)),
+    }
     save_safetensors(state, path, metadata=meta)
     return path
 
@@ -248,17 +276,23 @@ def load_draft_head(path: str | os.PathLike, model: nn.Module) -> EagleDraftHead
     elif path.is_file():
         tensors, meta = load_safetensors(path)
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a megatron-lite draft-head file (format {meta.get('format')!r}, "
-                             f"expected {FORMAT!r})")
+            raise ValueError(
+                f"{path} is not a megatron-lite draft-head file (format {meta.get('format')!r}, expected {FORMAT!r})"
+            )
     else:
-        raise FileNotFoundError(f"no draft-head file or checkpoint at {path}; write one with save_draft_head(...), "
-                                f"TrainDraftHead(save_path=...) or a checkpoint of a TrainDraftHead run")
-    saved = BaseFingerprint(bytes(tensors["base_config_digest"].tolist()).hex(),
-                            bytes(tensors["base_weights_digest"].tolist()).hex())
+        raise FileNotFoundError(
+            f"no draft-head file or checkpoint at {path}; write one with save_draft_head(...), "
+            f"TrainDraftHead(save_path=...) or a checkpoint of a TrainDraftHead run"
+        )
+    saved = BaseFingerprint(
+        bytes(tensors["base_config_digest"].tolist()).hex(), bytes(tensors["base_weights_digest"].tolist()).hex()
+    )
     problem = saved.mismatch(base_fingerprint(model))
     if problem is not None:
-        raise ValueError(f"the draft head in {path} was trained for another base model: {problem}. Load it with the "
-                         f"model it was trained on, or train a draft head for this one with TrainDraftHead")
+        raise ValueError(
+            f"the draft head in {path} was trained for another base model: {problem}. Load it with the "
+            f"model it was trained on, or train a draft head for this one with TrainDraftHead"
+        )
     head = EagleDraftHead(model.config, model.layout).to(next(model.parameters()).device)
     params = dict(head.named_parameters())
     for name, tensor in tensors.items():  # a checkpoint keeps fused blocks in their blocked shape ([2, ffn, h])
@@ -270,9 +304,15 @@ def load_draft_head(path: str | os.PathLike, model: nn.Module) -> EagleDraftHead
     return head
 
 
-def speculative_generate(module_or_model: Any, prompts: Any, max_new_tokens: int, *,
-                         draft: Optional[EagleDraftHead] = None, num_draft_tokens: int = 4,
-                         stop_ids: Optional[Any] = None) -> SpeculativeResult:
+def speculative_generate(
+    module_or_model: Any,
+    prompts: Any,
+    max_new_tokens: int,
+    *,
+    draft: Optional[EagleDraftHead] = None,
+    num_draft_tokens: int = 4,
+    stop_ids: Optional[Any] = None,
+) -> SpeculativeResult:
     """Greedy speculative decoding with a GPTModule (or GPTModel) and its draft head: ``draft`` defaults to the
     one :class:`~megatron_lite.callbacks.TrainDraftHead` attached (``model.draft_head``). The tokens equal the
     module's greedy ``generate``; ``result.acceptance_length`` is tokens per base forward. See
@@ -283,11 +323,22 @@ def speculative_generate(module_or_model: Any, prompts: Any, max_new_tokens: int
         model = module_or_model.model
     draft = draft if draft is not None else draft_head_of(model)
     if draft is None:
-        raise ValueError("no draft head: pass draft=load_draft_head(path, model) or train one with "
-                         "megatron_lite.callbacks.TrainDraftHead")
-    return _speculative_generate(model, draft, prompts, max_new_tokens, num_draft_tokens=num_draft_tokens,
-                                 stop_ids=stop_ids)
+        raise ValueError(
+            "no draft head: pass draft=load_draft_head(path, model) or train one with "
+            "megatron_lite.callbacks.TrainDraftHead"
+        )
+    return _speculative_generate(
+        model, draft, prompts, max_new_tokens, num_draft_tokens=num_draft_tokens, stop_ids=stop_ids
+    )
 
 
-__all__ = ["DraftHeadConfig", "DraftHeadExtension", "SpeculativeResult", "check_draft", "draft_head_of",
-           "load_draft_head", "save_draft_head", "speculative_generate"]
+__all__ = [
+    "DraftHeadConfig",
+    "DraftHeadExtension",
+    "SpeculativeResult",
+    "check_draft",
+    "draft_head_of",
+    "load_draft_head",
+    "save_draft_head",
+    "speculative_generate",
+]

@@ -25,6 +25,7 @@ all-reduced over the CP group (differentiably, the backward summing too) before 
 rank then computes the same pair losses, counted once per CP rank, which the engine's sum over dp x cp of
 both the losses and the pair counts turns back into the per-pair mean.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,13 +45,25 @@ from megatron_lite.core.parallel.loss_report import report_entry
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
-from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
+from megatron_lite.rl.reference import frozen_reference
 
 # GPTConfig fields that decide the weights' shapes: a reference must agree on all of them.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "kv_channels", "vocab_size", "normalization", "activation", "position_embedding_type",
-                "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "vocab_size",
+    "normalization",
+    "activation",
+    "position_embedding_type",
+    "share_embeddings_and_output_weights",
+    "add_bias_linear",
+    "add_qkv_bias",
+)
 
 
 def pair_microbatch(microbatch: dict) -> dict:
@@ -58,11 +71,14 @@ def pair_microbatch(microbatch: dict) -> dict:
     (``cu_seqlens``) as they are, with each predicting position's ``sequence_slot`` (see :func:`sequence_slots`)."""
     if "cu_seqlens" in microbatch:
         out = {k: microbatch[k] for k in ("tokens", "loss_mask", "position_ids", "cu_seqlens", "index")}
-        out["sequence_slot"] = sequence_slots(microbatch["cu_seqlens"], microbatch["index"],
-                                              microbatch["loss_mask"].shape[1])
+        out["sequence_slot"] = sequence_slots(
+            microbatch["cu_seqlens"], microbatch["index"], microbatch["loss_mask"].shape[1]
+        )
         return out
-    out = {"tokens": torch.cat([microbatch["chosen_tokens"], microbatch["rejected_tokens"]]),
-           "loss_mask": torch.cat([microbatch["chosen_loss_mask"], microbatch["rejected_loss_mask"]])}
+    out = {
+        "tokens": torch.cat([microbatch["chosen_tokens"], microbatch["rejected_tokens"]]),
+        "loss_mask": torch.cat([microbatch["chosen_loss_mask"], microbatch["rejected_loss_mask"]]),
+    }
     if "index" in microbatch:
         out["index"] = microbatch["index"]
     return out
@@ -87,8 +103,9 @@ def sequence_slots(cu_seqlens: torch.Tensor, index: torch.Tensor, seq_length: in
     return torch.where(real, slot, torch.full_like(slot, 2 * n))
 
 
-def sequence_log_probs_step(part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor],
-                            cp_group: Any = None) -> torch.Tensor:
+def sequence_log_probs_step(
+    part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor], cp_group: Any = None
+) -> torch.Tensor:
     """One chunk's forward of a :func:`pair_microbatch`: activations for the next stage, or on the last stage
     each sequence's sum of response-token log-probs ``[2b]`` (summed over the CP group, differentiably); for
     packed rows ``[2n]``, ``n = b·P`` pair slots, summed per sequence by ``sequence_slot`` (empty slots 0)."""
@@ -98,8 +115,9 @@ def sequence_log_probs_step(part: Any, microbatch: dict, input_tensor: Optional[
     token_logps = -(out.float() * microbatch["loss_mask"].to(torch.float32))
     if "sequence_slot" in microbatch:
         n = microbatch["index"].numel()
-        logps = token_logps.new_zeros(2 * n + 1).index_add(0, microbatch["sequence_slot"].reshape(-1),
-                                                           token_logps.reshape(-1))[:2 * n]
+        logps = token_logps.new_zeros(2 * n + 1).index_add(
+            0, microbatch["sequence_slot"].reshape(-1), token_logps.reshape(-1)
+        )[: 2 * n]
     else:
         logps = token_logps.sum(dim=1)
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
@@ -131,10 +149,14 @@ def reference_config(path: str) -> GPTConfig:
     if is_hf_directory(path):
         return read_hf_model_config(path)  # tied or not as the weights load (the tie rule may read the two heads)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"DPO reference {path} does not exist; pass reference=<one of our checkpoints or a "
-                                f"local Hugging Face model directory>, or reference=None for the initial weights")
-    raise FileNotFoundError(f"DPO reference {path} is neither a megatron-lite checkpoint nor a Hugging Face model "
-                            f"directory (config.json + safetensors)")
+        raise FileNotFoundError(
+            f"DPO reference {path} does not exist; pass reference=<one of our checkpoints or a "
+            f"local Hugging Face model directory>, or reference=None for the initial weights"
+        )
+    raise FileNotFoundError(
+        f"DPO reference {path} is neither a megatron-lite checkpoint nor a Hugging Face model "
+        f"directory (config.json + safetensors)"
+    )
 
 
 def _shape(config: GPTConfig) -> dict[str, Any]:
@@ -162,9 +184,17 @@ class DPOModule(GPTModule):
     loss_is_token_nll = False  # no val/perplexity: the loss is not a next-token NLL
     progress_bar_metrics = ("reward_accuracy",)
 
-    def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
-                 beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str = "sigmoid",
-                 reference: Optional[str] = None, precompute_reference_log_probs: bool = False):
+    def __init__(
+        self,
+        config: GPTConfig,
+        optimizer: Optional[OptimizerConfig] = None,
+        seed: int = 1234,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        loss_type: str = "sigmoid",
+        reference: Optional[str] = None,
+        precompute_reference_log_probs: bool = False,
+    ):
         super().__init__(config, optimizer, seed)
         check_dpo_options(beta, label_smoothing, loss_type)
         if reference is not None and not isinstance(reference, (str, os.PathLike)):
@@ -173,10 +203,18 @@ class DPOModule(GPTModule):
         self.reference = None if reference is None else os.fspath(reference)
         self.precompute_reference_log_probs = bool(precompute_reference_log_probs)
         # One call holds every argument: a second save_hyperparameters would replace GPTModule's.
-        self.save_hyperparameters({"config": self.config, "optimizer": self.optimizer_config, "seed": seed,
-                                   "beta": beta, "label_smoothing": label_smoothing, "loss_type": loss_type,
-                                   "reference": self.reference,
-                                   "precompute_reference_log_probs": self.precompute_reference_log_probs})
+        self.save_hyperparameters(
+            {
+                "config": self.config,
+                "optimizer": self.optimizer_config,
+                "seed": seed,
+                "beta": beta,
+                "label_smoothing": label_smoothing,
+                "loss_type": loss_type,
+                "reference": self.reference,
+                "precompute_reference_log_probs": self.precompute_reference_log_probs,
+            }
+        )
         # Not a sub-module (set through __dict__): never in the optimizer, the state dict or a checkpoint.
         self.__dict__["_reference_model"] = None
         self._reference_engine: Optional[TrainingEngine] = None
@@ -184,13 +222,17 @@ class DPOModule(GPTModule):
         self._reference_done = False  # the reference's log-probs are all cached and its model freed
 
     @classmethod
-    def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
-                        **kwargs: Any) -> "DPOModule":
+    def from_pretrained(
+        cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None, **kwargs: Any
+    ) -> "DPOModule":
         """A DPOModule holding the weights of ``path``; DPO options (``beta``, ``label_smoothing``, ``loss_type``,
         ``reference``, ``precompute_reference_log_probs``) are set on it, the rest override GPTConfig fields.
         With ``reference=None`` the reference is these pretrained weights."""
-        options = {k: kwargs.pop(k) for k in ("beta", "label_smoothing", "loss_type", "reference",
-                                              "precompute_reference_log_probs") if k in kwargs}
+        options = {
+            k: kwargs.pop(k)
+            for k in ("beta", "label_smoothing", "loss_type", "reference", "precompute_reference_log_probs")
+            if k in kwargs
+        }
         module = super().from_pretrained(path, optimizer=optimizer, seed=seed, **kwargs)
         dpo = cls(module.config, module.optimizer_config, module.seed, **options)
         dpo.model = module.model
@@ -210,15 +252,19 @@ class DPOModule(GPTModule):
             raise ValueError(
                 f"the DPO reference {self.reference} has another shape than the policy: reference "
                 f"{ {f: theirs[f] for f in differ} } vs policy { {f: ours[f] for f in differ} } (full shapes: "
-                f"reference {theirs}, policy {ours}); pass a reference of the policy's shape, or reference=None")
+                f"reference {theirs}, policy {ours}); pass a reference of the policy's shape, or reference=None"
+            )
 
     def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
         """A pair is two sequences (a packed row of pairs, one row), trained once; the frozen reference runs a
         forward over each every step and is held while training -- unless its log-probs were precomputed
         (once, before training; the reference is freed then)."""
         live_reference = int(not self.precompute_reference_log_probs)
-        return ObjectiveCost(sequences_per_sample=1 if getattr(datamodule, "pack_sequences", False) else 2,
-                             forward_only_passes=live_reference, frozen_models=live_reference)
+        return ObjectiveCost(
+            sequences_per_sample=1 if getattr(datamodule, "pack_sequences", False) else 2,
+            forward_only_passes=live_reference,
+            frozen_models=live_reference,
+        )
 
     # --- the reference model -------------------------------------------------------------
     @property
@@ -252,9 +298,11 @@ class DPOModule(GPTModule):
             if all(c is not None for c in cached):
                 return cached
         if self.reference_model is None:
-            raise RuntimeError("a batch holds pairs whose reference log-probs were not precomputed and the reference "
-                               "model was freed; precompute covers the datamodule's splits at the start of fit: give "
-                               "this data to that fit, or set precompute_reference_log_probs=False")
+            raise RuntimeError(
+                "a batch holds pairs whose reference log-probs were not precomputed and the reference "
+                "model was freed; precompute covers the datamodule's splits at the start of fit: give "
+                "this data to that fit, or set precompute_reference_log_probs=False"
+            )
         reference = self.reference_model
         param = next(reference.parameters(), None)
         if param is not None and param.device != self.device:
@@ -262,8 +310,9 @@ class DPOModule(GPTModule):
             reference.to(self.device)
         engine = self._reference_engine
         if engine is None or engine.model is not self.reference_model:
-            engine = TrainingEngine(self.reference_model, self.parallel_layout,
-                                    _ReferenceObjective(self.parallel_layout.group("cp")))
+            engine = TrainingEngine(
+                self.reference_model, self.parallel_layout, _ReferenceObjective(self.parallel_layout.group("cp"))
+            )
             self._reference_engine = engine
         with torch.no_grad():
             return [out.detach().float() for out in engine.forward_outputs(microbatches)]
@@ -288,8 +337,10 @@ class DPOModule(GPTModule):
         datasets = list(getattr(datamodule, "datasets", {}).values())
         samples = [s for d in datasets for s in (d[i] for i in range(len(d)))]  # pairs, or packed rows of pairs
         if not samples or "index" not in samples[0]:
-            raise ValueError("precompute_reference_log_probs needs a PreferenceDataModule (its splits and each "
-                             "pair's index); set precompute_reference_log_probs=False for other data")
+            raise ValueError(
+                "precompute_reference_log_probs needs a PreferenceDataModule (its splits and each "
+                "pair's index); set precompute_reference_log_probs=False for other data"
+            )
         layout = self.parallel_layout
         dp_rank, dp_size = layout.dp_rank, layout.dp_size
         indices = sorted(i for s in samples for i in s["index"].reshape(-1).tolist() if i >= 0)
@@ -297,7 +348,7 @@ class DPOModule(GPTModule):
         mbs = self.micro_batch_size({"x": torch.zeros(len(mine) or 1)})
         table = torch.zeros(max(indices) + 1, 2, dtype=torch.float32, device=self.device)
         for start in range(0, len(samples[0::dp_size]), mbs):  # every DP rank runs as many chunks
-            chunk = mine[start:start + mbs] or mine[-1:]
+            chunk = mine[start : start + mbs] or mine[-1:]
             chunk = chunk + [chunk[-1]] * (mbs - len(chunk))  # equal shapes: pad with a repeat
             raw = default_collate(chunk)
             microbatch = self.context_parallel_share(pair_microbatch(raw))
@@ -324,10 +375,14 @@ class DPOModule(GPTModule):
     def step_microbatches(self, batch: dict) -> list[dict]:
         """Pairs as token microbatches (this CP rank's share), each with its ``reference_logps`` [2b]."""
         if "chosen_tokens" not in batch and not {"cu_seqlens", "index"} <= set(batch):
-            raise ValueError(f"DPOModule trains on preference pairs (chosen_tokens, rejected_tokens, ... or packed "
-                             f"rows of pairs: megatron_lite.data.PreferenceDataModule), got a batch of {sorted(batch)}")
-        microbatches = [self.context_parallel_share(pair_microbatch(mb))
-                        for mb in split_microbatches(batch, self.micro_batch_size(batch))]
+            raise ValueError(
+                f"DPOModule trains on preference pairs (chosen_tokens, rejected_tokens, ... or packed "
+                f"rows of pairs: megatron_lite.data.PreferenceDataModule), got a batch of {sorted(batch)}"
+            )
+        microbatches = [
+            self.context_parallel_share(pair_microbatch(mb))
+            for mb in split_microbatches(batch, self.micro_batch_size(batch))
+        ]
         for mb, ref in zip(microbatches, self._reference_log_probs(microbatches)):
             mb["reference_logps"] = ref
         return microbatches
@@ -341,8 +396,15 @@ class DPOModule(GPTModule):
         pairs). Packed rows' empty pair slots (``index`` -1) count for nothing."""
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = microbatch["reference_logps"].to(logps.device).chunk(2)
-        terms = dpo_terms(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta,
-                          label_smoothing=self.label_smoothing, loss_type=self.loss_type)
+        terms = dpo_terms(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            loss_type=self.loss_type,
+        )
         if "sequence_slot" in microbatch:
             real = (microbatch["index"].reshape(-1) >= 0).to(logps.device)
             # where, not a product: an empty slot's loss (log 2) must add nothing, not even 0 x something
@@ -351,8 +413,14 @@ class DPOModule(GPTModule):
         else:
             loss, keep = terms.loss.sum(), torch.ones_like(chosen, dtype=torch.float64)
         pairs = keep.sum()
-        per_pair = {"rewards_chosen": terms.rewards_chosen, "rewards_rejected": terms.rewards_rejected,
-                    "reward_margin": terms.margin,
-                    "reward_accuracy": terms.correct}
-        return loss, pairs, {name: report_entry((value.detach().double() * keep).sum(), pairs)
-                             for name, value in per_pair.items()}
+        per_pair = {
+            "rewards_chosen": terms.rewards_chosen,
+            "rewards_rejected": terms.rewards_rejected,
+            "reward_margin": terms.margin,
+            "reward_accuracy": terms.correct,
+        }
+        return (
+            loss,
+            pairs,
+            {name: report_entry((value.detach().double() * keep).sum(), pairs) for name, value in per_pair.items()},
+        )

@@ -9,6 +9,7 @@ log-probs of the chosen c and rejected r responses):
 and the implicit rewards ``β·(log π − log π_ref)`` of each response, their margin and whether it is
 positive (accuracy).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,17 +48,27 @@ def check_dpo_options(beta: float, label_smoothing: float, loss_type: str) -> No
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
         raise ValueError(f"beta must be a number > 0 (the KL strength, e.g. 0.1), got {beta!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or \
-            not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5) (the assumed share of flipped labels), got "
-                         f"{label_smoothing!r}")
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not 0.0 <= label_smoothing < 0.5
+    ):
+        raise ValueError(
+            f"label_smoothing must be in [0, 0.5) (the assumed share of flipped labels), got {label_smoothing!r}"
+        )
     if loss_type == "ipo" and label_smoothing != 0:
         raise ValueError(f"label_smoothing={label_smoothing} applies to loss_type='sigmoid' only; set it to 0 for IPO")
 
 
-def dpo_terms(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
-              reference_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
-              loss_type: str = "sigmoid") -> DPOTerms:
+def dpo_terms(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+) -> DPOTerms:
     """The DPO loss and implicit rewards of ``n`` pairs from their summed response log-probs (each ``[n]``).
 
     Computed in fp32 with ``logsigmoid`` so that large margins stay finite; the reference log-probs are

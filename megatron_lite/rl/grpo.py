@@ -8,6 +8,7 @@ group-normalized advantages, recomputes the old log-probs with the trainer's for
 A batch that already holds rollouts (``tokens``, ``loss_mask``, ``advantages``) skips the sampling: that is
 how an update on fixed rollouts is tested against one process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,6 @@ from megatron_lite.core.parallel.loss_report import add_reports, report_entry
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import StepLoss, gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
-from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.grpo_config import GRPOConfig
 from megatron_lite.rl.grpo_loss import (
     group_advantages,
@@ -43,6 +43,7 @@ from megatron_lite.rl.grpo_loss import (
     truncated_is_weights,
     vocab_parallel_entropy,
 )
+from megatron_lite.rl.reference import frozen_reference
 from megatron_lite.rl.rewards import RewardFn, WeightedRewards, exact_match
 from megatron_lite.rl.rollout import group_rows, make_samples, pack_rows, rollout_seed, score_samples
 
@@ -65,8 +66,10 @@ def resolve_reward(reward: Union[str, RewardFn, dict, None]) -> RewardFn:
         except (ImportError, AttributeError):
             fn = None
         if fn is None:
-            raise ValueError(f"reward function {reward!r} cannot be imported; give a dotted path such as "
-                             f"'megatron_lite.rl.rewards.exact_match' or 'my_package.rewards.my_reward'")
+            raise ValueError(
+                f"reward function {reward!r} cannot be imported; give a dotted path such as "
+                f"'megatron_lite.rl.rewards.exact_match' or 'my_package.rewards.my_reward'"
+            )
         return fn
     if not callable(reward):
         raise TypeError(f"reward_fn must be a function of a Sample (or a dotted path to one), got {reward!r}")
@@ -97,8 +100,14 @@ class GRPOModule(GPTModule):
 
     loss_is_token_nll = False  # no val/perplexity: the loss is a policy-gradient loss
 
-    def __init__(self, config: GPTConfig, optimizer: Optional[OptimizerConfig] = None, seed: int = 1234,
-                 grpo: Optional[GRPOConfig] = None, reward_fn: Union[str, Callable, dict, None] = None):
+    def __init__(
+        self,
+        config: GPTConfig,
+        optimizer: Optional[OptimizerConfig] = None,
+        seed: int = 1234,
+        grpo: Optional[GRPOConfig] = None,
+        reward_fn: Union[str, Callable, dict, None] = None,
+    ):
         super().__init__(config, optimizer if optimizer is not None else OptimizerConfig(), seed)
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
@@ -117,9 +126,16 @@ class GRPOModule(GPTModule):
         self.eval_metrics = nn.ModuleDict({"pass_at_k": MeanMetric(), "reward_mean": MeanMetric()})
 
     @classmethod
-    def from_pretrained(cls, path: str, *, optimizer: Optional[OptimizerConfig] = None, seed: Optional[int] = None,
-                        grpo: Optional[GRPOConfig] = None, reward_fn: Union[str, Callable, dict, None] = None,
-                        **config_overrides: Any) -> "GRPOModule":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        optimizer: Optional[OptimizerConfig] = None,
+        seed: Optional[int] = None,
+        grpo: Optional[GRPOConfig] = None,
+        reward_fn: Union[str, Callable, dict, None] = None,
+        **config_overrides: Any,
+    ) -> "GRPOModule":
         """A GRPOModule starting from the weights of ``path`` (an HF Llama directory or one of our checkpoints);
         ``config_overrides`` replace GPTConfig fields that do not change a weight's shape."""
         module = GPTModule.from_pretrained(path, optimizer=optimizer, seed=seed, **config_overrides)
@@ -143,7 +159,7 @@ class GRPOModule(GPTModule):
         """The policy's weights (``model.…``) and, with β > 0, the reference's (``reference_model.…``)."""
         policy = {k: v for k, v in state.items() if not k.startswith(REFERENCE)}
         super().load_full_state_dict(policy)
-        reference = {k[len(REFERENCE):]: v for k, v in state.items() if k.startswith(REFERENCE)}
+        reference = {k[len(REFERENCE) :]: v for k, v in state.items() if k.startswith(REFERENCE)}
         if reference:
             if self.reference_model is None:
                 self.reference_model = self.build_model(ParallelLayout.single()).requires_grad_(False).eval()
@@ -155,7 +171,8 @@ class GRPOModule(GPTModule):
             raise ValueError(
                 f"GRPOModule does not run under context parallelism (context_parallel_size="
                 f"{run.parallel.context_parallel_size}): rollouts are generated and scored per whole sequence; set "
-                f"context_parallel_size=1 and use tensor, pipeline or data parallelism.")
+                f"context_parallel_size=1 and use tensor, pipeline or data parallelism."
+            )
         if self.grpo.beta > 0:
             run.check_frozen_copy("GRPOModule with beta > 0", ", or beta=0")
         if trainer.state.fn == "fit" and run.data is not None and run.data.rampup_batch_size:
@@ -167,7 +184,8 @@ class GRPOModule(GPTModule):
                 raise ValueError(
                     f"the longest prompt ({longest()} tokens) plus max_new_tokens ({self.grpo.max_new_tokens}) is "
                     f"{need} tokens, more than the model's seq_length + 1 ({self.config.seq_length + 1}); raise "
-                    f"model.config.seq_length or lower grpo.max_new_tokens")
+                    f"model.config.seq_length or lower grpo.max_new_tokens"
+                )
         self._tell_datamodule(datamodule)
 
     def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
@@ -176,8 +194,12 @@ class GRPOModule(GPTModule):
         frozen reference, then trained ``updates_per_batch`` times. Rollout generation is not counted."""
         g = self.grpo
         prompts = datamodule is None or callable(getattr(datamodule, "longest_prompt", None))
-        return ObjectiveCost(sequences_per_sample=g.group_size if prompts else 1, training_passes=g.updates_per_batch,
-                             forward_only_passes=1 + int(g.beta > 0), frozen_models=int(g.beta > 0))
+        return ObjectiveCost(
+            sequences_per_sample=g.group_size if prompts else 1,
+            training_passes=g.updates_per_batch,
+            forward_only_passes=1 + int(g.beta > 0),
+            frozen_models=int(g.beta > 0),
+        )
 
     def setup(self, stage: str) -> None:
         self._tell_datamodule(getattr(self._attached_trainer(), "datamodule", None))
@@ -190,8 +212,10 @@ class GRPOModule(GPTModule):
     def _tokenizer(self) -> Any:
         tokenizer = getattr(getattr(self._attached_trainer(), "datamodule", None), "tokenizer", None)
         if tokenizer is None:
-            raise ValueError("GRPOModule decodes responses for the reward functions with the datamodule's tokenizer; "
-                             "train with an RLPromptDataModule(tokenizer=...)")
+            raise ValueError(
+                "GRPOModule decodes responses for the reward functions with the datamodule's tokenizer; "
+                "train with an RLPromptDataModule(tokenizer=...)"
+            )
         return tokenizer
 
     def _stop_ids(self) -> list[int]:
@@ -207,15 +231,23 @@ class GRPOModule(GPTModule):
         g = self.grpo
         rows, row_ids = group_rows(self._prompts(batch), batch["index"].tolist(), samples_per_prompt)
         sampling = SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, seed=seed)
-        result = generate_tokens(self.model, rows, g.max_new_tokens, sampling, stop_ids=self._stop_ids(),
-                                 return_log_probs=True, row_ids=row_ids)
+        result = generate_tokens(
+            self.model,
+            rows,
+            g.max_new_tokens,
+            sampling,
+            stop_ids=self._stop_ids(),
+            return_log_probs=True,
+            row_ids=row_ids,
+        )
         return rows, result
 
     def _score(self, batch: dict, rows, result, samples_per_prompt: int) -> torch.Tensor:
         answers = [a if a != "" else None for a in batch.get("answer", [""] * len(batch["index"]))]
         answers = [a for a in answers for _ in range(samples_per_prompt)]
-        samples = make_samples(rows, result.tokens, result.stopped, answers, self._tokenizer().detokenize,
-                               self._stop_ids())
+        samples = make_samples(
+            rows, result.tokens, result.stopped, answers, self._tokenizer().detokenize, self._stop_ids()
+        )
         return score_samples(samples, self.reward_fn)
 
     def rollout(self, batch: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -232,13 +264,24 @@ class GRPOModule(GPTModule):
         if g.filter_zero_variance:  # dynamic sampling: these groups carry no signal, leave them out entirely
             packed["loss_mask"] *= nonzero.repeat_interleave(g.group_size).to(packed["loss_mask"].dtype).unsqueeze(1)
         lengths = torch.tensor([len(t) for t in result.tokens], dtype=torch.float64)
-        totals = torch.stack([rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(rewards.numel()), dtype=torch.float64),
-                              nonzero.sum().double(), torch.tensor(float(nonzero.numel()), dtype=torch.float64),
-                              lengths.sum()]).to(self.device)
+        totals = torch.stack(
+            [
+                rewards.sum(),
+                (rewards**2).sum(),
+                torch.tensor(float(rewards.numel()), dtype=torch.float64),
+                nonzero.sum().double(),
+                torch.tensor(float(nonzero.numel()), dtype=torch.float64),
+                lengths.sum(),
+            ]
+        ).to(self.device)
         self._sum_over(totals, ("dp",))
         mean = totals[0] / totals[2]
-        metrics = {"train/reward_mean": mean, "train/reward_std": (totals[1] / totals[2] - mean ** 2).clamp(min=0).sqrt(),
-                   "train/nonzero_groups_ratio": totals[3] / totals[4], "train/response_length": totals[5] / totals[2]}
+        metrics = {
+            "train/reward_mean": mean,
+            "train/reward_std": (totals[1] / totals[2] - mean**2).clamp(min=0).sqrt(),
+            "train/nonzero_groups_ratio": totals[3] / totals[4],
+            "train/response_length": totals[5] / totals[2],
+        }
         return packed, {k: v.float() for k, v in metrics.items()}
 
     def _sum_over(self, x: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
@@ -270,8 +313,11 @@ class GRPOModule(GPTModule):
         g = self.grpo
         microbatches = split_microbatches(rollout, samples_per_microbatch)
         old = self._log_probs(self.engine, self.model, microbatches)
-        reference = (self._log_probs(self._reference(), self.reference_model, microbatches)
-                     if g.beta > 0 else [None] * len(microbatches))
+        reference = (
+            self._log_probs(self._reference(), self.reference_model, microbatches)
+            if g.beta > 0
+            else [None] * len(microbatches)
+        )
         for mb, old_lp, ref_lp in zip(microbatches, old, reference):
             mb["old_log_probs"] = old_lp
             if ref_lp is not None:
@@ -298,15 +344,27 @@ class GRPOModule(GPTModule):
         log_probs = -vocab_parallel_cross_entropy(logits, labels, group, self.model.vocab_start, self.config.vocab_size)
         entropy = vocab_parallel_entropy(logits, group)  # always reported; a gradient only with entropy_coef
         old = microbatch.get("old_log_probs", log_probs.detach())
-        terms = grpo_token_loss(log_probs, old, microbatch["advantages"], clip_eps_low=g.clip_eps_low,
-                                clip_eps_high=g.clip_eps_high, ref_log_probs=microbatch.get("ref_log_probs"),
-                                beta=g.beta, entropy=entropy, entropy_coef=g.entropy_coef,
-                                is_weights=microbatch.get("is_weights"))
+        terms = grpo_token_loss(
+            log_probs,
+            old,
+            microbatch["advantages"],
+            clip_eps_low=g.clip_eps_low,
+            clip_eps_high=g.clip_eps_high,
+            ref_log_probs=microbatch.get("ref_log_probs"),
+            beta=g.beta,
+            entropy=entropy,
+            entropy_coef=g.entropy_coef,
+            is_weights=microbatch.get("is_weights"),
+        )
         mask = microbatch["loss_mask"].to(terms.loss.dtype)
         with torch.no_grad():  # metrics per response token, those of filtered groups included
             shown = microbatch.get("response_mask", mask).to(mask.dtype)
-            per_token = {"kl": terms.kl, "entropy": entropy.detach(), "clip_fraction_low": terms.clipped_low,
-                         "clip_fraction_high": terms.clipped_high}
+            per_token = {
+                "kl": terms.kl,
+                "entropy": entropy.detach(),
+                "clip_fraction_low": terms.clipped_low,
+                "clip_fraction_high": terms.clipped_high,
+            }
             report = {name: report_entry((value * shown).sum(), shown.sum()) for name, value in per_token.items()}
         return (*reduce_token_loss(terms.loss, mask, per_sequence=g.per_sequence_loss), report)
 
@@ -330,7 +388,7 @@ class GRPOModule(GPTModule):
         if "prompt_tokens" not in batch:
             return super().validation_step(batch, batch_idx)
         k = self.grpo.eval_samples
-        rows, result = self._sample(batch, k, rollout_seed(self.grpo.rollout_seed + 1, 2 ** 31))
+        rows, result = self._sample(batch, k, rollout_seed(self.grpo.rollout_seed + 1, 2**31))
         rewards = self._score(batch, rows, result, k).view(-1, k)
         solved = (rewards >= self.grpo.success_threshold).any(dim=1).float()
         prompts = float(rewards.shape[0])

@@ -1,4 +1,5 @@
 """GRPOConfig: how GRPOModule samples, scores and updates (DESIGN §3 "GRPO")."""
+
 from __future__ import annotations
 
 import math
@@ -7,11 +8,18 @@ from typing import Optional
 
 
 def _number(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < low or value > high or (low_open and value == low):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+        or value > high
+        or (low_open and value == low)
+    ):
         bound = f"> {low}" if low_open else f">= {low}"
-        raise ValueError(f"{name} must be a finite number {bound}{'' if high == math.inf else f' and <= {high}'}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number {bound}{'' if high == math.inf else f' and <= {high}'}, got {value!r}"
+        )
 
 
 def _integer(name: str, value, low: int) -> None:
@@ -63,8 +71,10 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, int) and not isinstance(self.group_size, bool) and self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (GRPO's advantages compare several samples of one prompt), "
-                             f"got {self.group_size}; set group_size=8 for instance")
+            raise ValueError(
+                f"group_size must be >= 2 (GRPO's advantages compare several samples of one prompt), "
+                f"got {self.group_size}; set group_size=8 for instance"
+            )
         _integer("group_size", self.group_size, 2)
         _integer("max_new_tokens", self.max_new_tokens, 1)
         _number("temperature", self.temperature, 0.0, low_open=True)
@@ -82,6 +92,7 @@ class GRPOConfig:
         _number("success_threshold", self.success_threshold, -math.inf)
         if self.stop_ids is not None:
             if not isinstance(self.stop_ids, (list, tuple)) or any(
-                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.stop_ids):
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.stop_ids
+            ):
                 raise ValueError(f"stop_ids must be a list of token ids >= 0, got {self.stop_ids!r}")
             self.stop_ids = list(self.stop_ids)

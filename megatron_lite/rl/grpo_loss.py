@@ -10,6 +10,7 @@ for the sampler's log-probs differing from the trainer's (kernels, precision), `
 estimator of KL(π ‖ π_ref) and ``H`` the token's entropy. The engine divides the summed loss by the global
 number of loss units (tokens, or sequences with ``per_sequence``), summed over every data-parallel rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,9 @@ def nonzero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Ten
     return (grouped != grouped[:, :1]).any(dim=1)
 
 
-def truncated_is_weights(old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor,
-                         cap: Optional[float]) -> torch.Tensor:
+def truncated_is_weights(
+    old_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, cap: Optional[float]
+) -> torch.Tensor:
     """Per token ``min(exp(log π_old − log π_sampler), cap)`` (truncated importance sampling; no gradient);
     ones when ``cap`` is None."""
     if cap is None:
@@ -74,10 +76,19 @@ class TokenLoss:
     """1.0 where A > 0 and ρ > 1 + ε_hi: the upper clip bound is the active term (no gradient)."""
 
 
-def grpo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *,
-                    clip_eps_low: float, clip_eps_high: float, ref_log_probs: Optional[torch.Tensor] = None,
-                    beta: float = 0.0, entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
-                    is_weights: Optional[torch.Tensor] = None) -> TokenLoss:
+def grpo_token_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
+    is_weights: Optional[torch.Tensor] = None,
+) -> TokenLoss:
     """The per-token GRPO loss of ``log_probs`` [b, s] (with gradient) given the rollout's ``old_log_probs``,
     per-sequence ``advantages`` [b] (or per token [b, s]) and optional reference log-probs, entropy and IS weights."""
     adv = advantages.unsqueeze(-1) if advantages.dim() == log_probs.dim() - 1 else advantages
@@ -98,8 +109,9 @@ def grpo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
     return TokenLoss(loss=loss, kl=kl.detach(), clipped_low=low, clipped_high=high)
 
 
-def reduce_token_loss(per_token: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_token_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of loss units, number of units) of one microbatch, for the engine to divide by the global count.
 
     Token-level (default): every response token of the global batch weighs the same. ``per_sequence``: each

@@ -1,4 +1,5 @@
 """Pairwise preference losses (plain PyTorch): what reward models and, later, DPO optimise."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The frozen reference model of an RL objective (DPO, GRPO), built for the module's current layout."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -8,8 +9,9 @@ from torch import nn
 from megatron_lite.core.checkpoint.full.state import carry_over_state, same_layout
 
 
-def frozen_reference(module: Any, previous: Optional[nn.Module],
-                     load: Optional[Callable[[], nn.Module]] = None) -> nn.Module:
+def frozen_reference(
+    module: Any, previous: Optional[nn.Module], load: Optional[Callable[[], nn.Module]] = None
+) -> nn.Module:
     """``module``'s reference for its layout, frozen and in eval mode: ``previous`` itself when it was built for
     this layout; else this rank's shards cut out of ``previous`` (the notebook's one-process copy after a forked
     fit), out of the one-process model ``load()`` returns (a reference checkpoint), or copied from the policy as it

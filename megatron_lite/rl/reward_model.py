@@ -4,6 +4,7 @@ A GPT trunk with a scalar head (``core/models/reward.py``) read at each sequence
 Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)`` averaged over the global batch's pairs.
 Chosen and rejected run as ONE microbatch (concatenated along the batch), so every engine schedule,
 pipelined or not, drives it unchanged. Data: ``megatron_lite.data.PreferenceDataModule``."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -34,8 +35,10 @@ class RewardModelModule(GPTModule):
     def check_before_launch(self, run: RunSpec, trainer: Any, module: Any, datamodule: Any) -> None:
         super().check_before_launch(run, trainer, module, datamodule)
         if getattr(datamodule, "pack_sequences", False):
-            raise ValueError("RewardModelModule reads one pair per row pair: set the PreferenceDataModule's "
-                             "pack_sequences=False (packed rows of pairs are for DPOModule)")
+            raise ValueError(
+                "RewardModelModule reads one pair per row pair: set the PreferenceDataModule's "
+                "pack_sequences=False (packed rows of pairs are for DPOModule)"
+            )
         parallel = run.parallel
         if parallel.context_parallel_size > 1:
             # The reward is read at each sequence's last real token, which lies on one CP rank only, and the
@@ -43,7 +46,8 @@ class RewardModelModule(GPTModule):
             raise ValueError(
                 f"RewardModelModule does not run under context parallelism (context_parallel_size="
                 f"{parallel.context_parallel_size}): each reward is read at its sequence's last token, held by one "
-                f"CP rank; set context_parallel_size=1 (preference pairs are short: use tensor or data parallelism).")
+                f"CP rank; set context_parallel_size=1 (preference pairs are short: use tensor or data parallelism)."
+            )
 
     def objective_cost(self, datamodule: Any = None) -> ObjectiveCost:
         """A pair is two sequences, chosen and rejected, trained once."""

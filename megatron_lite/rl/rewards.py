@@ -7,6 +7,7 @@ rank of a model replica scores the same samples (they generated the same tokens)
 communication; a function that raises or returns a non-number stops the run with an error naming the function
 and the sample.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ A row is the prompt followed by its response, from position 0, padded on the rig
 the same positions the generation used, so a teacher-forced forward of the row gives the sampler's
 log-probs up to rounding. ``loss_mask[j]`` is 1 where label ``j + 1`` is a response token.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -22,8 +23,9 @@ def rollout_seed(base_seed: int, rollout_step: int) -> int:
     return _mix(base_seed, rollout_step)
 
 
-def group_rows(prompts: Sequence[Sequence[int]], indices: Sequence[int], group_size: int
-               ) -> tuple[list[list[int]], list[int]]:
+def group_rows(
+    prompts: Sequence[Sequence[int]], indices: Sequence[int], group_size: int
+) -> tuple[list[list[int]], list[int]]:
     """Each prompt ``group_size`` times in a row, and the row ids that seed each sample's generator
     (``index * group_size + j``: a sample depends on its prompt's dataset index, not on batching or dp)."""
     rows = [list(p) for p in prompts for _ in range(group_size)]
@@ -31,8 +33,13 @@ def group_rows(prompts: Sequence[Sequence[int]], indices: Sequence[int], group_s
     return rows, row_ids
 
 
-def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], seq_length: int, pad_id: int,
-              sampler_log_probs: Optional[Sequence[Sequence[float]]] = None) -> dict[str, torch.Tensor]:
+def pack_rows(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    seq_length: int,
+    pad_id: int,
+    sampler_log_probs: Optional[Sequence[Sequence[float]]] = None,
+) -> dict[str, torch.Tensor]:
     """``tokens`` [n, seq_length + 1] (prompt + response, then ``pad_id``), ``loss_mask`` [n, seq_length] and,
     given the sampler's per-token log-probs, ``sampler_log_probs`` [n, seq_length] aligned with the mask."""
     n = len(prompts)
@@ -42,28 +49,45 @@ def pack_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         ids = list(prompt) + list(response)
         if len(ids) > seq_length + 1:
-            raise ValueError(f"a prompt of {len(prompt)} tokens and a response of {len(response)} do not fit "
-                             f"seq_length={seq_length}; raise the model's seq_length or lower max_new_tokens")
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens and a response of {len(response)} do not fit "
+                f"seq_length={seq_length}; raise the model's seq_length or lower max_new_tokens"
+            )
         tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         start = len(prompt) - 1
-        mask[i, start: start + len(response)] = 1.0
+        mask[i, start : start + len(response)] = 1.0
         if sampler_log_probs is not None:
-            lps[i, start: start + len(response)] = torch.tensor(sampler_log_probs[i][: len(response)],
-                                                                 dtype=torch.float32)
+            lps[i, start : start + len(response)] = torch.tensor(
+                sampler_log_probs[i][: len(response)], dtype=torch.float32
+            )
     out = {"tokens": tokens, "loss_mask": mask}
     if sampler_log_probs is not None:
         out["sampler_log_probs"] = lps
     return out
 
 
-def make_samples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], stopped: Sequence[bool],
-                 answers: Sequence[Optional[str]], detokenize, stop_ids: Sequence[int]) -> list[Sample]:
+def make_samples(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    stopped: Sequence[bool],
+    answers: Sequence[Optional[str]],
+    detokenize,
+    stop_ids: Sequence[int],
+) -> list[Sample]:
     """One :class:`Sample` per response (its text without the stop token that ended it)."""
     samples = []
     for prompt, response, ended, answer in zip(prompts, responses, stopped, answers):
         body = list(response[:-1]) if ended and response and response[-1] in stop_ids else list(response)
-        samples.append(Sample(prompt=detokenize(list(prompt)), completion=detokenize(body), answer=answer,
-                              prompt_ids=list(prompt), completion_ids=list(response), stopped=bool(ended)))
+        samples.append(
+            Sample(
+                prompt=detokenize(list(prompt)),
+                completion=detokenize(body),
+                answer=answer,
+                prompt_ids=list(prompt),
+                completion_ids=list(response),
+                stopped=bool(ended),
+            )
+        )
     return samples
 
 

@@ -1,6 +1,7 @@
 """Toy verifiable tasks for GRPO: prompts with a known answer, a character tokenizer that fits a tiny model,
 and the reward that checks them. ``AdditionTask`` is "teach a small model ``a+b=``": each prompt is a sum of
 two small numbers and the reward is 1 when the completion is the result."""
+
 from __future__ import annotations
 
 import random
@@ -64,5 +65,3 @@ class AdditionTask:
         if not 0 <= held_out < len(self.rows):
             raise ValueError(f"held_out must be in [0, {len(self.rows)}), got {held_out}")
         return self.rows[held_out:], self.rows[:held_out]
-
-

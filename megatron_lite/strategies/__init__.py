@@ -1,4 +1,5 @@
 """Lightning strategies."""
+
 from megatron_lite.strategies.megatron import MegatronStrategy, register_megatron_strategy
 from megatron_lite.strategies.options import StrategyOptions
 from megatron_lite.strategies.pre_launch import PreLaunchCheck

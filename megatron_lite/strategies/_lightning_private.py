@@ -18,6 +18,7 @@ message instead of N times from N ranks.
   in a directory the launching process made, one per distinct piece) with ``callback_metrics`` and the
   fit loop's progress; the launching process raises the first failing rank's exception.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,7 +36,6 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-
 from lightning.fabric.utilities.distributed import (  # noqa: F401  (re-exported for the strategy)
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -211,9 +211,11 @@ class _RankZeroResults(_MultiProcessingLauncher):
             try:
                 self.rank_zero_predictions = torch.load(extra["predictions_file"], weights_only=True)
             except Exception as error:  # weights_only refuses arbitrary objects: nothing is unpickled
-                raise TypeError(f"predict_step returned objects that cannot be handed back to this process "
-                                f"without unpickling them ({error}); return tensors (or dicts/lists of tensors), "
-                                f"or write predictions with a BasePredictionWriter callback.") from None
+                raise TypeError(
+                    f"predict_step returned objects that cannot be handed back to this process "
+                    f"without unpickling them ({error}); return tensors (or dicts/lists of tensors), "
+                    f"or write predictions with a BasePredictionWriter callback."
+                ) from None
 
 
 class _MegatronMultiProcessingLauncher(_Launcher):
@@ -258,8 +260,9 @@ class _MegatronMultiProcessingLauncher(_Launcher):
     def _launch_ranks(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         """Lightning's launch; the first failing rank's exception raised here."""
         try:
-            return self._launcher.launch(functools.partial(_run_rank, self._strategy, function), *args,
-                                         trainer=trainer, **kwargs)
+            return self._launcher.launch(
+                functools.partial(_run_rank, self._strategy, function), *args, trainer=trainer, **kwargs
+            )
         except (ProcessRaisedException, ProcessExitedException):
             record = read_failure(self._strategy.launch.failure_file)
             if record is None:
@@ -347,8 +350,9 @@ def _finish_wandb() -> None:
 def make_launcher(strategy, start_method: str, validate: Validate) -> _Launcher:
     """Lightning's subprocess-script launcher ('popen') or multiprocessing launcher, validated."""
     if start_method == "popen":
-        return _ValidatingSubprocessScriptLauncher(strategy, validate, strategy.cluster_environment,
-                                                   strategy.num_processes, strategy.num_nodes)
+        return _ValidatingSubprocessScriptLauncher(
+            strategy, validate, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
     return _MegatronMultiProcessingLauncher(strategy, validate, start_method)
 
 

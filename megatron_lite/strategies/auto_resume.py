@@ -17,6 +17,7 @@ the fork/spawn/popen launchers in the launching process, before any rank starts,
 in every rank that torchrun, SLURM or the popen launcher started. Lightning hands a launcher those
 arguments before its ``_fit_impl`` resolves ``ckpt_path``: the only point where our code sees them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,18 +92,21 @@ def replace_last(args: tuple, trainer: Any, fitting: bool) -> tuple[tuple, Optio
     holding = [d for d in directories if has_finished_checkpoint([d])]
     if holding:
         resume = AutoResume(tuple(directories), holding[0])
-        return (*args[:index], resume.requested, *args[index + 1:]), resume
+        return (*args[:index], resume.requested, *args[index + 1 :]), resume
     if not fitting:
         return args, None  # validate/test/predict: Lightning's own "last" (none found: the given model as it is)
     where = ", ".join(directories)
     unfinished = unfinished_checkpoints(directories)
     if unfinished:
-        _warn(f"megatron-lite: ckpt_path='last' found no finished checkpoint in {where}; training starts "
-                       f"from the beginning. Not resumable:\n" + "\n".join(f"  {s.path}: {s.reason}" for s in unfinished))
+        _warn(
+            f"megatron-lite: ckpt_path='last' found no finished checkpoint in {where}; training starts "
+            f"from the beginning. Not resumable:\n" + "\n".join(f"  {s.path}: {s.reason}" for s in unfinished)
+        )
     else:
-        rank_zero_info(f"megatron-lite: ckpt_path='last': no checkpoint in {where} yet; training starts from the "
-                       f"beginning.")
-    return (*args[:index], None, *args[index + 1:]), None
+        rank_zero_info(
+            f"megatron-lite: ckpt_path='last': no checkpoint in {where} yet; training starts from the beginning."
+        )
+    return (*args[:index], None, *args[index + 1 :]), None
 
 
 def resume_checkpoint(resume: AutoResume) -> Path:
@@ -111,18 +115,24 @@ def resume_checkpoint(resume: AutoResume) -> Path:
     every checkpoint there is damaged (the fit was about to resume, so it never trains from step 0 silently)."""
     choice = newest_valid_checkpoint(resume.directories)
     if choice.skipped:
-        _warn("megatron-lite: ckpt_path='last' skipped checkpoints that cannot be resumed:\n"
-                       + "\n".join(f"  {s.path}: {s.reason}" for s in choice.skipped)
-                       + (f"\nResuming the newest valid one, {choice.checkpoint}." if choice.checkpoint else ""))
+        _warn(
+            "megatron-lite: ckpt_path='last' skipped checkpoints that cannot be resumed:\n"
+            + "\n".join(f"  {s.path}: {s.reason}" for s in choice.skipped)
+            + (f"\nResuming the newest valid one, {choice.checkpoint}." if choice.checkpoint else "")
+        )
     if choice.checkpoint is None:
         raise CorruptCheckpointError(
             f"ckpt_path='last': no checkpoint in {', '.join(resume.directories)} passed its checks, so nothing was "
-            f"loaded:\n" + "\n".join(f"  {s.path}: {s.reason}" for s in choice.skipped)
+            f"loaded:\n"
+            + "\n".join(f"  {s.path}: {s.reason}" for s in choice.skipped)
             + "\nMove the damaged checkpoints away (or copy them again from where they came from) and run again -- "
-              "with none left, training starts from the beginning -- or pass ckpt_path= a checkpoint to load.")
+            "with none left, training starts from the beginning -- or pass ckpt_path= a checkpoint to load."
+        )
     if not choice.verified:
-        _warn(f"megatron-lite: {choice.checkpoint} has no manifest.json (written before checksums existed, "
-                       f"or by plain DCP); its files are loaded without an integrity check.")
+        _warn(
+            f"megatron-lite: {choice.checkpoint} has no manifest.json (written before checksums existed, "
+            f"or by plain DCP); its files are loaded without an integrity check."
+        )
     return choice.checkpoint
 
 

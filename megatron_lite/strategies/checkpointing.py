@@ -7,6 +7,7 @@ Lightning hands a strategy a checkpoint dict (``state_dict``, ``optimizer_states
 expects one back from a load; :class:`StrategyCheckpoints` passes the tensors' entries to :meth:`Checkpointer.save` as
 they are and the rest as its ``meta``, and returns the loaded ``meta``. The strategy holds one and its checkpoint hooks
 call it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,19 +39,27 @@ if TYPE_CHECKING:
 CALLBACK_SAVE_HOOKS = frozenset({"on_train_batch_end", "on_train_epoch_end", "on_validation_end"})
 
 
-def saves_asynchronously(async_save: bool, storage_options: Optional[Any], live: bool,
-                         module: Optional[LightningModule], trainer: Any) -> bool:
+def saves_asynchronously(
+    async_save: bool, storage_options: Optional[Any], live: bool, module: Optional[LightningModule], trainer: Any
+) -> bool:
     """Whether a save runs in the background: ``storage_options={"async_save": bool}`` decides; otherwise saves from
     callback hooks during a running fit (where ModelCheckpoint saves) when the strategy's ``async_save`` is set. Never
     without a live process group (``live``)."""
     if storage_options is not None:
         if not isinstance(storage_options, dict) or set(storage_options) != {"async_save"}:
-            raise TypeError(f"MegatronStrategy.save_checkpoint takes only storage_options={{'async_save': True}} "
-                            f"or {{'async_save': False}} (it writes with DCP), got {storage_options!r}")
+            raise TypeError(
+                f"MegatronStrategy.save_checkpoint takes only storage_options={{'async_save': True}} "
+                f"or {{'async_save': False}} (it writes with DCP), got {storage_options!r}"
+            )
         return bool(storage_options["async_save"]) and live
-    return (async_save and live and trainer is not None and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING
-            and getattr(module, "_current_fx_name", None) in CALLBACK_SAVE_HOOKS)
+    return (
+        async_save
+        and live
+        and trainer is not None
+        and trainer.state.fn == TrainerFn.FITTING
+        and trainer.state.status == TrainerStatus.RUNNING
+        and getattr(module, "_current_fx_name", None) in CALLBACK_SAVE_HOOKS
+    )
 
 
 def checkpoint_classes(module: Optional[LightningModule], trainer: Any) -> list[type]:
@@ -75,7 +84,8 @@ def refuse_checkpoint_io(checkpoint_io: Any) -> None:
             f"MegatronStrategy does not take a CheckpointIO plugin ({type(checkpoint_io).__name__}): it writes "
             f"distributed checkpoints itself (every rank's shards through torch.distributed.checkpoint, with "
             f"checksums and an atomic commit), which a CheckpointIO cannot. Remove it from checkpoint_io= / "
-            f"Trainer(plugins=...); for saves written in the background use MegatronStrategy(async_save=True).")
+            f"Trainer(plugins=...); for saves written in the background use MegatronStrategy(async_save=True)."
+        )
 
 
 def refuse_without_weights(module: Optional[LightningModule]) -> None:
@@ -116,16 +126,22 @@ class StrategyCheckpoints:
         module = strategy.lightning_module
         assert module is not None
         layout = self.live_layout()
-        sources = (module, layout, tuple(getattr(o, "_optimizer", o) for o in strategy.optimizers),
-                   megatron_optimizer_of(module), strategy.options.use_torch_fsdp2 and layout is not None,
-                   module.run_timers() if isinstance(module, EngineModule) else None,
-                   tuple(checkpoint_classes(module, attached_trainer(module))))
+        sources = (
+            module,
+            layout,
+            tuple(getattr(o, "_optimizer", o) for o in strategy.optimizers),
+            megatron_optimizer_of(module),
+            strategy.options.use_torch_fsdp2 and layout is not None,
+            module.run_timers() if isinstance(module, EngineModule) else None,
+            tuple(checkpoint_classes(module, attached_trainer(module))),
+        )
         if self.in_use is None or sources != self._sources:
             if self.in_use is not None:
                 self.in_use.close()
             module, layout, optimizers, mopt, fsdp, timers, allowed = sources
-            self.in_use = Checkpointer(module, layout, optimizers, megatron_optimizer=mopt, allowed=allowed,
-                                       fsdp=fsdp, timers=timers)
+            self.in_use = Checkpointer(
+                module, layout, optimizers, megatron_optimizer=mopt, allowed=allowed, fsdp=fsdp, timers=timers
+            )
             self._sources = sources
         return self.in_use
 
@@ -136,19 +152,23 @@ class StrategyCheckpoints:
         strategy = self._strategy
         live = self.live_layout() is not None
         module = strategy.lightning_module
-        asynchronous = saves_asynchronously(strategy.options.async_save, storage_options, live, module,
-                                            attached_trainer(module))
+        asynchronous = saves_asynchronously(
+            strategy.options.async_save, storage_options, live, module, attached_trainer(module)
+        )
         refuse_without_weights(module)
         path = Path(strategy.broadcast(str(filepath)))
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         if not live and not optimizer_states:
             # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
             # held the optimizer.
-            rank_zero_warn("megatron-lite: this checkpoint holds the model's weights but no optimizer state (the "
-                           "forked ranks kept it); resuming from it restarts the optimizer. For an exact resume "
-                           "save checkpoints during fit (ModelCheckpoint).")
-        self.checkpointer().save(path, checkpoint, model_state=model_state, optimizer_states=optimizer_states,
-                                 asynchronous=asynchronous)
+            rank_zero_warn(
+                "megatron-lite: this checkpoint holds the model's weights but no optimizer state (the "
+                "forked ranks kept it); resuming from it restarts the optimizer. For an exact resume "
+                "save checkpoints during fit (ModelCheckpoint)."
+            )
+        self.checkpointer().save(
+            path, checkpoint, model_state=model_state, optimizer_states=optimizer_states, asynchronous=asynchronous
+        )
 
     def load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> dict[str, Any]:
         """Load ``checkpoint_path`` into the module in place (and, in ``fit``, the optimizers and RNG states); return
@@ -162,20 +182,24 @@ class StrategyCheckpoints:
         if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
             raise ValueError(weights_only_message(path))
         try:
-            loaded = self.checkpointer().load(path, optimizers=fitting, rng=fitting, strict=module.strict_loading,
-                                              verify=False, restore_cpu_rng=False)
+            loaded = self.checkpointer().load(
+                path, optimizers=fitting, rng=fitting, strict=module.strict_loading, verify=False, restore_cpu_rng=False
+            )
         except EntryMismatchError as error:
             raise ValueError(mismatch_message(path, module, error.mismatch, meta)) from None
         if loaded.mismatch:
-            rank_zero_warn(f"megatron-lite: strict_loading=False: loaded the entries {path} shares with the module; "
-                           f"{loaded.mismatch.describe()} (the missing ones keep their current values).")
+            rank_zero_warn(
+                f"megatron-lite: strict_loading=False: loaded the entries {path} shares with the module; "
+                f"{loaded.mismatch.describe()} (the missing ones keep their current values)."
+            )
         # The global CPU generator is set right before the first step (restore_cpu_rng): Lightning draws from it
         # after the load, once per DataLoader iterator it creates (its shared seed), which an uninterrupted run did
         # before the saved step.
         self._pending_cpu_rng = loaded.cpu_rng_state
         if auto_resume is not None and str(checkpoint_path) == auto_resume.requested:
-            rank_zero_info(f"megatron-lite: ckpt_path='last' resumed {path} "
-                           f"(global step {loaded.meta.get('global_step')})")
+            rank_zero_info(
+                f"megatron-lite: ckpt_path='last' resumed {path} (global step {loaded.meta.get('global_step')})"
+            )
         return loaded.meta
 
     def _checkpoint_to_load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> Path:
@@ -187,8 +211,10 @@ class StrategyCheckpoints:
         path = resolve_checkpoint(self._strategy.broadcast(str(checkpoint_path)))
         verdict = verify_checkpoint(path)
         if verdict.status == "unverified":
-            rank_zero_warn(f"megatron-lite: {path} has no manifest.json (written before checksums existed, or by "
-                           f"plain DCP); its files are loaded without an integrity check.")
+            rank_zero_warn(
+                f"megatron-lite: {path} has no manifest.json (written before checksums existed, or by "
+                f"plain DCP); its files are loaded without an integrity check."
+            )
         return path
 
     def restore_cpu_rng(self) -> None:

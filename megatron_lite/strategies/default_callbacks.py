@@ -1,6 +1,7 @@
 """The callbacks MegatronStrategy adds to a run unless the Trainer has them (``log_metrics``,
 ``exit_signal_handler``). Added in every rank's set-up, before Lightning calls the callbacks' ``setup``: each
 runs collectives (the timers' gather, the agreement to stop at a step boundary), so every rank needs it."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,6 +17,9 @@ def add_default_callbacks(trainer: Any, log_metrics: bool, exit_signal_handler: 
         return
     if log_metrics and not any(isinstance(c, MegatronMetrics) for c in trainer.callbacks):
         trainer.callbacks.append(MegatronMetrics())
-    if exit_signal_handler and trainer.checkpoint_callback is not None and \
-            not any(isinstance(c, GracefulExit) for c in trainer.callbacks):
+    if (
+        exit_signal_handler
+        and trainer.checkpoint_callback is not None
+        and not any(isinstance(c, GracefulExit) for c in trainer.callbacks)
+    ):
         trainer.callbacks.append(GracefulExit())

@@ -6,6 +6,7 @@ writes its predictions with their sample indices. Once the ranks have exited, th
 model into its module and merges the predictions (the launcher in ``_lightning_private`` calls
 :func:`receive_results`).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,11 @@ def hand_back(strategy: Any, trainer: Any, run_dir: str) -> None:
     elif trainer.state.fn == TrainerFn.PREDICTING and trainer.predict_loop.return_predictions:
         if layout.tp_rank == 0 and layout.cp_rank == 0 and layout.is_last_pipeline_stage:
             os.makedirs(os.path.join(run_dir, "predictions"), exist_ok=True)
-            write_predictions(predictions_with_indices(trainer), layout,
-                              os.path.join(run_dir, "predictions", f"rank{strategy.global_rank:05d}.safetensors"))
+            write_predictions(
+                predictions_with_indices(trainer),
+                layout,
+                os.path.join(run_dir, "predictions", f"rank{strategy.global_rank:05d}.safetensors"),
+            )
 
 
 def master_weights(strategy: Any) -> dict[str, Tensor]:
@@ -83,7 +87,8 @@ def receive_model(module: LightningModule, directory: str) -> None:
             f"({error}); validate/test/predict/save_checkpoint here would use stale weights, so they are "
             f"refused. Build the model in __init__, or give the module a load_full_state_dict(state) method "
             f"that builds it (GPTModule has one), or save checkpoints during fit (ModelCheckpoint) and pass "
-            f"ckpt_path=...")
+            f"ckpt_path=..."
+        )
         module._megatron_lite_weights_missing = message
         rank_zero_warn(message)
         return

@@ -8,6 +8,7 @@ run's pre-launch checks (``pre_launch``), saves a crash interrupted, then ``ckpt
 (``auto_resume``). A rank that torchrun, SLURM or the popen launcher started launches nothing: its in-place launcher
 only replaces ``ckpt_path="last"``, and its set-up (:meth:`StrategyLaunch.check_rank`) runs the pre-launch checks.
 """
+
 from __future__ import annotations
 
 import os
@@ -97,8 +98,14 @@ class StrategyLaunch:
         SLURM no launcher ran them), the strategy's default callbacks, and in a rank re-running the user's script
         the run's directory that rank 0 made."""
         strategy = self._strategy
-        self.run_spec = check_run(strategy, strategy.lightning_module, getattr(trainer, "datamodule", None), trainer,
-                                  strategy.num_nodes * strategy.num_processes, device=strategy.root_device)
+        self.run_spec = check_run(
+            strategy,
+            strategy.lightning_module,
+            getattr(trainer, "datamodule", None),
+            trainer,
+            strategy.num_nodes * strategy.num_processes,
+            device=strategy.root_device,
+        )
         add_default_callbacks(trainer, strategy.options.log_metrics, strategy.options.exit_signal_handler)
         if self.started_externally and os.environ.get(RUN_DIR_ENV):
             self.begin(os.environ[RUN_DIR_ENV], next_run_number())

@@ -1,6 +1,7 @@
 """Checks of the checkpoint given to ``trainer.fit/validate/test/predict`` (``ckpt_path``), run in the launching
 process before any rank starts (the module's, the data's and the callbacks' checks are ``pre_launch``'s).
 A bad ``ckpt_path`` used to surface inside every rank, after the process groups existed, as DCP's error."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,16 +39,21 @@ def check_ckpt_path(value: Optional[str]) -> None:
     if _resolved_by_lightning(value):
         return
     path = Path(value)
-    fix = ("pass the directory that trainer.save_checkpoint() or ModelCheckpoint wrote, or ckpt_path='last' to "
-           "resume the newest checkpoint in the checkpoint callback's directory")
+    fix = (
+        "pass the directory that trainer.save_checkpoint() or ModelCheckpoint wrote, or ckpt_path='last' to "
+        "resume the newest checkpoint in the checkpoint callback's directory"
+    )
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={value!r} does not exist; {fix}")
     if not path.is_dir():
-        raise ValueError(f"ckpt_path={value!r} is a file, not a megatron-lite checkpoint directory (DCP shards and "
-                         f"meta.pt; a single-file checkpoint comes from another strategy); {fix}")
+        raise ValueError(
+            f"ckpt_path={value!r} is a file, not a megatron-lite checkpoint directory (DCP shards and "
+            f"meta.pt; a single-file checkpoint comes from another strategy); {fix}"
+        )
     if not (path / ".metadata").is_file():
-        raise ValueError(f"ckpt_path={value!r} is not a megatron-lite checkpoint directory (no DCP .metadata inside); "
-                         f"{fix}")
+        raise ValueError(
+            f"ckpt_path={value!r} is not a megatron-lite checkpoint directory (no DCP .metadata inside); {fix}"
+        )
 
 
 def _resolved_by_lightning(value: Optional[str]) -> bool:
@@ -99,17 +105,20 @@ def _with_model(module: nn.Module) -> Iterator[Optional[nn.Module]]:
 
 
 def weights_only_message(path: Path) -> str:
-    return (f"ckpt_path={str(path)!r} holds weights only (no optimizer, LR-scheduler or loop state: written by "
-            f"`megatron-lite convert --from hf`, `megatron-lite prune` or with save_weights_only=True), so fit has "
-            f"nothing to resume. To train from these weights, load them with GPTModule.from_pretrained({str(path)!r}) "
-            f"and call fit without ckpt_path; validate/test/predict(ckpt_path=...) read such a checkpoint as it is.")
+    return (
+        f"ckpt_path={str(path)!r} holds weights only (no optimizer, LR-scheduler or loop state: written by "
+        f"`megatron-lite convert --from hf`, `megatron-lite prune` or with save_weights_only=True), so fit has "
+        f"nothing to resume. To train from these weights, load them with GPTModule.from_pretrained({str(path)!r}) "
+        f"and call fit without ckpt_path; validate/test/predict(ckpt_path=...) read such a checkpoint as it is."
+    )
 
 
 def mismatch_message(path: Path, module: Any, mismatch: EntryMismatch, meta: Optional[dict]) -> str:
     """The refusal of a strict load (the same before launch and in the ranks)."""
     differ = config_difference(meta, getattr(module, "config", None))
-    return (f"ckpt_path={str(path)!r} does not fit {type(module).__name__}'s model: {mismatch.describe()}"
-            f"{f'; it was saved from a model with {differ}' if differ else ''}. Pass a checkpoint of this model, or "
-            f"load only the entries both have on purpose with module.strict_loading = False (Lightning's switch; "
-            f"`--model.strict_loading false` on the command line): the others keep their current values.")
-
+    return (
+        f"ckpt_path={str(path)!r} does not fit {type(module).__name__}'s model: {mismatch.describe()}"
+        f"{f'; it was saved from a model with {differ}' if differ else ''}. Pass a checkpoint of this model, or "
+        f"load only the entries both have on purpose with module.strict_loading = False (Lightning's switch; "
+        f"`--model.strict_loading false` on the command line): the others keep their current values."
+    )

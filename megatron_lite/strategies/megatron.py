@@ -6,6 +6,7 @@ the checks before it its launch half (``launch.py``); distributed checkpoints it
 (``checkpointing.py``). The training step (schedule, gradient reduction, clipping) is ``megatron_lite.core``'s, driven
 by the LightningModule (see :class:`megatron_lite.GPTModule`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -106,22 +107,36 @@ class MegatronStrategy(ParallelStrategy):
         precision_plugin=None,
     ) -> None:
         refuse_checkpoint_io(checkpoint_io)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.options = StrategyOptions(
             parallel=ParallelConfig(
-                tensor_model_parallel_size=tensor_model_parallel_size, sequence_parallel=sequence_parallel,
+                tensor_model_parallel_size=tensor_model_parallel_size,
+                sequence_parallel=sequence_parallel,
                 pipeline_model_parallel_size=pipeline_model_parallel_size,
                 virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
                 pipeline_schedule=pipeline_schedule,
                 num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
                 num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
-                context_parallel_size=context_parallel_size, cp_comm_type=cp_comm_type),
-            use_torch_fsdp2=use_torch_fsdp2, ddp_bucket_size=ddp_bucket_size, overlap_grad_reduce=overlap_grad_reduce,
-            log_metrics=log_metrics, exit_signal_handler=exit_signal_handler, async_save=async_save,
-            check_memory=check_memory, process_group_backend=process_group_backend, timeout=timeout,
-            start_method=start_method)
+                context_parallel_size=context_parallel_size,
+                cp_comm_type=cp_comm_type,
+            ),
+            use_torch_fsdp2=use_torch_fsdp2,
+            ddp_bucket_size=ddp_bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            log_metrics=log_metrics,
+            exit_signal_handler=exit_signal_handler,
+            async_save=async_save,
+            check_memory=check_memory,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         self.launch = StrategyLaunch(self)
         """The launch half: the launcher, the checks before it, the run's directory (see ``launch.py``)."""
         self.checkpoints = StrategyCheckpoints(self)
@@ -208,13 +223,19 @@ class MegatronStrategy(ParallelStrategy):
         self.launch.check_rank(attached_trainer(self.lightning_module))
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         self.precision_plugin.device_type = self.root_device.type
         self.precision_plugin.check_device(self.root_device)
         self._layout, self._created_default_group = join_process_groups(
-            self.cluster_environment, self._process_group_backend, self.root_device, self.options.timeout,
-            self.options.parallel, release_at_exit=not self.launch.forked)
+            self.cluster_environment,
+            self._process_group_backend,
+            self.root_device,
+            self.options.timeout,
+            self.options.parallel,
+            release_at_exit=not self.launch.forked,
+        )
         log.info("megatron-lite layout: %s", self._layout.describe())
 
     def set_world_ranks(self) -> None:
@@ -228,8 +249,9 @@ class MegatronStrategy(ParallelStrategy):
         if trainer.state.fn == "fit" and self.run_spec is not None and self._layout is not None:
             from megatron_lite.callbacks.memory_report import report_memory_estimate
 
-            self.memory_estimate = report_memory_estimate(self.lightning_module, trainer.datamodule, self.run_spec,
-                                                          self.root_device)
+            self.memory_estimate = report_memory_estimate(
+                self.lightning_module, trainer.datamodule, self.run_spec, self.root_device
+            )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -262,8 +284,9 @@ class MegatronStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(holder, src)
         return holder[0]
 
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[str, Any]] = "mean") -> Union[Tensor, Any]:
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
+    ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -291,8 +314,9 @@ class MegatronStrategy(ParallelStrategy):
         self._created_default_group = False
 
     def on_exception(self, exception: BaseException) -> None:
-        report_rank_failure(self.launch.failure_file, self.launch.process_rank, exception,
-                            script_rank=self.launch.started_externally)
+        report_rank_failure(
+            self.launch.failure_file, self.launch.process_rank, exception, script_rank=self.launch.started_externally
+        )
 
     # --- checkpoints: the hooks Lightning calls, answered by the checkpoint half ---------------
     @property
@@ -356,5 +380,9 @@ def register_megatron_strategy() -> None:
     :class:`MegatronStrategy` with that start method (idempotent)."""
     for name, start_method in STRATEGY_NAMES.items():
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, MegatronStrategy, start_method=start_method,
-                                      description=f"megatron-lite tensor/sequence/data parallelism ({start_method})")
+            StrategyRegistry.register(
+                name,
+                MegatronStrategy,
+                start_method=start_method,
+                description=f"megatron-lite tensor/sequence/data parallelism ({start_method})",
+            )

@@ -13,6 +13,7 @@ where the strategy checks a run (before it starts any process, and in every rank
 and predict the weights (and a reference model's). Estimates can be conservative: ``MegatronStrategy(
 check_memory=False)`` runs anyway.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,10 @@ def available_host_memory() -> Optional[tuple[int, str]]:
             found = (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages")
         except (ValueError, OSError, AttributeError):
             return None
-    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2, then v1
-                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("memory.max", "memory.current"),  # cgroup v2, then v1
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         try:
             cap, used = (int(Path("/sys/fs/cgroup", name).read_text()) for name in (limit, usage))
         except (OSError, ValueError):  # absent, or "max": no limit
@@ -72,20 +75,34 @@ def _needed(stage: MemoryEstimate, fitting: bool) -> int:
 def _parts(stage: MemoryEstimate, fitting: bool) -> str:
     parts = [("weights", stage.weights_bytes), ("reference model", stage.frozen_bytes)]
     if fitting:
-        parts[1:1] = [("gradients", stage.grads_bytes), ("optimizer state", stage.optimizer_bytes),
-                      ("activations", stage.activation_bytes)]
+        parts[1:1] = [
+            ("gradients", stage.grads_bytes),
+            ("optimizer state", stage.optimizer_bytes),
+            ("activations", stage.activation_bytes),
+        ]
     return ", ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
 
 
-_FIXES = ("split the model over more devices (tensor_model_parallel_size, pipeline_model_parallel_size), shard what "
-          "the data-parallel replicas repeat (use_torch_fsdp2=True, or OptimizerConfig(use_distributed_optimizer="
-          "True)), turn on activation recompute or lower micro_batch_size, or train a smaller model")
-_OVERRIDE = ("If the estimate is too conservative for this run, MegatronStrategy(check_memory=False) "
-             "(--trainer.strategy.init_args.check_memory false) skips this check.")
+_FIXES = (
+    "split the model over more devices (tensor_model_parallel_size, pipeline_model_parallel_size), shard what "
+    "the data-parallel replicas repeat (use_torch_fsdp2=True, or OptimizerConfig(use_distributed_optimizer="
+    "True)), turn on activation recompute or lower micro_batch_size, or train a smaller model"
+)
+_OVERRIDE = (
+    "If the estimate is too conservative for this run, MegatronStrategy(check_memory=False) "
+    "(--trainer.strategy.init_args.check_memory false) skips this check."
+)
 
 
-def check_memory_fits(estimate: MemoryEstimate, *, fitting: bool, device_type: str, ranks_on_host: int,
-                      world_size: int, device: Optional[torch.device] = None) -> None:
+def check_memory_fits(
+    estimate: MemoryEstimate,
+    *,
+    fitting: bool,
+    device_type: str,
+    ranks_on_host: int,
+    world_size: int,
+    device: Optional[torch.device] = None,
+) -> None:
     """Raise :class:`InsufficientMemoryError` when ``estimate`` (``fitting``: the whole step; else the weights)
     exceeds this host's available memory (CPU: the ``ranks_on_host`` ranks together) or, given the rank's CUDA
     ``device``, that device's free memory. Nothing is allocated."""
@@ -108,11 +125,17 @@ def check_memory_fits(estimate: MemoryEstimate, *, fitting: bool, device_type: s
                     f"on this host, each up to {format_bytes(per_rank)}{stage} ({_parts(most, fitting)}), and on "
                     f"CPU they all share this host's memory -- but only {format_bytes(available)} is available "
                     f"({source}); it would be killed or swap before its first step. To fit: {_FIXES}; on CPU "
-                    f"fewer processes per host or more hosts help too. {_OVERRIDE}", needed, available)
+                    f"fewer processes per host or more hosts help too. {_OVERRIDE}",
+                    needed,
+                    available,
+                )
     if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if per_rank > free:
             raise InsufficientMemoryError(
                 f"this run needs about {format_bytes(per_rank)} of memory on {device} to {what}{stage} "
                 f"({_parts(most, fitting)}), but only {format_bytes(free)} of it is free. To fit: {_FIXES}. "
-                f"{_OVERRIDE}", per_rank, free)
+                f"{_OVERRIDE}",
+                per_rank,
+                free,
+            )

@@ -2,6 +2,7 @@
 construction, before anything starts. The constructor keeps the arguments, their Megatron names and their defaults
 (and documents them for ``megatron-lite fit --help``); the pre-launch checks, the set-up, the launch and the checkpoint
 hooks read them here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,14 @@ from megatron_lite.core.parallel.run_spec import check_bucket_size
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 # The on/off options: stored as bools whatever truthy value they were given (as the strategy always did).
-_SWITCHES = ("use_torch_fsdp2", "overlap_grad_reduce", "log_metrics", "exit_signal_handler", "async_save",
-             "check_memory")
+_SWITCHES = (
+    "use_torch_fsdp2",
+    "overlap_grad_reduce",
+    "log_metrics",
+    "exit_signal_handler",
+    "async_save",
+    "check_memory",
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,8 @@ class StrategyOptions:
     def __post_init__(self) -> None:
         if self.start_method not in get_args(StartMethod):
             raise ValueError(
-                f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {self.start_method!r}")
+                f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {self.start_method!r}"
+            )
         check_bucket_size(self.ddp_bucket_size)
         for name in _SWITCHES:
             object.__setattr__(self, name, bool(getattr(self, name)))  # frozen: set once, here

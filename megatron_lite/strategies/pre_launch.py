@@ -18,6 +18,7 @@ names the fix:
 
 In the launching process the strategy checks the ``ckpt_path`` of ``fit/validate/test/predict`` before step 1.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
@@ -27,9 +28,9 @@ import torch
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.run import estimate_objective
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.run_checks import check_run_fits_model
 from megatron_lite.core.parallel.geometry import declared_geometry
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.core.models.run_checks import check_run_fits_model
 from megatron_lite.strategies.memory_check import check_memory_fits
 
 if TYPE_CHECKING:
@@ -44,8 +45,13 @@ class PreLaunchCheck(Protocol):
     that defines ``check_before_launch`` (no base class needed). MegatronStrategy calls it in the launching
     process and again in every rank, in the order of :mod:`megatron_lite.strategies.pre_launch`."""
 
-    def check_before_launch(self, run: RunSpec, trainer: "pl.Trainer", module: "pl.LightningModule",
-                            datamodule: Optional["pl.LightningDataModule"]) -> None:
+    def check_before_launch(
+        self,
+        run: RunSpec,
+        trainer: "pl.Trainer",
+        module: "pl.LightningModule",
+        datamodule: Optional["pl.LightningDataModule"],
+    ) -> None:
         """Raise a ValueError naming the fix if this run cannot work: ``run`` is the run's description, ``trainer``
         the Trainer (its state says fit/validate/test/predict), ``module`` and ``datamodule`` what it was given."""
         ...
@@ -55,13 +61,25 @@ def build_run_spec(strategy: "MegatronStrategy", datamodule: Any, world_size: in
     """The run description of ``strategy`` over ``world_size`` ranks with ``datamodule``'s
     declared batch geometry."""
     options = strategy.options
-    return RunSpec(parallel=options.parallel, world_size=world_size, data=declared_geometry(datamodule),
-                   precision=strategy.precision_plugin.precision, use_torch_fsdp2=options.use_torch_fsdp2,
-                   ddp_bucket_size=options.ddp_bucket_size, overlap_grad_reduce=options.overlap_grad_reduce)
+    return RunSpec(
+        parallel=options.parallel,
+        world_size=world_size,
+        data=declared_geometry(datamodule),
+        precision=strategy.precision_plugin.precision,
+        use_torch_fsdp2=options.use_torch_fsdp2,
+        ddp_bucket_size=options.ddp_bucket_size,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+    )
 
 
-def check_run(strategy: "MegatronStrategy", module: Any, datamodule: Any, trainer: Any, world_size: int,
-              device: Optional[torch.device] = None) -> RunSpec:
+def check_run(
+    strategy: "MegatronStrategy",
+    module: Any,
+    datamodule: Any,
+    trainer: Any,
+    world_size: int,
+    device: Optional[torch.device] = None,
+) -> RunSpec:
     """Build the run description and check the run in the documented order (see the module docstring); return
     the description. Given a rank's CUDA ``device``, its free memory is checked too."""
     run = build_run_spec(strategy, datamodule, world_size)
@@ -86,16 +104,31 @@ def _call_check(checker: Any, run: RunSpec, trainer: Any, module: Any, datamodul
         checker.check_before_launch(run, trainer, module, datamodule)
 
 
-def _check_memory(strategy: "MegatronStrategy", run: RunSpec, module: Any, datamodule: Any, trainer: Any,
-                  device: Optional[torch.device]) -> None:
+def _check_memory(
+    strategy: "MegatronStrategy",
+    run: RunSpec,
+    module: Any,
+    datamodule: Any,
+    trainer: Any,
+    device: Optional[torch.device],
+) -> None:
     """Refuse the run before anything is allocated when its estimate exceeds the machine (see memory_check)."""
-    device_type = device.type if device is not None else (
-        strategy.parallel_devices[0].type if strategy.parallel_devices else "cpu")
+    device_type = (
+        device.type
+        if device is not None
+        else (strategy.parallel_devices[0].type if strategy.parallel_devices else "cpu")
+    )
     try:
         estimate = estimate_objective(module, run, datamodule, device_type)
     except (ValueError, TypeError):
         return  # no estimate: nothing to compare (the start-up report says why)
     if estimate is not None:
         fitting = trainer is None or trainer.state.fn in (None, "fit")
-        check_memory_fits(estimate, fitting=fitting, device_type=device_type,
-                          ranks_on_host=max(strategy.num_processes, 1), world_size=run.world_size, device=device)
+        check_memory_fits(
+            estimate,
+            fitting=fitting,
+            device_type=device_type,
+            ranks_on_host=max(strategy.num_processes, 1),
+            world_size=run.world_size,
+            device=device,
+        )

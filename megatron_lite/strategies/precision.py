@@ -5,6 +5,7 @@ backward: its GradScaler would unscale gradients it never scaled. Here the plugi
 the compute dtype (autocast for ``*-mixed``, half-precision parameters for ``*-true``); fp32 master
 weights, fp16 loss scaling and skipped steps live in ``megatron_lite.core.optim``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +33,8 @@ class MegatronPrecision(Precision):
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(
                 f"MegatronStrategy supports precision {', '.join(SUPPORTED_PRECISIONS)}; got {precision!r}. "
-                f"fp8 needs Transformer Engine on a GPU (not available here); 64-bit is not supported.")
+                f"fp8 needs Transformer Engine on a GPU (not available here); 64-bit is not supported."
+            )
         self.precision = precision
         self.device_type = device_type
 
@@ -44,8 +46,11 @@ class MegatronPrecision(Precision):
     @property
     def param_dtype(self) -> torch.dtype:
         """Dtype of the model parameters (fp32 unless ``*-true`` half precision)."""
-        return _dtype_of(self.precision) if self.precision.endswith("-true") and self.precision != "32-true" \
+        return (
+            _dtype_of(self.precision)
+            if self.precision.endswith("-true") and self.precision != "32-true"
             else torch.float32
+        )
 
     def check_device(self, device: torch.device) -> None:
         """Refuse half precisions the device cannot run; warn where it runs only slowly."""
@@ -55,10 +60,14 @@ class MegatronPrecision(Precision):
             if self.precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
                 raise ValueError(
                     f"precision={self.precision!r}: {torch.cuda.get_device_name(device)} has no bf16 support "
-                    f"(it needs compute capability 8.0+); use precision='16-mixed' (fp16 with loss scaling).")
+                    f"(it needs compute capability 8.0+); use precision='16-mixed' (fp16 with loss scaling)."
+                )
         elif device.type == "cpu" and self.fp16:
-            warnings.warn(f"precision={self.precision!r} on CPU: fp16 matrix products are emulated and about 40x "
-                          f"slower than fp32 here; bf16 ('bf16-mixed') is the fast half precision on CPUs.")
+            warnings.warn(
+                f"precision={self.precision!r} on CPU: fp16 matrix products are emulated and about 40x "
+                f"slower than fp32 here; bf16 ('bf16-mixed') is the fast half precision on CPUs.",
+                stacklevel=2,
+            )
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         # Weights were drawn in fp32 (layout-independent init) and are cast once here.
@@ -98,9 +107,10 @@ def as_megatron_precision(plugin: Any, device_type: str = "cpu") -> MegatronPrec
     if isinstance(plugin, MegatronPrecision):
         return plugin
     precision = getattr(plugin, "precision", "32-true")
-    known = (type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"))
+    known = type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision")
     if not known:
         raise ValueError(
             f"MegatronStrategy cannot run with the precision plugin {type(plugin).__name__}; pass "
-            f"Trainer(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}.")
+            f"Trainer(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}."
+        )
     return MegatronPrecision(precision, device_type=getattr(plugin, "device", device_type))

@@ -1,6 +1,7 @@
 """Predictions handed back from forked ranks: each data-parallel replica writes its predictions with
 their sample indices (safetensors), and the launching process merges them into what one process would
 have returned: one row per sample, in the dataset's order, in batches of the loader's batch size."""
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,17 @@ def write_predictions(per_loader: PerLoader, layout: ParallelLayout, path: str) 
         metadata[f"batch_size.{k}"] = str(batch_size or 0)
         for i, prediction in enumerate(predictions):
             index = indices[i] if i < len(indices) else None
-            if not isinstance(prediction, Tensor) or index is None or prediction.ndim == 0 \
-                    or prediction.shape[0] != len(index):
-                metadata["not_tensors"] = type(prediction).__name__ if not isinstance(prediction, Tensor) else \
-                    f"a tensor of shape {tuple(prediction.shape)} for a batch of {len(index or [])} samples"
+            if (
+                not isinstance(prediction, Tensor)
+                or index is None
+                or prediction.ndim == 0
+                or prediction.shape[0] != len(index)
+            ):
+                metadata["not_tensors"] = (
+                    type(prediction).__name__
+                    if not isinstance(prediction, Tensor)
+                    else f"a tensor of shape {tuple(prediction.shape)} for a batch of {len(index or [])} samples"
+                )
                 save_safetensors({}, path, metadata)
                 return
             tensors[f"{k}.{i}"] = prediction
@@ -51,7 +59,8 @@ def merge_predictions(directory: str, rank_zero_result: Any) -> Any:
             f"predict_step returned {odd}; with data parallelism the launching process merges the ranks' "
             f"predictions by sample, which needs a tensor whose first dimension is the batch. Return such a "
             f"tensor, or write predictions from the ranks with a lightning BasePredictionWriter callback and "
-            f"trainer.predict(..., return_predictions=False).")
+            f"trainer.predict(..., return_predictions=False)."
+        )
     loaders = int(pieces[0][1]["loaders"])
     merged: list[list[Tensor]] = []
     for k in range(loaders):
@@ -65,5 +74,5 @@ def merge_predictions(directory: str, rank_zero_result: Any) -> Any:
                 batch_size = batch_size or len(index)
                 i += 1
         ordered = [rows[i] for i in sorted(rows)]
-        merged.append([torch.stack(ordered[j:j + batch_size]) for j in range(0, len(ordered), max(batch_size, 1))])
+        merged.append([torch.stack(ordered[j : j + batch_size]) for j in range(0, len(ordered), max(batch_size, 1))])
     return merged[0] if loaders == 1 else merged

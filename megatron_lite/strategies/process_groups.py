@@ -1,5 +1,6 @@
 """The run's process groups: the default group joined and the layout's groups built over it in each rank's set-up,
 and both released when the run (or the process) ends."""
+
 from __future__ import annotations
 
 import atexit
@@ -12,8 +13,14 @@ from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.strategies._lightning_private import _distributed_is_initialized, _init_dist_connection
 
 
-def join_process_groups(cluster_environment: Any, backend: str, device: torch.device, timeout: Optional[timedelta],
-                        parallel: ParallelConfig, release_at_exit: bool) -> tuple[ParallelLayout, bool]:
+def join_process_groups(
+    cluster_environment: Any,
+    backend: str,
+    device: torch.device,
+    timeout: Optional[timedelta],
+    parallel: ParallelConfig,
+    release_at_exit: bool,
+) -> tuple[ParallelLayout, bool]:
     """Join the default process group (unless this process is in one already) and build the layout's groups, each
     with ``timeout``; return the layout and whether the default group was created here. ``release_at_exit``: for a
     process that goes on after the run (a script, torchrun, the launching process itself), which may still use the

@@ -14,6 +14,7 @@ The raised exception has the recorded type and arguments when that type is alrea
 raising process and accepts them (else a RuntimeError naming it); its ``__cause__`` carries the failing
 rank's traceback. The record is JSON: nothing is unpickled.
 """
+
 from __future__ import annotations
 
 import itertools

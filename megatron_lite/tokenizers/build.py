@@ -15,18 +15,30 @@ from megatron_lite.tokenizers.tiktoken_tokenizer import TikTokenizer
 from megatron_lite.utils.jsonl import iter_jsonl_texts
 
 TOKENIZER_TYPES = (
-    "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer",
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "TikTokenizer",
+    "NullTokenizer",
 )
 """The canonical type names (Megatron's ``--tokenizer-type`` values)."""
 
 # lower-cased, without "-"/"_"; GPTSentencePieceTokenizer is Megatron's name for what our SentencePiece does
 _ALIASES = {
-    "sentencepiecetokenizer": "SentencePieceTokenizer", "sentencepiece": "SentencePieceTokenizer",
-    "spm": "SentencePieceTokenizer", "gptsentencepiecetokenizer": "SentencePieceTokenizer",
-    "gpt2bpetokenizer": "GPT2BPETokenizer", "gpt2bpe": "GPT2BPETokenizer", "gpt2": "GPT2BPETokenizer",
-    "huggingfacetokenizer": "HuggingFaceTokenizer", "huggingface": "HuggingFaceTokenizer", "hf": "HuggingFaceTokenizer",
-    "tiktokenizer": "TikTokenizer", "tiktoken": "TikTokenizer",
-    "nulltokenizer": "NullTokenizer", "null": "NullTokenizer",
+    "sentencepiecetokenizer": "SentencePieceTokenizer",
+    "sentencepiece": "SentencePieceTokenizer",
+    "spm": "SentencePieceTokenizer",
+    "gptsentencepiecetokenizer": "SentencePieceTokenizer",
+    "gpt2bpetokenizer": "GPT2BPETokenizer",
+    "gpt2bpe": "GPT2BPETokenizer",
+    "gpt2": "GPT2BPETokenizer",
+    "huggingfacetokenizer": "HuggingFaceTokenizer",
+    "huggingface": "HuggingFaceTokenizer",
+    "hf": "HuggingFaceTokenizer",
+    "tiktokenizer": "TikTokenizer",
+    "tiktoken": "TikTokenizer",
+    "nulltokenizer": "NullTokenizer",
+    "null": "NullTokenizer",
 }
 
 
@@ -34,8 +46,10 @@ def canonical_tokenizer_type(tokenizer_type: str) -> str:
     """The canonical name for ``tokenizer_type`` (case and ``-``/``_`` ignored); ValueError listing the valid ones."""
     key = str(tokenizer_type).lower().replace("-", "").replace("_", "")
     if key not in _ALIASES:
-        raise ValueError(f"unknown tokenizer_type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)} "
-                         f"(or the aliases sentencepiece, gpt2, hf, tiktoken, null)")
+        raise ValueError(
+            f"unknown tokenizer_type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)} "
+            f"(or the aliases sentencepiece, gpt2, hf, tiktoken, null)"
+        )
     return _ALIASES[key]
 
 
@@ -47,12 +61,18 @@ def _local_file(path: str | os.PathLike[str], what: str, fix: str) -> str:
     return require_file(path, what, fix)
 
 
-def _train(train_corpus: str | os.PathLike[str], json_key: str, vocab_size: int | None,
-           output_prefix: str | os.PathLike[str] | None) -> str:
+def _train(
+    train_corpus: str | os.PathLike[str],
+    json_key: str,
+    vocab_size: int | None,
+    output_prefix: str | os.PathLike[str] | None,
+) -> str:
     """Train a SentencePiece model on a JSONL corpus; returns the ``.model`` path."""
     if vocab_size is None or output_prefix is None:
-        raise ValueError("SentencePieceTokenizer training (train_corpus given, no tokenizer_model) needs vocab_size "
-                         "and output_prefix (where <output_prefix>.model is written)")
+        raise ValueError(
+            "SentencePieceTokenizer training (train_corpus given, no tokenizer_model) needs vocab_size "
+            "and output_prefix (where <output_prefix>.model is written)"
+        )
     corpus = _local_file(train_corpus, "train_corpus", "pass a local .jsonl or .jsonl.gz file")
     errors: list[Exception] = []
 
@@ -75,8 +95,10 @@ def _train(train_corpus: str | os.PathLike[str], json_key: str, vocab_size: int 
 def _read_template(chat_template: str) -> str:
     """A Jinja2 string, or the text of a ``.jinja`` file path."""
     if chat_template.endswith(".jinja") and "\n" not in chat_template:
-        with open(require_file(chat_template, "chat_template file", "pass a .jinja file or a template string"),
-                  encoding="utf-8") as f:
+        with open(
+            require_file(chat_template, "chat_template file", "pass a .jinja file or a template string"),
+            encoding="utf-8",
+        ) as f:
             return f.read()
     return chat_template
 
@@ -114,21 +136,28 @@ def build_tokenizer(
         if tokenizer_model is not None and train_corpus is not None:
             raise ValueError("SentencePieceTokenizer takes tokenizer_model (load) or train_corpus (train), not both")
         if tokenizer_model is not None:
-            tokenizer = SentencePieceTokenizer(_local_file(tokenizer_model, "SentencePiece tokenizer_model",
-                                                           "pass the path of a SentencePiece .model file"))
+            tokenizer = SentencePieceTokenizer(
+                _local_file(
+                    tokenizer_model, "SentencePiece tokenizer_model", "pass the path of a SentencePiece .model file"
+                )
+            )
         elif train_corpus is not None:
             tokenizer = SentencePieceTokenizer(_train(train_corpus, json_key, vocab_size, output_prefix))
         else:
-            raise ValueError("SentencePieceTokenizer needs tokenizer_model (a .model file), or train_corpus + "
-                             "vocab_size + output_prefix to train one")
+            raise ValueError(
+                "SentencePieceTokenizer needs tokenizer_model (a .model file), or train_corpus + "
+                "vocab_size + output_prefix to train one"
+            )
     elif kind == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
             raise ValueError("GPT2BPETokenizer needs vocab_file and merge_file (GPT-2's vocab.json and merges.txt)")
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     elif kind == "HuggingFaceTokenizer":
         if tokenizer_model is None:
-            raise ValueError("HuggingFaceTokenizer needs tokenizer_model (a local directory with tokenizer.json, "
-                             "or the tokenizer.json file)")
+            raise ValueError(
+                "HuggingFaceTokenizer needs tokenizer_model (a local directory with tokenizer.json, "
+                "or the tokenizer.json file)"
+            )
         tokenizer = HuggingFaceTokenizer(tokenizer_model)
     elif kind == "TikTokenizer":
         if tokenizer_model is None:
@@ -156,14 +185,21 @@ def tokenizer_spec(tokenizer: object) -> dict | None:
     if isinstance(tokenizer, SentencePieceTokenizer):
         return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(tokenizer.model_path)}
     if isinstance(tokenizer, GPT2BPETokenizer):
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.abspath(tokenizer.vocab_file),
-                "merge_file": os.path.abspath(tokenizer.merge_file)}
+        return {
+            "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": os.path.abspath(tokenizer.vocab_file),
+            "merge_file": os.path.abspath(tokenizer.merge_file),
+        }
     if isinstance(tokenizer, HuggingFaceTokenizer):
         return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(tokenizer.path)}
     if isinstance(tokenizer, TikTokenizer):
-        return {"tokenizer_type": "TikTokenizer", "tokenizer_model": os.path.abspath(tokenizer.path),
-                "tiktoken_pattern": tokenizer.pattern, "tiktoken_num_special_tokens": tokenizer.num_special_tokens,
-                "vocab_size": tokenizer.vocab_size}
+        return {
+            "tokenizer_type": "TikTokenizer",
+            "tokenizer_model": os.path.abspath(tokenizer.path),
+            "tiktoken_pattern": tokenizer.pattern,
+            "tiktoken_num_special_tokens": tokenizer.num_special_tokens,
+            "vocab_size": tokenizer.vocab_size,
+        }
     if isinstance(tokenizer, NullTokenizer):
         return {"tokenizer_type": "NullTokenizer", "vocab_size": tokenizer.vocab_size}
     return None
@@ -190,12 +226,19 @@ def portable_tokenizer_spec(tokenizer: object, folder: str = TOKENIZER_FOLDER) -
     if isinstance(tokenizer, HuggingFaceTokenizer):
         directory = os.path.dirname(os.path.abspath(tokenizer.tokenizer_file))
         files[f"{folder}/tokenizer.json"] = os.path.abspath(tokenizer.tokenizer_file)
-        files.update({f"{folder}/{name}": os.path.join(directory, name) for name in HF_CONFIG_FILES
-                      if os.path.isfile(os.path.join(directory, name))})
+        files.update(
+            {
+                f"{folder}/{name}": os.path.join(directory, name)
+                for name in HF_CONFIG_FILES
+                if os.path.isfile(os.path.join(directory, name))
+            }
+        )
         spec["tokenizer_model"] = folder
         return spec, files
-    names = {"SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
-             "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"}}.get(spec["tokenizer_type"], {})
+    names = {
+        "SentencePieceTokenizer": {"tokenizer_model": "tokenizer.model"},
+        "GPT2BPETokenizer": {"vocab_file": "vocab.json", "merge_file": "merges.txt"},
+    }.get(spec["tokenizer_type"], {})
     for key in FILE_ARGUMENTS:
         if key in spec:
             inside = f"{folder}/{names.get(key, os.path.basename(spec[key]))}"
@@ -212,7 +255,9 @@ def build_recorded_tokenizer(spec: dict, base: str | os.PathLike[str]) -> Tokeni
         if key in spec:
             spec[key] = os.path.join(os.fspath(base), os.fspath(spec[key]))
             if not os.path.exists(spec[key]):
-                raise FileNotFoundError(f"the checkpoint's tokenizer file {spec[key]} does not exist; pass the "
-                                        f"tokenizer with --tokenizer-type {spec.get('tokenizer_type')} and its files "
-                                        f"(--tokenizer-model, or --vocab-file and --merge-file)")
+                raise FileNotFoundError(
+                    f"the checkpoint's tokenizer file {spec[key]} does not exist; pass the "
+                    f"tokenizer with --tokenizer-type {spec.get('tokenizer_type')} and its files "
+                    f"(--tokenizer-model, or --vocab-file and --merge-file)"
+                )
     return build_tokenizer(**spec)

@@ -31,8 +31,13 @@ def _raise_exception(message: str) -> NoReturn:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """HF's ``tojson``: plain JSON (Jinja's built-in one HTML-escapes, which would change the prompt text)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -53,8 +58,9 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as err:
-        raise ChatTemplateError(f"chat template does not compile (line {err.lineno}: {err.message}); "
-                                f"fix the Jinja2 syntax of the template") from err
+        raise ChatTemplateError(
+            f"chat template does not compile (line {err.lineno}: {err.message}); fix the Jinja2 syntax of the template"
+        ) from err
 
 
 def render_chat_template(
@@ -81,5 +87,6 @@ def render_chat_template(
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as err:
-        raise ChatTemplateError(f"chat template failed to render: {err}; check the template against the "
-                                f"messages") from err
+        raise ChatTemplateError(
+            f"chat template failed to render: {err}; check the template against the messages"
+        ) from err

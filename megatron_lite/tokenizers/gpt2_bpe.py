@@ -42,8 +42,10 @@ class GPT2BPETokenizer(HFBackedTokenizer):
         tok.decoder = hf.decoders.ByteLevel()
         eod = tok.token_to_id(GPT2_EOD_TOKEN)
         if eod is None:
-            raise ValueError(f"vocab_file {self.vocab_file} has no {GPT2_EOD_TOKEN!r} token; GPT2BPETokenizer needs "
-                             f"GPT-2's vocab.json (for another BPE vocabulary use HuggingFaceTokenizer)")
+            raise ValueError(
+                f"vocab_file {self.vocab_file} has no {GPT2_EOD_TOKEN!r} token; GPT2BPETokenizer needs "
+                f"GPT-2's vocab.json (for another BPE vocabulary use HuggingFaceTokenizer)"
+            )
         self._tok = tok
         self._eod = int(eod)
 

@@ -55,7 +55,7 @@ def _token_text(value: Any, source: str, key: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"{source}: {key} must be a string or {{\"content\": ...}}, got {value!r}; fix the file")
+    raise ValueError(f'{source}: {key} must be a string or {{"content": ...}}, got {value!r}; fix the file')
 
 
 def _pick_template(value: Any, source: str) -> str | None:
@@ -83,17 +83,23 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
         if not os.path.exists(path):
             if looks_like_hub_id(path):
                 raise no_download_error(path)
-            raise FileNotFoundError(f"HuggingFace tokenizer path {path} does not exist; pass a local directory "
-                                    f"containing tokenizer.json, or the tokenizer.json file itself")
+            raise FileNotFoundError(
+                f"HuggingFace tokenizer path {path} does not exist; pass a local directory "
+                f"containing tokenizer.json, or the tokenizer.json file itself"
+            )
         if os.path.isdir(path):
             directory, tokenizer_file = path, os.path.join(path, "tokenizer.json")
             if not os.path.isfile(tokenizer_file):
-                hint = (" (it has a SentencePiece tokenizer.model: use SentencePieceTokenizer)"
-                        if os.path.isfile(os.path.join(path, "tokenizer.model")) else "")
+                hint = (
+                    " (it has a SentencePiece tokenizer.model: use SentencePieceTokenizer)"
+                    if os.path.isfile(os.path.join(path, "tokenizer.model"))
+                    else ""
+                )
                 raise FileNotFoundError(
                     f"{tokenizer_file} does not exist{hint}; megatron-lite reads fast tokenizers only: save one "
                     f"with transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(dir)` or "
-                    f"tokenizers' `Tokenizer.save(dir + '/tokenizer.json')`")
+                    f"tokenizers' `Tokenizer.save(dir + '/tokenizer.json')`"
+                )
         else:
             directory, tokenizer_file = os.path.dirname(os.path.abspath(path)), path
         self.path = path
@@ -103,8 +109,10 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
         try:
             self._tok = hf.Tokenizer.from_file(tokenizer_file)
         except Exception as err:  # tokenizers raises a bare Exception for malformed files
-            raise ValueError(f"{tokenizer_file} is not a Hugging Face tokenizers file ({err}); pass a "
-                             f"tokenizer.json written by tokenizers/transformers") from err
+            raise ValueError(
+                f"{tokenizer_file} is not a Hugging Face tokenizers file ({err}); pass a "
+                f"tokenizer.json written by tokenizers/transformers"
+            ) from err
 
         tokens, self._template = self._read_config(directory)
         for key, value in (special_tokens or {}).items():
@@ -116,8 +124,10 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
             text = tokens.get(key)
             token_id = None if text is None else self._tok.token_to_id(text)
             if text is not None and token_id is None:
-                raise ValueError(f"{key} {text!r} (from {directory}) is not in the vocabulary of {tokenizer_file}; "
-                                 f"fix {key} in tokenizer_config.json or pass special_tokens={{{key!r}: ...}}")
+                raise ValueError(
+                    f"{key} {text!r} (from {directory}) is not in the vocabulary of {tokenizer_file}; "
+                    f"fix {key} in tokenizer_config.json or pass special_tokens={{{key!r}: ...}}"
+                )
             self._special[key] = None if text is None else (text, int(token_id))
         # ids may have holes (added tokens appended past the base vocabulary): size by the largest id
         self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -165,8 +175,10 @@ class HuggingFaceTokenizer(HFBackedTokenizer):
         """The EOS id; ValueError if the tokenizer names no EOS token."""
         eos = self.eos
         if eos is None:
-            raise ValueError(f"HF tokenizer {self.path} names no eos_token to mark document ends; set eos_token in "
-                             f"tokenizer_config.json or pass special_tokens={{'eos_token': ...}}")
+            raise ValueError(
+                f"HF tokenizer {self.path} names no eos_token to mark document ends; set eos_token in "
+                f"tokenizer_config.json or pass special_tokens={{'eos_token': ...}}"
+            )
         return eos
 
     @property

@@ -17,16 +17,18 @@ class NullTokenizer(Tokenizer):
     def __init__(self, vocab_size: int) -> None:
         """``vocab_size`` >= 1 ids, ``0 .. vocab_size-1``."""
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"NullTokenizer needs an int vocab_size >= 1 (ids 0..vocab_size-1, the last is EOD), "
-                             f"got {vocab_size!r}")
+            raise ValueError(
+                f"NullTokenizer needs an int vocab_size >= 1 (ids 0..vocab_size-1, the last is EOD), got {vocab_size!r}"
+            )
         self._vocab_size = vocab_size
 
     def _check(self, ids: list[int]) -> list[int]:
         """``ids`` if all are in range, else ValueError naming the first bad one."""
         for token_id in ids:
             if not 0 <= token_id < self._vocab_size:
-                raise ValueError(f"token id {token_id} is outside [0, {self._vocab_size}); raise vocab_size or fix "
-                                 f"the ids")
+                raise ValueError(
+                    f"token id {token_id} is outside [0, {self._vocab_size}); raise vocab_size or fix the ids"
+                )
         return ids
 
     def tokenize(self, text: str) -> list[int]:
@@ -36,8 +38,9 @@ class NullTokenizer(Tokenizer):
             try:
                 ids.append(int(piece))
             except ValueError:
-                raise ValueError(f"NullTokenizer reads whitespace-separated integer ids, got {piece!r} in "
-                                 f"{text[:80]!r}") from None
+                raise ValueError(
+                    f"NullTokenizer reads whitespace-separated integer ids, got {piece!r} in {text[:80]!r}"
+                ) from None
         return self._check(ids)
 
     def detokenize(self, ids: Sequence[int]) -> str:

@@ -39,8 +39,11 @@ class SentencePieceTokenizer(Tokenizer):
     # the processor is a C++ object; ship the model bytes so the tokenizer survives pickling (spawned ranks)
     def __getstate__(self) -> dict[str, Any]:
         """Picklable state: the path, the serialized model and any chat template set on it."""
-        return {"model_path": self.model_path, "proto": self._sp.serialized_model_proto(),
-                "chat_template": getattr(self, "_chat_template_override", None)}
+        return {
+            "model_path": self.model_path,
+            "proto": self._sp.serialized_model_proto(),
+            "chat_template": getattr(self, "_chat_template_override", None),
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the processor from the serialized model."""
@@ -70,8 +73,10 @@ class SentencePieceTokenizer(Tokenizer):
         """End-of-document id: the EOS id; raises ValueError if the model has no EOS piece."""
         eos = self.eos
         if eos is None:
-            raise ValueError(f"SentencePiece model {self.model_path} has no EOS piece to mark document ends; "
-                             f"use a model trained with eos_id >= 0")
+            raise ValueError(
+                f"SentencePiece model {self.model_path} has no EOS piece to mark document ends; "
+                f"use a model trained with eos_id >= 0"
+            )
         return eos
 
     @property
@@ -143,11 +148,13 @@ class _LineCounter:
         """What to do about the skipped lines (empty when none was skipped)."""
         if not self.too_long:
             return ""
-        return (f"{self.too_long} of its {self.lines} lines are longer than max_sentence_length ({self.max_bytes} "
-                f"bytes; the longest holds {self.longest}) and SentencePiece skips such lines: split the text into "
-                f"shorter lines (the trainer reads one line at a time), or raise max_sentence_length: "
-                f"train_sentencepiece(..., max_sentence_length={self.longest}) (then load its .model, e.g. as "
-                f"TextCorpusDataModule's tokenizer_model)")
+        return (
+            f"{self.too_long} of its {self.lines} lines are longer than max_sentence_length ({self.max_bytes} "
+            f"bytes; the longest holds {self.longest}) and SentencePiece skips such lines: split the text into "
+            f"shorter lines (the trainer reads one line at a time), or raise max_sentence_length: "
+            f"train_sentencepiece(..., max_sentence_length={self.longest}) (then load its .model, e.g. as "
+            f"TextCorpusDataModule's tokenizer_model)"
+        )
 
 
 def train_sentencepiece(
@@ -213,11 +220,15 @@ def _explain_training_error(message: str, vocab_size: int, lines: _LineCounter) 
         return f"no text to train the tokenizer on: {lines.advice()}"
     needed = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
     if needed:
-        return (f"vocab_size {vocab_size} is too small for this corpus: it needs at least {needed.group(2)} "
-                f"pieces (256 bytes + special pieces + one per character); raise vocab_size")
+        return (
+            f"vocab_size {vocab_size} is too small for this corpus: it needs at least {needed.group(2)} "
+            f"pieces (256 bytes + special pieces + one per character); raise vocab_size"
+        )
     if "Vocabulary size too high" in message:
-        return (f"vocab_size {vocab_size} is larger than this corpus can fill ({message.strip()}); "
-                f"lower vocab_size or use more text")
+        return (
+            f"vocab_size {vocab_size} is larger than this corpus can fill ({message.strip()}); "
+            f"lower vocab_size or use more text"
+        )
     if "Corpus" in message or "empty" in message.lower():
         return f"no text to train the tokenizer on ({message.strip()}); pass a non-empty corpus"
     return f"SentencePiece training failed: {message.strip()}"

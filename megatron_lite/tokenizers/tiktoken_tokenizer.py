@@ -27,9 +27,11 @@ from megatron_lite.utils.optional import require
 PATTERNS = {
     # Megatron-LM's --tiktoken-pattern v1 and v2
     "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
-    "v2": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "v2": (
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
     # tiktoken's r50k/gpt2 split, for rank files converted from GPT-2 style vocabularies
     "gpt2": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
 }
@@ -52,8 +54,10 @@ def load_ranks(path: str) -> dict[bytes, int]:
                     raise ValueError(f"entry {index} has rank {entry['rank']}; ranks must be 0, 1, 2, ... in order")
                 ranks[base64.b64decode(entry["token_bytes"], validate=True)] = index
         except (ValueError, KeyError, TypeError, binascii.Error) as err:
-            raise ValueError(f"{path} is not a Megatron tiktoken JSON vocabulary (a list of {{\"rank\", "
-                             f"\"token_bytes\", \"token_str\"}}): {err}; fix the file") from err
+            raise ValueError(
+                f'{path} is not a Megatron tiktoken JSON vocabulary (a list of {{"rank", '
+                f'"token_bytes", "token_str"}}): {err}; fix the file'
+            ) from err
     else:
         for number, line in enumerate(data.splitlines(), 1):
             if not line.strip():
@@ -62,8 +66,10 @@ def load_ranks(path: str) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except (ValueError, binascii.Error) as err:
-                raise ValueError(f"{path}:{number}: {line[:80]!r} is not '<base64 token> <rank>'; pass a tiktoken "
-                                 f"rank file (e.g. cl100k_base.tiktoken) or a Megatron JSON vocabulary") from err
+                raise ValueError(
+                    f"{path}:{number}: {line[:80]!r} is not '<base64 token> <rank>'; pass a tiktoken "
+                    f"rank file (e.g. cl100k_base.tiktoken) or a Megatron JSON vocabulary"
+                ) from err
     _check_ranks(ranks, path)
     return ranks
 
@@ -73,12 +79,15 @@ def _check_ranks(ranks: dict[bytes, int], path: str) -> None:
     if not ranks:
         raise ValueError(f"{path} holds no tokens; pass a tiktoken rank file")
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks must be 0..{len(ranks) - 1}, each once (duplicates or gaps found); "
-                         f"fix the rank file")
+        raise ValueError(
+            f"{path}: ranks must be 0..{len(ranks) - 1}, each once (duplicates or gaps found); fix the rank file"
+        )
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise ValueError(f"{path} lacks {len(missing)} single-byte tokens (e.g. byte {missing[0]}); byte-level BPE "
-                         f"needs all 256; pass a complete byte-level rank file")
+        raise ValueError(
+            f"{path} lacks {len(missing)} single-byte tokens (e.g. byte {missing[0]}); byte-level BPE "
+            f"needs all 256; pass a complete byte-level rank file"
+        )
 
 
 class TikTokenizer(Tokenizer):
@@ -94,20 +103,28 @@ class TikTokenizer(Tokenizer):
     ) -> None:
         """Load ``path``; ``pattern`` is "v1", "v2", "gpt2" or a regex; errors name the fix."""
         tiktoken = require("tiktoken", "TikTokenizer")  # the data extra, not the base install
-        self.path = require_file(path, "tiktoken rank file", "pass the path of a local .tiktoken rank file "
-                                 "(megatron-lite never downloads one)")
+        self.path = require_file(
+            path,
+            "tiktoken rank file",
+            "pass the path of a local .tiktoken rank file (megatron-lite never downloads one)",
+        )
         """The rank file."""
         specials = list(REQUIRED_SPECIAL_TOKENS if special_tokens is None else special_tokens)
         if len(set(specials)) != len(specials):
             raise ValueError(f"special_tokens must be unique, got {specials}")
         missing = [t for t in REQUIRED_SPECIAL_TOKENS if t not in specials]
         if missing:
-            raise ValueError(f"special_tokens must include {list(REQUIRED_SPECIAL_TOKENS)} (missing {missing}), "
-                             f"got {specials}")
-        if isinstance(num_special_tokens, bool) or not isinstance(num_special_tokens, int) \
-                or num_special_tokens < len(specials):
-            raise ValueError(f"num_special_tokens={num_special_tokens!r} must be an int >= len(special_tokens) "
-                             f"= {len(specials)}")
+            raise ValueError(
+                f"special_tokens must include {list(REQUIRED_SPECIAL_TOKENS)} (missing {missing}), got {specials}"
+            )
+        if (
+            isinstance(num_special_tokens, bool)
+            or not isinstance(num_special_tokens, int)
+            or num_special_tokens < len(specials)
+        ):
+            raise ValueError(
+                f"num_special_tokens={num_special_tokens!r} must be an int >= len(special_tokens) = {len(specials)}"
+            )
         specials += [f"<SPECIAL_{i}>" for i in range(len(specials), num_special_tokens)]
         self.num_special_tokens = num_special_tokens
         """Ids reserved for special tokens before the BPE ranks."""
@@ -119,7 +136,8 @@ class TikTokenizer(Tokenizer):
                 raise ValueError(
                     f"vocab_size={vocab_size} leaves {inner} BPE ranks after {num_special_tokens} special tokens, "
                     f"but {self.path} has {len(ranks)} (and at least the 256 byte tokens are needed); use a "
-                    f"vocab_size in [{num_special_tokens + 256}, {num_special_tokens + len(ranks)}] or None")
+                    f"vocab_size in [{num_special_tokens + 256}, {num_special_tokens + len(ranks)}] or None"
+                )
             ranks = {token: rank for token, rank in ranks.items() if rank < inner}
         self.pattern = PATTERNS.get(pattern, pattern)
         """The pre-tokenization regex."""
@@ -131,8 +149,9 @@ class TikTokenizer(Tokenizer):
                 special_tokens={token: i for i, token in enumerate(specials)},
             )
         except ValueError as err:
-            raise ValueError(f"pattern {pattern!r} is not a valid regex ({err}); pass 'v1', 'v2', 'gpt2' or a "
-                             f"regex tiktoken accepts") from err
+            raise ValueError(
+                f"pattern {pattern!r} is not a valid regex ({err}); pass 'v1', 'v2', 'gpt2' or a regex tiktoken accepts"
+            ) from err
         self._specials = specials
         self._vocab_size = num_special_tokens + len(ranks)
 

@@ -39,16 +39,18 @@ def decode_utf8(data: bytes, path: str | os.PathLike[str]) -> str:
     except UnicodeDecodeError as err:
         start = data.rfind(b"\n", 0, err.start) + 1
         end = data.find(b"\n", err.start)
-        line = data[start:] if end < 0 else data[start:end + 1]
+        line = data[start:] if end < 0 else data[start : end + 1]
         moved = UnicodeDecodeError(err.encoding, line, err.start - start, err.end - start, err.reason)
         raise ValueError(_not_utf8(path, data.count(b"\n", 0, err.start) + 1, line, moved)) from None
 
 
 def _not_utf8(path: str | os.PathLike[str], line_no: int, line: bytes, err: UnicodeDecodeError) -> str:
     """The one-line message for a line that is not UTF-8: where, which byte, and how to fix the file."""
-    return (f"{os.fspath(path)}:{line_no}: byte {err.start + 1} of the line ({line[err.start]:#04x}) is not UTF-8 "
-            f"({err.reason}); the input must be UTF-8 text: convert the file (e.g. `iconv -f latin1 -t utf-8 "
-            f"{os.fspath(path)} > <new file>`) or remove the line")
+    return (
+        f"{os.fspath(path)}:{line_no}: byte {err.start + 1} of the line ({line[err.start]:#04x}) is not UTF-8 "
+        f"({err.reason}); the input must be UTF-8 text: convert the file (e.g. `iconv -f latin1 -t utf-8 "
+        f"{os.fspath(path)} > <new file>`) or remove the line"
+    )
 
 
 def require_object(value: Any, where: str, key: str, *, error: type[ValueError] = ValueError) -> dict[str, Any]:
@@ -59,7 +61,12 @@ def require_object(value: Any, where: str, key: str, *, error: type[ValueError] 
 
 
 def parse_object_line(
-    line: str, where: str, key: str, *, what: str = "the corpus", error: type[ValueError] = ValueError,
+    line: str,
+    where: str,
+    key: str,
+    *,
+    what: str = "the corpus",
+    error: type[ValueError] = ValueError,
 ) -> dict[str, Any] | None:
     """The JSON object on one line, or None for a blank line.
 
@@ -77,7 +84,11 @@ def parse_object_line(
 
 
 def iter_jsonl_texts(
-    path: str, json_key: str = "text", *, what: str = "the corpus", option: str = "json_key",
+    path: str,
+    json_key: str = "text",
+    *,
+    what: str = "the corpus",
+    option: str = "json_key",
 ) -> Iterator[str]:
     """The non-empty strings under ``json_key``, one JSON object per line; blank lines are skipped.
 
@@ -91,8 +102,7 @@ def iter_jsonl_texts(
         if obj is None:
             continue
         if json_key not in obj:
-            fix = ("every line needs it: fix or remove this line" if key_seen
-                   else f"pass {option}=<one of them>")
+            fix = "every line needs it: fix or remove this line" if key_seen else f"pass {option}=<one of them>"
             raise ValueError(f"{where} has no key {json_key!r} (its keys: {sorted(obj)}); {fix}")
         key_seen = True
         text = obj[json_key]

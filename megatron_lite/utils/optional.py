@@ -48,8 +48,7 @@ class MissingDependencyError(ImportError):
 
 def missing_dependency(distribution: str, extra: str, purpose: str) -> MissingDependencyError:
     """The one-line error for ``purpose`` lacking ``distribution`` (installed by megatron-lite's ``extra``)."""
-    return MissingDependencyError(f"{purpose} needs the {distribution!r} package: "
-                                  f"pip install \"megatron-lite[{extra}]\"")
+    return MissingDependencyError(f'{purpose} needs the {distribution!r} package: pip install "megatron-lite[{extra}]"')
 
 
 def require(module: str, purpose: str) -> ModuleType:

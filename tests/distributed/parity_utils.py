@@ -1,5 +1,6 @@
 """Run a real Trainer under MegatronStrategy (ranks forked from the test) and record what parity
 tests compare: the loss of every step and the full (TP-gathered) gradients of the first step."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ from megatron_lite.core.parallel.fsdp import full_local_tensor
 from megatron_lite.core.parallel.tensor_parallel import gather_full
 from megatron_lite.data import MockGPTDataModule
 
-
 # The MFU peak of the MegatronMetrics the strategy adds, given here: without it every rank of every run times
 # a matmul for ~60 ms to estimate one (~14% of a 2-rank run's CPU). Parity compares numbers, not throughput;
 # the measured peak is tested where MFU is (test_metrics_callback.py).
@@ -24,8 +24,15 @@ PEAK_TFLOPS = 1.0
 
 def tiny_config(**overrides) -> ml.GPTConfig:
     """A model small enough for 4 ranks on 2 cores, with GQA so group splitting is exercised."""
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, vocab_size=1000,
-                seq_length=32, make_vocab_size_divisible_by=32)
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=1000,
+        seq_length=32,
+        make_vocab_size_divisible_by=32,
+    )
     base.update(overrides)
     return ml.GPTConfig(**base)
 
@@ -76,38 +83,82 @@ class Recorder(L.Callback):
         params = full_tensors(pl_module, lambda p: p)
         mopt = pl_module.megatron_optimizer
         if trainer.global_rank == 0:
-            torch.save({"losses": self.losses, "grads": self.grads, "global_step": trainer.global_step,
-                        "params": params, "grad_norms": self.grad_norms, "skipped_steps": mopt.skipped_steps,
-                        "overlapped_reductions": getattr(mopt, "overlapped_reductions", 0), "loss_scale": mopt.loss_scale},
-                       self.out / "result.pt")
+            torch.save(
+                {
+                    "losses": self.losses,
+                    "grads": self.grads,
+                    "global_step": trainer.global_step,
+                    "params": params,
+                    "grad_norms": self.grad_norms,
+                    "skipped_steps": mopt.skipped_steps,
+                    "overlapped_reductions": getattr(mopt, "overlapped_reductions", 0),
+                    "loss_scale": mopt.loss_scale,
+                },
+                self.out / "result.pt",
+            )
 
 
-def run(out: Path, *, devices: int = 1, tp: int = 1, sp: bool = False, pp: int = 1, vpp: int = 1, steps: int = 10,
-        gbs: int = 8,
-        mbs: int = 2, config: Optional[ml.GPTConfig] = None, optimizer: Optional[ml.OptimizerConfig] = None,
-        ckpt_path: Optional[str] = None, data=None, accelerator: str = "cpu", start_method: str = "fork",
-        strategy_kwargs: Optional[dict] = None, **trainer_kwargs) -> dict:
+def run(
+    out: Path,
+    *,
+    devices: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    vpp: int = 1,
+    steps: int = 10,
+    gbs: int = 8,
+    mbs: int = 2,
+    config: Optional[ml.GPTConfig] = None,
+    optimizer: Optional[ml.OptimizerConfig] = None,
+    ckpt_path: Optional[str] = None,
+    data=None,
+    accelerator: str = "cpu",
+    start_method: str = "fork",
+    strategy_kwargs: Optional[dict] = None,
+    **trainer_kwargs,
+) -> dict:
     """Train ``steps`` steps and return the recorded results of global rank 0."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = config or tiny_config()
     if data is None:
-        data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=mbs, global_batch_size=gbs,
-                                 vocab_size=config.vocab_size, seed=7)
+        data = MockGPTDataModule(
+            seq_length=config.seq_length,
+            micro_batch_size=mbs,
+            global_batch_size=gbs,
+            vocab_size=config.vocab_size,
+            seed=7,
+        )
     optimizer = optimizer or ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4)
     callbacks = [Recorder(out), *trainer_kwargs.pop("callbacks", [])]
     if (strategy_kwargs or {}).get("log_metrics", True) and not any(isinstance(c, MegatronMetrics) for c in callbacks):
         callbacks.append(MegatronMetrics(peak_tflops_per_device=PEAK_TFLOPS))  # where the strategy adds its own
-    settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    limit_val_batches=0)
+    settings = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     settings.update(trainer_kwargs)
     if any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks):
         settings["enable_checkpointing"] = True
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method=start_method,
-                                     pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                                     **(strategy_kwargs or {})),
-        accelerator=accelerator, devices=devices, max_steps=steps, callbacks=callbacks, **settings)
+        strategy=ml.MegatronStrategy(
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+            start_method=start_method,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            **(strategy_kwargs or {}),
+        ),
+        accelerator=accelerator,
+        devices=devices,
+        max_steps=steps,
+        callbacks=callbacks,
+        **settings,
+    )
     module = ml.GPTModule(config, optimizer=optimizer, seed=1234)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return torch.load(out / "result.pt", weights_only=False)
@@ -123,8 +174,9 @@ def assert_same_params(result: dict, reference: dict, rtol: float = 1e-5) -> Non
         assert error <= rtol, f"parameter {name}: relative error {error:.3g} > {rtol}"
 
 
-def assert_same_training(result: dict, reference: dict, rtol: float = 1e-5, grads: bool = True,
-                         params: bool = True) -> None:
+def assert_same_training(
+    result: dict, reference: dict, rtol: float = 1e-5, grads: bool = True, params: bool = True
+) -> None:
     """Per-step losses, the first step's gradients (unless ``grads=False``) and the final parameters
     (unless ``params=False``) equal the reference (fp32 tolerance)."""
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=0)
@@ -135,8 +187,13 @@ def assert_same_training(result: dict, reference: dict, rtol: float = 1e-5, grad
     assert result["grads"].keys() == reference["grads"].keys()
     for name, grad in reference["grads"].items():
         scale = grad.abs().max().item()
-        torch.testing.assert_close(result["grads"][name], grad, rtol=rtol, atol=rtol * scale,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+        torch.testing.assert_close(
+            result["grads"][name],
+            grad,
+            rtol=rtol,
+            atol=rtol * scale,
+            msg=lambda m, name=name: f"gradient of {name}: {m}",
+        )
 
 
 class _NodeLayout(L.Callback):
@@ -147,8 +204,11 @@ class _NodeLayout(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         layout = pl_module.parallel_layout
-        mine = {"node": trainer.node_rank, "tp": torch.distributed.get_process_group_ranks(layout.group("tp")),
-                "dp": torch.distributed.get_process_group_ranks(layout.group("dp"))}
+        mine = {
+            "node": trainer.node_rank,
+            "tp": torch.distributed.get_process_group_ranks(layout.group("tp")),
+            "dp": torch.distributed.get_process_group_ranks(layout.group("dp")),
+        }
         ranks = [None] * trainer.world_size
         torch.distributed.all_gather_object(ranks, mine)
         if trainer.global_rank == 0:

@@ -1,6 +1,7 @@
 """Callbacks that record what the resharding and resume tests compare, from inside the forked ranks:
 the loss of a fixed batch (the model as loaded, before any step), the sample indices each rank trained
 on, and the RNG states at a save and right after a load."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +34,7 @@ class FixedBatchLoss(L.Callback):
         tokens = fixed_batch(dm.global_batch_size, dm.seq_length, pl_module.config.vocab_size)
         layout = pl_module.parallel_layout
         local = dm.global_batch_size // layout.dp_size
-        batch = {"tokens": tokens[layout.dp_rank * local:(layout.dp_rank + 1) * local]}
+        batch = {"tokens": tokens[layout.dp_rank * local : (layout.dp_rank + 1) * local]}
         with torch.no_grad():
             loss = float(pl_module.run_schedule(batch, forward_only=True).loss)
         if trainer.global_rank == 0:
@@ -59,8 +60,10 @@ class SampleRecorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         layout = pl_module.parallel_layout
-        torch.save({"batches": self.batches, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size},
-                   self.out / f"samples_rank{trainer.global_rank}.pt")
+        torch.save(
+            {"batches": self.batches, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size},
+            self.out / f"samples_rank{trainer.global_rank}.pt",
+        )
 
 
 def sample_indices(out: Path, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -102,5 +105,6 @@ class RNGRecorder(L.Callback):
         torch.save(rng_snapshot(pl_module), self.out / f"rng_end_rank{trainer.global_rank}.pt")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        torch.save(rng_snapshot(pl_module),
-                   self.out / f"rng_saved_step{trainer.global_step}_rank{trainer.global_rank}.pt")
+        torch.save(
+            rng_snapshot(pl_module), self.out / f"rng_saved_step{trainer.global_step}_rank{trainer.global_rank}.pt"
+        )

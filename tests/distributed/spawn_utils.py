@@ -1,4 +1,5 @@
 """Run a function on N forked ranks joined by a gloo process group (no Lightning), for core tests."""
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 def run_ranks(fn: Callable[..., Any], world_size: int, *args) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns each rank's return value."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
-                           start_method="fork")
+        mp.start_processes(
+            _worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, start_method="fork"
+        )
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

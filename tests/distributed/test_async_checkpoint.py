@@ -12,6 +12,7 @@ Lightning's own ModelCheckpoint (every_n_train_steps, save_last, save_top_k + mo
   shard) surfaces in the training process as an error naming the checkpoint and the cause, and nothing
   is committed.
 """
+
 import json
 import re
 import resource
@@ -24,12 +25,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
+from parity_utils import run, tiny_config
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.format.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
-from parity_utils import run, tiny_config
 
 LEFTOVER = re.compile(r"^\..+\.(tmp|old|del)-[0-9a-f]{8}$")
 CONFIG = dict(vocab_size=1000, make_vocab_size_divisible_by=96)  # padded to 1152 at TP2: uneven real rows
@@ -43,8 +44,11 @@ def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor a checkpoint holds (model, optimizer, RNG), read in this process."""
     assert verify_checkpoint(path).status == "ok"
     metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
@@ -68,8 +72,7 @@ class InFlight(L.Callback):
 
 
 def _checkpointing(dirpath: Path) -> ModelCheckpoint:
-    return ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True, save_top_k=2,
-                           monitor="train/loss")
+    return ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True, save_top_k=2, monitor="train/loss")
 
 
 def test_async_saves_equal_synchronous_ones_and_resume(tmp_path):
@@ -77,8 +80,15 @@ def test_async_saves_equal_synchronous_ones_and_resume(tmp_path):
     sync_dir, async_dir = tmp_path / "sync_ckpts", tmp_path / "async_ckpts"
     reference = run(tmp_path / "sync", devices=2, tp=2, steps=8, config=config, callbacks=[_checkpointing(sync_dir)])
     flights = tmp_path / "in_flight.json"
-    result = run(tmp_path / "async", devices=2, tp=2, steps=8, config=config, strategy_kwargs={"async_save": True},
-                 callbacks=[_checkpointing(async_dir), InFlight(flights)])
+    result = run(
+        tmp_path / "async",
+        devices=2,
+        tp=2,
+        steps=8,
+        config=config,
+        strategy_kwargs={"async_save": True},
+        callbacks=[_checkpointing(async_dir), InFlight(flights)],
+    )
 
     # the saves after steps 2, 4 and 6 were still in flight when the next step began: training went on
     in_flight = {step: name for step, name in json.loads(flights.read_text())}
@@ -102,10 +112,19 @@ def test_async_saves_equal_synchronous_ones_and_resume(tmp_path):
     earliest = min((n for n in names if n != "last.ckpt"), key=lambda n: int(re.search(r"step=(\d+)", n)[1]))
     step = read_checkpoint_meta(async_dir / earliest)["global_step"]
     assert step < 8
-    resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=8, config=config, strategy_kwargs={"async_save": True},
-                  ckpt_path=str(async_dir / earliest), callbacks=[_checkpointing(tmp_path / "resumed_ckpts")])
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][step:]),
-                               rtol=1e-5, atol=0)
+    resumed = run(
+        tmp_path / "resumed",
+        devices=2,
+        tp=2,
+        steps=8,
+        config=config,
+        strategy_kwargs={"async_save": True},
+        ckpt_path=str(async_dir / earliest),
+        callbacks=[_checkpointing(tmp_path / "resumed_ckpts")],
+    )
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][step:]), rtol=1e-5, atol=0
+    )
 
 
 def test_async_saves_with_the_distributed_optimizer_equal_synchronous_ones(tmp_path):
@@ -113,13 +132,20 @@ def test_async_saves_with_the_distributed_optimizer_equal_synchronous_ones(tmp_p
     written in the background it equals the synchronous save."""
     import megatron_lite as ml
 
-    zero1 = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
-                               use_distributed_optimizer=True)
+    zero1 = ml.OptimizerConfig(
+        lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=True
+    )
     dirs = {}
     for mode in ("sync", "async"):
         dirs[mode] = tmp_path / f"{mode}_ckpts"
-        run(tmp_path / mode, devices=2, steps=4, optimizer=zero1, strategy_kwargs={"async_save": mode == "async"},
-            callbacks=[ModelCheckpoint(dirpath=dirs[mode], every_n_train_steps=2, save_top_k=-1)])
+        run(
+            tmp_path / mode,
+            devices=2,
+            steps=4,
+            optimizer=zero1,
+            strategy_kwargs={"async_save": mode == "async"},
+            callbacks=[ModelCheckpoint(dirpath=dirs[mode], every_n_train_steps=2, save_top_k=-1)],
+        )
     names = _checkpoints(dirs["sync"])
     assert names == _checkpoints(dirs["async"]) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     for name in names:
@@ -141,9 +167,15 @@ class FileSizeLimit(L.Callback):
 def test_background_write_error_surfaces_in_training(tmp_path):
     ckpt_dir = tmp_path / "ckpts"
     with pytest.raises(Exception) as failure:
-        run(tmp_path / "run", devices=2, tp=2, steps=4, config=tiny_config(**CONFIG),
+        run(
+            tmp_path / "run",
+            devices=2,
+            tp=2,
+            steps=4,
+            config=tiny_config(**CONFIG),
             strategy_kwargs={"async_save": True},
-            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1), FileSizeLimit()])
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1), FileSizeLimit()],
+        )
     message = str(failure.value)
     assert "could not be written in the background" in message, message
     # the cause, from the rank's DCP write (the OS cut the shard short at the limit, which torch's
@@ -171,9 +203,15 @@ def test_a_failing_run_leaves_only_complete_checkpoints(tmp_path):
     in-flight one waited for (step 2's top-k checkpoint) is there."""
     ckpt_dir = tmp_path / "ckpts"
     with pytest.raises(Exception, match="failing on purpose at step 2"):
-        run(tmp_path / "run", devices=2, tp=2, steps=4, config=tiny_config(**CONFIG),
+        run(
+            tmp_path / "run",
+            devices=2,
+            tp=2,
+            steps=4,
+            config=tiny_config(**CONFIG),
             strategy_kwargs={"async_save": True},
-            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True), FailAtStep(2)])
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True), FailAtStep(2)],
+        )
     names = _checkpoints(ckpt_dir)
     assert "epoch=0-step=2.ckpt" in names and set(names) <= {"epoch=0-step=2.ckpt", "last.ckpt"}
     for name in names:

@@ -9,6 +9,7 @@ namespace of a forked process, so nothing is mounted outside it), real saves of 
 
 Mounting needs root or unprivileged user namespaces; without either the tests skip, saying which.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from spawn_utils import run_ranks
 
 from megatron_lite.core.checkpoint.errors import AsyncCheckpointError, CheckpointDiskFullError
 from megatron_lite.core.checkpoint.format.async_save import AsyncCheckpointWriter
 from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded
-from spawn_utils import run_ranks
 
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
@@ -44,8 +45,10 @@ def _mount_tiny_disk(target: Path) -> None:
             code = ctypes.get_errno()
             raise OSError(code, f"{what}: {os.strerror(code)}")
 
-    check(libc.unshare(_CLONE_NEWNS if uid == 0 else _CLONE_NEWNS | _CLONE_NEWUSER),
-          "unshare(CLONE_NEWNS" + (")" if uid == 0 else " | CLONE_NEWUSER)"))
+    check(
+        libc.unshare(_CLONE_NEWNS if uid == 0 else _CLONE_NEWNS | _CLONE_NEWUSER),
+        "unshare(CLONE_NEWNS" + (")" if uid == 0 else " | CLONE_NEWUSER)"),
+    )
     if uid != 0:
         Path("/proc/self/setgroups").write_text("deny")
         Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
@@ -61,8 +64,14 @@ def _child(fn, disk: str, result: str) -> None:
             _mount_tiny_disk(Path(disk))
         except OSError as error:
             who = "as root" if os.getuid() == 0 else f"as uid {os.getuid()} (unprivileged user namespaces refused?)"
-            Path(result).write_text(json.dumps({"skip": f"cannot mount a size-limited tmpfs in a mount namespace "
-                                                        f"{who}: {error}; these tests need root or user namespaces"}))
+            Path(result).write_text(
+                json.dumps(
+                    {
+                        "skip": f"cannot mount a size-limited tmpfs in a mount namespace "
+                        f"{who}: {error}; these tests need root or user namespaces"
+                    }
+                )
+            )
             return
         Path(result).write_text(json.dumps({"value": fn(Path(disk))}))
     except BaseException:  # noqa: BLE001 - reported to the test process

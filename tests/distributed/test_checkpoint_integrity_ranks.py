@@ -3,13 +3,14 @@ and rank 0 writes them into one manifest; a damaged file -- whichever rank check
 every rank with the same error naming it (no rank waits in a collective); a value rank 0 refuses to write
 fails the save on every rank before any file exists; a save replacing an existing checkpoint leaves only
 the new one."""
+
 from pathlib import Path
 
 import torch
+from spawn_utils import run_ranks
 
 from megatron_lite.core.checkpoint.format.integrity import _share, read_manifest
 from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded
-from spawn_utils import run_ranks
 
 
 def _state(rank: int, value: float) -> dict:
@@ -37,9 +38,14 @@ def _save_damage_load(rank: int, world_size: int, directory: str, damaged: str) 
         error = None
     except ValueError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    return {"records": records, "step": meta["global_step"], "entries": entries,
-            "loaded": float(clean[f"rank{rank}.weight"][0, 0]), "error": error,
-            "untouched": not any(t.any() for t in target.values())}
+    return {
+        "records": records,
+        "step": meta["global_step"],
+        "entries": entries,
+        "loaded": float(clean[f"rank{rank}.weight"][0, 0]),
+        "error": error,
+        "untouched": not any(t.any() for t in target.values()),
+    }
 
 
 def test_a_damaged_shard_fails_every_rank_and_names_the_file(tmp_path):
@@ -70,7 +76,8 @@ def _refused_save(rank: int, world_size: int, directory: str) -> str:
 
 def test_a_value_refused_on_rank0_fails_the_save_on_every_rank(tmp_path):
     errors = run_ranks(_refused_save, 2, str(tmp_path))
-    assert all(e.startswith("CheckpointMetaError: checkpoint.hyper_parameters.tokenizer is a builtins.object")
-               for e in errors)
+    assert all(
+        e.startswith("CheckpointMetaError: checkpoint.hyper_parameters.tokenizer is a builtins.object") for e in errors
+    )
     assert errors[1].endswith("(raised on rank 0)")
     assert list(tmp_path.iterdir()) == []  # refused before anything was written

@@ -8,17 +8,18 @@ sequence (checked on the microbatches the engine is given), so equality proves t
 values, the RoPE positions of the chunks, the loss and token reduction over CP and the gradient reduction
 over the data x context parallel group, end to end.
 """
+
 from pathlib import Path
 
 import lightning as L
 import pytest
+import test_sft_parity
 import torch
+from parity_utils import assert_same_training, run, tiny_config
 from torch.utils.data import DataLoader
 
 import megatron_lite as ml
 from megatron_lite.data import MockGPTDataModule
-from parity_utils import assert_same_training, run, tiny_config
-import test_sft_parity
 
 packed_sft_data = test_sft_parity._data
 sft_file = test_sft_parity.sft_file  # the fixture that writes the chat JSONL the packed run reads
@@ -47,9 +48,13 @@ class ShareRecorder(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
             share = pl_module.step_microbatches(batch)[0]
-            self.seen = {"batch_tokens": tuple(batch["tokens"].shape), "tokens": tuple(share["tokens"].shape),
-                         "labels": tuple(share["labels"].shape), "positions": share["position_ids"][0].tolist(),
-                         "cp_rank": pl_module.parallel_layout.cp_rank}
+            self.seen = {
+                "batch_tokens": tuple(batch["tokens"].shape),
+                "tokens": tuple(share["tokens"].shape),
+                "labels": tuple(share["labels"].shape),
+                "positions": share["position_ids"][0].tolist(),
+                "cp_rank": pl_module.parallel_layout.cp_rank,
+            }
 
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
@@ -60,8 +65,9 @@ def _run(path, *, cp=1, cp_comm_type="p2p", distributed_optimizer=False, recompu
     config = tiny_config(seq_length=SEQ, **({"recompute_granularity": recompute} if recompute else {}))
     optimizer = None
     if distributed_optimizer:
-        optimizer = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
-                                       use_distributed_optimizer=True)
+        optimizer = ml.OptimizerConfig(
+            lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=True
+        )
     strategy = dict(context_parallel_size=cp, cp_comm_type=cp_comm_type)
     return run(path, config=config, optimizer=optimizer, strategy_kwargs=strategy, **kwargs)
 
@@ -78,15 +84,18 @@ def test_context_parallel_layout_matches_single_process(name, reference, tmp_pat
     assert result["global_step"] == 10
     # The distributed optimizer moves gradients into its shards: compared through the norm and the step.
     assert_same_training(result, reference, grads=not kwargs.get("distributed_optimizer"))
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
     share, cp = torch.load(tmp_path / "share.pt"), kwargs["cp"]
     chunk = SEQ // (2 * cp)
     assert share["batch_tokens"][1] == SEQ + 1  # the Lightning batch is left whole
     assert share["tokens"][1] == share["labels"][1] == SEQ // cp
     first, second = share["cp_rank"], 2 * cp - 1 - share["cp_rank"]
-    assert share["positions"] == [*range(first * chunk, (first + 1) * chunk),
-                                  *range(second * chunk, (second + 1) * chunk)]
+    assert share["positions"] == [
+        *range(first * chunk, (first + 1) * chunk),
+        *range(second * chunk, (second + 1) * chunk),
+    ]
 
 
 def test_packed_sft_rows_under_cp2_match_single_process(sft_file, tmp_path):
@@ -94,15 +103,26 @@ def test_packed_sft_rows_under_cp2_match_single_process(sft_file, tmp_path):
     document is split over the CP ranks by the same zigzag and never attends across a boundary."""
     config = tiny_config(vocab_size=50257, seq_length=64, make_vocab_size_divisible_by=64)
     reference = run(tmp_path / "single", devices=1, config=config, steps=4, data=packed_sft_data(sft_file))
-    result = run(tmp_path / "cp2", devices=2, config=config, steps=4, data=packed_sft_data(sft_file),
-                 strategy_kwargs=dict(context_parallel_size=2))
+    result = run(
+        tmp_path / "cp2",
+        devices=2,
+        config=config,
+        steps=4,
+        data=packed_sft_data(sft_file),
+        strategy_kwargs=dict(context_parallel_size=2),
+    )
     assert_same_training(result, reference)
 
 
 def test_gpt2_style_model_with_learned_positions_under_cp2_matches_single_process(tmp_path):
     """Learned absolute positions are looked up at each chunk's global positions (LayerNorm, GeLU, biases)."""
-    config = tiny_config(seq_length=SEQ, normalization="LayerNorm", activation="gelu",
-                         position_embedding_type="learned_absolute", add_bias_linear=True)
+    config = tiny_config(
+        seq_length=SEQ,
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+    )
     reference = run(tmp_path / "single", devices=1, config=config, steps=4)
     result = run(tmp_path / "cp2", devices=2, config=config, steps=4, strategy_kwargs=dict(context_parallel_size=2))
     # Not the final parameters: the key bias has a zero gradient in exact arithmetic (softmax ignores a shift
@@ -133,8 +153,15 @@ def test_validation_loss_under_cp2_matches_single_process(tmp_path):
     for name, kwargs in (("single", dict(devices=1)), ("cp2", dict(devices=2, cp=2))):
         out = tmp_path / name
         out.mkdir()
-        _run(out, steps=4, limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=0,
-             callbacks=[ValidationLoss(out)], **kwargs)
+        _run(
+            out,
+            steps=4,
+            limit_val_batches=2,
+            val_check_interval=2,
+            num_sanity_val_steps=0,
+            callbacks=[ValidationLoss(out)],
+            **kwargs,
+        )
         losses[name] = torch.load(out / "val.pt")
     assert len(losses["cp2"]) == 2
     torch.testing.assert_close(torch.tensor(losses["cp2"]), torch.tensor(losses["single"]), rtol=1e-5, atol=0)
@@ -147,9 +174,16 @@ def test_fit_then_predict_under_cp2_give_the_whole_sequences_logits():
     data = MockGPTDataModule(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, vocab_size=1000, seed=7)
 
     def trainer(**kwargs):
-        return L.Trainer(strategy=ml.MegatronStrategy(context_parallel_size=2, start_method="fork"),
-                         accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, **kwargs)
+        return L.Trainer(
+            strategy=ml.MegatronStrategy(context_parallel_size=2, start_method="fork"),
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
 
     trainer(max_steps=3, limit_val_batches=0).fit(module, data)
     samples = [{"tokens": (torch.arange(SEQ) * (i + 1)) % 1000} for i in range(3)]
@@ -168,8 +202,13 @@ def test_checkpoint_saved_under_cp2_resumes_under_cp2_and_in_one_process(tmp_pat
     kwargs = dict(cp=2, distributed_optimizer=True)
     full = _run(tmp_path / "full", devices=2, steps=6, **kwargs)
     ckpt_dir = tmp_path / "ckpts"
-    _run(tmp_path / "first", devices=2, steps=3, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3,
-                                                                             save_top_k=-1)], **kwargs)
+    _run(
+        tmp_path / "first",
+        devices=2,
+        steps=3,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)],
+        **kwargs,
+    )
     saved = str(ckpt_dir / "epoch=0-step=3.ckpt")
     resumed = _run(tmp_path / "resumed", devices=2, steps=6, ckpt_path=saved, **kwargs)
     alone = _run(tmp_path / "alone", devices=1, steps=6, ckpt_path=saved, distributed_optimizer=True)

@@ -2,11 +2,13 @@
 and gradients: each CP rank runs its zigzag share of the rows, the loss sums and the gradients are
 summed over CP; with TP and sequence parallelism too, with packed rows, with recompute; full_logits
 and generation run the whole rows on every CP rank."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from spawn_utils import run_ranks
 
 import megatron_lite as ml
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
@@ -14,12 +16,17 @@ from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.core.parallel.tensor_parallel import gather_full
 
-from spawn_utils import run_ranks
-
 
 def _config(**overrides) -> ml.GPTConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                seq_length=32, make_vocab_size_divisible_by=32)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=128,
+        seq_length=32,
+        make_vocab_size_divisible_by=32,
+    )
     base.update(overrides)
     return ml.GPTConfig(**base)
 
@@ -29,8 +36,12 @@ def _microbatch(packed: bool) -> dict:
     mb = {"tokens": tokens, "loss_mask": torch.ones(2, 32)}
     if packed:
         mb["cu_seqlens"] = torch.tensor([[0, 7, 19, 33], [0, 16, 25, -1]], dtype=torch.int32)
-        mb["position_ids"] = torch.stack([torch.cat([torch.arange(7), torch.arange(12), torch.arange(13)]),
-                                          torch.cat([torch.arange(16), torch.arange(9), torch.arange(7)])])
+        mb["position_ids"] = torch.stack(
+            [
+                torch.cat([torch.arange(7), torch.arange(12), torch.arange(13)]),
+                torch.cat([torch.arange(16), torch.arange(9), torch.arange(7)]),
+            ]
+        )
         mb["loss_mask"][0, [6, 18]] = 0
         mb["loss_mask"][1, [15, 24]] = 0
     return mb
@@ -43,8 +54,14 @@ def _loss_and_grads(model, mb):
 
 
 def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
-    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                                                 context_parallel_size=world_size // tp, cp_comm_type=comm_type))
+    layout = ParallelLayout.build(
+        ParallelConfig(
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+            context_parallel_size=world_size // tp,
+            cp_comm_type=comm_type,
+        )
+    )
     model = ml.GPTModel(_config(**overrides), layout, seed=5)
     model.train()
     mb = _microbatch(packed)
@@ -62,14 +79,24 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
     return totals, grads, logits
 
 
-@pytest.mark.parametrize("world,tp,sp,packed,overrides,comm_type", [
-    (2, 1, False, False, {}, "p2p"),
-    (2, 1, False, True, {}, "all_gather"),
-    (4, 1, False, True, {}, "p2p"),
-    (4, 2, True, False, {"recompute_granularity": "selective"}, "p2p"),
-    (2, 1, False, False, {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-                          "activation": "gelu"}, "p2p"),
-], ids=["cp2", "cp2-packed-allgather", "cp4-packed", "tp2-cp2-sp-recompute", "cp2-learned-pos"])
+@pytest.mark.parametrize(
+    "world,tp,sp,packed,overrides,comm_type",
+    [
+        (2, 1, False, False, {}, "p2p"),
+        (2, 1, False, True, {}, "all_gather"),
+        (4, 1, False, True, {}, "p2p"),
+        (4, 2, True, False, {"recompute_granularity": "selective"}, "p2p"),
+        (
+            2,
+            1,
+            False,
+            False,
+            {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "activation": "gelu"},
+            "p2p",
+        ),
+    ],
+    ids=["cp2", "cp2-packed-allgather", "cp4-packed", "tp2-cp2-sp-recompute", "cp2-learned-pos"],
+)
 def test_context_parallel_model_equals_single_process(world, tp, sp, packed, overrides, comm_type):
     torch.set_num_threads(1)
     reference = ml.GPTModel(_config(**overrides), seed=5)

@@ -1,11 +1,12 @@
 """The vocab-parallel distillation KL is the single-process KL: ``T²·KL(softmax(t/T) ‖ softmax(s/T))`` per
 token equals torch's ``kl_div`` on the full real vocabulary, forward and gradient, alone (with padding that
 must be ignored) and split over 2 forked gloo ranks whose second rank holds part real entries, part padding."""
+
 import torch
 import torch.nn.functional as F
+from spawn_utils import run_ranks
 
 from megatron_lite.core.parallel.vocab_parallel_kl import vocab_parallel_kl_divergence
-from spawn_utils import run_ranks
 
 VOCAB, PADDED, T = 100, 128, 2.0  # rank 1 of 2 holds rows 64..127: 36 real, 28 padding
 
@@ -21,8 +22,12 @@ def _logits(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(student: torch.Tensor, teacher: torch.Tensor, upstream: torch.Tensor):
     s = student[..., :VOCAB].clone().requires_grad_(True)
-    kl = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(teacher[..., :VOCAB] / T, -1), log_target=True,
-                  reduction="none").sum(-1) * T ** 2
+    kl = (
+        F.kl_div(
+            F.log_softmax(s / T, -1), F.log_softmax(teacher[..., :VOCAB] / T, -1), log_target=True, reduction="none"
+        ).sum(-1)
+        * T**2
+    )
     (kl * upstream).sum().backward()
     return kl.detach(), s.grad
 

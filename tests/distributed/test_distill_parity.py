@@ -1,17 +1,19 @@
 """Distillation through a real Trainer is the same run at any layout: with a larger teacher (random weights,
 3 layers, wider: intermediate pairs go through a trainable projection), TP2 with sequence parallelism equals
 TP1 (per-step losses, the logged lm/kd/intermediate losses, first-step gradients including the projection's,
-final parameters; rtol 1e-5), so does CP2 (each rank's zigzag share of the rows through both models), and logits distillation over 2 pipeline stages (the teacher's activations
-travel with the student's) equals the one-process run. The teacher is not in the student's parameters."""
+final parameters; rtol 1e-5), so does CP2 (each rank's zigzag share of the rows through both models), and logits
+distillation over 2 pipeline stages (the teacher's activations travel with the student's) equals the one-process run.
+The teacher is not in the student's parameters."""
+
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from parity_utils import assert_same_training, run, tiny_config
 
 import megatron_lite as ml
 from megatron_lite.callbacks import Distill
-from parity_utils import assert_same_training, run, tiny_config
 
 STUDENT = tiny_config(num_layers=2, seq_length=16, vocab_size=300)
 TEACHER = tiny_config(num_layers=4, hidden_size=96, seq_length=16, vocab_size=300)
@@ -40,8 +42,9 @@ def teacher():
 
 def _distill(out: Path, teacher, pairs, **layout) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    distill = Distill(teacher, temperature=2.0, kd_loss_scale=0.5, intermediate_layer_pairs=pairs,
-                      intermediate_loss="mse")
+    distill = Distill(
+        teacher, temperature=2.0, kd_loss_scale=0.5, intermediate_layer_pairs=pairs, intermediate_loss="mse"
+    )
     result = run(out, config=STUDENT, steps=3, gbs=4, mbs=2, callbacks=[distill, Metrics(out)], **layout)
     result["metrics"] = torch.load(out / "metrics.pt")
     return result
@@ -73,6 +76,7 @@ def test_context_parallel_distillation_equals_one_process(teacher, single, tmp_p
 def test_pipeline_parallel_logits_distillation_equals_one_process(teacher, tmp_path):
     single = _distill(tmp_path / "pp1", teacher, [])
     pp2 = _distill(tmp_path / "pp2", teacher, [], devices=2, pp=2)
-    torch.testing.assert_close(torch.tensor(pp2["metrics"])[:, :2], torch.tensor(single["metrics"])[:, :2],
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(pp2["metrics"])[:, :2], torch.tensor(single["metrics"])[:, :2], rtol=1e-5, atol=0
+    )
     assert_same_training(pp2, single)

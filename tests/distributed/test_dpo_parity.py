@@ -8,18 +8,19 @@ pipeline under PP, its partial log-probs summed over CP); the precomputed varian
 before training, then freed) must give the same run as the live one. Validation at PP2xDP2 with a reference
 loaded from another checkpoint logs one process's val/ metrics on every rank.
 """
+
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from parity_utils import Recorder, assert_same_training, tiny_config
+from test_reward_model_parity import write_pairs
 
 import megatron_lite as ml
 from megatron_lite.data import PreferenceDataModule
 from megatron_lite.rl import DPOModule
 from megatron_lite.tokenizers import NullTokenizer
-from parity_utils import Recorder, assert_same_training, tiny_config
-from test_reward_model_parity import write_pairs
 
 STEPS = 3
 METRICS = ("train/rewards_chosen", "train/rewards_rejected", "train/reward_margin", "train/reward_accuracy")
@@ -49,19 +50,47 @@ class RewardRecorder(L.Callback):
 def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, cp=1, precompute=False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
-    data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
-                                micro_batch_size=2, global_batch_size=8, split="100,0", seed=3)
+    data = PreferenceDataModule(
+        data_file,
+        NullTokenizer(config.vocab_size),
+        seq_length=config.seq_length,
+        micro_batch_size=2,
+        global_batch_size=8,
+        split="100,0",
+        seed=3,
+    )
     # No clipping: the recorded gradients are the raw ones. The first step moves the policy away from its
     # reference at once, so later losses and rewards depend on both models.
     optimizer = ml.OptimizerConfig(optimizer="sgd", lr=0.3, lr_decay_style="constant", clip_grad=0.0)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                                     pipeline_model_parallel_size=pp, context_parallel_size=cp, start_method="fork"),
-        accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[Recorder(out), RewardRecorder(out)])
-    trainer.fit(DPOModule(config, optimizer=optimizer, seed=1234, beta=0.5, label_smoothing=0.1,
-                          precompute_reference_log_probs=precompute), data)
+        strategy=ml.MegatronStrategy(
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            start_method="fork",
+        ),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Recorder(out), RewardRecorder(out)],
+    )
+    trainer.fit(
+        DPOModule(
+            config,
+            optimizer=optimizer,
+            seed=1234,
+            beta=0.5,
+            label_smoothing=0.1,
+            precompute_reference_log_probs=precompute,
+        ),
+        data,
+    )
     result = torch.load(out / "result.pt", weights_only=False)
     result["rewards"] = [torch.load(out / f"rewards_{r}.pt") for r in range(devices)]
     return result
@@ -111,11 +140,24 @@ class ValidationRecorder(L.Callback):
 def validate(out: Path, data_file: str, reference: str, *, devices=1, pp=1, mbs=2) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
-    data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
-                                micro_batch_size=mbs, global_batch_size=8, split="16,16", seed=3)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(pipeline_model_parallel_size=pp, start_method="fork"),
-                        accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[ValidationRecorder(out)])
+    data = PreferenceDataModule(
+        data_file,
+        NullTokenizer(config.vocab_size),
+        seq_length=config.seq_length,
+        micro_batch_size=mbs,
+        global_batch_size=8,
+        split="16,16",
+        seed=3,
+    )
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(pipeline_model_parallel_size=pp, start_method="fork"),
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ValidationRecorder(out)],
+    )
     trainer.validate(DPOModule(config, seed=1234, beta=0.5, reference=reference), data)
     return [torch.load(out / f"val_{r}.pt") for r in range(devices)]
 

@@ -11,6 +11,7 @@ else): the RNG states are re-derived from the seeds for step 3, with one note fr
 and the samples are still exactly the next ones. Another global batch size (8 -> 16): the samples continue at
 24, and a checkpoint saved after the change counts the consumed samples exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,14 +21,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from parity_utils import run, tiny_config
+from reshard_utils import RNGRecorder, SampleRecorder, sample_indices
 
 import megatron_lite as ml
 from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.core.checkpoint.resume.rng import derived_seed
 from megatron_lite.core.parallel.random import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG
 from megatron_lite.data import MockGPTDataModule
-from parity_utils import run, tiny_config
-from reshard_utils import RNGRecorder, SampleRecorder, sample_indices
 
 CONFIG = tiny_config(vocab_size=1001, make_vocab_size_divisible_by=100, hidden_dropout=0.1, attention_dropout=0.1)
 SAVE_AT, STEPS, GBS, DATA_SEED, MODEL_SEED, GLOBAL_SEED = 3, 6, 8, 7, 1234, 42
@@ -39,8 +40,9 @@ pytestmark = pytest.mark.xdist_group("exact_resume")
 
 
 def optimizer(distributed: bool = False) -> ml.OptimizerConfig:
-    return ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
-                              use_distributed_optimizer=distributed)
+    return ml.OptimizerConfig(
+        lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=distributed
+    )
 
 
 LAYOUTS = {
@@ -51,8 +53,13 @@ LAYOUTS = {
 
 
 def _data(gbs: int = GBS) -> MockGPTDataModule:
-    return MockGPTDataModule(seq_length=CONFIG.seq_length, micro_batch_size=2, global_batch_size=gbs,
-                             vocab_size=CONFIG.vocab_size, seed=DATA_SEED)
+    return MockGPTDataModule(
+        seq_length=CONFIG.seq_length,
+        micro_batch_size=2,
+        global_batch_size=gbs,
+        vocab_size=CONFIG.vocab_size,
+        seed=DATA_SEED,
+    )
 
 
 def _run(out: Path, layout: dict, gbs: int = GBS, **kwargs) -> dict:
@@ -64,8 +71,9 @@ def _run(out: Path, layout: dict, gbs: int = GBS, **kwargs) -> dict:
     logger.addHandler(handler)
     try:
         callbacks = [SampleRecorder(out), RNGRecorder(out), *kwargs.pop("callbacks", [])]
-        result = run(out, config=CONFIG, data=_data(gbs), callbacks=callbacks,
-                     **{"optimizer": optimizer(), **layout, **kwargs})
+        result = run(
+            out, config=CONFIG, data=_data(gbs), callbacks=callbacks, **{"optimizer": optimizer(), **layout, **kwargs}
+        )
     finally:
         logger.removeHandler(handler)
         handler.close()
@@ -77,8 +85,12 @@ def _run(out: Path, layout: dict, gbs: int = GBS, **kwargs) -> dict:
 
 def _uninterrupted(out: Path, layout: dict) -> dict:
     out.mkdir(parents=True)
-    result = _run(out, layout, steps=STEPS, callbacks=[
-        ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=SAVE_AT, save_top_k=-1)])
+    result = _run(
+        out,
+        layout,
+        steps=STEPS,
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=SAVE_AT, save_top_k=-1)],
+    )
     result["checkpoint"] = str(out / "ckpts" / f"epoch=0-step={SAVE_AT}.ckpt")
     return result
 
@@ -145,15 +157,22 @@ def test_layout_change_rederives_rng_from_the_seeds_and_keeps_the_data_position(
             assert torch.equal(state[key], torch.Generator().manual_seed(seed).get_state()), (rank, key)
             assert not torch.equal(state[key], saved[key]), (rank, key)
     assert resumed["samples"] == tp2_run["samples"][SAVE_AT:]
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(tp2_run["losses"][SAVE_AT:]),
-                               rtol=0.05, atol=0)  # other dropout masks: close, not equal
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(tp2_run["losses"][SAVE_AT:]), rtol=0.05, atol=0
+    )  # other dropout masks: close, not equal
 
 
 def test_global_batch_change_continues_at_the_consumed_samples(tp2_run, tmp_path):
     (tmp_path / "gbs16").mkdir()
     checkpoints = tmp_path / "gbs16" / "ckpts"
-    resumed = _run(tmp_path / "gbs16", LAYOUTS["tp2"], gbs=2 * GBS, steps=SAVE_AT + 2, ckpt_path=tp2_run["checkpoint"],
-                   callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1)])
+    resumed = _run(
+        tmp_path / "gbs16",
+        LAYOUTS["tp2"],
+        gbs=2 * GBS,
+        steps=SAVE_AT + 2,
+        ckpt_path=tp2_run["checkpoint"],
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1)],
+    )
     start = SAVE_AT * GBS
     assert resumed["samples"] == [list(range(start, start + 16)), list(range(start + 16, start + 32))]
     assert _consumed(str(checkpoints / f"epoch=0-step={SAVE_AT + 1}.ckpt")) == start + 16

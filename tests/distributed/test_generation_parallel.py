@@ -1,17 +1,25 @@
 """Generation under TP, PP (with virtual stages), TP x PP, SP and CP on raw gloo process groups, against
 a one-process reference that never touches the inference code: an argmax loop over the training
 forward's full logits (``GPTModel.full_logits``) and a teacher-forced forward for the log-probs."""
+
 import pytest
 import torch
+from spawn_utils import run_ranks
 
 from megatron_lite import GPTConfig, GPTModel, ParallelConfig, ParallelLayout
 from megatron_lite.core.inference import SamplingParams, generate
-from spawn_utils import run_ranks
 
 # GQA (8 query heads, 4 groups) so TP splits whole groups; 4 layers for PP2 x VPP2. The vocabulary pads
 # to 304 at TP1 and TP2 alike, so every layout holds the same model whether or not padding is masked.
-CONFIG = dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4, vocab_size=300,
-              seq_length=64, make_vocab_size_divisible_by=8)
+CONFIG = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=300,
+    seq_length=64,
+    make_vocab_size_divisible_by=8,
+)
 PROMPTS = [[5, 17, 42, 8], [7, 7, 7, 1]]
 VARIED = [[5, 17, 42, 8, 9, 10, 11], [7], [3, 4, 250]]
 NEW = 12
@@ -27,12 +35,12 @@ def _greedy_reference(model: GPTModel, prompt: list[list[int]], n: int) -> list[
     seq = torch.tensor(prompt)
     for _ in range(n):
         seq = torch.cat([seq, model.full_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[:, len(prompt[0]):].tolist()
+    return seq[:, len(prompt[0]) :].tolist()
 
 
 def _teacher_forced_log_probs(model: GPTModel, prompt: list[int], new: list[int]) -> torch.Tensor:
     seq = torch.tensor([prompt + new])
-    logits = model.full_logits(seq)[0, len(prompt) - 1:-1].float()
+    logits = model.full_logits(seq)[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(new)[:, None])[:, 0].double()
 
 
@@ -80,9 +88,9 @@ def _check(results: list[dict], reference: dict, sequence_parallel: bool = False
         assert out == {**results[0], "restored": out["restored"]}, f"rank {rank} differs from rank 0"
         assert out["restored"] == (True, sequence_parallel)
     out = results[0]
-    assert out["greedy"] == reference["greedy"]          # the cache equals the training forward's argmax loop
-    assert out["recompute"] == reference["greedy"]       # and so does recomputing without the cache
-    assert out["varied"] == reference["varied"]          # prompts of different lengths: as if one by one
+    assert out["greedy"] == reference["greedy"]  # the cache equals the training forward's argmax loop
+    assert out["recompute"] == reference["greedy"]  # and so does recomputing without the cache
+    assert out["varied"] == reference["varied"]  # prompts of different lengths: as if one by one
     assert out["varied_recompute"] == reference["varied"]
     assert out["sampled"] == out["sampled_again"] == reference["sampled"]  # reproducible from the seed
     assert out["sampled"] != out["varied"]
@@ -91,42 +99,46 @@ def _check(results: list[dict], reference: dict, sequence_parallel: bool = False
     stop = reference["greedy"][0][3]
     assert out["stopped"][0] == reference["greedy"][0][:4]  # ends with the stop id, included
     row = reference["greedy"][1]
-    assert out["stopped"][1] == (row[:row.index(stop) + 1] if stop in row else row)
+    assert out["stopped"][1] == (row[: row.index(stop) + 1] if stop in row else row)
 
 
 def test_one_process_equals_reference(reference):
     _check(run_ranks(_on_layout, 1, {}, {}), reference)
 
 
-@pytest.mark.parametrize("parallel", [
-    pytest.param(dict(tensor_model_parallel_size=2), id="tp2"),
-    pytest.param(dict(tensor_model_parallel_size=2, sequence_parallel=True), id="tp2-sp"),
-    pytest.param(dict(pipeline_model_parallel_size=2), id="pp2"),
-    pytest.param(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), id="pp2-vpp2"),
-    pytest.param(dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=0), id="pp2-empty-first"),
-    pytest.param(dict(context_parallel_size=2), id="cp2"),
-])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param(dict(tensor_model_parallel_size=2), id="tp2"),
+        pytest.param(dict(tensor_model_parallel_size=2, sequence_parallel=True), id="tp2-sp"),
+        pytest.param(dict(pipeline_model_parallel_size=2), id="pp2"),
+        pytest.param(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), id="pp2-vpp2"),
+        pytest.param(dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=0), id="pp2-empty-first"),
+        pytest.param(dict(context_parallel_size=2), id="cp2"),
+    ],
+)
 def test_two_ranks_equal_reference(reference, parallel):
     _check(run_ranks(_on_layout, 2, parallel, {}), reference, parallel.get("sequence_parallel", False))
 
 
 def test_tp2_pp2_equals_reference(reference):
-    _check(run_ranks(_on_layout, 4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), {}),
-           reference)
+    _check(run_ranks(_on_layout, 4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), {}), reference)
 
 
 def _tied(rank, world_size):
     layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
-    model = GPTModel(_config(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute"),
-                     layout, seed=3)
+    model = GPTModel(
+        _config(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute"), layout, seed=3
+    )
     out = generate(model, VARIED, NEW).tokens
     layout.destroy()
     return out
 
 
 def test_tied_embeddings_and_learned_positions_under_tp2_pp2():
-    model = GPTModel(_config(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute"),
-                     seed=3).eval()
+    model = GPTModel(
+        _config(share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute"), seed=3
+    ).eval()
     expected = [_greedy_reference(model, [p], NEW)[0] for p in VARIED]
     assert all(r == expected for r in run_ranks(_tied, 4))
 

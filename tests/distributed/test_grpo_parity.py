@@ -10,17 +10,18 @@ entropy and clip fractions, which every rank must log with the same value.
 Then two WHOLE GRPO steps (sampling from the current weights, scoring, update) at DP2 and TP2 equal one
 process: the same rewards (so the same sampled tokens) on every rank, the same updates.
 """
+
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from parity_utils import Recorder, assert_same_training, tiny_config
 from torch.utils.data import Dataset
 
 import megatron_lite as ml
 from megatron_lite.data import PretrainingDataModule
 from megatron_lite.rl import GRPOConfig, GRPOModule
-from parity_utils import Recorder, assert_same_training, tiny_config
 
 STEPS = 4  # optimizer steps: 2 rollout batches x 2 updates each
 METRICS = ("train/kl", "train/entropy", "train/clip_fraction_low", "train/clip_fraction_high")
@@ -35,6 +36,7 @@ class FixedRollouts(Dataset):
         rewards = torch.randint(0, 3, (n,), generator=g).double()
         rewards[:group_size] = 1.0  # one zero-variance group
         from megatron_lite.rl.grpo_loss import group_advantages
+
         advantages = group_advantages(rewards, group_size)
         for i in range(n):
             prompt = int(torch.randint(2, 9, (), generator=g))
@@ -42,10 +44,11 @@ class FixedRollouts(Dataset):
             tokens = torch.full((seq_length + 1,), vocab - 1, dtype=torch.int64)
             tokens[: prompt + response] = torch.randint(0, vocab - 1, (prompt + response,), generator=g)
             mask = torch.zeros(seq_length)
-            mask[prompt - 1: prompt - 1 + response] = 1.0
+            mask[prompt - 1 : prompt - 1 + response] = 1.0
             sampler = (-torch.rand(seq_length, generator=g) * 8.0) * mask
-            self.items.append({"tokens": tokens, "loss_mask": mask, "advantages": advantages[i],
-                               "sampler_log_probs": sampler})
+            self.items.append(
+                {"tokens": tokens, "loss_mask": mask, "advantages": advantages[i], "sampler_log_probs": sampler}
+            )
 
     def __len__(self):
         return len(self.items)
@@ -77,15 +80,30 @@ class MetricRecorder(L.Callback):
 def train(out: Path, *, devices=1, tp=1, pp=1) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(num_layers=2)
-    grpo = GRPOConfig(group_size=4, beta=0.1, entropy_coef=0.01, updates_per_batch=2, clip_eps_low=0.2,
-                      clip_eps_high=0.28, is_correction_cap=2.0)
+    grpo = GRPOConfig(
+        group_size=4,
+        beta=0.1,
+        entropy_coef=0.01,
+        updates_per_batch=2,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_cap=2.0,
+    )
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", clip_grad=0.0)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     start_method="fork"),
-        accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[Recorder(out), MetricRecorder(out)])
+        strategy=ml.MegatronStrategy(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, start_method="fork"
+        ),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Recorder(out), MetricRecorder(out)],
+    )
     trainer.fit(GRPOModule(config, optimizer, seed=1234, grpo=grpo), RolloutData(config))
     result = torch.load(out / "result.pt", weights_only=False)
     result["metrics"] = [torch.load(out / f"metrics_{r}.pt") for r in range(devices)]
@@ -97,8 +115,9 @@ def reference(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.parametrize("name,layout", [("tp2", dict(devices=2, tp=2)), ("dp2", dict(devices=2)),
-                                         ("pp2", dict(devices=2, pp=2))])
+@pytest.mark.parametrize(
+    "name,layout", [("tp2", dict(devices=2, tp=2)), ("dp2", dict(devices=2)), ("pp2", dict(devices=2, pp=2))]
+)
 def test_grpo_update_on_fixed_rollouts_matches_one_process(name, layout, reference, tmp_path):
     result = train(tmp_path, **layout)
     assert result["global_step"] == STEPS and len(result["losses"]) == STEPS // 2
@@ -115,8 +134,12 @@ class RewardRecorder(L.Callback):
         self.out, self.values = Path(out), []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.values.append([float(trainer.callback_metrics[k]) for k in ("train/reward_mean", "train/reward_std",
-                                                                          "train/nonzero_groups_ratio")])
+        self.values.append(
+            [
+                float(trainer.callback_metrics[k])
+                for k in ("train/reward_mean", "train/reward_std", "train/nonzero_groups_ratio")
+            ]
+        )
 
     def on_train_end(self, trainer, pl_module):
         torch.save(self.values, self.out / f"rewards_{trainer.global_rank}.pt")
@@ -129,17 +152,36 @@ def full_step(out: Path, devices: int, tp: int = 1) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     task = AdditionTask(max_operand=3, seed=0)
-    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=task.tokenizer.vocab_size,
-                          seq_length=8, make_vocab_size_divisible_by=8)
+    config = ml.GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=task.tokenizer.vocab_size,
+        seq_length=8,
+        make_vocab_size_divisible_by=8,
+    )
     data = RLPromptDataModule(task.tokenizer, rows=task.rows, seq_length=8, micro_batch_size=2, global_batch_size=8)
     # lr 1e-3: the loss is ~0 and Adam turns near-zero gradients summed in another order into ~lr steps
     # (see assert_same_params), so the tolerance on the parameters scales with lr.
-    module = GRPOModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", clip_grad=0.0), seed=7,
-                        grpo=GRPOConfig(group_size=4, max_new_tokens=2), reward_fn=task.reward)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
-                        accelerator="cpu", devices=devices,
-                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, callbacks=[Recorder(out), RewardRecorder(out)])
+    module = GRPOModule(
+        config,
+        ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", clip_grad=0.0),
+        seed=7,
+        grpo=GRPOConfig(group_size=4, max_new_tokens=2),
+        reward_fn=task.reward,
+    )
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Recorder(out), RewardRecorder(out)],
+    )
     trainer.fit(module, data)
     result = torch.load(out / "result.pt", weights_only=False)
     result["rewards"] = [torch.load(out / f"rewards_{r}.pt") for r in range(devices)]
@@ -155,8 +197,9 @@ def test_whole_grpo_steps_at_dp2_and_tp2_match_one_process(tmp_path):
     for name, tp in (("dp2", 1), ("tp2", 2)):
         result = full_step(tmp_path / name, 2, tp)
         for rank_rewards in result["rewards"]:
-            torch.testing.assert_close(torch.tensor(rank_rewards), torch.tensor(single["rewards"][0]), rtol=1e-6,
-                                       atol=0)
+            torch.testing.assert_close(
+                torch.tensor(rank_rewards), torch.tensor(single["rewards"][0]), rtol=1e-6, atol=0
+            )
         # With short answers a group's advantages nearly cancel and the loss is ~1e-8: compare it absolutely.
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-6)
         assert_same_training(dict(result, losses=single["losses"]), single)

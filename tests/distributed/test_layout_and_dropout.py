@@ -1,16 +1,22 @@
 """Rank order of the layout and dropout under TP, on raw gloo process groups (generation under every
 layout: test_generation_parallel.py)."""
+
 import torch
+from spawn_utils import run_ranks
 
 from megatron_lite import GPTConfig, GPTModel, ParallelConfig, ParallelLayout
-from spawn_utils import run_ranks
 
 
 def _coords(rank, world_size, tp, pp):
     layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
-    return {"tp": layout.tp_rank, "dp": layout.dp_rank, "pp": layout.pp_rank, "dp_size": layout.dp_size,
-            "mp_group_size": torch.distributed.get_world_size(layout.group("mp")),
-            "dp_cp_group_size": torch.distributed.get_world_size(layout.group("dp_cp"))}
+    return {
+        "tp": layout.tp_rank,
+        "dp": layout.dp_rank,
+        "pp": layout.pp_rank,
+        "dp_size": layout.dp_size,
+        "mp_group_size": torch.distributed.get_world_size(layout.group("mp")),
+        "dp_cp_group_size": torch.distributed.get_world_size(layout.group("dp_cp")),
+    }
 
 
 def test_rank_order_is_tp_cp_ep_dp_pp():
@@ -22,9 +28,17 @@ def test_rank_order_is_tp_cp_ep_dp_pp():
 
 
 def _train_with_dropout(rank, world_size, sp):
-    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
-                       make_vocab_size_divisible_by=8, hidden_dropout=0.3, attention_dropout=0.3,
-                       position_embedding_type="learned_absolute")
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        seq_length=8,
+        make_vocab_size_divisible_by=8,
+        hidden_dropout=0.3,
+        attention_dropout=0.3,
+        position_embedding_type="learned_absolute",
+    )
     layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp))
     torch.manual_seed(1000 + rank)  # a different global RNG per rank: the model must not depend on it
     model = GPTModel(config, layout, seed=5)
@@ -36,6 +50,7 @@ def _train_with_dropout(rank, world_size, sp):
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
         loss.backward()
         from megatron_lite.core.parallel.data_parallel import finalize_model_grads
+
         finalize_model_grads(model, layout)
         opt.step()
         losses.append(loss.item())
@@ -63,8 +78,11 @@ def _collective_without_a_peer(rank, world_size, flag):
 
     layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2), timeout=timedelta(seconds=2))
     cpu = torch.device("cpu")
-    timeouts = {name: group._get_backend(cpu).options._timeout.total_seconds()
-                for name, group in layout.groups.items() if group is not None}
+    timeouts = {
+        name: group._get_backend(cpu).options._timeout.total_seconds()
+        for name, group in layout.groups.items()
+        if group is not None
+    }
     error = None
     if rank == 0:
         try:

@@ -7,21 +7,29 @@ empty report; a loss that reports a name it did not report at the first step, or
 ``[sum, count]`` pair, gets one clear error; GPTModule logs a reported metric in validation as the epoch's
 count-weighted mean (as val/loss is token-weighted).
 """
+
 from __future__ import annotations
 
 import lightning as L
 import pytest
 import torch
+from spawn_utils import run_ranks
 
 import megatron_lite as ml
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.loss_report import report_entry
 from megatron_lite.core.parallel.schedules import gpt_forward_step, masked_token_loss
-from spawn_utils import run_ranks
 
-CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=8, hidden_dropout=0.0,
-              attention_dropout=0.0)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=128,
+    seq_length=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 MICROBATCHES, MBS = 4, 2
 
 
@@ -35,8 +43,10 @@ class ReportingObjective:
     def loss(self, per_token, microbatch):
         total, count = masked_token_loss(per_token, microbatch)
         mask = microbatch["loss_mask"].to(per_token.dtype)
-        report = {"low_share": report_entry(((per_token.detach() < 5.0).to(mask.dtype) * mask).sum(), count),
-                  "loss_sq": report_entry((per_token.detach() ** 2 * mask).sum(), count)}
+        report = {
+            "low_share": report_entry(((per_token.detach() < 5.0).to(mask.dtype) * mask).sum(), count),
+            "loss_sq": report_entry((per_token.detach() ** 2 * mask).sum(), count),
+        }
         return total, count, report
 
 
@@ -57,7 +67,7 @@ def _steps(layout: ParallelLayout, objective) -> list[dict]:
     alternate microbatches of the global batch)."""
     model = ml.GPTModel(ml.GPTConfig(**CONFIG), layout, seed=7)
     engine = TrainingEngine(model, layout, objective)
-    mine = _microbatches()[layout.dp_rank::layout.dp_size]
+    mine = _microbatches()[layout.dp_rank :: layout.dp_size]
     out = []
     for forward_only in (False, True):
         step = engine.forward_backward(mine, forward_only=forward_only)
@@ -149,8 +159,9 @@ def test_validation_logs_a_reported_metric_weighted_by_its_count():
         def val_dataloader(self):
             return DataLoader(batches, batch_size=None)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     (metrics,) = trainer.validate(ReportingModule(ml.GPTConfig(**CONFIG), seed=3), Data())
     sums = [float((b["tokens"][:, 1:] * b["loss_mask"]).sum()) for b in batches]
     counts = [float(b["loss_mask"].sum()) for b in batches]

@@ -3,12 +3,12 @@
 Same seed, same mock data, same global batch: the 10 per-step losses, the first step's full
 gradients (gathered from every stage) and the final parameters match to fp32 tolerance (rtol 1e-5).
 """
+
 import pytest
 import torch
+from parity_utils import assert_same_training, run, tiny_config
 
 import megatron_lite as ml
-
-from parity_utils import assert_same_training, run, tiny_config
 
 CONFIG = dict(num_layers=4)
 LAYOUTS = {
@@ -20,8 +20,13 @@ LAYOUTS = {
     "tp2_pp2_sp": dict(devices=4, pp=2, tp=2, sp=True),
     "pp2_dp2": dict(devices=4, pp=2, mbs=1),
     "pp2_distopt": dict(devices=2, pp=2, distributed_optimizer=True),
-    "pp2_dp2_distopt_overlap": dict(devices=4, pp=2, mbs=1, distributed_optimizer=True,
-                                    strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000)),
+    "pp2_dp2_distopt_overlap": dict(
+        devices=4,
+        pp=2,
+        mbs=1,
+        distributed_optimizer=True,
+        strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000),
+    ),
 }
 
 
@@ -29,8 +34,9 @@ def _run(path, distributed_optimizer=False, tied=False, **kwargs):
     config = tiny_config(**CONFIG, share_embeddings_and_output_weights=tied)
     optimizer = None
     if distributed_optimizer:
-        optimizer = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
-                                       use_distributed_optimizer=True)
+        optimizer = ml.OptimizerConfig(
+            lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=True
+        )
     return run(path, config=config, optimizer=optimizer, **kwargs)
 
 
@@ -47,8 +53,9 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
     # The distributed optimizer moves gradients into its DP shards: compared through the norm and the step.
     assert_same_training(result, reference, grads=not kwargs.get("distributed_optimizer"))
     # train/grad_norm is one norm over every stage's gradients (what clipping uses).
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp4"])
@@ -57,8 +64,9 @@ def test_tied_embeddings_match_single_process(layout, tmp_path):
     reference = _run(tmp_path / "single", devices=1, tied=True, steps=5)
     result = _run(tmp_path / layout, tied=True, steps=5, **LAYOUTS[layout])
     assert_same_training(result, reference)
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
 
 
 def test_overlapped_reduce_scatter_ran_during_the_pipeline(tmp_path):
@@ -86,8 +94,14 @@ def test_rampup_composes_with_pipeline(tmp_path):
     config = tiny_config(**CONFIG)
 
     def data():
-        return MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=2, global_batch_size=8,
-                                 vocab_size=config.vocab_size, seed=7, rampup_batch_size=[2, 2, 24])
+        return MockGPTDataModule(
+            seq_length=config.seq_length,
+            micro_batch_size=2,
+            global_batch_size=8,
+            vocab_size=config.vocab_size,
+            seed=7,
+            rampup_batch_size=[2, 2, 24],
+        )
 
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant")
     reference = run(tmp_path / "single", devices=1, config=config, optimizer=optimizer, data=data(), steps=6)
@@ -110,5 +124,5 @@ def test_fp16_loss_scaling_under_pipeline(tmp_path):
     config = tiny_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
     result = run(tmp_path, devices=2, pp=2, config=config, precision="16-true", steps=6, gbs=4)
     assert result["skipped_steps"] >= 1
-    assert result["loss_scale"] < 2.0 ** 32
+    assert result["loss_scale"] < 2.0**32
     assert all(torch.isfinite(torch.tensor(result["losses"])))

@@ -5,20 +5,32 @@ one-process reference quantized on the same data: INT8 SmoothQuant with an FP8 K
 pre-quant scales and logits. The TP2 model's full state (split quantizer tensors gathered) and the DCP
 checkpoint its ranks write (split quantizer tensors as global tensors) load into one process as the same
 quantized model."""
+
 import pytest
 import torch
 
 pytest.importorskip("modelopt.torch.quantization")
+
+from spawn_utils import run_ranks  # noqa: E402
 
 from megatron_lite import GPTConfig, GPTModel, GPTModule, OptimizerConfig, ParallelConfig, ParallelLayout  # noqa: E402
 from megatron_lite.core.checkpoint.format.sharded import save_sharded  # noqa: E402
 from megatron_lite.core.checkpoint.full.state import gather_full_state, load_full_state  # noqa: E402
 from megatron_lite.core.checkpoint.state import sharded_model_state  # noqa: E402
 from megatron_lite.post_training.quantization import quantization_recipe, quantize, restore_from_state  # noqa: E402
-from spawn_utils import run_ranks  # noqa: E402
 
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128, seq_length=16,
-              activation="swiglu", ffn_hidden_size=96, normalization="RMSNorm", make_vocab_size_divisible_by=8)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=128,
+    seq_length=16,
+    activation="swiglu",
+    ffn_hidden_size=96,
+    normalization="RMSNorm",
+    make_vocab_size_divisible_by=8,
+)
 RECIPE = dict(config="INT8_SMOOTHQUANT_CFG", kv_cache="FP8_KV_CFG")
 
 
@@ -62,8 +74,11 @@ def reference():
     return model
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2, sequence_parallel=True),
-                                      dict(tensor_model_parallel_size=1)], ids=["tp2_sp", "dp2"])
+@pytest.mark.parametrize(
+    "parallel",
+    [dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(tensor_model_parallel_size=1)],
+    ids=["tp2_sp", "dp2"],
+)
 def test_quantized_parallel_model_equals_the_one_process_model(reference, parallel, tmp_path):
     results = run_ranks(_on_layout, 2, parallel, str(tmp_path / "ckpt"))
     expected = reference.full_logits(_probe())

@@ -1,12 +1,12 @@
 """Activation recomputation under TP2 + sequence parallel through a real Trainer trains exactly like
 no recompute: same per-step losses and first-step gradients, with dropout on (each TP rank's
 model-parallel stream and the SP all-gathers inside recomputed layers are replayed)."""
+
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-
 from parity_utils import assert_same_training, run, tiny_config
 
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
@@ -40,8 +40,15 @@ class ForwardEntries(L.Callback):
 
 
 def train(out: Path, **recompute) -> tuple[dict, dict]:
-    result = run(out, devices=2, tp=2, sp=True, steps=STEPS, config=tiny_config(**DROPOUT, **recompute),
-                 callbacks=[ForwardEntries(out)])
+    result = run(
+        out,
+        devices=2,
+        tp=2,
+        sp=True,
+        steps=STEPS,
+        config=tiny_config(**DROPOUT, **recompute),
+        callbacks=[ForwardEntries(out)],
+    )
     return result, torch.load(Path(out) / "entries.pt")
 
 

@@ -14,6 +14,7 @@ Sources: TP2 x PP2, DP4 with the distributed optimizer, PP2 with two virtual sta
 TP2 x DP2 with the distributed optimizer, and FSDP2 over DP2. Each source is loaded at two targets in the
 fast set (every target at least once); the rest of the matrix is marked slow.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-
-import megatron_lite as ml
 from parity_utils import assert_same_params, run, tiny_config
 from reshard_utils import FixedBatchLoss
+
+import megatron_lite as ml
 
 CONFIG = tiny_config(num_layers=4, vocab_size=1001, make_vocab_size_divisible_by=100)
 SAVE_AT, STEPS = 3, 6
@@ -35,8 +36,9 @@ pytestmark = pytest.mark.xdist_group("resharding_matrix")
 
 
 def optimizer(distributed: bool = False) -> ml.OptimizerConfig:
-    return ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4,
-                              use_distributed_optimizer=distributed)
+    return ml.OptimizerConfig(
+        lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=distributed
+    )
 
 
 # name -> run() arguments of the layout
@@ -54,8 +56,16 @@ TARGETS = {
     "tp2dp2_distopt": dict(devices=4, tp=2, optimizer=optimizer(distributed=True)),
     "fsdp2_dp2": dict(devices=2, strategy_kwargs={"use_torch_fsdp2": True}),
 }
-FAST = {("tp2pp2", "tp1"), ("tp2pp2", "fsdp2_dp2"), ("dp4_distopt", "tp4"), ("dp4_distopt", "tp2_pp1"),
-        ("pp2_vpp2", "tp2dp2_distopt"), ("pp2_vpp2", "dp2"), ("cp2", "tp1"), ("cp2", "dp2")}
+FAST = {
+    ("tp2pp2", "tp1"),
+    ("tp2pp2", "fsdp2_dp2"),
+    ("dp4_distopt", "tp4"),
+    ("dp4_distopt", "tp2_pp1"),
+    ("pp2_vpp2", "tp2dp2_distopt"),
+    ("pp2_vpp2", "dp2"),
+    ("cp2", "tp1"),
+    ("cp2", "dp2"),
+}
 
 
 def _layout_args(args: dict) -> dict:
@@ -70,13 +80,16 @@ def saved(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             out = tmp_path_factory.mktemp(name)
-            callbacks = [ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=SAVE_AT, save_top_k=-1),
-                         FixedBatchLoss(out, at_step=SAVE_AT)]
+            callbacks = [
+                ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=SAVE_AT, save_top_k=-1),
+                FixedBatchLoss(out, at_step=SAVE_AT),
+            ]
             result = run(out, config=CONFIG, steps=STEPS, callbacks=callbacks, **_layout_args(SOURCES[name]))
             fixed = torch.load(out / "fixed_loss.pt", weights_only=True)
             assert fixed["step"] == SAVE_AT
             cache[name] = (result, str(out / "ckpts" / f"epoch=0-step={SAVE_AT}.ckpt"), fixed["loss"])
         return cache[name]
+
     return get
 
 
@@ -94,14 +107,21 @@ def test_vocabulary_pads_differently_at_the_target_sizes():
 @pytest.mark.parametrize("source,target", list(_cases()))
 def test_checkpoint_loads_at_another_layout_and_continues_the_run(saved, source, target, tmp_path: Path):
     reference, checkpoint, fixed_loss = saved(source)
-    resumed = run(tmp_path, config=CONFIG, steps=STEPS, ckpt_path=checkpoint, callbacks=[FixedBatchLoss(tmp_path)],
-                  **_layout_args(TARGETS[target]))
+    resumed = run(
+        tmp_path,
+        config=CONFIG,
+        steps=STEPS,
+        ckpt_path=checkpoint,
+        callbacks=[FixedBatchLoss(tmp_path)],
+        **_layout_args(TARGETS[target]),
+    )
     loaded = torch.load(tmp_path / "fixed_loss.pt", weights_only=True)
     assert loaded["step"] == SAVE_AT
     torch.testing.assert_close(loaded["loss"], fixed_loss, rtol=1e-6, atol=0)
     assert resumed["global_step"] == STEPS
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][SAVE_AT:]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][SAVE_AT:]), rtol=1e-5, atol=0
+    )
     for name in ("embedding.weight", "output_layer.weight"):
         if name in resumed["params"]:
             assert resumed["params"][name].shape == (CONFIG.vocab_size, CONFIG.hidden_size), name

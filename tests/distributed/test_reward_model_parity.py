@@ -5,6 +5,7 @@ Same seed, same preference file, same global batch: the per-step Bradley-Terry l
 step's full gradients (gathered over TP and every pipeline stage), the final parameters (rtol 1e-5)
 and the logged train/accuracy, which every rank must log with the same value.
 """
+
 import json
 import random
 from pathlib import Path
@@ -12,12 +13,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from parity_utils import Recorder, assert_same_training, tiny_config
 
 import megatron_lite as ml
 from megatron_lite.data import PreferenceDataModule
 from megatron_lite.rl import RewardModelModule
 from megatron_lite.tokenizers import NullTokenizer
-from parity_utils import Recorder, assert_same_training, tiny_config
 
 CONFIG = dict(num_layers=4)
 STEPS = 6
@@ -52,27 +53,66 @@ def write_pairs(path: Path, n: int, vocab: int, seed: int = 0) -> str:
     words = lambda k: " ".join(str(rng.randrange(vocab - 1)) for _ in range(k))  # noqa: E731
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps({"prompt": words(rng.randint(1, 12)), "chosen": words(rng.randint(0, 30)),
-                                "rejected": words(rng.randint(0, 30))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": words(rng.randint(1, 12)),
+                        "chosen": words(rng.randint(0, 30)),
+                        "rejected": words(rng.randint(0, 30)),
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
-def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, vpp=1, steps=STEPS, mbs=2, gbs=8,
-          strategy_kwargs=None) -> dict:
+def train(
+    out: Path,
+    data_file: str,
+    *,
+    devices=1,
+    tp=1,
+    sp=False,
+    pp=1,
+    vpp=1,
+    steps=STEPS,
+    mbs=2,
+    gbs=8,
+    strategy_kwargs=None,
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**CONFIG)
-    data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
-                                micro_batch_size=mbs, global_batch_size=gbs, split="100,0", seed=3)
+    data = PreferenceDataModule(
+        data_file,
+        NullTokenizer(config.vocab_size),
+        seq_length=config.seq_length,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        split="100,0",
+        seed=3,
+    )
     # No clipping: the recorded gradients are then the raw ones (a clipped gradient, like Adam's step, hides
     # a wrong overall scale, e.g. a gradient counted once per TP rank).
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, clip_grad=0.0)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, sequence_parallel=sp, start_method="fork",
-                                     pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                                     **(strategy_kwargs or {})),
-        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[Recorder(out), AccuracyRecorder(out)])
+        strategy=ml.MegatronStrategy(
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+            start_method="fork",
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            **(strategy_kwargs or {}),
+        ),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Recorder(out), AccuracyRecorder(out)],
+    )
     trainer.fit(RewardModelModule(config, optimizer=optimizer, seed=1234), data)
     result = torch.load(out / "result.pt", weights_only=False)
     result["accuracy"] = [torch.load(out / f"accuracy_{r}.pt") for r in range(devices)]
@@ -95,8 +135,9 @@ def test_reward_model_layout_matches_single_process(name, reference, data_file, 
     assert result["global_step"] == STEPS
     assert "value_head.weight" in result["grads"] and "output_layer.weight" not in result["params"]
     assert_same_training(result, reference)
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
     # Accuracy is a share of 8 pairs: the same on every rank and equal to one process's, exactly.
     for rank_values in result["accuracy"]:
         assert rank_values == reference["accuracy"][0]
@@ -117,13 +158,26 @@ def validate(out: Path, data_file: str, *, devices=1, tp=1, pp=1, mbs=2) -> list
     """val/loss and val/accuracy of the untrained model over a 16-pair split (two global batches)."""
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**CONFIG)
-    data = PreferenceDataModule(data_file, NullTokenizer(config.vocab_size), seq_length=config.seq_length,
-                                micro_batch_size=mbs, global_batch_size=8, split="48,16", seed=3)
+    data = PreferenceDataModule(
+        data_file,
+        NullTokenizer(config.vocab_size),
+        seq_length=config.seq_length,
+        micro_batch_size=mbs,
+        global_batch_size=8,
+        split="48,16",
+        seed=3,
+    )
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     start_method="fork"),
-        accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ValidationRecorder(out)])
+        strategy=ml.MegatronStrategy(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, start_method="fork"
+        ),
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ValidationRecorder(out)],
+    )
     trainer.validate(RewardModelModule(config, seed=1234), data)
     return [torch.load(out / f"val_{r}.pt") for r in range(devices)]
 

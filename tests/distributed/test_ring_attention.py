@@ -1,12 +1,14 @@
 """Context-parallel attention equals full causal attention on the gathered sequence: output and the
 gradients of q, k and v, for the ring (p2p) and the all-gather exchange, with GQA, with and without
 packed documents, on real gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from spawn_utils import run_ranks
 
 from megatron_lite.core.parallel.context_parallel import (
     AttentionContext,
@@ -14,8 +16,6 @@ from megatron_lite.core.parallel.context_parallel import (
     packed_attention,
     zigzag_positions,
 )
-
-from spawn_utils import run_ranks
 
 S, B, HEADS, GROUPS, D = 32, 2, 4, 2, 8
 
@@ -39,8 +39,11 @@ def _reference(q, k, v, dout, cu_seqlens=None):
     context = AttentionContext(cu_seqlens=cu_seqlens)
     if cu_seqlens is None:
         rep = HEADS // GROUPS
-        qs, ks, vs = q.permute(1, 2, 0, 3), k.repeat_interleave(rep, 2).permute(1, 2, 0, 3), \
-            v.repeat_interleave(rep, 2).permute(1, 2, 0, 3)
+        qs, ks, vs = (
+            q.permute(1, 2, 0, 3),
+            k.repeat_interleave(rep, 2).permute(1, 2, 0, 3),
+            v.repeat_interleave(rep, 2).permute(1, 2, 0, 3),
+        )
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).permute(2, 0, 1, 3).reshape(S, B, -1)
     else:
         out = packed_attention(q, k, v, context)
@@ -52,8 +55,14 @@ def _cp_rank(rank, world_size, comm_type, packed, fused=False):
     q, k, v, dout = _inputs()
     index = zigzag_positions(S, world_size, rank)
     local = [t[index].clone().requires_grad_(True) for t in (q, k, v)]
-    context = AttentionContext(cu_seqlens=CU_SEQLENS if packed else None, cp_size=world_size, cp_rank=rank,
-                               cp_group=dist.group.WORLD, comm_type=comm_type, fused=fused)
+    context = AttentionContext(
+        cu_seqlens=CU_SEQLENS if packed else None,
+        cp_size=world_size,
+        cp_rank=rank,
+        cp_group=dist.group.WORLD,
+        comm_type=comm_type,
+        fused=fused,
+    )
     out = context_parallel_attention(*local, context)
     out.backward(dout[index])
     return index, out.detach(), *(t.grad for t in local)

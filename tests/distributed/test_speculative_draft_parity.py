@@ -1,11 +1,12 @@
 """Training an EAGLE draft head (TrainDraftHead) on a frozen base through MegatronStrategy: TP2 and DP2 give
 the one-process run's per-step draft losses, first-step gradients and final head weights, and only the head's
 parameters ever get a gradient (the base stays frozen)."""
+
 import pytest
 import torch
+from parity_utils import assert_same_training, run, tiny_config
 
 from megatron_lite.callbacks import TrainDraftHead
-from parity_utils import assert_same_training, run, tiny_config
 
 CONFIG = tiny_config()
 
@@ -35,10 +36,17 @@ def test_a_forked_fit_hands_the_trained_head_back(tmp_path):
     config = tiny_config(vocab_size=128, hidden_size=32, num_attention_heads=4, num_query_groups=2)
     module = ml.GPTModule(config)
     module.add_objective_extension(DraftHeadExtension())
-    L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"), accelerator="cpu",
-              devices=2, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              enable_checkpointing=False, limit_val_batches=0).fit(
-        module, MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3))
+    L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    ).fit(module, MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3))
     untrained = ml.GPTModule(config)
     untrained.add_objective_extension(DraftHeadExtension())
     untrained.configure_model()

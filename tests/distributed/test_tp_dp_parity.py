@@ -3,9 +3,9 @@
 Same seed, same mock data, same global batch: the 10 per-step losses and the first step's full
 gradients must match to fp32 tolerance (rtol 1e-5), the way Megatron checks itself.
 """
+
 import pytest
 import torch
-
 from parity_utils import assert_same_training, run, tiny_config
 
 LAYOUTS = {
@@ -32,14 +32,21 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     assert_same_training(result, reference)
     # Before clipping: clipping and Adam would hide a wrong overall gradient scale (e.g. an SP gradient
     # summed twice) from the losses and parameters.
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
 
 
 def test_gpt2_style_model_with_tp_sp_matches(tmp_path):
     """LayerNorm, GeLU, learned positions, biases and tied embeddings under TP2 + SP."""
-    config = tiny_config(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
-                         add_bias_linear=True, share_embeddings_and_output_weights=True, num_query_groups=8)
+    config = tiny_config(
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        share_embeddings_and_output_weights=True,
+        num_query_groups=8,
+    )
     reference = run(tmp_path / "single", devices=1, config=config, steps=4)
     result = run(tmp_path / "tp2sp", devices=2, tp=2, sp=True, config=config, steps=4)
     # Not the final parameters: the key bias has a zero gradient in exact arithmetic (softmax ignores a

@@ -8,6 +8,7 @@ parameters equal the TP1 run at fp32 tolerance; checkpoints hold the real 128 ro
 resumes at TP1 and one saved at TP1 resumes at TP2 with the distributed optimizer, continuing the
 uninterrupted run; greedy generation at TP2 equals TP1's and never emits a padding id.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,11 +17,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
+from parity_utils import assert_same_training, run, tiny_config
+from spawn_utils import run_ranks
 
 import megatron_lite as ml
 from megatron_lite.core.inference import generate
-from parity_utils import assert_same_training, run, tiny_config
-from spawn_utils import run_ranks
 
 CONFIG = tiny_config(vocab_size=128, make_vocab_size_divisible_by=128)
 VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
@@ -36,8 +37,13 @@ def optimizer(**kwargs) -> ml.OptimizerConfig:
 
 
 def _run_saving_at_step_5(out: Path, **kwargs) -> dict:
-    result = run(out, config=CONFIG, optimizer=optimizer(),
-                 callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=5, save_top_k=-1)], **kwargs)
+    result = run(
+        out,
+        config=CONFIG,
+        optimizer=optimizer(),
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=5, save_top_k=-1)],
+        **kwargs,
+    )
     result["checkpoint"] = str(out / "ckpts" / "epoch=0-step=5.ckpt")
     return result
 
@@ -56,8 +62,9 @@ def _assert_same_model(result: dict, reference: dict) -> None:
     for name in VOCAB_PARAMS:
         assert result["params"][name].shape == (CONFIG.vocab_size, CONFIG.hidden_size), name
     assert_same_training(result, reference)
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
 
 
 def test_tp2_pads_differently_and_trains_the_same_model(tp1, tp2):
@@ -82,8 +89,11 @@ def test_odd_vocabulary_split_unevenly_over_tp2_trains_the_same_model(tmp_path):
 
 def _vocab_entries(checkpoint: str) -> dict[str, tuple]:
     metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    return {key: tuple(md.size) for key, md in metadata.items()
-            if any(name in key for name in VOCAB_PARAMS) and len(getattr(md, "size", ())) > 0}
+    return {
+        key: tuple(md.size)
+        for key, md in metadata.items()
+        if any(name in key for name in VOCAB_PARAMS) and len(getattr(md, "size", ())) > 0
+    }
 
 
 def test_checkpoint_saved_at_tp2_holds_the_real_rows_and_resumes_at_tp1(tp1, tp2, tmp_path):
@@ -98,8 +108,14 @@ def test_checkpoint_saved_at_tp2_holds_the_real_rows_and_resumes_at_tp1(tp1, tp2
 
 def test_checkpoint_saved_at_tp1_resumes_at_tp2_with_the_distributed_optimizer(tp1, tmp_path):
     """TP2 x DP2 with ZeRO-1: Adam's moments of the 128 saved rows land in DP shards of 256-row tensors."""
-    resumed = run(tmp_path, devices=4, tp=2, config=CONFIG, ckpt_path=tp1["checkpoint"],
-                  optimizer=optimizer(use_distributed_optimizer=True))
+    resumed = run(
+        tmp_path,
+        devices=4,
+        tp=2,
+        config=CONFIG,
+        ckpt_path=tp1["checkpoint"],
+        optimizer=optimizer(use_distributed_optimizer=True),
+    )
     assert resumed["global_step"] == 10
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(tp1["losses"][5:]), rtol=1e-5, atol=0)
     assert_same_training(resumed, tp1 | {"losses": tp1["losses"][5:]}, grads=False)
@@ -107,15 +123,29 @@ def test_checkpoint_saved_at_tp1_resumes_at_tp2_with_the_distributed_optimizer(t
 
 def test_bf16_masters_are_saved_with_the_real_rows_and_load_at_another_padding(tmp_path):
     """bf16 weights keep fp32 masters: saved at TP2 (256 padded rows) as 128 rows, resumed at TP1 (128)."""
-    saved = run(tmp_path / "tp2", devices=2, tp=2, config=CONFIG, optimizer=optimizer(), steps=5,
-                precision="bf16-true",
-                callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)])
+    saved = run(
+        tmp_path / "tp2",
+        devices=2,
+        tp=2,
+        config=CONFIG,
+        optimizer=optimizer(),
+        steps=5,
+        precision="bf16-true",
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)],
+    )
     checkpoint = str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt")
     entries = _vocab_entries(checkpoint)
     masters = {k: v for k, v in entries.items() if k.endswith(".master")}
     assert len(masters) == 2 and set(entries.values()) == {(128, CONFIG.hidden_size)}, entries
-    resumed = run(tmp_path / "tp1", devices=1, config=CONFIG, optimizer=optimizer(), steps=5, precision="bf16-true",
-                  ckpt_path=checkpoint)
+    resumed = run(
+        tmp_path / "tp1",
+        devices=1,
+        config=CONFIG,
+        optimizer=optimizer(),
+        steps=5,
+        precision="bf16-true",
+        ckpt_path=checkpoint,
+    )
     # bf16 products differ between TP1 and TP2 in the last bits: bf16-level agreement
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(saved["losses"][3:]), rtol=5e-3, atol=0)
 
@@ -124,21 +154,34 @@ PROMPT = torch.tensor([[5, 17, 42], [7, 7, 7]])
 
 
 def _generation_config(vocab_size: int, divisible_by: int) -> ml.GPTConfig:
-    return ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=vocab_size, seq_length=16,
-                        make_vocab_size_divisible_by=divisible_by)
+    return ml.GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=vocab_size,
+        seq_length=16,
+        make_vocab_size_divisible_by=divisible_by,
+    )
 
 
 def _generate(rank, world_size, vocab_size, divisible_by):
     config = _generation_config(vocab_size, divisible_by)
     model = ml.GPTModel(config, ml.ParallelLayout.build(ml.ParallelConfig(tensor_model_parallel_size=2)), seed=3)
     logits = model(PROMPT)  # this rank's slice of the padded vocabulary
-    padding = logits[..., max(0, config.vocab_size - model.vocab_start):]
-    return {"tokens": _greedy(model, PROMPT, 13), "full_logits": model.full_logits(PROMPT),
-            "padding_is_masked": bool(torch.isneginf(padding).all()), "padded": model.padded_vocab_size}
+    padding = logits[..., max(0, config.vocab_size - model.vocab_start) :]
+    return {
+        "tokens": _greedy(model, PROMPT, 13),
+        "full_logits": model.full_logits(PROMPT),
+        "padding_is_masked": bool(torch.isneginf(padding).all()),
+        "padded": model.padded_vocab_size,
+    }
 
 
-@pytest.mark.parametrize("vocab_size,divisible_by,padded", [(128, 128, 256), (1001, 100, 1200)],
-                         ids=["rank1_only_padding", "uneven_real_rows"])
+@pytest.mark.parametrize(
+    "vocab_size,divisible_by,padded",
+    [(128, 128, 256), (1001, 100, 1200)],
+    ids=["rank1_only_padding", "uneven_real_rows"],
+)
 def test_greedy_generation_at_tp2_equals_tp1_and_never_emits_padding(vocab_size, divisible_by, padded):
     config = _generation_config(vocab_size, divisible_by)
     single_model = ml.GPTModel(config, seed=3)

@@ -3,6 +3,7 @@
 Skipped where there is no NVIDIA GPU (our CI machines); run them on a GPU machine with
 `pytest tests/gpu`. TF32 is switched off so results compare with the fp32 CPU reference.
 """
+
 import sys
 from pathlib import Path
 
@@ -79,38 +80,75 @@ def _optimizer(**kwargs):
 
 def test_distributed_optimizer_and_fsdp2_on_one_gpu_match_plain(tmp_path):
     plain = run(tmp_path / "plain", devices=1, steps=5, accelerator="gpu", start_method="spawn", optimizer=_optimizer())
-    zero1 = run(tmp_path / "zero1", devices=1, steps=5, accelerator="gpu", start_method="spawn",
-                optimizer=_optimizer(use_distributed_optimizer=True))
+    zero1 = run(
+        tmp_path / "zero1",
+        devices=1,
+        steps=5,
+        accelerator="gpu",
+        start_method="spawn",
+        optimizer=_optimizer(use_distributed_optimizer=True),
+    )
     assert_same_training(zero1, plain, rtol=1e-5, grads=False)
-    fsdp = run(tmp_path / "fsdp", devices=1, steps=5, accelerator="gpu", start_method="spawn", optimizer=_optimizer(),
-               strategy_kwargs=dict(use_torch_fsdp2=True))
+    fsdp = run(
+        tmp_path / "fsdp",
+        devices=1,
+        steps=5,
+        accelerator="gpu",
+        start_method="spawn",
+        optimizer=_optimizer(),
+        strategy_kwargs=dict(use_torch_fsdp2=True),
+    )
     assert_same_training(fsdp, plain, rtol=1e-5)
 
 
 def test_fp16_mixed_on_gpu_scales_the_loss_and_trains(tmp_path):
     """Megatron's default scale 2**32 overflows fp16 at first: those steps are skipped, then it trains."""
-    result = run(tmp_path, devices=1, steps=40, accelerator="gpu", start_method="spawn", precision="16-mixed",
-                 optimizer=_optimizer(lr_decay_style="constant", lr_decay_iters=None))
+    result = run(
+        tmp_path,
+        devices=1,
+        steps=40,
+        accelerator="gpu",
+        start_method="spawn",
+        precision="16-mixed",
+        optimizer=_optimizer(lr_decay_style="constant", lr_decay_iters=None),
+    )
     assert 0 < result["skipped_steps"] < 40
-    assert result["loss_scale"] < 2.0 ** 32
+    assert result["loss_scale"] < 2.0**32
     losses = torch.tensor(result["losses"])
     assert torch.isfinite(losses[-10:]).all() and losses[-1] < losses[0]
 
 
 def test_bf16_true_on_gpu_tracks_fp32(tmp_path):
     fp32 = run(tmp_path / "fp32", devices=1, steps=8, accelerator="gpu", start_method="spawn", optimizer=_optimizer())
-    bf16 = run(tmp_path / "bf16", devices=1, steps=8, accelerator="gpu", start_method="spawn", optimizer=_optimizer(),
-               precision="bf16-true")
+    bf16 = run(
+        tmp_path / "bf16",
+        devices=1,
+        steps=8,
+        accelerator="gpu",
+        start_method="spawn",
+        optimizer=_optimizer(),
+        precision="bf16-true",
+    )
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=2e-2, atol=0)
 
 
-@pytest.mark.parametrize("recompute", [dict(recompute_granularity="selective"),
-                                       dict(recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=1)], ids=["selective", "full"])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="selective"),
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ],
+    ids=["selective", "full"],
+)
 def test_recompute_on_gpu_gives_the_same_gradients(recompute):
     config = tiny_config(hidden_dropout=0.1, attention_dropout=0.1)
-    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length + 1), device="cuda",
-                           generator=torch.Generator(device="cuda").manual_seed(0))
+    tokens = torch.randint(
+        0,
+        config.vocab_size,
+        (2, config.seq_length + 1),
+        device="cuda",
+        generator=torch.Generator(device="cuda").manual_seed(0),
+    )
     grads = []
     for cfg in (config, tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **recompute)):
         with torch.device("cuda"):
@@ -123,14 +161,33 @@ def test_recompute_on_gpu_gives_the_same_gradients(recompute):
 
 
 def test_metrics_on_gpu_log_mfu_against_the_data_sheet_and_energy(tmp_path):
-    from lightning.pytorch.loggers import CSVLogger
     import csv
 
+    from lightning.pytorch.loggers import CSVLogger
+
     # big enough that an interval of steps lasts long enough for NVML's energy counter to tick
-    config = tiny_config(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, seq_length=1024,
-                         vocab_size=32000, make_vocab_size_divisible_by=128)
-    run(tmp_path, devices=1, steps=30, gbs=32, mbs=8, config=config, accelerator="gpu", start_method="spawn",
-        precision="bf16-mixed", logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=10)
+    config = tiny_config(
+        num_layers=8,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_query_groups=8,
+        seq_length=1024,
+        vocab_size=32000,
+        make_vocab_size_divisible_by=128,
+    )
+    run(
+        tmp_path,
+        devices=1,
+        steps=30,
+        gbs=32,
+        mbs=8,
+        config=config,
+        accelerator="gpu",
+        start_method="spawn",
+        precision="bf16-mixed",
+        logger=CSVLogger(tmp_path, name="csv"),
+        log_every_n_steps=10,
+    )
     rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("train/mfu")]
     assert rows, "no MFU logged"
     for row in rows:

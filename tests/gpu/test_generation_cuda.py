@@ -3,6 +3,7 @@
 Skipped where there is no NVIDIA GPU (our CI machines); run with `pytest tests/gpu` on a GPU machine.
 TF32 is switched off so greedy tokens compare with the fp32 CPU run.
 """
+
 import pytest
 import torch
 
@@ -11,8 +12,15 @@ from megatron_lite.core.inference import SamplingParams, generate
 
 NO_CUDA = "needs CUDA: no NVIDIA GPU visible on this machine"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=300,
-              seq_length=64, make_vocab_size_divisible_by=8)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=2,
+    vocab_size=300,
+    seq_length=64,
+    make_vocab_size_divisible_by=8,
+)
 PROMPTS = [[5, 17, 42, 8, 9], [7], [3, 4, 250]]
 
 

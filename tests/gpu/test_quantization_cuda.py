@@ -4,6 +4,7 @@ the model still runs and its loss stays close to the unquantized one; a quantize
 Skipped where there is no NVIDIA GPU (our CI machines, where the CPU error is tested instead:
 tests/unit/test_quantization_errors.py); run with `pytest tests/gpu` on a GPU machine.
 """
+
 import pytest
 import torch
 

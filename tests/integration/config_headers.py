@@ -5,6 +5,7 @@ A shown command is the same as a header's when both are equal once the options t
 (a fit's ``--trainer.max_steps 200`` never runs there: it runs with 2 steps), so the docs tests can leave it to
 that test instead of running the same fit twice.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,9 +15,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 # what a shortened fit adds to the command as written (later options win), before its --trainer.max_steps
-SHORT_FIT = ["--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps",
-             "1", "--model.optimizer.lr_warmup_iters", "1", "--trainer.strategy.init_args.start_method", "fork",
-             "--trainer.enable_progress_bar", "false", "--trainer.callbacks.every_n_train_steps", "1"]
+SHORT_FIT = [
+    "--trainer.val_check_interval",
+    "2",
+    "--trainer.limit_val_batches",
+    "1",
+    "--trainer.log_every_n_steps",
+    "1",
+    "--model.optimizer.lr_warmup_iters",
+    "1",
+    "--trainer.strategy.init_args.start_method",
+    "fork",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.callbacks.every_n_train_steps",
+    "1",
+]
 # the options the header test sets on every fit: what a command shows for them never runs there
 _SET_BY_THE_TEST = {*SHORT_FIT[::2], "--trainer.max_steps"}
 

@@ -12,6 +12,7 @@ rank 1 re-runs this script with the same arguments. A list of settings runs one 
 this process, as a notebook does, with a line SEPARATOR between their consoles (one interpreter start for
 them all: ~6 s of CPU apiece).
 """
+
 import json
 import sys
 
@@ -32,11 +33,20 @@ def fit(settings: dict) -> None:
     callbacks = [TQDMProgressBar()] + ([] if settings["metrics"] is None else [MegatronMetrics(**settings["metrics"])])
     trainer = L.Trainer(
         strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method=settings["start_method"]),
-        accelerator="cpu", devices=2, max_steps=settings["max_steps"], log_every_n_steps=settings["log_every_n_steps"],
-        val_check_interval=settings["max_steps"] // 2, limit_val_batches=2, logger=False, enable_checkpointing=False,
-        enable_model_summary=False, callbacks=callbacks)
-    config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=256,
-                          seq_length=32)
+        accelerator="cpu",
+        devices=2,
+        max_steps=settings["max_steps"],
+        log_every_n_steps=settings["log_every_n_steps"],
+        val_check_interval=settings["max_steps"] // 2,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    config = ml.GPTConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=256, seq_length=32
+    )
     data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=256)
     trainer.fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2)), data)
 

@@ -15,6 +15,7 @@ which starts with ``import lightning as L`` and ``import megatron_lite as ml``, 
 holding the files the pages name (:mod:`docs_workspace`). Commands run in page order in a working
 directory of their own per page. Optional ``[...]`` parts of a command are run with the rest.
 """
+
 from __future__ import annotations
 
 import re
@@ -97,8 +98,10 @@ def _without_brackets(argv: list[str]) -> list[str]:
 def _marker(comment: str, where: str) -> tuple[str | None, list[tuple[str, str]]]:
     match = _MARKER.fullmatch(comment.strip())
     if match is None:
-        raise ValueError(f"{where}: a comment before a code block must be <!-- not-run: reason --> or "
-                         f"<!-- run-with: OLD => NEW -->, got {comment.strip()[:80]!r}")
+        raise ValueError(
+            f"{where}: a comment before a code block must be <!-- not-run: reason --> or "
+            f"<!-- run-with: OLD => NEW -->, got {comment.strip()[:80]!r}"
+        )
     kind, body = match.group("kind"), match.group("body").strip()
     if kind == "not-run":
         if not body:
@@ -134,7 +137,7 @@ def parse_page(path: Path) -> list[Block]:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
             raise ValueError(f"{page}:{start + 1}: a code block that is never closed")
-        code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[start + 1:end])
+        code = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[start + 1 : end])
         comment = _comment_before(lines, start)
         not_run, replacements = _marker(comment, f"{page}:{start + 1}") if comment is not None else (None, [])
         blocks.append(Block(page, start + 1, lang, code + "\n", not_run, replacements))

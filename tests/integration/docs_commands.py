@@ -3,6 +3,7 @@
 ``megatron_lite.cli.main(ARGS)``; ``python examples/X.py ARGS`` runs the script as ``__main__``.
 A command that test_example_config_commands.py already runs (config_headers.py) is left to it.
 """
+
 from __future__ import annotations
 
 import runpy

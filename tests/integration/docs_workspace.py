@@ -14,6 +14,7 @@
 It is built once per test module (:func:`build`) and each page gets a copy of its own (:func:`copy`, hard
 links: nothing here is written in place, checkpoints and caches are written as new files).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -34,7 +35,7 @@ def _corpus_slice(path: Path, documents: int = 100, chars: int = 4000) -> list[d
     with gzip.open(bundled_corpus("shakespeare"), "rt", encoding="utf-8") as f:
         for line in f:
             text = json.loads(line)["text"]
-            pieces += [text[i:i + chars] for i in range(0, len(text) - chars, chars)][:10]
+            pieces += [text[i : i + chars] for i in range(0, len(text) - chars, chars)][:10]
             if len(pieces) >= documents:
                 break
     records = [{"text": piece} for piece in pieces[:documents]]
@@ -67,30 +68,63 @@ def build(root: Path) -> Path:
 
     demo = root / "runs" / "demo"
     (demo / "data").mkdir(parents=True)
-    build_tokenizer("SentencePieceTokenizer", train_corpus=str(root / "corpus.jsonl.gz"), vocab_size=2048,
-                    output_prefix=str(demo / "data" / "shakespeare_spm"))
+    build_tokenizer(
+        "SentencePieceTokenizer",
+        train_corpus=str(root / "corpus.jsonl.gz"),
+        vocab_size=2048,
+        output_prefix=str(demo / "data" / "shakespeare_spm"),
+    )
     tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(demo / "data" / "shakespeare_spm.model"))
-    preprocess([str(root / "corpus.jsonl.gz")], str(demo / "data" / "shakespeare"), tokenizer, append_eod=True,
-               progress=False)
+    preprocess(
+        [str(root / "corpus.jsonl.gz")], str(demo / "data" / "shakespeare"), tokenizer, append_eod=True, progress=False
+    )
     shutil.copyfile(demo / "data" / "shakespeare_spm.model", root / "tokenizer.model")
 
     # examples/demo.py's model and data, 2 steps in one process
-    data = PretrainDataModule([str(demo / "data" / "shakespeare_text_document")], seq_length=128, micro_batch_size=8,
-                              global_batch_size=16, split="98,2", tokenizer=tokenizer, seed=1234)
-    config = ml.GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=352, vocab_size=tokenizer.vocab_size, seq_length=128)
+    data = PretrainDataModule(
+        [str(demo / "data" / "shakespeare_text_document")],
+        seq_length=128,
+        micro_batch_size=8,
+        global_batch_size=16,
+        split="98,2",
+        tokenizer=tokenizer,
+        seed=1234,
+    )
+    config = ml.GPTConfig(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=352,
+        vocab_size=tokenizer.vocab_size,
+        seq_length=128,
+    )
     module = ml.GPTModule(config, ml.OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=1), seed=1234)
-    trainer = L.Trainer(strategy="megatron", accelerator="cpu", devices=1, max_steps=2, default_root_dir=str(demo),
-                        log_every_n_steps=1, num_sanity_val_steps=0, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[ModelCheckpoint(dirpath=str(demo / "checkpoints"), save_last=True)])
+    trainer = L.Trainer(
+        strategy="megatron",
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        default_root_dir=str(demo),
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=str(demo / "checkpoints"), save_last=True)],
+    )
     trainer.fit(module, data)
     checkpoint = demo / "checkpoints" / "last.ckpt"
     shutil.copytree(checkpoint, root / "runs" / "sft" / "checkpoints" / "last.ckpt", copy_function=os.link)
     to_hf(str(checkpoint), str(root / "SmolLM2-135M"))
 
-    pairs = [{"prompt": f"Question {i}: which word is kind?", "chosen": f" Gentle, friend {i}.",
-              "rejected": f" Villain {i}!"} for i in range(500)]
+    pairs = [
+        {
+            "prompt": f"Question {i}: which word is kind?",
+            "chosen": f" Gentle, friend {i}.",
+            "rejected": f" Villain {i}!",
+        }
+        for i in range(500)
+    ]
     (root / "prefs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     prompts = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))

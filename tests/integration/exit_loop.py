@@ -11,6 +11,7 @@ leaves through ``sys.exit(0)``: the exit path that aborted about 1 run in 5 ("te
 active exception"). A run is clean when both ranks exit 0, print no abort and no traceback, and no rank
 process is left behind.
 """
+
 import json
 import os
 import socket
@@ -38,18 +39,42 @@ def _rank(rank: int, port: int, log: Path) -> None:
     fd = os.open(str(log), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHELASTIC_RUN_ID="exit-loop")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="exit-loop",
+    )
     try:
         torch.set_num_threads(1)
-        trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2), accelerator="cpu", devices=2,
-                            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0)
-        config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=128, seq_length=16,
-                              make_vocab_size_divisible_by=64)
-        trainer.fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3)),
-                    MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128))
+        trainer = L.Trainer(
+            strategy=ml.MegatronStrategy(tensor_model_parallel_size=2),
+            accelerator="cpu",
+            devices=2,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        config = ml.GPTConfig(
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            vocab_size=128,
+            seq_length=16,
+            make_vocab_size_divisible_by=64,
+        )
+        trainer.fit(
+            ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3)),
+            MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128),
+        )
     except BaseException:
         import traceback
 
@@ -90,11 +115,21 @@ def main() -> None:
             code = os.waitstatus_to_exitcode(status)
             marks = [m for m in ABORT_MARKERS if m in text]
             if code != 0 or marks:
-                failures.append({"run": run, "rank": rank, "exit_code": code, "markers": marks, "log_tail": text[-600:]})
+                failures.append(
+                    {"run": run, "rank": rank, "exit_code": code, "markers": marks, "log_tail": text[-600:]}
+                )
             else:
                 log.unlink()
-    print(json.dumps({"runs": runs, "clean": runs - len({f["run"] for f in failures}), "failures": failures,
-                      "seconds": round(time.monotonic() - start, 1)}))
+    print(
+        json.dumps(
+            {
+                "runs": runs,
+                "clean": runs - len({f["run"] for f in failures}),
+                "failures": failures,
+                "seconds": round(time.monotonic() - start, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """A 2-rank training script for the fault tests, run under torchrun (or the script launcher).
 
     python -m torch.distributed.run --nproc-per-node 2 fault_script.py signal OUT   # TP2, slow steps, ckpt in OUT/ckpt
-    python -m torch.distributed.run --nproc-per-node 2 fault_script.py hang OUT T   # rank 1 sleeps in step 2; watchdog T s
-    python fault_script.py clean OUT                                                # a short TP2 run (script launcher)
+    python -m torch.distributed.run --nproc-per-node 2 fault_script.py hang OUT T   # rank 1 stalls; watchdog T s
+    python fault_script.py clean OUT                            # a short TP2 run (script launcher)
 
 Every rank writes OUT/pid<rank> when training starts and OUT/rank<rank>.json when ``fit`` returns; rank 0
 writes the number of steps done to OUT/progress after every step.
 """
+
 import json
 import os
 import sys
@@ -23,8 +24,15 @@ from megatron_lite.data import MockGPTDataModule
 
 # the same run as tests/distributed/parity_utils.run(tp=2, gbs=4, mbs=2) with this config, so that a forked
 # run in the test process is its uninterrupted reference
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, vocab_size=1000,
-              seq_length=32, make_vocab_size_divisible_by=32)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=1000,
+    seq_length=32,
+    make_vocab_size_divisible_by=32,
+)
 OPTIMIZER = dict(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4)
 STEPS = 12
 
@@ -66,16 +74,31 @@ def main() -> None:
     else:
         progress = Progress(out)
         callbacks += [progress]
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(**strategy), accelerator="cpu", devices=2,
-                        max_steps=2 if mode == "clean" else STEPS, callbacks=callbacks, logger=False,
-                        enable_checkpointing=mode == "signal", enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(**strategy),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2 if mode == "clean" else STEPS,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=mode == "signal",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=1000, seed=7)
     trainer.fit(ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(**OPTIMIZER), seed=1234), data)
     stop = next((c for c in trainer.callbacks if isinstance(c, GracefulExit)), None)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({
-        "global_step": trainer.global_step, "losses": progress.losses,
-        "stop_reason": stop.stop_reason if stop else None, "checkpoint": stop.checkpoint_path if stop else None}))
+    (out / f"rank{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "global_step": trainer.global_step,
+                "losses": progress.losses,
+                "stop_reason": stop.stop_reason if stop else None,
+                "checkpoint": stop.checkpoint_path if stop else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """A user script run with Lightning's default launcher (each rank re-runs it), for the launch tests.
 
-    python launch_script.py fit-twice   # TP2 fit, generate, fit again, generate; rank<r>.txt
-    python launch_script.py boom RANK   # rank RANK raises ValueError("boom ...") at step 2
+python launch_script.py fit-twice   # TP2 fit, generate, fit again, generate; rank<r>.txt
+python launch_script.py boom RANK   # rank RANK raises ValueError("boom ...") at step 2
 """
+
 import sys
 
 import lightning as L
@@ -24,15 +25,29 @@ class Boom(ml.GPTModule):
 
 
 def trainer() -> L.Trainer:
-    return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2), accelerator="cpu", devices=2,
-                     max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, limit_val_batches=0)
+    return L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2),
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=128, seq_length=16,
-                          make_vocab_size_divisible_by=64)
+    config = ml.GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        vocab_size=128,
+        seq_length=16,
+        make_vocab_size_divisible_by=64,
+    )
     data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128)
     if sys.argv[1] == "boom":
         trainer().fit(Boom(config, int(sys.argv[2])), data)

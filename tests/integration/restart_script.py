@@ -22,6 +22,7 @@ What the test reads, per attempt k: OUT/armed<k>.json (written when the kill is 
 parity_utils.run(devices=4, tp=2, steps=STEPS) plus a ModelCheckpoint every 2 steps (top-1 and last.ckpt),
 resumed with ckpt_path="last": the test's uninterrupted reference.
 """
+
 import json
 import os
 import re
@@ -38,9 +39,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
+from parity_utils import Recorder, tiny_config  # noqa: E402
+
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.data import MockGPTDataModule  # noqa: E402
-from parity_utils import Recorder, tiny_config  # noqa: E402
 
 STEPS, SAVE_EVERY, GBS, MBS = 8, 2, 8, 2
 _TOP1_SAVE = re.compile(r"^\.epoch=\d+-step=(?P<step>\d+)\.ckpt\.tmp-[0-9a-f]{8}$")
@@ -86,8 +88,11 @@ class KillOnce(L.Callback):
         if self.armed or trainer.global_rank != self.rank or trainer.global_step != self.step:
             return False
         self.armed = True
-        (self.out / f"armed{_attempt()}.json").write_text(json.dumps(
-            {"point": self.point, "rank": self.rank, "step": self.step, "armed_at": time.time(), "pid": os.getpid()}))
+        (self.out / f"armed{_attempt()}.json").write_text(
+            json.dumps(
+                {"point": self.point, "rank": self.rank, "step": self.step, "armed_at": time.time(), "pid": os.getpid()}
+            )
+        )
         return True
 
     def on_train_start(self, trainer, pl_module):
@@ -104,6 +109,7 @@ class KillOnce(L.Callback):
                 calls[0] += 1
                 if calls[0] == 2:
                     _die(self.out, f"mid-step in step {trainer.global_step + 1}, microbatch 2's forward")
+
             pl_module.model.register_forward_hook(second_microbatch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -124,12 +130,23 @@ def main() -> None:
     point, rank, step = kills[_attempt()] if _attempt() < len(kills) else (None, "-1", "-1")
     kill = KillOnce(out, point, int(rank), int(step))
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2), accelerator="cpu", devices=4, max_steps=STEPS,
-        callbacks=[Recorder(out), kill,
-                   ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=SAVE_EVERY, save_last=True)],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=MBS, global_batch_size=GBS,
-                             vocab_size=config.vocab_size, seed=7)
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2),
+        accelerator="cpu",
+        devices=4,
+        max_steps=STEPS,
+        callbacks=[
+            Recorder(out),
+            kill,
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=SAVE_EVERY, save_last=True),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    data = MockGPTDataModule(
+        seq_length=config.seq_length, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=config.vocab_size, seed=7
+    )
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4)
     trainer.fit(ml.GPTModule(config, optimizer=optimizer, seed=1234), data, ckpt_path="last")
 

@@ -3,8 +3,9 @@ save_last) is killed with SIGKILL -- its whole process group, the forked ranks a
 writer threads -- while a background write is under way (a shard written, no manifest yet), and at random
 times (fault 3 of issue 13, asynchronous saves). After every kill each visible checkpoint passes its
 checksums, the newest finished save is never older than before, and the next run with ckpt_path="last"
-starts from exactly that checkpoint's step: the unfinished write is never loaded. A last run that is not killed resumes, finishes its saves and leaves
-no leftovers."""
+starts from exactly that checkpoint's step: the unfinished write is never loaded. A last run that is not killed
+resumes, finishes its saves and leaves no leftovers."""
+
 import multiprocessing
 import os
 import random
@@ -13,11 +14,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from reliability_record import record
+from test_checkpoint_kill import LEFTOVER, StartStep, _check_checkpoints, run_until_killed, tiny_config
 
 import megatron_lite as ml
 from megatron_lite.data import MockGPTDataModule
-from reliability_record import record
-from test_checkpoint_kill import LEFTOVER, StartStep, _check_checkpoints, run_until_killed, tiny_config
 
 
 def _train(ckpt_dir: str, start_file: str, max_steps: int, ckpt_path) -> None:
@@ -25,13 +26,22 @@ def _train(ckpt_dir: str, start_file: str, max_steps: int, ckpt_path) -> None:
     torch.set_num_threads(1)
     config = tiny_config()
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, async_save=True), accelerator="cpu",
-        devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, async_save=True),
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True),
-                   StartStep(Path(start_file))])
-    data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=2, global_batch_size=8,
-                             vocab_size=config.vocab_size, seed=7)
+        callbacks=[
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True),
+            StartStep(Path(start_file)),
+        ],
+    )
+    data = MockGPTDataModule(
+        seq_length=config.seq_length, micro_batch_size=2, global_batch_size=8, vocab_size=config.vocab_size, seed=7
+    )
     trainer.fit(ml.GPTModule(config, seed=1), data, ckpt_path=ckpt_path)
 
 
@@ -65,8 +75,14 @@ def test_sigkill_during_async_writes_keeps_the_previous_checkpoint(tmp_path):
     assert int(start_file.read_text()) == last_step > 0
     assert _check_checkpoints(ckpt_dir) == last_step + 2  # the end of fit waited for the last save
     assert not [p.name for p in ckpt_dir.iterdir() if LEFTOVER.match(p.name)]
-    record("3b-kill-mid-async-save", f"SIGKILL of a 2-rank run saving asynchronously every step, {len(modes)} times "
-                                     f"({killed_mid_write} while a background write was unfinished)",
-           "after every kill each visible checkpoint passed its checksums and ckpt_path='last' resumed the newest "
-           "finished one; the unfinished background writes were never loaded", 0,
-           "none (the steps after the last finished save are trained again)", max(recover_s), kills=len(modes))
+    record(
+        "3b-kill-mid-async-save",
+        f"SIGKILL of a 2-rank run saving asynchronously every step, {len(modes)} times "
+        f"({killed_mid_write} while a background write was unfinished)",
+        "after every kill each visible checkpoint passed its checksums and ckpt_path='last' resumed the newest "
+        "finished one; the unfinished background writes were never loaded",
+        0,
+        "none (the steps after the last finished save are trained again)",
+        max(recover_s),
+        kills=len(modes),
+    )

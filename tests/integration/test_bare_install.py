@@ -8,6 +8,7 @@ metadata). Those distributions are linked from the environment running the tests
 so the test runs offline in seconds; ``pip check`` then proves the closure is complete, and
 ``importlib.util.find_spec`` that no optional package leaked in.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
@@ -41,12 +42,30 @@ def _build_wheel(dest: Path) -> tuple[Path, str]:
     src.mkdir(parents=True)
     for name in PROJECT_FILES:
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "megatron_lite", src / "megatron_lite",
-                    ignore=shutil.ignore_patterns("__pycache__", ".megatron_lite_cache"))
+    shutil.copytree(
+        REPO / "megatron_lite",
+        src / "megatron_lite",
+        ignore=shutil.ignore_patterns("__pycache__", ".megatron_lite_cache"),
+    )
     # no isolation and no index: the build backend (setuptools>=77) is the one torch already requires here
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                           "--no-index", str(src), "-w", str(dest / "wheel")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            str(src),
+            "-w",
+            str(dest / "wheel"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = (dest / "wheel").glob("megatron_lite-*.whl")
     return wheel, proc.stdout + proc.stderr
@@ -129,8 +148,9 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> BareInstall:
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
     env.pop("MASTER_PORT", None)
     python = str(venv / "bin" / "python")
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root,
-                     env).stdout.strip())
+    site = Path(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env).stdout.strip()
+    )
     everything = _closure(base)
     cli_only = set(_closure([r for r in base if canonicalize_name(r.name) == "jsonargparse"]))
     cli_only -= set(_closure([r for r in base if canonicalize_name(r.name) != "jsonargparse"]))
@@ -144,9 +164,17 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> BareInstall:
     help_without_jsonargparse = _run([str(venv / "bin" / "megatron-lite"), "fit", "--help"], root, env)
     for name in sorted(cli_only):
         _link_into(site, everything[name])
-    return BareInstall(root=root, venv=venv, site=site, env=env, build_log=build_log, requirements=requirements,
-                       closure=set(everything), help_without_jsonargparse=help_without_jsonargparse,
-                       pip_check=_run([*pip, "check"], root, env))
+    return BareInstall(
+        root=root,
+        venv=venv,
+        site=site,
+        env=env,
+        build_log=build_log,
+        requirements=requirements,
+        closure=set(everything),
+        help_without_jsonargparse=help_without_jsonargparse,
+        pip_check=_run([*pip, "check"], root, env),
+    )
 
 
 def test_wheel_builds_without_licence_warnings_and_declares_its_extras(bare: BareInstall) -> None:
@@ -155,8 +183,11 @@ def test_wheel_builds_without_licence_warnings_and_declares_its_extras(bare: Bar
     assert "deprecated" not in bare.build_log.lower(), bare.build_log[-3000:]
     base = {canonicalize_name(r.name) for r in bare.requirements if r.marker is None}
     for module, provider in OPTIONAL.items():
-        extra_reqs = {canonicalize_name(r.name) for r in bare.requirements
-                      if r.marker is not None and r.marker.evaluate({"extra": provider.extra})}
+        extra_reqs = {
+            canonicalize_name(r.name)
+            for r in bare.requirements
+            if r.marker is not None and r.marker.evaluate({"extra": provider.extra})
+        }
         name = canonicalize_name(Requirement(provider.distribution).name)
         assert name in extra_reqs, f"{module}: {provider.distribution} is not in the {provider.extra!r} extra"
         assert name not in base, f"{module}: {provider.distribution} is a base requirement"
@@ -167,19 +198,31 @@ def test_bare_install_help_import_and_mock_fit(bare: BareInstall) -> None:
     `import megatron_lite.data` and a 1-process fit on mock data, in a venv without any extra."""
     # without jsonargparse (as after `pip install --no-deps`): one line naming the extra, not a traceback
     proc = bare.help_without_jsonargparse
-    assert (proc.returncode, proc.stderr.strip()) == (2, (
-        "megatron-lite: error: megatron-lite fit/validate/test/predict needs the 'jsonargparse[signatures]>=4.27.7' "
-        "package: pip install \"megatron-lite[cli]\"")), proc.stdout + proc.stderr
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        (
+            "megatron-lite: error: megatron-lite fit/validate/test/predict needs the "
+            "'jsonargparse[signatures]>=4.27.7' "
+            'package: pip install "megatron-lite[cli]"'
+        ),
+    ), proc.stdout + proc.stderr
     assert bare.pip_check.returncode == 0, bare.pip_check.stdout + bare.pip_check.stderr  # the closure is complete
 
-    for args, expected in ((["--help"], "{fit,validate,test,predict}"), (["fit", "--help"], "--trainer.max_steps"),
-                           (["preprocess", "--help"], "--tokenizer-type"), (["estimate", "--help"], "--devices")):
+    for args, expected in (
+        (["--help"], "{fit,validate,test,predict}"),
+        (["fit", "--help"], "--trainer.max_steps"),
+        (["preprocess", "--help"], "--tokenizer-type"),
+        (["estimate", "--help"], "--devices"),
+    ):
         proc = _run([bare.bin("megatron-lite"), *args], bare.root, bare.env)
         assert proc.returncode == 0 and expected in proc.stdout, (args, proc.stdout[-2000:], proc.stderr[-3000:])
     # the installed console script starts a tool without Lightning; Python's import-time report names what the
     # `import` statements imported (the verb's own module comes through importlib, which it does not time)
-    proc = _run([bare.bin("python"), "-X", "importtime", bare.bin("megatron-lite"), "checkpoint", "inspect", "--help"],
-                bare.root, bare.env)
+    proc = _run(
+        [bare.bin("python"), "-X", "importtime", bare.bin("megatron-lite"), "checkpoint", "inspect", "--help"],
+        bare.root,
+        bare.env,
+    )
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert proc.returncode == 0 and "megatron_lite.core.checkpoint.format.inspect" in imported, proc.stderr[-3000:]
     assert not [m for m in imported if m.split(".")[0] in ("lightning", "jsonargparse")], sorted(imported)
@@ -189,7 +232,8 @@ def test_bare_install_help_import_and_mock_fit(bare: BareInstall) -> None:
     absent = sorted(m for m, p in OPTIONAL.items() if canonicalize_name(p.distribution) not in bare.closure)
     assert {"sentencepiece", "tokenizers", "tiktoken", "matplotlib", "tensorboard"} <= set(absent)
     script = bare.root / "fit_mock.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import importlib.util, json, sys
         import lightning as L
         import megatron_lite as ml
@@ -206,7 +250,8 @@ def test_bare_install_help_import_and_mock_fit(bare: BareInstall) -> None:
         trainer.fit(ml.GPTModule(config), data)
         print(json.dumps({{"present": present, "file": ml.__file__, "step": trainer.global_step,
                           "loss": float(trainer.callback_metrics["train/loss"])}}))
-    """))
+    """)
+    )
     proc = _run([bare.bin("python"), str(script), str(bare.root / "run")], bare.root, bare.env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -223,14 +268,31 @@ def test_bare_install_names_the_extra_where_one_is_needed(bare: BareInstall) -> 
     (run_dir / "version_0").mkdir(parents=True)
     (run_dir / "version_0" / "metrics.csv").write_text("step,train/loss\n0,5.5\n1,5.4\n")
     cases = [
-        (["fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml")],
-         "megatron-lite: error: TextCorpusDataModule " + DATA_EXTRA_LINE.format("sentencepiece")),
-        (["preprocess", "--input", str(corpus), "--output-prefix", str(bare.root / "out"),
-          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"],
-         "megatron-lite preprocess: error: GPT2BPETokenizer " + DATA_EXTRA_LINE.format("tokenizers")),
-        (["plot", str(run_dir)],
-         "megatron-lite plot: error: megatron-lite plot needs the 'matplotlib' package: "
-         "pip install \"megatron-lite[logging]\""),
+        (
+            ["fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml")],
+            "megatron-lite: error: TextCorpusDataModule " + DATA_EXTRA_LINE.format("sentencepiece"),
+        ),
+        (
+            [
+                "preprocess",
+                "--input",
+                str(corpus),
+                "--output-prefix",
+                str(bare.root / "out"),
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                "vocab.json",
+                "--merge-file",
+                "merges.txt",
+            ],
+            "megatron-lite preprocess: error: GPT2BPETokenizer " + DATA_EXTRA_LINE.format("tokenizers"),
+        ),
+        (
+            ["plot", str(run_dir)],
+            "megatron-lite plot: error: megatron-lite plot needs the 'matplotlib' package: "
+            'pip install "megatron-lite[logging]"',
+        ),
     ]
     for args, line in cases:
         proc = _run([bare.bin("megatron-lite"), *args], bare.root, bare.env)

@@ -2,6 +2,7 @@
 layout, configs, size and the checksum verdict (exit 0), names a damaged shard (exit 1) and refuses a path
 that is not a checkpoint (exit 2); resuming from the damaged checkpoint fails with the file named; a
 checkpoint in the previous format (meta.pt, no manifest) still resumes."""
+
 import json
 import sys
 from pathlib import Path
@@ -21,8 +22,13 @@ from parity_utils import run  # noqa: E402
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    run(out / "first", devices=2, tp=2, steps=3,
-        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=3, save_last=True)])
+    run(
+        out / "first",
+        devices=2,
+        tp=2,
+        steps=3,
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=3, save_last=True)],
+    )
     return out / "ckpts" / "last.ckpt"
 
 

@@ -5,6 +5,7 @@ right after it did (while the old one is removed), while the previous top-1 chec
 random times (fault 3 of issue 13). After every kill each visible checkpoint passes its checksums, the newest
 finished save is never older than before, and the next run with ckpt_path="last" resumes from exactly it
 (step > 0): nothing partial is loaded. Leftovers of the killed saves are gone once the next run has saved."""
+
 import multiprocessing
 import os
 import random
@@ -48,13 +49,22 @@ def _train(ckpt_dir: str, start_file: str, max_steps: int, ckpt_path) -> None:
     torch.set_num_threads(1)
     config = tiny_config()
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False), accelerator="cpu", devices=2,
-        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False),
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True),
-                   StartStep(Path(start_file))])
-    data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=2, global_batch_size=8,
-                             vocab_size=config.vocab_size, seed=7)
+        callbacks=[
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True),
+            StartStep(Path(start_file)),
+        ],
+    )
+    data = MockGPTDataModule(
+        seq_length=config.seq_length, micro_batch_size=2, global_batch_size=8, vocab_size=config.vocab_size, seed=7
+    )
     trainer.fit(ml.GPTModule(config, seed=1), data, ckpt_path=ckpt_path)
 
 
@@ -82,8 +92,9 @@ def _kill_point(mode: str, ckpt_dir: Path, start_file: Path):
             if p.name in before or not re.match(pattern, p.name):
                 continue
             files = _files(p)
-            if has_manifest is None or (("manifest.json" in files) == has_manifest
-                                        and any(n.endswith(".distcp") for n in files)):
+            if has_manifest is None or (
+                ("manifest.json" in files) == has_manifest and any(n.endswith(".distcp") for n in files)
+            ):
                 return True
         return False
 
@@ -97,6 +108,7 @@ def _kill_point(mode: str, ckpt_dir: Path, start_file: Path):
             if at[0] is None and ready():
                 at[0] = time.monotonic() + random.uniform(0.0, 0.5)
             return at[0] is not None and time.monotonic() >= at[0]
+
         return due
     if mode == "committing":  # a finished save of last.ckpt: exchanged with the old one, which is then removed
         return lambda: ready() and saving(r"^\.last\.ckpt\.tmp-", has_manifest=True)
@@ -109,6 +121,7 @@ def _kill_point(mode: str, ckpt_dir: Path, start_file: Path):
             current = os.stat(ckpt_dir / "last.ckpt").st_ino
             inode[0] = inode[0] or current
             return current != inode[0]
+
         return swapped
     if mode == "writing":  # DCP has written a shard, the manifest is not there yet
         return lambda: ready() and saving(r"^\..*\.tmp-", has_manifest=False)
@@ -132,7 +145,8 @@ def run_until_killed(train, ckpt_dir: Path, start_file: Path, mode: str, resume:
     group at the kill point ``mode`` and return the time of the kill."""
     start_file.unlink(missing_ok=True)
     process = multiprocessing.get_context("fork").Process(
-        target=train, args=(str(ckpt_dir), str(start_file), 10_000, "last" if resume else None))
+        target=train, args=(str(ckpt_dir), str(start_file), 10_000, "last" if resume else None)
+    )
     process.start()
     kill_now = _kill_point(mode, ckpt_dir, start_file)
     deadline = time.monotonic() + 60
@@ -169,20 +183,27 @@ def test_sigkill_during_saves_leaves_a_checkpoint_that_resumes(tmp_path):
     # a run that is not killed resumes from last.ckpt and its saves clean up what the killed ones left
     start_file.unlink(missing_ok=True)
     process = multiprocessing.get_context("fork").Process(
-        target=_train, args=(str(ckpt_dir), str(start_file), last_step + 2, "last"))
+        target=_train, args=(str(ckpt_dir), str(start_file), last_step + 2, "last")
+    )
     process.start()
     process.join(timeout=120)
     assert process.exitcode == 0
     assert int(start_file.read_text()) == last_step > 0
     assert _check_checkpoints(ckpt_dir) == last_step + 2
     assert not [p.name for p in ckpt_dir.iterdir() if LEFTOVER.match(p.name)]
-    record("3-kill-mid-save", f"SIGKILL of a 2-rank run (all processes) saving every step, {len(modes)} times: while "
-                              f"DCP writes, while a finished save replaces last.ckpt, right after, while the old "
-                              f"top-1 is removed, at random",
-           f"after every kill each visible checkpoint passed its checksums and ckpt_path='last' resumed the newest "
-           f"finished one (unfinished saves skipped: {len(leftovers_seen)} leftovers seen, never loaded, removed "
-           f"by the next save)", 0, "none (the step in flight is trained again)", max(recover_s),
-           kills=len(modes))
+    record(
+        "3-kill-mid-save",
+        f"SIGKILL of a 2-rank run (all processes) saving every step, {len(modes)} times: while "
+        f"DCP writes, while a finished save replaces last.ckpt, right after, while the old "
+        f"top-1 is removed, at random",
+        f"after every kill each visible checkpoint passed its checksums and ckpt_path='last' resumed the newest "
+        f"finished one (unfinished saves skipped: {len(leftovers_seen)} leftovers seen, never loaded, removed "
+        f"by the next save)",
+        0,
+        "none (the step in flight is trained again)",
+        max(recover_s),
+        kills=len(modes),
+    )
 
 
 def test_last_is_recovered_before_the_ranks_look_for_it(tmp_path):
@@ -190,11 +211,20 @@ def test_last_is_recovered_before_the_ranks_look_for_it(tmp_path):
     last.ckpt, only .last.ckpt.old-* (the previous one): the launching process puts it back before any rank
     resolves ckpt_path="last", so the run resumes from it instead of starting again at step 0."""
     ckpt_dir = tmp_path / "ckpts"
-    run(tmp_path / "first", devices=2, steps=3,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True)])
+    run(
+        tmp_path / "first",
+        devices=2,
+        steps=3,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True)],
+    )
     (ckpt_dir / "last.ckpt").rename(ckpt_dir / ".last.ckpt.old-0123abcd")
-    resumed = run(tmp_path / "resumed", devices=2, steps=5, ckpt_path="last",
-                  callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True)])
+    resumed = run(
+        tmp_path / "resumed",
+        devices=2,
+        steps=5,
+        ckpt_path="last",
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True)],
+    )
     assert resumed["global_step"] == 5 and len(resumed["losses"]) == 2  # steps 4 and 5 only
     assert read_checkpoint_meta(ckpt_dir / "last.ckpt")["global_step"] == 5
     assert not [p.name for p in ckpt_dir.iterdir() if LEFTOVER.match(p.name)]

@@ -5,6 +5,7 @@ replace an earlier output; every writer carries the tokenizer into its output as
 checksummed with the checkpoint, so the output generates -- and exports its tokenizer for transformers -- after
 the cache is gone; bad input is one line (an existing output, a corpus without text, a ``--seq-length`` past the
 model's context); ``megatron-lite checkpoint inspect CKPT | head`` ends quietly."""
+
 from __future__ import annotations
 
 import gzip
@@ -41,12 +42,14 @@ def source(tmp_path_factory) -> dict:
     with gzip.open(bundled_corpus("shakespeare"), "rt") as f:
         text = json.loads(f.readline())["text"][:40_000]
     corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text[i:i + 2000]}) + "\n" for i in range(0, len(text), 2000)))
+    corpus.write_text("".join(json.dumps({"text": text[i : i + 2000]}) + "\n" for i in range(0, len(text), 2000)))
     (root / "cache").mkdir()
-    tokenizer = build_tokenizer("SentencePieceTokenizer", train_corpus=str(corpus), vocab_size=VOCAB,
-                                output_prefix=str(root / "cache" / "sp"))
-    module = ml.GPTModule(ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-                                       seq_length=SEQ))
+    tokenizer = build_tokenizer(
+        "SentencePieceTokenizer", train_corpus=str(corpus), vocab_size=VOCAB, output_prefix=str(root / "cache" / "sp")
+    )
+    module = ml.GPTModule(
+        ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ)
+    )
     module.configure_model()
     ckpt = root / "runs" / "last.ckpt"
     save_weights_checkpoint(module, ckpt, metadata={TOKENIZER_KEY: tokenizer_spec(tokenizer)})
@@ -66,13 +69,41 @@ def _refused(capsys, main, *args, message: str) -> None:
 
 
 def _prune_args(ckpt, output, corpus, *extra) -> list:
-    return ["--ckpt", ckpt, "--data", corpus, "--num-layers", "1", "--calib-batches", "1", "--eval-batches", "0",
-            "--batch-size", "2", "--output", output, *extra]
+    return [
+        "--ckpt",
+        ckpt,
+        "--data",
+        corpus,
+        "--num-layers",
+        "1",
+        "--calib-batches",
+        "1",
+        "--eval-batches",
+        "0",
+        "--batch-size",
+        "2",
+        "--output",
+        output,
+        *extra,
+    ]
 
 
 def _quantize_args(ckpt, output, corpus, *extra) -> list:
-    return ["--ckpt", ckpt, "--data", corpus, "--calib-batches", "1", "--eval-batches", "0", "--batch-size", "2",
-            "--output", output, *extra]
+    return [
+        "--ckpt",
+        ckpt,
+        "--data",
+        corpus,
+        "--calib-batches",
+        "1",
+        "--eval-batches",
+        "0",
+        "--batch-size",
+        "2",
+        "--output",
+        output,
+        *extra,
+    ]
 
 
 def test_overwrite_never_deletes_an_input_or_what_megatron_lite_did_not_write(source, tmp_path, capsys):
@@ -84,18 +115,31 @@ def test_overwrite_never_deletes_an_input_or_what_megatron_lite_did_not_write(so
     holds = "holds the input"
     # the output is the directory holding the input, directly or through a link: refused by every writer
     _refused(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", runs, "--overwrite", message=holds)
-    _refused(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", tmp_path / "link", "--overwrite",
-             message=holds)
+    _refused(
+        capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", tmp_path / "link", "--overwrite", message=holds
+    )
     _refused(capsys, prune.main, *_prune_args(ckpt, runs, corpus, "--overwrite"), message=holds)
     _refused(capsys, quantize.main, *_quantize_args(ckpt, runs, corpus, "--overwrite"), message=holds)
-    _refused(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", ckpt / "hf", message="is inside the input")
+    _refused(
+        capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", ckpt / "hf", message="is inside the input"
+    )
     _refused(capsys, prune.main, *_prune_args(ckpt, ckpt, corpus, "--overwrite"), message="is the input")
     # a directory megatron-lite did not write is never replaced
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work")
-    _refused(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", mine, "--overwrite",
-             message="is not an output of megatron-lite")
+    _refused(
+        capsys,
+        convert.main,
+        "--to",
+        "hf",
+        "--input",
+        ckpt,
+        "--output",
+        mine,
+        "--overwrite",
+        message="is not an output of megatron-lite",
+    )
     assert (mine / "thesis.tex").read_text() == "years of work"
     assert (runs / "notes.txt").read_text() == "mine" and verify_checkpoint(ckpt).status == "ok"
 
@@ -106,12 +150,24 @@ def test_overwrite_never_deletes_an_input_or_what_megatron_lite_did_not_write(so
     _refused(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", hf, message="exists and is not empty")
     assert _run(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", hf, "--overwrite")[0] == 0
     assert _run(capsys, convert.main, "--from", "hf", "--input", hf, "--output", tmp_path / "imported")[0] == 0
-    assert _run(capsys, convert.main, "--from", "hf", "--input", hf, "--output", tmp_path / "imported",
-                "--overwrite")[0] == 0
+    assert (
+        _run(capsys, convert.main, "--from", "hf", "--input", hf, "--output", tmp_path / "imported", "--overwrite")[0]
+        == 0
+    )
     # ... unless someone put files of their own in it
     (hf / "README.md").write_text("my model card")
-    _refused(capsys, convert.main, "--to", "hf", "--input", ckpt, "--output", hf, "--overwrite",
-             message="holds README.md, which megatron-lite did not write")
+    _refused(
+        capsys,
+        convert.main,
+        "--to",
+        "hf",
+        "--input",
+        ckpt,
+        "--output",
+        hf,
+        "--overwrite",
+        message="holds README.md, which megatron-lite did not write",
+    )
     assert (hf / "README.md").is_file() and (hf / "model.safetensors").is_file()
 
 
@@ -132,8 +188,9 @@ def test_every_writer_carries_the_tokenizer_and_its_output_needs_no_cache(writer
     moved = source["cache"].with_name("cache.gone")
     source["cache"].rename(moved)  # the cache is cleaned: the output still has its tokenizer
     try:
-        code, out_text, err = _run(capsys, cli_generate, "--ckpt", out, "--prompt", "ROMEO:", "--max-new-tokens", "4",
-                                   "--json")
+        code, out_text, err = _run(
+            capsys, cli_generate, "--ckpt", out, "--prompt", "ROMEO:", "--max-new-tokens", "4", "--json"
+        )
         assert code == 0, err
         record = json.loads(out_text.strip().splitlines()[-1])
         assert record["prompt_tokens"] == source["tokenizer"].tokenize("ROMEO:") and len(record["new_tokens"]) == 4
@@ -144,8 +201,9 @@ def test_every_writer_carries_the_tokenizer_and_its_output_needs_no_cache(writer
             assert json.loads((hf / "tokenizer_config.json").read_text())["tokenizer_class"] == "LlamaTokenizer"
             transformers = pytest.importorskip("transformers")
             text = "ROMEO:\nWhat light through yonder window"
-            assert transformers.AutoTokenizer.from_pretrained(hf)(text)["input_ids"] == \
-                source["tokenizer"].tokenize(text)
+            assert transformers.AutoTokenizer.from_pretrained(hf)(text)["input_ids"] == source["tokenizer"].tokenize(
+                text
+            )
     finally:
         moved.rename(source["cache"])
     # a damaged copy is named by the checksums, like any file of the checkpoint
@@ -163,8 +221,9 @@ def test_a_tokenizer_whose_files_are_gone_never_fails_a_save(source, tmp_path):
             save_weights_checkpoint(module, tmp_path / "ckpt", tokenizer=source["tokenizer"])
     finally:
         moved.rename(source["cache"])
-    assert read_checkpoint_meta(tmp_path / "ckpt", [ml.GPTConfig, ml.OptimizerConfig])[TOKENIZER_KEY] == \
-        tokenizer_spec(source["tokenizer"])
+    assert read_checkpoint_meta(tmp_path / "ckpt", [ml.GPTConfig, ml.OptimizerConfig])[TOKENIZER_KEY] == tokenizer_spec(
+        source["tokenizer"]
+    )
     assert verify_checkpoint(tmp_path / "ckpt").status == "ok"
 
 
@@ -182,30 +241,57 @@ def test_bad_input_is_one_line(source, tmp_path, capsys):
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("x")
-    _refused(capsys, quantize.main, *_quantize_args(source["ckpt"], existing, source["corpus"]),
-             message=f"--output {existing} exists and is not empty")
+    _refused(
+        capsys,
+        quantize.main,
+        *_quantize_args(source["ckpt"], existing, source["corpus"]),
+        message=f"--output {existing} exists and is not empty",
+    )
     hf = tmp_path / "hf"
     assert _run(capsys, convert.main, "--to", "hf", "--input", source["ckpt"], "--output", hf)[0] == 0
-    _refused(capsys, convert.main, "--from", "hf", "--input", hf, "--output", tmp_path / "long", "--seq-length",
-             "4096", message=f"--seq-length 4096 is longer than the model's context, max_position_embeddings {SEQ}")
+    _refused(
+        capsys,
+        convert.main,
+        "--from",
+        "hf",
+        "--input",
+        hf,
+        "--output",
+        tmp_path / "long",
+        "--seq-length",
+        "4096",
+        message=f"--seq-length 4096 is longer than the model's context, max_position_embeddings {SEQ}",
+    )
     assert not (tmp_path / "long").exists()
     pytest.importorskip("modelopt.torch.quantization")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    _refused(capsys, quantize.main, *_quantize_args(source["ckpt"], tmp_path / "q", empty),
-             message=f"--data {empty} holds no text")
+    _refused(
+        capsys,
+        quantize.main,
+        *_quantize_args(source["ckpt"], tmp_path / "q", empty),
+        message=f"--data {empty} holds no text",
+    )
     short = tmp_path / "short.jsonl"
     short.write_text(json.dumps({"text": "To be"}) + "\n")
-    _refused(capsys, quantize.main, *_quantize_args(source["ckpt"], tmp_path / "q", short),
-             message=f"0 windows of {SEQ} + 1 tokens, fewer than the 2")
+    _refused(
+        capsys,
+        quantize.main,
+        *_quantize_args(source["ckpt"], tmp_path / "q", short),
+        message=f"0 windows of {SEQ} + 1 tokens, fewer than the 2",
+    )
     assert not (tmp_path / "q").exists()
 
 
 def test_inspect_into_a_closed_pipe_ends_quietly(source):
     """``megatron-lite checkpoint inspect CKPT | head -1``: the reader leaves before the output is written."""
-    process = subprocess.Popen([sys.executable, "-m", "megatron_lite", "checkpoint", "inspect", str(source["ckpt"]),
-                                "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_lite", "checkpoint", "inspect", str(source["ckpt"]), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     process.stdout.close()
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) == 128 + signal.SIGPIPE

@@ -4,6 +4,7 @@ command (``python -X importtime -m megatron_lite ...``, or with the console scri
 it imported are read from Python's import-time report (or ``sys.modules``). (``import megatron_lite`` in any other
 program still registers the strategy, which imports Lightning: every ``Trainer(strategy="megatron")`` test checks
 that.)"""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ HEAVY = ("lightning", "jsonargparse")
 
 def _command(*args: str, cwd: Path = REPO) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Run ``megatron-lite ARGS``; (the process, the modules it imported)."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_lite", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "megatron_lite", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     # the report names what `import` statements imported (not importlib.import_module: the verb's own module)
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "megatron_lite" in imported, proc.stderr[-2000:]  # the report was read
@@ -48,15 +55,22 @@ for verb in TOOLS.values():
     importlib.import_module(verb.module).build_parser().format_help()
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
 def test_the_light_tools_run_without_lightning(tmp_path: Path) -> None:
-    module = ml.GPTModule(ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64,
-                                       seq_length=8))
+    module = ml.GPTModule(
+        ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8)
+    )
     module.configure_model()
     checkpoint = save_weights_checkpoint(module, tmp_path / "ckpt")
     corpus = tmp_path / "corpus.jsonl"
@@ -64,8 +78,17 @@ def test_the_light_tools_run_without_lightning(tmp_path: Path) -> None:
     runs = {
         "inspect": ["checkpoint", "inspect", str(checkpoint), "--json"],
         "convert": ["convert", "--to", "hf", "--input", str(checkpoint), "--output", str(tmp_path / "hf")],
-        "preprocess": ["preprocess", "--input", str(corpus), "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                       "64", "--output-prefix", str(tmp_path / "corpus")],
+        "preprocess": [
+            "preprocess",
+            "--input",
+            str(corpus),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "64",
+            "--output-prefix",
+            str(tmp_path / "corpus"),
+        ],
     }
     out = {}
     for name, args in runs.items():

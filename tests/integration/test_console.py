@@ -7,6 +7,7 @@ stdout and stderr going into one pipe, as a terminal shows them. The captured by
 raw (no carriage-return segment of the stream holds both a bar and our text) and as a terminal
 would draw them (every line of ours whole, and the bar drawn again below the last one).
 """
+
 import io
 import json
 import os
@@ -36,11 +37,21 @@ TIMER_LINE = re.compile(r" {4}[\w-]+ \.+: \((\d+\.\d\d), (\d+\.\d\d)\)")
 
 
 def _run_script(tmp_path: Path, settings) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("MASTER_PORT", None)  # let the launcher pick a free port
-    proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(settings)], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(settings)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     console = proc.stdout.decode("utf-8", errors="replace")
     assert proc.returncode == 0, console[-4000:]
     return console
@@ -63,7 +74,7 @@ def render(stream: str) -> list:
                 screen.append([])
             line = screen[row]
             line.extend(" " * (col + len(token) - len(line)))
-            line[col:col + len(token)] = token
+            line[col : col + len(token)] = token
             col += len(token)
     return ["".join(line).rstrip() for line in screen]
 
@@ -85,12 +96,12 @@ def check_console(console: str, max_steps: int) -> tuple:
         if "time across ranks" in line:
             assert line == TIMER_HEADER, f"a broken timer header: {line!r}"
             block = []
-            for timer_line in lines[i + 1:]:
+            for timer_line in lines[i + 1 :]:
                 match = TIMER_LINE.fullmatch(timer_line)
                 if not match:
                     break
                 block.append((timer_line.split()[0], float(match.group(1)), float(match.group(2))))
-            assert block, f"a timer header without timers: {lines[i:i + 3]!r}"
+            assert block, f"a timer header without timers: {lines[i : i + 3]!r}"
             blocks.append((block, i))
         if "megatron_lite" in line and "Warning" in line:
             assert line.startswith("/") or line.startswith("megatron_lite"), f"a warning not at a line start: {line!r}"
@@ -116,8 +127,9 @@ def test_demo_strategy_console_with_the_default_metrics(tmp_path):
 # The fork launcher's runs (as in a notebook): one script process trains them one after the other, and the
 # tests below read each one's console (one interpreter start instead of three; the tests share a worker).
 FORK_RUNS = {
-    "chosen_intervals": dict(start_method="fork", max_steps=12, log_every_n_steps=1,
-                             metrics=dict(log_interval=2, timers_interval=4)),
+    "chosen_intervals": dict(
+        start_method="fork", max_steps=12, log_every_n_steps=1, metrics=dict(log_interval=2, timers_interval=4)
+    ),
     "timers_off": dict(start_method="fork", max_steps=4, log_every_n_steps=1, metrics=dict(timers_interval=0)),
     "console_off": dict(start_method="fork", max_steps=4, log_every_n_steps=1, metrics=dict(console=False)),
 }
@@ -153,12 +165,22 @@ def test_timer_block_off_and_console_off(fork_consoles):
 
 
 def _tiny_fit(callbacks, **trainer_kwargs):
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
-                        logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks,
-                        **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
-    trainer.fit(ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=2,
-                                                        vocab_size=256))
+    trainer.fit(
+        ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=2, vocab_size=256)
+    )
 
 
 def test_rich_bar_of_a_max_steps_run_has_no_negative_epoch_total():
@@ -198,6 +220,9 @@ def test_bad_intervals_name_the_fix():
         MegatronMetrics(log_interval=0)
     with pytest.raises(ValueError, match=r"timers_interval must be a number of steps >= 0"):
         MegatronMetrics(timers_interval=-1)
-    with pytest.raises(ValueError, match=r"MegatronMetrics\(timers_interval=5\) must be a multiple of the log "
-                                         r"interval \(2\).*set timers_interval=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"MegatronMetrics\(timers_interval=5\) must be a multiple of the log "
+        r"interval \(2\).*set timers_interval=4",
+    ):
         _tiny_fit([MegatronMetrics(peak_tflops_per_device=1.0, log_interval=2, timers_interval=5)])

@@ -5,6 +5,7 @@ bit. When every checkpoint is damaged the fit refuses with one error naming them
 step 0 while it was asked to resume). Real processes: a TP2 Trainer on two forked ranks, gloo, Lightning's
 ModelCheckpoint, real files.
 """
+
 import logging
 import sys
 import time
@@ -74,9 +75,17 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_previous_vali
     _flip_byte(shard)
 
     faulted = time.time()
-    resumed, log = _logged(tmp_path / "log.txt", lambda: run(
-        tmp_path / "resumed", devices=2, tp=2, steps=STEPS, ckpt_path="last",
-        callbacks=[_checkpoints(ckpt, save_last), StartTime(tmp_path / "started")]))
+    resumed, log = _logged(
+        tmp_path / "log.txt",
+        lambda: run(
+            tmp_path / "resumed",
+            devices=2,
+            tp=2,
+            steps=STEPS,
+            ckpt_path="last",
+            callbacks=[_checkpoints(ckpt, save_last), StartTime(tmp_path / "started")],
+        ),
+    )
     recover_s = float((tmp_path / "started").read_text()) - faulted  # to training again, start-up included
     # reported with the checkpoint and the file, and why
     assert f"{newest}: __1_0.distcp: checksum mismatch" in log, log
@@ -90,12 +99,16 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_previous_vali
     for name, value in reference["params"].items():
         assert torch.equal(resumed["params"][name], value), name
     if not save_last:
-        record("4-corrupt-shard", "one byte flipped in a shard of the newest checkpoint (TP2, checkpoints every 2 "
-                                  "steps, no last.ckpt)",
-               f"ckpt_path='last': the checksum mismatch was found before loading and reported with the checkpoint "
-               f"and file ({newest.name}/{shard.name}); the previous valid checkpoint ({fallback.name}) was resumed; "
-               f"the final parameters equal the uninterrupted run's bit for bit",
-               6 - fallback_step, "none (the damaged checkpoint's steps were trained again)", recover_s)
+        record(
+            "4-corrupt-shard",
+            "one byte flipped in a shard of the newest checkpoint (TP2, checkpoints every 2 steps, no last.ckpt)",
+            f"ckpt_path='last': the checksum mismatch was found before loading and reported with the checkpoint "
+            f"and file ({newest.name}/{shard.name}); the previous valid checkpoint ({fallback.name}) was resumed; "
+            f"the final parameters equal the uninterrupted run's bit for bit",
+            6 - fallback_step,
+            "none (the damaged checkpoint's steps were trained again)",
+            recover_s,
+        )
 
 
 def test_when_every_checkpoint_is_damaged_the_fit_refuses_naming_them(tmp_path):

@@ -2,6 +2,7 @@
 then a 1-layer student half its width trained 60 steps with Distill(teacher) reaches a lower held-out loss
 than the same student (same seed, data and steps) trained alone. The teacher is not changed by it, and the
 logged parts add up to the loss."""
+
 import lightning as L
 import pytest
 import torch
@@ -19,13 +20,13 @@ def cache(tmp_path_factory):
 
 
 def _data(cache: str) -> TextCorpusDataModule:
-    return TextCorpusDataModule("shakespeare", seq_length=32, micro_batch_size=8, global_batch_size=16,
-                                vocab_size=VOCAB, cache_dir=cache)
+    return TextCorpusDataModule(
+        "shakespeare", seq_length=32, micro_batch_size=8, global_batch_size=16, vocab_size=VOCAB, cache_dir=cache
+    )
 
 
 def _module(layers: int, hidden: int, seed: int) -> ml.GPTModule:
-    config = ml.GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=VOCAB,
-                          seq_length=32)
+    config = ml.GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=VOCAB, seq_length=32)
     return ml.GPTModule(config, ml.OptimizerConfig(lr=3e-3, lr_warmup_iters=5, lr_decay_style="constant"), seed=seed)
 
 
@@ -39,14 +40,28 @@ class Parts(L.Callback):
 
 
 def _fit(module, cache, steps, callbacks=()):
-    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-              callbacks=list(callbacks)).fit(module, _data(cache))
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    ).fit(module, _data(cache))
 
 
 def _held_out(module, cache) -> float:
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=8)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=8,
+    )
     return trainer.validate(module, _data(cache), verbose=False)[0]["val/loss"]
 
 

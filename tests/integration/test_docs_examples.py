@@ -8,6 +8,7 @@ keep it tiny: ``fit`` gets ``--trainer.max_steps 2``, no LR warmup and one valid
 ``validate`` two batches, and both start their ranks by fork. A command that an example config's header shows
 too is run once, by test_example_config_commands.py (config_headers.py says which).
 """
+
 import sys
 from pathlib import Path
 
@@ -51,8 +52,18 @@ def added_arguments(argv: list[str]) -> list[str]:
         return []
     added = ["--trainer.strategy.init_args.start_method", "fork"]  # no interpreter start per rank
     if verb == "fit":  # two steps, validated once at the end (on one batch)
-        added += ["--trainer.max_steps", "2", "--model.optimizer.lr_warmup_iters", "0", "--trainer.num_sanity_val_steps",
-                  "0", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1"]
+        added += [
+            "--trainer.max_steps",
+            "2",
+            "--model.optimizer.lr_warmup_iters",
+            "0",
+            "--trainer.num_sanity_val_steps",
+            "0",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.limit_val_batches",
+            "1",
+        ]
     else:
         added += ["--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2"]
     return added

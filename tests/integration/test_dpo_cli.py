@@ -1,9 +1,9 @@
 """`megatron-lite fit --config` with a GPTModule subclass as the model (``model.class_path``) and a preference
 datamodule: a real 2-step fit through the CLI, with the data's seq_length and vocab_size linked into the
 chosen class's config, exactly as for GPTModule configs without a class_path."""
+
 import csv
 import json
-from pathlib import Path
 
 import pytest
 
@@ -59,10 +59,13 @@ def _logged(tmp_path):
     return rows, config
 
 
-@pytest.mark.parametrize("class_path,metric,init_args", [
-    ("megatron_lite.rl.RewardModelModule", "train/accuracy", ""),
-    ("megatron_lite.rl.DPOModule", "train/reward_accuracy", "\n    beta: 0.2\n    loss_type: ipo"),
-])
+@pytest.mark.parametrize(
+    "class_path,metric,init_args",
+    [
+        ("megatron_lite.rl.RewardModelModule", "train/accuracy", ""),
+        ("megatron_lite.rl.DPOModule", "train/reward_accuracy", "\n    beta: 0.2\n    loss_type: ipo"),
+    ],
+)
 def test_cli_fits_a_gpt_module_subclass_on_preference_data(tmp_path, class_path, metric, init_args):
     # --model.config.* (no init_args) still reaches the chosen class's config on the command line
     main(["fit", "--config", _yaml(tmp_path, class_path, init_args), "--model.config.hidden_size", "32"])

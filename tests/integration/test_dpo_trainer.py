@@ -1,6 +1,7 @@
 """DPO through a real Trainer: it learns a synthetic preference whose answer is known (held-out reward
 accuracy > 90%), the reference can be one of our checkpoints (and one of another shape is refused before
 launch, naming both shapes), and bad options or data fail with one clear line."""
+
 import json
 import random
 
@@ -28,8 +29,12 @@ def write_cued_pairs(path, n, seed=0):
             prompt = " ".join(str(rng.randrange(10, 60)) for _ in range(rng.randint(1, 6))) + f" {cue}"
             good, bad = ("5", "9") if cue == 1 else ("9", "5")
             length = rng.randint(1, 4)
-            f.write(json.dumps({"prompt": prompt, "chosen": " ".join([good] * length),
-                                "rejected": " ".join([bad] * length)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"prompt": prompt, "chosen": " ".join([good] * length), "rejected": " ".join([bad] * length)}
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -46,20 +51,39 @@ class Metrics(L.Callback):
 
 
 def _trainer(tmp_path, **kwargs):
-    settings = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    settings = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     settings.update(kwargs)
     return L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), **settings)
 
 
 def test_dpo_learns_a_known_preference_on_held_out_pairs(tmp_path):
-    data = PreferenceDataModule(write_cued_pairs(tmp_path / "pairs.jsonl", 160), NullTokenizer(VOCAB),
-                                seq_length=16, micro_batch_size=8, global_batch_size=16, split="80,20", seed=1)
+    data = PreferenceDataModule(
+        write_cued_pairs(tmp_path / "pairs.jsonl", 160),
+        NullTokenizer(VOCAB),
+        seq_length=16,
+        micro_batch_size=8,
+        global_batch_size=16,
+        split="80,20",
+        seed=1,
+    )
     steps = 40
-    trainer = _trainer(tmp_path, max_steps=steps, val_check_interval=steps, check_val_every_n_epoch=None,
-                       callbacks=[Metrics(tmp_path)])
-    module = DPOModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant"), beta=0.1,
-                       precompute_reference_log_probs=True)
+    trainer = _trainer(
+        tmp_path, max_steps=steps, val_check_interval=steps, check_val_every_n_epoch=None, callbacks=[Metrics(tmp_path)]
+    )
+    module = DPOModule(
+        ml.GPTConfig(**CONFIG),
+        ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant"),
+        beta=0.1,
+        precompute_reference_log_probs=True,
+    )
     trainer.fit(module, data)
     metrics = torch.load(tmp_path / "metrics.pt")
     train, val = metrics["train"], metrics["val"]
@@ -94,8 +118,14 @@ def _saved(tmp_path, name, **overrides):
 
 
 def test_reference_from_a_checkpoint_and_one_of_another_shape(tmp_path):
-    data = PreferenceDataModule(write_cued_pairs(tmp_path / "pairs.jsonl", 32), NullTokenizer(VOCAB), seq_length=16,
-                                micro_batch_size=4, global_batch_size=8, split="100,0")
+    data = PreferenceDataModule(
+        write_cued_pairs(tmp_path / "pairs.jsonl", 32),
+        NullTokenizer(VOCAB),
+        seq_length=16,
+        micro_batch_size=4,
+        global_batch_size=8,
+        split="100,0",
+    )
     config = ml.GPTConfig(**CONFIG)
     # The policy's own initial weights as a checkpoint: policy == reference, so the first loss is log 2 ...
     same = _first_loss(tmp_path, DPOModule(config, seed=1234, reference=_saved(tmp_path, "same")), data)
@@ -118,11 +148,14 @@ def test_reference_from_a_checkpoint_and_one_of_another_shape(tmp_path):
         _trainer(tmp_path, max_steps=1).fit(DPOModule(config, reference=str(tmp_path / "missing")), data)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(beta=0.0), "beta must be a number > 0"),
-    (dict(loss_type="kto"), "loss_type must be one of"),
-    (dict(loss_type="ipo", label_smoothing=0.1), "set it to 0 for IPO"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(beta=0.0), "beta must be a number > 0"),
+        (dict(loss_type="kto"), "loss_type must be one of"),
+        (dict(loss_type="ipo", label_smoothing=0.1), "set it to 0 for IPO"),
+    ],
+)
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DPOModule(ml.GPTConfig(**CONFIG), **kwargs)
@@ -153,20 +186,31 @@ def test_resume_keeps_the_reference(tmp_path):
     pretrained weights again (it is taken when the model is built, before the checkpoint is restored)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    data = PreferenceDataModule(write_cued_pairs(tmp_path / "pairs.jsonl", 64), NullTokenizer(VOCAB), seq_length=16,
-                                micro_batch_size=4, global_batch_size=8, split="100,0")
+    data = PreferenceDataModule(
+        write_cued_pairs(tmp_path / "pairs.jsonl", 64),
+        NullTokenizer(VOCAB),
+        seq_length=16,
+        micro_batch_size=4,
+        global_batch_size=8,
+        split="100,0",
+    )
     weights = _saved(tmp_path, "pretrained", seed=7)
     optimizer = ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant")
     full = tmp_path / "full"
     full.mkdir()
-    _trainer(full, max_steps=4, limit_val_batches=0, enable_checkpointing=True, callbacks=[
-        Losses(full), ModelCheckpoint(dirpath=full / "ckpts", every_n_train_steps=2, save_top_k=-1)]).fit(
-        DPOModule.from_pretrained(weights, optimizer=optimizer, beta=0.5), data)
+    _trainer(
+        full,
+        max_steps=4,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[Losses(full), ModelCheckpoint(dirpath=full / "ckpts", every_n_train_steps=2, save_top_k=-1)],
+    ).fit(DPOModule.from_pretrained(weights, optimizer=optimizer, beta=0.5), data)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     checkpoint = next(p for p in (full / "ckpts").iterdir() if "step=2" in p.name)
     _trainer(resumed, max_steps=4, limit_val_batches=0, callbacks=[Losses(resumed)]).fit(
-        DPOModule.from_pretrained(weights, optimizer=optimizer, beta=0.5), data, ckpt_path=str(checkpoint))
+        DPOModule.from_pretrained(weights, optimizer=optimizer, beta=0.5), data, ckpt_path=str(checkpoint)
+    )
     uninterrupted, after_resume = torch.load(full / "losses.pt"), torch.load(resumed / "losses.pt")
     assert len(uninterrupted) == 4 and len(after_resume) == 2
     assert len(set(uninterrupted)) == 4  # the policy moved: a wrong reference would change steps 3-4
@@ -185,8 +229,14 @@ def test_example_script_learns(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MASTER_PORT", None)
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "dpo.py"), "--out", str(tmp_path)], cwd=repo,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(repo / "examples" / "dpo.py"), "--out", str(tmp_path)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = float(re.search(r"held-out \(96 pairs\): reward accuracy ([0-9.]+)", proc.stdout).group(1))
     prefer = re.search(r"policy prefers the chosen reply: ([0-9.]+) before -> ([0-9.]+) after", proc.stdout)

@@ -6,6 +6,7 @@ continues the first run at step 2 from the config's own checkpoint directory.
 
 Lightning's warning about manual optimization at ``every_n_train_steps`` saves, wrong for GPTModule, is checked in
 this process (a forked rank's warnings are recorded by pytest's capture there, never printed)."""
+
 from __future__ import annotations
 
 import csv
@@ -41,13 +42,19 @@ def _steps(logs: Path, metric: str) -> list[int]:
 
 def test_the_headers_hold_the_commands_they_should() -> None:
     found = {config.name: [args[0] for args in header_commands(config)] for config in CONFIGS}
-    assert found == {"dpo.yaml": ["fit"], "gpt_pretrain_bin.yaml": ["preprocess", "fit"],
-                     "gpt_tiny.yaml": ["fit", "fit", "estimate"], "grpo.yaml": ["fit"], "loggers.yaml": ["fit", "plot"]}
+    assert found == {
+        "dpo.yaml": ["fit"],
+        "gpt_pretrain_bin.yaml": ["preprocess", "fit"],
+        "gpt_tiny.yaml": ["fit", "fit", "estimate"],
+        "grpo.yaml": ["fit"],
+        "loggers.yaml": ["fit", "plot"],
+    }
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
-def test_every_command_in_a_config_header_runs(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capfd: pytest.CaptureFixture[str]) -> None:
+def test_every_command_in_a_config_header_runs(
+    config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     for name in ("examples", "megatron_lite", "tests"):  # the paths the headers and configs name
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)
@@ -58,8 +65,12 @@ def test_every_command_in_a_config_header_runs(config: Path, tmp_path: Path, mon
             steps = "4" if "--ckpt_path" in args else "2"
             args = [*args, *SHORT_FIT, "--trainer.max_steps", steps]
             if "loggers.yaml" not in " ".join(args):  # that one's loggers are what it shows: keep them
-                args += ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir",
-                         f"csv{number}"]
+                args += [
+                    "--trainer.logger",
+                    "lightning.pytorch.loggers.CSVLogger",
+                    "--trainer.logger.save_dir",
+                    f"csv{number}",
+                ]
         _run(args)
     out = capfd.readouterr().out
 
@@ -117,10 +128,18 @@ def test_manual_optimization_warning_is_silenced_for_gpt_module_only(tmp_path: P
     """ModelCheckpoint(every_n_train_steps=...) warns at every save of a manual-optimization module that the
     checkpoint holds the weights after the optimizer step: GPTModule steps inside training_step, so that is what
     it should hold, and the warning is silenced for it; another manual-optimization module still gets it."""
+
     def fit(module, data, name):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0,
-                            callbacks=[ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1)])
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1)],
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, data)
@@ -128,7 +147,7 @@ def test_manual_optimization_warning_is_silenced_for_gpt_module_only(tmp_path: P
 
     loader = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
     assert len(fit(_ManualStep(), loader, "plain")) == 2  # one per save: the warning this test looks for
-    gpt = ml.GPTModule(ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                                    seq_length=8))
-    assert fit(gpt, MockGPTDataModule(seq_length=8, micro_batch_size=2, global_batch_size=2, vocab_size=64),
-               "gpt") == []
+    gpt = ml.GPTModule(ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8))
+    assert (
+        fit(gpt, MockGPTDataModule(seq_length=8, micro_batch_size=2, global_batch_size=2, vocab_size=64), "gpt") == []
+    )

@@ -1,4 +1,5 @@
 """The examples run as a user runs them: as scripts, two ranks, tensor parallel."""
+
 import os
 import re
 import subprocess
@@ -13,8 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 def _run(script: str, *args: str, timeout: int = 600) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MASTER_PORT", None)
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -1,6 +1,7 @@
 """A Hugging Face Llama imported with ``GPTModule.from_pretrained`` generates what ``transformers``' own
 ``generate`` does on the same weights: greedy tokens and the scores of each step (tiny random Llamas,
 saved with ``save_pretrained``; nothing is downloaded)."""
+
 from __future__ import annotations
 
 import sys
@@ -24,9 +25,19 @@ NEW = 16
 
 
 def _llama(directory: Path, **overrides) -> Path:
-    config = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  tie_word_embeddings=False, initializer_range=0.1)
+    config = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     config.update(overrides)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
@@ -36,16 +47,24 @@ def _llama(directory: Path, **overrides) -> Path:
 
 def _transformers_generate(directory: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
-                         return_dict_in_generate=True, output_logits=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    log_probs = torch.stack([torch.log_softmax(l[0].float(), -1)[t] for l, t in zip(out.logits, tokens)])
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    log_probs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(out.logits, tokens)])
     return tokens, log_probs
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(tie_word_embeddings=True, num_key_value_heads=8)],
-                         ids=["gqa-untied", "mha-tied"])
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(tie_word_embeddings=True, num_key_value_heads=8)], ids=["gqa-untied", "mha-tied"]
+)
 def test_imported_llama_generates_what_transformers_does(tmp_path, overrides):
     directory = _llama(tmp_path / "llama", **overrides)
     module = ml.GPTModule.from_pretrained(directory)
@@ -53,8 +72,9 @@ def test_imported_llama_generates_what_transformers_does(tmp_path, overrides):
     for i, prompt in enumerate(PROMPTS):
         tokens, log_probs = _transformers_generate(directory, prompt)
         assert ours.tokens[i] == tokens
-        torch.testing.assert_close(torch.tensor(ours.log_probs[i], dtype=torch.float32), log_probs,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(ours.log_probs[i], dtype=torch.float32), log_probs, rtol=1e-4, atol=1e-4
+        )
 
 
 def _tp2(rank, world_size, directory):

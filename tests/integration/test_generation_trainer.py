@@ -2,6 +2,7 @@
 by the datamodule) writes a checkpoint; ``trainer.predict`` with a PromptDataModule and the
 ``megatron-lite generate`` CLI continue prompts from it at several layouts, and agree with
 ``GPTModule.generate`` in this process."""
+
 from __future__ import annotations
 
 import json
@@ -18,36 +19,62 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
 from megatron_lite import cli
-from megatron_lite.data import PromptDataModule, TextCorpusDataModule
-from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.core.checkpoint.format.integrity import read_manifest
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
+from megatron_lite.data import PromptDataModule, TextCorpusDataModule
 from megatron_lite.tokenizers.build import build_recorded_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["ROMEO:\nWhat light", "To be, or not", "KING"]
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=512,
-              seq_length=32, make_vocab_size_divisible_by=64)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=512,
+    seq_length=32,
+    make_vocab_size_divisible_by=64,
+)
 
 
 def _trainer(devices: int = 1, **strategy) -> L.Trainer:
     """Ranks forked from the test; one device runs in this process (the module keeps the loaded model)."""
     start_method = "fork" if devices > 1 else "popen"
-    return L.Trainer(strategy=ml.MegatronStrategy(start_method=start_method, **strategy), accelerator="cpu",
-                     devices=devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     enable_checkpointing=False)
+    return L.Trainer(
+        strategy=ml.MegatronStrategy(start_method=start_method, **strategy),
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A checkpoint of 12 TP2 steps, written by ModelCheckpoint in the ranks."""
     out = tmp_path_factory.mktemp("generation")
-    data = TextCorpusDataModule("shakespeare", seq_length=32, micro_batch_size=4, global_batch_size=8,
-                                vocab_size=512, cache_dir=str(out / "cache"))
+    data = TextCorpusDataModule(
+        "shakespeare",
+        seq_length=32,
+        micro_batch_size=4,
+        global_batch_size=8,
+        vocab_size=512,
+        cache_dir=str(out / "cache"),
+    )
     module = ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=3e-3, lr_warmup_iters=2))
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
-                        accelerator="cpu", devices=2, max_steps=12, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[ModelCheckpoint(dirpath=out / "ckpt", filename="last", every_n_train_steps=12)])
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=12,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpt", filename="last", every_n_train_steps=12)],
+    )
     trainer.fit(module, data)
     return out / "ckpt" / "last.ckpt"
 
@@ -64,7 +91,8 @@ def _predict(checkpoint: Path, prompts, devices: int = 1, batch_size: int = 2, *
     pp = options.pop("pp", 1)
     data = PromptDataModule(prompts, batch_size=batch_size, max_new_tokens=10, **options)
     batches = _trainer(devices, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp).predict(
-        module, datamodule=data, ckpt_path=str(checkpoint))
+        module, datamodule=data, ckpt_path=str(checkpoint)
+    )
     assert all(b.shape[1] == 10 and b.dtype == torch.int64 for b in batches)
     return [row[row >= 0].tolist() for b in batches for row in b]
 
@@ -99,8 +127,14 @@ def test_predict_refuses_prompts_that_do_not_fit_before_launch(checkpoint):
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("MASTER_PORT", None)
-    return subprocess.run([sys.executable, "-m", "megatron_lite", "generate", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_lite", "generate", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_cli_generates_from_a_trainer_checkpoint(checkpoint, tmp_path, capsys):
@@ -115,7 +149,7 @@ def test_cli_generates_from_a_trainer_checkpoint(checkpoint, tmp_path, capsys):
         cli.main(["generate", *args])
     text = capsys.readouterr()
     assert exit_code.value.code == 0, text.err[-3000:]
-    completions = [tokenizer.detokenize(p + e)[len(tokenizer.detokenize(p)):] for p, e in zip(prompts, expected)]
+    completions = [tokenizer.detokenize(p + e)[len(tokenizer.detokenize(p)) :] for p, e in zip(prompts, expected)]
     assert text.out == f"{TEXTS[0]}{completions[0]}\n\n{TEXTS[1]}{completions[1]}\n"
     tp2 = _cli(*args, "--json", "--devices", "2", "--tensor-model-parallel-size", "2", cwd=tmp_path)
     assert tp2.returncode == 0, tp2.stderr[-3000:]
@@ -129,13 +163,18 @@ def test_a_trainer_checkpoint_carries_its_tokenizer(checkpoint, tmp_path, capsys
     """The datamodule trained its tokenizer into a cache folder; the checkpoint the ranks wrote holds a copy
     (checksummed with it), so it generates and exports its tokenizer after the cache is gone."""
     meta = read_checkpoint_meta(checkpoint, [ml.GPTConfig, ml.OptimizerConfig])
-    assert meta["megatron_lite_tokenizer"] == {"tokenizer_type": "SentencePieceTokenizer",
-                                               "tokenizer_model": "tokenizer/tokenizer.model"}
+    assert meta["megatron_lite_tokenizer"] == {
+        "tokenizer_type": "SentencePieceTokenizer",
+        "tokenizer_model": "tokenizer/tokenizer.model",
+    }
     assert "tokenizer/tokenizer.model" in read_manifest(checkpoint).files
     cache = checkpoint.parents[1] / "cache"
     tokenizer = _tokenizer(checkpoint)
-    expected = ml.GPTModule.from_pretrained(checkpoint).generate([tokenizer.tokenize(TEXTS[0])], 4,
-                                                                  stop_ids=[tokenizer.eod]).tokens[0]
+    expected = (
+        ml.GPTModule.from_pretrained(checkpoint)
+        .generate([tokenizer.tokenize(TEXTS[0])], 4, stop_ids=[tokenizer.eod])
+        .tokens[0]
+    )
     cache.rename(tmp_path / "cache.gone")
     try:
         with pytest.raises(SystemExit) as exit_code:
@@ -150,13 +189,16 @@ def test_a_trainer_checkpoint_carries_its_tokenizer(checkpoint, tmp_path, capsys
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (checkpoint / "tokenizer/tokenizer.model").read_bytes()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--top-k", "-2"], "top_k must be an integer >= 0"),
-    (["--max-new-tokens", "40"], "lower max_new_tokens to"),
-    (["--tokenizer-type", "NullTokenizer"], "NullTokenizer needs vocab_size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--top-k", "-2"], "top_k must be an integer >= 0"),
+        (["--max-new-tokens", "40"], "lower max_new_tokens to"),
+        (["--tokenizer-type", "NullTokenizer"], "NullTokenizer needs vocab_size"),
+    ],
+)
 def test_cli_bad_input_is_one_line(checkpoint, capsys, args, message):
     with pytest.raises(SystemExit) as exit_code:
         cli.main(["generate", "--ckpt", str(checkpoint), "--prompt", "ROMEO:", *args])
@@ -170,8 +212,10 @@ def test_cli_names_a_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_code:
         cli.main(["generate", "--ckpt", str(tmp_path / "nope"), "--prompt", "x"])
     assert exit_code.value.code == 2
-    assert "nope does not exist; pass a local Hugging Face model directory or one of our checkpoints" in \
-        capsys.readouterr().err
+    assert (
+        "nope does not exist; pass a local Hugging Face model directory or one of our checkpoints"
+        in capsys.readouterr().err
+    )
 
 
 class GenerateAtTrainEnd(L.Callback):
@@ -189,7 +233,7 @@ class GenerateAtTrainEnd(L.Callback):
             seq = torch.tensor([prompt])
             for _ in range(6):
                 seq = torch.cat([seq, pl_module.full_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
-            expected.append(seq[0, len(prompt):].tolist())
+            expected.append(seq[0, len(prompt) :].tolist())
         if trainer.global_rank == 0:
             torch.save({"generated": generated.tokens, "expected": expected}, self.out / "generated.pt")
 
@@ -199,9 +243,18 @@ def test_generate_inside_a_trainer_under_fsdp2(tmp_path):
     sharded again afterwards (the model still trains and its hooks still work: full_logits above)."""
     from megatron_lite.data import MockGPTDataModule
 
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", use_torch_fsdp2=True), accelerator="cpu",
-                        devices=2, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, limit_val_batches=0, callbacks=[GenerateAtTrainEnd(tmp_path)])
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork", use_torch_fsdp2=True),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[GenerateAtTrainEnd(tmp_path)],
+    )
     data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=512, seed=1)
     trainer.fit(ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=1e-2)), data)
     result = torch.load(tmp_path / "generated.pt")

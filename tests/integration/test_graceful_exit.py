@@ -3,6 +3,7 @@ save a checkpoint at a step boundary that every rank agrees on, end the fit clea
 ``ckpt_path="last"`` resumes from that checkpoint. Real processes: torchrun (each rank's exit code is
 seen) and the fork launcher, gloo, a real Trainer with Lightning's ModelCheckpoint.
 """
+
 import json
 import os
 import signal
@@ -19,8 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException
 
 import megatron_lite as ml
-from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.callbacks import GracefulExit
+from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
 from megatron_lite.strategies.default_callbacks import add_default_callbacks
 
 HERE = Path(__file__).parent
@@ -51,6 +52,7 @@ def _wait_for(path: Path, at_least: int, proc=None, timeout_s: float = 240.0) ->
 
 def _signal_later(out: Path, rank: int, at_step: int, signals: tuple = (signal.SIGTERM,)) -> threading.Thread:
     """From a thread of this process: once rank 0 has done ``at_step`` steps, signal ``rank``'s process."""
+
     def send():
         _wait_for(out / "progress", at_step)
         pid = int((out / f"pid{rank}").read_text())
@@ -65,8 +67,17 @@ def _signal_later(out: Path, rank: int, at_step: int, signals: tuple = (signal.S
 
 def test_sigterm_to_rank_0_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "fault_script.py"), "signal", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "fault_script.py"),
+        "signal",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = _wait_for(out / "progress", 3, proc)
     signalled = time.monotonic()
@@ -84,8 +95,16 @@ def test_sigterm_to_rank_0_under_torchrun_saves_exits_0_and_resumes(tmp_path):
 
     # resume with ckpt_path="last" (fork launcher, same run) and compare with an uninterrupted run
     resumed_at = time.monotonic()
-    resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=STEPS, gbs=4, mbs=2, ckpt_path="last",
-                  callbacks=[ModelCheckpoint(dirpath=out / "ckpt", save_top_k=0)])
+    resumed = run(
+        tmp_path / "resumed",
+        devices=2,
+        tp=2,
+        steps=STEPS,
+        gbs=4,
+        mbs=2,
+        ckpt_path="last",
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpt", save_top_k=0)],
+    )
     resume_s = time.monotonic() - resumed_at
     reference = run(tmp_path / "reference", devices=2, tp=2, steps=STEPS, gbs=4, mbs=2)
     assert resumed["global_step"] == STEPS and len(resumed["losses"]) == STEPS - saved
@@ -95,16 +114,31 @@ def test_sigterm_to_rank_0_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     assert resumed["losses"] == reference["losses"][saved:]
     for name, value in reference["params"].items():
         assert torch.equal(resumed["params"][name], value), name
-    record("2-sigterm", "SIGTERM to rank 0 of a TP2 run under torchrun, mid-run",
-           f"signal after step {seen}; all ranks agreed at the next step boundary; last.ckpt saved at step {saved}; "
-           f"every rank exited 0; ckpt_path='last' resumed at step {saved} and matched the uninterrupted run's losses "
-           f"and final parameters bit for bit", 0, "none", stopped_s + resume_s, stop_s=round(stopped_s, 1))
+    record(
+        "2-sigterm",
+        "SIGTERM to rank 0 of a TP2 run under torchrun, mid-run",
+        f"signal after step {seen}; all ranks agreed at the next step boundary; last.ckpt saved at step {saved}; "
+        f"every rank exited 0; ckpt_path='last' resumed at step {saved} and matched the uninterrupted run's losses "
+        f"and final parameters bit for bit",
+        0,
+        "none",
+        stopped_s + resume_s,
+        stop_s=round(stopped_s, 1),
+    )
 
 
 def _fork_fit(tmp_path: Path, callbacks: list, steps: int = STEPS, ckpt_path=None) -> L.Trainer:
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2,
-                        max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
     data = ml.data.MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256, seed=3)
     trainer.fit(ml.GPTModule(config), data, ckpt_path=ckpt_path)
@@ -142,10 +176,13 @@ def test_a_second_signal_ends_the_rank_at_once(tmp_path):
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()  # it did not wait for a save
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    (dict(exit_interval=3), "exit_interval=3 reached"),
-    (dict(exit_duration_in_mins=1e-6), "exit_duration_in_mins=1e-06 reached"),
-])
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(exit_interval=3), "exit_interval=3 reached"),
+        (dict(exit_duration_in_mins=1e-6), "exit_duration_in_mins=1e-06 reached"),
+    ],
+)
 def test_exit_interval_and_duration_save_and_stop(tmp_path, kwargs, reason):
     ckpt = tmp_path / "ckpt"
     stop = GracefulExit(**kwargs)
@@ -157,28 +194,42 @@ def test_exit_interval_and_duration_save_and_stop(tmp_path, kwargs, reason):
     assert _fork_fit(tmp_path, [ModelCheckpoint(dirpath=ckpt, save_top_k=0)], ckpt_path="last").global_step == STEPS
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(signals=("SIGKILL",)), "SIGKILL cannot be handled"),
-    (dict(signals=("SIGTERMS",)), "is not a signal"),
-    (dict(exit_interval=0), "exit_interval=0"),
-    (dict(exit_duration_in_mins=-1), "exit_duration_in_mins=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(signals=("SIGKILL",)), "SIGKILL cannot be handled"),
+        (dict(signals=("SIGTERMS",)), "is not a signal"),
+        (dict(exit_interval=0), "exit_interval=0"),
+        (dict(exit_duration_in_mins=-1), "exit_duration_in_mins=-1"),
+    ],
+)
 def test_bad_graceful_exit_settings_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GracefulExit(**kwargs)
 
 
-@pytest.mark.parametrize("checkpointing, option, own, expected", [
-    (True, True, False, 1),    # the default: a checkpoint callback brings a GracefulExit
-    (False, True, False, 0),   # nowhere to save: none
-    (True, False, False, 0),   # MegatronStrategy(exit_signal_handler=False)
-    (True, True, True, 1),     # the user's own GracefulExit is kept, not doubled
-])
+@pytest.mark.parametrize(
+    "checkpointing, option, own, expected",
+    [
+        (True, True, False, 1),  # the default: a checkpoint callback brings a GracefulExit
+        (False, True, False, 0),  # nowhere to save: none
+        (True, False, False, 0),  # MegatronStrategy(exit_signal_handler=False)
+        (True, True, True, 1),  # the user's own GracefulExit is kept, not doubled
+    ],
+)
 def test_the_strategy_adds_graceful_exit_when_there_is_a_checkpoint_callback(checkpointing, option, own, expected):
     strategy = ml.MegatronStrategy(exit_signal_handler=option)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=checkpointing, callbacks=[GracefulExit(exit_interval=7)] if own else [])
-    add_default_callbacks(trainer, strategy.options.log_metrics, strategy.options.exit_signal_handler)  # as in every rank's set-up
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=checkpointing,
+        callbacks=[GracefulExit(exit_interval=7)] if own else [],
+    )
+    add_default_callbacks(
+        trainer, strategy.options.log_metrics, strategy.options.exit_signal_handler
+    )  # as in every rank's set-up
     added = [c for c in trainer.callbacks if isinstance(c, GracefulExit)]
     assert len(added) == expected
     if own:

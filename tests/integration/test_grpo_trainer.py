@@ -26,18 +26,24 @@ class Rewards(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = trainer.callback_metrics
-        self.rows.append({k: float(m[k]) for k in ("train/reward_mean", "train/nonzero_groups_ratio", "train/kl",
-                                                    "train/loss")})
+        self.rows.append(
+            {k: float(m[k]) for k in ("train/reward_mean", "train/nonzero_groups_ratio", "train/kl", "train/loss")}
+        )
 
 
 def _setup(max_operand=3, held_out=4, gbs=4, mbs=2, grpo=None, lr=3e-3, hidden=64, layers=2, reward=None):
     task = AdditionTask(max_operand=max_operand, seed=0)
     train, held = task.split(held_out)
     tok = task.tokenizer
-    config = ml.GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=tok.vocab_size,
-                          seq_length=8, make_vocab_size_divisible_by=8)
-    data = RLPromptDataModule(tok, rows=train, val_rows=held, seq_length=8, micro_batch_size=mbs,
-                              global_batch_size=gbs)
+    config = ml.GPTConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        vocab_size=tok.vocab_size,
+        seq_length=8,
+        make_vocab_size_divisible_by=8,
+    )
+    data = RLPromptDataModule(tok, rows=train, val_rows=held, seq_length=8, micro_batch_size=mbs, global_batch_size=gbs)
     grpo = grpo or GRPOConfig(group_size=8, max_new_tokens=1)
     optimizer = ml.OptimizerConfig(lr=lr, lr_decay_style="constant", clip_grad=1.0, weight_decay=0.0)
     return GRPOModule(config, optimizer, seed=7, grpo=grpo, reward_fn=reward or task.reward), data
@@ -47,13 +53,26 @@ def _fit(module, data, steps, tmp_path, ckpt_path=None, checkpoint_every=None, v
     rewards = Rewards()
     callbacks = [rewards]
     if checkpoint_every:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_every,
-                                                             save_top_k=-1))
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(), accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=1 if val else 0, num_sanity_val_steps=0,
-                        val_check_interval=2 if val else None,
-                        check_val_every_n_epoch=None if val else 1, callbacks=callbacks)
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1
+            )
+        )
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1 if val else 0,
+        num_sanity_val_steps=0,
+        val_check_interval=2 if val else None,
+        check_val_every_n_epoch=None if val else 1,
+        callbacks=callbacks,
+    )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer, rewards.rows
 
@@ -91,16 +110,20 @@ def test_a_failing_reward_function_names_itself_and_the_sample(tmp_path):
         raise KeyError("no such field")
 
     module, data = _setup(reward=broken_reward)
-    with pytest.raises(ValueError, match=r"reward function .*broken_reward on sample \(prompt='\d\+\d=', "
-                                         r"completion=.*raised KeyError"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function .*broken_reward on sample \(prompt='\d\+\d=', "
+        r"completion=.*raised KeyError",
+    ):
         _fit(module, data, 1, tmp_path)
 
 
 def test_grpo_learns_addition_from_a_random_model(tmp_path):
     """Seeded: a random 2-layer model answers ~1/16 of ``a+b=`` (a, b <= 3) right; 40 GRPO rollouts of 8
     prompts x 8 samples bring the sampled mean reward to >= 0.8."""
-    module, data = _setup(max_operand=3, held_out=4, gbs=8, mbs=4, lr=3e-3,
-                          grpo=GRPOConfig(group_size=8, max_new_tokens=1))
+    module, data = _setup(
+        max_operand=3, held_out=4, gbs=8, mbs=4, lr=3e-3, grpo=GRPOConfig(group_size=8, max_new_tokens=1)
+    )
     _, rows = _fit(module, data, 40, tmp_path)
     rewards = [r["train/reward_mean"] for r in rows]
     assert rewards[0] <= 0.2, rewards

@@ -3,6 +3,7 @@ RoPE scaling, biases everywhere, Qwen2's q/k/v bias, Mistral without a window) b
 save_pretrained, imported (one process and TP2 under a real Trainer), exported with the CLI and loaded back in
 transformers; a model we trained at TP2 exported and loaded in transformers; sharded safetensors with an
 index; bf16 weights; refusals. Logits are compared in fp32 by relative L2 error (1e-5). Nothing is downloaded."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[dev]'): the HF interop tests build "
-                           "tiny models with it")
+    "transformers",
+    reason="transformers is not installed (pip install -e '.[dev]'): the HF interop tests build tiny models with it",
+)
 transformers.utils.logging.disable_progress_bar()
-safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (comes with "
-                                                                    "transformers)")
+safetensors_torch = pytest.importorskip(
+    "safetensors.torch", reason="safetensors is not installed (comes with transformers)"
+)
 
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.cli import main as cli_main  # noqa: E402
@@ -37,8 +40,15 @@ from megatron_lite.rl.dpo import reference_config  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 200  # padded to 256 rows at TP1 and TP2: the padding is added on import and cut off on export
 TOL = 1e-5
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64, rms_norm_eps=1e-5)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
 
 
 def _llama(**kw):
@@ -49,14 +59,24 @@ CASES = {
     "llama_gqa_untied": lambda: _llama(num_key_value_heads=2, tie_word_embeddings=False),
     "llama_tied_mha": lambda: _llama(num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-6),
     "llama31_rope_scaling": lambda: _llama(
-        num_key_value_heads=2, max_position_embeddings=128,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "llama_biases_head_dim": lambda: _llama(num_key_value_heads=2, head_dim=8, attention_bias=True, mlp_bias=True),
-    "qwen2_qkv_bias": lambda: transformers.Qwen2Config(**{**SMALL, "num_key_value_heads": 2,
-                                                          "tie_word_embeddings": True}),
-    "mistral_no_window": lambda: transformers.MistralConfig(**{**SMALL, "num_key_value_heads": 2,
-                                                               "sliding_window": None}),
+    "qwen2_qkv_bias": lambda: transformers.Qwen2Config(
+        **{**SMALL, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    ),
+    "mistral_no_window": lambda: transformers.MistralConfig(
+        **{**SMALL, "num_key_value_heads": 2, "sliding_window": None}
+    ),
 }
 
 
@@ -111,9 +131,15 @@ def _convert(*args: str) -> None:
 
 
 def _trainer(tp: int, devices: int, **kwargs) -> L.Trainer:
-    return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
-                     accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, **{"enable_checkpointing": False, **kwargs})
+    return L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"enable_checkpointing": False, **kwargs},
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -164,8 +190,12 @@ def test_fine_tuning_at_tp2_starts_from_the_imported_weights(hf_models, tmp_path
     model, directory = hf_models["llama_gqa_untied"]
     # make_vocab_size_divisible_by=100: no padded vocabulary rows at TP1 or TP2, whose logits would otherwise
     # take part in our softmax (until padded logits are masked) and not in transformers'.
-    module = ml.GPTModule.from_pretrained(directory, seq_length=32, make_vocab_size_divisible_by=100,
-                                          optimizer=ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=0))
+    module = ml.GPTModule.from_pretrained(
+        directory,
+        seq_length=32,
+        make_vocab_size_divisible_by=100,
+        optimizer=ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=0),
+    )
     data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=VOCAB, seed=5)
     tokens = torch.stack([data.train_dataset[i]["tokens"] for i in range(4)])
     logits = _hf_logits(model, tokens[:, :-1])
@@ -180,14 +210,20 @@ def test_convert_round_trip_through_our_checkpoint(case, hf_models, tmp_path):
     ckpt, exported = tmp_path / "ckpt", tmp_path / "hf"
     _convert("--from", "hf", "--input", directory, "--output", ckpt)
     assert sorted(p.name for p in (ckpt / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "tokenizer.model", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
     tokens = _tokens()
     reference = _hf_logits(model, tokens)
     _assert_close(ml.GPTModule.from_pretrained(ckpt).full_logits(tokens), reference)
 
     _convert("--to", "hf", "--input", ckpt, "--output", exported)
-    original, written = safetensors_torch.load_file(directory / "model.safetensors"), \
-        safetensors_torch.load_file(exported / "model.safetensors")
+    original, written = (
+        safetensors_torch.load_file(directory / "model.safetensors"),
+        safetensors_torch.load_file(exported / "model.safetensors"),
+    )
     assert written.keys() == original.keys()
     for name in original:  # bit for bit: the fused layouts were split back exactly, padding rows cut off
         assert torch.equal(written[name], original[name]), name
@@ -196,8 +232,10 @@ def test_convert_round_trip_through_our_checkpoint(case, hf_models, tmp_path):
     config = json.loads((exported / "config.json").read_text())
     source = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == source["model_type"]
-    assert (config.get("bos_token_id"), config.get("eos_token_id")) == (source.get("bos_token_id"),
-                                                                        source.get("eos_token_id"))
+    assert (config.get("bos_token_id"), config.get("eos_token_id")) == (
+        source.get("bos_token_id"),
+        source.get("eos_token_id"),
+    )
     loaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert type(loaded) is type(model)
     _assert_close(_hf_logits(loaded, tokens), reference)
@@ -206,14 +244,28 @@ def test_convert_round_trip_through_our_checkpoint(case, hf_models, tmp_path):
 def test_a_model_trained_at_tp2_loads_in_transformers(tmp_path):
     """Trained by us (real Trainer, TP2, mock data), saved by the ranks through ModelCheckpoint, exported with the
     CLI (with a tokenizer directory), loaded by transformers: its logits are the trained model's."""
-    config = ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=96, vocab_size=VOCAB, seq_length=32, layernorm_epsilon=1e-5,
-                          rotary_base=500000.0)
+    config = ml.GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        vocab_size=VOCAB,
+        seq_length=32,
+        layernorm_epsilon=1e-5,
+        rotary_base=500000.0,
+    )
     module = ml.GPTModule(config, ml.OptimizerConfig(lr=1e-2, lr_warmup_iters=0, lr_decay_style="constant"), seed=3)
     data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=VOCAB, seed=5)
     before = ml.GPTModule(config, seed=3).build_model(ml.ParallelLayout.single()).eval().full_logits(_tokens())
-    _trainer(2, 2, max_steps=3, limit_val_batches=0, enable_checkpointing=True, callbacks=[
-        ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)]).fit(module, data)
+    _trainer(
+        2,
+        2,
+        max_steps=3,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)],
+    ).fit(module, data)
     saved = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
@@ -242,10 +294,12 @@ def test_sharded_safetensors_with_an_index_both_ways(hf_models, tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
     assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in model.state_dict().values()
-                                                  if t is not None)
-    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), tokens),
-                  reference)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in model.state_dict().values() if t is not None
+    )
+    _assert_close(
+        _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), tokens), reference
+    )
 
 
 def test_index_shard_paths_outside_the_model_directory_are_refused(hf_models, tmp_path):
@@ -259,8 +313,10 @@ def test_index_shard_paths_outside_the_model_directory_are_refused(hf_models, tm
     (tmp_path / "elsewhere").mkdir()
     (sharded / first).rename(tmp_path / "elsewhere" / first)
     for outside in (f"../elsewhere/{first}", str(tmp_path / "elsewhere" / first)):
-        crafted = {**index, "weight_map": {name: (outside if file == first else file)
-                                           for name, file in index["weight_map"].items()}}
+        crafted = {
+            **index,
+            "weight_map": {name: (outside if file == first else file) for name, file in index["weight_map"].items()},
+        }
         index_path.write_text(json.dumps(crafted))
         message = rf"{re.escape(str(index_path))} names the shard {re.escape(repr(outside))}, which is not a file name"
         with pytest.raises(ValueError, match=message + r" inside the model directory"):
@@ -306,8 +362,9 @@ def test_bf16_weights_import_and_export(tmp_path):
     assert dtypes == {"BF16"}
     module = ml.GPTModule.from_pretrained(directory)
     assert module.model.embedding.weight.dtype == torch.float32
-    torch.testing.assert_close(module.model.embedding.weight[:VOCAB], model.model.embed_tokens.weight.float(),
-                               rtol=0, atol=0)  # bf16 -> fp32 is exact
+    torch.testing.assert_close(
+        module.model.embedding.weight[:VOCAB], model.model.embed_tokens.weight.float(), rtol=0, atol=0
+    )  # bf16 -> fp32 is exact
     assert module.model.embedding.weight[VOCAB:].abs().sum() == 0  # padding rows are zero
     tokens = _tokens()
     as_fp32 = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -323,14 +380,19 @@ def test_bf16_weights_import_and_export(tmp_path):
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path, capsys):
     gpt2 = tmp_path / "gpt2"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)) \
-        .save_pretrained(gpt2)
-    with pytest.raises(UnsupportedHFModel, match=r"model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not "
-                                                 r"supported .*\['llama', 'mistral', 'qwen2'\]"):
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)
+    ).save_pretrained(gpt2)
+    with pytest.raises(
+        UnsupportedHFModel,
+        match=r"model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not "
+        r"supported .*\['llama', 'mistral', 'qwen2'\]",
+    ):
         ml.GPTModule.from_pretrained(gpt2)
     window = tmp_path / "mistral"
-    transformers.MistralForCausalLM(transformers.MistralConfig(**{**SMALL, "num_key_value_heads": 2,
-                                                                  "sliding_window": 16})).save_pretrained(window)
+    transformers.MistralForCausalLM(
+        transformers.MistralConfig(**{**SMALL, "num_key_value_heads": 2, "sliding_window": 16})
+    ).save_pretrained(window)
     capsys.readouterr()
     assert cli_main_code("convert", "--from", "hf", "--input", window, "--output", tmp_path / "ckpt") == 2
     err = capsys.readouterr().err.strip()
@@ -350,12 +412,18 @@ def test_pickled_weights_are_never_read(hf_models, tmp_path):
 
 def test_a_different_shape_names_the_parameters_and_both_shapes(hf_models, tmp_path):
     _, directory = hf_models["llama_gqa_untied"]
-    with pytest.raises(ValueError, match=r"6 parameter\(s\) of another shape: model\.layers\.0\.mlp\.gate_proj\.weight: "
-                                         r"saved \(96, 64\), expected \(128, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"6 parameter\(s\) of another shape: model\.layers\.0\.mlp\.gate_proj\.weight: "
+        r"saved \(96, 64\), expected \(128, 64\)",
+    ):
         ml.GPTModule.from_pretrained(directory, ffn_hidden_size=128)
     _convert("--from", "hf", "--input", directory, "--output", tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attention\.linear_qkv\.weight: saved \(128, 64\), "
-                                         r"expected \(192, 64\);.*layers\.1\.self_attention\.linear_qkv\.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.self_attention\.linear_qkv\.weight: saved \(128, 64\), "
+        r"expected \(192, 64\);.*layers\.1\.self_attention\.linear_qkv\.weight",
+    ):
         ml.GPTModule.from_pretrained(tmp_path / "ckpt", num_query_groups=4)
 
 

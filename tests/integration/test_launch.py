@@ -1,6 +1,7 @@
 """Launch and exit (issue 9, items 8 and 9): a rank that fails after launch makes the run end with that
 rank's error -- not the gloo error of the ranks that lost their peer -- under the fork launcher and the
 script launcher; runs end cleanly, fit after fit, with the process groups released."""
+
 from __future__ import annotations
 
 import os
@@ -29,15 +30,29 @@ def _env() -> dict:
 
 
 def _config() -> ml.GPTConfig:
-    return ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=128, seq_length=16,
-                        make_vocab_size_divisible_by=64)
+    return ml.GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        vocab_size=128,
+        seq_length=16,
+        make_vocab_size_divisible_by=64,
+    )
 
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
 def test_forked_rank_failure_raises_that_ranks_error(failing_rank, capfd):
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
-                        accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128)
     with pytest.raises(ValueError, match=f"boom at step 2 on rank {failing_rank}") as caught:
         trainer.fit(Boom(_config(), failing_rank), data)
@@ -49,8 +64,14 @@ def test_forked_rank_failure_raises_that_ranks_error(failing_rank, capfd):
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
 def test_script_rank_failure_ends_with_that_ranks_error(failing_rank, tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "boom", str(failing_rank)], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "boom", str(failing_rank)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert GLOO_PEER_ERROR not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -65,8 +86,9 @@ def test_script_fits_twice_and_exits_cleanly(tmp_path):
     for run in range(3):
         cwd = tmp_path / str(run)
         cwd.mkdir()
-        proc = subprocess.run([sys.executable, str(SCRIPT), "fit-twice"], cwd=cwd, env=_env(),
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "fit-twice"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         ranks = [(cwd / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
@@ -83,21 +105,37 @@ def test_a_one_process_run_leaves_nothing_behind_for_the_next_launch():
     multi-process run from this process would take itself for an externally launched world of size 1."""
     import os
 
-    import torch
     import lightning as L
+    import torch
 
     import megatron_lite as ml
     from megatron_lite.data import MockGPTDataModule
 
-    config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
-                          make_vocab_size_divisible_by=64)
+    config = ml.GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=128,
+        seq_length=16,
+        make_vocab_size_divisible_by=64,
+    )
 
     def fit(devices: int, **strategy) -> L.Trainer:
-        trainer = L.Trainer(strategy=ml.MegatronStrategy(**strategy), accelerator="cpu", devices=devices,
-                            max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0)
-        trainer.fit(ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4,
-                                                            vocab_size=128, seed=3))
+        trainer = L.Trainer(
+            strategy=ml.MegatronStrategy(**strategy),
+            accelerator="cpu",
+            devices=devices,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(
+            ml.GPTModule(config),
+            MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3),
+        )
         return trainer
 
     before = dict(os.environ)

@@ -5,6 +5,7 @@ GPT-3 175B on 2 CPU processes of this host: about 2.8 TB per rank to train, whic
 Trainer's fit raises in the launching process (nothing is forked, the module never built a weight), so the
 test is fast and allocates nothing. On CPU the ranks of a host share its memory: the refusal counts both.
 """
+
 import json
 
 import lightning as L
@@ -27,9 +28,16 @@ GPT3 = ml.GPTConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, vo
 
 
 def _trainer(**strategy):
-    return L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", **strategy), accelerator="cpu", devices=2,
-                     max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False)
+    return L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork", **strategy),
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def _pairs(tmp_path) -> str:
@@ -46,8 +54,14 @@ def test_a_model_far_larger_than_the_host_is_refused_before_anything_is_built(tm
         cost = ObjectiveCost()
     else:  # a pair is two rows, and the frozen reference model's weights are held beside the policy's
         module = DPOModule(GPT3)
-        data = PreferenceDataModule(_pairs(tmp_path), NullTokenizer(50257), seq_length=SEQ, micro_batch_size=1,
-                                    global_batch_size=2, split="100,0")
+        data = PreferenceDataModule(
+            _pairs(tmp_path),
+            NullTokenizer(50257),
+            seq_length=SEQ,
+            micro_batch_size=1,
+            global_batch_size=2,
+            split="100,0",
+        )
         cost = ObjectiveCost(sequences_per_sample=2, forward_only_passes=1, frozen_models=1)
     with pytest.raises(InsufficientMemoryError) as refused:
         _trainer().fit(module, data)
@@ -58,9 +72,16 @@ def test_a_model_far_larger_than_the_host_is_refused_before_anything_is_built(tm
     assert error.needed == 2 * per_rank.total_bytes  # the host's two ranks together
     assert 0 < error.available < error.needed
     message = str(error)
-    for part in (f"about {format_bytes(error.needed)} of host memory to train", "2 rank(s) on this host",
-                 f"each up to {format_bytes(per_rank.total_bytes)}", f"only {format_bytes(error.available)}",
-                 "tensor_model_parallel_size", "use_torch_fsdp2=True", "smaller model", "check_memory=False"):
+    for part in (
+        f"about {format_bytes(error.needed)} of host memory to train",
+        "2 rank(s) on this host",
+        f"each up to {format_bytes(per_rank.total_bytes)}",
+        f"only {format_bytes(error.available)}",
+        "tensor_model_parallel_size",
+        "use_torch_fsdp2=True",
+        "smaller model",
+        "check_memory=False",
+    ):
         assert part in message, (part, message)
     if objective == "dpo":
         assert f"reference model {format_bytes(per_rank.frozen_bytes)}" in message and per_rank.frozen_bytes > 0
@@ -76,4 +97,3 @@ def test_validate_needs_the_weights_and_check_memory_false_lets_the_run_through(
     trainer = _trainer(check_memory=False)
     run = check_run(trainer.strategy, module, data, trainer, world_size=2)  # every other check passes
     assert run.data_parallel_size == 2
-

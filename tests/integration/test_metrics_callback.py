@@ -6,6 +6,7 @@ tokens/s, TFLOP/s per device and MFU agree with the data geometry, the FLOPs est
 independent clock on rank 0; val/perplexity is exp(val/loss); the console line carries the module's
 values; the CPU peak is measured once and cached; Lightning's bar advances once per optimizer step.
 """
+
 import csv
 import json
 import math
@@ -18,8 +19,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 import megatron_lite as ml
 from megatron_lite.callbacks import MegatronMetrics
@@ -29,15 +30,28 @@ from megatron_lite.data import MockGPTDataModule
 
 GBS, SEQ, STEPS, EVERY, WORLD = 8, 16, 6, 2, 2
 PEAK_TFLOPS = 0.05
-TRAIN_TAGS = ["train/consumed_samples", "train/tokens_per_sec", "train/tflops_per_device", "train/mfu",
-              "train/mem_peak_gib", "timers/forward-backward", "timers/optimizer"]
+TRAIN_TAGS = [
+    "train/consumed_samples",
+    "train/tokens_per_sec",
+    "train/tflops_per_device",
+    "train/mfu",
+    "train/mem_peak_gib",
+    "timers/forward-backward",
+    "timers/optimizer",
+]
 LOGGED_TRAIN_STEPS = [1, 3, 5]  # Lightning's step of optimizer steps 2, 4, 6 (0-based: steps taken before)
 VAL_STEPS = [2, 5]  # validation after optimizer steps 3 and 6
 
 
 def tiny_config() -> ml.GPTConfig:
-    return ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=SEQ,
-                        make_vocab_size_divisible_by=32)
+    return ml.GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=256,
+        seq_length=SEQ,
+        make_vocab_size_divisible_by=32,
+    )
 
 
 def tiny_data() -> MockGPTDataModule:
@@ -80,9 +94,10 @@ class RankZeroClock(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
-            peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30
-            self.out.write_text(json.dumps({"step_ends": self.step_ends, "validations": self.validations,
-                                            "peak_rss_gib": peak_rss_gib}))
+            peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+            self.out.write_text(
+                json.dumps({"step_ends": self.step_ends, "validations": self.validations, "peak_rss_gib": peak_rss_gib})
+            )
 
 
 @pytest.fixture(scope="module")
@@ -90,24 +105,46 @@ def dp2_run(tmp_path_factory):
     """One DP2 run logging to TensorBoard, CSV and W&B (offline), console captured to a file."""
     root = tmp_path_factory.mktemp("metrics")
     with pytest.MonkeyPatch.context() as env:
-        for key, value in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off",
-                               WANDB_DISABLE_GIT="true", WANDB_DISABLE_CODE="true",
-                               WANDB_CONFIG_DIR=str(root / "wandb-config"), WANDB_CACHE_DIR=str(root / "wandb-cache"),
-                               WANDB_DATA_DIR=str(root / "wandb-data")).items():
+        for key, value in dict(
+            WANDB_MODE="offline",
+            WANDB_SILENT="true",
+            WANDB_CONSOLE="off",
+            WANDB_DISABLE_GIT="true",
+            WANDB_DISABLE_CODE="true",
+            WANDB_CONFIG_DIR=str(root / "wandb-config"),
+            WANDB_CACHE_DIR=str(root / "wandb-cache"),
+            WANDB_DATA_DIR=str(root / "wandb-data"),
+        ).items():
             env.setenv(key, value)
-        loggers = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv"),
-                   WandbLogger(offline=True, save_dir=str(root), project="megatron-lite-test")]
-        trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=WORLD, max_steps=STEPS,
-                            log_every_n_steps=EVERY, logger=loggers, val_check_interval=3, limit_val_batches=1,
-                            num_sanity_val_steps=0, enable_checkpointing=False, enable_model_summary=False,
-                            enable_progress_bar=False,
-                            callbacks=[RankZeroClock(root / "clock.json"),
-                                       MegatronMetrics(PEAK_TFLOPS, timers_interval=2 * EVERY)])
+        loggers = [
+            TensorBoardLogger(root, name="tb"),
+            CSVLogger(root, name="csv"),
+            WandbLogger(offline=True, save_dir=str(root), project="megatron-lite-test"),
+        ]
+        trainer = L.Trainer(
+            strategy="megatron_fork",
+            accelerator="cpu",
+            devices=WORLD,
+            max_steps=STEPS,
+            log_every_n_steps=EVERY,
+            logger=loggers,
+            val_check_interval=3,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            callbacks=[RankZeroClock(root / "clock.json"), MegatronMetrics(PEAK_TFLOPS, timers_interval=2 * EVERY)],
+        )
         with open(root / "console.txt", "w") as console, redirect_stdout(console):
             trainer.fit(ml.GPTModule(tiny_config(), optimizer()), tiny_data())
     csv_rows = list(csv.DictReader(open(next((root / "csv").rglob("metrics.csv")))))
-    return {"root": root, "csv": csv_rows, "clock": json.loads((root / "clock.json").read_text()),
-            "console": (root / "console.txt").read_text()}
+    return {
+        "root": root,
+        "csv": csv_rows,
+        "clock": json.loads((root / "clock.json").read_text()),
+        "console": (root / "console.txt").read_text(),
+    }
 
 
 def _csv_series(rows, tag) -> dict:
@@ -208,7 +245,7 @@ def test_console_prints_megatrons_iteration_line(dp2_run):
     console = dp2_run["console"].splitlines()
     headers = [i for i, line in enumerate(console) if line == "(min, max) time across ranks (ms):"]
     assert len(headers) == 1 and console[headers[0] - 1].split()[:2] == ["iteration", f"{2 * EVERY}/"]
-    block = {line.split()[0]: line for line in console[headers[0] + 1:] if line.startswith("    ")}
+    block = {line.split()[0]: line for line in console[headers[0] + 1 :] if line.startswith("    ")}
     low, high = map(float, block["forward-backward"].split(": (")[1].rstrip(")").split(", "))
     logged = _csv_series(rows, "timers/forward-backward")
     assert 0 < low <= high <= (logged[LOGGED_TRAIN_STEPS[0]] + logged[LOGGED_TRAIN_STEPS[1]]) / 2 + 0.005
@@ -231,8 +268,8 @@ def _wandb_history(path: Path) -> list:
         if block - pos % block < 7:
             pos += block - pos % block  # block trailer
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             records.append(chunk)
         elif kind in (2, 3):
@@ -262,12 +299,19 @@ def test_cpu_peak_is_measured_once_and_cached_and_the_bar_counts_optimizer_steps
     callback = MegatronMetrics()
     ratios = []
     for run in range(2):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=1, limit_val_batches=0,
-                            logger=CSVLogger(tmp_path, name=f"run{run}"),
-                            # Lightning's default bar is Rich's whenever rich is installed (transformers pulls
-                            # it in): name the bar whose tick count is checked
-                            callbacks=[callback, TQDMProgressBar()],
-                            enable_checkpointing=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            logger=CSVLogger(tmp_path, name=f"run{run}"),
+            # Lightning's default bar is Rich's whenever rich is installed (transformers pulls
+            # it in): name the bar whose tick count is checked
+            callbacks=[callback, TQDMProgressBar()],
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        )
         trainer.fit(ml.GPTModule(tiny_config(), optimizer()), tiny_data())
         assert trainer.progress_bar_callback.train_progress_bar.n == 3  # one tick per optimizer step
         rows = list(csv.DictReader(open(next((tmp_path / f"run{run}").rglob("metrics.csv")))))
@@ -304,9 +348,18 @@ def test_bad_arguments_name_the_fix():
 @pytest.mark.parametrize("log_metrics", [True, False], ids=["default_on", "removed"])
 def test_the_strategy_adds_the_metrics_callback_by_default(tmp_path, log_metrics):
     logger = CSVLogger(tmp_path, name="csv")
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", log_metrics=log_metrics), devices=1,
-                        accelerator="cpu", max_steps=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=log_metrics),
+        devices=1,
+        accelerator="cpu",
+        max_steps=3,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(ml.GPTModule(tiny_config(), optimizer()), tiny_data())
     columns = set(next(csv.DictReader(open(next(tmp_path.rglob("metrics.csv"))))))
     assert "train/loss" in columns
@@ -345,8 +398,14 @@ def test_validation_loss_is_the_mean_over_every_loss_token_and_perplexity_its_ex
             return DataLoader(batches, batch_size=None)
 
     module = ml.GPTModule(config, optimizer(), seed=3)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), devices=1, accelerator="cpu",
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        devices=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     (metrics,) = trainer.validate(module, Data())
     reference = ml.GPTModel(config, seed=3).eval()
     with torch.no_grad():

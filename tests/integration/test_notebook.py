@@ -2,6 +2,7 @@
 generate -> save -> fit again, at devices=1, TP2 and DP2. The ranks hand the trained model back, so every
 later call uses the trained weights (issue 9, item 0); the numbers are checked against a run without
 any launcher in this process and against what the ranks computed."""
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,18 @@ from megatron_lite.data import MockGPTDataModule
 
 # vocab 128 with make_vocab_size_divisible_by=128: padded to 128 rows at TP1 and 256 at TP2, which must not
 # change the model (the padding is masked and never handed back), so the numbers compare across layouts.
-CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
-              make_vocab_size_divisible_by=128)
+CONFIG = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16, make_vocab_size_divisible_by=128
+)
 OPTIMIZER = dict(lr=2e-2, lr_warmup_iters=0, lr_decay_style="constant")
 STEPS = 6
 GBS = 4
 
 
 def _data() -> MockGPTDataModule:
-    return MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=GBS, vocab_size=128, seed=3,
-                             num_val_samples=8)
+    return MockGPTDataModule(
+        seq_length=16, micro_batch_size=2, global_batch_size=GBS, vocab_size=128, seed=3, num_val_samples=8
+    )
 
 
 def _module() -> ml.GPTModule:
@@ -48,10 +51,19 @@ class TrainLosses(L.Callback):
 
 
 def _trainer(tp: int, devices: int, pp: int = 1, **kwargs) -> L.Trainer:
-    return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                  start_method="fork"),
-                     accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+    return L.Trainer(
+        strategy=ml.MegatronStrategy(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, start_method="fork"
+        ),
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def _fit_kwargs(steps: int) -> dict:
@@ -63,9 +75,16 @@ def _fit_kwargs(steps: int) -> dict:
 def reference() -> dict:
     """The same training in this process without MegatronStrategy or any launcher."""
     module = _module()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        **_fit_kwargs(STEPS))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **_fit_kwargs(STEPS),
+    )
     trainer.fit(module, _data())
     return {"val_loss": float(trainer.callback_metrics["val/loss"])}
 
@@ -79,8 +98,9 @@ def _first_batch_loss(model: torch.nn.Module) -> float:
     return float(total / count)
 
 
-@pytest.mark.parametrize("tp,pp,devices", [(1, 1, 1), (2, 1, 2), (1, 1, 2), (1, 2, 2)],
-                         ids=["devices1", "tp2", "dp2", "pp2"])
+@pytest.mark.parametrize(
+    "tp,pp,devices", [(1, 1, 1), (2, 1, 2), (1, 1, 2), (1, 2, 2)], ids=["devices1", "tp2", "dp2", "pp2"]
+)
 def test_notebook_session_uses_the_trained_model(tp, pp, devices, reference, tmp_path):
     module, data = _module(), _data()
     fresh_first_loss = _first_batch_loss(_module().build_model(ml.ParallelLayout.single()))
@@ -117,7 +137,8 @@ def test_notebook_session_uses_the_trained_model(tp, pp, devices, reference, tmp
     # save here, load into a fresh module in new ranks: the trained weights
     trainer.save_checkpoint(tmp_path / "notebook.ckpt")
     restored = _trainer(tp, devices, pp, limit_val_batches=2).validate(
-        _module(), data, ckpt_path=str(tmp_path / "notebook.ckpt"), verbose=False)[0]["val/loss"]
+        _module(), data, ckpt_path=str(tmp_path / "notebook.ckpt"), verbose=False
+    )[0]["val/loss"]
     assert restored == pytest.approx(fit_val, rel=1e-6)
 
     # fit again: the new ranks start from the trained weights (step 0's loss is theirs, not a fresh model's)
@@ -154,9 +175,18 @@ def test_one_trainer_keeps_its_logger_version_the_environment_and_eval_mode_infe
     monkeypatch.delenv("MASTER_PORT", raising=False)
     environment = dict(os.environ)
     module = ml.GPTModule(ml.GPTConfig(**CONFIG, hidden_dropout=0.5), ml.OptimizerConfig(**OPTIMIZER), seed=1)
-    trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=1, logger=CSVLogger(tmp_path),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, max_steps=2, limit_val_batches=1)
+    trainer = L.Trainer(
+        strategy="megatron_fork",
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_steps=2,
+        limit_val_batches=1,
+    )
     trainer.fit(module, _data())
     trainer.validate(module, _data(), verbose=False)
     trainer.validate(module, _data(), verbose=False)

@@ -61,7 +61,7 @@ class PackedVersusAlone(L.Callback):
                     continue  # a document that starts at the row's last token is only a label
                 inputs_end = min(end, SEQ)
                 # the document's tokens and the label of its last input (the next document's first token)
-                alone = model(tokens[None, start:inputs_end], tokens[None, start + 1:inputs_end + 1])[0]
+                alone = model(tokens[None, start:inputs_end], tokens[None, start + 1 : inputs_end + 1])[0]
                 here = packed[row, start:inputs_end]
                 self.per_token_diff.append(float((alone - here).abs().max()))
                 if start > 0:  # later documents saw earlier ones when the packing was ignored
@@ -72,15 +72,15 @@ class PackedVersusAlone(L.Callback):
                 self.documents += 1
         self.reference.append(loss_sum / count)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.trained.append(float(loss))
 
 
 @pytest.mark.parametrize("position_embedding_type", ["rope", "learned_absolute"])
-def test_packed_loss_equals_documents_alone(tmp_path: Path, corpus: str, position_embedding_type: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_loss_equals_documents_alone(
+    tmp_path: Path, corpus: str, position_embedding_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = tmp_path / "packed.yaml"
     config.write_text(f"""
 seed_everything: false  # the model and the data have their own seeds; keep the test process unseeded
@@ -113,9 +113,14 @@ data:
 """)
     monkeypatch.setattr(sys, "argv", ["megatron-lite"])  # the CLI reads args=, not pytest's command line
     probe = PackedVersusAlone()
-    cli = MegatronLiteCLI(GPTModule, PretrainingDataModule, subclass_mode_data=True, run=False,
-                          trainer_defaults={"strategy": "megatron", "callbacks": [probe]},
-                          args=["--config", str(config)])
+    cli = MegatronLiteCLI(
+        GPTModule,
+        PretrainingDataModule,
+        subclass_mode_data=True,
+        run=False,
+        trainer_defaults={"strategy": "megatron", "callbacks": [probe]},
+        args=["--config", str(config)],
+    )
     assert isinstance(cli.datamodule, PretrainDataModule) and cli.datamodule.reset_attention_mask
     cli.trainer.fit(cli.model, cli.datamodule)
 

@@ -1,6 +1,7 @@
 """Pipeline events of a real PP2 fit (fork-launched ranks, real files) and ``megatron-lite pipeline-timeline``
 on them: the recorded schedule is the one that ran, the CLI prints a bubble and writes a PNG, and bad input
 says how to fix it."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ from PIL import Image
 import megatron_lite as ml
 from megatron_lite import cli
 from megatron_lite.callbacks import PipelineTimeline
+from megatron_lite.cli.pipeline_timeline import main
 from megatron_lite.core.parallel.pipeline.schedules import interleaved_order, one_f_one_b_order
 from megatron_lite.data import MockGPTDataModule
-from megatron_lite.cli.pipeline_timeline import main
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed"))
@@ -29,14 +30,27 @@ P, M, STEPS, RECORDED = 2, 4, 3, [0, 2]
 def _fit(root: Path, devices: int, pp: int, vpp: int = 1, callback=None) -> L.Trainer:
     config = tiny_config(num_layers=4)
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                                     # one process: in this one (a fork would take its warnings away)
-                                     start_method="fork" if devices > 1 else "popen", log_metrics=False),
-        accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, default_root_dir=root,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[callback or PipelineTimeline(steps=RECORDED)])
-    data = MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=2, global_batch_size=2 * M,
-                             vocab_size=config.vocab_size, seed=7)
+        strategy=ml.MegatronStrategy(
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            # one process: in this one (a fork would take its warnings away)
+            start_method="fork" if devices > 1 else "popen",
+            log_metrics=False,
+        ),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=STEPS,
+        logger=False,
+        default_root_dir=root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[callback or PipelineTimeline(steps=RECORDED)],
+    )
+    data = MockGPTDataModule(
+        seq_length=config.seq_length, micro_batch_size=2, global_batch_size=2 * M, vocab_size=config.vocab_size, seed=7
+    )
     trainer.fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3)), data)
     return trainer
 
@@ -68,8 +82,9 @@ def test_every_rank_records_the_schedule_that_ran(run_dir):
             events = record["events"]
             # every microbatch once forward and once backward through each of this rank's chunks
             for kind in "FB":
-                assert sorted((e["microbatch"], e["chunk"]) for e in events if e["kind"] == kind) == \
-                    [(m, c) for m in range(M) for c in range(vpp)]
+                assert sorted((e["microbatch"], e["chunk"]) for e in events if e["kind"] == kind) == [
+                    (m, c) for m in range(M) for c in range(vpp)
+                ]
             # in the schedule's order (Megatron's 1F1B / interleaved 1F1B), one after another in time
             order = [(e["kind"], e["chunk"], e["microbatch"]) for e in events]
             expected = one_f_one_b_order(M, P, rank) if vpp == 1 else interleaved_order(M, P, rank, vpp)

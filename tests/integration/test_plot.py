@@ -1,5 +1,6 @@
 """``megatron-lite plot``: a PNG from the CSV and TensorBoard logs of a real run, drawing exactly the
 logged values; errors that name the fix (exit 2)."""
+
 import csv
 import os
 import shutil
@@ -11,8 +12,8 @@ from PIL import Image
 
 import megatron_lite as ml
 from megatron_lite.callbacks import MegatronMetrics
-from megatron_lite.data import MockGPTDataModule
 from megatron_lite.cli.plot import DPI, FIGURE_INCHES, load_run, main, plot_run
+from megatron_lite.data import MockGPTDataModule
 
 SEQ, STEPS = 16, 6
 
@@ -21,14 +22,29 @@ SEQ, STEPS = 16, 6
 def run_dir(tmp_path_factory):
     """A single-process run with validation, logging to CSV and TensorBoard under one directory."""
     root = tmp_path_factory.mktemp("plot_run")
-    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=SEQ,
-                          make_vocab_size_divisible_by=32)
+    config = ml.GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=256,
+        seq_length=SEQ,
+        make_vocab_size_divisible_by=32,
+    )
     data = MockGPTDataModule(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, vocab_size=256, seed=3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, log_every_n_steps=1, val_check_interval=3,
-                        limit_val_batches=1, num_sanity_val_steps=0, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        logger=[CSVLogger(root, name="csv"), TensorBoardLogger(root, name="tb")],
-                        callbacks=[MegatronMetrics(peak_tflops_per_device=1.0, console=False)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        log_every_n_steps=1,
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=[CSVLogger(root, name="csv"), TensorBoardLogger(root, name="tb")],
+        callbacks=[MegatronMetrics(peak_tflops_per_device=1.0, console=False)],
+    )
     optimizer = ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=2, lr_decay_iters=STEPS, min_lr=1e-4)
     trainer.fit(ml.GPTModule(config, optimizer), data)
     return root
@@ -36,8 +52,10 @@ def run_dir(tmp_path_factory):
 
 def _csv(root) -> dict:
     rows = list(csv.DictReader(open(next(root.rglob("metrics.csv")))))
-    return {tag: {int(r["step"]): float(r[tag]) for r in rows if r.get(tag)}
-            for tag in ("train/loss", "val/loss", "train/lr", "train/tokens_per_sec")}
+    return {
+        tag: {int(r["step"]): float(r[tag]) for r in rows if r.get(tag)}
+        for tag in ("train/loss", "val/loss", "train/lr", "train/tokens_per_sec")
+    }
 
 
 def test_writes_a_png_of_the_logged_values(run_dir, tmp_path, capsys):

@@ -4,6 +4,7 @@ MegatronStrategy builds one :class:`RunSpec` in the launching process and hands 
 the datamodule's and each callback's ``check_before_launch``, in that order; every rank builds an equal one and
 checks again. A callback's refusal stops ``fit`` in the launching process, before any rank is forked.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,11 +80,21 @@ class _Check(L.Callback):
 
 
 def _trainer(callback: _Check) -> L.Trainer:
-    strategy = ml.MegatronStrategy(start_method="fork", log_metrics=False, ddp_bucket_size=4096,
-                                   overlap_grad_reduce=True)
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1, limit_val_batches=0,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     callbacks=[callback])
+    strategy = ml.MegatronStrategy(
+        start_method="fork", log_metrics=False, ddp_bucket_size=4096, overlap_grad_reduce=True
+    )
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
 
 
 def test_one_run_spec_reaches_the_module_the_data_and_the_callbacks_and_each_rank_builds_an_equal_one(tmp_path):
@@ -95,8 +106,14 @@ def test_one_run_spec_reaches_the_module_the_data_and_the_callbacks_and_each_ran
     trainer.fit(module, data)
 
     run = trainer.strategy.run_spec
-    assert run == RunSpec(ml.ParallelConfig(), world_size=2, data=DataGeometry(2, 8, 16), precision="32-true",
-                          ddp_bucket_size=4096, overlap_grad_reduce=True)
+    assert run == RunSpec(
+        ml.ParallelConfig(),
+        world_size=2,
+        data=DataGeometry(2, 8, 16),
+        precision="32-true",
+        ddp_bucket_size=4096,
+        overlap_grad_reduce=True,
+    )
     assert run.data_parallel_size == 2 and run.num_microbatches == 2 and run.data == data.geometry
     # the launching process: one object, built once, handed to each in the documented order
     assert [who for who, _ in seen.calls] == ["module", "datamodule", "callback"]
@@ -109,7 +126,7 @@ def test_one_run_spec_reaches_the_module_the_data_and_the_callbacks_and_each_ran
         assert json.loads(path.read_text()) == dataclasses.asdict(run), path.name
 
 
-def test_a_callbacks_refusal_stops_fit_before_any_rank_starts(tmp_path, fork_marker):
+def test_a_callbacks_refusal_stops_fit_before_any_rank_starts(tmp_path, fork_marker):  # noqa: F811 (the fixture)
     seen = _Seen(tmp_path)
     module, data = _Module(seen), _Data(seen)
     callback = _Check(seen, refuse="this run is refused by MyCheck: set the thing it names")

@@ -3,6 +3,7 @@ back-off, hysteresis), half-precision weights with fp32 masters, and the errors 
 
 fp16 matrix products are emulated on these CPUs, so the models here are tiny.
 """
+
 import lightning as L
 import pytest
 import torch
@@ -11,8 +12,9 @@ import megatron_lite as ml
 from megatron_lite.core.optim.grad_scaler import DynamicLossScaler
 from megatron_lite.data import MockGPTDataModule
 
-CONFIG = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16,
-              make_vocab_size_divisible_by=32)
+CONFIG = dict(
+    num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16, make_vocab_size_divisible_by=32
+)
 
 
 class InjectInf(ml.GPTModule):
@@ -64,17 +66,28 @@ class Snapshots(L.Callback):
 def fit(module, steps, precision, tmp_path, **trainer_kwargs):
     tmp_path.mkdir(parents=True, exist_ok=True)
     snapshots = Snapshots(tmp_path / "snapshots.pt")
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), devices=1, accelerator="cpu",
-                        precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[snapshots], default_root_dir=tmp_path, **trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        devices=1,
+        accelerator="cpu",
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[snapshots],
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
     data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256, seed=3)
     trainer.fit(module, data)
     return Snapshots.load(snapshots.out)
 
 
 def fp16_optimizer(**kwargs):
-    return ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", initial_loss_scale=2.0 ** 8, **kwargs)
+    return ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", initial_loss_scale=2.0**8, **kwargs)
 
 
 @pytest.mark.filterwarnings("ignore:precision='16-true' on CPU")
@@ -109,12 +122,12 @@ def test_megatron_default_scale_overflows_at_first_then_trains(tmp_path):
     s = fit(module, 40, "16-true", tmp_path)
     skipped = s.skipped[-1]
     assert 0 < skipped < 40
-    assert s.scales[-1] < 2.0 ** 32
+    assert s.scales[-1] < 2.0**32
     assert s.skipped[-10:] == [skipped] * 10, "once the scale fits, steps stop being skipped"
 
 
 def test_dynamic_scaler_follows_megatron():
-    scaler = DynamicLossScaler(initial_scale=2.0 ** 4, min_scale=2.0, growth_interval=3, hysteresis=2)
+    scaler = DynamicLossScaler(initial_scale=2.0**4, min_scale=2.0, growth_interval=3, hysteresis=2)
     trace = []
     for found_inf in [True, True, True, True, False, False, False, False, False, False, True]:
         scaler.update(found_inf)
@@ -122,15 +135,19 @@ def test_dynamic_scaler_follows_megatron():
     # hysteresis 2: the first overflow is tolerated; later ones back off until the tracker is refilled by a growth
     assert trace == [16, 8, 4, 2, 2, 2, 4, 4, 4, 8, 8]
     state = scaler.state_dict()
-    again = DynamicLossScaler(initial_scale=2.0 ** 4, min_scale=2.0, growth_interval=3, hysteresis=2)
+    again = DynamicLossScaler(initial_scale=2.0**4, min_scale=2.0, growth_interval=3, hysteresis=2)
     again.load_state_dict(state)
     assert again.state_dict() == state
 
 
 def test_bf16_true_keeps_fp32_masters_and_tracks_fp32(tmp_path):
     config = ml.GPTConfig(**CONFIG)
-    fp32 = fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"), seed=5), 6, "32-true",
-               tmp_path / "fp32")
+    fp32 = fit(
+        ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"), seed=5),
+        6,
+        "32-true",
+        tmp_path / "fp32",
+    )
     module = ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"), seed=5)
     bf16 = fit(module, 6, "bf16-true", tmp_path / "bf16")
     assert all(p.dtype == torch.bfloat16 for p in bf16.params[-1].values())
@@ -154,8 +171,14 @@ def test_fp16_mixed_on_cpu_falls_back_to_bf16_with_a_warning(tmp_path):
 
 
 def test_fsdp2_refuses_half_parameters(tmp_path):
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", use_torch_fsdp2=True), devices=2,
-                        accelerator="cpu", precision="bf16-true", max_steps=1, logger=False)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork", use_torch_fsdp2=True),
+        devices=2,
+        accelerator="cpu",
+        precision="bf16-true",
+        max_steps=1,
+        logger=False,
+    )
     data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256)
     with pytest.raises(ValueError, match="use precision='bf16-mixed'"):
         trainer.fit(ml.GPTModule(ml.GPTConfig(**CONFIG)), data)

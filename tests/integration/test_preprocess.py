@@ -1,4 +1,5 @@
 """``megatron-lite preprocess``: every input format, 1 vs 2 workers byte-identical, merging, and bad input."""
+
 from __future__ import annotations
 
 import gzip
@@ -12,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.cli.preprocess import main
+from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preprocess import PreprocessError, preprocess, split_sentences
 from megatron_lite.tokenizers import NullTokenizer, build_tokenizer
 
@@ -38,8 +39,21 @@ def _pair_bytes(prefix: str) -> tuple[bytes, bytes]:
 
 def test_null_tokenizer_jsonl_via_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = _write_jsonl(tmp_path / "c.jsonl", [{"text": d, "id": i} for i, d in enumerate(DOCS)])
-    assert main(["--input", str(src), "--json-key", "text", *NULL_ARGS, "--output-prefix",
-                 str(tmp_path / "out" / "c"), "--append-eod"]) == 0
+    assert (
+        main(
+            [
+                "--input",
+                str(src),
+                "--json-key",
+                "text",
+                *NULL_ARGS,
+                "--output-prefix",
+                str(tmp_path / "out" / "c"),
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
     ds = IndexedDataset(str(tmp_path / "out" / "c_text_document"))
     assert ds.dtype == np.uint16
     assert [s.tolist() for s in ds[:]] == [[1, 2, 3, 99], [4, 5, 99], [6, 99], [7, 8, 9, 10, 11, 99]]
@@ -84,8 +98,9 @@ def test_gpt2_one_and_two_workers_are_byte_identical(tmp_path: Path) -> None:
         texts = [json.loads(line)["text"][:6000] for line in f][:24]
     texts.insert(3, "")  # an empty document: skipped and counted
     src = _write_jsonl(tmp_path / "s.jsonl.gz", [{"text": t} for t in texts], gz=True)
-    results = [preprocess([str(src)], str(tmp_path / f"w{w}"), tok, workers=w, append_eod=True, chunk_size=3)
-               for w in (1, 2)]
+    results = [
+        preprocess([str(src)], str(tmp_path / f"w{w}"), tok, workers=w, append_eod=True, chunk_size=3) for w in (1, 2)
+    ]
     assert _pair_bytes(results[0].output_prefixes["text"]) == _pair_bytes(results[1].output_prefixes["text"])
     assert results[0].empty_documents["text"] == 1 and results[0].documents["text"] == 24
     ds = IndexedDataset(results[0].output_prefixes["text"])
@@ -102,15 +117,48 @@ def test_cli_subprocess_and_merge(tmp_path: Path) -> None:
         prefix = str(tmp_path / f"p{i}")
         if i == 0:  # once through the real entry point, once in-process
             proc = subprocess.run(
-                [sys.executable, "-m", "megatron_lite", "preprocess", "--input", str(src), "--tokenizer-type",
-                 "GPT2BPETokenizer", "--vocab-file", str(GPT2_DIR / "vocab.json"), "--merge-file",
-                 str(GPT2_DIR / "merges.txt"), "--output-prefix", prefix, "--workers", "2", "--append-eod"],
-                capture_output=True, text=True, cwd=REPO, timeout=120)
+                [
+                    sys.executable,
+                    "-m",
+                    "megatron_lite",
+                    "preprocess",
+                    "--input",
+                    str(src),
+                    "--tokenizer-type",
+                    "GPT2BPETokenizer",
+                    "--vocab-file",
+                    str(GPT2_DIR / "vocab.json"),
+                    "--merge-file",
+                    str(GPT2_DIR / "merges.txt"),
+                    "--output-prefix",
+                    prefix,
+                    "--workers",
+                    "2",
+                    "--append-eod",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=120,
+            )
             assert proc.returncode == 0, proc.stderr
             assert "tokens/s" in proc.stdout
         else:
-            main(["--input", str(src), "--tokenizer-type", "gpt2", "--vocab-file", str(GPT2_DIR / "vocab.json"),
-                  "--merge-file", str(GPT2_DIR / "merges.txt"), "--output-prefix", prefix, "--append-eod"])
+            main(
+                [
+                    "--input",
+                    str(src),
+                    "--tokenizer-type",
+                    "gpt2",
+                    "--vocab-file",
+                    str(GPT2_DIR / "vocab.json"),
+                    "--merge-file",
+                    str(GPT2_DIR / "merges.txt"),
+                    "--output-prefix",
+                    prefix,
+                    "--append-eod",
+                ]
+            )
         prefixes.append(prefix + "_text_document")
     assert main(["merge", "--input", *prefixes, "--output-prefix", str(tmp_path / "merged")]) == 0
     merged = IndexedDataset(str(tmp_path / "merged"))
@@ -123,7 +171,11 @@ def test_cli_subprocess_and_merge(tmp_path: Path) -> None:
 
 def test_split_sentences_and_several_keys(tmp_path: Path) -> None:
     assert split_sentences('He said "Go." Then left!  Why?\n\nNew para') == [
-        'He said "Go."', "Then left!", "Why?", "New para"]
+        'He said "Go."',
+        "Then left!",
+        "Why?",
+        "New para",
+    ]
     rows = [{"a": "1 2. 3 4.", "b": "5"}, {"a": "6", "b": ["7 8", "9"]}]  # a list is pre-split sentences
     src = _write_jsonl(tmp_path / "k.jsonl", rows)
 
@@ -133,8 +185,9 @@ def test_split_sentences_and_several_keys(tmp_path: Path) -> None:
         def tokenize(self, text: str) -> list[int]:
             return super().tokenize(text.replace(".", " "))
 
-    result = preprocess([str(src)], str(tmp_path / "k"), DotTokenizer(100), json_keys=["a", "b"],
-                        split_sentences=True, append_eod=True)
+    result = preprocess(
+        [str(src)], str(tmp_path / "k"), DotTokenizer(100), json_keys=["a", "b"], split_sentences=True, append_eod=True
+    )
     assert set(result.output_prefixes.values()) == {str(tmp_path / "k_a_sentence"), str(tmp_path / "k_b_sentence")}
     a, b = IndexedDataset(str(tmp_path / "k_a_sentence")), IndexedDataset(str(tmp_path / "k_b_sentence"))
     assert [s.tolist() for s in a[:]] == [[1, 2], [3, 4, 99], [6, 99]] and a.document_indices.tolist() == [0, 2, 3]
@@ -143,9 +196,12 @@ def test_split_sentences_and_several_keys(tmp_path: Path) -> None:
 
 # --- bad input: a clear error naming the file and the fix, and no output left behind ---------------------
 
+
 def test_absent_key_names_file_line_and_keys(tmp_path: Path) -> None:
     src = _write_jsonl(tmp_path / "x.jsonl", [{"text": "1"}, {"body": "2", "id": 3}])
-    with pytest.raises(PreprocessError, match=r"x\.jsonl:2 has no key 'text' \(keys: \['body', 'id'\]\); pass --json-keys"):
+    with pytest.raises(
+        PreprocessError, match=r"x\.jsonl:2 has no key 'text' \(keys: \['body', 'id'\]\); pass --json-keys"
+    ):
         preprocess([str(src)], str(tmp_path / "x"), NullTokenizer(10), workers=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]  # no half-written pair, no temp files
 
@@ -180,8 +236,11 @@ def test_token_id_outside_the_vocabulary(tmp_path: Path) -> None:
             return [int(p) for p in text.split()]
 
     src = _write_jsonl(tmp_path / "v.jsonl", [{"text": "1 2"}, {"text": "3 12"}])
-    with pytest.raises(PreprocessError, match=r"v\.jsonl:2: LyingTokenizer produced token id 12, outside its "
-                                              r"vocabulary of 10.*--vocab-size"):
+    with pytest.raises(
+        PreprocessError,
+        match=r"v\.jsonl:2: LyingTokenizer produced token id 12, outside its "
+        r"vocabulary of 10.*--vocab-size",
+    ):
         preprocess([str(src)], str(tmp_path / "v"), LyingTokenizer(10), workers=2)
     assert not list(tmp_path.glob("v_*"))
 
@@ -192,7 +251,7 @@ def test_bad_inputs_and_outputs_exit_2(tmp_path: Path, capsys: pytest.CaptureFix
     (tmp_path / "afile").write_text("")
     (tmp_path / "words.jsonl").write_text('{"text": "1 2"}\n{"text": "one two"}\n')
     whole = gzip.compress(("".join(json.dumps({"text": str(i)}) + "\n" for i in range(2000))).encode())
-    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
     (tmp_path / "fake.parquet").write_text("not parquet")
     latin1 = '{"text": "caf\xe9"}\n'.encode("latin-1")  # "é" in Latin-1: not UTF-8
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "1"}\n' + latin1)  # in the first bytes, read to sniff

@@ -23,8 +23,11 @@ SEQ, VOCAB, GBS, MBS = 16, 96, 8, 2
 def _corpus(prefix: Path, num_docs: int, seed: int, low: int = 1, high: int = VOCAB) -> str:
     """``num_docs`` one-sequence documents of 4-40 random tokens in ``[low, high)``."""
     rng = np.random.default_rng(seed)
-    write_dataset(str(prefix), [[rng.integers(low, high, size=int(rng.integers(4, 40)))] for _ in range(num_docs)],
-                  dtype=np.uint16)
+    write_dataset(
+        str(prefix),
+        [[rng.integers(low, high, size=int(rng.integers(4, 40)))] for _ in range(num_docs)],
+        dtype=np.uint16,
+    )
     return str(prefix)
 
 
@@ -32,8 +35,11 @@ def _corpus(prefix: Path, num_docs: int, seed: int, low: int = 1, high: int = VO
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("pretrain")
     # two corpora whose token ranges do not overlap, so every sample tells which one it came from
-    return {"a": _corpus(root / "a", 40, 0, 1, 48), "b": _corpus(root / "b", 30, 1, 48, VOCAB),
-            "cache": str(root / "cache")}
+    return {
+        "a": _corpus(root / "a", 40, 0, 1, 48),
+        "b": _corpus(root / "b", 30, 1, 48, VOCAB),
+        "cache": str(root / "cache"),
+    }
 
 
 class BatchRecorder(L.Callback):
@@ -50,14 +56,29 @@ class BatchRecorder(L.Callback):
         torch.save(self.batches, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, dm: PretrainDataModule, devices: int, steps: int, ckpt_path: str | None = None,
-         callbacks: list[L.Callback] | None = None) -> dict[int, torch.Tensor]:
+def _fit(
+    out: Path,
+    dm: PretrainDataModule,
+    devices: int,
+    steps: int,
+    ckpt_path: str | None = None,
+    callbacks: list[L.Callback] | None = None,
+) -> dict[int, torch.Tensor]:
     """Fit a tiny GPT under MegatronStrategy (forked ranks, DP = devices); return the global batch per step."""
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=VOCAB, seq_length=SEQ)
-    trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=devices, max_steps=steps,
-                        callbacks=[BatchRecorder(out), *(callbacks or [])], logger=False,
-                        enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=1, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        strategy="megatron_fork",
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        callbacks=[BatchRecorder(out), *(callbacks or [])],
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(ml.GPTModule(config, ml.OptimizerConfig(lr=1e-3, lr_warmup_iters=1)), dm, ckpt_path=ckpt_path)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(devices)]
     # DP ranks hold consecutive slices of each global batch
@@ -65,9 +86,16 @@ def _fit(out: Path, dm: PretrainDataModule, devices: int, steps: int, ckpt_path:
 
 
 def _datamodule(data: dict[str, str], **kwargs: Any) -> PretrainDataModule:
-    args: dict[str, Any] = dict(paths=["0.6", data["a"], "0.4", data["b"]], seq_length=SEQ, micro_batch_size=MBS,
-                                global_batch_size=GBS, split="75,25", seed=5, cache_dir=data["cache"],
-                                train_samples=40)  # 5 steps per pass: runs cross Lightning epochs
+    args: dict[str, Any] = dict(
+        paths=["0.6", data["a"], "0.4", data["b"]],
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        global_batch_size=GBS,
+        split="75,25",
+        seed=5,
+        cache_dir=data["cache"],
+        train_samples=40,
+    )  # 5 steps per pass: runs cross Lightning epochs
     args.update(kwargs)
     return PretrainDataModule(**args)
 
@@ -75,14 +103,23 @@ def _datamodule(data: dict[str, str], **kwargs: Any) -> PretrainDataModule:
 def test_resume_is_exact_also_after_a_dp_change(tmp_path: Path, data: dict[str, str]) -> None:
     ckpts = tmp_path / "ckpts"
     dm = _datamodule(data)
-    full = _fit(tmp_path / "full", dm, devices=2, steps=8,
-                callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=6, save_top_k=-1)])
+    full = _fit(
+        tmp_path / "full",
+        dm,
+        devices=2,
+        steps=8,
+        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=6, save_top_k=-1)],
+    )
     assert sorted(full) == list(range(8)) and all(b.shape == (GBS, SEQ + 1) for b in full.values())
     assert torch.equal(full[5], full[0])  # the second pass over the 40 samples repeats the first
     saved = ckpts / "epoch=1-step=6.ckpt"
     meta = read_checkpoint_meta(saved)
-    assert meta["PretrainDataModule"] == {"consumed_samples": 48, "sampler": "sequential", "data_sharding": True,
-                                          "data_parallel_size": 2}
+    assert meta["PretrainDataModule"] == {
+        "consumed_samples": 48,
+        "sampler": "sequential",
+        "data_sharding": True,
+        "data_parallel_size": 2,
+    }
     # the blend: the 40 samples hold 24 from a (tokens < 48) and 16 from b, interleaved by weight
     dm.setup("fit")  # in this process too (the ranks were forked), to read the blend's indices
     blend = [int(sample[0] >= 48) for step in range(5) for sample in full[step]]
@@ -107,8 +144,14 @@ def test_cyclic_sampler_in_a_trainer(tmp_path: Path, data: dict[str, str]) -> No
 
 
 def test_split_vocab_and_loaders_without_a_trainer(tmp_path: Path, data: dict[str, str]) -> None:
-    dm = PretrainDataModule([data["a"]], seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS,
-                            split="969,30,1", cache_dir=data["cache"])
+    dm = PretrainDataModule(
+        [data["a"]],
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        global_batch_size=GBS,
+        split="969,30,1",
+        cache_dir=data["cache"],
+    )
     assert dm.vocab_size == int(max(IndexedDataset(data["a"])[i].max() for i in range(40))) + 1  # scanned
     assert dm.weights == [1.0] and dm.prefixes == [data["a"]]
     dm.setup("fit")
@@ -126,8 +169,9 @@ def test_split_vocab_and_loaders_without_a_trainer(tmp_path: Path, data: dict[st
     batch = next(iter(dm.train_dataloader()))["tokens"]
     assert batch.shape == (GBS, SEQ + 1) and torch.equal(batch[1], train[1]["tokens"])
     # unweighted paths are weighted by their tokens; an explicit vocab_size or a tokenizer skips the scan
-    both = PretrainDataModule([data["a"], data["b"]], seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS,
-                              vocab_size=VOCAB + 4)
+    both = PretrainDataModule(
+        [data["a"], data["b"]], seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=VOCAB + 4
+    )
     tokens = [IndexedDataset(p).num_tokens for p in (data["a"], data["b"])]
     assert both.weights == pytest.approx([t / sum(tokens) for t in tokens]) and both.vocab_size == VOCAB + 4
     tokenizer = type("Tok", (), {"vocab_size": 300, "eod": 0})()
@@ -149,8 +193,11 @@ def test_bad_input_names_the_file_and_the_fix(tmp_path: Path, data: dict[str, st
     with pytest.raises(ValueError, match="weight/prefix pairs"):
         make(["1", data["a"], data["b"]])
     tiny = _corpus(tmp_path / "tiny", 3, 2)
-    with pytest.raises(ValueError, match=rf"split '1,99' leaves the train split of {tiny} with 0 of its 3 "
-                                         r"documents; raise the train weight"):
+    with pytest.raises(
+        ValueError,
+        match=rf"split '1,99' leaves the train split of {tiny} with 0 of its 3 "
+        r"documents; raise the train weight",
+    ):
         make([tiny], split="1,99")
     with pytest.raises(ValueError, match="leaves the train split empty"):
         make([tiny], split="0,1")

@@ -4,6 +4,7 @@ reported, an FP8 KV cache within 5% with its greedy agreement reported), the ``Q
 of a fit writing a quantized checkpoint that ``from_pretrained`` and ``trainer.fit(ckpt_path=...)`` load back as
 the same quantized model, QAT through ``Quantize(when="fit_start")`` recovering at least half of the INT4 gap of
 a converged model (against the same fine-tune unquantized, then PTQ), and ``megatron-lite quantize``."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,20 +24,42 @@ from megatron_lite.data import TextCorpusDataModule  # noqa: E402
 from megatron_lite.post_training import perplexity, quantization_recipe, quantize  # noqa: E402
 from megatron_lite.pretrained import save_weights_checkpoint  # noqa: E402
 
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=384, seq_length=32,
-              make_vocab_size_divisible_by=64, ffn_hidden_size=256)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=384,
+    seq_length=32,
+    make_vocab_size_divisible_by=64,
+    ffn_hidden_size=256,
+)
 TRAIN_STEPS = 80
 
 
 def _data(root: Path) -> TextCorpusDataModule:
-    return TextCorpusDataModule("shakespeare", seq_length=32, micro_batch_size=8, global_batch_size=8, vocab_size=384,
-                                cache_dir=str(root / "cache"))
+    return TextCorpusDataModule(
+        "shakespeare",
+        seq_length=32,
+        micro_batch_size=8,
+        global_batch_size=8,
+        vocab_size=384,
+        cache_dir=str(root / "cache"),
+    )
 
 
 def _trainer(steps: int, callbacks=(), **kwargs) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                     callbacks=list(callbacks), **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +94,11 @@ def test_ptq_perplexity_of_each_format(trained):
     prompts = [row[:8].tolist() for row in held_out[0]["tokens"][:4]]
     plain, cached = _load(path).generate(prompts, 16).tokens, kv.generate(prompts, 16).tokens
     agreement = sum(a == b for p, q in zip(plain, cached) for a, b in zip(p, q)) / sum(map(len, plain))
-    print(f"\nunquantized perplexity {base:.3f}; quantized / unquantized: "
-          + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()) + f"; FP8 KV-cache greedy agreement {agreement:.3f}")
+    print(
+        f"\nunquantized perplexity {base:.3f}; quantized / unquantized: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items())
+        + f"; FP8 KV-cache greedy agreement {agreement:.3f}"
+    )
     assert ratios["INT8_SMOOTHQUANT_CFG"] < 1.02
     assert ratios["FP8_DEFAULT_CFG"] < 1.05
     assert ratios["FP8_KV_CFG"] < 1.05
@@ -95,14 +121,19 @@ def test_quantize_callback_checkpoint_loads_back_as_the_same_quantized_model(tra
     assert quantization_recipe(loaded.model) == quantization_recipe(module.model)
     torch.testing.assert_close(loaded.full_logits(probe), expected, rtol=0, atol=0)
     # trainer.fit(ckpt_path=...) without the callback would drop the quantizers: refused, naming the fix
-    with pytest.raises(ValueError, match=r"holds a quantized model, but the module's model is not quantized.*"
-                                         r"Quantize\(<its config>, when='fit_start'\)"):
-        _trainer(1, strategy="megatron").fit(ml.GPTModule(ml.GPTConfig(**CONFIG), FINE_TUNE), data,
-                                             ckpt_path=str(tmp_path / "int8"))
+    with pytest.raises(
+        ValueError,
+        match=r"holds a quantized model, but the module's model is not quantized.*"
+        r"Quantize\(<its config>, when='fit_start'\)",
+    ):
+        _trainer(1, strategy="megatron").fit(
+            ml.GPTModule(ml.GPTConfig(**CONFIG), FINE_TUNE), data, ckpt_path=str(tmp_path / "int8")
+        )
     # trainer.fit(ckpt_path=...): Quantize(when="fit_start") rebuilds the quantizers before the checkpoint is read
     resumed = ml.GPTModule(ml.GPTConfig(**CONFIG), FINE_TUNE)
     _trainer(1, [Quantize("INT8_SMOOTHQUANT_CFG", when="fit_start", eval_batches=0)], strategy="megatron").fit(
-        resumed, data, ckpt_path=str(tmp_path / "int8"))
+        resumed, data, ckpt_path=str(tmp_path / "int8")
+    )
     torch.testing.assert_close(resumed.full_logits(probe), expected, rtol=0, atol=0)
 
 
@@ -133,15 +164,23 @@ def test_qat_recovers_at_least_half_of_the_int4_gap(tmp_path):
     lr) recover at least half of the gap; the same steps trained unquantized and then quantized (PTQ) recover
     less than half (the extra training lowers the unquantized perplexity a little, the quantization noise stays):
     QAT, not more training, closes it. Held-out perplexity is not the measure here: the model memorises."""
-    source = TextCorpusDataModule("shakespeare", seq_length=32, micro_batch_size=QAT_BATCH, global_batch_size=QAT_BATCH,
-                                  vocab_size=384, cache_dir=str(tmp_path / "cache"))
+    source = TextCorpusDataModule(
+        "shakespeare",
+        seq_length=32,
+        micro_batch_size=QAT_BATCH,
+        global_batch_size=QAT_BATCH,
+        vocab_size=384,
+        cache_dir=str(tmp_path / "cache"),
+    )
     source.prepare_data()
     source.setup("fit")
     data = _FixedSamples(list(itertools.islice(iter(source.train_dataloader()), QAT_SAMPLES // QAT_BATCH)))
     batches = data.batches
     torch.manual_seed(0)
-    module = ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=1e-2, min_lr=0.0, weight_decay=0.0,
-                                                                     lr_decay_iters=QAT_TRAIN_STEPS))
+    module = ml.GPTModule(
+        ml.GPTConfig(**CONFIG),
+        ml.OptimizerConfig(lr=1e-2, min_lr=0.0, weight_decay=0.0, lr_decay_iters=QAT_TRAIN_STEPS),
+    )
     _trainer(QAT_TRAIN_STEPS).fit(module, data)
     save_weights_checkpoint(module, tmp_path / "converged")
 
@@ -163,9 +202,11 @@ def test_qat_recovers_at_least_half_of_the_int4_gap(tmp_path):
     after = perplexity(qat, batches)
     assert callback.metrics["val_ppl_after_qat"] == pytest.approx(after, rel=1e-6)
     gap = ptq - base
-    print(f"\nconverged model perplexity {base:.3f}, INT4-AWQ PTQ {ptq:.3f} (gap {gap:.3f}); after {QAT_STEPS} more "
-          f"steps: unquantized {fp_ppl:.3f}, its PTQ {fp_ptq:.3f} (recovers {(ptq - fp_ptq) / gap:.2f} of the gap), "
-          f"QAT {after:.3f} (recovers {(ptq - after) / gap:.2f})")
+    print(
+        f"\nconverged model perplexity {base:.3f}, INT4-AWQ PTQ {ptq:.3f} (gap {gap:.3f}); after {QAT_STEPS} more "
+        f"steps: unquantized {fp_ppl:.3f}, its PTQ {fp_ptq:.3f} (recovers {(ptq - fp_ptq) / gap:.2f} of the gap), "
+        f"QAT {after:.3f} (recovers {(ptq - after) / gap:.2f})"
+    )
     assert gap > 0.02 * base  # a real INT4 gap: four times the +-0.5% of the model above (measured ~10%)
     assert ptq - after >= 0.5 * gap  # QAT recovers at least half of it
     assert ptq - fp_ptq < 0.5 * gap  # more unquantized training does not
@@ -178,8 +219,23 @@ def test_quantize_cli_writes_a_quantized_checkpoint(trained, tmp_path, capsys):
     path, data, _, held_out = trained
     spec = tokenizer_spec(data.tokenizer)
     tokenizer_args = ["--tokenizer-type", spec["tokenizer_type"], "--tokenizer-model", spec["tokenizer_model"]]
-    args = ["quantize", "--ckpt", str(path), "--config", "FP8_DEFAULT_CFG", "--data", "shakespeare", "--output",
-            str(tmp_path / "fp8"), "--calib-batches", "1", "--eval-batches", "2", "--json", *tokenizer_args]
+    args = [
+        "quantize",
+        "--ckpt",
+        str(path),
+        "--config",
+        "FP8_DEFAULT_CFG",
+        "--data",
+        "shakespeare",
+        "--output",
+        str(tmp_path / "fp8"),
+        "--calib-batches",
+        "1",
+        "--eval-batches",
+        "2",
+        "--json",
+        *tokenizer_args,
+    ]
     with pytest.raises(SystemExit) as exit_:
         cli.main(args)
     assert exit_.value.code == 0
@@ -205,10 +261,18 @@ def test_ptq_at_the_end_of_a_forked_tp2_fit_hands_back_the_quantized_model():
     config = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16)
     module = ml.GPTModule(ml.GPTConfig(**config), FINE_TUNE)
     data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
-                        accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[Quantize("INT8_SMOOTHQUANT_CFG", calib_batches=1, eval_batches=1)])
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Quantize("INT8_SMOOTHQUANT_CFG", calib_batches=1, eval_batches=1)],
+    )
     trainer.fit(module, data)
     recipe = quantization_recipe(module.model)
     assert recipe is not None and recipe["config"] == "INT8_SMOOTHQUANT_CFG"

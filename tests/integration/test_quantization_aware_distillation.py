@@ -3,6 +3,7 @@ objective extensions of the one training step. Whatever the callbacks' order, th
 model as it was built (no quantizers, the original weights, frozen) and the student is the fake-quantized copy
 that trains against it: the KD term is non-zero from the first step (zero without the quantizer:
 tests/unit/test_distill_bad_input_and_self.py)."""
+
 import lightning as L
 import torch
 
@@ -28,15 +29,26 @@ def test_quantized_student_distils_from_its_unquantized_self():
     weights = {k: v.clone() for k, v in original.model.state_dict().items()}
     student = ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=3e-3, lr_decay_style="constant"))
     distill, kd = Distill("self", skip_lm_loss=True), KDLoss()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[Quantize("INT4_AWQ_CFG", calib_batches=2, when="fit_start"), distill, kd])
-    trainer.fit(student, MockGPTDataModule(seq_length=16, micro_batch_size=4, global_batch_size=4, vocab_size=128,
-                                           seed=3))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Quantize("INT4_AWQ_CFG", calib_batches=2, when="fit_start"), distill, kd],
+    )
+    trainer.fit(
+        student, MockGPTDataModule(seq_length=16, micro_batch_size=4, global_batch_size=4, vocab_size=128, seed=3)
+    )
     teacher = distill.extension.teacher
     assert is_quantized(student.model) and not is_quantized(teacher)
     assert not any("quantizer" in name for name, _ in teacher.named_modules())
     for name, value in teacher.state_dict().items():
         assert torch.equal(value, weights[name]), f"the teacher's {name} is not the model as built"
     assert not any(p.requires_grad for p in teacher.parameters())
-    assert len(kd.values) == 3 and kd.values[0] > 1e-5  # INT4 moves the student from its teacher at once (unquantized: 0 to 1e-6)
+    assert (
+        len(kd.values) == 3 and kd.values[0] > 1e-5
+    )  # INT4 moves the student from its teacher at once (unquantized: 0 to 1e-6)

@@ -51,8 +51,7 @@ class StepRecorder(L.Callback):
         pl_module.microbatches = 0
         self.steps[trainer.global_step] = {"tokens": batch["tokens"].clone(), "epoch": trainer.current_epoch}
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
         self.steps[trainer.global_step - 1]["microbatches"] = pl_module.microbatches
         self.steps[trainer.global_step - 1]["lr"] = float(trainer.callback_metrics["train/lr"])
 
@@ -61,18 +60,39 @@ class StepRecorder(L.Callback):
         torch.save(self.steps, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(out: Path, ckpt_path: str | None = None, checkpoints: Path | None = None,
-         optimizer: ml.OptimizerConfig | None = None) -> dict[int, dict]:
+def _fit(
+    out: Path,
+    ckpt_path: str | None = None,
+    checkpoints: Path | None = None,
+    optimizer: ml.OptimizerConfig | None = None,
+) -> dict[int, dict]:
     """Train to STEPS under DP 2; return per step the global batch (ranks concatenated), epoch and microbatches."""
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ)
-    data = MockGPTDataModule(seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=VOCAB, seed=3,
-                             num_train_samples=TRAIN_SAMPLES, rampup_batch_size=RAMP)
+    data = MockGPTDataModule(
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        global_batch_size=GBS,
+        vocab_size=VOCAB,
+        seed=3,
+        num_train_samples=TRAIN_SAMPLES,
+        rampup_batch_size=RAMP,
+    )
     callbacks: list[L.Callback] = [StepRecorder(out)]
     if checkpoints is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=5, save_top_k=-1))
-    trainer = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=DP, max_steps=STEPS, logger=False,
-                        callbacks=callbacks, enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=1, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        strategy="megatron_fork",
+        accelerator="cpu",
+        devices=DP,
+        max_steps=STEPS,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=checkpoints is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
     module = MicrobatchCounter(config, optimizer or ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant"))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(DP)]
@@ -80,8 +100,12 @@ def _fit(out: Path, ckpt_path: str | None = None, checkpoints: Path | None = Non
     steps = {}
     for step in ranks[0]:
         assert len({r[step]["microbatches"] for r in ranks}) == 1 and len({r[step]["epoch"] for r in ranks}) == 1
-        steps[step] = {"tokens": torch.cat([r[step]["tokens"] for r in ranks]), "epoch": ranks[0][step]["epoch"],
-                       "microbatches": ranks[0][step]["microbatches"], "lr": ranks[0][step]["lr"]}
+        steps[step] = {
+            "tokens": torch.cat([r[step]["tokens"] for r in ranks]),
+            "epoch": ranks[0][step]["epoch"],
+            "microbatches": ranks[0][step]["microbatches"],
+            "lr": ranks[0][step]["lr"],
+        }
     return steps
 
 
@@ -89,8 +113,14 @@ def test_microbatches_follow_the_ramp_and_resume_mid_ramp_is_exact(tmp_path: Pat
     checkpoints = tmp_path / "ckpts"
     full = _fit(tmp_path / "full", checkpoints=checkpoints)
     assert sorted(full) == list(range(STEPS))
-    dataset = MockGPTDataModule(seq_length=SEQ, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=VOCAB,
-                                seed=3, num_train_samples=TRAIN_SAMPLES).train_dataset
+    dataset = MockGPTDataModule(
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        global_batch_size=GBS,
+        vocab_size=VOCAB,
+        seed=3,
+        num_train_samples=TRAIN_SAMPLES,
+    ).train_dataset
     consumed = offset = 0
     for step in range(STEPS):
         size = megatron_batch_size(consumed)
@@ -108,8 +138,10 @@ def test_microbatches_follow_the_ramp_and_resume_mid_ramp_is_exact(tmp_path: Pat
     assert sorted(resumed) == list(range(5, STEPS))
     for step in resumed:
         assert torch.equal(resumed[step]["tokens"], full[step]["tokens"]), step
-        assert resumed[step]["microbatches"] == full[step]["microbatches"] and resumed[step]["epoch"] == \
-            full[step]["epoch"]
+        assert (
+            resumed[step]["microbatches"] == full[step]["microbatches"]
+            and resumed[step]["epoch"] == full[step]["epoch"]
+        )
 
 
 def test_sample_based_lr_schedule_follows_the_consumed_samples_under_ramp_up(tmp_path: Path) -> None:
@@ -117,8 +149,9 @@ def test_sample_based_lr_schedule_follows_the_consumed_samples_under_ramp_up(tmp
     samples consumed before it (warmup over 12 samples, then cosine to min_lr at 120 samples)."""
     import math
 
-    optimizer = ml.OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_samples=12, lr_decay_samples=120,
-                                   lr_decay_style="cosine")
+    optimizer = ml.OptimizerConfig(
+        lr=1e-3, min_lr=1e-4, lr_warmup_samples=12, lr_decay_samples=120, lr_decay_style="cosine"
+    )
     run = _fit(tmp_path, optimizer=optimizer)
     consumed = 0
     for step in range(STEPS):

@@ -1,6 +1,7 @@
 """A reward model learns a trivially learnable preference (the chosen response is made of one token,
 the rejected of the other, the prompt's last token says which is wanted) through a real Trainer:
 train/accuracy rises from chance to 1, and val/accuracy and val/loss are logged and as good."""
+
 import json
 import random
 
@@ -36,15 +37,40 @@ def test_accuracy_rises_on_a_learnable_preference(tmp_path):
             cue = rng.choice([1, 2])
             prompt = " ".join(str(rng.randrange(10, 60)) for _ in range(rng.randint(1, 6))) + f" {cue}"
             good, bad = ("5", "9") if cue == 1 else ("9", "5")
-            f.write(json.dumps({"prompt": prompt, "chosen": " ".join([good] * rng.randint(1, 4)),
-                                "rejected": " ".join([bad] * rng.randint(1, 4))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "chosen": " ".join([good] * rng.randint(1, 4)),
+                        "rejected": " ".join([bad] * rng.randint(1, 4)),
+                    }
+                )
+                + "\n"
+            )
     config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
-    data = PreferenceDataModule(str(tmp_path / "pairs.jsonl"), NullTokenizer(64), seq_length=16, micro_batch_size=4,
-                                global_batch_size=8, split="80,20", seed=1)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=1,
-                        max_steps=40, val_check_interval=40, check_val_every_n_epoch=None, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[Metrics(tmp_path)])
+    data = PreferenceDataModule(
+        str(tmp_path / "pairs.jsonl"),
+        NullTokenizer(64),
+        seq_length=16,
+        micro_batch_size=4,
+        global_batch_size=8,
+        split="80,20",
+        seed=1,
+    )
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=40,
+        val_check_interval=40,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Metrics(tmp_path)],
+    )
     trainer.fit(RewardModelModule(config, optimizer=ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant")), data)
     metrics = torch.load(tmp_path / "metrics.pt")
     train, val = metrics["train"], metrics["val"]

@@ -3,6 +3,7 @@ head trained on it (frozen) with the TrainDraftHead callback through a real Trai
 generation on held-out text of the corpus: the same tokens as the base model's greedy ``generate`` for several
 prompts and draft lengths, more than one token per base forward, the head saved and reloaded with the base's
 fingerprint and refused for another base model, and bad input refused with one clear error."""
+
 from __future__ import annotations
 
 import gzip
@@ -18,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import megatron_lite as ml
 from megatron_lite.callbacks import TrainDraftHead
+from megatron_lite.core.checkpoint.full.state import gather_full_state, load_full_state
 from megatron_lite.core.inference import generate
 from megatron_lite.core.inference.speculative import speculative_generate as core_speculative_generate
 from megatron_lite.core.models import GPTModel
@@ -27,13 +29,19 @@ from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.text_corpus import TokenWindowDataset
 from megatron_lite.post_training import load_draft_head, speculative_generate
 from megatron_lite.post_training.speculative import DraftHeadExtension, draft_head_of
-from megatron_lite.core.checkpoint.full.state import gather_full_state, load_full_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from spawn_utils import run_ranks  # noqa: E402
 
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
-              seq_length=64, make_vocab_size_divisible_by=64)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=256,
+    seq_length=64,
+    make_vocab_size_divisible_by=64,
+)
 HELD_OUT = 20_000  # the corpus's last bytes: never trained on
 
 
@@ -68,10 +76,18 @@ class Metrics(L.Callback):
 def _fit(module, steps: int, data, callbacks=(), checkpoint_dir=None) -> None:
     if checkpoint_dir is not None:  # one of our DCP checkpoints, written by MegatronStrategy in this process
         callbacks = [*callbacks, ModelCheckpoint(dirpath=checkpoint_dir, filename="last", every_n_train_steps=steps)]
-    L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-              strategy=ml.MegatronStrategy() if checkpoint_dir is not None else "auto",
-              enable_checkpointing=checkpoint_dir is not None, enable_progress_bar=False, enable_model_summary=False,
-              limit_val_batches=0, callbacks=list(callbacks)).fit(module, data)
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        strategy=ml.MegatronStrategy() if checkpoint_dir is not None else "auto",
+        enable_checkpointing=checkpoint_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    ).fit(module, data)
 
 
 def _optimizer() -> ml.OptimizerConfig:
@@ -95,7 +111,7 @@ def trained(tmp_path_factory):
     metrics = Metrics()
     _fit(module, 80, data, [TrainDraftHead(save_path=path), metrics], checkpoint_dir=out / "ckpt")
     held = tokens[-HELD_OUT:]
-    prompts = [held[i: i + n].tolist() for i, n in zip(range(0, 12_000, 2_000), (16, 5, 24, 9, 1, 30))]
+    prompts = [held[i : i + n].tolist() for i, n in zip(range(0, 12_000, 2_000), (16, 5, 24, 9, 1, 30))]
     return base, module, metrics, path, prompts
 
 
@@ -112,8 +128,10 @@ def test_speculative_output_equals_greedy_with_more_than_one_token_per_base_forw
     assert np.mean(metrics.accuracy[-10:]) > np.mean(metrics.accuracy[:3]) + 0.2
     # stop ids end a row as in generate (the stop token included)
     stop = greedy[0][3]
-    assert speculative_generate(module, prompts, 24, num_draft_tokens=4, stop_ids=[stop]).tokens == \
-        module.generate(prompts, 24, stop_ids=[stop]).tokens
+    assert (
+        speculative_generate(module, prompts, 24, num_draft_tokens=4, stop_ids=[stop]).tokens
+        == module.generate(prompts, 24, stop_ids=[stop]).tokens
+    )
 
 
 def test_draft_head_file_keeps_its_base_fingerprint(trained):
@@ -130,8 +148,10 @@ def test_draft_head_file_keeps_its_base_fingerprint(trained):
     restored = ml.GPTModule.from_pretrained(checkpoint)
     from_checkpoint = load_draft_head(checkpoint, restored.model)
     assert torch.equal(from_checkpoint.layer.mlp.linear_fc1.weight, head.layer.mlp.linear_fc1.weight)
-    assert speculative_generate(restored, prompts[:2], 12, draft=from_checkpoint).tokens == \
-        base.generate(prompts[:2], 12).tokens
+    assert (
+        speculative_generate(restored, prompts[:2], 12, draft=from_checkpoint).tokens
+        == base.generate(prompts[:2], 12).tokens
+    )
     # TrainDraftHead(base=...) (how the CLI names the base) loads it into a fresh module before freezing it
     fresh = ml.GPTModule(ml.GPTConfig(**CONFIG))
     fresh.configure_model()
@@ -167,8 +187,13 @@ def test_tensor_parallel_speculative_decoding_matches_one_process(trained):
         assert forwards == single.base_forwards
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(position_embedding_type="learned_absolute",
-                                                  share_embeddings_and_output_weights=True, num_query_groups=4)])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True, num_query_groups=4),
+    ],
+)
 def test_any_draft_head_gives_the_greedy_tokens(variant):
     """Acceptance only changes the speed: an untrained head (random proposals) still gives the greedy tokens,
     for RoPE and learned positions, GQA and tied embeddings."""

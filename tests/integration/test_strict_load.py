@@ -8,6 +8,7 @@ the ranks can (an objective extension's sub-modules), on every rank together. ``
 (``from_pretrained(strict=False)``) loads the entries both have, on purpose. A checkpoint of weights alone is no
 resume point for ``fit`` (item 14a): refused before launch, naming ``from_pretrained``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,14 +30,23 @@ def _module(**changes) -> ml.GPTModule:
 
 
 def _data() -> MockGPTDataModule:
-    return MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3,
-                             num_val_samples=8)
+    return MockGPTDataModule(
+        seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3, num_val_samples=8
+    )
 
 
 def _trainer(devices: int = 1, **kwargs) -> L.Trainer:
-    return L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=devices, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, **kwargs)
+    return L.Trainer(
+        strategy="megatron_fork",
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 class Started(L.Callback):
@@ -61,18 +71,34 @@ def four_layers(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("change,entries,differ", [
-    (dict(num_layers=2), r"unexpected 12 entries \(model\.layers\.2\.input_layernorm\.weight, .* and 7 more\)",
-     r"num_layers=4 \(this module's: 2\)"),
-    (dict(share_embeddings_and_output_weights=True), r"unexpected 1 entry \(model\.output_layer\.weight\)",
-     r"share_embeddings_and_output_weights=False \(this module's: True\)"),
-], ids=["fewer_layers", "tied_output_layer"])
-def test_a_checkpoint_of_another_model_is_refused_before_any_rank_starts(change, entries, differ, four_layers,
-                                                                          tmp_path):
+@pytest.mark.parametrize(
+    "change,entries,differ",
+    [
+        (
+            dict(num_layers=2),
+            r"unexpected 12 entries \(model\.layers\.2\.input_layernorm\.weight, .* and 7 more\)",
+            r"num_layers=4 \(this module's: 2\)",
+        ),
+        (
+            dict(share_embeddings_and_output_weights=True),
+            r"unexpected 1 entry \(model\.output_layer\.weight\)",
+            r"share_embeddings_and_output_weights=False \(this module's: True\)",
+        ),
+    ],
+    ids=["fewer_layers", "tied_output_layer"],
+)
+def test_a_checkpoint_of_another_model_is_refused_before_any_rank_starts(
+    change, entries, differ, four_layers, tmp_path
+):
     started = tmp_path / "started"
     for call in ("fit", "validate", "test", "predict"):
-        trainer = _trainer(max_steps=1, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1,
-                           callbacks=[Started(started)])
+        trainer = _trainer(
+            max_steps=1,
+            limit_val_batches=1,
+            limit_test_batches=1,
+            limit_predict_batches=1,
+            callbacks=[Started(started)],
+        )
         with pytest.raises(ValueError, match=f"does not fit GPTModule's model: {entries}") as error:
             getattr(trainer, call)(_module(**change), _data(), ckpt_path=str(four_layers))
         assert not started.exists(), f"{call} started a rank"
@@ -88,11 +114,13 @@ def test_strict_loading_false_loads_the_entries_both_have(four_layers):
     out: the same model as from_pretrained(strict=False) gives, not a fresh one."""
     partial = _module(num_layers=2)
     partial.strict_loading = False
-    loss = _trainer(limit_val_batches=2).validate(partial, _data(), ckpt_path=str(four_layers),
-                                                  verbose=False)[0]["val/loss"]
+    loss = _trainer(limit_val_batches=2).validate(partial, _data(), ckpt_path=str(four_layers), verbose=False)[0][
+        "val/loss"
+    ]
     pretrained = ml.GPTModule.from_pretrained(four_layers, num_layers=2, strict=False)
-    assert loss == pytest.approx(_trainer(limit_val_batches=2).validate(pretrained, _data(),
-                                                                        verbose=False)[0]["val/loss"], rel=1e-6)
+    assert loss == pytest.approx(
+        _trainer(limit_val_batches=2).validate(pretrained, _data(), verbose=False)[0]["val/loss"], rel=1e-6
+    )
     fresh = _trainer(limit_val_batches=2).validate(_module(num_layers=2), _data(), verbose=False)[0]["val/loss"]
     assert abs(fresh - loss) > 0.05
 
@@ -107,11 +135,13 @@ def test_what_only_the_ranks_can_check_is_refused_on_every_rank_together(tmp_pat
     with pytest.warns(UserWarning, match="no optimizer state"):
         trainer.save_checkpoint(checkpoint)
     with pytest.raises(ValueError, match=r"unexpected 9 entries \(model\.draft_head\.base_config_digest, "):
-        _trainer(2, limit_val_batches=1, callbacks=[Started(started)]).validate(_module(), _data(),
-                                                                                ckpt_path=str(checkpoint))
+        _trainer(2, limit_val_batches=1, callbacks=[Started(started)]).validate(
+            _module(), _data(), ckpt_path=str(checkpoint)
+        )
     assert started.exists()  # the launching process could not tell a head from what an extension adds
-    _trainer(2, limit_val_batches=1, callbacks=[TrainDraftHead()]).validate(_module(), _data(),
-                                                                            ckpt_path=str(checkpoint))
+    _trainer(2, limit_val_batches=1, callbacks=[TrainDraftHead()]).validate(
+        _module(), _data(), ckpt_path=str(checkpoint)
+    )
 
 
 def test_fit_refuses_a_weights_only_checkpoint_before_launch(four_layers, tmp_path):

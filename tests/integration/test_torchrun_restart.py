@@ -16,6 +16,7 @@ across restarts without separating the attempts, so the restarted ranks read the
 and hang or fail in init_process_group (pytorch/pytorch#135712; a plain gloo script restarts in ~1 of 7 tries).
 ~60 s on 2 cores: slow.
 """
+
 import json
 import os
 import re
@@ -48,11 +49,29 @@ def reference(tmp_path_factory):
 
 def test_killed_ranks_restart_the_job_which_resumes_bit_for_bit(tmp_path, reference):
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", KILLS=",".join(f"{p}:{r}:{s}" for p, r, s, _ in POINTS))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO),
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        KILLS=",".join(f"{p}:{r}:{s}" for p, r, s, _ in POINTS),
+    )
     env.pop("MASTER_PORT", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts",
-           str(len(POINTS)), "--monitor-interval", "0.2", str(HERE / "restart_script.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        str(len(POINTS)),
+        "--monitor-interval",
+        "0.2",
+        str(HERE / "restart_script.py"),
+        str(out),
+    ]
     with open(tmp_path / "log.txt", "w") as log_file:
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=500)
     log = (tmp_path / "log.txt").read_text()
@@ -67,8 +86,11 @@ def test_killed_ranks_restart_the_job_which_resumes_bit_for_bit(tmp_path, refere
         started = int((out / f"start{attempt}.txt").read_text().split()[0])
         resumed, resumed_at = (out / f"start{attempt + 1}.txt").read_text().split()
         if resume_step is None:  # mid-save: the interrupted save was named and skipped, the one before it resumed
-            interrupted = re.search(r"(\.epoch=0-step=(\d+)\.ckpt\.tmp-[0-9a-f]{8}): a save of .* killed before it "
-                                    r"was committed", log)
+            interrupted = re.search(
+                r"(\.epoch=0-step=(\d+)\.ckpt\.tmp-[0-9a-f]{8}): a save of .* killed before it "
+                r"was committed",
+                log,
+            )
             assert interrupted, log[-5000:]
             assert interrupted.group(1) in killed  # the very save the kill interrupted
             resume_step = int(interrupted.group(2)) - 2
@@ -81,18 +103,23 @@ def test_killed_ranks_restart_the_job_which_resumes_bit_for_bit(tmp_path, refere
 
         armed_at = json.loads((out / f"armed{attempt}.json").read_text())["armed_at"]
         lost = {"mid-step": step + 1 - resume_step, "mid-save": step - resume_step, "after-save": 0}[point]
-        records.append((
-            f"1-sigkill-{point}",
-            f"SIGKILL of rank {rank} of a TP2xDP2 run (4 ranks, torchrun --max-restarts {len(POINTS)}, checkpoints "
-            f"every 2 steps; attempt {attempt} of one job): {killed}",
-            f"torchrun restarted the job; ckpt_path='last' resumed step {resume_step}"
-            + (" (the interrupted save skipped, never loaded)" if point == "mid-save" else "")
-            + "; the steps trained again and the final parameters equal the uninterrupted run's bit for bit",
-            0, f"none ({lost} step(s) since the last checkpoint trained again)", float(resumed_at) - armed_at))
+        records.append(
+            (
+                f"1-sigkill-{point}",
+                f"SIGKILL of rank {rank} of a TP2xDP2 run (4 ranks, torchrun --max-restarts {len(POINTS)}, checkpoints "
+                f"every 2 steps; attempt {attempt} of one job): {killed}",
+                f"torchrun restarted the job; ckpt_path='last' resumed step {resume_step}"
+                + (" (the interrupted save skipped, never loaded)" if point == "mid-save" else "")
+                + "; the steps trained again and the final parameters equal the uninterrupted run's bit for bit",
+                0,
+                f"none ({lost} step(s) since the last checkpoint trained again)",
+                float(resumed_at) - armed_at,
+            )
+        )
 
     result = torch.load(out / "result.pt", weights_only=True)
     assert result["global_step"] == STEPS
-    assert result["losses"] == reference["losses"][POINTS[-1][3]:]
+    assert result["losses"] == reference["losses"][POINTS[-1][3] :]
     assert result["params"].keys() == reference["params"].keys()
     for name, value in reference["params"].items():
         assert torch.equal(result["params"][name], value), name

@@ -1,5 +1,6 @@
 """The strategy by name, the CLI refusing a missing corpus, and checkpoint save/resume, end to end (every command of
 the example configs runs in test_example_config_commands.py)."""
+
 import json
 import os
 import subprocess
@@ -29,8 +30,14 @@ def _env():
 
 def test_strategy_by_name_in_a_script(tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests/integration/train_by_name.py"), str(out)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests/integration/train_by_name.py"), str(out)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["strategy"] == "MegatronStrategy"
@@ -48,8 +55,15 @@ def test_cli_reports_missing_corpus_before_training(tmp_path, monkeypatch, capsy
     """One line, no traceback (the CLI's entry in this process: the error comes before any launch)."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_code:
-        cli.main(["fit", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
-                  "--data.init_args.path", str(tmp_path / "nope.jsonl")])
+        cli.main(
+            [
+                "fit",
+                "--config",
+                str(REPO / "examples/configs/gpt_tiny.yaml"),
+                "--data.init_args.path",
+                str(tmp_path / "nope.jsonl"),
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_code.value.code != 0
     assert f"corpus {tmp_path / 'nope.jsonl'} does not exist" in err
@@ -64,15 +78,37 @@ def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path):
     from megatron_lite.pretrained import save_weights_checkpoint
 
     # the example config's model (vocab_size and seq_length come from its data section)
-    config = ml.GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=352, normalization="RMSNorm", activation="swiglu",
-                          position_embedding_type="rope", vocab_size=2048, seq_length=128)
+    config = ml.GPTConfig(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=352,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        vocab_size=2048,
+        seq_length=128,
+    )
     module = ml.GPTModule(config)
     module.model = module.build_model(ml.ParallelLayout.single())
     save_weights_checkpoint(module, tmp_path / "four_layers")
-    cmd = [sys.executable, "-m", "megatron_lite", "validate", "--config", str(REPO / "examples/configs/gpt_tiny.yaml"),
-           "--model.config.num_layers", "2", "--ckpt_path", str(tmp_path / "four_layers"),
-           "--trainer.default_root_dir", str(tmp_path / "run"), "--data.init_args.cache_dir", str(tmp_path / "cache")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_lite",
+        "validate",
+        "--config",
+        str(REPO / "examples/configs/gpt_tiny.yaml"),
+        "--model.config.num_layers",
+        "2",
+        "--ckpt_path",
+        str(tmp_path / "four_layers"),
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        "--data.init_args.cache_dir",
+        str(tmp_path / "cache"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "megatron-lite: error: ckpt_path=" in proc.stderr and "Traceback" not in proc.stderr
@@ -85,8 +121,13 @@ def test_checkpoint_resume_gives_the_same_next_losses(tmp_path):
     """TP2 x DP... here TP2: save at step 3 through ModelCheckpoint (DCP), resume, compare steps 4-6."""
     full = run(tmp_path / "full", devices=2, tp=2, steps=6)
     ckpt_dir = tmp_path / "ckpts"
-    run(tmp_path / "first", devices=2, tp=2, steps=3,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)])
+    run(
+        tmp_path / "first",
+        devices=2,
+        tp=2,
+        steps=3,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)],
+    )
     saved = ckpt_dir / "epoch=0-step=3.ckpt"
     assert (saved / ".metadata").is_file() and (saved / "meta.json").is_file() and (saved / "manifest.json").is_file()
     assert not [p for p in ckpt_dir.iterdir() if ".tmp-" in p.name], "temporary checkpoint left behind"
@@ -108,9 +149,22 @@ def test_logged_step_is_the_optimizer_step(tmp_path):
 def test_under_torchrun(tmp_path):
     out = tmp_path / "result.json"
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
-                           str(REPO / "tests/integration/train_by_name.py"), str(out)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(REPO / "tests/integration/train_by_name.py"),
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (result["world_size"], result["dp"]) == (2, 2) and len(result["losses"]) == 3
@@ -122,12 +176,32 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
     nodes, and the same losses, first-step gradients and final parameters as one process (fp32 tolerance)."""
     run_args = dict(devices=2, num_nodes=2, tp=2, steps=3)
     torchrun, port = Path(sys.executable).with_name("torchrun"), str(_free_port())
-    nodes = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                               "--master-addr", "127.0.0.1", "--master-port", port,
-                               str(REPO / "tests/distributed/parity_utils.py"), str(tmp_path / "run"),
-                               json.dumps(run_args)],
-                              cwd=tmp_path, env=dict(_env(), PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for node in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                str(torchrun),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(REPO / "tests/distributed/parity_utils.py"),
+                str(tmp_path / "run"),
+                json.dumps(run_args),
+            ],
+            cwd=tmp_path,
+            env=dict(_env(), PYTHONPATH=str(REPO)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
     reference = run(tmp_path / "reference", devices=1, steps=run_args["steps"])  # meanwhile, in this process
     for node in nodes:
         out, _ = node.communicate(timeout=300)
@@ -145,11 +219,28 @@ def test_in_a_slurm_allocation(tmp_path):
     out = tmp_path / "result.json"
     procs, port = [], str(_free_port())
     for rank in range(2):
-        env = dict(_env(), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank),
-                   SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", MASTER_PORT=port,
-                   SLURM_JOB_NAME="train", SLURM_NODELIST="localhost")
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests/integration/train_by_name.py"), str(out)],
-                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            _env(),
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_JOB_ID="4242",
+            MASTER_PORT=port,
+            SLURM_JOB_NAME="train",
+            SLURM_NODELIST="localhost",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "tests/integration/train_by_name.py"), str(out)],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -167,15 +258,26 @@ def _free_port() -> int:
 
 def test_validate_from_a_checkpoint_reproduces_the_val_loss(tmp_path):
     def trainer(**kw):
-        return L.Trainer(strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
-                         accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=2, **kw)
+        return L.Trainer(
+            strategy=ml.MegatronStrategy(tensor_model_parallel_size=2, start_method="fork"),
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=2,
+            **kw,
+        )
 
     def data():
         return MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=8, vocab_size=1000, seed=7)
 
-    fit = trainer(max_steps=3, val_check_interval=3, num_sanity_val_steps=0,
-                  callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3)])
+    fit = trainer(
+        max_steps=3,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3)],
+    )
     fit.fit(ml.GPTModule(tiny_config(), ml.OptimizerConfig(lr=1e-2)), data())
     val_during_fit = float(fit.callback_metrics["val/loss"])
     (result,) = trainer().validate(ml.GPTModule(tiny_config()), data(), ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
@@ -189,13 +291,21 @@ def test_test_and_predict(tmp_path):
     since Lightning cannot return predictions from forked ranks)."""
     data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=8, vocab_size=1000, seed=7)
     data.test_dataloader = data.val_dataloader  # the mock data's validation split doubles as a test split
-    tester = L.Trainer(strategy="megatron_fork", accelerator="cpu", devices=2, logger=False, limit_test_batches=2,
-                       enable_progress_bar=False)
+    tester = L.Trainer(
+        strategy="megatron_fork",
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        limit_test_batches=2,
+        enable_progress_bar=False,
+    )
     (result,) = tester.test(ml.GPTModule(tiny_config()), data)
     assert 6.5 < result["test/loss"] < 7.2  # ~ln(1000) for a fresh model
 
     module = ml.GPTModule(tiny_config())
-    predictor = L.Trainer(accelerator="cpu", devices=1, logger=False, limit_predict_batches=1, enable_progress_bar=False)
+    predictor = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, limit_predict_batches=1, enable_progress_bar=False
+    )
     tokens = torch.randint(0, 1000, (3, 32))
     (logits,) = predictor.predict(module, torch.utils.data.DataLoader([{"tokens": t} for t in tokens], batch_size=3))
     assert logits.shape == (3, 32, 1000)
@@ -208,8 +318,15 @@ def test_resume_with_dropout_is_exact(tmp_path):
     config = tiny_config(hidden_dropout=0.2, attention_dropout=0.2)
     full = run(tmp_path / "full", devices=2, tp=2, steps=6, config=config)
     ckpt_dir = tmp_path / "ckpts"
-    run(tmp_path / "first", devices=2, tp=2, steps=3, config=config,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)])
-    resumed = run(tmp_path / "resumed", devices=2, tp=2, steps=6, config=config,
-                  ckpt_path=str(ckpt_dir / "epoch=0-step=3.ckpt"))
+    run(
+        tmp_path / "first",
+        devices=2,
+        tp=2,
+        steps=3,
+        config=config,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)],
+    )
+    resumed = run(
+        tmp_path / "resumed", devices=2, tp=2, steps=6, config=config, ckpt_path=str(ckpt_dir / "epoch=0-step=3.ckpt")
+    )
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=0)

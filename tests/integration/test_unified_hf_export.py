@@ -5,8 +5,10 @@ FP8 KV cache), exported, and then read back the way a serving engine reads it: `
 the algorithm, each linear's weight is stored in the quantized dtype (float8_e4m3fn / int8 / two int4 per uint8)
 with its scales, and a *deployment emulator* written here from the format alone (dequantize the stored weights;
 ``x * pre_quant_scale``, or the RMSNorm AWQ folded it into; fake-quantize the input with ``input_scale``) gives
-each linear's quantized input as ours and, run on transformers' own Llama, our fake-quantized model's logits. The dequantized weights equal our fake-quantized weights (split into
-q/k/v and gate/up) to float rounding: the export carries our calibration, not a new one. Nothing is downloaded."""
+each linear's quantized input as ours and, run on transformers' own Llama, our fake-quantized model's logits. The
+dequantized weights equal our fake-quantized weights (split into q/k/v and gate/up) to float rounding: the export
+carries our calibration, not a new one. Nothing is downloaded."""
+
 from __future__ import annotations
 
 import copy
@@ -26,12 +28,19 @@ safetensors = pytest.importorskip("safetensors.torch", reason="safetensors is no
 from megatron_lite.core.checkpoint.hf.weights import _split_qkv  # noqa: E402
 from megatron_lite.core.models.config import GPTConfig  # noqa: E402
 from megatron_lite.core.models.gpt import GPTModel  # noqa: E402
-from megatron_lite.post_training.quantization import quantize  # noqa: E402
 from megatron_lite.post_training.export import read_quant_config, save_quantized_hf  # noqa: E402
+from megatron_lite.post_training.quantization import quantize  # noqa: E402
 
 # hidden 128: INT4 AWQ quantizes blocks of 128 input channels and the export packs whole blocks only
-CONFIG = GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
-                   vocab_size=200, seq_length=16)
+CONFIG = GPTConfig(
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=256,
+    vocab_size=200,
+    seq_length=16,
+)
 FP8_MAX = 448.0
 
 
@@ -45,6 +54,7 @@ def quantized(seed, cfg_name, kv=False):
 
 
 # ---- the deployment emulator: reads only the exported files ----
+
 
 def dequantize(tensors, group_size):
     """HF state dict of the stored weights in float32 (quantized ones times their scales); scales dropped."""
@@ -102,14 +112,24 @@ def split_like_hf(fused, i):
     """{HF name under model.layers.i.: rows} of our four per-layer linears' [out, ...] tensors."""
     p, f = f"model.layers.{i}.", CONFIG.ffn_hidden_size
     q, k, v = _split_qkv(fused["qkv"], CONFIG)
-    return {p + "self_attn.q_proj": q, p + "self_attn.k_proj": k, p + "self_attn.v_proj": v,
-            p + "self_attn.o_proj": fused["proj"], p + "mlp.gate_proj": fused["fc1"][:f],
-            p + "mlp.up_proj": fused["fc1"][f:], p + "mlp.down_proj": fused["fc2"]}
+    return {
+        p + "self_attn.q_proj": q,
+        p + "self_attn.k_proj": k,
+        p + "self_attn.v_proj": v,
+        p + "self_attn.o_proj": fused["proj"],
+        p + "mlp.gate_proj": fused["fc1"][:f],
+        p + "mlp.up_proj": fused["fc1"][f:],
+        p + "mlp.down_proj": fused["fc2"],
+    }
 
 
 def our_linears(layer):
-    return {"qkv": layer.self_attention.linear_qkv, "proj": layer.self_attention.linear_proj,
-            "fc1": layer.mlp.linear_fc1, "fc2": layer.mlp.linear_fc2}
+    return {
+        "qkv": layer.self_attention.linear_qkv,
+        "proj": layer.self_attention.linear_proj,
+        "fc1": layer.mlp.linear_fc1,
+        "fc2": layer.mlp.linear_fc2,
+    }
 
 
 def our_fake_quant_weights(model):
@@ -124,18 +144,37 @@ def our_fake_quant_weights(model):
 def our_linear_inputs(model, tokens):
     """{HF module name: (the input our fused linear saw, that linear's input quantizer)}."""
     seen = {}
-    hooks = [m.register_forward_hook(lambda mod, a, o, key=(i, n): seen.__setitem__(key, (a[0], mod.input_quantizer)))
-             for i in range(CONFIG.num_layers) for n, m in our_linears(model.layers[str(i)]).items()]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, o, key=(i, n): seen.__setitem__(key, (a[0], mod.input_quantizer)))
+        for i in range(CONFIG.num_layers)
+        for n, m in our_linears(model.layers[str(i)]).items()
+    ]
     with torch.no_grad():
         model(tokens)
     for h in hooks:
         h.remove()
-    kind = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "proj", "gate_proj": "fc1", "up_proj": "fc1",
-            "down_proj": "fc2"}
-    return {name: seen[(i, kind[name.rsplit(".", 1)[1]])] for i in range(CONFIG.num_layers)
-            for name in split_like_hf({"qkv": torch.zeros((CONFIG.num_attention_heads + 2 * CONFIG.num_query_groups)
-                                                         * CONFIG.kv_channels),
-                                       "proj": None, "fc1": torch.zeros(2 * CONFIG.ffn_hidden_size), "fc2": None}, i)}
+    kind = {
+        "q_proj": "qkv",
+        "k_proj": "qkv",
+        "v_proj": "qkv",
+        "o_proj": "proj",
+        "gate_proj": "fc1",
+        "up_proj": "fc1",
+        "down_proj": "fc2",
+    }
+    return {
+        name: seen[(i, kind[name.rsplit(".", 1)[1]])]
+        for i in range(CONFIG.num_layers)
+        for name in split_like_hf(
+            {
+                "qkv": torch.zeros((CONFIG.num_attention_heads + 2 * CONFIG.num_query_groups) * CONFIG.kv_channels),
+                "proj": None,
+                "fc1": torch.zeros(2 * CONFIG.ffn_hidden_size),
+                "fc2": None,
+            },
+            i,
+        )
+    }
 
 
 CASES = {  # config -> (quant_algo, stored weight dtype, has input_scale, has pre_quant_scale on q_proj)
@@ -168,8 +207,11 @@ def test_quantized_export_reproduces_our_fake_quantized_model(cfg_name, tmp_path
         # equal to float rounding, except where w / scale lands on a rounding tie: there the file and ModelOpt's
         # fake quantization (w * (127 / amax)) may round to neighbouring steps -- one step apart, rarely
         step = tensors[name + ".weight_scale"].float()
-        step = step.repeat_interleave(weight.shape[1] // step.shape[1], dim=1) if step.dim() == 2 else (
-            step[:, None] if step.dim() == 1 else step)
+        step = (
+            step.repeat_interleave(weight.shape[1] // step.shape[1], dim=1)
+            if step.dim() == 2
+            else (step[:, None] if step.dim() == 1 else step)
+        )
         diff = (deq[name + ".weight"] - weight).abs()
         assert bool((diff <= step * 1.001).all()), name
         assert int((diff > 1e-6 * weight.abs() + 1e-8).sum()) <= max(1, weight.numel() // 10000), name
@@ -190,10 +232,10 @@ def test_quantized_export_reproduces_our_fake_quantized_model(cfg_name, tmp_path
         torch.testing.assert_close(emulated, quantizer(x), rtol=1e-6, atol=1e-7)
 
     with torch.no_grad():
-        expected = model(tokens).float()[..., :CONFIG.vocab_size]
+        expected = model(tokens).float()[..., : CONFIG.vocab_size]
         plain = copy.deepcopy(model)
         mtq.disable_quantizer(plain, "*")
-        unquantized = plain(tokens).float()[..., :CONFIG.vocab_size]
+        unquantized = plain(tokens).float()[..., : CONFIG.vocab_size]
     got = deployed_logits(out, tokens)
     err = (got - expected).norm() / expected.norm()
     quant_effect = (unquantized - expected).norm() / expected.norm()

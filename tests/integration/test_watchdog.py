@@ -3,6 +3,7 @@ every rank's Python stacks reach the log, the exit code is non-zero, nothing han
 a real Trainer). Also: the watchdog alone in a plain process, the alarm that makes a peer dump, and the
 straggler report naming a slow rank.
 """
+
 import os
 import subprocess
 import sys
@@ -33,8 +34,18 @@ def _env() -> dict:
 
 def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_stacks(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "fault_script.py"), "hang", str(out), str(TIMEOUT_S)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "fault_script.py"),
+        "hang",
+        str(out),
+        str(TIMEOUT_S),
+    ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = out / "progress"
     deadline = time.monotonic() + 240
@@ -54,11 +65,17 @@ def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_stacks(tmp_path):
     assert "in on_train_batch_start" in stacks[1] and "in on_train_batch_start" not in stacks[0]  # where rank 1 sleeps
     assert "in training_step" in stacks[0]  # the waiting rank: inside the step's collective
     assert "in training_step" not in stacks[1]
-    record("5-hang", "rank 1 of a TP2 run sleeps inside step 2 (torchrun, watchdog timeout 5 s)",
-           f"both watchdogs fired; every rank's Python stacks in the log and in stacks/rank<r>.txt; every rank exited "
-           f"{WATCHDOG_EXIT_CODE}, torchrun non-zero, {ended_s:.1f} s after the hang began (a launcher with restarts "
-           f"would resume from the last checkpoint)", None, "none beyond the steps since the last checkpoint", None,
-           ended_s=round(ended_s, 1))
+    record(
+        "5-hang",
+        "rank 1 of a TP2 run sleeps inside step 2 (torchrun, watchdog timeout 5 s)",
+        f"both watchdogs fired; every rank's Python stacks in the log and in stacks/rank<r>.txt; every rank exited "
+        f"{WATCHDOG_EXIT_CODE}, torchrun non-zero, {ended_s:.1f} s after the hang began (a launcher with restarts "
+        f"would resume from the last checkpoint)",
+        None,
+        "none beyond the steps since the last checkpoint",
+        None,
+        ended_s=round(ended_s, 1),
+    )
 
 
 WATCHED = textwrap.dedent("""
@@ -79,10 +96,16 @@ def test_the_watchdog_in_a_plain_process_and_its_alarm_to_a_peer(tmp_path):
     script = tmp_path / "watched.py"
     script.write_text(WATCHED)
     dump = tmp_path / "stacks"
-    peer = subprocess.Popen([sys.executable, str(script), "60", "1", str(dump), "120"], env=_env(),
-                            stderr=subprocess.PIPE, text=True)
-    first = subprocess.run([sys.executable, str(script), "1", "0", str(dump), "120"], env=_env(),
-                           capture_output=True, text=True, timeout=60)
+    peer = subprocess.Popen(
+        [sys.executable, str(script), "60", "1", str(dump), "120"], env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    first = subprocess.run(
+        [sys.executable, str(script), "1", "0", str(dump), "120"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     _, peer_err = peer.communicate(timeout=60)
     assert first.returncode == WATCHDOG_EXIT_CODE and peer.returncode == WATCHDOG_EXIT_CODE
     assert "no progress for 1 s (timeout 1 s) while in a step" in first.stderr
@@ -103,9 +126,18 @@ class SlowRank(ml.GPTModule):
 
 
 def test_the_straggler_report_names_the_slow_rank(tmp_path):
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=4,
-                        callbacks=[StragglerReport(interval=2)], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=4,
+        callbacks=[StragglerReport(interval=2)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
     data = ml.data.MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=256)
     trainer.fit(SlowRank(config), data)
@@ -115,12 +147,15 @@ def test_the_straggler_report_names_the_slow_rank(tmp_path):
     assert float(metrics["straggler/work_ms_max"]) >= 40.0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(timeout_s=0), "timeout_s=0"),
-    (dict(first_step_timeout_s=float("nan")), "first_step_timeout_s=nan"),
-    (dict(exit_code=0), "non-zero exit status"),
-    (dict(linger_s=-1), "linger_s=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(timeout_s=0), "timeout_s=0"),
+        (dict(first_step_timeout_s=float("nan")), "first_step_timeout_s=nan"),
+        (dict(exit_code=0), "non-zero exit status"),
+        (dict(linger_s=-1), "linger_s=-1"),
+    ],
+)
 def test_bad_watchdog_settings_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HangWatchdog(**kwargs)

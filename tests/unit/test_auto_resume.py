@@ -3,6 +3,7 @@ finished one that passes its checksums; damaged and unfinished ones are skipped 
 reason; a replace interrupted between its renames is put back first; "last" becomes the run directory
 when it holds a finished checkpoint and None (start from the beginning) when it holds none. And the one
 private Lightning API this uses (ModelCheckpoint's directory without a dirpath) against Lightning itself."""
+
 import logging
 import os
 
@@ -43,7 +44,11 @@ def test_the_newest_valid_checkpoint_is_chosen_and_the_damaged_ones_are_named(tm
         _save(tmp_path, f"epoch=0-step={step}.ckpt", step)
     last = _save(tmp_path, "last.ckpt", 6)
     assert [p.name for p in finished_checkpoints([tmp_path])] == [
-        "last.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=2.ckpt"]
+        "last.ckpt",
+        "epoch=0-step=6.ckpt",
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=2.ckpt",
+    ]
     _flip_byte(last)  # a bit flipped on storage: still "finished" (sizes), caught by its checksum
     six = tmp_path / "epoch=0-step=6.ckpt"
     (six / "__0_0.distcp").write_bytes((six / "__0_0.distcp").read_bytes()[:100])  # cut short: not finished
@@ -100,7 +105,8 @@ MODULE, DATA = object(), object()
 
 
 def _fit_args(ckpt_path):
-    # the positional arguments of Lightning's _fit_impl: model, train/val dataloaders, datamodule, ckpt_path, weights_only
+    # the positional arguments of Lightning's _fit_impl: model, train/val dataloaders, datamodule, ckpt_path,
+    # weights_only
     return (MODULE, None, None, DATA, ckpt_path, None)
 
 

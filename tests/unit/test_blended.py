@@ -121,12 +121,17 @@ def test_blended_dataset_maps_and_caches(tmp_path: Path) -> None:
     assert len(files) == 3 and all(f.startswith(blend.unique_description_hash) for f in files)
     again = BlendedDataset(datasets, [2, 1], 99, descriptions=["a", "b"], cache_dir=str(tmp_path))
     assert isinstance(again.dataset_index, np.memmap) and np.array_equal(again.dataset_index, blend.dataset_index)
-    assert BlendedDataset(datasets, [2, 1], 99, descriptions=["a", "c"]).unique_description_hash \
+    assert (
+        BlendedDataset(datasets, [2, 1], 99, descriptions=["a", "c"]).unique_description_hash
         != blend.unique_description_hash
+    )
     with pytest.raises(IndexError):
         blend[99]
-    with pytest.raises(ValueError, match=r"dataset 1 has 40 samples but a blend of 150 .* needs 50; build it with "
-                                         r"num_samples >= 50"):
+    with pytest.raises(
+        ValueError,
+        match=r"dataset 1 has 40 samples but a blend of 150 .* needs 50; build it with "
+        r"num_samples >= 50",
+    ):
         BlendedDataset([_Numbers(0, 120), datasets[1]], [2, 1], 150)
     with pytest.raises(ValueError, match="the weight of dataset 0 is 0"):
         BlendedDataset(datasets, [0, 1], 10)

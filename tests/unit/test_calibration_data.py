@@ -1,6 +1,7 @@
 """The calibration windows ``megatron-lite quantize`` and ``prune`` both read (``megatron_lite/data/calibration.py``):
 the same windows from a JSONL corpus and from its preprocessed indexed dataset, cut as training cuts them (inputs
 and shifted labels overlapping by one token), and bad data named in one line."""
+
 from __future__ import annotations
 
 import json
@@ -31,15 +32,18 @@ def test_jsonl_and_indexed_dataset_give_the_same_windows(corpus: Path, tmp_path:
     for i, batch in enumerate(batches):
         for r in range(2):
             start = (i * 2 + r) * 5
-            assert batch["tokens"][r].tolist() == stream[start:start + 6]
+            assert batch["tokens"][r].tolist() == stream[start : start + 6]
     prefix = preprocess([str(corpus)], str(tmp_path / "ds"), TOKENIZER, append_eod=True).output_prefixes["text"]
     indexed = calibration_batches(prefix, TOKENIZER, seq_length=5, batch_size=2, count=3)
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(batches, indexed))
 
 
 def test_bad_data_is_named(corpus: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"holds 72 tokens: 14 windows of 5 \+ 1 tokens, fewer than the 16 .* lower "
-                                         r"--calib-batches"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 72 tokens: 14 windows of 5 \+ 1 tokens, fewer than the 16 .* lower "
+        r"--calib-batches",
+    ):
         calibration_batches(str(corpus), TOKENIZER, seq_length=5, batch_size=4, count=4)
     with pytest.raises(ValueError, match=r"token id 99, outside the model's vocabulary \(64\)"):
         calibration_batches(str(corpus), TOKENIZER, seq_length=5, batch_size=2, count=1, vocab_size=64)

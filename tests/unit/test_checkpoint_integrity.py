@@ -3,6 +3,7 @@ byte, a truncated or missing shard is named, and nothing is loaded); an existing
 atomically; a replace interrupted between its two renames is recovered; leftovers of killed saves are
 removed at the next save; latest_checkpoint.json names the newest save; files a checkpoint carries (its
 tokenizer) are in its manifest. Real files, one process."""
+
 import json
 import logging
 import os
@@ -23,13 +24,14 @@ from megatron_lite.core.checkpoint.format.sharded import (
 
 
 def _state(value: float) -> dict:
-    return {"model": {"embedding.weight": torch.full((64, 32), value), "norm.weight": torch.full((32,), -value)},
-            "step": torch.tensor(7)}
+    return {
+        "model": {"embedding.weight": torch.full((64, 32), value), "norm.weight": torch.full((32,), -value)},
+        "step": torch.tensor(7),
+    }
 
 
 def _zeros() -> dict:
-    return {"model": {"embedding.weight": torch.zeros(64, 32), "norm.weight": torch.zeros(32)},
-            "step": torch.tensor(0)}
+    return {"model": {"embedding.weight": torch.zeros(64, 32), "norm.weight": torch.zeros(32)}, "step": torch.tensor(0)}
 
 
 def _hidden(directory):
@@ -63,22 +65,29 @@ def test_files_a_checkpoint_carries_are_checksummed_with_it(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"tokenizer/tokenizer.model: checksum mismatch"):
         verify_checkpoint(path)
     # refused before a byte is written: a source that is not there, a path outside a folder of its own
-    for bad, error in (({"tokenizer/tokenizer.model": str(tmp_path / "gone.model")}, "gone.model, a file the "
-                                                                                   "checkpoint .* is to carry"),
-                       ({"../escape.model": str(source)}, "not a '<folder>/<file>' path"),
-                       ({"tokenizer.model": str(source)}, "not a '<folder>/<file>' path")):
+    for bad, error in (
+        (
+            {"tokenizer/tokenizer.model": str(tmp_path / "gone.model")},
+            "gone.model, a file the checkpoint .* is to carry",
+        ),
+        ({"../escape.model": str(source)}, "not a '<folder>/<file>' path"),
+        ({"tokenizer.model": str(source)}, "not a '<folder>/<file>' path"),
+    ):
         with pytest.raises((FileNotFoundError, ValueError), match=error):
             save_sharded(_state(1.0), tmp_path / "bad", extra={EMBEDDED_FILES: bad})
         assert not (tmp_path / "bad").exists() and _hidden(tmp_path) == []
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("flip", r"__0_0.distcp: checksum mismatch"),
-    ("truncate", r"__0_0.distcp: \d+ bytes on disk, \d+ were written"),
-    ("delete", r"__0_0.distcp: missing"),
-    ("flip_metadata", r"\.metadata: checksum mismatch"),
-    ("flip_meta", r"meta.json: checksum mismatch"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip", r"__0_0.distcp: checksum mismatch"),
+        ("truncate", r"__0_0.distcp: \d+ bytes on disk, \d+ were written"),
+        ("delete", r"__0_0.distcp: missing"),
+        ("flip_metadata", r"\.metadata: checksum mismatch"),
+        ("flip_meta", r"meta.json: checksum mismatch"),
+    ],
+)
 def test_damage_is_named_and_nothing_is_loaded(tmp_path, damage, message):
     path = save_sharded(_state(1.5), tmp_path / "ckpt", extra={"global_step": 7})
     name = {"flip_metadata": ".metadata", "flip_meta": "meta.json"}.get(damage, "__0_0.distcp")
@@ -104,7 +113,9 @@ def test_a_checkpoint_without_its_manifest_is_incomplete(tmp_path):
     (path / "manifest.json").unlink()
     with pytest.raises(CorruptCheckpointError, match=r"has no manifest.json: the save did not finish"):
         load_sharded(_zeros(), path)
-    (path / "manifest.json").write_text('{"format": "megatron-lite-manifest/1", "checksum": "crc32", "files": {"../x": {}}}')
+    (path / "manifest.json").write_text(
+        '{"format": "megatron-lite-manifest/1", "checksum": "crc32", "files": {"../x": {}}}'
+    )
     with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged.*'../x' is not a file inside"):
         load_sharded(_zeros(), path)
     (path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # past the JSON parser's recursion limit
@@ -116,9 +127,11 @@ def test_a_checkpoint_without_its_manifest_is_incomplete(tmp_path):
 def test_what_is_not_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "file.ckpt").write_bytes(b"not a directory")
     (tmp_path / "empty").mkdir()
-    for path, message in [(tmp_path / "missing.ckpt", r"no checkpoint at .*missing.ckpt\.$"),
-                          (tmp_path / "file.ckpt", r"file.ckpt is a file, not a megatron-lite checkpoint"),
-                          (tmp_path / "empty", r"empty is a directory without DCP .metadata, not a megatron-lite")]:
+    for path, message in [
+        (tmp_path / "missing.ckpt", r"no checkpoint at .*missing.ckpt\.$"),
+        (tmp_path / "file.ckpt", r"file.ckpt is a file, not a megatron-lite checkpoint"),
+        (tmp_path / "empty", r"empty is a directory without DCP .metadata, not a megatron-lite"),
+    ]:
         with pytest.raises(FileNotFoundError, match=message):
             load_sharded(_zeros(), path)
 
@@ -160,8 +173,11 @@ def test_an_unfinished_save_is_not_loaded(tmp_path):
     save_sharded(_state(1.0), tmp_path / "done", extra={"global_step": 1})
     (tmp_path / "done").rename(tmp_path / ".last.ckpt.tmp-0123abcd")
     (tmp_path / ".last.ckpt.tmp-0123abcd" / "manifest.json").unlink()  # killed before the manifest
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*last.ckpt. Only the unfinished save\(s\) "
-                                                r"\.last\.ckpt\.tmp-0123abcd are there"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no checkpoint at .*last.ckpt. Only the unfinished save\(s\) "
+        r"\.last\.ckpt\.tmp-0123abcd are there",
+    ):
         load_sharded(_zeros(), tmp_path / "last.ckpt")
 
 

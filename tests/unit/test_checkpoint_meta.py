@@ -1,6 +1,7 @@
 """A checkpoint's metadata: meta.json (tagged JSON) round-trips what Lightning's checkpoint holds, refuses
 anything else when written (naming the key and the fix), and reading one never imports or calls what it
 names. Old checkpoints' meta.pt is read with weights_only=True: a crafted file runs no code."""
+
 import dataclasses
 import json
 import math
@@ -40,29 +41,48 @@ class DataConfig:
 def _meta():
     """What Lightning's checkpoint dict holds besides tensors, with every type the encoding covers."""
     return {
-        "epoch": 0, "global_step": 6, "pytorch-lightning_version": "2.6.6",
+        "epoch": 0,
+        "global_step": 6,
+        "pytorch-lightning_version": "2.6.6",
         "loops": {"fit_loop": {"state_dict": {"combined_loader": [{}]}, "epoch_progress": {"total": {"ready": 1}}}},
-        "callbacks": {"ModelCheckpoint{'monitor': None}": {
-            "best_model_score": None, "kth_value": torch.tensor(float("inf")), "dirpath": "/runs/ckpts",
-            "best_k_models": {"/runs/ckpts/a.ckpt": torch.tensor(6.9512)}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None}": {
+                "best_model_score": None,
+                "kth_value": torch.tensor(float("inf")),
+                "dirpath": "/runs/ckpts",
+                "best_k_models": {"/runs/ckpts/a.ckpt": torch.tensor(6.9512)},
+            }
+        },
         "lr_schedulers": [{"num_steps": 6, "unit": "iters"}],
-        "hyper_parameters": {"config": ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4),
-                             "optimizer": ml.OptimizerConfig(lr=3e-4, scale_lr_params=("bias",)), "seed": 7,
-                             "data": DataConfig()},
+        "hyper_parameters": {
+            "config": ml.GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4),
+            "optimizer": ml.OptimizerConfig(lr=3e-4, scale_lr_params=("bias",)),
+            "seed": 7,
+            "data": DataConfig(),
+        },
         "optimizer_param_groups": [[{"betas": (0.9, 0.999), "lr": 1e-3, "eps": 1e-8, "fused": None}]],
         "megatron_lite_layout": {"tensor_model_parallel_size": 2, "world_size": 4},
-        "numbers": [math.inf, -math.inf, 1e-300, 2 ** 70, -0.0, True],
-        "tensors": [torch.tensor([1.5, -2.25, float("nan")], dtype=torch.bfloat16),
-                    torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.tensor([True, False])],
-        "dtype": torch.bfloat16, "path": pathlib.Path("/data/corpus"),
-        "int_keys": {0: "a", (1, 2): "b"}, "looks_like_a_tag": {"__tuple__": [1]},
+        "numbers": [math.inf, -math.inf, 1e-300, 2**70, -0.0, True],
+        "tensors": [
+            torch.tensor([1.5, -2.25, float("nan")], dtype=torch.bfloat16),
+            torch.arange(6, dtype=torch.int64).reshape(2, 3),
+            torch.tensor([True, False]),
+        ],
+        "dtype": torch.bfloat16,
+        "path": pathlib.Path("/data/corpus"),
+        "int_keys": {0: "a", (1, 2): "b"},
+        "looks_like_a_tag": {"__tuple__": [1]},
     }
 
 
 def _same(a, b):
     if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            torch.nan_to_num(a.float(), nan=12345.0), torch.nan_to_num(b.float(), nan=12345.0))
+        return (
+            torch.is_tensor(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(torch.nan_to_num(a.float(), nan=12345.0), torch.nan_to_num(b.float(), nan=12345.0))
+        )
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
     if isinstance(a, dict):
@@ -88,17 +108,23 @@ def test_unknown_configs_are_refused_or_read_as_plain_dicts():
     with pytest.raises(CheckpointMetaError, match=r"test_checkpoint_meta.DataConfig, which is not one of the config"):
         meta_json.loads(raw)
     plain = meta_json.loads(raw, allowed=None, unknown_classes="dict")
-    assert plain["hyper_parameters"]["data"] == {"__class__": f"{__name__}.DataConfig", "path": "corpus",
-                                                 "weights": (0.5, 0.5)}
+    assert plain["hyper_parameters"]["data"] == {
+        "__class__": f"{__name__}.DataConfig",
+        "path": "corpus",
+        "weights": (0.5, 0.5),
+    }
 
 
-@pytest.mark.parametrize("value, message", [
-    (object(), r"checkpoint.hyper_parameters.tokenizer is a builtins.object"),
-    (DataConfig(), r"a dataclass that is not one of the module's config classes"),
-    (torch.zeros(5000), r"tensor of 5000 elements.*at most 4096"),
-    (torch.zeros(2, dtype=torch.complex64), r"complex64"),
-    ({1, 2}, r"builtins.set"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (object(), r"checkpoint.hyper_parameters.tokenizer is a builtins.object"),
+        (DataConfig(), r"a dataclass that is not one of the module's config classes"),
+        (torch.zeros(5000), r"tensor of 5000 elements.*at most 4096"),
+        (torch.zeros(2, dtype=torch.complex64), r"complex64"),
+        ({1, 2}, r"builtins.set"),
+    ],
+)
 def test_what_json_cannot_hold_is_refused_when_written(value, message):
     with pytest.raises(CheckpointMetaError, match=message) as error:
         meta_json.dumps({"hyper_parameters": {"tokenizer": value}})
@@ -108,8 +134,7 @@ def test_what_json_cannot_hold_is_refused_when_written(value, message):
 def test_a_crafted_meta_json_imports_and_runs_nothing(tmp_path, monkeypatch):
     """A meta.json naming a class of a module whose import would run code: refused, never imported."""
     marker = tmp_path / "pwned"
-    (tmp_path / "evil_module.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
-                                            f"class Config:\n    pass\n")
+    (tmp_path / "evil_module.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Config:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     crafted = [
         {"__dataclass__": {"class": "evil_module.Config", "fields": {}}},
@@ -142,19 +167,25 @@ def test_damaged_or_foreign_meta_json_is_a_clear_error(tmp_path):
 def test_a_deeply_nested_meta_json_is_a_clear_error(tmp_path, depth):
     nested = "[" * depth + "]" * depth
     (tmp_path / "meta.json").write_text(f'{{"format": "{meta_json.FORMAT}", "meta": {{"loops": {nested}}}}}')
-    with pytest.raises(CheckpointMetaError, match=rf"^{re.escape(str(tmp_path / 'meta.json'))} is malformed: it "
-                                                  r"nests deeper than a checkpoint's metadata does"):
+    with pytest.raises(
+        CheckpointMetaError,
+        match=rf"^{re.escape(str(tmp_path / 'meta.json'))} is malformed: it "
+        r"nests deeper than a checkpoint's metadata does",
+    ):
         read_checkpoint_meta(tmp_path)
 
 
-@pytest.mark.parametrize("tensor", [
-    {"dtype": "float32", "shape": [1], "data": [[1.0, 2.0]]},
-    {"dtype": "float32", "shape": [1], "data": ["a"]},
-    {"dtype": "float32", "shape": [1], "data": [None]},
-    {"dtype": "float32", "shape": [1], "data": [{"__dtype__": "int8"}]},
-    {"dtype": "int8", "shape": [1], "data": [100000]},
-    {"dtype": "qint8", "shape": [1], "data": [1]},
-])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        {"dtype": "float32", "shape": [1], "data": [[1.0, 2.0]]},
+        {"dtype": "float32", "shape": [1], "data": ["a"]},
+        {"dtype": "float32", "shape": [1], "data": [None]},
+        {"dtype": "float32", "shape": [1], "data": [{"__dtype__": "int8"}]},
+        {"dtype": "int8", "shape": [1], "data": [100000]},
+        {"dtype": "qint8", "shape": [1], "data": [1]},
+    ],
+)
 def test_a_crafted_inline_tensor_is_a_clear_error(tmp_path, tensor):
     (tmp_path / "meta.json").write_text(json.dumps({"format": meta_json.FORMAT, "meta": {"t": {"__tensor__": tensor}}}))
     with pytest.raises(CheckpointMetaError, match=rf"^{re.escape(str(tmp_path / 'meta.json'))}: meta\.t: tensor "):
@@ -164,8 +195,10 @@ def test_a_crafted_inline_tensor_is_a_clear_error(tmp_path, tensor):
 # --- checkpoints written before meta.json: meta.pt -----------------------------------------------
 def test_legacy_meta_pt_loads_allowed_configs(tmp_path):
     config = ml.GPTConfig(num_layers=2)
-    torch.save({"hyper_parameters": {"config": config, "data": DataConfig(), "seed": 3}, "global_step": 5},
-               tmp_path / "meta.pt")
+    torch.save(
+        {"hyper_parameters": {"config": config, "data": DataConfig(), "seed": 3}, "global_step": 5},
+        tmp_path / "meta.pt",
+    )
     meta = read_checkpoint_meta(tmp_path, [DataConfig])
     assert meta["hyper_parameters"]["config"] == config and meta["global_step"] == 5
     with pytest.raises(ValueError, match="DataConfig"):

@@ -4,6 +4,7 @@ The layouts here are described, not built (no process group): the fingerprint re
 coordinates. The Trainer-level branches (restored bit for bit at the same layout; re-derived with one note
 from rank 0 after TP2 -> DP2) are in tests/distributed/test_exact_resume.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,13 @@ from megatron_lite.core.parallel.random import DATA_PARALLEL_RNG, MODEL_PARALLEL
 def described(world_size: int, rank: int, **sizes) -> ParallelLayout:
     """Rank ``rank``'s layout, with coordinates in Megatron's order (tp fastest, then cp, ep, dp, pp)."""
     config = ParallelConfig(**sizes)
-    shape = {"tp": config.tensor_model_parallel_size, "cp": config.context_parallel_size,
-             "ep": config.expert_model_parallel_size, "dp": config.data_parallel_size(world_size),
-             "pp": config.pipeline_model_parallel_size}
+    shape = {
+        "tp": config.tensor_model_parallel_size,
+        "cp": config.context_parallel_size,
+        "ep": config.expert_model_parallel_size,
+        "dp": config.data_parallel_size(world_size),
+        "pp": config.pipeline_model_parallel_size,
+    }
     coords, rest = {}, rank
     for dim in reversed(MESH_DIMS):  # tp, cp, ep, dp, pp
         coords[dim], rest = rest % shape[dim], rest // shape[dim]
@@ -36,14 +41,20 @@ def described(world_size: int, rank: int, **sizes) -> ParallelLayout:
 
 
 def saved_at(layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    return {f"rng_rank{layout.rank}.torch": torch.get_rng_state(),
-            f"rng_rank{layout.rank}.layout": layout_fingerprint(layout)}
+    return {
+        f"rng_rank{layout.rank}.torch": torch.get_rng_state(),
+        f"rng_rank{layout.rank}.layout": layout_fingerprint(layout),
+    }
 
 
 def test_the_same_layout_and_rank_may_restore():
     layout = described(8, 5, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    assert layout_mismatch(saved_at(layout), described(8, 5, tensor_model_parallel_size=2,
-                                                       pipeline_model_parallel_size=2), 5) is None
+    assert (
+        layout_mismatch(
+            saved_at(layout), described(8, 5, tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 5
+        )
+        is None
+    )
 
 
 def test_a_tp_change_at_the_same_world_size_is_named():
@@ -57,9 +68,12 @@ def test_a_tp_change_at_the_same_world_size_is_named():
 
 def test_every_dimension_counts():
     base = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    changed = [dict(base, virtual_pipeline_model_parallel_size=2), dict(base, sequence_parallel=True),
-               dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2),
-               dict(base, expert_model_parallel_size=2)]
+    changed = [
+        dict(base, virtual_pipeline_model_parallel_size=2),
+        dict(base, sequence_parallel=True),
+        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2),
+        dict(base, expert_model_parallel_size=2),
+    ]
     for sizes, field in zip(changed, ("vpp", "sequence_parallel", "cp", "ep")):
         world = 16 if field in ("cp", "ep") else 8
         reason = layout_mismatch(saved_at(described(8, 0, **base)), described(world, 0, **sizes), 0)
@@ -73,8 +87,15 @@ def test_missing_states_or_layout_are_reasons_too():
 
 
 def test_states_restore_exactly_and_rederive_from_the_seeds_per_step():
-    config = ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8,
-                          hidden_dropout=0.5, attention_dropout=0.5)
+    config = ml.GPTConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=32,
+        seq_length=8,
+        hidden_dropout=0.5,
+        attention_dropout=0.5,
+    )
     model = ml.GPTModel(config, seed=11)
     model.train()
     model(torch.randint(0, 32, (1, 8)))  # creates and advances the dropout streams

@@ -1,6 +1,7 @@
 """DCP checkpoints are read without unpickling arbitrary objects: `.metadata` through an allow-list
 unpickler, non-tensor entries with weights_only=True. Real checkpoints (model, Adam state, bf16, plain
 values) read exactly as torch's own reader reads them; crafted ones are refused and run nothing."""
+
 import pickle
 import re
 
@@ -37,10 +38,13 @@ def _trained_state():
     model[1](model[0](torch.randn(3, 8)).to(torch.bfloat16)).float().sum().backward()
     optimizer.step()
     layout = ParallelLayout.single()
-    return {"model": sharded_model_state(model, layout),
-            "optimizer_0": {k: v for k, v in sharded_optimizer_state(model, optimizer, layout).items()
-                            if k != "param_groups"},
-            "extra": {"skipped_steps": 3, "loss_scaler": {"scale": 65536.0}}}
+    return {
+        "model": sharded_model_state(model, layout),
+        "optimizer_0": {
+            k: v for k, v in sharded_optimizer_state(model, optimizer, layout).items() if k != "param_groups"
+        },
+        "extra": {"skipped_steps": 3, "loss_scaler": {"scale": 65536.0}},
+    }
 
 
 def test_real_checkpoints_read_as_torch_reads_them(tmp_path):
@@ -74,10 +78,12 @@ def test_a_crafted_metadata_file_runs_no_code(tmp_path):
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     (tmp_path / "ckpt" / "manifest.json").unlink()  # as a crafted download would come: nothing to check against
     (tmp_path / "ckpt" / "meta.json").unlink()
-    for read in (lambda: read_dcp_metadata(tmp_path / "ckpt" / ".metadata"),
-                 lambda: checkpoint_keys(tmp_path / "ckpt"),
-                 lambda: rng_placeholders(tmp_path / "ckpt", 0),
-                 lambda: load_sharded({"w": torch.zeros(3)}, tmp_path / "ckpt")):
+    for read in (
+        lambda: read_dcp_metadata(tmp_path / "ckpt" / ".metadata"),
+        lambda: checkpoint_keys(tmp_path / "ckpt"),
+        lambda: rng_placeholders(tmp_path / "ckpt", 0),
+        lambda: load_sharded({"w": torch.zeros(3)}, tmp_path / "ckpt"),
+    ):
         with pytest.raises(UnsafeCheckpointError, match=r"refers to (builtins|io)\.open.*does not unpickle it"):
             read()
     assert not marker.exists()
@@ -91,8 +97,9 @@ def test_a_crafted_non_tensor_entry_runs_no_code(tmp_path):
     weights_only=False; ours reads them with weights_only=True."""
     marker = tmp_path / "pwned"
     save_sharded({"w": torch.ones(3), "extra": Payload(marker)}, tmp_path / "ckpt")
-    with pytest.raises(UnsafeCheckpointError,
-                       match=r"entry 'extra' holds objects outside plain data \((builtins|io)\.open\)") as error:
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"entry 'extra' holds objects outside plain data \((builtins|io)\.open\)"
+    ) as error:
         load_sharded({"w": torch.zeros(3), "extra": None}, tmp_path / "ckpt")
     assert "weights_only" not in str(error.value)  # never torch's advice to load it with weights_only=False
     assert not marker.exists()
@@ -115,13 +122,18 @@ def test_a_crafted_tensor_entry_is_one_clear_error(tmp_path, crafted):
     (info,) = [i for k, i in read_dcp_metadata(ckpt / ".metadata").storage_data.items() if k.fqn == "model.w"]
     payload = pickle.dumps(Payload(marker)) if crafted == "a pickle payload" else b"\x8a" * info.length
     data = (ckpt / info.relative_path).read_bytes()
-    (ckpt / info.relative_path).write_bytes(data[:info.offset] + payload.ljust(info.length, b"\0")[:info.length]
-                                            + data[info.offset + info.length:])
+    (ckpt / info.relative_path).write_bytes(
+        data[: info.offset] + payload.ljust(info.length, b"\0")[: info.length] + data[info.offset + info.length :]
+    )
     _rewrite_manifest(ckpt)
-    message = (rf"^{re.escape(str(ckpt / info.relative_path))}: checkpoint entry 'model\.w' cannot be read \(.*\); the "
-               rf"checkpoint is malformed")
-    for read in (lambda: load_sharded({"model": {"w": torch.zeros(64)}}, ckpt),
-                 lambda: read_model_tensors(ckpt, prefix="")):
+    message = (
+        rf"^{re.escape(str(ckpt / info.relative_path))}: checkpoint entry 'model\.w' cannot be read \(.*\); the "
+        rf"checkpoint is malformed"
+    )
+    for read in (
+        lambda: load_sharded({"model": {"w": torch.zeros(64)}}, ckpt),
+        lambda: read_model_tensors(ckpt, prefix=""),
+    ):
         with pytest.raises(UnsafeCheckpointError, match=message) as error:
             read()
         assert "weights_only" not in str(error.value)

@@ -3,6 +3,7 @@ MegatronOptimizer (fp32 masters of a bf16 model, Adam state) and the RNG states 
 background save is a snapshot of the moment it was asked for, visible once waited for, and close() ends its
 thread; a training save is its folder's latest, a writer's output never is. And MegatronStrategy refuses a
 CheckpointIO plugin, which it could not honour, at construction."""
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,16 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.pretrained import save_weights_checkpoint
 
-CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
-              make_vocab_size_divisible_by=8, hidden_dropout=0.2, attention_dropout=0.2)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    seq_length=16,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.2,
+    attention_dropout=0.2,
+)
 OPTIMIZER = ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant", clip_grad=1.0)
 
 
@@ -104,8 +113,11 @@ def test_a_training_save_is_its_folders_latest_and_a_writers_output_never_is(tmp
 
 @pytest.mark.parametrize("plugin", [TorchCheckpointIO, AsyncCheckpointIO])
 def test_a_checkpoint_io_plugin_is_refused_with_the_fix(plugin):
-    with pytest.raises(ValueError, match=rf"does not take a CheckpointIO plugin \({plugin.__name__}\).*"
-                                         r"MegatronStrategy\(async_save=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"does not take a CheckpointIO plugin \({plugin.__name__}\).*"
+        r"MegatronStrategy\(async_save=True\)",
+    ):
         ml.MegatronStrategy(checkpoint_io=plugin())
     with pytest.raises(ValueError, match=rf"does not take a CheckpointIO plugin \({plugin.__name__}\)"):
         L.Trainer(strategy=ml.MegatronStrategy(), plugins=[plugin()], accelerator="cpu", devices=1, logger=False)

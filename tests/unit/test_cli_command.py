@@ -2,6 +2,7 @@
 code 2 (its traceback with ``MEGATRON_LITE_DEBUG``), anything else keeps its traceback, ``--json`` prints one JSON
 document, a reader that left (``| head``) ends the verb quietly with 141; and the dispatch's own answers (``--help``
 naming every verb, no verb, a misspelled verb) without importing any verb."""
+
 from __future__ import annotations
 
 import io
@@ -27,14 +28,19 @@ from megatron_lite.utils.optional import MissingDependencyError
 def _fail(error: BaseException):
     def work():
         raise error
+
     return work
 
 
-def test_a_user_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_error_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("MEGATRON_LITE_DEBUG", raising=False)
-    for error in (ValueError("--top-p must be in (0, 1],\n    got 1.5"), FileNotFoundError("--ckpt x does not exist"),
-                  MissingDependencyError("plotting needs the 'matplotlib' package")):
+    for error in (
+        ValueError("--top-p must be in (0, 1],\n    got 1.5"),
+        FileNotFoundError("--ckpt x does not exist"),
+        MissingDependencyError("plotting needs the 'matplotlib' package"),
+    ):
         assert run_verb("megatron-lite demo", _fail(error), print) == EXIT_USAGE
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err == f"megatron-lite demo: error: {' '.join(str(error).split())}\n"
@@ -96,10 +102,11 @@ def test_the_dispatch_answers_itself(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert out == help_text() + "\n" and "{fit,validate,test,predict}" in out
     assert all(f"  {verb} " in out for verb in (*TRAINING, *TOOLS))
-    for args, line in (([], "megatron-lite: error: name a verb: fit, validate, test, predict, preprocess"),
-                       (["fitt"], "megatron-lite: error: unknown verb 'fitt' (did you mean fit?); see "
-                                  "`megatron-lite --help`"),
-                       (["conver", "--to", "hf"], "unknown verb 'conver' (did you mean convert?)")):
+    for args, line in (
+        ([], "megatron-lite: error: name a verb: fit, validate, test, predict, preprocess"),
+        (["fitt"], "megatron-lite: error: unknown verb 'fitt' (did you mean fit?); see `megatron-lite --help`"),
+        (["conver", "--to", "hf"], "unknown verb 'conver' (did you mean convert?)"),
+    ):
         with pytest.raises(SystemExit) as done:
             main(args)
         err = capsys.readouterr().err

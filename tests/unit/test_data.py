@@ -132,10 +132,16 @@ def test_mock_dataset_is_deterministic_per_seed_and_index() -> None:
 
 
 def test_mock_datamodule_batches_without_trainer() -> None:
-    dm = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=8, vocab_size=64,
-                           num_train_samples=40, num_val_samples=16)
-    assert (dm.seq_length, dm.micro_batch_size, dm.global_batch_size, dm.vocab_size, dm.tokenizer) == (16, 2, 8, 64,
-                                                                                                        None)
+    dm = MockGPTDataModule(
+        seq_length=16, micro_batch_size=2, global_batch_size=8, vocab_size=64, num_train_samples=40, num_val_samples=16
+    )
+    assert (dm.seq_length, dm.micro_batch_size, dm.global_batch_size, dm.vocab_size, dm.tokenizer) == (
+        16,
+        2,
+        8,
+        64,
+        None,
+    )
     assert dm.geometry == DataGeometry(micro_batch_size=2, global_batch_size=8, seq_length=16)
     train = list(dm.train_dataloader())
     assert len(train) == 5 and all(b["tokens"].shape == (8, 17) and b["tokens"].dtype == torch.int64 for b in train)
@@ -153,7 +159,8 @@ def test_mock_datamodule_reads_dp_from_the_trainer_strategy() -> None:
     for rank in range(4):
         dm = MockGPTDataModule(**kwargs)
         dm.trainer = SimpleNamespace(  # type: ignore[assignment]
-            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": rank}), global_step=3)
+            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": rank}), global_step=3
+        )
         per_rank.append([b["tokens"] for b in dm.train_dataloader()])
     assert all(t.shape == (2, 5) for t in per_rank[0])
     merged = [torch.cat([r[k] for r in per_rank]) for k in range(5)]
@@ -204,10 +211,20 @@ class _SaveAt(pl.Callback):
 def _fit(max_steps: int, ckpt_path: Path | None = None, **trainer_kwargs: Any) -> _Recorder:
     model = _Recorder()
     # 3 global batches per pass, so runs cross Lightning epochs (= sampler passes)
-    dm = MockGPTDataModule(seq_length=8, micro_batch_size=2, global_batch_size=4, vocab_size=50,
-                           num_train_samples=14, num_val_samples=4)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **trainer_kwargs)
+    dm = MockGPTDataModule(
+        seq_length=8, micro_batch_size=2, global_batch_size=4, vocab_size=50, num_train_samples=14, num_val_samples=4
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
     with warnings.catch_warnings():
         # the loaders are resumable; Lightning must not claim otherwise
         warnings.filterwarnings("error", message=".*dataloader is not resumable.*")
@@ -261,8 +278,7 @@ def _write_jsonl(path: Path, objects: list[dict[str, Any]]) -> Path:
 
 
 def _datamodule(path: Path, **kwargs: Any) -> TextCorpusDataModule:
-    args: dict[str, Any] = dict(seq_length=_SEQ, micro_batch_size=2, global_batch_size=4, vocab_size=400,
-                                split="80,20")
+    args: dict[str, Any] = dict(seq_length=_SEQ, micro_batch_size=2, global_batch_size=4, vocab_size=400, split="80,20")
     return TextCorpusDataModule(str(path), **{**args, **kwargs})
 
 
@@ -278,10 +294,14 @@ def test_text_corpus_trains_tokenizer_splits_and_windows(tmp_path: Path, corpus_
     eod = dm.tokenizer.eod
     # documents split 16/4 by the 80,20 split, each followed by one EOD; every document decodes exactly
     assert int((train.tokens == eod).sum()) == 16 and int((val.tokens == eod).sum()) == 4
-    decoded = {name: [dm.tokenizer.detokenize(doc[:-1].tolist())
-                      for doc in np.split(np.asarray(ds.tokens, dtype=np.int64), np.flatnonzero(ds.tokens == eod) + 1)
-                      if len(doc)]
-               for name, ds in (("train", train), ("val", val))}
+    decoded = {
+        name: [
+            dm.tokenizer.detokenize(doc[:-1].tolist())
+            for doc in np.split(np.asarray(ds.tokens, dtype=np.int64), np.flatnonzero(ds.tokens == eod) + 1)
+            if len(doc)
+        ]
+        for name, ds in (("train", train), ("val", val))
+    }
     assert sorted(decoded["train"] + decoded["val"]) == sorted(corpus_docs)
     # windows of seq+1 tokens with stride seq: neighbours share one token, together they tile the split
     assert len(train) == (len(train.tokens) - 1) // _SEQ
@@ -307,8 +327,12 @@ def test_text_corpus_reuses_its_cache_and_reads_gzip(tmp_path: Path, corpus_docs
     assert np.array_equal(again.train_dataset.tokens, plain.train_dataset.tokens)  # type: ignore[union-attr]
     # the same documents gzipped, tokenized with the model trained above: identical token arrays
     assert plain.tokenizer is not None
-    gz = _datamodule(_write_jsonl(tmp_path / "c.jsonl.gz", objects), tokenizer_model=plain.tokenizer.model_path,
-                     vocab_size=12345, cache_dir=str(tmp_path / "gzcache"))
+    gz = _datamodule(
+        _write_jsonl(tmp_path / "c.jsonl.gz", objects),
+        tokenizer_model=plain.tokenizer.model_path,
+        vocab_size=12345,
+        cache_dir=str(tmp_path / "gzcache"),
+    )
     assert gz.vocab_size == 400  # taken from the model as soon as it is given
     gz.prepare_data()
     gz.setup()
@@ -348,8 +372,12 @@ def test_text_corpus_errors_name_the_fix(tmp_path: Path, corpus_docs: list[str])
     with pytest.raises(ValueError, match=r"no key 'text' \(its keys: \['content', 'id'\]\); pass data.json_key"):
         _datamodule(other_key)
     good = _write_jsonl(tmp_path / "good.jsonl", [{"text": t} for t in corpus_docs])
-    for split, message in (("0,100", "leaves the train split empty"), ("abc", "not a list of numbers"),
-                           ("1,2,3,4", "1-3 non-negative"), ("90,-10", "1-3 non-negative")):
+    for split, message in (
+        ("0,100", "leaves the train split empty"),
+        ("abc", "not a list of numbers"),
+        ("1,2,3,4", "1-3 non-negative"),
+        ("90,-10", "1-3 non-negative"),
+    ):
         with pytest.raises(ValueError, match=message):
             _datamodule(good, split=split)
     with pytest.raises(ValueError, match="vocab_size must be an integer >= 260"):
@@ -379,8 +407,16 @@ def test_text_corpus_in_a_trainer_sets_vocab_before_the_model(tmp_path: Path, co
             seen.append(self.trainer.datamodule.vocab_size)
 
     model = Model()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(model, dm)
     assert seen == [420]
     assert [b.shape for b in model.batches] == [(4, _SEQ + 1)] * 2
@@ -403,6 +439,9 @@ def test_configs_name_a_bundled_corpus_from_any_directory(tmp_path: Path, monkey
     local = _write_jsonl(tmp_path / "shakespeare", [{"text": "a local file of that name"}])
     assert resolve_corpus("shakespeare") == "shakespeare" and os.path.samefile("shakespeare", local)
     for missing in ("shakespear", "megatron_lite/data/corpora/shakespeare.jsonl.gz"):
-        with pytest.raises(FileNotFoundError, match=rf"^corpus {missing} does not exist; pass data.path=<a .jsonl or "
-                                                    rf"\.jsonl\.gz file> or the name of a bundled corpus: shakespeare$"):
+        with pytest.raises(
+            FileNotFoundError,
+            match=rf"^corpus {missing} does not exist; pass data.path=<a .jsonl or "
+            rf"\.jsonl\.gz file> or the name of a bundled corpus: shakespeare$",
+        ):
             TextCorpusDataModule(missing, vocab_size=512, cache_dir=str(tmp_path / "cache"))

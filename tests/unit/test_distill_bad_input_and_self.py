@@ -1,6 +1,7 @@
 """Distill's bad input fails at once with an error naming the fix (before any rank starts under
 MegatronStrategy), and ``teacher="self"`` (quantization-aware distillation) takes its copy of the student before
 another extension changes the model, whatever the callbacks' order: the teacher keeps the original weights."""
+
 import lightning as L
 import pytest
 import torch
@@ -22,43 +23,70 @@ def _teacher(**overrides):
 def _fit(student, callbacks, devices=1, steps=2, **strategy):
     # one device runs in this process (the callbacks keep what they saw); more are forked ranks
     launch = dict(strategy=ml.MegatronStrategy(start_method="fork", **strategy)) if devices > 1 else {}
-    trainer = L.Trainer(**launch, accelerator="cpu",
-                        devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=callbacks)
-    trainer.fit(student, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128,
-                                           seed=3))
+    trainer = L.Trainer(
+        **launch,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(
+        student, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3)
+    )
     return trainer
 
 
 TP2, PP2, FSDP2 = dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2), dict(use_torch_fsdp2=True)
 
 
-@pytest.mark.parametrize("layout, make, message", [
-    (TP2, lambda: Distill(_teacher(vocab_size=256)),
-     r"teacher's vocabulary \(256 tokens\) differs from the student's \(128\)"),
-    (TP2, lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.5", "layers.1")]),
-     r"'layers.5' is not a module of the student \(2 layers\); valid names: layers.0, layers.1, final_layernorm"),
-    (TP2, lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "decoder.layers.3")]),
-     r"'layers.3' is not a module of the teacher \(3 layers\); valid names: layers.0, layers.1, layers.2"),
-    (PP2, lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "layers.2")]),
-     r"intermediate_layer_pairs under pipeline parallelism is not supported"),
-    (FSDP2, lambda: Distill("self"), r"Distill\(teacher='self'\) with use_torch_fsdp2=True"),
-])
+@pytest.mark.parametrize(
+    "layout, make, message",
+    [
+        (
+            TP2,
+            lambda: Distill(_teacher(vocab_size=256)),
+            r"teacher's vocabulary \(256 tokens\) differs from the student's \(128\)",
+        ),
+        (
+            TP2,
+            lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.5", "layers.1")]),
+            r"'layers.5' is not a module of the student \(2 layers\); valid names: layers.0, layers.1, final_layernorm",
+        ),
+        (
+            TP2,
+            lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "decoder.layers.3")]),
+            r"'layers.3' is not a module of the teacher \(3 layers\); valid names: layers.0, layers.1, layers.2",
+        ),
+        (
+            PP2,
+            lambda: Distill(_teacher(), intermediate_layer_pairs=[("layers.1", "layers.2")]),
+            r"intermediate_layer_pairs under pipeline parallelism is not supported",
+        ),
+        (FSDP2, lambda: Distill("self"), r"Distill\(teacher='self'\) with use_torch_fsdp2=True"),
+    ],
+)
 def test_bad_teacher_or_layer_is_refused_before_the_ranks_start(layout, make, message):
     student = ml.GPTModule(ml.GPTConfig(**STUDENT))
     with pytest.raises(ValueError, match=message):
         _fit(student, [make()], devices=2, **layout)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(teacher="self", temperature=0.0), "temperature must be a finite number > 0"),
-    (dict(teacher="self", intermediate_loss="kl"), r"intermediate_loss must be one of \('cosine', 'mse'\)"),
-    (dict(teacher="self", intermediate_layer_pairs=["layers.1"]), r"\(student_module, teacher_module\) name pairs"),
-    (dict(teacher="self", skip_lm_loss=True, kd_loss_scale=0.0), "leaves nothing to train on"),
-    (dict(teacher="/nonexistent/teacher"), "does not exist: pass one of our checkpoints"),
-    (dict(teacher=3), "teacher must be a checkpoint/HF directory path, a GPTModule or 'self'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(teacher="self", temperature=0.0), "temperature must be a finite number > 0"),
+        (dict(teacher="self", intermediate_loss="kl"), r"intermediate_loss must be one of \('cosine', 'mse'\)"),
+        (dict(teacher="self", intermediate_layer_pairs=["layers.1"]), r"\(student_module, teacher_module\) name pairs"),
+        (dict(teacher="self", skip_lm_loss=True, kd_loss_scale=0.0), "leaves nothing to train on"),
+        (dict(teacher="/nonexistent/teacher"), "does not exist: pass one of our checkpoints"),
+        (dict(teacher=3), "teacher must be a checkpoint/HF directory path, a GPTModule or 'self'"),
+    ],
+)
 def test_bad_settings_fail_at_construction(kwargs, message):
     with pytest.raises((ValueError, TypeError, FileNotFoundError), match=message):
         Distill(**kwargs)

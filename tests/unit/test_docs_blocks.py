@@ -1,6 +1,7 @@
 """The conventions the docs tests run the pages' code by (tests/integration/docs_blocks.py): every code block of
 the README and docs/ is either run or says why not, the markers cannot go stale, and a snippet or command that
 breaks fails (test_docs_examples.py runs them all)."""
+
 import sys
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def test_markers_are_checked(tmp_path):
         parse_page(_page(tmp_path, "<!-- skip: why -->\n```python\nx = 1\n```\n"))
     with pytest.raises(ValueError, match="not 'OLD => NEW'"):
         parse_page(_page(tmp_path, "<!-- run-with:\nmax_steps=800\n-->\n```python\nx = 1\n```\n"))
-    [block] = parse_page(_page(tmp_path, "<!-- run-with: max_steps=800 => max_steps=2 -->\n```python\nf(max_steps=80)\n```\n"))
+    [block] = parse_page(
+        _page(tmp_path, "<!-- run-with: max_steps=800 => max_steps=2 -->\n```python\nf(max_steps=80)\n```\n")
+    )
     with pytest.raises(ValueError, match="page.md:2: run-with replaces 'max_steps=800', which the block does not"):
         block.code_to_run()  # a replacement that went stale fails rather than running the full size
     [block] = parse_page(_page(tmp_path, "<!-- not-run: needs 8 GPUs -->\n```bash\nmegatron-lite fit\n```\n"))
@@ -55,21 +58,27 @@ def test_markers_are_checked(tmp_path):
 
 
 def test_commands_are_read_as_a_shell_reads_them():
-    code = ("megatron-lite fit --config a.yaml \\\n    --data.init_args.paths [data/x]   # a comment\n"
-            "pip install foo\nmegatron-lite generate --prompt \"To be\" [--devices 2 --tp 2] [--json]\n"
-            "python examples/grpo.py --steps 2\n")
+    code = (
+        "megatron-lite fit --config a.yaml \\\n    --data.init_args.paths [data/x]   # a comment\n"
+        'pip install foo\nmegatron-lite generate --prompt "To be" [--devices 2 --tp 2] [--json]\n'
+        "python examples/grpo.py --steps 2\n"
+    )
     assert Block("p.md", 1, "bash", code).commands() == [
         ["megatron-lite", "fit", "--config", "a.yaml", "--data.init_args.paths", "[data/x]"],
         ["megatron-lite", "generate", "--prompt", "To be", "--devices", "2", "--tp", "2", "--json"],
-        ["python", "examples/grpo.py", "--steps", "2"]]
+        ["python", "examples/grpo.py", "--steps", "2"],
+    ]
     console = "$ megatron-lite checkpoint inspect c.ckpt   # or --json\ncheckpoint  c.ckpt\nstep        3\n"
     assert Block("p.md", 1, "console", console).commands() == [["megatron-lite", "checkpoint", "inspect", "c.ckpt"]]
 
 
 def test_a_broken_snippet_fails_naming_its_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    page = _page(tmp_path, "Text.\n\n```python\nconfig = ml.GPTConfig(num_layers=2)\n```\n\n"
-                           "```python\nml.GPTConfig(no_such_field=1)\n```\n")
+    page = _page(
+        tmp_path,
+        "Text.\n\n```python\nconfig = ml.GPTConfig(num_layers=2)\n```\n\n"
+        "```python\nml.GPTConfig(no_such_field=1)\n```\n",
+    )
     with pytest.raises(AssertionError, match=r"page.md:7 fails: TypeError: .*no_such_field") as failure:
         run_python(parse_page(page))
     assert failure.value.__cause__.__traceback__.tb_next.tb_lineno == 8  # the page's own line
@@ -93,6 +102,19 @@ def test_a_command_a_config_header_shows_is_left_to_the_header_test():
     assert "dpo.yaml's header" in run_elsewhere(["megatron-lite", "fit", "--config", "examples/configs/dpo.yaml"])
     assert run_elsewhere([*tiny, "--trainer.strategy.init_args.sequence_parallel", "true"]) is None
     assert run_elsewhere([*tiny, "--ckpt_path", "runs/tiny/checkpoints/last.ckpt"]) is None
-    assert run_elsewhere(["megatron-lite", "estimate", "--config", "examples/configs/gpt_tiny.yaml", "--devices", "4",
-                          "--trainer.max_steps", "9"]) is None  # only a fit's max_steps is the header test's own
+    assert (
+        run_elsewhere(
+            [
+                "megatron-lite",
+                "estimate",
+                "--config",
+                "examples/configs/gpt_tiny.yaml",
+                "--devices",
+                "4",
+                "--trainer.max_steps",
+                "9",
+            ]
+        )
+        is None
+    )  # only a fit's max_steps is the header test's own
     assert run_elsewhere(["python", "examples/grpo.py", "--steps", "2"]) is None

@@ -1,5 +1,6 @@
 """The documentation site builds with ``mkdocs build --strict`` (what ``make docs`` runs), and the strict build
 really fails on a broken link: to a page, to an anchor, or to a repository file outside docs/."""
+
 import logging
 import shutil
 from pathlib import Path
@@ -36,8 +37,10 @@ def test_strict_build_fails_on_broken_links(tmp_path, caplog):
     docs = tmp_path / "docs"
     shutil.copytree(REPO / "docs", docs, ignore=shutil.ignore_patterns("__pycache__"))
     page = docs / "checkpoint-format.md"
-    page.write_text(page.read_text() + "\nSee [a](no-such-page.md), [b](reliability.md#no-such-heading) "
-                                       "and [c](../examples/no_such_example.py).\n")
+    page.write_text(
+        page.read_text() + "\nSee [a](no-such-page.md), [b](reliability.md#no-such-heading) "
+        "and [c](../examples/no_such_example.py).\n"
+    )
     with caplog.at_level(logging.WARNING, logger="mkdocs"), pytest.raises(Abort, match="strict mode"):
         _build(tmp_path / "site", docs_dir=str(docs))
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)

@@ -1,5 +1,6 @@
 """The DPO loss, IPO variant, implicit rewards, margin and accuracy against DESIGN §3's formula on
 hand-computed log-probs (scalars worked out with ``math``), including the gradient."""
+
 import math
 
 import pytest
@@ -64,9 +65,15 @@ def test_reference_gets_no_gradient_and_identity_policy_gives_log2():
     assert ref.grad is None and policy.grad is not None
 
 
-@pytest.mark.parametrize("kwargs,match", [({"beta": 0.0}, "beta"), ({"label_smoothing": 0.5}, "label_smoothing"),
-                                          ({"loss_type": "hinge"}, "loss_type"),
-                                          ({"loss_type": "ipo", "label_smoothing": 0.1}, "IPO")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"beta": 0.0}, "beta"),
+        ({"label_smoothing": 0.5}, "label_smoothing"),
+        ({"loss_type": "hinge"}, "loss_type"),
+        ({"loss_type": "ipo", "label_smoothing": 0.1}, "IPO"),
+    ],
+)
 def test_bad_options_name_the_fix(kwargs, match):
     x = torch.zeros(1)
     with pytest.raises(ValueError, match=match):

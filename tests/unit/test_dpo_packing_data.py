@@ -4,6 +4,7 @@ chosen and rejected sequences as documents with the same tokens and response mas
 slots put every response token's log-prob in its pair's slot; a pair longer than a row is refused naming
 the line and the fix (from fit: in the launching process, before any rank starts); packing cuts the padding;
 packing is deterministic; the reward model, which reads one pair per row pair, refuses packed rows."""
+
 import json
 import random
 
@@ -64,11 +65,14 @@ def test_packed_row_by_hand(tmp_path):
     starts = [0, 6, 11, 16]
     for doc, (pair, name) in enumerate([(0, "chosen"), (0, "rejected"), (1, "chosen"), (1, "rejected")]):
         n = plain[pair][f"{name}_length"].item()
-        assert row["tokens"][starts[doc]:starts[doc] + n].tolist() == plain[pair][f"{name}_tokens"][:n].tolist()
-        assert row["loss_mask"][starts[doc]:starts[doc] + n - 1].tolist() == \
-            plain[pair][f"{name}_loss_mask"][:n - 1].tolist()
-    assert row["loss_mask"].sum() == sum(plain[p][f"{k}_loss_mask"].sum()
-                                         for p in (0, 1) for k in ("chosen", "rejected"))
+        assert row["tokens"][starts[doc] : starts[doc] + n].tolist() == plain[pair][f"{name}_tokens"][:n].tolist()
+        assert (
+            row["loss_mask"][starts[doc] : starts[doc] + n - 1].tolist()
+            == plain[pair][f"{name}_loss_mask"][: n - 1].tolist()
+        )
+    assert row["loss_mask"].sum() == sum(
+        plain[p][f"{k}_loss_mask"].sum() for p in (0, 1) for k in ("chosen", "rejected")
+    )
     assert row["loss_mask"][[5, 10, 15]].tolist() == [0, 0, 0]  # never predicts the next sequence's first token
     assert packed[1]["cu_seqlens"].tolist()[:4] == [0, 7, 14, 20]  # a padding document ends the row
     assert packed.padding_fraction == pytest.approx(1 - 34 / 40)
@@ -85,22 +89,36 @@ def test_packed_row_by_hand(tmp_path):
 
 def test_a_pair_longer_than_a_row_is_refused(tmp_path):
     path = write(tmp_path / "p.jsonl", [("1", "2", "3"), ("1 2 3 4", "5 6 7 8 9", "10 11 12 13")])
-    data = PreferenceDataModule(path, NULL, seq_length=15, micro_batch_size=1, global_batch_size=1,
-                                split="100,0", pack_sequences=True)
-    with pytest.raises(ValueError, match=r"p\.jsonl:2: the pair's chosen and rejected sequences hold 10 \+ 9 "
-                                         r"tokens.*raise seq_length to >= 18, or set pack_sequences=False"):
+    data = PreferenceDataModule(
+        path, NULL, seq_length=15, micro_batch_size=1, global_batch_size=1, split="100,0", pack_sequences=True
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"p\.jsonl:2: the pair's chosen and rejected sequences hold 10 \+ 9 "
+        r"tokens.*raise seq_length to >= 18, or set pack_sequences=False",
+    ):
         data.setup()
 
 
 def test_packing_is_deterministic(tmp_path):
     rng = random.Random(1)
     words = lambda k: " ".join(str(rng.randrange(EOD)) for _ in range(k))  # noqa: E731
-    path = write(tmp_path / "p.jsonl", [(words(rng.randint(1, 5)), words(rng.randint(0, 6)), words(rng.randint(0, 6)))
-                                        for _ in range(40)])
+    path = write(
+        tmp_path / "p.jsonl",
+        [(words(rng.randint(1, 5)), words(rng.randint(0, 6)), words(rng.randint(0, 6))) for _ in range(40)],
+    )
     samples = []
     for _ in range(2):
-        data = PreferenceDataModule(path, NULL, seq_length=31, micro_batch_size=1, global_batch_size=2,
-                                    split="90,10", pack_sequences=True, seed=5)
+        data = PreferenceDataModule(
+            path,
+            NULL,
+            seq_length=31,
+            micro_batch_size=1,
+            global_batch_size=2,
+            split="90,10",
+            pack_sequences=True,
+            seed=5,
+        )
         data.setup()
         samples.append([row for name in ("train", "validation") for row in data.datasets[name].samples])
     assert len(samples[0]) < 20  # several pairs per row
@@ -117,12 +135,21 @@ def test_a_pair_longer_than_a_row_fails_before_any_rank_starts(tmp_path):
     from megatron_lite.rl import DPOModule
 
     path = write(tmp_path / "p.jsonl", [("1", "2", "3"), ("1 2 3 4", "5 6 7 8 9", "10 11 12 13")])
-    data = PreferenceDataModule(path, NULL, seq_length=16, micro_batch_size=1, global_batch_size=2,
-                                split="100,0", pack_sequences=True)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    module = DPOModule(ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1,
-                                    seq_length=16))
+    data = PreferenceDataModule(
+        path, NULL, seq_length=16, micro_batch_size=1, global_batch_size=2, split="100,0", pack_sequences=True
+    )
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    module = DPOModule(
+        ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1, seq_length=16)
+    )
     with pytest.raises(ValueError, match=r"p\.jsonl:2: .* raise seq_length to >= 18"):
         trainer.fit(module, data)
 
@@ -133,12 +160,29 @@ def test_the_reward_model_refuses_packed_rows(tmp_path):
     import megatron_lite as ml
     from megatron_lite.rl import RewardModelModule
 
-    data = PreferenceDataModule(write(tmp_path / "p.jsonl", [("1", "2", "3")] * 4), NULL, seq_length=16,
-                                micro_batch_size=1, global_batch_size=1, split="100,0", pack_sequences=True)
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork"), accelerator="cpu", devices=1, max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    module = RewardModelModule(ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1,
-                                            seq_length=16))
-    with pytest.raises(ValueError, match="RewardModelModule reads one pair per row pair: set the "
-                                         "PreferenceDataModule's pack_sequences=False"):
+    data = PreferenceDataModule(
+        write(tmp_path / "p.jsonl", [("1", "2", "3")] * 4),
+        NULL,
+        seq_length=16,
+        micro_batch_size=1,
+        global_batch_size=1,
+        split="100,0",
+        pack_sequences=True,
+    )
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    module = RewardModelModule(
+        ml.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=EOD + 1, seq_length=16)
+    )
+    with pytest.raises(
+        ValueError,
+        match="RewardModelModule reads one pair per row pair: set the PreferenceDataModule's pack_sequences=False",
+    ):
         trainer.fit(module, data)

@@ -1,5 +1,6 @@
 """FLOPs and memory estimator against published numbers, torch's FLOP counter, real models and optimizers,
 and the saved-tensor probe (single-process and tensor-parallel ranks)."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import megatron_lite as ml
-
 from megatron_lite.core.estimator import (
-    EstimateLayout,
     PRECISION_BYTES,
+    EstimateLayout,
     KernelSaves,
     ScheduleActivationProbe,
     activation_breakdown,
@@ -35,31 +35,58 @@ from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import OptimizerConfig, build_optimizer
 from megatron_lite.core.parallel.geometry import DataGeometry
 from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, ParallelLayout
-from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
+from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.precision import PRECISION_ALIASES, PRECISIONS, normalize_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from spawn_utils import run_ranks  # noqa: E402
 
-GPT3_175B = dict(num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=50257, seq_length=2048,
-                 normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
-                 add_bias_linear=True)
-LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, vocab_size=32000,
-                 seq_length=4096)
-LLAMA2_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,
-                  vocab_size=32000, seq_length=4096)
+GPT3_175B = dict(
+    num_layers=96,
+    hidden_size=12288,
+    num_attention_heads=96,
+    vocab_size=50257,
+    seq_length=2048,
+    normalization="LayerNorm",
+    activation="gelu",
+    position_embedding_type="learned_absolute",
+    add_bias_linear=True,
+)
+LLAMA2_7B = dict(
+    num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, vocab_size=32000, seq_length=4096
+)
+LLAMA2_70B = dict(
+    num_layers=80,
+    hidden_size=8192,
+    num_attention_heads=64,
+    num_query_groups=8,
+    ffn_hidden_size=28672,
+    vocab_size=32000,
+    seq_length=4096,
+)
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=300, seq_length=32)
 # Small models covering every branch of the activation accounting (all at b=2, s=32).
 VARIANTS = {
     "llama_gqa": dict(num_query_groups=2),
     "llama_mha": dict(),
-    "gpt2_dropout": dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
-                         add_bias_linear=True, hidden_dropout=0.1, attention_dropout=0.1),
+    "gpt2_dropout": dict(
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    ),
     "learned_gqa": dict(num_query_groups=2, position_embedding_type="learned_absolute"),
-    "mqa_tied_qkv_bias_half_rope": dict(num_query_groups=1, rotary_percent=0.5, add_qkv_bias=True, hidden_dropout=0.1,
-                                        share_embeddings_and_output_weights=True),
+    "mqa_tied_qkv_bias_half_rope": dict(
+        num_query_groups=1,
+        rotary_percent=0.5,
+        add_qkv_bias=True,
+        hidden_dropout=0.1,
+        share_embeddings_and_output_weights=True,
+    ),
 }
 
 
@@ -119,8 +146,13 @@ def _tp_layout(tp: int, rank: int) -> ParallelLayout:
     """The layout rank ``rank`` of a TP group would have; building a model issues no collective, so no
     process group is needed to look at its shard shapes."""
     coords = {d: 0 for d in MESH_DIMS} | {"tp": rank}
-    return ParallelLayout(config=ParallelConfig(tensor_model_parallel_size=tp), world_size=tp, rank=rank,
-                          coords=coords, groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")})
+    return ParallelLayout(
+        config=ParallelConfig(tensor_model_parallel_size=tp),
+        world_size=tp,
+        rank=rank,
+        coords=coords,
+        groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")},
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -134,22 +166,34 @@ def test_parameter_shapes_are_the_real_models_at_tp1_and_its_shards_at_tp2(varia
         return  # one KV group (MQA) cannot be split over two TP ranks
     for rank in range(2):
         shard = GPTModel(config, _tp_layout(2, rank))
-        assert [(p.name, p.shape) for p in parameter_shapes(config, 2)] == \
-               [(n, tuple(p.shape)) for n, p in shard.named_parameters()]
+        assert [(p.name, p.shape) for p in parameter_shapes(config, 2)] == [
+            (n, tuple(p.shape)) for n, p in shard.named_parameters()
+        ]
         for name, param in shard.named_parameters():  # and the TP metadata agrees: shards are 1/2 of the global
             meta = getattr(param, "tp_shard", None)
             if meta is not None:
                 assert 2 * param.numel() == torch.Size(meta.global_shape).numel(), name
 
 
-def _run(config: GPTConfig, micro_batch_size: int, global_batch_size=None, *, data_parallel_size: int = 1,
-         precision: str = "32-true", **parallel) -> RunSpec:
+def _run(
+    config: GPTConfig,
+    micro_batch_size: int,
+    global_batch_size=None,
+    *,
+    data_parallel_size: int = 1,
+    precision: str = "32-true",
+    **parallel,
+) -> RunSpec:
     """The run the strategy would describe: ``data_parallel_size`` replicas of the ``parallel`` layout on data of
     the model's seq_length, one microbatch per step unless ``global_batch_size`` says otherwise."""
     layout = ParallelConfig(**parallel)
     gbs = global_batch_size if global_batch_size is not None else micro_batch_size * data_parallel_size
-    return RunSpec(layout, world_size=layout.model_parallel_size * data_parallel_size, precision=precision,
-                   data=DataGeometry(micro_batch_size, gbs, config.seq_length))
+    return RunSpec(
+        layout,
+        world_size=layout.model_parallel_size * data_parallel_size,
+        precision=precision,
+        data=DataGeometry(micro_batch_size, gbs, config.seq_length),
+    )
 
 
 @pytest.mark.parametrize("optimizer", [OptimizerConfig(), OptimizerConfig(optimizer="sgd", sgd_momentum=0.9)])
@@ -200,8 +244,12 @@ def _optimizer_bytes_after_a_step(rank: int, world: int, shape: dict, precision:
     masters = list(opt.masters.values()) if not distributed else [s.main_shard for s in opt.shards]
     state = [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     moments, counters = [v for v in state if v.ndim], [v for v in state if not v.ndim]  # Adam's step is 0-d
-    return dict(weights=size(model.parameters()), grads=size(grads), optimizer=size(masters) + size(moments),
-                counters=size(counters))
+    return dict(
+        weights=size(model.parameters()),
+        grads=size(grads),
+        optimizer=size(masters) + size(moments),
+        counters=size(counters),
+    )
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
@@ -215,32 +263,56 @@ def test_weights_grads_and_optimizer_state_of_the_megatron_optimizer(precision, 
     else:
         measured = run_ranks(_optimizer_bytes_after_a_step, dp, shape, precision, distributed)
     config = GPTConfig(**shape)
-    est = estimate_for_run(config, _run(config, 2, data_parallel_size=dp, precision=precision),
-                           OptimizerConfig(use_distributed_optimizer=distributed), device_type="cpu")
+    est = estimate_for_run(
+        config,
+        _run(config, 2, data_parallel_size=dp, precision=precision),
+        OptimizerConfig(use_distributed_optimizer=distributed),
+        device_type="cpu",
+    )
     for rank in measured:
-        assert (rank["weights"], rank["grads"], rank["optimizer"]) == \
-               (est.weights_bytes, est.grads_bytes, est.optimizer_bytes)
+        assert (rank["weights"], rank["grads"], rank["optimizer"]) == (
+            est.weights_bytes,
+            est.grads_bytes,
+            est.optimizer_bytes,
+        )
         # one step counter per tensor; a ZeRO-1 rank only steps the pieces of tensors in its shard
-        assert rank["counters"] == est.optimizer_host_bytes if not distributed else \
-            0 < rank["counters"] <= est.optimizer_host_bytes
+        assert (
+            rank["counters"] == est.optimizer_host_bytes
+            if not distributed
+            else 0 < rank["counters"] <= est.optimizer_host_bytes
+        )
 
 
-@pytest.mark.parametrize("precision, dp, per_param", [
-    ("32-true", 1, 16), ("bf16-mixed", 8, 8 + 8 / 8), ("bf16-true", 1, 18), ("bf16-true", 8, 6 + 12 / 8)])
+@pytest.mark.parametrize(
+    "precision, dp, per_param",
+    [("32-true", 1, 16), ("bf16-mixed", 8, 8 + 8 / 8), ("bf16-true", 1, 18), ("bf16-true", 8, 6 + 12 / 8)],
+)
 def test_bytes_per_parameter_follow_the_design_table(precision, dp, per_param):
     """DESIGN.md: 18 and 6 + 12/dp with half weights; fp32 weights (autocast) 16, and 8 + 12/dp under ZeRO-1,
     which keeps an fp32 main shard beside the fp32 weights."""
     config = GPTConfig(**LLAMA2_7B)
-    est = estimate_for_run(config, _run(config, 1, data_parallel_size=dp, precision=precision),
-                           OptimizerConfig(use_distributed_optimizer=dp > 1))
+    est = estimate_for_run(
+        config,
+        _run(config, 1, data_parallel_size=dp, precision=precision),
+        OptimizerConfig(use_distributed_optimizer=dp > 1),
+    )
     assert est.params % dp == 0
     assert (est.weights_bytes + est.grads_bytes + est.optimizer_bytes) / est.params == per_param
     # ZeRO-3: everything divided over DP (dims divisible here); the layout itself (a run refuses FSDP2 with
     # bf16-true: FSDP keeps fp32 masters of its own)
-    fsdp = estimate_memory(config, EstimateLayout(micro_batch_size=1, seq_length=config.seq_length,
-                                                  data_parallel_size=dp, precision=precision, use_torch_fsdp2=True))
-    assert (fsdp.weights_bytes + fsdp.grads_bytes + fsdp.optimizer_bytes) * dp / fsdp.params == \
-           (16 if precision != "bf16-true" else 18)
+    fsdp = estimate_memory(
+        config,
+        EstimateLayout(
+            micro_batch_size=1,
+            seq_length=config.seq_length,
+            data_parallel_size=dp,
+            precision=precision,
+            use_torch_fsdp2=True,
+        ),
+    )
+    assert (fsdp.weights_bytes + fsdp.grads_bytes + fsdp.optimizer_bytes) * dp / fsdp.params == (
+        16 if precision != "bf16-true" else 18
+    )
 
 
 # --- activations ----------------------------------------------------------------------------------
@@ -321,15 +393,23 @@ def test_activation_estimate_matches_the_probe_on_tensor_parallel_ranks(sequence
     shape = dict(TINY, **VARIANTS["gpt2_dropout"])
     measured = run_ranks(_tp_probe, 2, shape, sequence_parallel)
     config = GPTConfig(**shape)
-    est = estimate_for_run(config, _run(config, 2, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel,
-                                        precision="bf16-mixed"), device_type="cpu")
+    est = estimate_for_run(
+        config,
+        _run(config, 2, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, precision="bf16-mixed"),
+        device_type="cpu",
+    )
     for rank_bytes in measured:
         assert est.activations.held_after_forward == pytest.approx(rank_bytes, rel=0.02)
 
 
-KORTHIKANTI_KERNELS = KernelSaves(rms_norm_saves_normalized=False, dropout_mask_bytes=1,
-                                  attention_dropout_materializes_scores=True, dense_attention_in_fp32=False,
-                                  fp32_attention_output_is_copied=False, attention_rng_bytes=0)
+KORTHIKANTI_KERNELS = KernelSaves(
+    rms_norm_saves_normalized=False,
+    dropout_mask_bytes=1,
+    attention_dropout_materializes_scores=True,
+    dense_attention_in_fp32=False,
+    fp32_attention_output_is_copied=False,
+    attention_rng_bytes=0,
+)
 
 
 @pytest.mark.parametrize("tp, sp", [(1, False), (4, False), (4, True)])
@@ -342,17 +422,34 @@ def test_per_layer_count_reduces_to_korthikanti_under_their_assumptions(tp, sp, 
     SP our linear layers keep their all-gathered input where Megatron keeps the shard and gathers again
     in backward (+2 x 2 s b h (1 - 1/t)). Plus the LayerNorm statistics (fp32 mean and rstd)."""
     s, b, h, a = 256, 2, 1024, 16
-    config = GPTConfig(num_layers=2, hidden_size=h, num_attention_heads=a, seq_length=s, normalization="LayerNorm",
-                       activation="gelu", position_embedding_type="learned_absolute", hidden_dropout=0.1,
-                       attention_dropout=0.1)
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=h,
+        num_attention_heads=a,
+        seq_length=s,
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding_type="learned_absolute",
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
     if selective:
         config.recompute_granularity = "selective"
-    layout = EstimateLayout(micro_batch_size=b, seq_length=s, tensor_model_parallel_size=tp, sequence_parallel=sp,
-                            precision="bf16-true", kernels=KORTHIKANTI_KERNELS)
+    layout = EstimateLayout(
+        micro_batch_size=b,
+        seq_length=s,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        precision="bf16-true",
+        kernels=KORTHIKANTI_KERNELS,
+    )
     acts = activation_breakdown(config, layout)
     local_tokens = s * b // tp if sp else s * b
-    extra = (0 if selective else 4 * s * b * h / tp) + (4 * s * b * h * (1 - 1 / tp) if sp else 0) \
+    extra = (
+        (0 if selective else 4 * s * b * h / tp)
+        + (4 * s * b * h * (1 - 1 / tp) if sp else 0)
         + 2 * 2 * 4 * local_tokens
+    )
     paper = korthikanti_activation_bytes_per_layer(s, b, h, a, tp, sp, selective_recompute=selective)
     assert acts.layers / config.num_layers == pytest.approx(paper + extra, rel=1e-12)
 
@@ -381,21 +478,29 @@ def test_recompute_keeps_layer_inputs_and_peaks_while_rebuilding_a_chunk():
 def _stage_layout(parallel: ParallelConfig, pp_rank: int) -> ParallelLayout:
     """The layout pipeline rank ``pp_rank`` would have (TP 1): building a stage's model issues no collective."""
     coords = {d: 0 for d in MESH_DIMS} | {"pp": pp_rank}
-    return ParallelLayout(config=parallel, world_size=parallel.pipeline_model_parallel_size, rank=pp_rank,
-                          coords=coords, groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding",
-                                                                     "pp_backward")})
+    return ParallelLayout(
+        config=parallel,
+        world_size=parallel.pipeline_model_parallel_size,
+        rank=pp_rank,
+        coords=coords,
+        groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding", "pp_backward")},
+    )
 
 
 PIPELINE_CUTS = {  # strategy options, model options
     "pp2": (dict(pipeline_model_parallel_size=2), {}),
     "pp4": (dict(pipeline_model_parallel_size=4), {}),
     "pp2_uneven": (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1), {}),
-    "pp3_empty_first_stage": (dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=0,
-                                   num_layers_in_last_pipeline_stage=2), {}),
+    "pp3_empty_first_stage": (
+        dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=0, num_layers_in_last_pipeline_stage=2),
+        {},
+    ),
     "pp2_vpp2": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), {}),
     "pp2_tied": (dict(pipeline_model_parallel_size=2), dict(share_embeddings_and_output_weights=True)),
-    "pp2_vpp2_tied_learned": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-                              dict(share_embeddings_and_output_weights=True, **VARIANTS["gpt2_dropout"])),
+    "pp2_vpp2_tied_learned": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        dict(share_embeddings_and_output_weights=True, **VARIANTS["gpt2_dropout"]),
+    ),
 }
 
 
@@ -433,17 +538,31 @@ def _alive_per_chunk(order: list, chunks: int) -> tuple:
     return most, tuple(most_per)
 
 
-@pytest.mark.parametrize("schedule, pp, vpp, m", [
-    ("1f1b", 4, 1, 2), ("1f1b", 4, 1, 8), ("gpipe", 4, 1, 5), ("interleaved_1f1b", 4, 2, 8),
-    ("interleaved_1f1b", 2, 2, 2), ("interleaved_1f1b", 2, 3, 8)])
+@pytest.mark.parametrize(
+    "schedule, pp, vpp, m",
+    [
+        ("1f1b", 4, 1, 2),
+        ("1f1b", 4, 1, 8),
+        ("gpipe", 4, 1, 5),
+        ("interleaved_1f1b", 4, 2, 8),
+        ("interleaved_1f1b", 2, 2, 2),
+        ("interleaved_1f1b", 2, 3, 8),
+    ],
+)
 def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m):
     """Activations in flight per stage come from the orders the executor runs: 1F1B min(P - stage, M), GPipe M,
     interleaved most on the first rank; with M > P it is Megatron's count (theoretical_memory_usage: the first
     stage holds its layers' activations for P microbatches x (1 + (P - 1) / (P V)), i.e. P V + P - 1
     chunk-microbatches of L / (P V) layers each)."""
     config = GPTConfig(**dict(TINY, num_layers=2 * pp * vpp))
-    layout = EstimateLayout(micro_batch_size=2, seq_length=32, pipeline_model_parallel_size=pp,
-                            virtual_pipeline_model_parallel_size=vpp, pipeline_schedule=schedule, num_microbatches=m)
+    layout = EstimateLayout(
+        micro_batch_size=2,
+        seq_length=32,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_schedule=schedule,
+        num_microbatches=m,
+    )
     counts = []
     for stage in range(pp):
         acts = activation_breakdown(config, layout, stage)
@@ -473,8 +592,10 @@ def test_first_stage_holds_most_activations_under_one_f_one_b_and_the_report_mar
         lingering = chunk.sent_grad  # the last backward's input, until the next forward returns
         # the most is held at the end of the last forward: P - p microbatches, 16 outputs sent, 16 - (P - p)
         # gradients sent back
-        assert stage.activations.held_after_forward == (4 - p) * chunk.per_microbatch + 16 * chunk.sent_output \
-            + (16 - (4 - p)) * chunk.sent_grad + lingering
+        assert (
+            stage.activations.held_after_forward
+            == (4 - p) * chunk.per_microbatch + 16 * chunk.sent_output + (16 - (4 - p)) * chunk.sent_grad + lingering
+        )
     table = format_table(est)
     rows = [line for line in table.splitlines() if line.lstrip().startswith(("0 ", "1 ", "2 ", "3 "))]
     assert len(rows) == 4 and "most loaded" in rows[0] and not any("most loaded" in r for r in rows[1:])
@@ -526,21 +647,36 @@ class _MeasureSchedule(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         probe, pl_module.probe = pl_module.probe, None
-        torch.save((pl_module.parallel_layout.pp_rank, probe.held_bytes, probe.peak_bytes),
-                   self.out / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            (pl_module.parallel_layout.pp_rank, probe.held_bytes, probe.peak_bytes),
+            self.out / f"rank{trainer.global_rank}.pt",
+        )
 
 
 def _fit_and_measure(tmp_path: Path, config: GPTConfig, strategy: dict, precision: str, gbs: int) -> list:
     """A real fit (2 forked ranks, 2 steps, micro-batch 2): per rank (stage, held, peak) of the last step."""
     from megatron_lite.data import MockGPTDataModule
 
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, **strategy),
-                        accelerator="cpu", devices=2, precision=precision, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_MeasureSchedule(tmp_path)])
-    trainer.fit(_ProbedGPT(config, ml.OptimizerConfig(lr=1e-3)),
-                MockGPTDataModule(seq_length=config.seq_length, micro_batch_size=2, global_batch_size=gbs,
-                                  vocab_size=config.vocab_size))
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, **strategy),
+        accelerator="cpu",
+        devices=2,
+        precision=precision,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[_MeasureSchedule(tmp_path)],
+    )
+    trainer.fit(
+        _ProbedGPT(config, ml.OptimizerConfig(lr=1e-3)),
+        MockGPTDataModule(
+            seq_length=config.seq_length, micro_batch_size=2, global_batch_size=gbs, vocab_size=config.vocab_size
+        ),
+    )
     return sorted(torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
 
@@ -549,8 +685,12 @@ PIPELINE_RUNS = {  # strategy options, model options, precision, global batch (2
     "1f1b_bf16_dropout": (dict(), VARIANTS["gpt2_dropout"], "bf16-mixed", 16),
     "interleaved": (dict(virtual_pipeline_model_parallel_size=2), dict(), "32-true", 16),
     "gpipe": (dict(pipeline_schedule="gpipe"), dict(), "32-true", 8),
-    "uneven_tied": (dict(num_layers_in_first_pipeline_stage=1), dict(share_embeddings_and_output_weights=True),
-                    "32-true", 16),
+    "uneven_tied": (
+        dict(num_layers_in_first_pipeline_stage=1),
+        dict(share_embeddings_and_output_weights=True),
+        "32-true",
+        16,
+    ),
 }
 
 
@@ -609,12 +749,16 @@ def test_context_parallel_activations_match_the_probe_on_cp_ranks(name):
     output and log-sum-exp) is the estimate exactly; the forward's peak (inside the last layer's attention:
     the keys/values in flight and one block's scores) within 4%."""
     world, comm_type, precision, options = CP_PROBES[name]
-    shape = dict(TINY, seq_length=512 * world, vocab_size=128, make_vocab_size_divisible_by=32, num_query_groups=2,
-                 **options)
+    shape = dict(
+        TINY, seq_length=512 * world, vocab_size=128, make_vocab_size_divisible_by=32, num_query_groups=2, **options
+    )
     measured = run_ranks(_cp_probe, world, shape, comm_type, precision)
     config = GPTConfig(**shape)
-    acts = estimate_for_run(config, _run(config, 2, precision=precision, context_parallel_size=world,
-                                         cp_comm_type=comm_type), device_type="cpu").activations
+    acts = estimate_for_run(
+        config,
+        _run(config, 2, precision=precision, context_parallel_size=world, cp_comm_type=comm_type),
+        device_type="cpu",
+    ).activations
     assert acts.chunks[0].attention_peak > acts.held_after_forward + acts.loss_transient  # attention's peak
     for held, peak in measured:
         assert acts.held_after_forward == pytest.approx(held, rel=0.002)
@@ -628,8 +772,9 @@ def test_context_parallel_activations_shrink_as_one_over_cp():
     config = GPTConfig(**dict(TINY, seq_length=256, num_query_groups=2))
 
     def acts(cp, comm="p2p"):
-        return estimate_for_run(config, _run(config, 2, context_parallel_size=cp, cp_comm_type=comm),
-                                device_type="cpu").activations
+        return estimate_for_run(
+            config, _run(config, 2, context_parallel_size=cp, cp_comm_type=comm), device_type="cpu"
+        ).activations
 
     held = {cp: acts(cp).held_after_forward for cp in (2, 4, 8)}
     assert held[2] == 2 * held[4] == 4 * held[8]
@@ -661,8 +806,18 @@ def test_attention_flops_per_cp_rank_are_even_under_the_zigzag_split():
 
 def test_report_and_flops_per_rank_count_the_cp_ranks():
     config = GPTConfig(**dict(TINY, seq_length=256))
-    est = estimate_for_run(config, _run(config, 2, 4, tensor_model_parallel_size=2, data_parallel_size=2,
-                                        context_parallel_size=2, cp_comm_type="all_gather"))
+    est = estimate_for_run(
+        config,
+        _run(
+            config,
+            2,
+            4,
+            tensor_model_parallel_size=2,
+            data_parallel_size=2,
+            context_parallel_size=2,
+            cp_comm_type="all_gather",
+        ),
+    )
     flops = training_flops_per_step(config, 4)
     table = format_table(est, flops)
     assert "layout: 8 ranks = tp 2 x cp 2 x pp 1 x dp 2" in table
@@ -676,10 +831,18 @@ def test_context_parallel_layout_errors_name_the_fix():
         EstimateLayout(micro_batch_size=1, seq_length=36, context_parallel_size=4)
     with pytest.raises(ValueError, match="cp_comm_type must be one of"):
         EstimateLayout(micro_batch_size=1, seq_length=32, context_parallel_size=2, cp_comm_type="ring")
-    with pytest.raises(ValueError, match=r"seq_length \(36\) / context_parallel_size \(2\) must be divisible by "
-                                         r"tensor_model_parallel_size \(4\)"):
-        EstimateLayout(micro_batch_size=1, seq_length=36, context_parallel_size=2, tensor_model_parallel_size=4,
-                       sequence_parallel=True)
+    with pytest.raises(
+        ValueError,
+        match=r"seq_length \(36\) / context_parallel_size \(2\) must be divisible by "
+        r"tensor_model_parallel_size \(4\)",
+    ):
+        EstimateLayout(
+            micro_batch_size=1,
+            seq_length=36,
+            context_parallel_size=2,
+            tensor_model_parallel_size=4,
+            sequence_parallel=True,
+        )
 
 
 def test_estimate_command_reads_context_parallelism_from_the_yaml(tmp_path, capsys):
@@ -689,8 +852,9 @@ def test_estimate_command_reads_context_parallelism_from_the_yaml(tmp_path, caps
     from megatron_lite.cli.estimate import main
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/configs/gpt_tiny.yaml").read_text())
-    raw["trainer"]["strategy"]["init_args"].update(tensor_model_parallel_size=1, sequence_parallel=False,
-                                                   context_parallel_size=2, cp_comm_type="all_gather")
+    raw["trainer"]["strategy"]["init_args"].update(
+        tensor_model_parallel_size=1, sequence_parallel=False, context_parallel_size=2, cp_comm_type="all_gather"
+    )
     raw["trainer"]["devices"] = 4
     path = tmp_path / "cp.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -1,4 +1,5 @@
 """Fill-in-the-middle: PSM / SPM layouts, rates, determinism, document boundaries."""
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +22,7 @@ def test_permuted_document_keeps_length_and_order_of_pieces(spm):
         pre, mid, suf = (int(np.flatnonzero(out == t)[0]) for t in (T.prefix, T.middle, T.suffix))
         if spm:  # <PRE> <SUF> suffix <MID> prefix middle
             assert (pre, suf) == (0, 1)
-            suffix, rest = out[2:mid], out[mid + 1:]
+            suffix, rest = out[2:mid], out[mid + 1 :]
             # prefix + middle is a run of consecutive tokens starting at 1, the suffix continues it
             assert np.array_equal(rest, np.arange(1, len(rest) + 1))
             if len(suffix):
@@ -29,7 +30,7 @@ def test_permuted_document_keeps_length_and_order_of_pieces(spm):
                 assert np.array_equal(suffix, np.arange(suffix[0], suffix[0] + len(suffix)))
         else:  # <PRE> prefix <SUF> suffix <MID> middle
             assert pre == 0 and pre < suf < mid
-            prefix, suffix, middle = out[1:suf], out[suf + 1:mid], out[mid + 1:]
+            prefix, suffix, middle = out[1:suf], out[suf + 1 : mid], out[mid + 1 :]
             assert np.array_equal(prefix, np.arange(1, len(prefix) + 1))
             assert np.array_equal(middle, np.arange(len(prefix) + 1, len(prefix) + len(middle) + 1))
             assert set(suffix.tolist()).isdisjoint(set(prefix.tolist()) | set(middle.tolist()))

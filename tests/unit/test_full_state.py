@@ -2,6 +2,7 @@
 
 The TP2 shards of both ranks are built side by side in this process (a layout with its coordinates and
 no process group: construction and loading are local), so the test can put them back together."""
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,29 @@ from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelConfig, Parall
 
 
 def _tp_layout(rank: int, tp: int = 2) -> ParallelLayout:
-    return ParallelLayout(config=ParallelConfig(tensor_model_parallel_size=tp), world_size=tp, rank=rank,
-                          coords={d: (rank if d == "tp" else 0) for d in MESH_DIMS},
-                          groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")})
+    return ParallelLayout(
+        config=ParallelConfig(tensor_model_parallel_size=tp),
+        world_size=tp,
+        rank=rank,
+        coords={d: (rank if d == "tp" else 0) for d in MESH_DIMS},
+        groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp")},
+    )
 
 
 def _config(**overrides) -> ml.GPTConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=100,
-                seq_length=16, make_vocab_size_divisible_by=64, normalization="LayerNorm",
-                ffn_hidden_size=64, activation="swiglu", add_bias_linear=True)  # fused gate/up: stride 2
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        seq_length=16,
+        make_vocab_size_divisible_by=64,
+        normalization="LayerNorm",
+        ffn_hidden_size=64,
+        activation="swiglu",
+        add_bias_linear=True,
+    )  # fused gate/up: stride 2
     base.update(overrides)
     return ml.GPTConfig(**base)
 
@@ -47,23 +62,26 @@ def _reassemble(shards: list[torch.nn.Module], unpad: bool = True) -> dict[str, 
             out[name] = shard.unpad(pieces[0]) if shard is not None and unpad else pieces[0]
             continue
         blocks = [p.chunk(shard.stride, dim=shard.dim) for p in pieces]
-        full = torch.cat([torch.cat([b[i] for b in blocks], dim=shard.dim) for i in range(shard.stride)],
-                         dim=shard.dim)
+        full = torch.cat([torch.cat([b[i] for b in blocks], dim=shard.dim) for i in range(shard.stride)], dim=shard.dim)
         out[name] = shard.unpad(full) if unpad else full
     return out
 
 
 def test_safetensors_layout_follows_the_spec(tmp_path):
-    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "flag": torch.tensor([True, False, True]),
-               "h": torch.ones(3, dtype=torch.bfloat16), "empty": torch.zeros(0, 4)}
+    tensors = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "flag": torch.tensor([True, False, True]),
+        "h": torch.ones(3, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+    }
     path = tmp_path / "x.safetensors"
     save_safetensors(tensors, path, {"format": "test"})
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     assert n % 8 == 0 and header["__metadata__"] == {"format": "test"}
     assert header["w"] == {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
-    data = raw[8 + n:]
+    data = raw[8 + n :]
     spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
     assert spans[0][0] == 0 and spans[-1][1] == len(data)  # contiguous, no holes
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
@@ -78,8 +96,11 @@ def test_truncated_safetensors_is_refused(tmp_path):
     path = tmp_path / "x.safetensors"
     save_safetensors({"w": torch.ones(16)}, path)
     path.write_bytes(path.read_bytes()[:-8])
-    with pytest.raises(ValueError, match=r"not a valid safetensors file: the tensors. data take 64 bytes but the file "
-                                         r"holds 56 after its header \(truncated"):
+    with pytest.raises(
+        ValueError,
+        match=r"not a valid safetensors file: the tensors. data take 64 bytes but the file "
+        r"holds 56 after its header \(truncated",
+    ):
         load_safetensors(path)
 
 

@@ -37,8 +37,9 @@ def numbered_docs(lengths: list[int]) -> list[np.ndarray]:
     return [np.arange(n, dtype=np.int64) + 100 * d for d, n in enumerate(lengths)]
 
 
-def megatron_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int,
-                          tokens_per_epoch: int) -> np.ndarray:
+def megatron_sample_index(
+    sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int, tokens_per_epoch: int
+) -> np.ndarray:
     """A line-by-line Python port of Megatron's ``build_sample_idx`` token walk (helpers.cpp), the reference."""
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
     out = np.zeros((num_samples + 1, 2), dtype=np.int64)
@@ -114,8 +115,9 @@ def test_samples_cut_the_shuffled_document_stream(tmp_path: Path) -> None:
     data = write_docs(tmp_path / "d", numbered_docs(lengths))
     split = np.arange(1, 9)  # documents 1..8: 34 tokens, two of them empty
     seq = 5
-    ds = GPTDataset(data, str(tmp_path / "d"), split, num_samples=20, seq_length=seq, seed=3,
-                    cache_dir=str(tmp_path / "cache"))
+    ds = GPTDataset(
+        data, str(tmp_path / "d"), split, num_samples=20, seq_length=seq, seed=3, cache_dir=str(tmp_path / "cache")
+    )
     assert ds.num_tokens_per_epoch == 34 and len(ds) == (3 * 34 - 1) // seq == 20  # 20 * 5 + 1 tokens: 3 epochs
     # each epoch (or the whole run) uses every document of the split the same number of times, no others
     assert sorted(ds.document_index.tolist()) == sorted(split.tolist() * 3)
@@ -125,7 +127,7 @@ def test_samples_cut_the_shuffled_document_stream(tmp_path: Path) -> None:
         sample = ds[i]["tokens"]
         j = int(ds.shuffle_index[i])
         assert sample.dtype == torch.int64 and sample.shape == (seq + 1,)
-        assert torch.equal(sample, torch.from_numpy(stream[j * seq: j * seq + seq + 1]))
+        assert torch.equal(sample, torch.from_numpy(stream[j * seq : j * seq + seq + 1]))
         seen.add(j)
     assert seen == set(range(len(ds)))  # the shuffle is a permutation
     with pytest.raises(IndexError):
@@ -141,8 +143,9 @@ def test_index_cache_is_reused_and_keyed_by_the_config(tmp_path: Path) -> None:
     assert first.cache_dir == str(cache)
     files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.suffix != ".lock"}
     assert len(files) == 4 and all(n.startswith(first.unique_description_hash) for n in files)
-    assert (cache / f"{first.unique_description_hash}-GPTDataset-train-description.json").read_text() \
-        == first.description
+    assert (
+        cache / f"{first.unique_description_hash}-GPTDataset-train-description.json"
+    ).read_text() == first.description
     again = GPTDataset(data, str(prefix), docs, None, 8, seed=1)
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if p.suffix != ".lock"} == files
     assert isinstance(again.sample_index, np.memmap)  # loaded, not rebuilt
@@ -151,8 +154,10 @@ def test_index_cache_is_reused_and_keyed_by_the_config(tmp_path: Path) -> None:
         args = {"indexed_indices": docs, "num_samples": None, "seq_length": 8, "seed": 1, **change}
         other = GPTDataset(data, str(prefix), **args)
         assert other.unique_description_hash != first.unique_description_hash
-    assert GPTDataset(data, str(prefix), docs, None, 8, seed=1, split="validation").unique_description_hash \
+    assert (
+        GPTDataset(data, str(prefix), docs, None, 8, seed=1, split="validation").unique_description_hash
         != first.unique_description_hash
+    )
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp")]
 
 
@@ -180,8 +185,9 @@ def test_global_rank_zero_builds_while_the_others_wait(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     log = str(tmp_path / "builds.log")
-    procs = [ctx.Process(target=_build_in_rank, args=(r, prefix, str(tmp_path / "store"), log, queue))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_build_in_rank, args=(r, prefix, str(tmp_path / "store"), log, queue)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = dict((r, (a, b)) for r, a, b in (queue.get(timeout=60) for _ in procs))
@@ -195,8 +201,11 @@ def test_global_rank_zero_builds_while_the_others_wait(tmp_path: Path) -> None:
 def test_errors_name_the_file_and_the_fix(tmp_path: Path) -> None:
     prefix = tmp_path / "small"
     data = write_docs(prefix, numbered_docs([3, 4, 5]))
-    with pytest.raises(ValueError, match=rf"the validation split of {prefix} holds 1 documents with 3 tokens.*"
-                                         r"larger share"):
+    with pytest.raises(
+        ValueError,
+        match=rf"the validation split of {prefix} holds 1 documents with 3 tokens.*"
+        r"larger share",
+    ):
         GPTDataset(data, str(prefix), np.arange(0, 1), None, 8, seed=0, split="validation")
     with pytest.raises(ValueError, match="holds 0 documents"):
         GPTDataset(data, str(prefix), np.arange(0), None, 8, seed=0)
@@ -210,17 +219,30 @@ def test_eod_mask_and_unwritable_cache(tmp_path: Path) -> None:
     eod = 0
     docs = [np.array([5, 6, 7, eod]), np.array([8, 9, eod]), np.array([10, 11, 12, 13, eod])]
     data = write_docs(tmp_path / "eod", docs)
-    ds = GPTDataset(data, str(tmp_path / "eod"), np.arange(3), None, 4, seed=0, eod_mask_token=eod,
-                    cache_dir=str(tmp_path / "cache"))
+    ds = GPTDataset(
+        data,
+        str(tmp_path / "eod"),
+        np.arange(3),
+        None,
+        4,
+        seed=0,
+        eod_mask_token=eod,
+        cache_dir=str(tmp_path / "cache"),
+    )
     for i in range(len(ds)):
         item = ds[i]
         assert torch.equal(item["loss_mask"], (item["tokens"][:-1] != eod).float())
-    assert "loss_mask" not in GPTDataset(data, str(tmp_path / "eod"), np.arange(3), None, 4, seed=0,
-                                         cache_dir=str(tmp_path / "cache"))[0]
+    assert (
+        "loss_mask"
+        not in GPTDataset(
+            data, str(tmp_path / "eod"), np.arange(3), None, 4, seed=0, cache_dir=str(tmp_path / "cache")
+        )[0]
+    )
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.warns(UserWarning, match="building the indices in memory"):
-        in_memory = GPTDataset(data, str(tmp_path / "eod"), np.arange(3), None, 4, seed=0,
-                               cache_dir=str(blocker / "cache"))
+        in_memory = GPTDataset(
+            data, str(tmp_path / "eod"), np.arange(3), None, 4, seed=0, cache_dir=str(blocker / "cache")
+        )
     assert np.array_equal(in_memory.shuffle_index, ds.shuffle_index)
     assert os.path.isfile(blocker)

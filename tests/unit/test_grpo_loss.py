@@ -2,6 +2,7 @@
 Dr.GRPO), the clipped surrogate with asymmetric clipping and its clip indicators, k3 KL, the entropy term,
 token-level and per-sequence normalization, the truncated IS correction; a zero-variance group gets no gradient.
 Also the rollout packing: a teacher-forced forward of a packed row reproduces the sampler's log-probs."""
+
 import math
 
 import pytest
@@ -29,7 +30,7 @@ def test_advantages_follow_the_formula():
         mean = sum(group) / 4
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / 4)  # population std
         expected = [0.0 if std == 0 else (r - mean) / (std + 1e-4) for r in group]
-        assert adv[4 * g: 4 * g + 4].tolist() == pytest.approx(expected, rel=1e-6)
+        assert adv[4 * g : 4 * g + 4].tolist() == pytest.approx(expected, rel=1e-6)
     assert adv[4:8].tolist() == [0.0] * 4  # zero-variance group: exactly zero
     dr = group_advantages(rewards, 4, scale=False)  # Dr.GRPO: r - mean, no std
     assert dr[8:].tolist() == pytest.approx([-0.75, -0.75, -0.75, 2.25])
@@ -56,8 +57,18 @@ def test_clipped_surrogate_kl_and_entropy_per_token():
     adv = torch.tensor([1.5, -0.7, 0.0])
     w = torch.rand(3, 5) + 0.5
     lo, hi, beta, c = 0.2, 0.28, 0.05, 0.01
-    out = grpo_token_loss(lp, old, adv, clip_eps_low=lo, clip_eps_high=hi, ref_log_probs=ref, beta=beta,
-                          entropy=ent, entropy_coef=c, is_weights=w)
+    out = grpo_token_loss(
+        lp,
+        old,
+        adv,
+        clip_eps_low=lo,
+        clip_eps_high=hi,
+        ref_log_probs=ref,
+        beta=beta,
+        entropy=ent,
+        entropy_coef=c,
+        is_weights=w,
+    )
     for i in range(3):
         for j in range(5):
             rho = math.exp(lp[i, j] - old[i, j])
@@ -100,7 +111,7 @@ def test_token_and_sequence_normalization():
     total, count = reduce_token_loss(loss, mask, per_sequence=True)
     assert (float(total), float(count)) == (2.0 + 4.5, 2.0)  # the empty row counts for nothing
     # Token level across ranks: summing (sum, count) over shards, then dividing, is the global per-token mean.
-    shards = [reduce_token_loss(loss[i:i + 1], mask[i:i + 1]) for i in range(3)]
+    shards = [reduce_token_loss(loss[i : i + 1], mask[i : i + 1]) for i in range(3)]
     assert sum(float(s) for s, _ in shards) / sum(float(c) for _, c in shards) == pytest.approx(15.0 / 5.0)
 
 
@@ -124,14 +135,21 @@ def test_vocab_entropy_matches_torch_and_ignores_padding():
 
 
 def test_packed_rows_reproduce_the_sampler_log_probs():
-    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=20, seq_length=12,
-                       make_vocab_size_divisible_by=8)
+    config = GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=20,
+        seq_length=12,
+        make_vocab_size_divisible_by=8,
+    )
     model = GPTModel(config, seed=3)
     prompts = [[1, 2, 3], [4, 5]]
     rows, row_ids = group_rows(prompts, [7, 2], 2)
     assert row_ids == [14, 15, 4, 5] and rows == [[1, 2, 3]] * 2 + [[4, 5]] * 2
-    result = generate(model, rows, 6, SamplingParams(temperature=1.0, seed=5), stop_ids=[19],
-                      return_log_probs=True, row_ids=row_ids)
+    result = generate(
+        model, rows, 6, SamplingParams(temperature=1.0, seed=5), stop_ids=[19], return_log_probs=True, row_ids=row_ids
+    )
     packed = pack_rows(rows, result.tokens, config.seq_length, 19, result.log_probs)
     with torch.no_grad():
         model.eval()

@@ -1,4 +1,5 @@
 """Megatron-LM's ``.bin``/``.idx`` format: hand-computed bytes, round trips, slices, merging, every bad input."""
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,13 @@ def test_hand_computed_idx_with_sentences_int32(tmp_path: Path) -> None:
     builder.add_item(torch.tensor([5]))
     builder.end_document()
     builder.finalize(prefix + ".idx")
-    expected_idx = (MAGIC + struct.pack("<QBQQ", 1, 4, 3, 3) + struct.pack("<3i", 2, 2, 1)
-                    + struct.pack("<3q", 0, 8, 16) + struct.pack("<3q", 0, 2, 3))
+    expected_idx = (
+        MAGIC
+        + struct.pack("<QBQQ", 1, 4, 3, 3)
+        + struct.pack("<3i", 2, 2, 1)
+        + struct.pack("<3q", 0, 8, 16)
+        + struct.pack("<3q", 0, 2, 3)
+    )
     assert Path(prefix + ".idx").read_bytes() == expected_idx
     assert Path(prefix + ".bin").read_bytes() == struct.pack("<5i", 7, 8, 9, 70000, 5)
     ds = IndexedDataset(prefix)
@@ -66,8 +72,10 @@ def test_hand_computed_idx_with_sentences_int32(tmp_path: Path) -> None:
 def test_round_trip(tmp_path: Path, dtype) -> None:
     rng = np.random.default_rng(0)
     high = min(np.iinfo(dtype).max, 100_000)
-    docs = [[rng.integers(0, high, size=int(n)) for n in rng.integers(0, 50, size=int(k))]
-            for k in rng.integers(1, 4, size=30)]
+    docs = [
+        [rng.integers(0, high, size=int(n)) for n in rng.integers(0, 50, size=int(k))]
+        for k in rng.integers(1, 4, size=30)
+    ]
     prefix = str(tmp_path / "rt")
     write_dataset(prefix, docs, dtype=dtype)
     ds = IndexedDataset(prefix)
@@ -109,7 +117,9 @@ def test_get_slices_and_indexing(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         ds["0"]  # type: ignore[index]
     unmapped = IndexedDataset(prefix, mmap=False)
-    assert unmapped.get(0, 3, 4).tolist() == [3, 4, 5, 6] and [s.tolist() for s in unmapped[0:2]] == [s.tolist() for s in ds[0:2]]
+    assert unmapped.get(0, 3, 4).tolist() == [3, 4, 5, 6] and [s.tolist() for s in unmapped[0:2]] == [
+        s.tolist() for s in ds[0:2]
+    ]
     clone = pickle.loads(pickle.dumps(ds))
     assert clone[1].tolist() == ds[1].tolist() and clone.path_prefix == prefix
     assert IndexedDataset.exists(prefix) and not IndexedDataset.exists(prefix + "x")
@@ -184,11 +194,12 @@ def test_merge_errors(tmp_path: Path) -> None:
 
 # --- bad input: each names the file and the fix ---------------------------------------------------------
 
+
 def _patched(tmp_path: Path, offset: int, data: bytes) -> str:
     prefix = str(tmp_path / "bad")
     _tiny(prefix)
     raw = bytearray(Path(prefix + ".idx").read_bytes())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     Path(prefix + ".idx").write_bytes(bytes(raw))
     return prefix
 
@@ -229,7 +240,7 @@ def test_truncated_idx(tmp_path: Path, cut: int) -> None:
     prefix = str(tmp_path / "t")
     _tiny(prefix)
     raw = Path(prefix + ".idx").read_bytes()
-    Path(prefix + ".idx").write_bytes(raw[:len(raw) - cut])
+    Path(prefix + ".idx").write_bytes(raw[: len(raw) - cut])
     with pytest.raises(ValueError, match=r"t\.idx is truncated|bad magic"):
         IndexedDataset(prefix)
 
@@ -261,7 +272,9 @@ def test_bin_size_mismatch(tmp_path: Path, change: str) -> None:
     _tiny(prefix)
     raw = Path(prefix + ".bin").read_bytes()
     Path(prefix + ".bin").write_bytes(raw[:-2] if change == "truncate" else raw + b"\x00\x00")
-    with pytest.raises(ValueError, match=r"b\.bin has (8|12) bytes but .*b\.idx describes 10 bytes.*do not belong together"):
+    with pytest.raises(
+        ValueError, match=r"b\.bin has (8|12) bytes but .*b\.idx describes 10 bytes.*do not belong together"
+    ):
         IndexedDataset(prefix)
 
 
@@ -270,7 +283,7 @@ def test_non_contiguous_pointers_fail_verify(tmp_path: Path) -> None:
     prefix = str(tmp_path / "p")
     write_dataset(prefix, [[[1, 2]], [[3]], [[4, 5]]], dtype=np.uint16)
     raw = bytearray(Path(prefix + ".idx").read_bytes())
-    raw[34 + 12 + 8:34 + 12 + 16] = struct.pack("<q", 2)  # pointer of sequence 1: 4 -> 2
+    raw[34 + 12 + 8 : 34 + 12 + 16] = struct.pack("<q", 2)  # pointer of sequence 1: 4 -> 2
     Path(prefix + ".idx").write_bytes(bytes(raw))
     ds = IndexedDataset(prefix)
     with pytest.raises(ValueError, match="pointer of sequence 1 is 2, expected 4"):
@@ -283,7 +296,7 @@ def test_non_contiguous_pointers_fail_verify(tmp_path: Path) -> None:
 def test_missing_files(tmp_path: Path, missing: str) -> None:
     prefix = str(tmp_path / "m")
     _tiny(prefix)
-    for ext in ((".bin", ".idx") if missing == "both" else (missing,)):
+    for ext in (".bin", ".idx") if missing == "both" else (missing,):
         os.remove(prefix + ext)
     with pytest.raises(FileNotFoundError) as err:
         IndexedDataset(prefix)

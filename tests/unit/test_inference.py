@@ -1,5 +1,6 @@
 """Generation in one process: sampling, prompt batching, the KV cache and bad input (the layouts:
 tests/distributed/test_generation_parallel.py)."""
+
 import gc
 import math
 
@@ -12,8 +13,15 @@ from megatron_lite.core.inference import KVCache, SamplingParams, TokenSampler, 
 from megatron_lite.core.inference.prompts import attention_mask, check_prompts, left_pad
 from megatron_lite.core.inference.sampling import filter_logits
 
-CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=300,
-              seq_length=32, make_vocab_size_divisible_by=8)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=2,
+    vocab_size=300,
+    seq_length=32,
+    make_vocab_size_divisible_by=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +30,17 @@ def model():
 
 
 # --- sampling -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
-    (dict(top_k=-1), "top_k must be an integer >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(seed=-3), "seed must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(seed=-3), "seed must be a non-negative integer"),
+    ],
+)
 def test_sampling_params_refuse_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -37,11 +48,14 @@ def test_sampling_params_refuse_bad_values(kwargs, message):
 
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    kept = lambda **kw: torch.isfinite(filter_logits(logits, SamplingParams(temperature=1.0, **kw)))[0].tolist()
+
+    def kept(**kw):
+        return torch.isfinite(filter_logits(logits, SamplingParams(temperature=1.0, **kw)))[0].tolist()
+
     assert kept(top_k=2) == [True, True, False, False, False]
-    assert kept(top_p=0.5) == [True, False, False, False, False]       # 0.5 alone reaches 0.5
-    assert kept(top_p=0.8) == [True, True, True, False, False]         # 0.7 < 0.8, 0.85 reaches it
-    assert kept(top_p=0.01) == [True, False, False, False, False]      # the most likely token always stays
+    assert kept(top_p=0.5) == [True, False, False, False, False]  # 0.5 alone reaches 0.5
+    assert kept(top_p=0.8) == [True, True, True, False, False]  # 0.7 < 0.8, 0.85 reaches it
+    assert kept(top_p=0.01) == [True, False, False, False, False]  # the most likely token always stays
     assert kept(top_k=3, top_p=0.6) == [True, True, False, False, False]
     assert kept() == [True] * 5
 
@@ -70,18 +84,21 @@ def test_a_rows_samples_depend_on_its_id_not_on_the_batch():
 
 
 # --- prompts --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompts, new, error, message", [
-    ([], 4, ValueError, "prompts is empty"),
-    ([[1, 2], []], 4, ValueError, "prompt 1 is empty"),
-    ([[1, 300]], 4, ValueError, r"prompt 0, token 1 is 300, outside the model's vocabulary \[0, 300\)"),
-    ([[-1]], 4, ValueError, r"prompt 0, token 0 is -1, outside"),
-    ([[1, 2.5]], 4, TypeError, "prompt 0, token 1 is 2.5, not an integer token id"),
-    ("hello", 4, TypeError, "prompts must be a list of token-id lists"),
-    (["hello"], 4, TypeError, r"prompt 0 must be a list of token ids, got str; tokenize text first"),
-    ([list(range(33))], 0, ValueError, "prompt 0 has 33 tokens, longer than the model's context of 32"),
-    ([[1] * 30], 4, ValueError, "lower max_new_tokens to 2 or shorten the prompt"),
-    ([[1]], -1, ValueError, "max_new_tokens must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "prompts, new, error, message",
+    [
+        ([], 4, ValueError, "prompts is empty"),
+        ([[1, 2], []], 4, ValueError, "prompt 1 is empty"),
+        ([[1, 300]], 4, ValueError, r"prompt 0, token 1 is 300, outside the model's vocabulary \[0, 300\)"),
+        ([[-1]], 4, ValueError, r"prompt 0, token 0 is -1, outside"),
+        ([[1, 2.5]], 4, TypeError, "prompt 0, token 1 is 2.5, not an integer token id"),
+        ("hello", 4, TypeError, "prompts must be a list of token-id lists"),
+        (["hello"], 4, TypeError, r"prompt 0 must be a list of token ids, got str; tokenize text first"),
+        ([list(range(33))], 0, ValueError, "prompt 0 has 33 tokens, longer than the model's context of 32"),
+        ([[1] * 30], 4, ValueError, "lower max_new_tokens to 2 or shorten the prompt"),
+        ([[1]], -1, ValueError, "max_new_tokens must be an integer >= 0"),
+    ],
+)
 def test_bad_prompts_get_one_clear_error(model, prompts, new, error, message):
     with pytest.raises(error, match=message):
         generate(model, prompts, new)
@@ -132,11 +149,18 @@ def test_generation_frees_its_cache(model):
     assert not [o for o in gc.get_objects() if type(o) is torch.Tensor and tuple(o.shape) == storage_shape]
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(), dict(rotary_percent=0.5), dict(position_embedding_type="learned_absolute"),
-    dict(num_query_groups=8, share_embeddings_and_output_weights=True), dict(num_query_groups=1),
-    dict(normalization="LayerNorm", activation="gelu", add_bias_linear=True),
-], ids=["gqa", "partial-rope", "learned-positions", "mha-tied", "mqa", "gpt2-style"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(rotary_percent=0.5),
+        dict(position_embedding_type="learned_absolute"),
+        dict(num_query_groups=8, share_embeddings_and_output_weights=True),
+        dict(num_query_groups=1),
+        dict(normalization="LayerNorm", activation="gelu", add_bias_linear=True),
+    ],
+    ids=["gqa", "partial-rope", "learned-positions", "mha-tied", "mqa", "gpt2-style"],
+)
 def test_cache_equals_an_argmax_loop_over_the_training_forward(overrides):
     model = GPTModel(GPTConfig(**{**CONFIG, **overrides}), seed=5).eval()
     prompts = [[5, 17, 42, 8, 9], [7]]
@@ -145,7 +169,7 @@ def test_cache_equals_an_argmax_loop_over_the_training_forward(overrides):
         seq = torch.tensor([prompt])
         for _ in range(12):
             seq = torch.cat([seq, model.full_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
-        expected.append(seq[0, len(prompt):].tolist())
+        expected.append(seq[0, len(prompt) :].tolist())
     assert generate(model, prompts, 12).tokens == expected
 
 
@@ -156,8 +180,9 @@ def test_cache_equals_recompute_and_batch_equals_one_by_one(model):
     for i, prompt in enumerate(prompts):
         alone = generate(model, [prompt], 10, return_log_probs=True)
         assert alone.tokens[0] == batch.tokens[i]
-        torch.testing.assert_close(torch.tensor(alone.log_probs[0]), torch.tensor(batch.log_probs[i]),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(alone.log_probs[0]), torch.tensor(batch.log_probs[i]), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_log_probs_are_the_models_at_any_temperature(model):
@@ -165,8 +190,8 @@ def test_log_probs_are_the_models_at_any_temperature(model):
     prompt = [5, 17, 42]
     out = generate(model, [prompt], 8, SamplingParams(temperature=1.7, top_k=20, seed=1), return_log_probs=True)
     seq = torch.tensor([prompt + out.tokens[0]])
-    logits = model.full_logits(seq)[0, len(prompt) - 1:-1]
-    expected = torch.log_softmax(logits, -1).gather(-1, seq[0, len(prompt):, None])[:, 0]
+    logits = model.full_logits(seq)[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(-1, seq[0, len(prompt) :, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.log_probs[0], dtype=torch.float32), expected, rtol=1e-5, atol=1e-5)
     assert all(math.isfinite(x) and x <= 0 for x in out.log_probs[0])
 
@@ -177,7 +202,7 @@ def test_stop_ids_end_each_row_on_its_own(model):
     stop = free[0][2]
     out = generate(model, prompts, 10, stop_ids=[stop])
     assert out.tokens[0] == free[0][:3] and out.stopped[0]
-    expected = free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1]
+    expected = free[1][: free[1].index(stop) + 1] if stop in free[1] else free[1]
     assert out.tokens[1] == expected and out.stopped[1] == (stop in free[1])
     assert generate(model, prompts, 0).tokens == [[], []]
 

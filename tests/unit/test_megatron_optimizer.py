@@ -1,6 +1,7 @@
 """The core optimizer step in one process: gradient hooks, unused parameters, checkpoint state without
 masters, NaN handling, overlapped reduction with unused parameters (multi-rank parity lives in
 tests/distributed/test_optimizer_parity.py)."""
+
 import copy
 
 import pytest
@@ -45,8 +46,11 @@ def test_a_parameter_without_gradient_still_takes_megatrons_step(kind):
     under every optimizer and precision alike."""
     torch.manual_seed(0)
     model = TwoLinears()
-    opt = MegatronOptimizer(model, config(), LAYOUT) if kind == "plain" else \
-        DistributedOptimizer(model, config(use_distributed_optimizer=True), LAYOUT)
+    opt = (
+        MegatronOptimizer(model, config(), LAYOUT)
+        if kind == "plain"
+        else DistributedOptimizer(model, config(use_distributed_optimizer=True), LAYOUT)
+    )
     for _ in range(3):
         _step(opt, model)
     # AdamW with a zero gradient: only the decoupled decay moves it, by (1 - lr * wd) per step
@@ -60,7 +64,10 @@ def test_a_new_optimizer_on_the_same_model_detaches_the_old_one(cls):
     first.remove_hooks()  # what GPTModule does before building the next one (a second fit)
     second = cls(model, config(), LAYOUT)
     _step(second, model)
-    buffers = (lambda o: [b.buffer for b in o.grad_buffers.buckets])
+
+    def buffers(o):
+        return [b.buffer for b in o.grad_buffers.buckets]
+
     assert all(b.abs().sum() == 0 for b in buffers(first)), "the old optimizer still receives gradients"
     assert any(b.abs().sum() > 0 for b in buffers(second))
     # a deep copy (or pickle) of the optimizer carries no hook handles
@@ -86,7 +93,7 @@ def test_zero1_master_shard_is_refreshed_from_loaded_weights_when_the_checkpoint
             p.fill_(7.0)  # what DCP writes into the weights
     opt.load_checkpoint_state({})
     assert all(torch.all(p == 7.0) for p in model.parameters())
-    assert all(torch.all(s.main_shard[:s.bucket.numel] == 7.0) for s in opt.shards)
+    assert all(torch.all(s.main_shard[: s.bucket.numel] == 7.0) for s in opt.shards)
 
 
 def test_non_finite_gradients_without_a_loss_scaler_stop_with_the_fix():
@@ -108,8 +115,9 @@ def test_non_finite_gradients_without_a_loss_scaler_stop_with_the_fix():
 def test_overlap_refuses_a_step_in_which_a_bucket_missed_gradients():
     """Launching a missed bucket late would order the collectives differently across ranks."""
     model = TwoLinears()
-    opt = DistributedOptimizer(model, config(use_distributed_optimizer=True), LAYOUT, bucket_size=16,
-                               overlap_grad_reduce=True)
+    opt = DistributedOptimizer(
+        model, config(use_distributed_optimizer=True), LAYOUT, bucket_size=16, overlap_grad_reduce=True
+    )
     assert len(opt.grad_buffers.buckets) == 2  # one bucket per 16-element parameter
     opt.zero_grad()
     model(torch.ones(2, 4)).backward()

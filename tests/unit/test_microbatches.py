@@ -39,8 +39,14 @@ def megatron_batch_size(consumed: int, gbs: int, ramp: list[int]) -> int:
 
 # (gbs, mbs, dp, [start, increment, rampup samples]); the last ones have a non-integer samples-per-increment, and
 # in (32, 2, 2, [4, 4, 58]) float rounding makes Megatron give 28, not 32, at exactly 58 consumed samples
-CONFIGS = [(32, 2, 1, [4, 4, 100]), (32, 2, 2, [8, 8, 96]), (48, 1, 4, [8, 4, 1000]), (64, 2, 4, [16, 8, 77]),
-           (1024, 4, 8, [32, 32, 30000]), (32, 2, 2, [4, 4, 58])]
+CONFIGS = [
+    (32, 2, 1, [4, 4, 100]),
+    (32, 2, 2, [8, 8, 96]),
+    (48, 1, 4, [8, 4, 1000]),
+    (64, 2, 4, [16, 8, 77]),
+    (1024, 4, 8, [32, 32, 30000]),
+    (32, 2, 2, [4, 4, 58]),
+]
 
 
 @pytest.mark.parametrize(("gbs", "mbs", "dp", "ramp"), CONFIGS)
@@ -79,23 +85,26 @@ def test_a_ramp_by_hand_and_the_constant_calculator() -> None:
     assert {flat.global_batch_size_at(c) for c in range(200)} == {32}
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ((32, 2, 1, [4, 6, 100]), r"32 - 4 = 28\) must be divisible by the increment \(6\)"),
-    ((32, 2, 2, [6, 2, 100]), r"rampup_batch_size\[0\] .* \(6\) must be a multiple of .* = 4"),
-    ((32, 2, 2, [8, 2, 100]), r"rampup_batch_size\[1\] .* \(2\) must be a multiple of .* = 4"),
-    ((32, 2, 1, [64, 8, 100]), r"start batch rampup_batch_size\[0\] \(64\) exceeds global_batch_size \(32\)"),
-    ((32, 2, 1, [0, 4, 100]), r"rampup_batch_size\[0\] .*positive integer, got 0"),
-    ((32, 2, 1, [4, -4, 100]), r"rampup_batch_size\[1\] .*positive integer, got -4"),
-    ((32, 2, 1, [4, 4, 0]), r"rampup_batch_size\[2\] \(rampup_samples\) must be a positive integer, got 0"),
-    ((32, 2, 1, [4, 4, 10.5]), r"rampup_batch_size\[2\] .*got 10.5"),
-    ((32, 2, 1, [True, 4, 10]), r"rampup_batch_size\[0\] .*got True"),
-    ((32, 2, 1, [4, 4]), r"must be \[start_global_batch_size, batch_size_increment, rampup_samples\]"),
-    ((32, 2, 1, "4 4 100"), r"must be \[start_global_batch_size"),
-    ((0, 2, 1, [4, 4, 100]), r"global_batch_size must be a positive integer"),
-    ((32, 0, 1, None), r"micro_batch_size must be a positive integer"),
-    ((32, 2, -1, [4, 4, 100]), r"data_parallel_size must be a positive integer"),
-    ((30, 2, 2, None), r"global_batch_size \(30\) must be a multiple of .* = 4"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((32, 2, 1, [4, 6, 100]), r"32 - 4 = 28\) must be divisible by the increment \(6\)"),
+        ((32, 2, 2, [6, 2, 100]), r"rampup_batch_size\[0\] .* \(6\) must be a multiple of .* = 4"),
+        ((32, 2, 2, [8, 2, 100]), r"rampup_batch_size\[1\] .* \(2\) must be a multiple of .* = 4"),
+        ((32, 2, 1, [64, 8, 100]), r"start batch rampup_batch_size\[0\] \(64\) exceeds global_batch_size \(32\)"),
+        ((32, 2, 1, [0, 4, 100]), r"rampup_batch_size\[0\] .*positive integer, got 0"),
+        ((32, 2, 1, [4, -4, 100]), r"rampup_batch_size\[1\] .*positive integer, got -4"),
+        ((32, 2, 1, [4, 4, 0]), r"rampup_batch_size\[2\] \(rampup_samples\) must be a positive integer, got 0"),
+        ((32, 2, 1, [4, 4, 10.5]), r"rampup_batch_size\[2\] .*got 10.5"),
+        ((32, 2, 1, [True, 4, 10]), r"rampup_batch_size\[0\] .*got True"),
+        ((32, 2, 1, [4, 4]), r"must be \[start_global_batch_size, batch_size_increment, rampup_samples\]"),
+        ((32, 2, 1, "4 4 100"), r"must be \[start_global_batch_size"),
+        ((0, 2, 1, [4, 4, 100]), r"global_batch_size must be a positive integer"),
+        ((32, 0, 1, None), r"micro_batch_size must be a positive integer"),
+        ((32, 2, -1, [4, 4, 100]), r"data_parallel_size must be a positive integer"),
+        ((30, 2, 2, None), r"global_batch_size \(30\) must be a multiple of .* = 4"),
+    ],
+)
 def test_bad_sizes_are_refused_naming_the_fix(args: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_num_microbatches_calculator(*args)
@@ -118,8 +127,11 @@ def test_bad_positions_and_ramp_checks_in_geometry_and_the_run_spec() -> None:
         return RunSpec(ParallelConfig(), world_size, DataGeometry(2, 32, 8, rampup_batch_size=rampup_batch_size))
 
     assert ramp(2, [8, 8, 9]).data_parallel_size == 2
-    with pytest.raises(ValueError, match=r"rampup_batch_size\[0\] .* \(6\) must be a multiple of micro_batch_size "
-                                         r"\(2\) x data-parallel size \(2\) = 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"rampup_batch_size\[0\] .* \(6\) must be a multiple of micro_batch_size "
+        r"\(2\) x data-parallel size \(2\) = 4",
+    ):
         ramp(2, [6, 2, 9])
     with pytest.raises(ValueError, match=r"data-parallel size \(4\) = 8.*device count"):
         ramp(4, [8, 4, 9])
@@ -173,7 +185,8 @@ def sequential(consumed: int, dp: int, rank: int, calculator) -> MegatronPretrai
 
 def cyclic(sharding: bool):
     return lambda consumed, dp, rank, calculator: MegatronPretrainingRandomSampler(
-        TOTAL, consumed, GBS, dp, rank, seed=3, data_sharding=sharding, calculator=calculator)
+        TOTAL, consumed, GBS, dp, rank, seed=3, data_sharding=sharding, calculator=calculator
+    )
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -214,7 +227,7 @@ def test_flat_iteration_and_the_batch_sampler() -> None:
     calculator = build_num_microbatches_calculator(GBS, MBS, 2, RAMP)
     flat = list(MegatronPretrainingSampler(TOTAL, 0, GBS, 2, 1, calculator=calculator))
     batched = sum(RankBatchSampler(MegatronPretrainingSampler(TOTAL, 0, GBS, 2, 1, calculator=calculator)), [])
-    assert flat == batched == sum((b[len(b) // 2:] for b in expected_sequential(18)), [])  # the first pass
+    assert flat == batched == sum((b[len(b) // 2 :] for b in expected_sequential(18)), [])  # the first pass
     with pytest.raises(TypeError):
         len(RankBatchSampler(MegatronPretrainingSampler(TOTAL, 0, GBS, 2, 1, calculator=calculator)))
     with pytest.raises(ValueError, match="build it with the sampler's sizes"):
@@ -228,11 +241,18 @@ def _train_batches(dp: int, global_step: int, steps: int, state: dict | None = N
     """Global batches of ``steps`` steps from each rank's train loader (a stand-in trainer gives DP and step)."""
     per_rank = []
     for rank in range(dp):
-        dm = MockGPTDataModule(seq_length=8, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=50,
-                               num_train_samples=TOTAL, rampup_batch_size=RAMP)
+        dm = MockGPTDataModule(
+            seq_length=8,
+            micro_batch_size=MBS,
+            global_batch_size=GBS,
+            vocab_size=50,
+            num_train_samples=TOTAL,
+            rampup_batch_size=RAMP,
+        )
         dm.trainer = SimpleNamespace(  # type: ignore[assignment]
             strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank}),
-            global_step=global_step)
+            global_step=global_step,
+        )
         if state is not None:
             dm.load_state_dict(state)
         loader = dm.train_dataloader()
@@ -251,8 +271,9 @@ def _train_batches(dp: int, global_step: int, steps: int, state: dict | None = N
 
 
 def test_datamodule_batches_follow_the_ramp_and_resume_from_step_or_state() -> None:
-    dataset = MockGPTDataModule(seq_length=8, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=50,
-                                num_train_samples=TOTAL).train_dataset
+    dataset = MockGPTDataModule(
+        seq_length=8, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=50, num_train_samples=TOTAL
+    ).train_dataset
     full = _train_batches(2, 0, 14)
     expected = [torch.stack([dataset[i]["tokens"] for i in batch]) for batch in expected_sequential(14)]
     assert all(torch.equal(a, b) for a, b in zip(full, expected))
@@ -272,24 +293,34 @@ def test_pretrain_layout_change_warning_follows_the_ramped_passes(tmp_path) -> N
     """The cyclic sampler's 'DP size changed mid-epoch' warning knows where ramped passes end."""
     prefix = str(tmp_path / "corpus")
     rng = np.random.default_rng(0)
-    write_dataset(prefix, [[rng.integers(1, 500, size=int(rng.integers(5, 60)))] for _ in range(60)],
-                  dtype=np.uint16)
+    write_dataset(prefix, [[rng.integers(1, 500, size=int(rng.integers(5, 60)))] for _ in range(60)], dtype=np.uint16)
 
     def resumed(consumed: int) -> PretrainDataModule:
-        dm = PretrainDataModule([prefix], seq_length=16, micro_batch_size=1, global_batch_size=GBS, split="90,10",
-                                sampler="cyclic", vocab_size=500, train_samples=TOTAL, rampup_batch_size=RAMP,
-                                cache_dir=str(tmp_path / "cache"))
+        dm = PretrainDataModule(
+            [prefix],
+            seq_length=16,
+            micro_batch_size=1,
+            global_batch_size=GBS,
+            split="90,10",
+            sampler="cyclic",
+            vocab_size=500,
+            train_samples=TOTAL,
+            rampup_batch_size=RAMP,
+            cache_dir=str(tmp_path / "cache"),
+        )
         dm.trainer = SimpleNamespace(  # type: ignore[assignment]
-            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": 0}), global_step=0)
-        dm.load_state_dict({"consumed_samples": consumed, "sampler": "cyclic", "data_sharding": True,
-                            "data_parallel_size": 2})
+            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 4, "rank": 0}), global_step=0
+        )
+        dm.load_state_dict(
+            {"consumed_samples": consumed, "sampler": "cyclic", "data_sharding": True, "data_parallel_size": 2}
+        )
         return dm
 
     probe = resumed(0)
     probe.setup("fit")
     total = len(probe.train_dataset)  # type: ignore[arg-type]
     order = expected_sequential(40, total)
-    second_pass = sum(len(batch) for batch in order[:next(k for k in range(1, 40) if order[k][0] == 0)])
+    second_pass = sum(len(batch) for batch in order[: next(k for k in range(1, 40) if order[k][0] == 0)])
     assert second_pass % (total - total % GBS) != 0  # where an unramped run would be mid-epoch
     with warnings.catch_warnings():
         warnings.simplefilter("error")

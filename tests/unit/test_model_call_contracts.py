@@ -1,6 +1,7 @@
 """Calls the type checker showed could not work: a RewardModel called with GPTModel's positional arguments,
 and generation or speculative decoding with a model built without its output layer (one clear error
 up front, instead of a TypeError from deep inside)."""
+
 import pytest
 import torch
 

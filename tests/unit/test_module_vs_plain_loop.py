@@ -4,6 +4,7 @@ This anchors every parity test: the single-process reference they compare agains
 equal to the obvious loop (mean next-token loss over the global batch, gradient accumulation
 over microbatches, global-norm clipping, AdamW, Megatron's warmup + cosine LR).
 """
+
 import lightning as L
 import pytest
 import torch
@@ -13,8 +14,15 @@ import megatron_lite as ml
 from megatron_lite.core.optim import MegatronLRScheduler, build_optimizer
 from megatron_lite.data import MockGPTDataModule, MockGPTDataset
 
-CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=200, seq_length=16,
-              make_vocab_size_divisible_by=8)
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=200,
+    seq_length=16,
+    make_vocab_size_divisible_by=8,
+)
 OPT = dict(lr=2e-3, min_lr=2e-4, lr_warmup_iters=2, lr_decay_iters=6, clip_grad=0.5, weight_decay=0.1)
 STEPS, GBS, MBS = 6, 8, 2
 
@@ -57,9 +65,18 @@ class Losses(L.Callback):
 @pytest.mark.parametrize("strategy", ["auto", "megatron_fork"])
 def test_gpt_module_equals_plain_pytorch_loop(strategy, tmp_path):
     losses = Losses(tmp_path / "losses.pt")
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[losses], limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+        limit_val_batches=0,
+    )
     data = MockGPTDataModule(seq_length=16, micro_batch_size=MBS, global_batch_size=GBS, vocab_size=200, seed=7)
     trainer.fit(ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(**OPT), seed=1234), data)
     recorded = torch.load(tmp_path / "losses.pt")

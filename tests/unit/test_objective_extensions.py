@@ -2,6 +2,7 @@
 doubles the loss gives exactly twice the plain run's losses (and, with SGD, the same trajectory as a
 doubled learning rate), extensions nest first-outermost, attach once per built model, and their step
 metrics are logged."""
+
 import lightning as L
 import torch
 
@@ -34,19 +35,35 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
-        self.metrics.append(float(trainer.callback_metrics["train/scaled_by"])
-                            if "train/scaled_by" in trainer.callback_metrics else None)
+        self.metrics.append(
+            float(trainer.callback_metrics["train/scaled_by"])
+            if "train/scaled_by" in trainer.callback_metrics
+            else None
+        )
 
 
 def fit(extensions, lr):
     record = Record()
-    module = ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0,
-                                                                        clip_grad=0.0, lr_decay_style="constant"))
+    module = ml.GPTModule(
+        ml.GPTConfig(**CONFIG),
+        ml.OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant"),
+    )
     for extension in extensions:
         module.add_objective_extension(extension)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
-    trainer.fit(module, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[record],
+    )
+    trainer.fit(
+        module, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3)
+    )
     return module, record
 
 
@@ -104,8 +121,20 @@ def test_a_model_handed_over_in_eval_mode_trains_in_train_mode():
     module = ml.GPTModule(ml.GPTConfig(**CONFIG))
     module.configure_model()
     module.model.eval()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                        val_check_interval=1, check_val_every_n_epoch=None, callbacks=[Mode()])
-    trainer.fit(module, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        val_check_interval=1,
+        check_val_every_n_epoch=None,
+        callbacks=[Mode()],
+    )
+    trainer.fit(
+        module, MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=128, seed=3)
+    )
     assert seen == [True, True]  # also after the validation between the steps

@@ -4,6 +4,7 @@ Every sequence is compared with the formulas of DESIGN.md section 3, written out
 independently of megatron_lite.core.optim.scheduler, and read back from the optimizer's own
 param_groups after each scheduler step.
 """
+
 import math
 
 import pytest
@@ -11,14 +12,29 @@ import torch
 from torch import nn
 
 import megatron_lite as ml
-from megatron_lite.core.optim import (MegatronLRScheduler, build_optimizer, model_param_entries, param_groups,
-                                      schedule_lengths)
+from megatron_lite.core.optim import (
+    MegatronLRScheduler,
+    build_optimizer,
+    model_param_entries,
+    param_groups,
+    schedule_lengths,
+)
 
-LR_STYLES = [("constant", None), ("linear", None), ("cosine", None), ("inverse-square-root", None),
-             ("WSD", "linear"), ("WSD", "cosine"), ("WSD", "exponential"), ("WSD", "minus_sqrt")]
-WD_STYLES = {"constant": dict(weight_decay=0.1),
-             "linear": dict(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1),
-             "cosine": dict(weight_decay_incr_style="cosine", start_weight_decay=0.02, end_weight_decay=0.2)}
+LR_STYLES = [
+    ("constant", None),
+    ("linear", None),
+    ("cosine", None),
+    ("inverse-square-root", None),
+    ("WSD", "linear"),
+    ("WSD", "cosine"),
+    ("WSD", "exponential"),
+    ("WSD", "minus_sqrt"),
+]
+WD_STYLES = {
+    "constant": dict(weight_decay=0.1),
+    "linear": dict(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1),
+    "cosine": dict(weight_decay_incr_style="cosine", start_weight_decay=0.02, end_weight_decay=0.2),
+}
 LR_MULT = 0.25
 
 
@@ -41,8 +57,12 @@ def reference_lr(n, *, max_lr, min_lr, init, warmup, decay, style, wsd=None, wsd
         c = 1.0
     else:
         rr = (n - (decay - wsd)) / wsd
-        c = {"linear": 1 - rr, "cosine": 0.5 * (math.cos(math.pi * rr) + 1), "exponential": 2 * 0.5 ** rr - 1,
-             "minus_sqrt": 1 - math.sqrt(rr)}[wsd_style]
+        c = {
+            "linear": 1 - rr,
+            "cosine": 0.5 * (math.cos(math.pi * rr) + 1),
+            "exponential": 2 * 0.5**rr - 1,
+            "minus_sqrt": 1 - math.sqrt(rr),
+        }[wsd_style]
     return min_lr + c * (max_lr - min_lr)
 
 
@@ -58,14 +78,21 @@ def reference_wd(n, *, start, end, incr, style):
 class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
-        self.proj = nn.Linear(3, 3)                  # weight: decayed; bias: not
-        self.norm = nn.LayerNorm(3)                  # 1-D: not decayed
-        self.output_layer = nn.Linear(3, 2)          # lr x LR_MULT; its bias also without weight decay
+        self.proj = nn.Linear(3, 3)  # weight: decayed; bias: not
+        self.norm = nn.LayerNorm(3)  # 1-D: not decayed
+        self.output_layer = nn.Linear(3, 2)  # lr x LR_MULT; its bias also without weight decay
 
 
 def make_config(lr_style, wsd_style, wd_style, sample_based, **extra):
-    kw = dict(lr=1.0, min_lr=0.1, lr_warmup_init=0.05, lr_decay_style=lr_style, lr_mult=LR_MULT,
-              scale_lr_params=["output_layer.*"], **WD_STYLES[wd_style])
+    kw = dict(
+        lr=1.0,
+        min_lr=0.1,
+        lr_warmup_init=0.05,
+        lr_decay_style=lr_style,
+        lr_mult=LR_MULT,
+        scale_lr_params=["output_layer.*"],
+        **WD_STYLES[wd_style],
+    )
     if sample_based:
         kw.update(lr_warmup_samples=20, lr_decay_samples=200)
         if wsd_style:
@@ -84,10 +111,24 @@ def ramp_increments():
 
 
 def expected_groups(n, cfg, *, warmup, decay, wsd, incr):
-    lr = reference_lr(n, max_lr=cfg.lr, min_lr=cfg.min_lr, init=cfg.lr_warmup_init, warmup=warmup, decay=decay,
-                      style=cfg.lr_decay_style, wsd=wsd, wsd_style=cfg.lr_wsd_decay_style)
-    wd = reference_wd(n, start=cfg.weight_decay_range()[0], end=cfg.weight_decay_range()[1], incr=incr,
-                      style=cfg.weight_decay_incr_style)
+    lr = reference_lr(
+        n,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        init=cfg.lr_warmup_init,
+        warmup=warmup,
+        decay=decay,
+        style=cfg.lr_decay_style,
+        wsd=wsd,
+        wsd_style=cfg.lr_wsd_decay_style,
+    )
+    wd = reference_wd(
+        n,
+        start=cfg.weight_decay_range()[0],
+        end=cfg.weight_decay_range()[1],
+        incr=incr,
+        style=cfg.weight_decay_incr_style,
+    )
     # The four groups in build order: (wd 1, lr 1), (wd 0, lr 1), (wd 1, lr_mult), (wd 0, lr_mult).
     return [lr, wd, lr, 0.0, lr * LR_MULT, wd, lr * LR_MULT, 0.0]
 
@@ -142,8 +183,15 @@ def test_sample_schedule_follows_consumed_samples_through_a_ramp_up(lr_style, ws
 
 
 def test_decay_defaults_to_max_steps_and_warmup_fraction_scales_it():
-    cfg = ml.OptimizerConfig(lr=1.0, min_lr=0.0, lr_warmup_fraction=0.25, lr_decay_style="linear",
-                             weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.4)
+    cfg = ml.OptimizerConfig(
+        lr=1.0,
+        min_lr=0.0,
+        lr_warmup_fraction=0.25,
+        lr_decay_style="linear",
+        weight_decay_incr_style="linear",
+        start_weight_decay=0.0,
+        end_weight_decay=0.4,
+    )
     seen = run_schedule(cfg, 30, [1] * 34)
     for n, groups in seen:
         lr = reference_lr(n, max_lr=1.0, min_lr=0.0, init=0.0, warmup=7.5, decay=30, style="linear")
@@ -188,10 +236,13 @@ def test_groups_come_from_the_model_params_even_for_flat_master_copies():
     entries = [(name, p, masters[name]) for name, p in model.named_parameters()]
     groups = param_groups(entries, cfg)
     members = [{next(n for n, m in masters.items() if m is q) for q in g["params"]} for g in groups]
-    assert members == [{"proj.weight"}, {"proj.bias", "norm.weight"}, {"output_layer.weight"},
-                       {"output_layer.bias"}]
+    assert members == [{"proj.weight"}, {"proj.bias", "norm.weight"}, {"output_layer.weight"}, {"output_layer.bias"}]
     assert [(g["wd_mult"], g["lr_mult"], g["weight_decay"], g["lr"]) for g in groups] == [
-        (1.0, 1.0, 0.3, 0.5), (0.0, 1.0, 0.0, 0.5), (1.0, 2.0, 0.3, 1.0), (0.0, 2.0, 0.0, 1.0)]
+        (1.0, 1.0, 0.3, 0.5),
+        (0.0, 1.0, 0.0, 0.5),
+        (1.0, 2.0, 0.3, 1.0),
+        (0.0, 2.0, 0.0, 1.0),
+    ]
     assert all(q.dtype == torch.float32 and q.ndim == 1 for g in groups for q in g["params"])
 
 
@@ -205,8 +256,14 @@ def test_the_same_tensor_twice_is_an_error():
 def test_the_optimizer_applies_each_groups_lr_and_weight_decay(optimizer):
     # With zero gradients one AdamW step (and the first SGD step, whose L2 term is the whole
     # gradient) multiplies each parameter by exactly 1 - lr x weight_decay of its group.
-    cfg = ml.OptimizerConfig(optimizer=optimizer, lr=0.5, lr_decay_style="constant", weight_decay=0.2,
-                             lr_mult=0.5, scale_lr_params=["output_layer.*"])
+    cfg = ml.OptimizerConfig(
+        optimizer=optimizer,
+        lr=0.5,
+        lr_decay_style="constant",
+        weight_decay=0.2,
+        lr_mult=0.5,
+        scale_lr_params=["output_layer.*"],
+    )
     model = Tiny()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt = build_optimizer(model_param_entries(model), cfg)
@@ -220,34 +277,50 @@ def test_the_optimizer_applies_each_groups_lr_and_weight_decay(optimizer):
 
 
 # --- bad input -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(lr=1e-4, min_lr=1e-3), r"min_lr \(0.001\) must be between 0 and lr"),
-    (dict(lr_warmup_iters=10, lr_decay_iters=10), r"lr_warmup_iters \(10\) must be smaller than lr_decay_iters \(10\)"),
-    (dict(lr_warmup_samples=64, lr_decay_samples=32),
-     r"lr_warmup_samples \(64\) must be smaller than lr_decay_samples \(32\)"),
-    (dict(lr_decay_style="WSD", lr_warmup_iters=10, lr_decay_iters=100, lr_wsd_decay_iters=95),
-     r"lr_wsd_decay_iters \(95\) is longer than the decay phase \(90 iters"),
-    (dict(lr_decay_style="WSD", lr_decay_samples=100, lr_wsd_decay_samples=101),
-     r"lr_wsd_decay_samples \(101\) is longer than the decay phase \(100 samples"),
-    (dict(lr_decay_style="WSD", lr_decay_samples=100), "needs lr_wsd_decay_samples"),
-    (dict(weight_decay=0.1, end_weight_decay=0.2),
-     r"'constant' needs start_weight_decay == end_weight_decay \(got 0.1 and 0.2\); set weight_decay_incr_style"),
-    (dict(weight_decay_incr_style="exp"), "weight_decay_incr_style must be one of"),
-    (dict(start_weight_decay=-0.1, weight_decay_incr_style="linear"), "start_weight_decay must be >= 0"),
-    (dict(lr_warmup_iters=5, lr_decay_samples=100),
-     r"mixes iteration-based fields \(lr_warmup_iters\) and sample-based fields \(lr_decay_samples\); "
-     r"remove lr_warmup_iters .* or lr_decay_samples"),
-    (dict(lr_warmup_samples=5), "sample-based schedule .lr_warmup_samples. needs lr_decay_samples"),
-    (dict(lr_warmup_fraction=0.1, lr_warmup_iters=3), "lr_warmup_fraction and lr_warmup_iters both set the warmup"),
-    (dict(lr_warmup_fraction=1.0), r"lr_warmup_fraction must be in \[0, 1\)"),
-    (dict(lr_decay_samples=0), "lr_decay_samples must be positive"),
-    (dict(lr_mult=0.1), "lr_mult=0.1 applies only to parameters matching scale_lr_params, which is empty"),
-    (dict(lr_mult=0.0, scale_lr_params=["x"]), "lr_mult must be positive"),
-    (dict(loss_scale=-1.0), "loss_scale must be positive"),
-    (dict(hysteresis=0), "hysteresis must be positive"),
-    (dict(loss_scale_window=0), "loss_scale_window must be positive"),
-    (dict(min_loss_scale=8.0, initial_loss_scale=4.0), r"min_loss_scale \(8.0\) must be <= initial_loss_scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr=1e-4, min_lr=1e-3), r"min_lr \(0.001\) must be between 0 and lr"),
+        (
+            dict(lr_warmup_iters=10, lr_decay_iters=10),
+            r"lr_warmup_iters \(10\) must be smaller than lr_decay_iters \(10\)",
+        ),
+        (
+            dict(lr_warmup_samples=64, lr_decay_samples=32),
+            r"lr_warmup_samples \(64\) must be smaller than lr_decay_samples \(32\)",
+        ),
+        (
+            dict(lr_decay_style="WSD", lr_warmup_iters=10, lr_decay_iters=100, lr_wsd_decay_iters=95),
+            r"lr_wsd_decay_iters \(95\) is longer than the decay phase \(90 iters",
+        ),
+        (
+            dict(lr_decay_style="WSD", lr_decay_samples=100, lr_wsd_decay_samples=101),
+            r"lr_wsd_decay_samples \(101\) is longer than the decay phase \(100 samples",
+        ),
+        (dict(lr_decay_style="WSD", lr_decay_samples=100), "needs lr_wsd_decay_samples"),
+        (
+            dict(weight_decay=0.1, end_weight_decay=0.2),
+            r"'constant' needs start_weight_decay == end_weight_decay \(got 0.1 and 0.2\); set weight_decay_incr_style",
+        ),
+        (dict(weight_decay_incr_style="exp"), "weight_decay_incr_style must be one of"),
+        (dict(start_weight_decay=-0.1, weight_decay_incr_style="linear"), "start_weight_decay must be >= 0"),
+        (
+            dict(lr_warmup_iters=5, lr_decay_samples=100),
+            r"mixes iteration-based fields \(lr_warmup_iters\) and sample-based fields \(lr_decay_samples\); "
+            r"remove lr_warmup_iters .* or lr_decay_samples",
+        ),
+        (dict(lr_warmup_samples=5), "sample-based schedule .lr_warmup_samples. needs lr_decay_samples"),
+        (dict(lr_warmup_fraction=0.1, lr_warmup_iters=3), "lr_warmup_fraction and lr_warmup_iters both set the warmup"),
+        (dict(lr_warmup_fraction=1.0), r"lr_warmup_fraction must be in \[0, 1\)"),
+        (dict(lr_decay_samples=0), "lr_decay_samples must be positive"),
+        (dict(lr_mult=0.1), "lr_mult=0.1 applies only to parameters matching scale_lr_params, which is empty"),
+        (dict(lr_mult=0.0, scale_lr_params=["x"]), "lr_mult must be positive"),
+        (dict(loss_scale=-1.0), "loss_scale must be positive"),
+        (dict(hysteresis=0), "hysteresis must be positive"),
+        (dict(loss_scale_window=0), "loss_scale_window must be positive"),
+        (dict(min_loss_scale=8.0, initial_loss_scale=4.0), r"min_loss_scale \(8.0\) must be <= initial_loss_scale"),
+    ],
+)
 def test_optimizer_config_rejects(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ml.OptimizerConfig(**kwargs)
@@ -258,13 +331,23 @@ def test_scale_lr_params_must_be_a_list():
         ml.OptimizerConfig(lr_mult=0.5, scale_lr_params="*output*")
 
 
-@pytest.mark.parametrize("kwargs, max_steps, message", [
-    (dict(lr_warmup_iters=5), 3, r"lr_warmup_iters \(5\) must be smaller than lr_decay_iters \(3\)"),
-    (dict(lr_decay_style="cosine"), None, "lr_decay_style='cosine' needs a decay length: set optimizer.lr_decay_it"),
-    (dict(lr_decay_style="constant", lr_warmup_fraction=0.1), -1, "lr_warmup_fraction needs a decay length"),
-    (dict(lr_decay_style="constant", weight_decay_incr_style="linear", end_weight_decay=0.5), None,
-     "weight_decay_incr_style='linear' needs the run length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, max_steps, message",
+    [
+        (dict(lr_warmup_iters=5), 3, r"lr_warmup_iters \(5\) must be smaller than lr_decay_iters \(3\)"),
+        (
+            dict(lr_decay_style="cosine"),
+            None,
+            "lr_decay_style='cosine' needs a decay length: set optimizer.lr_decay_it",
+        ),
+        (dict(lr_decay_style="constant", lr_warmup_fraction=0.1), -1, "lr_warmup_fraction needs a decay length"),
+        (
+            dict(lr_decay_style="constant", weight_decay_incr_style="linear", end_weight_decay=0.5),
+            None,
+            "weight_decay_incr_style='linear' needs the run length",
+        ),
+    ],
+)
 def test_schedule_lengths_reject(kwargs, max_steps, message):
     cfg = ml.OptimizerConfig(**kwargs)
     with pytest.raises(ValueError, match=message):

@@ -2,6 +2,7 @@
 ``ml.data`` / ``ml.callbacks`` / ``ml.tokenizers`` are attributes of ``import megatron_lite`` without being
 imported up front. The bare-install test (tests/integration/test_bare_install.py) runs the same in a venv
 that really lacks the extras."""
+
 from __future__ import annotations
 
 import json
@@ -31,22 +32,31 @@ def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch: pytest.Monk
     for module in ("sentencepiece", "tiktoken", "tokenizers"):
         monkeypatch.setitem(sys.modules, module, None)  # what `import` sees when the package is not installed
     cases = [
-        (lambda: SentencePieceTokenizer(str(TOKENIZERS / "llama-sp/tokenizer.model")), "SentencePieceTokenizer",
-         "sentencepiece"),
-        (lambda: build_tokenizer("gpt2", vocab_file=TOKENIZERS / "gpt2/vocab.json",
-                                 merge_file=TOKENIZERS / "gpt2/merges.txt"), "GPT2BPETokenizer", "tokenizers"),
+        (
+            lambda: SentencePieceTokenizer(str(TOKENIZERS / "llama-sp/tokenizer.model")),
+            "SentencePieceTokenizer",
+            "sentencepiece",
+        ),
+        (
+            lambda: build_tokenizer(
+                "gpt2", vocab_file=TOKENIZERS / "gpt2/vocab.json", merge_file=TOKENIZERS / "gpt2/merges.txt"
+            ),
+            "GPT2BPETokenizer",
+            "tokenizers",
+        ),
         (lambda: build_tokenizer("hf", tokenizer_model=TOKENIZERS / "gpt2"), "HuggingFaceTokenizer", "tokenizers"),
         (lambda: TikTokenizer(TOKENIZERS / "gpt2/vocab.json"), "TikTokenizer", "tiktoken"),
     ]
     for make, purpose, package in cases:
         with pytest.raises(MissingDependencyError) as info:
             make()
-        assert str(info.value) == f"{purpose} needs the {package!r} package: pip install \"megatron-lite[data]\""
+        assert str(info.value) == f'{purpose} needs the {package!r} package: pip install "megatron-lite[data]"'
         assert isinstance(info.value, ImportError) and info.value.__suppress_context__  # no chained traceback
 
 
-def test_only_the_package_itself_missing_is_reported_as_an_extra(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_the_package_itself_missing_is_reported_as_an_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An installed optional package that fails on a dependency of its own keeps that error: "install the extra"
     would be wrong advice."""
     (tmp_path / "halfbroken").mkdir()
@@ -57,8 +67,11 @@ def test_only_the_package_itself_missing_is_reported_as_an_extra(tmp_path: Path,
     with pytest.raises(ModuleNotFoundError, match="a_module_nobody_has_installed") as info:
         require("halfbroken", "plotting")
     assert not isinstance(info.value, MissingDependencyError)
-    with pytest.raises(MissingDependencyError, match=r"^plotting needs the 'not-installed-at-all' package: "
-                                                     r"pip install \"megatron-lite\[logging\]\"$"):
+    with pytest.raises(
+        MissingDependencyError,
+        match=r"^plotting needs the 'not-installed-at-all' package: "
+        r"pip install \"megatron-lite\[logging\]\"$",
+    ):
         require("not_installed_at_all", "plotting")
     with pytest.raises(KeyError):
         require("an_unlisted_package", "x")  # every optional dependency is declared in OPTIONAL
@@ -92,8 +105,11 @@ print(json.dumps(dict(eager=eager, metrics=type(metrics).__module__, data=type(d
                       optional_imported=[m for m in {DATA_ONLY!r} if m in sys.modules and m not in baseline])))
 """)
     assert result["eager"] == [], "import megatron_lite must not import these (import time)"
-    assert (result["metrics"], result["data"], result["ids"]) == ("megatron_lite.callbacks.metrics",
-                                                                  "MockGPTDataModule", [3, 4])
+    assert (result["metrics"], result["data"], result["ids"]) == (
+        "megatron_lite.callbacks.metrics",
+        "MockGPTDataModule",
+        [3, 4],
+    )
     assert result["same"] and result["listed"] == ["callbacks", "data", "tokenizers"]
     assert result["missing"] == "module 'megatron_lite' has no attribute 'nope'"
     assert result["optional_imported"] == [], "the data extra's packages are imported only where they are used"
@@ -129,5 +145,8 @@ def test_data_lists_every_lazy_name() -> None:
     import megatron_lite.data as data
 
     assert sorted(data.__all__) == sorted(data._PUBLIC) and set(data.__all__) <= set(dir(data))
-    assert all(getattr(data, name).__module__ == module for name, module in data._PUBLIC.items()
-               if hasattr(getattr(data, name), "__module__"))
+    assert all(
+        getattr(data, name).__module__ == module
+        for name, module in data._PUBLIC.items()
+        if hasattr(getattr(data, name), "__module__")
+    )

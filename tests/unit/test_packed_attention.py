@@ -1,4 +1,5 @@
 """Packed samples: a sequence's loss inside a packed sample equals its loss on its own."""
+
 import pytest
 import torch
 
@@ -15,16 +16,27 @@ def test_document_ranges():
     assert document_ranges([0, 4, 9], 8) == [(0, 4), (4, 8)]
 
 
-@pytest.mark.parametrize("kwargs", [{}, dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
-                                             activation="gelu")])
+@pytest.mark.parametrize(
+    "kwargs", [{}, dict(position_embedding_type="learned_absolute", normalization="LayerNorm", activation="gelu")]
+)
 def test_packed_loss_equals_separate_losses(kwargs):
-    config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
-                          make_vocab_size_divisible_by=4, **kwargs)
+    config = ml.GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=100,
+        seq_length=16,
+        make_vocab_size_divisible_by=4,
+        **kwargs,
+    )
     model = ml.GPTModel(config, seed=0)
     gen = torch.Generator().manual_seed(0)  # fixed tokens: the test must not depend on what ran before it
     a, b = torch.randint(0, 100, (7,), generator=gen), torch.randint(0, 100, (10,), generator=gen)  # 7 + 10 = 17
-    packed = {"tokens": torch.cat([a, b])[None], "position_ids": torch.cat([torch.arange(7), torch.arange(9)])[None],
-              "cu_seqlens": torch.tensor([[0, 7, 17]], dtype=torch.int32)}
+    packed = {
+        "tokens": torch.cat([a, b])[None],
+        "position_ids": torch.cat([torch.arange(7), torch.arange(9)])[None],
+        "cu_seqlens": torch.tensor([[0, 7, 17]], dtype=torch.int32),
+    }
     mask = torch.ones(1, 16)
     mask[0, 6] = 0  # predicting b's first token from a's last is not a real target
     loss_sum, n = gpt_loss(model, {**packed, "loss_mask": mask})

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.core.parallel.context_parallel import document_ranges
+from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset, write_dataset
 from megatron_lite.data.pretrain import PretrainDataModule
@@ -40,8 +40,12 @@ def megatron_reference(tokens: list[int], eod: int) -> dict[str, Any]:
             position_ids[q] -= i + 1 - prev
         prev = i + 1
     starts = [0] + [j + 1 for j, t in enumerate(data) if t == eod]
-    return {"loss_mask": loss_mask, "position_ids": position_ids, "allowed": allowed,
-            "cu_seqlens": starts + [len(tokens)]}
+    return {
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "allowed": allowed,
+        "cu_seqlens": starts + [len(tokens)],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +67,15 @@ def _dataset(prefix: str, **kwargs: Any) -> GPTDataset:
 
 def test_samples_equal_megatrons_masks_and_positions(corpus: str) -> None:
     ds = _dataset(corpus, eod_mask_token=EOD, reset_position_ids=True, reset_attention_mask=True)
-    seen = {"no eod": 0, "one eod": 0, "several eods": 0, "eod as last input": 0, "eod as first input": 0,
-            "consecutive eods": 0, "eod only as label": 0}
+    seen = {
+        "no eod": 0,
+        "one eod": 0,
+        "several eods": 0,
+        "eod as last input": 0,
+        "eod as first input": 0,
+        "consecutive eods": 0,
+        "eod only as label": 0,
+    }
     for i in range(len(ds)):
         sample = ds[i]
         tokens = sample["tokens"].tolist()
@@ -75,7 +86,9 @@ def test_samples_equal_megatrons_masks_and_positions(corpus: str) -> None:
         assert cu.dtype == torch.int32 and cu.shape == (SEQ + 2,)
         assert cu.tolist() == ref["cu_seqlens"] + [-1] * (SEQ + 2 - len(ref["cu_seqlens"]))
         # what the model makes of cu_seqlens is Megatron's attention mask
-        segments = [doc for doc, (start, end) in enumerate(document_ranges(cu.tolist(), SEQ)) for _ in range(start, end)]
+        segments = [
+            doc for doc, (start, end) in enumerate(document_ranges(cu.tolist(), SEQ)) for _ in range(start, end)
+        ]
         allowed = [[k <= q and segments[q] == segments[k] for k in range(SEQ)] for q in range(SEQ)]
         assert allowed == ref["allowed"]
         eods = [j for j, t in enumerate(tokens[:-1]) if t == EOD]
@@ -111,8 +124,14 @@ def test_dataset_errors_name_the_fix(corpus: str) -> None:
 
 
 def _module(prefix: str, **kwargs: Any) -> PretrainDataModule:
-    args: dict[str, Any] = dict(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, split="80,20",
-                                cache_dir=prefix + "_cache", tokenizer=NullTokenizer(EOD + 1))
+    args: dict[str, Any] = dict(
+        seq_length=SEQ,
+        micro_batch_size=2,
+        global_batch_size=4,
+        split="80,20",
+        cache_dir=prefix + "_cache",
+        tokenizer=NullTokenizer(EOD + 1),
+    )
     return PretrainDataModule([prefix], **{**args, **kwargs})
 
 
@@ -154,11 +173,22 @@ def test_datamodule_refuses_bad_options_and_bad_packing(corpus: str) -> None:
 
             return Shifted()
 
-    dm = ShiftedPacking([corpus], seq_length=SEQ, micro_batch_size=2, global_batch_size=4, split="80,20",
-                        cache_dir=corpus + "_cache", tokenizer=NullTokenizer(EOD + 1), reset_attention_mask=True)
-    with pytest.raises(ValueError, match=r"the first train sample's cu_seqlens = \[0, .*\] is not a packed row of "
-                                         r"9 tokens: its last entry before the padding is 8, but it must be the "
-                                         r"row length 9"):
+    dm = ShiftedPacking(
+        [corpus],
+        seq_length=SEQ,
+        micro_batch_size=2,
+        global_batch_size=4,
+        split="80,20",
+        cache_dir=corpus + "_cache",
+        tokenizer=NullTokenizer(EOD + 1),
+        reset_attention_mask=True,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the first train sample's cu_seqlens = \[0, .*\] is not a packed row of "
+        r"9 tokens: its last entry before the padding is 8, but it must be the "
+        r"row length 9",
+    ):
         dm.setup("fit")
 
 
@@ -168,17 +198,20 @@ def test_check_cu_seqlens_accepts_packed_rows(cu: list[int]) -> None:
     check_cu_seqlens(torch.tensor([cu, cu], dtype=torch.int64), 9)
 
 
-@pytest.mark.parametrize("cu, message", [
-    ([1, 4, 9], "it starts at 1, but the first document starts at offset 0"),
-    ([-1, 4, 9], "it starts at -1, but the first document starts at offset 0"),
-    ([0, 4, 4, 9], r"entry 2 \(4\) is not greater than entry 1 \(4\): offsets must strictly increase"),
-    ([0, 6, 4, 9], r"entry 2 \(4\) is not greater than entry 1 \(6\)"),
-    ([0, 4, 8, -1], "its last entry before the padding is 8, but it must be the row length 9"),
-    ([0, 4, 10, -1], "its last entry before the padding is 10, but it must be the row length 9"),
-    ([0, 4, 9, -1, 3], "entry 4 is 3 after the -1 padding began at entry 3: padding goes only at the end"),
-    ([0, 4, -1, 9], "entry 3 is 9 after the -1 padding began at entry 2"),
-    ([0, -2, 9], "entry 1 is -2: offsets are >= 0 and the padding is -1"),
-])
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([1, 4, 9], "it starts at 1, but the first document starts at offset 0"),
+        ([-1, 4, 9], "it starts at -1, but the first document starts at offset 0"),
+        ([0, 4, 4, 9], r"entry 2 \(4\) is not greater than entry 1 \(4\): offsets must strictly increase"),
+        ([0, 6, 4, 9], r"entry 2 \(4\) is not greater than entry 1 \(6\)"),
+        ([0, 4, 8, -1], "its last entry before the padding is 8, but it must be the row length 9"),
+        ([0, 4, 10, -1], "its last entry before the padding is 10, but it must be the row length 9"),
+        ([0, 4, 9, -1, 3], "entry 4 is 3 after the -1 padding began at entry 3: padding goes only at the end"),
+        ([0, 4, -1, 9], "entry 3 is 9 after the -1 padding began at entry 2"),
+        ([0, -2, 9], "entry 1 is -2: offsets are >= 0 and the padding is -1"),
+    ],
+)
 def test_check_cu_seqlens_says_what_is_wrong(cu: list[int], message: str) -> None:
     fix = r"cu_seqlens lists each document's start offset in the row .* fix the packing that built it"
     with pytest.raises(ValueError, match=rf"cu_seqlens = \[.*\] is not a packed row of 9 tokens: {message}.*{fix}"):
@@ -199,4 +232,3 @@ def test_check_cu_seqlens_refuses_wrong_types_and_shapes() -> None:
         check_cu_seqlens(torch.tensor([[[0, 9]]]), 9)
     with pytest.raises(ValueError, match="row_length must be a positive integer"):
         check_cu_seqlens(torch.tensor([0, 9]), 0)
-

@@ -1,4 +1,5 @@
 """The measured bubble and its theory on hand-made events (no processes: the arithmetic alone)."""
+
 import pytest
 
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, schedule_order
@@ -77,10 +78,19 @@ def _simulate(schedule: str, P: int, M: int, V: int, forward: float = 1.0, backw
     return events
 
 
-@pytest.mark.parametrize("schedule, P, M, V", [
-    ("1f1b", 2, 2, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 16, 1), ("gpipe", 4, 8, 1),
-    ("interleaved_1f1b", 2, 2, 2), ("interleaved_1f1b", 2, 8, 2), ("interleaved_1f1b", 4, 16, 2),
-    ("interleaved_1f1b", 2, 6, 3)])
+@pytest.mark.parametrize(
+    "schedule, P, M, V",
+    [
+        ("1f1b", 2, 2, 1),
+        ("1f1b", 2, 8, 1),
+        ("1f1b", 4, 16, 1),
+        ("gpipe", 4, 8, 1),
+        ("interleaved_1f1b", 2, 2, 2),
+        ("interleaved_1f1b", 2, 8, 2),
+        ("interleaved_1f1b", 4, 16, 2),
+        ("interleaved_1f1b", 2, 6, 3),
+    ],
+)
 def test_the_engine_schedules_reach_the_theory_with_equal_stages(schedule, P, M, V):
     """The schedule orders the engine runs, played with equal stage times and free communication, idle exactly
     the formula's fraction: what the benchmark measures on real ranks departs from theory only through real

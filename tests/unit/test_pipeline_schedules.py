@@ -1,5 +1,6 @@
 """Pipeline schedule orders: every microbatch's forward and backward once per chunk, forwards before
 backwards, the memory bound of 1F1B, and an order that can run (simulated across ranks)."""
+
 import pytest
 
 from megatron_lite.core.parallel.layout import ParallelConfig
@@ -34,11 +35,20 @@ def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:
     return rounds
 
 
-@pytest.mark.parametrize("schedule, pp, vpp, m", [
-    ("1f1b", 2, 1, 1), ("1f1b", 2, 1, 8), ("1f1b", 4, 1, 3), ("1f1b", 4, 1, 16), ("gpipe", 4, 1, 5),
-    ("interleaved_1f1b", 2, 2, 2), ("interleaved_1f1b", 2, 2, 8), ("interleaved_1f1b", 4, 2, 8),
-    ("interleaved_1f1b", 2, 3, 4),
-])
+@pytest.mark.parametrize(
+    "schedule, pp, vpp, m",
+    [
+        ("1f1b", 2, 1, 1),
+        ("1f1b", 2, 1, 8),
+        ("1f1b", 4, 1, 3),
+        ("1f1b", 4, 1, 16),
+        ("gpipe", 4, 1, 5),
+        ("interleaved_1f1b", 2, 2, 2),
+        ("interleaved_1f1b", 2, 2, 8),
+        ("interleaved_1f1b", 4, 2, 8),
+        ("interleaved_1f1b", 2, 3, 4),
+    ],
+)
 def test_orders_are_complete_and_run_without_deadlock(schedule, pp, vpp, m):
     orders = [schedule_order(schedule, m, pp, r, vpp) for r in range(pp)]
     for order in orders:
@@ -71,16 +81,23 @@ def test_interleaving_shrinks_the_simulated_bubble():
     assert interleaved < plain
 
 
-@pytest.mark.parametrize("kwargs, fix", [
-    (dict(virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
-    (dict(pipeline_model_parallel_size=2, pipeline_schedule="bogus"), "pipeline_schedule must be one of"),
-    (dict(pipeline_model_parallel_size=2, pipeline_schedule="interleaved_1f1b"),
-     "needs virtual_pipeline_model_parallel_size > 1"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="1f1b"),
-     "use pipeline_schedule='interleaved_1f1b'"),
-    (dict(pipeline_model_parallel_size=2, pipeline_schedule="zbv"), "not offered yet"),
-    (dict(pipeline_schedule="gpipe"), "needs pipeline_model_parallel_size > 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (dict(virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
+        (dict(pipeline_model_parallel_size=2, pipeline_schedule="bogus"), "pipeline_schedule must be one of"),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_schedule="interleaved_1f1b"),
+            "needs virtual_pipeline_model_parallel_size > 1",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="1f1b"),
+            "use pipeline_schedule='interleaved_1f1b'",
+        ),
+        (dict(pipeline_model_parallel_size=2, pipeline_schedule="zbv"), "not offered yet"),
+        (dict(pipeline_schedule="gpipe"), "needs pipeline_model_parallel_size > 1"),
+    ],
+)
 def test_pipeline_config_errors_name_the_fix(kwargs, fix):
     with pytest.raises(ValueError, match=fix):
         ParallelConfig(**kwargs)

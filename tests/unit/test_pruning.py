@@ -3,6 +3,7 @@ on purpose (a block whose branches write nothing, a query group whose values are
 are zero) score lowest and their removal leaves the logits unchanged, under GQA + RoPE + SwiGLU and under
 MHA + LayerNorm + GeLU + biases + tied embeddings; every axis at once gives a model that runs and generates;
 impossible targets are refused with the fix."""
+
 import pytest
 import torch
 
@@ -10,10 +11,24 @@ import megatron_lite as ml
 from megatron_lite.core.models import GPTModel
 from megatron_lite.post_training.pruning import PruneTarget, estimate_importance, plan_pruning, prune
 
-GQA = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-           vocab_size=96, seq_length=16)
-MHA = dict(GQA, num_query_groups=None, normalization="LayerNorm", activation="gelu", add_bias_linear=True,
-           share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+GQA = dict(
+    num_layers=3,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    vocab_size=96,
+    seq_length=16,
+)
+MHA = dict(
+    GQA,
+    num_query_groups=None,
+    normalization="LayerNorm",
+    activation="gelu",
+    add_bias_linear=True,
+    share_embeddings_and_output_weights=True,
+    position_embedding_type="learned_absolute",
+)
 
 
 def _module(**config) -> ml.GPTModule:
@@ -35,9 +50,17 @@ def _calibration(n: int = 2) -> list[dict]:
 def test_a_target_equal_to_the_model_keeps_its_function_exactly(config):
     module = _module(**config)
     c = module.config
-    same = prune(module, PruneTarget(num_layers=c.num_layers, hidden_size=c.hidden_size,
-                                     num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
-                                     ffn_hidden_size=c.ffn_hidden_size), _calibration())
+    same = prune(
+        module,
+        PruneTarget(
+            num_layers=c.num_layers,
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            num_query_groups=c.num_query_groups,
+            ffn_hidden_size=c.ffn_hidden_size,
+        ),
+        _calibration(),
+    )
     tokens = _calibration(1)[0]["tokens"][:, :-1]
     assert same.config == c
     assert torch.equal(same.model(tokens), module.model(tokens))
@@ -58,8 +81,9 @@ def test_dead_layers_groups_and_neurons_are_the_ones_removed_and_the_function_st
                 linear.bias.zero_()
         for layer in model.layers.values():
             qkv = layer.self_attention.linear_qkv
-            value_rows = slice((dead_group * (per_group + 2) + per_group + 1) * d,
-                               (dead_group * (per_group + 2) + per_group + 2) * d)
+            value_rows = slice(
+                (dead_group * (per_group + 2) + per_group + 1) * d, (dead_group * (per_group + 2) + per_group + 2) * d
+            )
             qkv.weight[value_rows] = 0  # the group's heads output zero
             fc1 = layer.mlp.linear_fc1
             rows = dead_neurons + ([n + c.ffn_hidden_size for n in dead_neurons] if c.activation == "swiglu" else [])
@@ -76,11 +100,15 @@ def test_dead_layers_groups_and_neurons_are_the_ones_removed_and_the_function_st
     if not drop_layer:
         assert float(importance.layers[dead_layer]) == 0.0
     layers = c.num_layers - 1 if drop_layer else None
-    target = PruneTarget(num_layers=layers, num_query_groups=c.num_query_groups - 1,
-                         ffn_hidden_size=c.ffn_hidden_size - len(dead_neurons))
+    target = PruneTarget(
+        num_layers=layers,
+        num_query_groups=c.num_query_groups - 1,
+        ffn_hidden_size=c.ffn_hidden_size - len(dead_neurons),
+    )
     if c.num_query_groups == c.num_attention_heads:  # MHA: a group is a head
-        target = PruneTarget(num_layers=layers, num_attention_heads=c.num_attention_heads - 1,
-                             ffn_hidden_size=target.ffn_hidden_size)
+        target = PruneTarget(
+            num_layers=layers, num_attention_heads=c.num_attention_heads - 1, ffn_hidden_size=target.ffn_hidden_size
+        )
     plan = plan_pruning(c, importance, target)
     assert (dead_layer not in plan.layers) == drop_layer
     assert all(dead_group not in groups for groups in plan.groups)
@@ -94,11 +122,20 @@ def test_dead_layers_groups_and_neurons_are_the_ones_removed_and_the_function_st
 
 def test_every_axis_at_once_runs_trains_and_generates():
     module = _module(**GQA)
-    pruned = prune(module, PruneTarget(num_layers=2, hidden_size=24, num_attention_heads=2, num_query_groups=2,
-                                       ffn_hidden_size=20), _calibration())
+    pruned = prune(
+        module,
+        PruneTarget(num_layers=2, hidden_size=24, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=20),
+        _calibration(),
+    )
     c = pruned.config
-    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size,
-            c.kv_channels) == (2, 24, 2, 2, 20, 8)
+    assert (
+        c.num_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_query_groups,
+        c.ffn_hidden_size,
+        c.kv_channels,
+    ) == (2, 24, 2, 2, 20, 8)
     assert c.num_parameters() == sum(p.numel() for p in pruned.model.parameters())
     tokens = _calibration(1)[0]["tokens"]
     loss = pruned.model(tokens[:, :-1], tokens[:, 1:]).mean()
@@ -108,14 +145,17 @@ def test_every_axis_at_once_runs_trains_and_generates():
     assert [len(t) for t in out.tokens] == [4, 4]
 
 
-@pytest.mark.parametrize("target, message", [
-    (dict(num_layers=0), "positive integer"),
-    (dict(), "prunes nothing"),
-    (dict(num_layers=4), "larger than the model's num_layers"),
-    (dict(ffn_hidden_size=64), "choose ffn_hidden_size <= 48"),
-    (dict(num_attention_heads=3), "must be a multiple of num_query_groups"),
-    (dict(num_attention_heads=4, num_query_groups=1), "more than the model's 2"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        (dict(num_layers=0), "positive integer"),
+        (dict(), "prunes nothing"),
+        (dict(num_layers=4), "larger than the model's num_layers"),
+        (dict(ffn_hidden_size=64), "choose ffn_hidden_size <= 48"),
+        (dict(num_attention_heads=3), "must be a multiple of num_query_groups"),
+        (dict(num_attention_heads=4, num_query_groups=1), "more than the model's 2"),
+    ],
+)
 def test_impossible_targets_are_refused_with_the_fix(target, message):
     module = _module(**GQA)
     with pytest.raises(ValueError, match=message):

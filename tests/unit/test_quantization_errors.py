@@ -1,6 +1,7 @@
 """Bad quantization input fails at once with one error that names the fix: unknown config names (listing the
 valid ones), CUDA-only formats on CPU (never ModelOpt's "amax must be a CUDA tensor"), a KV-cache preset given as
 the model config, activation configs without calibration data, quantizing twice, bad callback arguments."""
+
 import pytest
 import torch
 

@@ -4,6 +4,7 @@ less saved memory, only in training, and Megatron's config rules.
 Dropout is on everywhere, so a recomputed region that drew different masks than its forward
 (e.g. without replaying the model's RNG streams) would change the gradients.
 """
+
 from contextlib import contextmanager
 
 import pytest
@@ -18,14 +19,28 @@ UNIFORM_2 = dict(recompute_granularity="full", recompute_method="uniform", recom
 BLOCK_1 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
 BLOCK_3 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3)
 SELECTIVE = dict(recompute_granularity="selective")
-RECOMPUTES = {"uniform1": UNIFORM_1, "uniform2": UNIFORM_2, "block1": BLOCK_1, "block3": BLOCK_3,
-              "selective": SELECTIVE}
+RECOMPUTES = {
+    "uniform1": UNIFORM_1,
+    "uniform2": UNIFORM_2,
+    "block1": BLOCK_1,
+    "block3": BLOCK_3,
+    "selective": SELECTIVE,
+}
 
 
 def tiny_config(**recompute) -> ml.GPTConfig:
-    return ml.GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
-                        seq_length=16, make_vocab_size_divisible_by=8, hidden_dropout=0.2, attention_dropout=0.2,
-                        **recompute)
+    return ml.GPTConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=64,
+        seq_length=16,
+        make_vocab_size_divisible_by=8,
+        hidden_dropout=0.2,
+        attention_dropout=0.2,
+        **recompute,
+    )
 
 
 def batch(packed: bool) -> dict:
@@ -33,8 +48,9 @@ def batch(packed: bool) -> dict:
     inputs = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:])
     if packed:  # two sequences per sample: attention goes through the per-document (packed) path
         inputs["cu_seqlens"] = torch.tensor([[0, 5, 16], [0, 9, 16]])
-        inputs["position_ids"] = torch.stack([torch.cat([torch.arange(5), torch.arange(11)]),
-                                              torch.cat([torch.arange(9), torch.arange(7)])])
+        inputs["position_ids"] = torch.stack(
+            [torch.cat([torch.arange(5), torch.arange(11)]), torch.cat([torch.arange(9), torch.arange(7)])]
+        )
     return inputs
 
 
@@ -63,8 +79,13 @@ def test_recompute_matches_no_recompute_with_dropout(name, packed):
     for step, (got, want) in enumerate(zip(grads, ref_grads)):
         assert got.keys() == want.keys()
         for param, grad in want.items():
-            torch.testing.assert_close(got[param], grad, rtol=1e-6, atol=1e-6 * grad.abs().max().item(),
-                                       msg=lambda m, p=param, s=step: f"step {s} gradient of {p}: {m}")
+            torch.testing.assert_close(
+                got[param],
+                grad,
+                rtol=1e-6,
+                atol=1e-6 * grad.abs().max().item(),
+                msg=lambda m, p=param, s=step: f"step {s} gradient of {p}: {m}",
+            )
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
     assert rng.keys() == ref_rng.keys()
     for stream, state in ref_rng.items():
@@ -83,8 +104,10 @@ def count_calls(modules: dict):
     """Count forward entries per module (pre-hooks fire in the recompute too; torch may stop a
     recompute before the module returns, so forward hooks would not)."""
     counts = {name: 0 for name in modules}
-    handles = [m.register_forward_pre_hook(lambda *_, n=name: counts.__setitem__(n, counts[n] + 1))
-               for name, m in modules.items()]
+    handles = [
+        m.register_forward_pre_hook(lambda *_, n=name: counts.__setitem__(n, counts[n] + 1))
+        for name, m in modules.items()
+    ]
     try:
         yield counts
     finally:
@@ -104,14 +127,17 @@ def forward_entries(recompute: dict, *, train: bool = True, grad: bool = True) -
     return counts
 
 
-@pytest.mark.parametrize("name, layers_run_twice, cores_run_twice", [
-    ("none", [], []),
-    ("uniform1", [0, 1, 2, 3], [0, 1, 2, 3]),
-    ("uniform2", [0, 1, 2, 3], [0, 1, 2, 3]),
-    ("block1", [0], [0]),
-    ("block3", [0, 1, 2], [0, 1, 2]),
-    ("selective", [], [0, 1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "name, layers_run_twice, cores_run_twice",
+    [
+        ("none", [], []),
+        ("uniform1", [0, 1, 2, 3], [0, 1, 2, 3]),
+        ("uniform2", [0, 1, 2, 3], [0, 1, 2, 3]),
+        ("block1", [0], [0]),
+        ("block3", [0, 1, 2], [0, 1, 2]),
+        ("selective", [], [0, 1, 2, 3]),
+    ],
+)
 def test_checkpointed_regions_run_again_in_backward(name, layers_run_twice, cores_run_twice):
     counts = forward_entries(RECOMPUTES.get(name, NONE))
     for i in range(4):
@@ -149,8 +175,10 @@ def saved_bytes(recompute: dict) -> int:
 
 
 def test_recompute_saves_activation_memory():
-    sizes = {name: saved_bytes(RECOMPUTES.get(name, NONE)) for name in ("none", "selective", "block1", "block3",
-                                                                        "uniform2", "uniform1")}
+    sizes = {
+        name: saved_bytes(RECOMPUTES.get(name, NONE))
+        for name in ("none", "selective", "block1", "block3", "uniform2", "uniform1")
+    }
     # Each layer's attention keeps at least its [b, heads, s, s] probabilities and dropout mask
     # without recompute; selective recompute drops them for every layer.
     probs = 2 * 4 * 16 * 16 * 4
@@ -167,29 +195,48 @@ def test_layer_groups():
     assert groups(**UNIFORM_1) == [([0], True), ([1], True), ([2], True), ([3], True)]
     assert groups(**UNIFORM_2) == [([0, 1], True), ([2, 3], True)]
     assert groups(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3) == [
-        ([0, 1, 2], True), ([3], True)]
+        ([0, 1, 2], True),
+        ([3], True),
+    ]
     assert groups(**BLOCK_1) == [([0], True), ([1, 2, 3], False)]
     assert groups(**BLOCK_3) == [([0], True), ([1], True), ([2], True), ([3], False)]
     assert groups(recompute_granularity="full", recompute_method="block", recompute_num_layers=4) == [
-        ([0], True), ([1], True), ([2], True), ([3], True)]
+        ([0], True),
+        ([1], True),
+        ([2], True),
+        ([3], True),
+    ]
 
 
-@pytest.mark.parametrize("kwargs, fix", [
-    (dict(recompute_granularity="fully"), "recompute_granularity must be None or one of"),
-    (dict(recompute_granularity="full", recompute_method="blocks", recompute_num_layers=1),
-     "recompute_method must be None or one of"),
-    (dict(recompute_granularity="full", recompute_num_layers=1), "needs recompute_method: set it to 'uniform'"),
-    (dict(recompute_granularity="full", recompute_method="uniform"), "needs recompute_num_layers: set it"),
-    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=5),
-     r"recompute_num_layers \(5\) must be <= num_layers \(4\)"),
-    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0),
-     "recompute_num_layers must be a positive integer"),
-    (dict(recompute_granularity="selective", recompute_method="uniform"),
-     "recompute_method='uniform' only applies to recompute_granularity='full'"),
-    (dict(recompute_granularity="selective", recompute_num_layers=2),
-     "recompute_num_layers=2 only applies to recompute_granularity='full'"),
-    (dict(recompute_method="block", recompute_num_layers=2), "set recompute_granularity='full' or leave"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (dict(recompute_granularity="fully"), "recompute_granularity must be None or one of"),
+        (
+            dict(recompute_granularity="full", recompute_method="blocks", recompute_num_layers=1),
+            "recompute_method must be None or one of",
+        ),
+        (dict(recompute_granularity="full", recompute_num_layers=1), "needs recompute_method: set it to 'uniform'"),
+        (dict(recompute_granularity="full", recompute_method="uniform"), "needs recompute_num_layers: set it"),
+        (
+            dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=5),
+            r"recompute_num_layers \(5\) must be <= num_layers \(4\)",
+        ),
+        (
+            dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0),
+            "recompute_num_layers must be a positive integer",
+        ),
+        (
+            dict(recompute_granularity="selective", recompute_method="uniform"),
+            "recompute_method='uniform' only applies to recompute_granularity='full'",
+        ),
+        (
+            dict(recompute_granularity="selective", recompute_num_layers=2),
+            "recompute_num_layers=2 only applies to recompute_granularity='full'",
+        ),
+        (dict(recompute_method="block", recompute_num_layers=2), "set recompute_granularity='full' or leave"),
+    ],
+)
 def test_config_errors_name_the_fix(kwargs, fix):
     with pytest.raises(ValueError, match=fix):
         tiny_config(**kwargs)

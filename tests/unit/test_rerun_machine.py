@@ -1,6 +1,7 @@
 """The rerun state machine on the training engine in one process (no process group, no Lightning):
 spikes against the first values, the replay restoring the dropout streams, nothing applied twice, the
 policies, the fp16 path (loss checked, overflowing gradients left to the loss scaler), its state."""
+
 import pytest
 import torch
 
@@ -24,8 +25,15 @@ class Objective:
 
 def _engine(**rerun):
     torch.manual_seed(0)
-    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=8,
-                          hidden_dropout=0.2, attention_dropout=0.1)
+    config = ml.GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=128,
+        seq_length=8,
+        hidden_dropout=0.2,
+        attention_dropout=0.1,
+    )
     model = ml.GPTModel(config, LAYOUT, seed=5)
     engine = TrainingEngine(model, LAYOUT, Objective(), MegatronOptimizer(model, ml.OptimizerConfig(lr=1e-2), LAYOUT))
     if rerun:

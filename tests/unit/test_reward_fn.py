@@ -1,6 +1,7 @@
 """GRPO's reward functions and bad input: the built-in rewards on hand-made samples, weights, reward functions
 named by import path, and one clear error for a reward that raises or returns a non-number, for prompt rows
 without a prompt, and for prompts that cannot fit the model (refused before any process starts)."""
+
 import json
 import math
 
@@ -41,8 +42,11 @@ def test_a_bad_reward_function_is_named_with_its_sample():
     def not_a_number(sample):
         return "1.0"
 
-    with pytest.raises(ValueError, match=r"reward function .*raises on sample \(prompt='q', completion='x'\) raised "
-                                         r"KeyError"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function .*raises on sample \(prompt='q', completion='x'\) raised "
+        r"KeyError",
+    ):
         call_reward(raises, s("x"))
     for fn, value in ((not_a_number, "'1.0'"), (lambda sample: math.nan, "nan"), (lambda sample: True, "True")):
         with pytest.raises(ValueError, match=rf"returned {value}; a reward function must return a finite number"):
@@ -55,7 +59,9 @@ def test_a_bad_reward_function_is_named_with_its_sample():
 def test_reward_functions_by_import_path():
     assert resolve_reward(None) is exact_match
     assert resolve_reward("megatron_lite.rl.rewards.numeric_answer") is numeric_answer
-    combined = resolve_reward({"megatron_lite.rl.rewards.exact_match": 1.0, "megatron_lite.rl.rewards.numeric_answer": 2})
+    combined = resolve_reward(
+        {"megatron_lite.rl.rewards.exact_match": 1.0, "megatron_lite.rl.rewards.numeric_answer": 2}
+    )
     assert combined(s("7", "7")) == 3.0
     with pytest.raises(ValueError, match="cannot be imported; give a dotted path"):
         resolve_reward("megatron_lite.rl.rewards.no_such_reward")
@@ -79,14 +85,26 @@ def test_prompt_data_bad_input(tmp_path):
 
 def test_prompts_longer_than_the_model_are_refused_before_launch():
     task = AdditionTask(max_operand=2)
-    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16, seq_length=4,
-                          make_vocab_size_divisible_by=8)
+    config = ml.GPTConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16, seq_length=4, make_vocab_size_divisible_by=8
+    )
     data = RLPromptDataModule(task.tokenizer, rows=task.rows, seq_length=4, global_batch_size=4)
     module = GRPOModule(config, grpo=GRPOConfig(group_size=2, max_new_tokens=2))
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match=r"longest prompt \(4 tokens\) plus max_new_tokens \(2\) is 6 tokens, more "
-                                         r"than the model's seq_length \+ 1 \(5\)"):
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"longest prompt \(4 tokens\) plus max_new_tokens \(2\) is 6 tokens, more "
+        r"than the model's seq_length \+ 1 \(5\)",
+    ):
         trainer.fit(module, data)
 
 
@@ -102,14 +120,29 @@ def test_reward_model_reward_scores_with_a_trained_checkpoint(tmp_path):
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": f"{i + 1} 2", "chosen": "5 5", "rejected": "9"}) + "\n")
-    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16, seq_length=8,
-                          make_vocab_size_divisible_by=8)
-    data = PreferenceDataModule(str(tmp_path / "pairs.jsonl"), NullTokenizer(16), seq_length=8, micro_batch_size=2,
-                                global_batch_size=4, split="100,0")
+    config = ml.GPTConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=16, seq_length=8, make_vocab_size_divisible_by=8
+    )
+    data = PreferenceDataModule(
+        str(tmp_path / "pairs.jsonl"),
+        NullTokenizer(16),
+        seq_length=8,
+        micro_batch_size=2,
+        global_batch_size=4,
+        split="100,0",
+    )
     module = RewardModelModule(config, ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant"))
-    trainer = L.Trainer(strategy=ml.MegatronStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        strategy=ml.MegatronStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, data)
     trainer.save_checkpoint(tmp_path / "rm.ckpt")
     reward = RewardModelReward(str(tmp_path / "rm.ckpt"), scale=2.0)

@@ -1,6 +1,7 @@
 """The reward model's pieces in one process: the Bradley-Terry loss and accuracy against a hand
 computation, the module's (sum, count) and accuracy tally, and the scalar head read at each
 sequence's own last token."""
+
 import math
 
 import pytest
@@ -74,5 +75,4 @@ def test_predict_gives_each_sequences_reward():
     tokens, lengths = torch.randint(0, CONFIG.vocab_size, (3, 16)), torch.tensor([16, 1, 7])
     with torch.no_grad():
         expected = last_token_values(module.model(tokens), lengths)
-    torch.testing.assert_close(module.predict_step({"tokens": tokens, "lengths": lengths}, 0), expected,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(module.predict_step({"tokens": tokens, "lengths": lengths}, 0), expected, rtol=0, atol=0)

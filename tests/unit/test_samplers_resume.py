@@ -26,8 +26,9 @@ def sequential(consumed: int, dp: int, rank: int) -> DistributedSampler:
 
 
 def cyclic(sharding: bool, seed: int = 3) -> MakeSampler:
-    return lambda consumed, dp, rank: MegatronPretrainingRandomSampler(TOTAL, consumed, GBS, dp, rank, seed=seed,
-                                                                       data_sharding=sharding)
+    return lambda consumed, dp, rank: MegatronPretrainingRandomSampler(
+        TOTAL, consumed, GBS, dp, rank, seed=seed, data_sharding=sharding
+    )
 
 
 def run_steps(make: MakeSampler, dp: int, steps: int, consumed: int = 0) -> list[list[int]]:
@@ -75,7 +76,7 @@ def test_cyclic_sampler_epochs_and_resume(dp: int, sharding: bool) -> None:
     make = cyclic(sharding)
     full = run_steps(make, dp, STEPS)
     usable = TOTAL - TOTAL % GBS
-    epochs = [sum(full[e * 6: (e + 1) * 6], []) for e in range(3)]
+    epochs = [sum(full[e * 6 : (e + 1) * 6], []) for e in range(3)]
     assert all(sorted(e) == list(range(usable)) for e in epochs)  # every epoch: each usable sample once
     assert epochs[0] != epochs[1] != epochs[2]  # a new permutation per epoch
     for k in RESUME_POINTS:
@@ -118,11 +119,21 @@ def test_random_sampler_checks_and_state() -> None:
     assert s.state_dict() == {"consumed_samples": 8, "num_replicas": 2, "data_sharding": True, "seed": 1}
     s.load_state_dict({"consumed_samples": 48})
     assert s.epoch == 1
-    for kwargs, message in (({"num_replicas": 3}, "multiple of 3"), ({"rank": 2}, "rank"),
-                            ({"total_samples": 7}, "fewer than one global batch"),
-                            ({"drop_last": False}, "drop_last=True"), ({"seed": -1}, "seed")):
-        args = {"total_samples": TOTAL, "consumed_samples": 0, "global_batch_size": GBS, "num_replicas": 2,
-                "rank": 0, **kwargs}
+    for kwargs, message in (
+        ({"num_replicas": 3}, "multiple of 3"),
+        ({"rank": 2}, "rank"),
+        ({"total_samples": 7}, "fewer than one global batch"),
+        ({"drop_last": False}, "drop_last=True"),
+        ({"seed": -1}, "seed"),
+    ):
+        args = {
+            "total_samples": TOTAL,
+            "consumed_samples": 0,
+            "global_batch_size": GBS,
+            "num_replicas": 2,
+            "rank": 0,
+            **kwargs,
+        }
         with pytest.raises(ValueError, match=message):
             MegatronPretrainingRandomSampler(**args)
     # a position off the batch grid (the batch size changed) finishes the epoch and starts the next one
@@ -137,8 +148,7 @@ def test_random_sampler_checks_and_state() -> None:
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     prefix = str(tmp_path_factory.mktemp("data") / "corpus")
     rng = np.random.default_rng(0)
-    write_dataset(prefix, [[rng.integers(1, 500, size=int(rng.integers(5, 60)))] for _ in range(120)],
-                  dtype=np.uint16)
+    write_dataset(prefix, [[rng.integers(1, 500, size=int(rng.integers(5, 60)))] for _ in range(120)], dtype=np.uint16)
     return prefix
 
 
@@ -146,15 +156,26 @@ def _attach(dm: PretrainDataModule, dp: int, rank: int, global_step: int) -> Non
     """A stand-in trainer with what the datamodule reads: strategy sampler kwargs, global_step, max_steps."""
     dm.trainer = SimpleNamespace(  # type: ignore[assignment]
         strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank}),
-        global_step=global_step, max_steps=12)
+        global_step=global_step,
+        max_steps=12,
+    )
 
 
-def _global_batches(corpus: str, dp: int, step: int, steps: int, sampler: str, state: dict | None = None,
-                    **kwargs: object) -> list[torch.Tensor]:
+def _global_batches(
+    corpus: str, dp: int, step: int, steps: int, sampler: str, state: dict | None = None, **kwargs: object
+) -> list[torch.Tensor]:
     per_rank = []
     for rank in range(dp):
-        dm = PretrainDataModule([corpus], seq_length=16, micro_batch_size=2, global_batch_size=8, split="90,10",
-                                sampler=sampler, vocab_size=500, **kwargs)  # type: ignore[arg-type]
+        dm = PretrainDataModule(
+            [corpus],
+            seq_length=16,
+            micro_batch_size=2,
+            global_batch_size=8,
+            split="90,10",
+            sampler=sampler,
+            vocab_size=500,
+            **kwargs,
+        )  # type: ignore[arg-type]
         _attach(dm, dp, rank, step)
         if state is not None:
             dm.load_state_dict(state)
@@ -170,29 +191,39 @@ def test_datamodule_resume_across_dp_sizes(corpus: str, sampler: str) -> None:
     full = _global_batches(corpus, 1, 0, 12, sampler, data_sharding=sharding)
     assert all(b.shape == (8, 17) for b in full)
     for dp in (2, 4):
-        assert all(torch.equal(a, b) for a, b in zip(_global_batches(corpus, dp, 0, 12, sampler,
-                                                                     data_sharding=sharding), full))
+        assert all(
+            torch.equal(a, b) for a, b in zip(_global_batches(corpus, dp, 0, 12, sampler, data_sharding=sharding), full)
+        )
     state = {"consumed_samples": 5 * 8, "sampler": sampler, "data_sharding": sharding, "data_parallel_size": 2}
     resumed = _global_batches(corpus, 4, 0, 7, sampler, state=state, data_sharding=sharding)
     assert all(torch.equal(a, b) for a, b in zip(resumed, full[5:]))
 
 
 def test_datamodule_state_and_dp_change_warning(corpus: str) -> None:
-    dm = PretrainDataModule([corpus], seq_length=16, micro_batch_size=2, global_batch_size=8, sampler="cyclic",
-                            vocab_size=500)
+    dm = PretrainDataModule(
+        [corpus], seq_length=16, micro_batch_size=2, global_batch_size=8, sampler="cyclic", vocab_size=500
+    )
     _attach(dm, 2, 0, 3)
-    assert dm.state_dict() == {"consumed_samples": 24, "sampler": "cyclic", "data_sharding": True,
-                               "data_parallel_size": 2}
-    resumed = PretrainDataModule([corpus], seq_length=16, micro_batch_size=2, global_batch_size=8, sampler="cyclic",
-                                 vocab_size=500)
+    assert dm.state_dict() == {
+        "consumed_samples": 24,
+        "sampler": "cyclic",
+        "data_sharding": True,
+        "data_parallel_size": 2,
+    }
+    resumed = PretrainDataModule(
+        [corpus], seq_length=16, micro_batch_size=2, global_batch_size=8, sampler="cyclic", vocab_size=500
+    )
     _attach(resumed, 4, 0, 3)
     resumed.load_state_dict(dm.state_dict())
-    with pytest.warns(UserWarning, match="data-parallel size 4 after 2, mid-epoch.*repeat.*sampler='sequential' "
-                                         "or data_sharding=False"):
+    with pytest.warns(
+        UserWarning,
+        match="data-parallel size 4 after 2, mid-epoch.*repeat.*sampler='sequential' or data_sharding=False",
+    ):
         resumed.train_dataloader()
     # at an epoch boundary a new DP size is harmless: the next epoch is drawn afresh for the new shards
-    at_boundary = PretrainDataModule([corpus], seq_length=16, micro_batch_size=2, global_batch_size=8,
-                                     sampler="cyclic", vocab_size=500)
+    at_boundary = PretrainDataModule(
+        [corpus], seq_length=16, micro_batch_size=2, global_batch_size=8, sampler="cyclic", vocab_size=500
+    )
     _attach(at_boundary, 4, 0, 0)
     at_boundary.setup("fit")
     usable = len(at_boundary.train_dataset) // 8 * 8  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
 """SFT data: assistant-only loss masks through a real chat template and tokenizer, packing, errors."""
+
 import json
 from pathlib import Path
 
@@ -12,11 +13,13 @@ from megatron_lite.tokenizers import DEFAULT_CHAT_TEMPLATE, GPT2BPETokenizer, re
 GPT2 = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"  # tests/data/README.md: origin, licence
 
 CONVERSATIONS = [
-    [{"role": "system", "content": "You speak like Shakespeare."},
-     {"role": "user", "content": "Who are you?"},
-     {"role": "assistant", "content": "A humble player upon this stage."},
-     {"role": "user", "content": "And where?"},
-     {"role": "assistant", "content": "In fair Verona, where we lay our scene."}],
+    [
+        {"role": "system", "content": "You speak like Shakespeare."},
+        {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "A humble player upon this stage."},
+        {"role": "user", "content": "And where?"},
+        {"role": "assistant", "content": "In fair Verona, where we lay our scene."},
+    ],
     [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Good morrow!"}],
 ]
 
@@ -54,15 +57,19 @@ def test_samples_are_fixed_size_and_consistent(tokenizer, pack_sequences):
         assert len(ds) == len(conversations) and ds.max_seqs == 1
     assert ds.num_truncated == 0
     for item in ds:
-        assert item["tokens"].shape == (161,) and item["loss_mask"].shape == (160,) and item["position_ids"].shape == (160,)
+        assert (
+            item["tokens"].shape == (161,)
+            and item["loss_mask"].shape == (160,)
+            and item["position_ids"].shape == (160,)
+        )
         cu = item["cu_seqlens"]
         assert cu.shape == (ds.cu_seqlens_length,) and cu.dtype == torch.int32
         check_cu_seqlens(cu, 161)  # starts at 0, strictly increasing, ends at the row length, then -1
         used = cu[cu >= 0].tolist()
         assert len(used) - 1 <= ds.max_seqs + 1  # the conversations, and the padding when the row is not full
-        padding = item["tokens"][used[-2]:] == ds.pad
+        padding = item["tokens"][used[-2] :] == ds.pad
         if bool(padding.all()):  # the row's last document is its padding: never trained
-            assert torch.all(item["loss_mask"][used[-2] - 1:] == 0)
+            assert torch.all(item["loss_mask"][used[-2] - 1 :] == 0)
         for start in used[1:-1]:
             assert item["loss_mask"][start - 1] == 0  # no loss across a conversation boundary
         for start in used[:-1]:

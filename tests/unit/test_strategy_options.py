@@ -1,5 +1,6 @@
 """MegatronStrategy's options: every constructor argument lands in its StrategyOptions, and each is documented where
 ``megatron-lite fit --help`` reads it (the docstring's Args, parsed by jsonargparse)."""
+
 import dataclasses
 import inspect
 
@@ -24,8 +25,15 @@ def test_every_argument_is_kept_in_the_options_with_its_value():
     options = {f.name for f in dataclasses.fields(StrategyOptions)} - {"parallel"}
     assert set(_own_arguments()) <= parallel | options
     assert options <= set(_own_arguments())  # no option without its argument
-    given = dict(tensor_model_parallel_size=2, sequence_parallel=True, cp_comm_type="all_gather",
-                 ddp_bucket_size=1000, async_save=True, check_memory=False, start_method="fork")
+    given = dict(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        cp_comm_type="all_gather",
+        ddp_bucket_size=1000,
+        async_save=True,
+        check_memory=False,
+        start_method="fork",
+    )
     strategy = ml.MegatronStrategy(**given)
     for name, value in given.items():
         held = strategy.options.parallel if name in parallel else strategy.options

@@ -1,5 +1,6 @@
 """Megatron's timers: accumulate/reset semantics against an outer clock, log levels, the report text,
 and min/max across real ranks (gloo) over the world and over a subgroup."""
+
 import sys
 import time
 from pathlib import Path
@@ -102,17 +103,24 @@ def test_log_without_a_process_group_reports_this_rank_normalized():
 
 
 def test_report_text_is_megatrons_format():
-    report = TimerReport(names=["forward-backward", "optimizer", "unused"],
-                         per_rank_ms=[[10.0, 2.5, 0.0], [12.25, 0.0, 0.0]], log_option="minmax")
-    assert report.text == ("(min, max) time across ranks (ms):\n"
-                           "    forward-backward ...............................: (10.00, 12.25)\n"
-                           "    optimizer ......................................: (2.50, 2.50)")
+    report = TimerReport(
+        names=["forward-backward", "optimizer", "unused"],
+        per_rank_ms=[[10.0, 2.5, 0.0], [12.25, 0.0, 0.0]],
+        log_option="minmax",
+    )
+    assert report.text == (
+        "(min, max) time across ranks (ms):\n"
+        "    forward-backward ...............................: (10.00, 12.25)\n"
+        "    optimizer ......................................: (2.50, 2.50)"
+    )
     report.log_option = "max"
     assert report.text.splitlines()[0] == "max time across ranks (ms):"
     assert report.text.splitlines()[1].endswith(": 12.25")
     report.log_option = "all"
-    assert report.text == ("times across ranks (ms):\n  forward-backward:\n     rank  0: 10.00\n"
-                           "     rank  1: 12.25\n  optimizer:\n     rank  0: 2.50")
+    assert report.text == (
+        "times across ranks (ms):\n  forward-backward:\n     rank  0: 10.00\n"
+        "     rank  1: 12.25\n  optimizer:\n     rank  0: 2.50"
+    )
     assert str(TimerReport(names=["x"], per_rank_ms=[[0.0]])) == ""
 
 

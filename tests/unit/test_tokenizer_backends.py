@@ -32,9 +32,11 @@ SHAKESPEARE = Path(bundled_corpus("shakespeare"))
 TRICKY = "  To be, or not to be:\tthat is the question.\n\n\n   Whether 'tis nobler  é 日本 🙂 ~`|\n"
 CHAT = [{"role": "system", "content": "Speak as Hamlet."}, {"role": "user", "content": "To be?"}]
 # ChatML with a BOS in front and the EOS after each turn: exercises the template variables
-HF_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-               "{{ message['content'] }}<|im_end|>{{ eos_token }}\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HF_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +86,15 @@ def test_gpt2_known_ids(gpt2: GPT2BPETokenizer) -> None:
     assert gpt2.eod not in gpt2.tokenize("a<|endoftext|>b")
 
 
-def test_gpt2_round_trip_and_agreement_with_tiktoken(gpt2: GPT2BPETokenizer, gpt2_ranks: dict[bytes, int],
-                                                    text: str) -> None:
+def test_gpt2_round_trip_and_agreement_with_tiktoken(
+    gpt2: GPT2BPETokenizer, gpt2_ranks: dict[bytes, int], text: str
+) -> None:
     ids = _assert_round_trip(gpt2, text)
     assert len(ids) < len(text) / 3
     # tiktoken's gpt2 encoding rebuilt from the same files: an independent BPE implementation
-    reference = tiktoken.Encoding("gpt2-local", pat_str=PATTERNS["gpt2"], mergeable_ranks=gpt2_ranks,
-                                  special_tokens={"<|endoftext|>": 50256})
+    reference = tiktoken.Encoding(
+        "gpt2-local", pat_str=PATTERNS["gpt2"], mergeable_ranks=gpt2_ranks, special_tokens={"<|endoftext|>": 50256}
+    )
     assert ids == reference.encode_ordinary(text)
 
 
@@ -110,8 +114,12 @@ def test_gpt2_bad_files(tmp_path: Path) -> None:
 
 
 def test_build_gpt2_with_chat_template() -> None:
-    tok = build_tokenizer("gpt2", vocab_file=GPT2_DIR / "vocab.json", merge_file=GPT2_DIR / "merges.txt",
-                          chat_template=DEFAULT_CHAT_TEMPLATE)
+    tok = build_tokenizer(
+        "gpt2",
+        vocab_file=GPT2_DIR / "vocab.json",
+        merge_file=GPT2_DIR / "merges.txt",
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+    )
     assert isinstance(tok, GPT2BPETokenizer) and tok.chat_template == DEFAULT_CHAT_TEMPLATE
     rendered = tok.apply_chat_template(CHAT, add_generation_prompt=True)
     assert rendered.endswith("<|im_start|>user\nTo be?<|im_end|>\n<|im_start|>assistant\n")
@@ -128,14 +136,22 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory, text: str) -> Path:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, show_progress=False,
-                                  special_tokens=["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        show_progress=False,
+        special_tokens=["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(text[:20_000].split("\n"), trainer)
     out = tmp_path_factory.mktemp("hf")
     tok.save(str(out / "tokenizer.json"))
-    config = {"bos_token": "<s>", "pad_token": "<pad>", "unk_token": None, "chat_template": HF_TEMPLATE,
-              "eos_token": {"content": "</s>", "lstrip": False, "normalized": False, "special": True}}
+    config = {
+        "bos_token": "<s>",
+        "pad_token": "<pad>",
+        "unk_token": None,
+        "chat_template": HF_TEMPLATE,
+        "eos_token": {"content": "</s>", "lstrip": False, "normalized": False, "special": True},
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return out
 
@@ -153,8 +169,9 @@ def test_hf_chat_template(hf_dir: Path) -> None:
     tok = HuggingFaceTokenizer(hf_dir)
     assert tok.chat_template == HF_TEMPLATE
     rendered = tok.apply_chat_template(CHAT)
-    assert rendered == ("<s><|im_start|>system\nSpeak as Hamlet.<|im_end|></s>\n"
-                        "<|im_start|>user\nTo be?<|im_end|></s>\n")
+    assert rendered == (
+        "<s><|im_start|>system\nSpeak as Hamlet.<|im_end|></s>\n<|im_start|>user\nTo be?<|im_end|></s>\n"
+    )
     prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True)
     assert prompt == rendered + "<|im_start|>assistant\n"
     ids = tok.tokenize(prompt)
@@ -184,14 +201,20 @@ def test_hf_file_alone_and_overrides(hf_dir: Path, tmp_path: Path) -> None:
 
 def test_hf_errors(hf_dir: Path, tmp_path: Path) -> None:
     for hub_id in ("meta-llama/Llama-3.1-8B", "gpt2"):
-        with pytest.raises(FileNotFoundError, match=f"'{hub_id}' is not a local path; megatron-lite never downloads "
-                                                    f"tokenizers — download it once .* and pass the directory"):
+        with pytest.raises(
+            FileNotFoundError,
+            match=f"'{hub_id}' is not a local path; megatron-lite never downloads "
+            f"tokenizers — download it once .* and pass the directory",
+        ):
             HuggingFaceTokenizer(hub_id)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'absent'} does not exist; pass a local directory"):
         HuggingFaceTokenizer(tmp_path / "absent")
     (tmp_path / "tokenizer.model").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json does not exist \(it has a SentencePiece "
-                                                r"tokenizer\.model: use SentencePieceTokenizer\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"tokenizer\.json does not exist \(it has a SentencePiece "
+        r"tokenizer\.model: use SentencePieceTokenizer\)",
+    ):
         HuggingFaceTokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="is not a Hugging Face tokenizers file"):
@@ -223,8 +246,10 @@ def test_build_hf(hf_dir: Path) -> None:
 def rank_file(tmp_path_factory: pytest.TempPathFactory, gpt2_ranks: dict[bytes, int]) -> Path:
     """GPT-2's vocabulary as a tiktoken rank file (``<base64 token> <rank>`` lines)."""
     path = tmp_path_factory.mktemp("tiktoken") / "gpt2.tiktoken"
-    lines = (base64.b64encode(token) + b" " + str(rank).encode() for token, rank in sorted(gpt2_ranks.items(),
-                                                                                            key=lambda kv: kv[1]))
+    lines = (
+        base64.b64encode(token) + b" " + str(rank).encode()
+        for token, rank in sorted(gpt2_ranks.items(), key=lambda kv: kv[1])
+    )
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
 
@@ -252,18 +277,26 @@ def test_tiktoken_round_trip(rank_file: Path, text: str, pattern: str) -> None:
     assert min(ids) >= 8
 
 
-def test_tiktoken_truncation_json_format_and_chat(rank_file: Path, gpt2_ranks: dict[bytes, int], text: str,
-                                                  tmp_path: Path) -> None:
+def test_tiktoken_truncation_json_format_and_chat(
+    rank_file: Path, gpt2_ranks: dict[bytes, int], text: str, tmp_path: Path
+) -> None:
     # Megatron's vocab_size keeps the lowest ranks: here only the 256 bytes, still lossless
     tok = TikTokenizer(rank_file, num_special_tokens=10, vocab_size=266)
     assert tok.vocab_size == 266 and _assert_round_trip(tok, text[:3000]) and len(tok.tokenize("Hamlet")) == 6
     # Megatron/NeMo's JSON vocabulary gives the same ids as the rank file
-    entries = [{"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("utf-8", "replace")}
-               for t, r in sorted(gpt2_ranks.items(), key=lambda kv: kv[1])]
+    entries = [
+        {"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("utf-8", "replace")}
+        for t, r in sorted(gpt2_ranks.items(), key=lambda kv: kv[1])
+    ]
     (tmp_path / "vocab.json").write_text(json.dumps(entries), encoding="utf-8")
     assert TikTokenizer(tmp_path / "vocab.json").tokenize(text) == TikTokenizer(rank_file).tokenize(text)
-    built = build_tokenizer("TikTokenizer", tokenizer_model=rank_file, tiktoken_pattern="v1",
-                            tiktoken_num_special_tokens=100, chat_template=HF_TEMPLATE)
+    built = build_tokenizer(
+        "TikTokenizer",
+        tokenizer_model=rank_file,
+        tiktoken_pattern="v1",
+        tiktoken_num_special_tokens=100,
+        chat_template=HF_TEMPLATE,
+    )
     assert isinstance(built, TikTokenizer) and built.vocab_size == 100 + 50256
     assert built.apply_chat_template(CHAT[:1]) == "<s><|im_start|>system\nSpeak as Hamlet.<|im_end|></s>\n"
 

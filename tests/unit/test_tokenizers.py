@@ -88,14 +88,18 @@ def test_a_corpus_of_overlong_lines_names_max_sentence_length(tmp_path: Path) ->
     """SentencePiece skips lines longer than max_sentence_length without a word: one long line (a document
     without newlines) left it nothing to train on, and the error blamed an empty corpus."""
     line = "to be or not to be, that is the question " * 2000  # 82 KB on one line
-    with pytest.raises(ValueError, match=r"1 of its 1 lines are longer than max_sentence_length \(65536 bytes; the "
-                                         r"longest holds 82000\).*split the text into shorter lines.*"
-                                         r"max_sentence_length=82000"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 of its 1 lines are longer than max_sentence_length \(65536 bytes; the "
+        r"longest holds 82000\).*split the text into shorter lines.*"
+        r"max_sentence_length=82000",
+    ):
         train_sentencepiece([line], str(tmp_path / "long"), 300)
     with pytest.warns(UserWarning, match="trained without part of the corpus: 1 of its 2 lines are longer"):
         train_sentencepiece([line + "\n" + line[:3000]], str(tmp_path / "part"), 300)
-    assert SentencePieceTokenizer(train_sentencepiece([line], str(tmp_path / "raised"), 300,
-                                                      max_sentence_length=100_000)).tokenize(line[:41])
+    assert SentencePieceTokenizer(
+        train_sentencepiece([line], str(tmp_path / "raised"), 300, max_sentence_length=100_000)
+    ).tokenize(line[:41])
 
 
 def test_llama_sentencepiece_model() -> None:
@@ -168,9 +172,11 @@ def test_default_chat_template_is_chatml() -> None:
 
 
 def test_chat_template_variables_and_hf_conventions() -> None:
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
-                "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] | tojson }}{{ eos_token }}"
-                "{% endfor %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] | tojson }}{{ eos_token }}"
+        "{% endfor %}"
+    )
     text = render_chat_template(template, [{"role": "user", "content": "é <b>"}], bos_token="<s>", eos_token="</s>")
     assert text == '<s>"é <b>"</s>'  # HF's tojson: no HTML escaping, no ASCII escaping
     assert render_chat_template(template, CHAT[:1]) == '"Speak as Hamlet."'  # missing tokens render empty
@@ -221,8 +227,13 @@ def _write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
 def test_build_sentencepiece_trains_on_a_jsonl_corpus(tmp_path: Path) -> None:
     text = next(iter(_works(1).values()))[:30_000]
     corpus = _write_jsonl(tmp_path / "corpus.jsonl", [text[:15_000], "", text[15_000:]])
-    tok = build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=400, output_prefix=tmp_path / "spm",
-                          chat_template=DEFAULT_CHAT_TEMPLATE)
+    tok = build_tokenizer(
+        "sentencepiece",
+        train_corpus=corpus,
+        vocab_size=400,
+        output_prefix=tmp_path / "spm",
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+    )
     assert isinstance(tok, SentencePieceTokenizer)
     assert (tmp_path / "spm.model").is_file() and tok.vocab_size == 400
     assert tok.detokenize(tok.tokenize(text)) == text
@@ -236,18 +247,21 @@ def test_build_sentencepiece_trains_on_a_jsonl_corpus(tmp_path: Path) -> None:
 
 def test_build_sentencepiece_corpus_errors(tmp_path: Path) -> None:
     corpus = _write_jsonl(tmp_path / "c.jsonl", ["some text"] * 3, key="content")
-    with pytest.raises(ValueError,
-                       match=r"c\.jsonl:1 has no key 'text' \(its keys: \['content', 'id'\]\); pass json_key"):
+    with pytest.raises(
+        ValueError, match=r"c\.jsonl:1 has no key 'text' \(its keys: \['content', 'id'\]\); pass json_key"
+    ):
         build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=300, output_prefix=tmp_path / "m")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):
-        build_tokenizer("sentencepiece", train_corpus=tmp_path / "bad.jsonl", vocab_size=300,
-                        output_prefix=tmp_path / "m")
+        build_tokenizer(
+            "sentencepiece", train_corpus=tmp_path / "bad.jsonl", vocab_size=300, output_prefix=tmp_path / "m"
+        )
     with pytest.raises(ValueError, match="needs vocab_size and output_prefix"):
         build_tokenizer("sentencepiece", train_corpus=corpus, vocab_size=300)
     with pytest.raises(FileNotFoundError, match=r"train_corpus .*missing\.jsonl does not exist"):
-        build_tokenizer("sentencepiece", train_corpus=tmp_path / "missing.jsonl", vocab_size=300,
-                        output_prefix=tmp_path / "m")
+        build_tokenizer(
+            "sentencepiece", train_corpus=tmp_path / "missing.jsonl", vocab_size=300, output_prefix=tmp_path / "m"
+        )
     with pytest.raises(ValueError, match="not both"):
         build_tokenizer("sentencepiece", tokenizer_model="x.model", train_corpus=corpus)
     assert not (tmp_path / "m.model").exists()
@@ -269,8 +283,11 @@ def test_build_tokenizer_argument_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nope.model"
     with pytest.raises(FileNotFoundError, match=f"SentencePiece tokenizer_model {missing} does not exist"):
         build_tokenizer("sentencepiece", tokenizer_model=missing)
-    with pytest.raises(FileNotFoundError, match="'meta-llama/Llama-2-7b' is not a local path; megatron-lite never "
-                                                "downloads tokenizers — download it once"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="'meta-llama/Llama-2-7b' is not a local path; megatron-lite never "
+        "downloads tokenizers — download it once",
+    ):
         build_tokenizer("sentencepiece", tokenizer_model="meta-llama/Llama-2-7b")
 
 
@@ -293,6 +310,7 @@ def test_build_llama_sentencepiece_model() -> None:
     assert pickle.loads(pickle.dumps(tok)).tokenize(text) == tok.tokenize(text)
     # chat templates print the model's own BOS/EOS pieces
     assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
-    rendered = tok.apply_chat_template(CHAT[1:], chat_template="{{ bos_token }}[INST] {{ messages[0]['content'] }} "
-                                                             "[/INST]{{ eos_token }}")
+    rendered = tok.apply_chat_template(
+        CHAT[1:], chat_template="{{ bos_token }}[INST] {{ messages[0]['content'] }} [/INST]{{ eos_token }}"
+    )
     assert rendered == "<s>[INST] To be? [/INST]</s>"

@@ -5,6 +5,7 @@ changes nothing: the real rows are drawn from the seed exactly as an unpadded te
 are zero, their logits are -inf and outside every softmax, they get no gradient, and what is saved or
 handed back holds the real ``vocab_size`` rows.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,15 @@ def _greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
 
 
 def _model(divisible_by: int, tied: bool = False, seed: int = 3) -> ml.GPTModel:
-    config = ml.GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16,
-                          make_vocab_size_divisible_by=divisible_by, share_embeddings_and_output_weights=tied)
+    config = ml.GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        seq_length=16,
+        make_vocab_size_divisible_by=divisible_by,
+        share_embeddings_and_output_weights=tied,
+    )
     model = ml.GPTModel(config, seed=seed)
     assert model.padded_vocab_size == PADDINGS[divisible_by]
     return model
@@ -90,7 +98,9 @@ def test_nonzero_padding_rows_still_never_enter_a_softmax():
     tokens = _tokens()
     clean, dirty = _model(256), _model(256)
     with torch.no_grad():
-        dirty.output_layer.weight[VOCAB:] = 50.0 * torch.randn(256 - VOCAB, 32, generator=torch.Generator().manual_seed(1))
+        dirty.output_layer.weight[VOCAB:] = 50.0 * torch.randn(
+            256 - VOCAB, 32, generator=torch.Generator().manual_seed(1)
+        )
     assert torch.equal(dirty(tokens[:, :-1], tokens[:, 1:]), clean(tokens[:, :-1], tokens[:, 1:]))
     assert torch.equal(dirty.full_logits(tokens[:, :-1]), clean.full_logits(tokens[:, :-1]))
     assert torch.isneginf(dirty(tokens[:, :-1])[..., VOCAB:]).all()

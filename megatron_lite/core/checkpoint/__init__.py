@@ -5,6 +5,7 @@ the rest as JSON, every file checksummed, committed atomically (see docs/checkpo
 the pieces: ``format`` (the on-disk format and its safety), ``resume`` (auto-resume, RNG states, strict-load
 entries), ``full`` (whole models in one process: the notebook hand-back, ``from_pretrained``), ``hf`` (Hugging Face
 interop); ``errors`` names every error they raise."""
+
 from megatron_lite.core.checkpoint.checkpointer import Checkpointer, Loaded
 from megatron_lite.core.checkpoint.errors import AsyncCheckpointError, CorruptCheckpointError
 from megatron_lite.core.checkpoint.format.async_save import AsyncCheckpointWriter
@@ -17,6 +18,18 @@ from megatron_lite.core.checkpoint.format.sharded import (
 )
 from megatron_lite.core.checkpoint.state import ensure_optimizer_state, sharded_model_state, sharded_optimizer_state
 
-__all__ = ["Checkpointer", "Loaded", "sharded_model_state", "sharded_optimizer_state", "ensure_optimizer_state",
-           "save_sharded", "load_sharded", "read_checkpoint_meta", "resolve_checkpoint", "verify_checkpoint",
-           "CorruptCheckpointError", "AsyncCheckpointWriter", "AsyncCheckpointError"]
+__all__ = [
+    "Checkpointer",
+    "Loaded",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+    "ensure_optimizer_state",
+    "save_sharded",
+    "load_sharded",
+    "read_checkpoint_meta",
+    "resolve_checkpoint",
+    "verify_checkpoint",
+    "CorruptCheckpointError",
+    "AsyncCheckpointWriter",
+    "AsyncCheckpointError",
+]

@@ -18,6 +18,7 @@ It is given once what it saves -- the module, the optimizers, the layout -- and 
 is waited for by the next save, :meth:`~Checkpointer.wait` and :meth:`~Checkpointer.close`, which raise its error.
 Every method is collective: every rank makes the same calls in the same order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -129,9 +130,17 @@ class Checkpointer:
         timers: Megatron timers that time each save (``save-checkpoint``), if the run keeps them.
     """
 
-    def __init__(self, module: nn.Module, layout: Optional[ParallelLayout] = None, optimizers: Sequence[Optimizer] = (),
-                 *, megatron_optimizer: Any = None, allowed: Sequence[type] = (), fsdp: bool = False,
-                 timers: Optional[Timers] = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: Optional[ParallelLayout] = None,
+        optimizers: Sequence[Optimizer] = (),
+        *,
+        megatron_optimizer: Any = None,
+        allowed: Sequence[type] = (),
+        fsdp: bool = False,
+        timers: Optional[Timers] = None,
+    ) -> None:
         self.module = module
         self.layout = layout if layout is not None else ParallelLayout.single()
         self.megatron_optimizer = megatron_optimizer
@@ -159,9 +168,16 @@ class Checkpointer:
         return sharded_optimizer_state(self.module, optimizer, self.layout)
 
     # --- saving ---------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, meta: Optional[dict[str, Any]] = None, *,
-             model_state: Optional[dict[str, Any]] = None, optimizer_states: Optional[Sequence[dict]] = None,
-             asynchronous: bool = False, latest: bool = True) -> Path:
+    def save(
+        self,
+        path: str | os.PathLike,
+        meta: Optional[dict[str, Any]] = None,
+        *,
+        model_state: Optional[dict[str, Any]] = None,
+        optimizer_states: Optional[Sequence[dict]] = None,
+        asynchronous: bool = False,
+        latest: bool = True,
+    ) -> Path:
         """Save the run's state and ``meta`` as the checkpoint ``path``; returns ``path`` (as a Path).
 
         ``model_state`` / ``optimizer_states``: the entries to save instead of :meth:`model_state` and every
@@ -218,8 +234,16 @@ class Checkpointer:
             writer.close(raise_error=raise_error)
 
     # --- loading --------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike, *, optimizers: bool = True, rng: bool = True, strict: bool = True,
-             verify: bool = True, restore_cpu_rng: bool = True) -> Loaded:
+    def load(
+        self,
+        path: str | os.PathLike,
+        *,
+        optimizers: bool = True,
+        rng: bool = True,
+        strict: bool = True,
+        verify: bool = True,
+        restore_cpu_rng: bool = True,
+    ) -> Loaded:
         """Load the checkpoint ``path`` into the module (and, with ``optimizers``, the optimizers; with ``rng``, the
         RNG states) in place.
 
@@ -246,13 +270,15 @@ class Checkpointer:
             if index == 0 and self.megatron_optimizer is not None:
                 self.megatron_optimizer.ensure_state()
                 optimizer_state, finish = megatron_optimizer_load_state(
-                    self.megatron_optimizer, self.layout, keys, key + ".", self._megatron_prefix(), writebacks)
+                    self.megatron_optimizer, self.layout, keys, key + ".", self._megatron_prefix(), writebacks
+                )
             else:
                 ensure_optimizer_state(optimizer)
                 optimizer_state = sharded_optimizer_state(self.module, optimizer, self.layout)
                 if not strict:  # the state of parameters the checkpoint lacks stays as it is
-                    optimizer_state = {k: v for k, v in optimizer_state.items()
-                                       if k == "param_groups" or f"{key}.{k}" in keys}
+                    optimizer_state = {
+                        k: v for k, v in optimizer_state.items() if k == "param_groups" or f"{key}.{k}" in keys
+                    }
             optimizer_state.pop("param_groups")
             state[key] = optimizer_state
         saved_rng = rng_placeholders(path, self.layout.rank) if rng else {}
@@ -265,8 +291,9 @@ class Checkpointer:
             load_optimizer_groups(optimizer, groups)
         cpu_rng_state = None
         if rng:
-            cpu_rng_state = self._restore_or_rederive_rng({k: state[k] for k in saved_rng},
-                                                          int(meta.get("global_step", 0)))
+            cpu_rng_state = self._restore_or_rederive_rng(
+                {k: state[k] for k in saved_rng}, int(meta.get("global_step", 0))
+            )
             if restore_cpu_rng and cpu_rng_state is not None:
                 torch.set_rng_state(cpu_rng_state)
                 cpu_rng_state = None
@@ -282,8 +309,9 @@ class Checkpointer:
                 return names[id(param)][: -len(name)]
         return ""
 
-    def _entries_to_load(self, path: Path, keys: set[str], strict: bool,
-                         writebacks: WriteBacks) -> tuple[dict[str, Any], EntryMismatch]:
+    def _entries_to_load(
+        self, path: Path, keys: set[str], strict: bool, writebacks: WriteBacks
+    ) -> tuple[dict[str, Any], EntryMismatch]:
         """This rank's model entries to load from ``path``. Their names on every rank together (a pipeline stage holds
         only its layers) must be the checkpoint's: otherwise, with ``strict``, one error on every rank; without, the
         entries both have."""
@@ -294,8 +322,9 @@ class Checkpointer:
         if not mismatch:
             return model_state, mismatch
         if strict:
-            raise EntryMismatchError(f"the checkpoint {path} does not hold the module's entries: {mismatch.describe()}",
-                                     mismatch)
+            raise EntryMismatchError(
+                f"the checkpoint {path} does not hold the module's entries: {mismatch.describe()}", mismatch
+            )
         return {name: value for name, value in model_state.items() if name in saved}, mismatch
 
     def _restore_or_rederive_rng(self, loaded: dict[str, torch.Tensor], step: int) -> Optional[torch.Tensor]:
@@ -313,5 +342,6 @@ class Checkpointer:
             log.warning(
                 f"megatron-lite: RNG states not restored from the checkpoint: "
                 f"{reason or 'the layout of another rank changed'}; re-derived from the seeds for step {step} "
-                f"(dropout masks differ from those an uninterrupted run at the saved layout would draw).")
+                f"(dropout masks differ from those an uninterrupted run at the saved layout would draw)."
+            )
         return derived_cpu_generator_state(step)

@@ -1,6 +1,7 @@
 """Every error a checkpoint can raise, in one leaf module (it imports nothing of ours), so that any part of the
 checkpoint code -- and :func:`~megatron_lite.core.checkpoint.format.rank_zero.on_rank0`, which re-raises rank 0's
 error on every rank as the same type -- can name them without importing the code that raises them."""
+
 from __future__ import annotations
 
 import pickle
@@ -57,5 +58,11 @@ class UnsupportedHFModel(ValueError):
 
 
 SHARED_ACROSS_RANKS: tuple[type[BaseException], ...] = (
-    FileNotFoundError, ValueError, TypeError, CorruptCheckpointError, CheckpointMetaError, UnsafeCheckpointError)
+    FileNotFoundError,
+    ValueError,
+    TypeError,
+    CorruptCheckpointError,
+    CheckpointMetaError,
+    UnsafeCheckpointError,
+)
 """The errors rank 0 raises in a step it does alone that the other ranks re-raise as the same type."""

@@ -12,6 +12,7 @@ on the layout: a plain ``torch.optim`` optimizer's (:func:`sharded_optimizer_sta
 DP sharding (ZeRO-1) or precision, with its fp32 masters as ``master`` (:func:`megatron_optimizer_state`,
 :func:`megatron_optimizer_load_state`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -42,8 +43,9 @@ def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayo
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(view, layout.mesh["tp"], [Shard(dim)], run_check=False,
-                              shape=torch.Size(global_shape), stride=stride)
+    return DTensor.from_local(
+        view, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=torch.Size(global_shape), stride=stride
+    )
 
 
 def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
@@ -73,12 +75,12 @@ def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
         rows = LocalShardsWrapper([], [])
     global_shape = torch.Size(shard.real_shape)
     stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(rows, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=global_shape,
-                              stride=stride)
+    return DTensor.from_local(rows, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=global_shape, stride=stride)
 
 
-def _checkpoint_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout,
-                     writebacks: Optional[WriteBacks]) -> torch.Tensor:
+def _checkpoint_view(
+    tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout, writebacks: Optional[WriteBacks]
+) -> torch.Tensor:
     if is_dtensor(tensor):
         full = full_local_tensor(tensor)
         if writebacks is not None:
@@ -93,8 +95,9 @@ def write_back(writebacks: WriteBacks) -> None:
         copy_into_sharded(live, full)
 
 
-def sharded_model_state(module: nn.Module, layout: ParallelLayout,
-                        writebacks: Optional[WriteBacks] = None) -> dict[str, Any]:
+def sharded_model_state(
+    module: nn.Module, layout: ParallelLayout, writebacks: Optional[WriteBacks] = None
+) -> dict[str, Any]:
     """Parameters (as global views) and persistent buffers of ``module``."""
     state: dict[str, Any] = {}
     for name, param in module.named_parameters():
@@ -126,9 +129,13 @@ def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer, layout: Par
     return state
 
 
-def megatron_optimizer_state(optimizer, layout: ParallelLayout, prefix: str = "",
-                             writebacks: Optional[WriteBacks] = None,
-                             per_param: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> dict[str, Any]:
+def megatron_optimizer_state(
+    optimizer,
+    layout: ParallelLayout,
+    prefix: str = "",
+    writebacks: Optional[WriteBacks] = None,
+    per_param: Optional[dict[str, dict[str, torch.Tensor]]] = None,
+) -> dict[str, Any]:
     """A :class:`~megatron_lite.core.optim.MegatronOptimizer`'s state in the keys of
     :func:`sharded_optimizer_state` (``state.<prefix><param name>.<key>``; ``prefix``: where the optimizer's model
     sits in the checkpointed module, ``"model."`` in a GPTModule), from its ``checkpoint_state()`` (or
@@ -147,9 +154,14 @@ def megatron_optimizer_state(optimizer, layout: ParallelLayout, prefix: str = ""
     return state
 
 
-def megatron_optimizer_load_state(optimizer, layout: ParallelLayout, keys: set[str], key_prefix: str,
-                                  prefix: str = "", writebacks: Optional[WriteBacks] = None
-                                  ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+def megatron_optimizer_load_state(
+    optimizer,
+    layout: ParallelLayout,
+    keys: set[str],
+    key_prefix: str,
+    prefix: str = "",
+    writebacks: Optional[WriteBacks] = None,
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     """What to load a checkpoint (its flattened DCP ``keys``; this optimizer's under ``key_prefix``, e.g.
     ``"optimizer_0."``) into: :func:`megatron_optimizer_state` holding only what the checkpoint has (no fp32 masters
     when it was written at another precision, no state for parameters not stepped yet); and the function to call
@@ -157,10 +169,15 @@ def megatron_optimizer_load_state(optimizer, layout: ParallelLayout, keys: set[s
     parameters and restores the loss scaler. The param groups' hyperparameters are the caller's
     (:func:`load_optimizer_groups`). Call ``optimizer.ensure_state()`` first, so there is state to load into."""
     per_param = optimizer.checkpoint_state()
-    present = {name: {k: v for k, v in entry.items() if f"{key_prefix}state.{prefix}{name}.{k}" in keys}
-               for name, entry in per_param.items()}
-    absent = {name for name, entry in present.items()
-              if not any(k != "master" for k in entry) and any(k != "master" for k in per_param[name])}
+    present = {
+        name: {k: v for k, v in entry.items() if f"{key_prefix}state.{prefix}{name}.{k}" in keys}
+        for name, entry in per_param.items()
+    }
+    absent = {
+        name
+        for name, entry in present.items()
+        if not any(k != "master" for k in entry) and any(k != "master" for k in per_param[name])
+    }
     state = megatron_optimizer_state(optimizer, layout, prefix, writebacks, per_param=present)
     if not any(k.startswith(f"{key_prefix}extra") for k in keys):
         state.pop("extra")  # written before loss scaling existed
@@ -198,6 +215,7 @@ def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
 
     Groups are matched by their (wd_mult, lr_mult) multipliers when they carry them: a ZeRO-1 rank
     holds only the groups its shard touches, so group counts differ between ranks and layouts."""
+
     def key(group: dict):
         return (group.get("wd_mult"), group.get("lr_mult"))
 
@@ -208,7 +226,8 @@ def load_optimizer_groups(optimizer: Optimizer, groups: list[dict]) -> None:
                 group.update({k: v for k, v in saved[key(group)].items() if k != "params"})
         return
     if len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, "
-                         f"the optimizer {len(optimizer.param_groups)}")
+        raise ValueError(
+            f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}"
+        )
     for group, saved_group in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved_group.items() if k != "params"})

@@ -6,6 +6,7 @@ not satisfy it still runs under the strategy (``examples/own_lightning_module.py
 model-aware validation, estimate or optimizer checkpointing. A module's own checks before launch are the
 strategy's pre-launch protocol (``check_before_launch``), which any module may implement.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol, runtime_checkable

@@ -8,6 +8,7 @@ GPipe, 1F1B, interleaved 1F1B), the reduction of the loss, its count and the met
 host sync; see ``core/parallel/loss_report.py``), the shared-embedding gradient sum between the first and
 last stage, and the optimizer step (gradient reduction, loss scaling, clipping).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
@@ -21,7 +22,6 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.loss_report import ReportNames
 from megatron_lite.core.parallel.pipeline.p2p import DTYPES, PipelineP2P
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, run_pipeline, schedule_order
-from megatron_lite.core.rerun import RerunStateMachine
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
     backward_scale_for,
@@ -29,6 +29,7 @@ from megatron_lite.core.parallel.schedules import (
     forward_backward_no_pipelining,
     scale_model_grads,
 )
+from megatron_lite.core.rerun import RerunStateMachine
 from megatron_lite.core.timers import Timers, timed
 
 
@@ -85,12 +86,20 @@ class TrainingEngine:
         record_events: keep every forward/backward's start and end (for the pipeline timeline).
     """
 
-    def __init__(self, model: nn.Module, layout: ParallelLayout, objective: Objective,
-                 optimizer: Optional[MegatronOptimizer] = None, timers: Optional[Timers] = None,
-                 record_events: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParallelLayout,
+        objective: Objective,
+        optimizer: Optional[MegatronOptimizer] = None,
+        timers: Optional[Timers] = None,
+        record_events: bool = False,
+    ) -> None:
         if not isinstance(objective, Objective):
-            raise TypeError(f"{type(objective).__name__} is not an engine Objective: it needs forward_step(part, "
-                            f"microbatch, input_tensor) and loss(output, microbatch)")
+            raise TypeError(
+                f"{type(objective).__name__} is not an engine Objective: it needs forward_step(part, "
+                f"microbatch, input_tensor) and loss(output, microbatch)"
+            )
         self.model, self.layout, self.objective = model, layout, objective
         self.optimizer = optimizer
         self.timers = timers
@@ -123,42 +132,80 @@ class TrainingEngine:
         return self._p2p
 
     # --- schedules ---------------------------------------------------------------------------
-    def forward_backward(self, microbatches: Sequence[dict], forward_only: bool = False,
-                         loss_scale: Optional[float] = None, scale_grads: bool = True,
-                         no_sync: Optional[Callable] = None) -> StepLoss:
+    def forward_backward(
+        self,
+        microbatches: Sequence[dict],
+        forward_only: bool = False,
+        loss_scale: Optional[float] = None,
+        scale_grads: bool = True,
+        no_sync: Optional[Callable] = None,
+    ) -> StepLoss:
         """Forward (and backward) of every microbatch through the layout's schedule; the loss is the
         global-batch mean on every rank. Gradients are left unnormalised with ``scale_grads=False``
         (``StepLoss.grad_scale`` says by what to multiply them). The loss's report is reduced with it."""
         if not self.pipelined:
-            return forward_backward_no_pipelining(self.model, microbatches, self.layout, self._stage_loss,
-                                                  forward_only=forward_only, device=self.device,
-                                                  loss_scale=loss_scale, scale_grads=scale_grads, no_sync=no_sync,
-                                                  report_names=self._report_names)
+            return forward_backward_no_pipelining(
+                self.model,
+                microbatches,
+                self.layout,
+                self._stage_loss,
+                forward_only=forward_only,
+                device=self.device,
+                loss_scale=loss_scale,
+                scale_grads=scale_grads,
+                no_sync=no_sync,
+                report_names=self._report_names,
+            )
         backward_scale = backward_scale_for(loss_scale, microbatches)
         result = self._run(microbatches, forward_only, backward_scale, no_sync)
         local = result.report.names() if result.report is not None else None
         names = self._report_names.agree(local, self.layout, forward_only)
-        step = finish_step_loss(result.loss_sum, result.num_tokens, self.layout, loss_scale, backward_scale,
-                                result.report, names)
+        step = finish_step_loss(
+            result.loss_sum, result.num_tokens, self.layout, loss_scale, backward_scale, result.report, names
+        )
         if not forward_only and scale_grads:
             scale_model_grads(self.model, step.grad_scale)
         return step
 
-    def _run(self, microbatches: Sequence[dict], forward_only: bool, backward_scale: float = 1.0,
-             no_sync: Optional[Callable] = None, loss: bool = True, keep_outputs: bool = False,
-             forward_step: Optional[Callable] = None):
-        order = schedule_order(self.layout.config.schedule, len(microbatches), self.layout.pp_size,
-                               self.layout.pp_rank, len(self.parts), forward_only)
-        result = run_pipeline(order, self.parts, microbatches, forward_step or self.objective.forward_step,
-                              self._loss if loss else None, self.p2p(), self.device,
-                              forward_only=forward_only, backward_scale=backward_scale, no_sync=no_sync,
-                              keep_outputs=keep_outputs, record_events=self.record_events)
+    def _run(
+        self,
+        microbatches: Sequence[dict],
+        forward_only: bool,
+        backward_scale: float = 1.0,
+        no_sync: Optional[Callable] = None,
+        loss: bool = True,
+        keep_outputs: bool = False,
+        forward_step: Optional[Callable] = None,
+    ):
+        order = schedule_order(
+            self.layout.config.schedule,
+            len(microbatches),
+            self.layout.pp_size,
+            self.layout.pp_rank,
+            len(self.parts),
+            forward_only,
+        )
+        result = run_pipeline(
+            order,
+            self.parts,
+            microbatches,
+            forward_step or self.objective.forward_step,
+            self._loss if loss else None,
+            self.p2p(),
+            self.device,
+            forward_only=forward_only,
+            backward_scale=backward_scale,
+            no_sync=no_sync,
+            keep_outputs=keep_outputs,
+            record_events=self.record_events,
+        )
         self.events = result.events
         return result
 
     # --- the optimizer step ------------------------------------------------------------------
-    def train_step(self, microbatches: Sequence[dict],
-                   optimizer_step: Optional[Callable[[], Any]] = None) -> tuple[StepLoss, StepResult]:
+    def train_step(
+        self, microbatches: Sequence[dict], optimizer_step: Optional[Callable[[], Any]] = None
+    ) -> tuple[StepLoss, StepResult]:
         """One optimizer step over ``microbatches`` (this DP rank's share of the global batch).
 
         ``optimizer_step`` runs the torch optimizer's step (Lightning passes its wrapped optimizer's,
@@ -177,8 +224,9 @@ class TrainingEngine:
                 self._loss = rerun.wrap_loss(self.objective.loss)
             try:
                 # Gradients stay unnormalised until the optimizer has reduced them into fp32 main gradients.
-                step = self.forward_backward(microbatches, loss_scale=mopt.loss_scale, scale_grads=False,
-                                             no_sync=mopt.no_sync)
+                step = self.forward_backward(
+                    microbatches, loss_scale=mopt.loss_scale, scale_grads=False, no_sync=mopt.no_sync
+                )
             finally:
                 self._loss = self.objective.loss
             self.reduce_shared_embedding_grads()
@@ -206,10 +254,12 @@ class TrainingEngine:
         return step, result
 
     @staticmethod
-    def _rerun_check(rerun: RerunStateMachine, mopt: MegatronOptimizer, loss: torch.Tensor,
-                     seen: dict) -> Callable[[torch.Tensor], bool]:
+    def _rerun_check(
+        rerun: RerunStateMachine, mopt: MegatronOptimizer, loss: torch.Tensor, seen: dict
+    ) -> Callable[[torch.Tensor], bool]:
         """The rerun state machine's verdict on this attempt, given the global gradient norm (fp16 loss
         scaling skips overflowing gradients itself: then only the loss is validated)."""
+
         def accept(norm: torch.Tensor) -> bool:
             seen["grad_norm"] = norm
             return rerun.validate(loss, norm if mopt.loss_scaler is None else None)
@@ -229,8 +279,9 @@ class TrainingEngine:
 
     # --- forward only ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_outputs(self, microbatches: Sequence[dict], forward_step: Optional[Callable] = None
-                        ) -> list[torch.Tensor]:
+    def forward_outputs(
+        self, microbatches: Sequence[dict], forward_step: Optional[Callable] = None
+    ) -> list[torch.Tensor]:
         """The last stage's outputs of every microbatch (forward only, no loss), on every rank of the
         pipeline (broadcast from the last stage). ``forward_step`` replaces the objective's (e.g. to
         return logits instead of a loss)."""
@@ -245,15 +296,16 @@ class TrainingEngine:
         for index in range(len(microbatches)):
             if self.layout.is_last_pipeline_stage:
                 out = result.outputs[index].contiguous()
-                meta = torch.tensor([out.ndim, DTYPES.index(out.dtype), *out.shape, *([0] * (6 - out.ndim))],
-                                    dtype=torch.int64)
+                meta = torch.tensor(
+                    [out.ndim, DTYPES.index(out.dtype), *out.shape, *([0] * (6 - out.ndim))], dtype=torch.int64
+                )
             else:
                 meta = torch.zeros(8, dtype=torch.int64)
             meta = meta.to(self.device)
             dist.broadcast(meta, last, group=group)
             meta = meta.cpu()
             if not self.layout.is_last_pipeline_stage:
-                out = torch.empty(meta[2:2 + int(meta[0])].tolist(), dtype=DTYPES[int(meta[1])], device=self.device)
+                out = torch.empty(meta[2 : 2 + int(meta[0])].tolist(), dtype=DTYPES[int(meta[1])], device=self.device)
             dist.broadcast(out, last, group=group)
             outputs.append(out)
         return outputs

@@ -8,6 +8,7 @@ wrapped by every extension, first added outermost — through the same schedules
 optimizer step as pretraining. An extension reports metrics of its own by adding them to the wrapped loss's
 report (:func:`~megatron_lite.core.parallel.loss_report.with_report`): the engine reduces them with the loss.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -29,8 +30,9 @@ class ObjectiveExtension:
         """Called once per built model, after the module built ``model`` for ``layout`` and before the
         optimizer is made: add trainable sub-modules to ``model``, freeze parameters, build a teacher..."""
 
-    def forward_step(self, inner: ForwardStep, part: Any, microbatch: dict,
-                     input_tensor: Optional[torch.Tensor]) -> Any:
+    def forward_step(
+        self, inner: ForwardStep, part: Any, microbatch: dict, input_tensor: Optional[torch.Tensor]
+    ) -> Any:
         """One model chunk's forward; ``inner`` is the wrapped objective's. Whatever a non-last stage
         returns is sent to the next stage (one tensor), so extra activations travel inside it."""
         return inner(part, microbatch, input_tensor)

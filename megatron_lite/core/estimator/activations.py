@@ -10,6 +10,7 @@ and on an H200. Under pipeline parallelism the schedule decides how many chunk-m
 tensor holds ``seq_length / C`` tokens and the attention is the blockwise kind
 (:mod:`megatron_lite.core.estimator.context_parallel`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -210,31 +211,60 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
         attention_peak = 0
         if layout.context_parallel_size > 1 and n:
             # The last layer's attention: every earlier layer's tensors held, this layer's up to its attention.
-            before = sum(kept) - (0 if groups[-1][1] else per_layer) + layer_bytes_until_attention(
-                parts, recomputed=groups[-1][1])
-            attention_peak = chunk_embedding + before + context_parallel_attention_transient(
-                config, layout, pb.compute, selective=config.recompute_granularity == "selective")
+            before = (
+                sum(kept)
+                - (0 if groups[-1][1] else per_layer)
+                + layer_bytes_until_attention(parts, recomputed=groups[-1][1])
+            )
+            attention_peak = (
+                chunk_embedding
+                + before
+                + context_parallel_attention_transient(
+                    config, layout, pb.compute, selective=config.recompute_granularity == "selective"
+                )
+            )
         boundary = local * h * pb.residual  # the residual stream crossing between stages
-        chunks.append(ChunkActivations(
-            virtual_stage=stage.virtual_stage, first_layer=stage.layers.start, num_layers=n,
-            per_microbatch=chunk_embedding + sum(kept) + chunk_output,
-            sent_output=0 if stage.post_process else boundary, sent_grad=0 if stage.pre_process else boundary,
-            loss_transient=chunk_loss, attention_peak=attention_peak,
-            # The output layer's activations are gone by the time the first group is rebuilt.
-            recompute_working_set=max(0, peak - sum(kept) - chunk_output)))
-        embedding, layers, output, loss_transient = (embedding + chunk_embedding, layers + sum(kept),
-                                                     output + chunk_output, loss_transient + chunk_loss)
+        chunks.append(
+            ChunkActivations(
+                virtual_stage=stage.virtual_stage,
+                first_layer=stage.layers.start,
+                num_layers=n,
+                per_microbatch=chunk_embedding + sum(kept) + chunk_output,
+                sent_output=0 if stage.post_process else boundary,
+                sent_grad=0 if stage.pre_process else boundary,
+                loss_transient=chunk_loss,
+                attention_peak=attention_peak,
+                # The output layer's activations are gone by the time the first group is rebuilt.
+                recompute_working_set=max(0, peak - sum(kept) - chunk_output),
+            )
+        )
+        embedding, layers, output, loss_transient = (
+            embedding + chunk_embedding,
+            layers + sum(kept),
+            output + chunk_output,
+            loss_transient + chunk_loss,
+        )
     copies = 0
     if pb.compute < pb.weight:
         copies = sum(p.numel for p in stage_parameter_shapes(config, tp, stages) if p.is_matmul_weight)
         copies *= pb.compute
     walk = schedule_memory(_training_order(layout, pipeline_stage), chunks)
-    return ActivationBreakdown(embedding=embedding, per_layer=per_layer, layers=layers, output=output,
-                               microbatches_in_flight=walk.in_flight,
-                               recompute_working_set=max(c.recompute_working_set for c in chunks),
-                               loss_transient=loss_transient, autocast_weight_copies=copies,
-                               pipeline_buffers=walk.buffers_when_held, held_after_forward=walk.held + copies,
-                               peak=walk.peak + copies, recompute=recompute, chunks=chunks, parts=parts)
+    return ActivationBreakdown(
+        embedding=embedding,
+        per_layer=per_layer,
+        layers=layers,
+        output=output,
+        microbatches_in_flight=walk.in_flight,
+        recompute_working_set=max(c.recompute_working_set for c in chunks),
+        loss_transient=loss_transient,
+        autocast_weight_copies=copies,
+        pipeline_buffers=walk.buffers_when_held,
+        held_after_forward=walk.held + copies,
+        peak=walk.peak + copies,
+        recompute=recompute,
+        chunks=chunks,
+        parts=parts,
+    )
 
 
 def _training_order(layout: EstimateLayout, pipeline_stage: int) -> list:
@@ -243,13 +273,24 @@ def _training_order(layout: EstimateLayout, pipeline_stage: int) -> list:
     parallel = layout.parallel_config()
     if parallel.pipeline_model_parallel_size == 1:
         return [("F", 0, 0), ("B", 0, 0)]
-    return schedule_order(parallel.schedule, layout.num_microbatches, parallel.pipeline_model_parallel_size,
-                          pipeline_stage, parallel.virtual_pipeline_model_parallel_size)
+    return schedule_order(
+        parallel.schedule,
+        layout.num_microbatches,
+        parallel.pipeline_model_parallel_size,
+        pipeline_stage,
+        parallel.virtual_pipeline_model_parallel_size,
+    )
 
 
-def korthikanti_activation_bytes_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
-                                           num_attention_heads: int, tensor_model_parallel_size: int = 1,
-                                           sequence_parallel: bool = False, selective_recompute: bool = False) -> float:
+def korthikanti_activation_bytes_per_layer(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    tensor_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    selective_recompute: bool = False,
+) -> float:
     """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations, 1-byte dropout masks, ffn = 4h, dense softmax):
     ``s b h (10 + 24/t + 5 a s/(h t))``, ``s b h (34 + 5 a s/h)/t`` with SP, the ``5 a s/h`` term dropped
     by selective recompute."""

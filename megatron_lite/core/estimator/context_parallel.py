@@ -11,6 +11,7 @@ an fp32 copy of a 16-bit block it computes on, and the scores of one query chunk
 (``s/(2C)`` x ``s/(2C)`` per head and sample). Checked against the probe on CP ranks
 (``tests/distributed/test_context_parallel_estimate.py``).
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -44,8 +45,9 @@ def _sizes(config: GPTConfig, layout: ContextParallelLayout) -> tuple[int, int, 
     return tokens, config.num_attention_heads // tp, config.num_query_groups // tp, config.kv_channels
 
 
-def context_parallel_attention_parts(config: GPTConfig, layout: ContextParallelLayout, compute_bytes: int, rope: bool,
-                                     gqa: bool) -> dict:
+def context_parallel_attention_parts(
+    config: GPTConfig, layout: ContextParallelLayout, compute_bytes: int, rope: bool, gqa: bool
+) -> dict:
     """Bytes one layer keeps for backward around context-parallel attention, by tensor (matmul outputs of
     ``compute_bytes`` per element): replaces the ``qkv``, ``attention_out`` and ``logsumexp`` entries of the
     plain attention's accounting."""
@@ -65,8 +67,9 @@ def context_parallel_attention_parts(config: GPTConfig, layout: ContextParallelL
     }
 
 
-def context_parallel_attention_transient(config: GPTConfig, layout: ContextParallelLayout, compute_bytes: int,
-                                         selective: bool = False) -> int:
+def context_parallel_attention_transient(
+    config: GPTConfig, layout: ContextParallelLayout, compute_bytes: int, selective: bool = False
+) -> int:
     """Bytes context-parallel attention holds while it runs, beyond what the layer keeps for backward
     (under selective recompute its fp32 output and log-sum-exp are transient too)."""
     tokens, heads, groups, d = _sizes(config, layout)
@@ -92,5 +95,10 @@ def layer_bytes_until_attention(parts: dict, recomputed: bool = False) -> int:
     output and log-sum-exp); the rest (projection input, second norm, MLP, dropout masks) comes after. In a
     recomputed layer (whose forward keeps nothing) the norm's own tensors are already freed by then."""
     norm = 0 if recomputed else parts["norms"] // 2
-    return (norm + parts["linear_inputs"] // 2 + parts["qkv"] + parts.get("attention_fp32_out", 0)
-            + parts.get("logsumexp", 0))
+    return (
+        norm
+        + parts["linear_inputs"] // 2
+        + parts["qkv"]
+        + parts.get("attention_fp32_out", 0)
+        + parts.get("logsumexp", 0)
+    )

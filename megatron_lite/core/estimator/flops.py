@@ -20,6 +20,7 @@ Conventions (those of Megatron-LM and of MFU):
   needs, not the work the hardware repeats, which is what makes MFU comparable across recompute
   settings (Megatron's "hardware FLOPs" would add one more forward of the recomputed part).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -55,8 +56,9 @@ class FlopsBreakdown:
         return self.total - self.attention
 
 
-def forward_flops_breakdown(config: GPTConfig, seq_length: Optional[int] = None, *,
-                            tensor_model_parallel_size: int = 1, causal: bool = True) -> FlopsBreakdown:
+def forward_flops_breakdown(
+    config: GPTConfig, seq_length: Optional[int] = None, *, tensor_model_parallel_size: int = 1, causal: bool = True
+) -> FlopsBreakdown:
     """Forward FLOPs per token of ``config`` at ``seq_length`` (default: the config's).
 
     ``tensor_model_parallel_size`` only decides the vocabulary padding (Megatron pads to a multiple
@@ -81,14 +83,21 @@ def forward_flops_breakdown(config: GPTConfig, seq_length: Optional[int] = None,
     )
 
 
-def forward_flops_per_token(config: GPTConfig, seq_length: Optional[int] = None, *,
-                            tensor_model_parallel_size: int = 1) -> float:
+def forward_flops_per_token(
+    config: GPTConfig, seq_length: Optional[int] = None, *, tensor_model_parallel_size: int = 1
+) -> float:
     """Forward FLOPs per token (causal attention at half, padded vocabulary, matmuls only)."""
     return forward_flops_breakdown(config, seq_length, tensor_model_parallel_size=tensor_model_parallel_size).total
 
 
-def training_flops_per_step(config: GPTConfig, global_batch_size: int, seq_length: Optional[int] = None, *,
-                            tensor_model_parallel_size: int = 1, cost: ObjectiveCost = ObjectiveCost()) -> float:
+def training_flops_per_step(
+    config: GPTConfig,
+    global_batch_size: int,
+    seq_length: Optional[int] = None,
+    *,
+    tensor_model_parallel_size: int = 1,
+    cost: ObjectiveCost = ObjectiveCost(),
+) -> float:
     """Model FLOPs of one training step over ``global_batch_size`` samples, summed over every rank (divide
     by the number of devices for per-device FLOPs): each sample's ``cost.forwards_per_sample`` forwards of a
     ``seq_length`` sequence (pre-training: ``3 x forward``). Recompute is not counted."""
@@ -99,16 +108,18 @@ def training_flops_per_step(config: GPTConfig, global_batch_size: int, seq_lengt
     return cost.forwards_per_sample * per_token * global_batch_size * s
 
 
-def megatron_formula_flops(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
-                           vocab_size: int) -> float:
+def megatron_formula_flops(
+    batch_size: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int
+) -> float:
     """``72 B s L h^2 (1 + s/(12h) + V/(12 L h))``: training FLOPs of a GPT with ffn = 4h, no GQA, a
     plain (non-gated) MLP and causal attention at half (Narayanan et al. 2021 without recompute)."""
     b, s, layers, h, v = batch_size, seq_length, num_layers, hidden_size, vocab_size
     return 72.0 * b * s * layers * h * h * (1.0 + s / (12.0 * h) + v / (12.0 * layers * h))
 
 
-def attention_flops_per_cp_rank(config: GPTConfig, seq_length: Optional[int] = None, cp_size: int = 1,
-                                split: str = "zigzag") -> list:
+def attention_flops_per_cp_rank(
+    config: GPTConfig, seq_length: Optional[int] = None, cp_size: int = 1, split: str = "zigzag"
+) -> list:
     """Forward ``QK^T`` and ``attention x V`` FLOPs of one sequence on each of ``cp_size`` context-parallel
     ranks, counted from the chunk geometry (causal: a chunk attends to earlier chunks in full and to itself at
     half, the convention of :func:`forward_flops_breakdown`, so the ranks' sum is the model's attention FLOPs).
@@ -122,8 +133,9 @@ def attention_flops_per_cp_rank(config: GPTConfig, seq_length: Optional[int] = N
         raise ValueError(f"split must be 'zigzag' or 'contiguous', got {split!r}")
     pieces = 2 * cp_size if split == "zigzag" else cp_size
     if s % pieces:
-        raise ValueError(f"seq_length ({s}) must be divisible by the {pieces} chunks of a {split} split over "
-                         f"{cp_size} ranks")
+        raise ValueError(
+            f"seq_length ({s}) must be divisible by the {pieces} chunks of a {split} split over {cp_size} ranks"
+        )
     chunk = s // pieces
     assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
     per_pair = config.num_layers * 2 * (2 * chunk * chunk * config.num_attention_heads * config.kv_channels)

@@ -17,6 +17,7 @@ Under context parallelism every per-token tensor holds ``seq_length / C`` tokens
 blockwise context-parallel kind (:mod:`megatron_lite.core.estimator.context_parallel`): what it keeps for
 backward, and the keys/values in flight and one block's scores while it runs (a transient of the forward).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,15 @@ class EstimateLayout:
     """Frozen copies of the model's weights the objective holds while training (a DPO/GRPO reference model)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "seq_length", "tensor_model_parallel_size", "data_parallel_size",
-                     "pipeline_model_parallel_size", "context_parallel_size", "num_microbatches"):
+        for name in (
+            "micro_batch_size",
+            "seq_length",
+            "tensor_model_parallel_size",
+            "data_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "num_microbatches",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -103,26 +111,33 @@ class EstimateLayout:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1; set sequence_parallel=False")
         if self.seq_length % (2 * self.context_parallel_size) and self.context_parallel_size > 1:
-            raise ValueError(f"seq_length ({self.seq_length}) must be divisible by 2 x context_parallel_size "
-                             f"({2 * self.context_parallel_size}); change seq_length or context_parallel_size")
+            raise ValueError(
+                f"seq_length ({self.seq_length}) must be divisible by 2 x context_parallel_size "
+                f"({2 * self.context_parallel_size}); change seq_length or context_parallel_size"
+            )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.sequence_parallel and self.local_seq_length % self.tensor_model_parallel_size:
-            raise ValueError(f"seq_length ({self.seq_length}) / context_parallel_size ({self.context_parallel_size}) "
-                             f"must be divisible by tensor_model_parallel_size ({self.tensor_model_parallel_size}) "
-                             f"with sequence_parallel=True")
+            raise ValueError(
+                f"seq_length ({self.seq_length}) / context_parallel_size ({self.context_parallel_size}) "
+                f"must be divisible by tensor_model_parallel_size ({self.tensor_model_parallel_size}) "
+                f"with sequence_parallel=True"
+            )
         self.parallel_config()  # the pipeline options, validated as the strategy validates them
 
     def parallel_config(self) -> ParallelConfig:
         """The strategy's :class:`ParallelConfig` of this layout (it knows the layer cut and the schedule)."""
         return ParallelConfig(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size, sequence_parallel=self.sequence_parallel,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            sequence_parallel=self.sequence_parallel,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             pipeline_schedule=self.pipeline_schedule,
             num_layers_in_first_pipeline_stage=self.num_layers_in_first_pipeline_stage,
             num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage,
-            context_parallel_size=self.context_parallel_size, cp_comm_type=self.cp_comm_type)
+            context_parallel_size=self.context_parallel_size,
+            cp_comm_type=self.cp_comm_type,
+        )
 
     @property
     def local_seq_length(self) -> int:
@@ -132,8 +147,12 @@ class EstimateLayout:
     @property
     def world_size(self) -> int:
         """Ranks of the run: tp x cp x pp x dp."""
-        return (self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
-                * self.data_parallel_size)
+        return (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
+        )
 
     def stage_chunks(self, config: GPTConfig, pipeline_stage: int) -> list:
         """The (virtual) stages pipeline rank ``pipeline_stage`` holds, cut as ``GPTModel`` cuts them."""
@@ -192,8 +211,9 @@ class MemoryEstimate:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["activation_breakdown"] = asdict(self.activations)
         out["layout"] = asdict(self.layout)
-        out["stages"] = [{k: v for k, v in stage.to_dict().items() if k not in ("layout", "stages")}
-                         for stage in self.stages]
+        out["stages"] = [
+            {k: v for k, v in stage.to_dict().items() if k not in ("layout", "stages")} for stage in self.stages
+        ]
         return out
 
 
@@ -227,18 +247,33 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
     frozen = layout.frozen_models * params * pb.weight  # a plain copy of this rank's TP/PP shard, never DP-sharded
     total = weights + grads + optimizer + acts.peak + unsharded + frozen
     total += host if layout.device_type == "cpu" else 0
-    return MemoryEstimate(params=params, model_params=config.num_parameters(), weights_bytes=weights,
-                          grads_bytes=grads, optimizer_bytes=optimizer, optimizer_bytes_replicated=replicated,
-                          optimizer_bytes_distributed=distributed, optimizer_host_bytes=host,
-                          fsdp_unsharded_bytes=unsharded, frozen_bytes=frozen, activation_bytes=acts.peak,
-                          total_bytes=total,
-                          pipeline_stage=stage, activations=acts, layout=layout)
+    return MemoryEstimate(
+        params=params,
+        model_params=config.num_parameters(),
+        weights_bytes=weights,
+        grads_bytes=grads,
+        optimizer_bytes=optimizer,
+        optimizer_bytes_replicated=replicated,
+        optimizer_bytes_distributed=distributed,
+        optimizer_host_bytes=host,
+        fsdp_unsharded_bytes=unsharded,
+        frozen_bytes=frozen,
+        activation_bytes=acts.peak,
+        total_bytes=total,
+        pipeline_stage=stage,
+        activations=acts,
+        layout=layout,
+    )
 
 
 def estimate_stages(config: GPTConfig, layout: EstimateLayout) -> list:
     """The :class:`MemoryEstimate` of a rank of every pipeline stage, in stage order."""
-    config.validate_parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                                layout.context_parallel_size, layout.sequence_parallel)
+    config.validate_parallelism(
+        layout.tensor_model_parallel_size,
+        layout.pipeline_model_parallel_size,
+        layout.context_parallel_size,
+        layout.sequence_parallel,
+    )
     return [_stage_estimate(config, layout, s) for s in range(layout.pipeline_model_parallel_size)]
 
 

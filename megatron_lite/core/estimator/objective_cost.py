@@ -9,6 +9,7 @@ log-probs (and the reference's, with a KL term) and then trained ``updates_per_b
 TFLOP/s and MFU, ``megatron-lite estimate``) and the memory estimate (the microbatch's rows, the
 reference's weights) count it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

@@ -1,6 +1,7 @@
 """The parameter tensors one rank holds, as ``GPTModel`` builds them: TP shards, the padded vocabulary, replicated
 norms and row-parallel biases, the layers of its pipeline stages (what weights, gradients and optimizer state are
 counted from)."""
+
 from __future__ import annotations
 
 import math
@@ -28,10 +29,16 @@ class ParamShape:
         return math.prod(self.shape)
 
 
-def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                     pipeline_stage: int = 0, *, virtual_pipeline_model_parallel_size: int = 1,
-                     num_layers_in_first_pipeline_stage: Optional[int] = None,
-                     num_layers_in_last_pipeline_stage: Optional[int] = None) -> list:
+def parameter_shapes(
+    config: GPTConfig,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    pipeline_stage: int = 0,
+    *,
+    virtual_pipeline_model_parallel_size: int = 1,
+    num_layers_in_first_pipeline_stage: Optional[int] = None,
+    num_layers_in_last_pipeline_stage: Optional[int] = None,
+) -> list:
     """The :class:`ParamShape` of every parameter one rank of pipeline rank ``pipeline_stage`` holds, in the
     order of ``GPTModel.named_parameters()``.
 
@@ -42,17 +49,23 @@ def parameter_shapes(config: GPTConfig, tensor_model_parallel_size: int = 1, pip
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     config.validate_parallelism(tp, pp)
-    cut = ParallelConfig(pipeline_model_parallel_size=pp,
-                         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                         num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
-                         num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage)
+    cut = ParallelConfig(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+    )
     return stage_parameter_shapes(config, tp, cut.stage_chunks(config.num_layers, pipeline_stage))
 
 
 def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
-    assert f is not None and d is not None and config.num_query_groups is not None \
-        and config.max_position_embeddings is not None  # resolved by GPTConfig.__post_init__
+    assert (
+        f is not None
+        and d is not None
+        and config.num_query_groups is not None
+        and config.max_position_embeddings is not None
+    )  # resolved by GPTConfig.__post_init__
     vocab = config.padded_vocab_size(tp)
     qkv = d * (config.num_attention_heads + 2 * config.num_query_groups)
     fc1 = f * (2 if config.activation == "swiglu" else 1)
@@ -81,8 +94,7 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
         p = f"layers.{i}"
         norm(f"{p}.input_layernorm")
         # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
-        linear(f"{p}.self_attention.linear_qkv", qkv // tp, h,
-               (qkv // tp,) if bias or config.add_qkv_bias else None)
+        linear(f"{p}.self_attention.linear_qkv", qkv // tp, h, (qkv // tp,) if bias or config.add_qkv_bias else None)
         linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, (h,) if bias else None)
         norm(f"{p}.pre_mlp_layernorm")
         linear(f"{p}.mlp.linear_fc1", fc1 // tp, h, (fc1 // tp,) if bias else None)

@@ -1,6 +1,7 @@
 """Bytes per element of what each training precision keeps, and what the kernels of a device type save for
 backward: the tables the memory estimate multiplies by (the one place to edit when precision handling or a
 kernel changes; a new precision is named in :data:`megatron_lite.core.precision.PRECISIONS` first)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ class PrecisionBytes:
     """The residual stream and the norms' inputs (autocast leaves additions and norms in fp32)."""
 
 
-# Bytes per element for each Lightning precision string (core/precision.py's PRECISIONS), as core/optim keeps them. "*-mixed" is
-# torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes. "*-true" is Megatron's
+# Bytes per element for each Lightning precision string (core/precision.py's PRECISIONS), as core/optim keeps them.
+# "*-mixed" is torch.autocast over fp32 parameters: weights 4 + grads 4 + Adam 8 = 16 bytes. "*-true" is Megatron's
 # layout: half parameters, fp32 main grads, fp32 master copy + Adam: 2 + 4 + 4 + 8 = 18 (DESIGN.md).
 # With the distributed optimizer see DISTRIBUTED_*_BYTES: 6 + 12/dp for "*-true", 8 + 12/dp for fp32.
 PRECISION_BYTES = {
@@ -68,11 +69,20 @@ class KernelSaves:
 # memory-efficient kernel for fp32). Other CUDA kernels (flash-attention on older GPUs) may differ by
 # one ``s b h`` tensor per layer.
 KERNEL_SAVES = {
-    "cpu": KernelSaves(rms_norm_saves_normalized=True, dropout_mask_bytes=None,
-                       attention_dropout_materializes_scores=True, dense_attention_in_fp32=True,
-                       fp32_attention_output_is_copied=False, attention_rng_bytes=0),
-    "cuda": KernelSaves(rms_norm_saves_normalized=False, dropout_mask_bytes=1,
-                        attention_dropout_materializes_scores=False, dense_attention_in_fp32=False,
-                        fp32_attention_output_is_copied=True, attention_rng_bytes=16),
+    "cpu": KernelSaves(
+        rms_norm_saves_normalized=True,
+        dropout_mask_bytes=None,
+        attention_dropout_materializes_scores=True,
+        dense_attention_in_fp32=True,
+        fp32_attention_output_is_copied=False,
+        attention_rng_bytes=0,
+    ),
+    "cuda": KernelSaves(
+        rms_norm_saves_normalized=False,
+        dropout_mask_bytes=1,
+        attention_dropout_materializes_scores=False,
+        dense_attention_in_fp32=False,
+        fp32_attention_output_is_copied=True,
+        attention_rng_bytes=16,
+    ),
 }
-

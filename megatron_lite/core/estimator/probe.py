@@ -21,6 +21,7 @@ masks, the softmax of the loss. Temporaries freed during the forward are not cou
 memory held at the end of the forward, the activation part of the peak (the backward adds its own
 transient buffers on top).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -31,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+
 # TorchDispatchMode is the documented way to see every operator below autograd (FlopCounterMode is built on it).
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -140,8 +142,9 @@ class _StorageTracker(TorchDispatchMode):
         key = _storage_key(t)
         if key is not None:
             ref = StorageWeakRef(t.untyped_storage())
-            self.created.setdefault(ref.cdata, (ref, key[0], SavedStorage(nbytes=key[1], dtype=t.dtype,
-                                                                          shape=tuple(t.shape))))
+            self.created.setdefault(
+                ref.cdata, (ref, key[0], SavedStorage(nbytes=key[1], dtype=t.dtype, shape=tuple(t.shape)))
+            )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -233,9 +236,11 @@ class StepActivationReport:
     activation gradients, recomputed tensors, a blockwise attention's per-block probabilities)."""
 
 
-def measure_step_activations(model: nn.Module, inputs_fn: Callable[[], ModelInputs],
-                             reduce: Callable[[Any], torch.Tensor] = lambda out: out.float().sum()
-                             ) -> StepActivationReport:
+def measure_step_activations(
+    model: nn.Module,
+    inputs_fn: Callable[[], ModelInputs],
+    reduce: Callable[[Any], torch.Tensor] = lambda out: out.float().sum(),
+) -> StepActivationReport:
     """Run one forward of ``model`` on ``inputs_fn()`` and the backward of ``reduce(output)``, tracking every
     storage the operators create (as :func:`measure_retained_tensors`, the backward included; inputs that
     require grad get theirs). Not counted: parameters, buffers, the inputs and the parameters' gradients
@@ -246,8 +251,10 @@ def measure_step_activations(model: nn.Module, inputs_fn: Callable[[], ModelInpu
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
-        tracker = _StorageTracker(_excluded_storages(model, inputs) | {
-            key[0] for key in map(_storage_key, [p.grad for p in params]) if key is not None})
+        tracker = _StorageTracker(
+            _excluded_storages(model, inputs)
+            | {key[0] for key in map(_storage_key, [p.grad for p in params]) if key is not None}
+        )
         with tracker:
             output = _call(model, inputs)
             outputs = {key[0] for key in map(_storage_key, pytree.tree_leaves(output)) if key is not None}

@@ -1,5 +1,6 @@
 """Human-readable reports of a memory estimate (the ``megatron-lite estimate`` table, the strategy's
 start-up log) and the warning when it exceeds the device's memory."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -15,28 +16,43 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
     pp = lay.pipeline_model_parallel_size
     world, cp = lay.world_size, lay.context_parallel_size
     recompute_note = f"recompute: {acts.recompute}"
-    copies = f" + {format_bytes(acts.autocast_weight_copies)} autocast weight copies" if acts.autocast_weight_copies \
-        else ""
-    peak_while = "while the loss is computed" if acts.loss_transient >= acts.recompute_working_set else \
-        "while a recomputed chunk is rebuilt"
-    sharding = "FSDP2 (weights, grads, optimizer / dp)" if lay.use_torch_fsdp2 else (
-        "distributed optimizer" if lay.use_distributed_optimizer else "replicated optimizer")
+    copies = (
+        f" + {format_bytes(acts.autocast_weight_copies)} autocast weight copies" if acts.autocast_weight_copies else ""
+    )
+    peak_while = (
+        "while the loss is computed"
+        if acts.loss_transient >= acts.recompute_working_set
+        else "while a recomputed chunk is rebuilt"
+    )
+    sharding = (
+        "FSDP2 (weights, grads, optimizer / dp)"
+        if lay.use_torch_fsdp2
+        else ("distributed optimizer" if lay.use_distributed_optimizer else "replicated optimizer")
+    )
     pipeline = ""
     if pp > 1:
         vpp = lay.virtual_pipeline_model_parallel_size
         pipeline = f" (pipeline schedule {lay.parallel_config().schedule}" + (
-            f", {vpp} virtual stages per rank)" if vpp > 1 else ")")
+            f", {vpp} virtual stages per rank)" if vpp > 1 else ")"
+        )
     # A stage without the loss (and without recompute) peaks when its forwards hold the most: no transient.
-    transient = f"+ {format_bytes(acts.peak - acts.held_after_forward)} {peak_while}; " \
-        if acts.peak > acts.held_after_forward or pp == 1 else ""
+    transient = (
+        f"+ {format_bytes(acts.peak - acts.held_after_forward)} {peak_while}; "
+        if acts.peak > acts.held_after_forward or pp == 1
+        else ""
+    )
     if pp == 1:
-        held = (f"held for backward: {acts.microbatches_in_flight} microbatch(es) x "
-                f"{format_bytes(acts.embedding + acts.layers + acts.output)}{copies}")
+        held = (
+            f"held for backward: {acts.microbatches_in_flight} microbatch(es) x "
+            f"{format_bytes(acts.embedding + acts.layers + acts.output)}{copies}"
+        )
     else:
         unit = "chunk-microbatch(es)" if len(acts.chunks) > 1 else "microbatch(es)"
         in_flight = acts.held_after_forward - acts.pipeline_buffers - acts.autocast_weight_copies
-        held = (f"held for backward: {format_bytes(in_flight)} by up to {acts.microbatches_in_flight} {unit} in "
-                f"flight + {format_bytes(acts.pipeline_buffers)} pipeline send buffers{copies}")
+        held = (
+            f"held for backward: {format_bytes(in_flight)} by up to {acts.microbatches_in_flight} {unit} in "
+            f"flight + {format_bytes(acts.pipeline_buffers)} pipeline send buffers{copies}"
+        )
     context = f" x cp {cp}" if cp > 1 else ""
     tokens_per_rank = f" ({lay.local_seq_length} tokens per rank, K/V exchange {lay.cp_comm_type})" if cp > 1 else ""
     rows = [
@@ -80,8 +96,10 @@ def _layer_ranges(layers: list) -> str:
 
 def format_stages(estimate: MemoryEstimate) -> list:
     """One line per pipeline stage of ``estimate.stages`` (a rank of each), the most loaded one marked."""
-    head = (f"  {'stage':<5} {'layers':<12} {'parameters':>12} {'weights':>11} {'gradients':>11} {'optimizer':>11} "
-            f"{'activations':>11} {'in flight':>9} {'total':>11}")
+    head = (
+        f"  {'stage':<5} {'layers':<12} {'parameters':>12} {'weights':>11} {'gradients':>11} {'optimizer':>11} "
+        f"{'activations':>11} {'in flight':>9} {'total':>11}"
+    )
     rows = ["per pipeline stage (activations: peak; in flight: (chunk-)microbatches held at once):", head]
     for stage in estimate.stages:
         mark = "  <- most loaded" if stage.pipeline_stage == estimate.pipeline_stage else ""
@@ -89,7 +107,8 @@ def format_stages(estimate: MemoryEstimate) -> list:
             f"  {stage.pipeline_stage:<5} {_layer_ranges(stage.layers):<12} {stage.params:>12,} "
             f"{format_bytes(stage.weights_bytes):>11} {format_bytes(stage.grads_bytes):>11} "
             f"{format_bytes(stage.optimizer_bytes):>11} {format_bytes(stage.activation_bytes):>11} "
-            f"{stage.activations.microbatches_in_flight:>9} {format_bytes(stage.total_bytes):>11}{mark}")
+            f"{stage.activations.microbatches_in_flight:>9} {format_bytes(stage.total_bytes):>11}{mark}"
+        )
     return rows
 
 
@@ -106,6 +125,8 @@ def memory_warning(estimate: MemoryEstimate, device_memory_bytes: Optional[float
     """A one-line warning when the per-rank total exceeds the device memory, else None."""
     if device_memory_bytes is None or estimate.total_bytes <= device_memory_bytes:
         return None
-    return (f"WARNING: the estimated per-rank total {format_bytes(estimate.total_bytes)} exceeds the device memory "
-            f"{format_bytes(device_memory_bytes)}; raise tensor_model_parallel_size, turn on sequence_parallel, the "
-            f"distributed optimizer or activation recompute, or lower micro_batch_size")
+    return (
+        f"WARNING: the estimated per-rank total {format_bytes(estimate.total_bytes)} exceeds the device memory "
+        f"{format_bytes(device_memory_bytes)}; raise tensor_model_parallel_size, turn on sequence_parallel, the "
+        f"distributed optimizer or activation recompute, or lower micro_batch_size"
+    )

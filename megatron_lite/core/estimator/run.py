@@ -1,6 +1,7 @@
 """The memory estimate of a run as the strategy and ``megatron-lite estimate`` describe it: a
 :class:`~megatron_lite.core.parallel.run_spec.RunSpec` (layout, data geometry, precision, FSDP2), the model, the
 optimizer settings and what a sample costs the objective."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
@@ -14,42 +15,63 @@ if TYPE_CHECKING:  # run_spec imports the estimator package (its precision names
     from megatron_lite.core.parallel.run_spec import RunSpec
 
 
-def estimate_for_run(config: GPTConfig, run: "RunSpec", optimizer: Any = None, *, device_type: str = "cuda",
-                     objective: ObjectiveCost = ObjectiveCost()) -> MemoryEstimate:
+def estimate_for_run(
+    config: GPTConfig,
+    run: "RunSpec",
+    optimizer: Any = None,
+    *,
+    device_type: str = "cuda",
+    objective: ObjectiveCost = ObjectiveCost(),
+) -> MemoryEstimate:
     """Per-rank memory of training ``config`` as ``run`` lays it out (its data's geometry must be declared:
     ``run.data``). ``optimizer``: an ``OptimizerConfig`` (None: Adam without the distributed optimizer). Batch
     sizes count the data's samples; ``objective`` says how many sequences a sample is (a microbatch runs that many
     times its samples as rows) and how many frozen copies of the model the objective holds."""
     if run.data is None:
-        raise ValueError("the memory estimate needs the data's batch geometry (micro_batch_size, global_batch_size, "
-                         "seq_length): give the datamodule a `geometry` (a DataGeometry)")
+        raise ValueError(
+            "the memory estimate needs the data's batch geometry (micro_batch_size, global_batch_size, "
+            "seq_length): give the datamodule a `geometry` (a DataGeometry)"
+        )
     run.check_optimizer(optimizer)
     parallel = run.parallel
     layout = EstimateLayout(
-        micro_batch_size=run.data.micro_batch_size * objective.sequences_per_sample, seq_length=run.data.seq_length,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size, data_parallel_size=run.data_parallel_size,
+        micro_batch_size=run.data.micro_batch_size * objective.sequences_per_sample,
+        seq_length=run.data.seq_length,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        data_parallel_size=run.data_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         pipeline_schedule=parallel.pipeline_schedule,
         num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
-        context_parallel_size=parallel.context_parallel_size, cp_comm_type=parallel.cp_comm_type,
-        precision=run.precision, use_distributed_optimizer=bool(getattr(optimizer, "use_distributed_optimizer", False)),
-        use_torch_fsdp2=run.shards_with_fsdp2, optimizer=getattr(optimizer, "optimizer", "adam"),
+        context_parallel_size=parallel.context_parallel_size,
+        cp_comm_type=parallel.cp_comm_type,
+        precision=run.precision,
+        use_distributed_optimizer=bool(getattr(optimizer, "use_distributed_optimizer", False)),
+        use_torch_fsdp2=run.shards_with_fsdp2,
+        optimizer=getattr(optimizer, "optimizer", "adam"),
         sgd_momentum=getattr(optimizer, "sgd_momentum", 0.9),
         num_microbatches=run.data.num_microbatches(run.data_parallel_size),
-        device_type=device_type, frozen_models=objective.frozen_models)
+        device_type=device_type,
+        frozen_models=objective.frozen_models,
+    )
     return estimate_memory(config, layout)
 
 
-def estimate_objective(module: Any, run: "RunSpec", datamodule: Any = None,
-                       device_type: str = "cuda") -> Optional[MemoryEstimate]:
+def estimate_objective(
+    module: Any, run: "RunSpec", datamodule: Any = None, device_type: str = "cuda"
+) -> Optional[MemoryEstimate]:
     """The estimate of training ``module`` (an :class:`EngineModule`: GPTModule and the objectives built on it) on
     ``datamodule`` as ``run`` describes it, every pipeline stage's in ``.stages``; None when they do not say
     enough (another kind of module or model, data without a declared geometry). An estimate that cannot be made
     raises ValueError/TypeError."""
     if not isinstance(module, EngineModule) or not isinstance(module.config, GPTConfig) or run.data is None:
         return None
-    return estimate_for_run(module.config, run, module.optimizer_config, device_type=device_type,
-                            objective=objective_cost(module, datamodule))
+    return estimate_for_run(
+        module.config,
+        run,
+        module.optimizer_config,
+        device_type=device_type,
+        objective=objective_cost(module, datamodule),
+    )

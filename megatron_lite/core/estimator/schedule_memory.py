@@ -1,5 +1,6 @@
 """The activations one pipeline rank holds across a training step's schedule: walk the order of forwards
 and backwards the executor runs over the per-microbatch bytes of each model chunk."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,11 @@ def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
             buffers += chunk.sent_output
             count, per_chunk[index] = count + 1, per_chunk[index] + 1
             most, most_per_chunk[index] = max(most, count), max(most_per_chunk[index], per_chunk[index])
-            peak = max(peak, alive + buffers + lingering + chunk.loss_transient,
-                       alive - chunk.per_microbatch + buffers + lingering + chunk.attention_peak)
+            peak = max(
+                peak,
+                alive + buffers + lingering + chunk.loss_transient,
+                alive - chunk.per_microbatch + buffers + lingering + chunk.attention_peak,
+            )
             now = alive + buffers + lingering  # at the end of the forward, before the last backward's output is let go
             lingering = 0
         else:
@@ -87,5 +91,10 @@ def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
             held, held_buffers = now, buffers
     for chunk, n in zip(chunks, most_per_chunk):
         chunk.in_flight = n
-    return ScheduleMemory(held=held, peak=max(peak, held), buffers_when_held=held_buffers, in_flight=most,
-                          in_flight_per_chunk=tuple(most_per_chunk))
+    return ScheduleMemory(
+        held=held,
+        peak=max(peak, held),
+        buffers_when_held=held_buffers,
+        in_flight=most,
+        in_flight_per_chunk=tuple(most_per_chunk),
+    )

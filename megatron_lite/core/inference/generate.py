@@ -8,6 +8,7 @@ teacher-forced forward of the generated sequence, which is what RL's importance 
 stops after a stop id (included in its tokens) or after ``max_new_tokens``; the batch stops when
 every row has.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,9 +79,18 @@ def _fsdp_units(model: nn.Module) -> list:
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompts: Any, max_new_tokens: int, sampling: Optional[SamplingParams] = None, *,
-             stop_ids: Optional[Iterable[int]] = None, return_log_probs: bool = False, use_cache: bool = True,
-             row_ids: Optional[Sequence[int]] = None, layout: Optional[ParallelLayout] = None) -> GenerationResult:
+def generate(
+    model: GPTModel,
+    prompts: Any,
+    max_new_tokens: int,
+    sampling: Optional[SamplingParams] = None,
+    *,
+    stop_ids: Optional[Iterable[int]] = None,
+    return_log_probs: bool = False,
+    use_cache: bool = True,
+    row_ids: Optional[Sequence[int]] = None,
+    layout: Optional[ParallelLayout] = None,
+) -> GenerationResult:
     """Continue each of ``prompts`` (lists of token ids, of any lengths) by up to ``max_new_tokens`` tokens.
 
     ``model`` is a :class:`~megatron_lite.core.models.GPTModel` (this rank's stages under pipeline
@@ -98,16 +108,34 @@ def generate(model: GPTModel, prompts: Any, max_new_tokens: int, sampling: Optio
         raise ValueError(f"row_ids has {len(row_ids)} entries for {len(rows)} prompts; give one per prompt")
     layout = layout if layout is not None else model.layout
     if max_new_tokens == 0:
-        return GenerationResult([[] for _ in rows], [[] for _ in rows] if return_log_probs else None,
-                                [False] * len(rows))
+        return GenerationResult(
+            [[] for _ in rows], [[] for _ in rows] if return_log_probs else None, [False] * len(rows)
+        )
     with generation_mode(model):
-        return _decode(model, layout, rows, max_new_tokens, sampling, stops, return_log_probs, use_cache,
-                       row_ids if row_ids is not None else range(len(rows)))
+        return _decode(
+            model,
+            layout,
+            rows,
+            max_new_tokens,
+            sampling,
+            stops,
+            return_log_probs,
+            use_cache,
+            row_ids if row_ids is not None else range(len(rows)),
+        )
 
 
-def _decode(model: GPTModel, layout: ParallelLayout, rows: list[list[int]], max_new_tokens: int,
-            sampling: SamplingParams, stops: tuple[int, ...], return_log_probs: bool, use_cache: bool,
-            row_ids: Sequence[int]) -> GenerationResult:
+def _decode(
+    model: GPTModel,
+    layout: ParallelLayout,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stops: tuple[int, ...],
+    return_log_probs: bool,
+    use_cache: bool,
+    row_ids: Sequence[int],
+) -> GenerationResult:
     runner = StepRunner(model, layout)
     batch = left_pad(rows, runner.device, width_after=max_new_tokens)
     b, width = batch.tokens.shape

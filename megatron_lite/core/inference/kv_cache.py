@@ -7,6 +7,7 @@ key/value heads (query groups) of this rank, ``num_query_groups / tp`` of them, 
 head. :meth:`KVCache.free` drops the storage (RL alternates generation and training, and the cache
 of a long batch can be as large as the activations of a training step).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,14 +22,24 @@ if TYPE_CHECKING:
 class KVCache:
     """Keys and values of every cached position, per layer: ``[b, groups_per_rank, max_len, head_dim]``."""
 
-    def __init__(self, layer_ids: Sequence[int], batch_size: int, max_len: int, groups: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        layer_ids: Sequence[int],
+        batch_size: int,
+        max_len: int,
+        groups: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         # torch.empty: a slot is always written before it is read (prefill writes every prompt slot, padding
         # included; a decode step writes its slot first), so zero-filling would be wasted work.
         self._storage: Optional[torch.Tensor] = torch.empty(
-            len(layer_ids), 2, batch_size, groups, max_len, head_dim, dtype=dtype, device=device)
+            len(layer_ids), 2, batch_size, groups, max_len, head_dim, dtype=dtype, device=device
+        )
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            layer: (self._storage[n, 0], self._storage[n, 1]) for n, layer in enumerate(layer_ids)}
+            layer: (self._storage[n, 0], self._storage[n, 1]) for n, layer in enumerate(layer_ids)
+        }
         """Global layer index -> (keys, values) buffers."""
         self.max_len = max_len
 
@@ -40,8 +51,15 @@ class KVCache:
         # resolved by GPTConfig.__post_init__
         assert config.num_query_groups is not None and config.kv_channels is not None
         groups = config.num_query_groups // model.layout.tp_size  # this rank's key/value heads
-        return cls([int(i) for i in model.layers.keys()], batch_size, max_len, groups, config.kv_channels,
-                   param.dtype, param.device)
+        return cls(
+            [int(i) for i in model.layers.keys()],
+            batch_size,
+            max_len,
+            groups,
+            config.kv_channels,
+            param.dtype,
+            param.device,
+        )
 
     @property
     def nbytes(self) -> int:

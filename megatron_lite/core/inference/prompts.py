@@ -6,6 +6,7 @@ cache slot for the whole batch. A row's padding is invisible to it: its position
 first real token, and its queries never attend to padding keys (see :func:`attention_mask`), so a
 row generates what it would alone.
 """
+
 from __future__ import annotations
 
 import operator
@@ -18,19 +19,25 @@ import torch
 def _as_rows(prompts: Any) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
         if prompts.ndim != 2:
-            raise ValueError(f"prompts must be a list of token-id lists (or a [batch, length] tensor), got a tensor "
-                             f"of shape {tuple(prompts.shape)}")
+            raise ValueError(
+                f"prompts must be a list of token-id lists (or a [batch, length] tensor), got a tensor "
+                f"of shape {tuple(prompts.shape)}"
+            )
         return prompts.tolist()
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-        raise TypeError(f"prompts must be a list of token-id lists, e.g. [[5, 17, 42]], got {type(prompts).__name__}; "
-                        f"tokenize text first (tokenizer.tokenize(text))")
+        raise TypeError(
+            f"prompts must be a list of token-id lists, e.g. [[5, 17, 42]], got {type(prompts).__name__}; "
+            f"tokenize text first (tokenizer.tokenize(text))"
+        )
     rows = []
     for i, row in enumerate(prompts):
         if isinstance(row, torch.Tensor):
             row = row.tolist()
         if isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
-            raise TypeError(f"prompt {i} must be a list of token ids, got {type(row).__name__}; tokenize text first "
-                            f"(tokenizer.tokenize(text))")
+            raise TypeError(
+                f"prompt {i} must be a list of token ids, got {type(row).__name__}; tokenize text first "
+                f"(tokenizer.tokenize(text))"
+            )
         rows.append(list(row))
     return rows
 
@@ -45,14 +52,19 @@ def _token_id(value: Any, where: str, vocab_size: Optional[int]) -> int:
     except TypeError:
         raise TypeError(f"{where} is {value!r}, not an integer token id") from None
     if value < 0 or (vocab_size is not None and value >= vocab_size):
-        bound = "a token id must be >= 0" if value < 0 and vocab_size is None else \
-            f"outside the model's vocabulary [0, {vocab_size}); use ids of the tokenizer the model was trained with"
+        bound = (
+            "a token id must be >= 0"
+            if value < 0 and vocab_size is None
+            else f"outside the model's vocabulary [0, {vocab_size}); "
+            "use ids of the tokenizer the model was trained with"
+        )
         raise ValueError(f"{where} is {value}, {bound}")
     return value
 
 
-def check_prompts(prompts: Any, max_new_tokens: int, vocab_size: Optional[int], context: Optional[int]
-                  ) -> list[list[int]]:
+def check_prompts(
+    prompts: Any, max_new_tokens: int, vocab_size: Optional[int], context: Optional[int]
+) -> list[list[int]]:
     """``prompts`` as lists of ints, or one ValueError/TypeError naming the prompt and the fix: an empty
     batch or prompt, an id outside ``[0, vocab_size)``, a prompt that with ``max_new_tokens`` new tokens
     does not fit the model's ``context`` (its position table / trained length). None skips a bound (the
@@ -69,12 +81,16 @@ def check_prompts(prompts: Any, max_new_tokens: int, vocab_size: Optional[int], 
         if context is None:
             continue
         if len(row) > context:
-            raise ValueError(f"prompt {i} has {len(row)} tokens, longer than the model's context of {context} "
-                             f"positions: shorten it to at most {context} tokens")
+            raise ValueError(
+                f"prompt {i} has {len(row)} tokens, longer than the model's context of {context} "
+                f"positions: shorten it to at most {context} tokens"
+            )
         if len(row) + max_new_tokens > context:
-            raise ValueError(f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} the sequence "
-                             f"would reach {len(row) + max_new_tokens} positions, past the model's context of "
-                             f"{context}: lower max_new_tokens to {context - len(row)} or shorten the prompt")
+            raise ValueError(
+                f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} the sequence "
+                f"would reach {len(row) + max_new_tokens} positions, past the model's context of "
+                f"{context}: lower max_new_tokens to {context - len(row)} or shorten the prompt"
+            )
     return rows
 
 
@@ -118,7 +134,7 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device, width_after: i
     width = max(len(r) for r in rows)
     tokens = torch.zeros(len(rows), width, dtype=torch.int64)
     for i, row in enumerate(rows):
-        tokens[i, width - len(row):] = torch.tensor(row, dtype=torch.int64)
+        tokens[i, width - len(row) :] = torch.tensor(row, dtype=torch.int64)
     pad = torch.tensor([width - len(r) for r in rows], dtype=torch.int64)
     key_mask = torch.arange(width + width_after).unsqueeze(0) >= pad.unsqueeze(1)
     return PromptBatch(tokens.to(device), pad.to(device), padded=bool((pad > 0).any()), key_mask=key_mask.to(device))

@@ -9,6 +9,7 @@ Sampling uses the exponential race: ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)``
 ``Categorical(p)``. It needs no cumulative sum over the vocabulary and no host sync, and filtered
 tokens (``p_i = 0``) can never win.
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ Prompts run one at a time (batch size 1: rows accept different numbers of tokens
 would need per-row cache positions). Tensor parallelism works through the model (every TP rank gathers
 the same logits and makes the same exact choices); pipeline parallelism is refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,36 +60,54 @@ def check_draft(model: GPTModel, draft: Any, num_draft_tokens: int, check_base: 
     """One clear error when ``draft`` cannot draft for ``model`` (another base model -- compared only with
     ``check_base`` --, another layout, a head never trained) or ``num_draft_tokens`` is not an integer >= 1."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1 (tokens proposed per base forward), "
-                         f"got {num_draft_tokens!r}")
+        raise ValueError(
+            f"num_draft_tokens must be an integer >= 1 (tokens proposed per base forward), got {num_draft_tokens!r}"
+        )
     if not isinstance(draft, EagleDraftHead):
-        raise TypeError(f"draft must be an EagleDraftHead (trained with megatron_lite.callbacks.TrainDraftHead or "
-                        f"loaded with megatron_lite.post_training.load_draft_head), got {type(draft).__name__}")
+        raise TypeError(
+            f"draft must be an EagleDraftHead (trained with megatron_lite.callbacks.TrainDraftHead or "
+            f"loaded with megatron_lite.post_training.load_draft_head), got {type(draft).__name__}"
+        )
     if model.layout.pp_size > 1:
         raise ValueError("speculative decoding runs the whole model on each rank: set pipeline_model_parallel_size=1")
     if model.output_layer is None:
-        raise ValueError("speculative decoding verifies the draft with the model's output layer: this model was built "
-                         "with output_layer=False")
+        raise ValueError(
+            "speculative decoding verifies the draft with the model's output layer: this model was built "
+            "with output_layer=False"
+        )
     if draft.layout.tp_size != model.layout.tp_size or draft.layout.tp_rank != model.layout.tp_rank:
-        raise ValueError(f"the draft head is built for TP rank {draft.layout.tp_rank} of {draft.layout.tp_size}, the "
-                         f"model for rank {model.layout.tp_rank} of {model.layout.tp_size}: load the draft head for "
-                         f"the model's layout (load_draft_head(path, model))")
+        raise ValueError(
+            f"the draft head is built for TP rank {draft.layout.tp_rank} of {draft.layout.tp_size}, the "
+            f"model for rank {model.layout.tp_rank} of {model.layout.tp_size}: load the draft head for "
+            f"the model's layout (load_draft_head(path, model))"
+        )
     if not check_base:
         return
     if draft.base is None:
-        raise ValueError("the draft head was never bound to a base model (it is untrained): train it with "
-                         "megatron_lite.callbacks.TrainDraftHead or load a trained one with load_draft_head")
+        raise ValueError(
+            "the draft head was never bound to a base model (it is untrained): train it with "
+            "megatron_lite.callbacks.TrainDraftHead or load a trained one with load_draft_head"
+        )
     problem = draft.base.mismatch(base_fingerprint(model))
     if problem is not None:
-        raise ValueError(f"this draft head was trained for another base model: {problem}. A draft head only "
-                         f"predicts the model it was trained on; train one for this model with "
-                         f"megatron_lite.callbacks.TrainDraftHead")
+        raise ValueError(
+            f"this draft head was trained for another base model: {problem}. A draft head only "
+            f"predicts the model it was trained on; train one for this model with "
+            f"megatron_lite.callbacks.TrainDraftHead"
+        )
 
 
 @torch.no_grad()
-def speculative_generate(model: GPTModel, draft: EagleDraftHead, prompts: Any, max_new_tokens: int, *,
-                         num_draft_tokens: int = 4, stop_ids: Optional[Iterable[int]] = None,
-                         check_base: bool = True) -> SpeculativeResult:
+def speculative_generate(
+    model: GPTModel,
+    draft: EagleDraftHead,
+    prompts: Any,
+    max_new_tokens: int,
+    *,
+    num_draft_tokens: int = 4,
+    stop_ids: Optional[Iterable[int]] = None,
+    check_base: bool = True,
+) -> SpeculativeResult:
     """Greedy continuation of each of ``prompts`` (lists of token ids) by up to ``max_new_tokens`` tokens,
     ``num_draft_tokens`` proposed by ``draft`` per base forward. ``model`` is a GPTModel (one pipeline stage;
     any TP: every rank of its replica calls this with the same arguments). ``check_base`` compares the
@@ -105,7 +124,8 @@ def speculative_generate(model: GPTModel, draft: EagleDraftHead, prompts: Any, m
         with generation_mode(model):
             for row in rows:
                 tokens, forwards, steps = _Speculator(model, draft, len(row) + max_new_tokens).run(
-                    row, max_new_tokens, num_draft_tokens, stops)
+                    row, max_new_tokens, num_draft_tokens, stops
+                )
                 result.tokens.append(tokens)
                 result.stopped.append(bool(tokens) and tokens[-1] in stops)
                 result.base_forwards.append(forwards)
@@ -122,8 +142,11 @@ class _Speculator:
         self.model, self.draft = model, draft
         # check_draft: one pipeline stage (it embeds and ends the model) with its output layer
         assert model.embedding is not None and model.final_layernorm is not None and model.output_layer is not None
-        self.embedding, self.final_layernorm, self.output_layer = \
-            model.embedding, model.final_layernorm, model.output_layer
+        self.embedding, self.final_layernorm, self.output_layer = (
+            model.embedding,
+            model.final_layernorm,
+            model.output_layer,
+        )
         self.tp_group = model.layout.group("tp") if model.layout.tp_size > 1 else None
         self.device = next(model.parameters()).device
         self.cache = KVCache.for_model(model, 1, max_len)
@@ -131,8 +154,15 @@ class _Speculator:
         # resolved by GPTConfig.__post_init__
         assert config.num_query_groups is not None and config.kv_channels is not None
         param = next(draft.parameters())
-        self.draft_cache = KVCache([0], 1, max_len, config.num_query_groups // model.layout.tp_size,
-                                   config.kv_channels, param.dtype, param.device)
+        self.draft_cache = KVCache(
+            [0],
+            1,
+            max_len,
+            config.num_query_groups // model.layout.tp_size,
+            config.kv_channels,
+            param.dtype,
+            param.device,
+        )
         self.output_weight = model._output_weight()
         self.base_forwards = self.draft_steps = 0
 
@@ -152,8 +182,9 @@ class _Speculator:
         pending_features, pending_tokens, draft_start = features, row[1:] + out, 0
         position = len(row)  # base-cache slot of the newest token (not yet run through the base)
         while len(out) < max_new_tokens and out[-1] not in stops:
-            proposals = self._propose(pending_features, pending_tokens, draft_start,
-                                      min(k, max_new_tokens - len(out) - 1))
+            proposals = self._propose(
+                pending_features, pending_tokens, draft_start, min(k, max_new_tokens - len(out) - 1)
+            )
             features, greedy = self._base([out[-1]] + proposals, position)
             accepted = 0
             while accepted < len(proposals) and proposals[accepted] == greedy[accepted]:
@@ -170,8 +201,11 @@ class _Speculator:
     def _step(self, start: int, length: int, cache: Optional[KVCache]) -> InferenceStep:
         positions = torch.arange(start, start + length, device=self.device).unsqueeze(0)
         # One query sees every cached slot; several after cached slots need the causal mask offset by `start`.
-        mask = attention_mask(torch.zeros(1, dtype=torch.int64, device=self.device), start, length) \
-            if length > 1 and start > 0 else None
+        mask = (
+            attention_mask(torch.zeros(1, dtype=torch.int64, device=self.device), start, length)
+            if length > 1 and start > 0
+            else None
+        )
         return InferenceStep(start=start, positions=positions, mask=mask, cache=cache)
 
     def _rope(self, step: InferenceStep):
@@ -206,8 +240,9 @@ class _Speculator:
             ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             step = self._step(slot, len(tokens), None)
             embeddings = self.embedding(ids.t())
-            predicted = self.draft.inference_forward(features, embeddings, self._rope(step),
-                                                     self.draft_cache.layers[0], step)[-1:]
+            predicted = self.draft.inference_forward(
+                features, embeddings, self._rope(step), self.draft_cache.layers[0], step
+            )[-1:]
             self.draft_steps += 1
             slot += len(tokens)
             token = self._logits_argmax(predicted)[0]

@@ -25,6 +25,7 @@ waits on ``2 x layers + 1`` collectives instead of ``2 x layers + 3``.
 Generation runs whole rows: context-parallel ranks other than 0 (which hold the same weights)
 compute nothing and only receive the broadcast tokens.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -76,8 +77,9 @@ class StepRunner:
             self.prev_rank = _mesh_rank(layout, pp=(layout.pp_rank - 1) % layout.pp_size)
             self.next_rank = _mesh_rank(layout, pp=(layout.pp_rank + 1) % layout.pp_size)
         self.chunks = list(getattr(model, "chunks", None) or [])
-        self.exchanges_greedy = (layout.tp_size > 1 and layout.pp_size == 1 and layout.cp_size == 1
-                                 and layout.ep_size == 1)
+        self.exchanges_greedy = (
+            layout.tp_size > 1 and layout.pp_size == 1 and layout.cp_size == 1 and layout.ep_size == 1
+        )
         """Whether greedy tokens come from one all-gather over TP (see the module docstring)."""
 
     def __call__(self, tokens: torch.Tensor, step: InferenceStep) -> Optional[torch.Tensor]:
@@ -106,8 +108,9 @@ class StepRunner:
             return None
         return self._gather_vocab(logits)
 
-    def greedy(self, tokens: torch.Tensor, step: InferenceStep, embeddings: Optional[torch.Tensor],
-               with_log_probs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    def greedy(
+        self, tokens: torch.Tensor, step: InferenceStep, embeddings: Optional[torch.Tensor], with_log_probs: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """Greedy step under TP alone: (chosen tokens [b], their log-probs [b] or None, their word embeddings
         [1, b, h] for the next step), the same on every TP rank."""
         local = self.model.inference_forward(tokens, step, embeddings=embeddings).float()  # [b, V_padded/tp]

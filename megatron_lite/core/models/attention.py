@@ -1,4 +1,5 @@
 """Self-attention with a fused, tensor-parallel QKV projection and grouped-query attention."""
+
 from __future__ import annotations
 
 import contextlib
@@ -40,14 +41,27 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, layout, bias=config.add_bias_linear or config.add_qkv_bias,
-            init_std=config.init_method_std)
+            config.hidden_size,
+            qkv_size,
+            layout,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            init_std=config.init_method_std,
+        )
         self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * config.kv_channels, config.hidden_size, layout,
-            bias=config.add_bias_linear, init_std=output_init_std)
+            config.num_attention_heads * config.kv_channels,
+            config.hidden_size,
+            layout,
+            bias=config.add_bias_linear,
+            init_std=output_init_std,
+        )
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                rng: RNGStatesTracker, context: Optional[AttentionContext] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+        rng: RNGStatesTracker,
+        context: Optional[AttentionContext] = None,
+    ) -> torch.Tensor:
         """``context`` describes packed rows and context parallelism (None: plain causal rows)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
@@ -71,8 +85,13 @@ class SelfAttention(nn.Module):
         return k, v
 
     # --- generation: beside the training path -----------------------------------------------
-    def inference_forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                          kv: Optional[tuple[torch.Tensor, torch.Tensor]], step) -> torch.Tensor:
+    def inference_forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+        kv: Optional[tuple[torch.Tensor, torch.Tensor]],
+        step,
+    ) -> torch.Tensor:
         """Attention of this step's tokens ``x`` [s, b, h] (a prefill or one decode token per row).
 
         ``step`` is a :class:`~megatron_lite.core.inference.kv_cache.InferenceStep`; ``rope`` is (cos, sin)
@@ -106,7 +125,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     from :func:`rotary_tables`. For a head only partly rotated it falls back to :func:`apply_rotary`."""
     dim = cos.shape[-1]
     if dim != x.shape[-1]:
-        sin = torch.cat((-signed_sin[..., : dim // 2], signed_sin[..., dim // 2:]), dim=-1)
+        sin = torch.cat((-signed_sin[..., : dim // 2], signed_sin[..., dim // 2 :]), dim=-1)
         return apply_rotary(x, cos, sin)
     return x * cos + x.roll(dim // 2, dims=-1) * signed_sin
 
@@ -149,13 +168,21 @@ class CoreAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.q_per_group = queries_per_group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng: RNGStatesTracker,
-                context: Optional[AttentionContext] = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rng: RNGStatesTracker,
+        context: Optional[AttentionContext] = None,
+    ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         if context is not None and context.cp_size > 1:
             if dropout > 0.0:
-                raise ValueError("attention_dropout > 0 with context parallelism: the context-parallel attention has "
-                                 "no dropout; set attention_dropout=0.0 or context_parallel_size=1")
+                raise ValueError(
+                    "attention_dropout > 0 with context parallelism: the context-parallel attention has "
+                    "no dropout; set attention_dropout=0.0 or context_parallel_size=1"
+                )
             return context_parallel_attention(q, k, v, context)
         if context is not None and context.packed:
             # Heads are split over TP: each rank needs its own dropout stream.

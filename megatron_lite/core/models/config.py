@@ -1,4 +1,5 @@
 """GPTConfig: the model's shape, with Megatron's field names and validation."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,12 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 # Llama 3.1's published values (also Megatron-LM's defaults for --use-rope-scaling).
-LLAMA3_ROPE_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                        "rope_original_max_position_embeddings": 8192}
+LLAMA3_ROPE_DEFAULTS = {
+    "rope_scaling_factor": 8.0,
+    "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0,
+    "rope_original_max_position_embeddings": 8192,
+}
 
 
 @dataclass
@@ -61,7 +66,7 @@ class GPTConfig:
     rope_scaling_factor: Optional[float] = None
     """How much the context is stretched (with rope_scaling_type; 'llama3' defaults to Llama 3.1's 8)."""
     rope_low_freq_factor: Optional[float] = None
-    """'llama3': wavelengths longer than original_max_position_embeddings / this are divided by the factor (default 1)."""
+    """'llama3': wavelengths longer than original_max_position_embeddings / this are divided by the factor (def. 1)."""
     rope_high_freq_factor: Optional[float] = None
     """'llama3': wavelengths shorter than original_max_position_embeddings / this are kept (default 4)."""
     rope_original_max_position_embeddings: Optional[int] = None
@@ -79,7 +84,7 @@ class GPTConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2L))."""
     make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times the TP size (Megatron's padding; masked, never part of the model)."""
+    """Pad the vocabulary to a multiple of this x the TP size (Megatron's padding; masked, never in the model)."""
     recompute_granularity: Optional[Literal["full", "selective"]] = None
     """Activation recomputation in training: whole layers ('full'), only the core attention ('selective'), or none."""
     recompute_method: Optional[Literal["uniform", "block"]] = None
@@ -89,8 +94,14 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         _refuse_non_finite(self)
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                     "make_vocab_size_divisible_by"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "seq_length",
+            "make_vocab_size_divisible_by",
+        ):
             _positive_int(name, getattr(self, name))
         for name in ("num_query_groups", "ffn_hidden_size", "kv_channels", "max_position_embeddings"):
             if getattr(self, name) is not None:
@@ -103,32 +114,38 @@ class GPTConfig:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
                     f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                    f"({self.num_attention_heads}), or set kv_channels explicitly.")
+                    f"({self.num_attention_heads}), or set kv_channels explicitly."
+                )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
-                f"({self.num_query_groups}).")
+                f"({self.num_query_groups})."
+            )
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             raise ValueError(
-                f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding_type!r}")
-        if (self.position_embedding_type == "learned_absolute"
-                and self.max_position_embeddings < self.seq_length):
+                f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding_type!r}"
+            )
+        if self.position_embedding_type == "learned_absolute" and self.max_position_embeddings < self.seq_length:
             raise ValueError(
-                f"max_position_embeddings ({self.max_position_embeddings}) must be >= seq_length ({self.seq_length}).")
+                f"max_position_embeddings ({self.max_position_embeddings}) must be >= seq_length ({self.seq_length})."
+            )
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ValueError(f"RoPE needs an even head width, got kv_channels={self.kv_channels}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if isinstance(self.rotary_base, bool) or not isinstance(self.rotary_base, (int, float)) \
-                or self.rotary_base <= 0:
+        if (
+            isinstance(self.rotary_base, bool)
+            or not isinstance(self.rotary_base, (int, float))
+            or self.rotary_base <= 0
+        ):
             raise ValueError(f"rotary_base must be a positive number, got {self.rotary_base!r}")
         self._validate_rope_scaling()
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -144,8 +161,10 @@ class GPTConfig:
         if kind is None:
             for name in ("rope_scaling_factor", *llama3_only):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}={getattr(self, name)!r} needs rope_scaling_type ('linear' or 'llama3'); "
-                                     f"set rope_scaling_type or leave {name} unset.")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} needs rope_scaling_type ('linear' or 'llama3'); "
+                        f"set rope_scaling_type or leave {name} unset."
+                    )
             return
         if kind not in ROPE_SCALING_TYPES:
             raise ValueError(f"rope_scaling_type must be None or one of {ROPE_SCALING_TYPES}, got {kind!r}")
@@ -154,7 +173,9 @@ class GPTConfig:
         if kind == "linear":
             for name in llama3_only:
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name} only applies to rope_scaling_type='llama3' (got 'linear'); leave it unset.")
+                    raise ValueError(
+                        f"{name} only applies to rope_scaling_type='llama3' (got 'linear'); leave it unset."
+                    )
             if self.rope_scaling_factor is None:
                 raise ValueError("rope_scaling_type='linear' needs rope_scaling_factor (positions are divided by it).")
         else:
@@ -166,9 +187,13 @@ class GPTConfig:
             _positive_int("rope_original_max_position_embeddings", self.rope_original_max_position_embeddings)
             if not 0 < low < high:
                 raise ValueError(
-                    f"rope_low_freq_factor ({low}) must be positive and below rope_high_freq_factor ({high}).")
-        if isinstance(self.rope_scaling_factor, bool) or not isinstance(self.rope_scaling_factor, (int, float)) \
-                or self.rope_scaling_factor <= 0:
+                    f"rope_low_freq_factor ({low}) must be positive and below rope_high_freq_factor ({high})."
+                )
+        if (
+            isinstance(self.rope_scaling_factor, bool)
+            or not isinstance(self.rope_scaling_factor, (int, float))
+            or self.rope_scaling_factor <= 0
+        ):
             raise ValueError(f"rope_scaling_factor must be a positive number, got {self.rope_scaling_factor!r}")
 
     def rope_scaling(self) -> Optional[RopeScaling]:
@@ -177,17 +202,21 @@ class GPTConfig:
             return None
         # _validate_rope_scaling refused a scaling type without a factor
         assert self.rope_scaling_factor is not None
-        return RopeScaling(self.rope_scaling_type, float(self.rope_scaling_factor),
-                           low_freq_factor=float(self.rope_low_freq_factor or 1.0),
-                           high_freq_factor=float(self.rope_high_freq_factor or 4.0),
-                           original_max_position_embeddings=self.rope_original_max_position_embeddings or 8192)
+        return RopeScaling(
+            self.rope_scaling_type,
+            float(self.rope_scaling_factor),
+            low_freq_factor=float(self.rope_low_freq_factor or 1.0),
+            high_freq_factor=float(self.rope_high_freq_factor or 4.0),
+            original_max_position_embeddings=self.rope_original_max_position_embeddings or 8192,
+        )
 
     def _validate_recompute(self) -> None:
         """Megatron's rules for the three recompute options (and no silently ignored option)."""
         granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
         if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"recompute_granularity must be None or one of {RECOMPUTE_GRANULARITIES}, "
-                             f"got {granularity!r}")
+            raise ValueError(
+                f"recompute_granularity must be None or one of {RECOMPUTE_GRANULARITIES}, got {granularity!r}"
+            )
         if method is not None and method not in RECOMPUTE_METHODS:
             raise ValueError(f"recompute_method must be None or one of {RECOMPUTE_METHODS}, got {method!r}")
         if count is not None:
@@ -197,21 +226,32 @@ class GPTConfig:
                 if value is not None:
                     raise ValueError(
                         f"{name}={value!r} only applies to recompute_granularity='full' (got {granularity!r}); "
-                        f"set recompute_granularity='full' or leave {name} unset.")
+                        f"set recompute_granularity='full' or leave {name} unset."
+                    )
             return
         if method is None:
-            raise ValueError("recompute_granularity='full' needs recompute_method: set it to 'uniform' "
-                             "(checkpoint groups of recompute_num_layers layers) or 'block' (checkpoint the first "
-                             "recompute_num_layers layers).")
+            raise ValueError(
+                "recompute_granularity='full' needs recompute_method: set it to 'uniform' "
+                "(checkpoint groups of recompute_num_layers layers) or 'block' (checkpoint the first "
+                "recompute_num_layers layers)."
+            )
         if count is None:
-            raise ValueError("recompute_granularity='full' needs recompute_num_layers: set it to a number of "
-                             f"layers between 1 and num_layers ({self.num_layers}).")
+            raise ValueError(
+                "recompute_granularity='full' needs recompute_num_layers: set it to a number of "
+                f"layers between 1 and num_layers ({self.num_layers})."
+            )
         if count > self.num_layers:
-            raise ValueError(f"recompute_num_layers ({count}) must be <= num_layers ({self.num_layers}); "
-                             f"lower recompute_num_layers.")
+            raise ValueError(
+                f"recompute_num_layers ({count}) must be <= num_layers ({self.num_layers}); lower recompute_num_layers."
+            )
 
-    def validate_parallelism(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                             context_parallel_size: int = 1, sequence_parallel: bool = False) -> None:
+    def validate_parallelism(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+    ) -> None:
         """Raise a ValueError naming the fix if this model cannot be split this way."""
         tp = tensor_model_parallel_size
         assert self.num_query_groups is not None and self.ffn_hidden_size is not None  # resolved by __post_init__
@@ -224,17 +264,20 @@ class GPTConfig:
             if value % tp != 0:
                 raise ValueError(
                     f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
-                    f"choose a tensor_model_parallel_size that divides {value} or change {name}.")
+                    f"choose a tensor_model_parallel_size that divides {value} or change {name}."
+                )
         # How the layers split over pipeline stages (even, uneven, virtual) is checked by
         # ParallelConfig.stage_chunks, which knows the cut.
         if sequence_parallel and self.seq_length % tp != 0:
             raise ValueError(
                 f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size ({tp}) "
-                f"with sequence_parallel=True.")
+                f"with sequence_parallel=True."
+            )
         if context_parallel_size > 1 and self.seq_length % (2 * context_parallel_size) != 0:
             raise ValueError(
                 f"seq_length ({self.seq_length}) must be divisible by 2 x context_parallel_size "
-                f"({2 * context_parallel_size}).")
+                f"({2 * context_parallel_size})."
+            )
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """The vocabulary size the embedding and output layer actually use (Megatron's padding)."""
@@ -244,8 +287,12 @@ class GPTConfig:
     def num_parameters(self) -> int:
         """Parameters of the model with its padded vocabulary at TP=1 (for reports and FLOPs)."""
         h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.padded_vocab_size()
-        assert f is not None and self.num_query_groups is not None and self.kv_channels is not None \
-            and self.max_position_embeddings is not None  # resolved by __post_init__
+        assert (
+            f is not None
+            and self.num_query_groups is not None
+            and self.kv_channels is not None
+            and self.max_position_embeddings is not None
+        )  # resolved by __post_init__
         q = self.num_attention_heads * self.kv_channels
         kv = 2 * self.num_query_groups * self.kv_channels
         fc1 = f * (2 if self.activation == "swiglu" else 1)
@@ -262,6 +309,7 @@ class GPTConfig:
         out = 0 if self.share_embeddings_and_output_weights else v * h
         return L * per_layer + emb + out + norm
 
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -273,5 +321,7 @@ def _refuse_non_finite(config: GPTConfig) -> None:
     for f in fields(config):
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"GPTConfig({f.name}={value}): {f.name} must be a finite number; pass a finite "
-                             f"{f.name} (the default is {f.default!r}).")
+            raise ValueError(
+                f"GPTConfig({f.name}={value}): {f.name} must be a finite number; pass a finite "
+                f"{f.name} (the default is {f.default!r})."
+            )

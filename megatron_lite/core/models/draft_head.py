@@ -11,6 +11,7 @@ The head remembers which base model it belongs to: two SHA-256 digests, one of t
 (the config fields that change the function) and one of its weights (full tensors, whatever the TP
 layout), held as persistent buffers so that they travel with checkpoints and draft-head files.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +33,19 @@ DRAFT_HEAD_ATTRIBUTE = "draft_head"
 
 # GPTConfig fields that do not change what a model computes in eval mode (lengths, dropout, init,
 # padding, recomputation): a draft head stays valid when only these differ.
-_RUNTIME_FIELDS = frozenset({
-    "seq_length", "max_position_embeddings", "hidden_dropout", "attention_dropout", "init_method_std",
-    "make_vocab_size_divisible_by", "recompute_granularity", "recompute_method", "recompute_num_layers"})
+_RUNTIME_FIELDS = frozenset(
+    {
+        "seq_length",
+        "max_position_embeddings",
+        "hidden_dropout",
+        "attention_dropout",
+        "init_method_std",
+        "make_vocab_size_divisible_by",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +79,10 @@ def base_fingerprint(model: GPTModel) -> BaseFingerprint:
     Collective over tensor parallelism (each TP-sharded weight is gathered to its full tensor, vocabulary
     padding cut off), so the digest is the same at any TP size; every TP rank must call it."""
     if len(getattr(model, "chunks", [None])) != 1 or not (model.pre_process and model.post_process):
-        raise ValueError("a base-model fingerprint needs the whole model on this rank: pipeline parallelism is not "
-                         "supported for speculative decoding (set pipeline_model_parallel_size=1)")
+        raise ValueError(
+            "a base-model fingerprint needs the whole model on this rank: pipeline parallelism is not "
+            "supported for speculative decoding (set pipeline_model_parallel_size=1)"
+        )
     group = model.layout.group("tp") if model.layout.tp_size > 1 else None
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
@@ -101,7 +114,8 @@ class EagleDraftHead(nn.Module):
             raise ValueError(
                 f"an EAGLE draft head runs on whole rows of one pipeline stage: build it with sequence_parallel=False, "
                 f"context_parallel_size=1 and pipeline_model_parallel_size=1 (got sp={layout.sequence_parallel}, "
-                f"cp={layout.cp_size}, pp={layout.pp_size})")
+                f"cp={layout.cp_size}, pp={layout.pp_size})"
+            )
         h = config.hidden_size
         self.config, self.layout = config, layout
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -116,8 +130,9 @@ class EagleDraftHead(nn.Module):
         """The base model this head was trained for (None before it was bound to one)."""
         if not bool(self.base_weights_digest.any()):
             return None
-        return BaseFingerprint(bytes(self.base_config_digest.tolist()).hex(),
-                               bytes(self.base_weights_digest.tolist()).hex())
+        return BaseFingerprint(
+            bytes(self.base_config_digest.tolist()).hex(), bytes(self.base_weights_digest.tolist()).hex()
+        )
 
     def bind(self, fingerprint: BaseFingerprint) -> None:
         """Record ``fingerprint`` as this head's base model."""

@@ -4,6 +4,7 @@ Activations flow as ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) 
 the sequence split is a contiguous slice. Layers are keyed by their global index, so parameter
 names do not depend on the layout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,8 @@ from megatron_lite.core.models.rope import RotaryEmbedding
 from megatron_lite.core.parallel.context_parallel import AttentionContext
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.pipeline_stages import StageChunk
 from megatron_lite.core.parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_lite.core.parallel.pipeline_stages import StageChunk
 from megatron_lite.core.parallel.random import (
     DATA_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
@@ -39,8 +40,9 @@ from megatron_lite.core.parallel.tensor_parallel import (
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab, mask_vocab_padding
 
 
-def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
-                   rng: RNGStatesTracker) -> torch.Tensor:
+def hidden_dropout(
+    x: torch.Tensor, p: float, training: bool, sequence_parallel: bool, rng: RNGStatesTracker
+) -> torch.Tensor:
     """Dropout on residual-stream activations.
 
     Under SP each TP rank holds a different slice of the sequence and draws its own mask (the
@@ -80,8 +82,9 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
-def _run_layers(layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGStatesTracker,
-                context: Optional[AttentionContext]) -> torch.Tensor:
+def _run_layers(
+    layers: list[TransformerLayer], x: torch.Tensor, rope, rng: RNGStatesTracker, context: Optional[AttentionContext]
+) -> torch.Tensor:
     for layer in layers:
         x = layer(x, rope, rng, context)
     return x
@@ -108,11 +111,23 @@ class ModelChunk:
         """Whether this chunk ends the model (output layer and loss; it sends nothing onward)."""
         return self.stage.post_process
 
-    def __call__(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                 hidden_states: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.model(tokens, labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                          hidden_states=hidden_states, chunk=self.index)
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        *,
+        hidden_states: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self.model(
+            tokens,
+            labels,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            hidden_states=hidden_states,
+            chunk=self.index,
+        )
 
     def __repr__(self) -> str:
         return f"ModelChunk(virtual_stage={self.stage.virtual_stage}, layers={self.stage.layers})"
@@ -124,25 +139,28 @@ class GPTModel(nn.Module):
     ``forward(tokens)`` returns this rank's logits ``[b, s, V_padded/tp]`` (the vocabulary padding's are
     -inf); ``forward(tokens, labels)`` returns the per-token loss ``[b, s]`` (identical on every TP rank).
     The padding never changes the function: its rows are zero, outside every softmax, and the real rows are
-    drawn from the seed as an unpadded model's are, so the same seed is the same model at any TP size. Under pipeline parallelism the
-    rank holds only its stages' layers (``self.chunks``, one per virtual stage); a chunk that is not
+    drawn from the seed as an unpadded model's are, so the same seed is the same model at any TP size. Under pipeline
+    parallelism the rank holds only its stages' layers (``self.chunks``, one per virtual stage); a chunk that is not
     the last returns its activations ``[s(/tp), b, h]`` for the next stage.
     ``output_layer=False`` leaves out the vocabulary projection: the last stage then returns the final
     norm's output ``[s(/tp), b, h]`` (for objectives with their own head, e.g. a reward model).
     """
 
-    def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234,
-                 output_layer: bool = True):
+    def __init__(
+        self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234, output_layer: bool = True
+    ):
         super().__init__()
         layout = layout or ParallelLayout.single()
         if layout.ep_size > 1:
             raise NotImplementedError(
                 f"GPTModel has no expert-parallel implementation yet (layout has ep={layout.ep_size}); build the "
-                f"layout with expert_model_parallel_size=1")
+                f"layout with expert_model_parallel_size=1"
+            )
         if layout.cp_size > 1 and config.attention_dropout > 0.0:
             raise ValueError(
                 f"attention_dropout={config.attention_dropout} with context_parallel_size={layout.cp_size}: the "
-                f"context-parallel attention has no dropout; set attention_dropout=0.0 or context_parallel_size=1")
+                f"context-parallel attention has no dropout; set attention_dropout=0.0 or context_parallel_size=1"
+            )
         config.validate_parallelism(layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
         self.config, self.layout, self.seed = config, layout, seed
         self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)
@@ -159,8 +177,13 @@ class GPTModel(nn.Module):
         if self.pre_process or (self.post_process and tied):
             # The last stage of a pipeline keeps its own copy of a tied embedding (drawn from the same
             # seed and name, so equal); their gradients are summed over the first and last stage.
-            self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, layout,
-                                                    init_std=config.init_method_std, vocab_size=config.vocab_size)
+            self.embedding = VocabParallelEmbedding(
+                self.padded_vocab_size,
+                config.hidden_size,
+                layout,
+                init_std=config.init_method_std,
+                vocab_size=config.vocab_size,
+            )
             if tied and layout.pp_size > 1:
                 # read with getattr by the engine (gradient sum) and gradient clipping (counted once)
                 setattr(self.embedding.weight, "shared_embedding", True)
@@ -174,27 +197,39 @@ class GPTModel(nn.Module):
                 mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
         else:
             assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
-            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
-                                          scaling=config.rope_scaling())
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layout)
-                                     for stage in stages for i in stage.layers})
+            self.rotary = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base, scaling=config.rope_scaling()
+            )
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, layout) for stage in stages for i in stage.layers}
+        )
         self.final_layernorm: Optional[Norm] = None
         self.output_layer: Optional[ColumnParallelLinear] = None
         if self.post_process:
-            self.final_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                                        layout.sequence_parallel)
+            self.final_layernorm = Norm(
+                config.normalization, config.hidden_size, config.layernorm_epsilon, layout.sequence_parallel
+            )
             if output_layer:
                 self.output_layer = ColumnParallelLinear(
-                    config.hidden_size, self.padded_vocab_size, layout, bias=False, gather_output=False,
-                    init_std=config.init_method_std, skip_weight_param=tied,
-                    unpadded_output_size=config.vocab_size)
+                    config.hidden_size,
+                    self.padded_vocab_size,
+                    layout,
+                    bias=False,
+                    gather_output=False,
+                    init_std=config.init_method_std,
+                    skip_weight_param=tied,
+                    unpadded_output_size=config.vocab_size,
+                )
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
         self.chunks = [ModelChunk(self, index, stage) for index, stage in enumerate(stages)]
         # Per chunk: groups of its layers (global indices) for 'full' recompute (one plain group otherwise).
         self.layer_groups = [
-            [([stage.layers[i] for i in positions], checkpointed)
-             for positions, checkpointed in full_recompute_groups(config, len(stage.layers))]
-            for stage in stages]
+            [
+                ([stage.layers[i] for i in positions], checkpointed)
+                for positions, checkpointed in full_recompute_groups(config, len(stage.layers))
+            ]
+            for stage in stages
+        ]
         initialize_parameters(self, seed)
 
     def layer(self, index: int) -> TransformerLayer:
@@ -236,8 +271,13 @@ class GPTModel(nn.Module):
         if not self.context_parallel:
             return AttentionContext(cu_seqlens=cu_seqlens) if cu_seqlens is not None else None
         layout = self.layout
-        return AttentionContext(cu_seqlens=cu_seqlens, cp_size=layout.cp_size, cp_rank=layout.cp_rank,
-                                cp_group=layout.group("cp"), comm_type=layout.config.cp_comm_type)
+        return AttentionContext(
+            cu_seqlens=cu_seqlens,
+            cp_size=layout.cp_size,
+            cp_rank=layout.cp_rank,
+            cp_group=layout.group("cp"),
+            comm_type=layout.config.cp_comm_type,
+        )
 
     def _embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         ids = tokens.t()  # [s, b]
@@ -253,9 +293,15 @@ class GPTModel(nn.Module):
             x = x + pos
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel, self.rng_tracker)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        hidden_states: Optional[torch.Tensor] = None,
+        chunk: int = 0,
+    ) -> torch.Tensor:
         """``tokens`` [b, s] -> logits [b, s, V_padded/tp] (padding at -inf), or per-token loss [b, s]
         given ``labels``.
 
@@ -271,19 +317,25 @@ class GPTModel(nn.Module):
         stage = self.chunks[chunk].stage
         s = tokens.shape[1]
         if self.sequence_parallel and self.layout.tp_size > 1 and s % self.layout.tp_size:
-            raise ValueError(f"sequence length {s} must be divisible by tensor_model_parallel_size "
-                             f"({self.layout.tp_size}) under sequence parallelism")
+            raise ValueError(
+                f"sequence length {s} must be divisible by tensor_model_parallel_size "
+                f"({self.layout.tp_size}) under sequence parallelism"
+            )
         if self.context_parallel and position_ids is None:
-            raise ValueError("under context parallelism the model takes this rank's share of the rows with their "
-                             "position_ids: split microbatches with context_parallel_microbatch(...)")
+            raise ValueError(
+                "under context parallelism the model takes this rank's share of the rows with their "
+                "position_ids: split microbatches with context_parallel_microbatch(...)"
+            )
         positions = position_ids if position_ids is not None else torch.arange(s, device=tokens.device)
         rope = self.rotary(positions) if self.rotary is not None else None
         context = self.attention_context(cu_seqlens)
         if stage.pre_process:
             x = self._embed(tokens, position_ids)
         elif hidden_states is None:
-            raise ValueError(f"chunk {chunk} (virtual stage {stage.virtual_stage}) starts inside the model: pass the "
-                             f"previous stage's activations as hidden_states")
+            raise ValueError(
+                f"chunk {chunk} (virtual stage {stage.virtual_stage}) starts inside the model: pass the "
+                f"previous stage's activations as hidden_states"
+            )
         else:
             x = hidden_states
         rng = self.rng_tracker
@@ -302,14 +354,19 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, self._output_weight())  # [s, b, V/tp]
         if labels is None:
             return mask_vocab_padding(logits, self.vocab_start, self.config.vocab_size).transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start,
-                                            self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start, self.config.vocab_size)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
         return loss.t().contiguous()
 
     @torch.no_grad()
-    def inference_forward(self, tokens: torch.Tensor, step, hidden_states: Optional[torch.Tensor] = None,
-                          chunk: int = 0, embeddings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def inference_forward(
+        self,
+        tokens: torch.Tensor,
+        step,
+        hidden_states: Optional[torch.Tensor] = None,
+        chunk: int = 0,
+        embeddings: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """One generation step of chunk ``chunk``: ``tokens`` [b, s] are the step's new tokens (the prompt
         in the prefill, one per row in a decode step) and ``step`` an
         :class:`~megatron_lite.core.inference.kv_cache.InferenceStep` (positions, mask, KV cache).
@@ -325,8 +382,10 @@ class GPTModel(nn.Module):
             rope = rotary_tables(*(t.unsqueeze(3) for t in self.rotary(step.positions)))
         if not stage.pre_process:
             if hidden_states is None:
-                raise ValueError(f"chunk {chunk} (virtual stage {stage.virtual_stage}) starts inside the model: pass "
-                                 f"the previous stage's activations as hidden_states")
+                raise ValueError(
+                    f"chunk {chunk} (virtual stage {stage.virtual_stage}) starts inside the model: pass "
+                    f"the previous stage's activations as hidden_states"
+                )
             x = hidden_states
         elif embeddings is None:
             x = self._embed(tokens, step.positions)
@@ -339,8 +398,7 @@ class GPTModel(nn.Module):
         if not stage.post_process:
             return x
         if self.output_layer is None:
-            raise ValueError("generation needs the vocabulary projection: this model was built with "
-                             "output_layer=False")
+            raise ValueError("generation needs the vocabulary projection: this model was built with output_layer=False")
         assert self.final_layernorm is not None  # built on every last stage
         return self.output_layer(self.final_layernorm(x[-1:]), self._output_weight())[0]
 
@@ -354,8 +412,10 @@ class GPTModel(nn.Module):
         """Logits over the real vocabulary ``[b, s, vocab_size]``, gathered across TP (one pipeline
         stage only: under pipeline parallelism the engine's forward-only pipeline gives them)."""
         if len(self.chunks) != 1 or not (self.pre_process and self.post_process):
-            raise RuntimeError("full_logits runs the whole model on one rank; under pipeline parallelism use "
-                               "GPTModule.full_logits (the engine's forward-only pipeline)")
+            raise RuntimeError(
+                "full_logits runs the whole model on one rank; under pipeline parallelism use "
+                "GPTModule.full_logits (the engine's forward-only pipeline)"
+            )
         # self(...), not self.forward(...): module hooks must run (FSDP2 all-gathers its shards in them)
         with self.whole_sequence():
             return gather_real_vocab(self(tokens), self.tp_group, self.config.vocab_size)

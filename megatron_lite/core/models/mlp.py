@@ -1,4 +1,5 @@
 """The MLP block: column-parallel fc1 (gate and up fused for SwiGLU), row-parallel fc2."""
+
 from __future__ import annotations
 
 import torch
@@ -19,11 +20,16 @@ class MLP(nn.Module):
         assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, fc1_out, layout, bias=config.add_bias_linear,
-            init_std=config.init_method_std, stride=2 if self.swiglu else 1)
+            config.hidden_size,
+            fc1_out,
+            layout,
+            bias=config.add_bias_linear,
+            init_std=config.init_method_std,
+            stride=2 if self.swiglu else 1,
+        )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, layout, bias=config.add_bias_linear,
-            init_std=output_init_std)
+            config.ffn_hidden_size, config.hidden_size, layout, bias=config.add_bias_linear, init_std=output_init_std
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

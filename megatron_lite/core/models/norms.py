@@ -1,4 +1,5 @@
 """RMSNorm and LayerNorm whose weights know they are replicated across TP."""
+
 from __future__ import annotations
 
 import torch
@@ -18,11 +19,13 @@ class Norm(nn.Module):
     def __init__(self, kind: str, hidden_size: int, eps: float, sequence_parallel: bool):
         super().__init__()
         self.kind, self.eps, self.hidden_size = kind, eps, hidden_size
-        self.weight = mark_parameter(nn.Parameter(torch.ones(hidden_size)), ("ones",),
-                                     sequence_parallel_grad=sequence_parallel)
+        self.weight = mark_parameter(
+            nn.Parameter(torch.ones(hidden_size)), ("ones",), sequence_parallel_grad=sequence_parallel
+        )
         if kind == "LayerNorm":
-            self.bias = mark_parameter(nn.Parameter(torch.zeros(hidden_size)), ("zeros",),
-                                       sequence_parallel_grad=sequence_parallel)
+            self.bias = mark_parameter(
+                nn.Parameter(torch.zeros(hidden_size)), ("zeros",), sequence_parallel_grad=sequence_parallel
+            )
         else:
             self.register_parameter("bias", None)
 

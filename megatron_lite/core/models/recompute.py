@@ -7,6 +7,7 @@ generators for that second run, but our dropout draws from the model's own strea
 drop exactly the elements the original forward dropped, and the streams must continue afterwards
 from where the backward pass found them (Megatron's ``CheckpointFunction`` does the same).
 """
+
 from __future__ import annotations
 
 import contextlib

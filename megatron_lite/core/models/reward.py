@@ -7,6 +7,7 @@ parallelism on this rank's slice of the sequence, and only the ``[s, b]`` values
 ``[s, b, h]`` hidden states) are gathered across TP. Parameter names are GPTModel's plus
 ``value_head.weight``, so a GPT checkpoint's trunk matches by name.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -36,20 +37,26 @@ class RewardModel(GPTModel):
             # would never receive a gradient. Under SP each TP rank sees part of the sequence, so
             # the weight's gradient is partial and summed over TP like a norm weight's.
             self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
-            mark_parameter(self.value_head.weight, ("normal", config.init_method_std),
-                           sequence_parallel_grad=True)
+            mark_parameter(self.value_head.weight, ("normal", config.init_method_std), sequence_parallel_grad=True)
             # Drawn from (seed, "value_head.weight"), like every other parameter: layout-independent.
             initialize_parameters(nn.ModuleDict({"value_head": self.value_head}), seed)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        hidden_states: Optional[torch.Tensor] = None,
+        chunk: int = 0,
+    ) -> torch.Tensor:
         """``tokens`` [b, s] -> per-token values [b, s] on the last stage (activations elsewhere);
         the other arguments are GPTModel's (positions, packed-sequence ids, pipeline chunk)."""
         if labels is not None:
             raise ValueError("RewardModel has no vocabulary and takes no labels; call it with tokens only")
-        x = super().forward(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens, hidden_states=hidden_states,
-                            chunk=chunk)
+        x = super().forward(
+            tokens, position_ids=position_ids, cu_seqlens=cu_seqlens, hidden_states=hidden_states, chunk=chunk
+        )
         if not self.chunks[chunk].post_process:
             return x
         assert self.value_head is not None  # built on every last stage
@@ -66,8 +73,9 @@ def last_token_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     return values.gather(1, (lengths.to(torch.long) - 1).unsqueeze(1)).squeeze(1)
 
 
-def chunk_rewards(part, tokens: torch.Tensor, lengths: torch.Tensor,
-                  input_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+def chunk_rewards(
+    part, tokens: torch.Tensor, lengths: torch.Tensor, input_tensor: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """One pipeline chunk of a :class:`RewardModel` on ``tokens`` [b, s]: its activations for the next
     stage, or on the last stage the rewards [b] at each sequence's last token (``lengths`` [b])."""
     out = part(tokens, hidden_states=input_tensor)

@@ -1,4 +1,5 @@
 """Rotary position embedding (non-interleaved halves, as in Megatron and Llama)."""
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,9 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000,
-                 scaling: Optional[RopeScaling] = None):
+    def __init__(
+        self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000, scaling: Optional[RopeScaling] = None
+    ):
         super().__init__()
         dim = int(kv_channels * rotary_percent)
         dim -= dim % 2

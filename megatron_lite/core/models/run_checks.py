@@ -1,6 +1,7 @@
 """Checks of a run against its model that run before any process group or weight exists (those that need no
 model are :class:`~megatron_lite.core.parallel.run_spec.RunSpec`'s). They read the model's config, so they sit with
 the models, above the parallel layer they check against."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -22,8 +23,12 @@ def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None)
     check_context_parallel(parallel, model_config, seq_length)
     if model_config is None:
         return
-    model_config.validate_parallelism(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                                      parallel.context_parallel_size, parallel.sequence_parallel)
+    model_config.validate_parallelism(
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.context_parallel_size,
+        parallel.sequence_parallel,
+    )
     parallel.stage_chunks(model_config.num_layers, 0)  # the layers split into the pipeline stages
     if seq_length is None:
         return
@@ -31,11 +36,13 @@ def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None)
     if parallel.sequence_parallel and seq_length % parallel.tensor_model_parallel_size:
         raise ValueError(
             f"the data's seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
-            f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True.")
+            f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True."
+        )
 
 
-def check_context_parallel(parallel: ParallelConfig, model_config: Any = None, seq_length: Optional[int] = None
-                           ) -> None:
+def check_context_parallel(
+    parallel: ParallelConfig, model_config: Any = None, seq_length: Optional[int] = None
+) -> None:
     """Refuse context parallelism where it cannot run exactly: sequences that do not cut into ``2 x C``
     equal chunks (the model's and the data's), a local length ``s / C`` that sequence parallelism cannot
     split over TP and attention dropout (the blockwise CP attention has none); FSDP2 is refused by the
@@ -55,19 +62,22 @@ def check_context_parallel(parallel: ParallelConfig, model_config: Any = None, s
             raise ValueError(
                 f"{name} ({length}) must be divisible by 2 x context_parallel_size = {2 * cp} (each sequence is cut "
                 f"into {2 * cp} chunks, rank r holding chunks r and {2 * cp - 1}-r); set seq_length to a multiple of "
-                f"{multiple} (e.g. {max(multiple, length // multiple * multiple)}) or change context_parallel_size.")
+                f"{multiple} (e.g. {max(multiple, length // multiple * multiple)}) or change context_parallel_size."
+            )
         if parallel.sequence_parallel and (length // cp) % tp:
             multiple = 2 * cp * tp
             raise ValueError(
                 f"{name} ({length}) over context_parallel_size ({cp}) leaves {length // cp} tokens per rank, which "
                 f"sequence_parallel=True cannot split over tensor_model_parallel_size ({tp}); set seq_length to a "
                 f"multiple of 2 x context_parallel_size x tensor_model_parallel_size = {multiple} (e.g. "
-                f"{max(multiple, length // multiple * multiple)}) or set sequence_parallel=False.")
+                f"{max(multiple, length // multiple * multiple)}) or set sequence_parallel=False."
+            )
     if model_config is not None and getattr(model_config, "attention_dropout", 0.0) > 0:
         raise ValueError(
             f"attention_dropout={model_config.attention_dropout} with context_parallel_size={cp}: context-parallel "
             f"attention merges blockwise softmax results and applies no dropout to the probabilities; set "
-            f"GPTConfig(attention_dropout=0.0) (hidden_dropout is fine) or context_parallel_size=1.")
+            f"GPTConfig(attention_dropout=0.0) (hidden_dropout is fine) or context_parallel_size=1."
+        )
 
 
 def check_seq_length(seq_length: int, model_config) -> None:
@@ -87,9 +97,11 @@ def check_seq_length(seq_length: int, model_config) -> None:
             f"the data's seq_length ({seq_length}) is longer than the model's learned position table "
             f"(GPTConfig.max_position_embeddings={model_config.max_position_embeddings}, "
             f"GPTConfig.seq_length={model_config.seq_length}); set the datamodule's seq_length to at most "
-            f"{longest}, or GPTConfig(seq_length={seq_length}) (and max_position_embeddings >= {seq_length}).")
+            f"{longest}, or GPTConfig(seq_length={seq_length}) (and max_position_embeddings >= {seq_length})."
+        )
     raise ValueError(
         f"the data's seq_length ({seq_length}) is longer than the model's GPTConfig.seq_length "
         f"({model_config.seq_length}) and GPTConfig.max_position_embeddings ({model_config.max_position_embeddings}), "
         f"so RoPE would run at positions the model is not configured for; set GPTConfig(seq_length={seq_length}) "
-        f"or the datamodule's seq_length to at most {longest}.")
+        f"or the datamodule's seq_length to at most {longest}."
+    )

@@ -6,6 +6,7 @@ optimizer actually steps. For plain training both are the same tensor; an optimi
 master copies or data-parallel shards passes those as ``optimizer_param`` and still gets the model's
 grouping (a flat shard is 1-D, so its own shape cannot tell a weight from a bias).
 """
+
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
@@ -47,13 +48,23 @@ def param_groups(entries: Iterable[ParamEntry], cfg: OptimizerConfig) -> list[di
         if not model_param.requires_grad:
             continue
         if id(optimizer_param) in owner_of:
-            raise ValueError(f"parameters {owner_of[id(optimizer_param)]!r} and {name!r} share one optimizer tensor; "
-                             f"list each optimizer parameter once (named_parameters() already drops tied copies).")
+            raise ValueError(
+                f"parameters {owner_of[id(optimizer_param)]!r} and {name!r} share one optimizer tensor; "
+                f"list each optimizer parameter once (named_parameters() already drops tied copies)."
+            )
         owner_of[id(optimizer_param)] = name
         grouped.setdefault(_multipliers(name, model_param, cfg), []).append(optimizer_param)
     order = sorted(grouped, key=lambda key: (key[1] != 1.0, -key[0], key[1]))
-    return [{"params": grouped[key], "wd_mult": key[0], "lr_mult": key[1],
-             "weight_decay": start_weight_decay * key[0], "lr": cfg.lr * key[1]} for key in order]
+    return [
+        {
+            "params": grouped[key],
+            "wd_mult": key[0],
+            "lr_mult": key[1],
+            "weight_decay": start_weight_decay * key[0],
+            "lr": cfg.lr * key[1],
+        }
+        for key in order
+    ]
 
 
 def build_optimizer(entries: Union[nn.Module, Iterable[ParamEntry]], cfg: OptimizerConfig) -> Optimizer:
@@ -68,6 +79,12 @@ def build_optimizer(entries: Union[nn.Module, Iterable[ParamEntry]], cfg: Optimi
     if not groups:
         raise ValueError("no parameter requires a gradient: there is nothing to optimize.")
     if cfg.optimizer == "adam":
-        return AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                     weight_decay=cfg.weight_decay, foreach=True)
+        return AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            foreach=True,
+        )
     return SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, foreach=True)

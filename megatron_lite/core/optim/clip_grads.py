@@ -3,6 +3,7 @@
 One norm over the whole model: every tensor-parallel shard, every data-parallel shard (distributed
 optimizer, FSDP), each replicated gradient counted exactly once.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -31,8 +32,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm_of(grads: list[torch.Tensor], group: Optional[dist.ProcessGroup], device: torch.device,
-                 all_ranks: bool = False) -> torch.Tensor:
+def grad_norm_of(
+    grads: list[torch.Tensor], group: Optional[dist.ProcessGroup], device: torch.device, all_ranks: bool = False
+) -> torch.Tensor:
     """L2 norm of ``grads`` summed in squares over ``group`` (or over every rank with ``all_ranks``)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     grads = [_local(g) for g in grads]

@@ -1,4 +1,5 @@
 """OptimizerConfig with Megatron's argument names."""
+
 from __future__ import annotations
 
 import math
@@ -72,7 +73,7 @@ class OptimizerConfig:
     """Shard fp32 master weights and optimizer state over data-parallel ranks (ZeRO-1)."""
     loss_scale: Optional[float] = None
     """fp16 only: a static loss scale; None means dynamic loss scaling."""
-    initial_loss_scale: float = 2.0 ** 32
+    initial_loss_scale: float = 2.0**32
     """fp16 dynamic loss scaling: the starting scale."""
     min_loss_scale: float = 1.0
     """fp16 dynamic loss scaling: the scale never drops below this."""
@@ -120,14 +121,18 @@ class OptimizerConfig:
             value = getattr(self, f.name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
                 default = "" if f.default is MISSING else f" (the default is {f.default!r})"
-                raise ValueError(f"OptimizerConfig({f.name}={value}): {f.name} must be a finite number; "
-                                 f"pass a finite {f.name}{default}.")
+                raise ValueError(
+                    f"OptimizerConfig({f.name}={value}): {f.name} must be a finite number; "
+                    f"pass a finite {f.name}{default}."
+                )
 
     def _check_optimizer_constants(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}; e.g. adam_beta1=0.9, "
-                                 f"adam_beta2=0.95 or 0.999.")
+                raise ValueError(
+                    f"{name} must be in [0, 1), got {getattr(self, name)}; e.g. adam_beta1=0.9, "
+                    f"adam_beta2=0.95 or 0.999."
+                )
         if self.adam_eps <= 0:
             # Parameters whose gradient is always 0 (padded vocabulary rows) would become 0/0 = NaN.
             raise ValueError(f"adam_eps must be positive, got {self.adam_eps}; e.g. adam_eps=1e-8.")
@@ -160,8 +165,10 @@ class OptimizerConfig:
         if self.lr_warmup_fraction is None:
             return self.lr_warmup_samples if self.sample_based else self.lr_warmup_iters
         if decay_length is None:
-            raise ValueError(f"lr_warmup_fraction needs a decay length: set lr_decay_{self.schedule_unit}"
-                             f"{' or Trainer(max_steps=...)' if not self.sample_based else ''}.")
+            raise ValueError(
+                f"lr_warmup_fraction needs a decay length: set lr_decay_{self.schedule_unit}"
+                f"{' or Trainer(max_steps=...)' if not self.sample_based else ''}."
+            )
         return self.lr_warmup_fraction * decay_length
 
     def weight_decay_range(self) -> tuple[float, float]:
@@ -171,14 +178,26 @@ class OptimizerConfig:
         return start, end
 
     def _iteration_fields_set(self) -> list[str]:
-        return [name for name, is_set in (("lr_warmup_iters", self.lr_warmup_iters != 0),
-                                          ("lr_decay_iters", self.lr_decay_iters is not None),
-                                          ("lr_wsd_decay_iters", self.lr_wsd_decay_iters is not None)) if is_set]
+        return [
+            name
+            for name, is_set in (
+                ("lr_warmup_iters", self.lr_warmup_iters != 0),
+                ("lr_decay_iters", self.lr_decay_iters is not None),
+                ("lr_wsd_decay_iters", self.lr_wsd_decay_iters is not None),
+            )
+            if is_set
+        ]
 
     def _sample_fields_set(self) -> list[str]:
-        return [name for name, is_set in (("lr_warmup_samples", self.lr_warmup_samples != 0),
-                                          ("lr_decay_samples", self.lr_decay_samples is not None),
-                                          ("lr_wsd_decay_samples", self.lr_wsd_decay_samples is not None)) if is_set]
+        return [
+            name
+            for name, is_set in (
+                ("lr_warmup_samples", self.lr_warmup_samples != 0),
+                ("lr_decay_samples", self.lr_decay_samples is not None),
+                ("lr_wsd_decay_samples", self.lr_wsd_decay_samples is not None),
+            )
+            if is_set
+        ]
 
     def _check_schedule_units(self) -> None:
         iteration_fields, sample_fields = self._iteration_fields_set(), self._sample_fields_set()
@@ -186,7 +205,8 @@ class OptimizerConfig:
             raise ValueError(
                 f"OptimizerConfig mixes iteration-based fields ({', '.join(iteration_fields)}) and sample-based "
                 f"fields ({', '.join(sample_fields)}); remove {', '.join(iteration_fields)} for a schedule counted "
-                f"in samples, or {', '.join(sample_fields)} for one counted in optimizer steps.")
+                f"in samples, or {', '.join(sample_fields)} for one counted in optimizer steps."
+            )
         for name in ("lr_warmup_iters", "lr_warmup_samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -199,12 +219,15 @@ class OptimizerConfig:
                 raise ValueError(f"lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
             explicit = [name for name in ("lr_warmup_iters", "lr_warmup_samples") if getattr(self, name) != 0]
             if explicit:
-                raise ValueError(f"lr_warmup_fraction and {explicit[0]} both set the warmup; remove one of them "
-                                 f"({explicit[0]}=0 or lr_warmup_fraction=None).")
+                raise ValueError(
+                    f"lr_warmup_fraction and {explicit[0]} both set the warmup; remove one of them "
+                    f"({explicit[0]}=0 or lr_warmup_fraction=None)."
+                )
         if self.sample_based and self.lr_decay_samples is None:
             raise ValueError(
                 f"a sample-based schedule ({', '.join(sample_fields)}) needs lr_decay_samples (the consumed "
-                f"samples at which the decay ends); set it.")
+                f"samples at which the decay ends); set it."
+            )
 
     def check_decay(self, decay_length: int) -> None:
         """Validate the LR schedule against the decay length it will run with (in the schedule's unit)."""
@@ -218,7 +241,8 @@ class OptimizerConfig:
         if warmup >= decay_length and self.lr_decay_style != "inverse-square-root":
             raise ValueError(
                 f"lr_warmup_{unit} ({warmup}) must be smaller than lr_decay_{unit} ({decay_length}); "
-                f"shorten the warmup or lengthen the decay.")
+                f"shorten the warmup or lengthen the decay."
+            )
         if self.lr_decay_style == "WSD":
             wsd = self.lr_wsd_decay_length
             if wsd is None:
@@ -226,15 +250,17 @@ class OptimizerConfig:
             if wsd > decay_length - warmup:
                 raise ValueError(
                     f"lr_wsd_decay_{unit} ({wsd}) is longer than the decay phase "
-                    f"({decay_length - warmup} {unit} after the warmup); shorten it.")
+                    f"({decay_length - warmup} {unit} after the warmup); shorten it."
+                )
         if self.lr_decay_style == "inverse-square-root" and warmup == 0:
-            warnings.warn("inverse-square-root decay without warmup starts at lr and decays from step 1")
+            warnings.warn("inverse-square-root decay without warmup starts at lr and decays from step 1", stacklevel=2)
 
     # --- weight decay and parameter groups --------------------------------------------------
     def _check_weight_decay(self) -> None:
         if self.weight_decay_incr_style not in WD_INCR_STYLES:
-            raise ValueError(f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, "
-                             f"got {self.weight_decay_incr_style!r}")
+            raise ValueError(
+                f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, got {self.weight_decay_incr_style!r}"
+            )
         for name in ("weight_decay", "start_weight_decay", "end_weight_decay"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -244,22 +270,28 @@ class OptimizerConfig:
             raise ValueError(
                 f"weight_decay_incr_style='constant' needs start_weight_decay == end_weight_decay (got {start} and "
                 f"{end}); set weight_decay_incr_style='linear' or 'cosine' to move between them, or set weight_decay "
-                f"alone.")
+                f"alone."
+            )
 
     def _check_lr_scaling(self) -> None:
         if isinstance(self.scale_lr_params, str):
-            raise TypeError(f"scale_lr_params must be a list of patterns, got the string {self.scale_lr_params!r}; "
-                            f"write [{self.scale_lr_params!r}].")
+            raise TypeError(
+                f"scale_lr_params must be a list of patterns, got the string {self.scale_lr_params!r}; "
+                f"write [{self.scale_lr_params!r}]."
+            )
         # A tuple: configs are copied with dataclasses.replace, which must not share a mutable list.
         self.scale_lr_params = tuple(self.scale_lr_params)
         if not all(isinstance(p, str) and p for p in self.scale_lr_params):
             raise ValueError(f"scale_lr_params must be non-empty fnmatch patterns, got {self.scale_lr_params!r}")
         if self.lr_mult <= 0:
-            raise ValueError(f"lr_mult must be positive, got {self.lr_mult}; freeze parameters with "
-                             f"requires_grad=False instead.")
+            raise ValueError(
+                f"lr_mult must be positive, got {self.lr_mult}; freeze parameters with requires_grad=False instead."
+            )
         if self.lr_mult != 1.0 and not self.scale_lr_params:
-            raise ValueError(f"lr_mult={self.lr_mult} applies only to parameters matching scale_lr_params, which is "
-                             f"empty; set scale_lr_params (e.g. ['*output_layer*']) or change lr instead.")
+            raise ValueError(
+                f"lr_mult={self.lr_mult} applies only to parameters matching scale_lr_params, which is "
+                f"empty; set scale_lr_params (e.g. ['*output_layer*']) or change lr instead."
+            )
 
     # --- fp16 loss scaling ------------------------------------------------------------------
     def _check_loss_scaling(self) -> None:
@@ -269,5 +301,7 @@ class OptimizerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.min_loss_scale > self.initial_loss_scale:
-            raise ValueError(f"min_loss_scale ({self.min_loss_scale}) must be <= initial_loss_scale "
-                             f"({self.initial_loss_scale}); lower min_loss_scale.")
+            raise ValueError(
+                f"min_loss_scale ({self.min_loss_scale}) must be <= initial_loss_scale "
+                f"({self.initial_loss_scale}); lower min_loss_scale."
+            )

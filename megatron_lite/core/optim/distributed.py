@@ -15,6 +15,7 @@ Per rank, with half-precision weights: 2 (weights) + 4 (fp32 gradient buffers) +
 Adam's moments) = ``6 + 12/dp`` bytes per parameter, Megatron's formula. fp32 weights are their own
 master copy (the optimizer steps views into them): 4 + 4 + 8/dp.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,6 +34,7 @@ from megatron_lite.core.parallel.grad_buffers import Bucket, GradBuffers, Reduct
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _gather_first
 from megatron_lite.core.timers import timed
+
 
 @dataclass
 class _Piece:
@@ -78,14 +80,29 @@ class DistributedOptimizer(MegatronOptimizer):
     grad_buffers: GradBuffers
     """Always there: ZeRO-1 reduce-scatters its own buffers (FSDP is MegatronOptimizer's)."""
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
-                 bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
-                 build: Callable = build_optimizer) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OptimizerConfig,
+        layout: ParallelLayout,
+        fp16: bool = False,
+        bucket_size: Optional[int] = None,
+        overlap_grad_reduce: bool = False,
+        build: Callable = build_optimizer,
+    ) -> None:
         self.dp_group = layout.group("dp_cp")
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
-        super().__init__(model, config, layout, fp16=fp16, grad_reduction="all_reduce", build=build,
-                         bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
+        super().__init__(
+            model,
+            config,
+            layout,
+            fp16=fp16,
+            grad_reduction="all_reduce",
+            build=build,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+        )
 
     @property
     def bucket_size(self) -> int:
@@ -114,7 +131,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 if shard.main_shard is None:
                     main = param.data.view(-1)[param_lo:param_hi]
                 else:
-                    main = shard.main_shard[shard_lo:shard_lo + end - start]
+                    main = shard.main_shard[shard_lo : shard_lo + end - start]
                     main.copy_(param.detach().reshape(-1)[param_lo:param_hi])
                 piece = _Piece(name, param, param_lo, param_hi, shard_lo, main)
                 shard.pieces.append(piece)
@@ -141,7 +158,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for shard in self.shards:
             reduced = self.grad_buffers.reduced_shard(shard.bucket)
             for piece in shard.pieces:
-                piece.main.grad = reduced[piece.shard_lo:piece.shard_lo + piece.param_hi - piece.param_lo]
+                piece.main.grad = reduced[piece.shard_lo : piece.shard_lo + piece.param_hi - piece.param_lo]
 
     def collect_main_grads(self) -> None:
         """Done by :meth:`reduce_gradients` (the reduce-scatter lands in the main gradients)."""
@@ -149,8 +166,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def norm_inputs(self):
         # Slices are disjoint across DP x CP ranks; a TP-replicated parameter's slices are the same on
         # every TP rank, so only TP rank 0 counts them. Summed over every rank.
-        grads = [piece.main.grad for piece in self._pieces() if piece.main.grad is not None
-                 and counts_in_norm(piece.param, self.layout, sliced_over_cp=True)]
+        grads = [
+            piece.main.grad
+            for piece in self._pieces()
+            if piece.main.grad is not None and counts_in_norm(piece.param, self.layout, sliced_over_cp=True)
+        ]
         return grads, None, True
 
     @torch.no_grad()
@@ -168,7 +188,7 @@ class DistributedOptimizer(MegatronOptimizer):
             return shard.main_shard
         flat = torch.zeros(shard.bucket.shard_size, dtype=torch.float32, device=shard.bucket.buffer.device)
         for piece in shard.pieces:
-            flat[piece.shard_lo:piece.shard_lo + piece.main.numel()].copy_(piece.main)
+            flat[piece.shard_lo : piece.shard_lo + piece.main.numel()].copy_(piece.main)
         return flat
 
     @torch.no_grad()
@@ -179,21 +199,24 @@ class DistributedOptimizer(MegatronOptimizer):
                 continue  # the only rank updated the weights in place
             full = _gather_first(self._owned_shard(shard).to(bucket.dtype), self.dp_group)
             for (_, param), offset in zip(bucket.params, bucket.offsets):
-                param.data.copy_(full[offset:offset + param.numel()].view_as(param))
+                param.data.copy_(full[offset : offset + param.numel()].view_as(param))
 
     # --- checkpoints: gathered to the plain optimizer's per-parameter format ---------------------
     @torch.no_grad()
-    def _gather_per_param(self, shard: _Shard, local_of: Callable[[_Piece], Optional[torch.Tensor]]
-                          ) -> dict[str, torch.Tensor]:
+    def _gather_per_param(
+        self, shard: _Shard, local_of: Callable[[_Piece], Optional[torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
         bucket = shard.bucket
         flat = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.buffer.device)
         for piece in shard.pieces:
             value = local_of(piece)
             if value is not None:
-                flat[piece.shard_lo:piece.shard_lo + value.numel()].copy_(value)
+                flat[piece.shard_lo : piece.shard_lo + value.numel()].copy_(value)
         full = _gather_first(flat, self.dp_group)
-        return {name: full[offset:offset + p.numel()].view(p.shape).clone()
-                for (name, p), offset in zip(bucket.params, bucket.offsets)}
+        return {
+            name: full[offset : offset + p.numel()].view(p.shape).clone()
+            for (name, p), offset in zip(bucket.params, bucket.offsets)
+        }
 
     @torch.no_grad()
     def master_weights(self) -> dict[str, torch.Tensor]:
@@ -241,8 +264,9 @@ class DistributedOptimizer(MegatronOptimizer):
         # Every rank must run the same gathers even if it owns no slice of some bucket.
         agreed: list = [None] * self.dp_size
         if self.dp_size > 1:
-            dist.all_gather_object(agreed, (sorted(keys), {k: float(v) for k, v in scalars.items()}),
-                                   group=self.dp_group)
+            dist.all_gather_object(
+                agreed, (sorted(keys), {k: float(v) for k, v in scalars.items()}), group=self.dp_group
+            )
         else:
             agreed = [(sorted(keys), {k: float(v) for k, v in scalars.items()})]
         all_keys = sorted({k for ks, _ in agreed for k in ks})
@@ -261,7 +285,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if master is not None or not _is_view_of(piece.main, piece.param):
                 # A separate fp32 master shard: from the checkpoint's masters, else from the loaded weights.
                 source = master if master is not None else piece.param.detach()
-                piece.main.copy_(source.reshape(-1)[piece.param_lo:piece.param_hi])
+                piece.main.copy_(source.reshape(-1)[piece.param_lo : piece.param_hi])
             opt_state = self.optimizer.state.get(piece.main, {})
             for key, value in entry.items():
                 if key == "master" or key not in opt_state:
@@ -269,5 +293,5 @@ class DistributedOptimizer(MegatronOptimizer):
                 if value.ndim == 0:
                     opt_state[key].copy_(value)
                 else:
-                    opt_state[key].copy_(value.reshape(-1)[piece.param_lo:piece.param_hi])
+                    opt_state[key].copy_(value.reshape(-1)[piece.param_lo : piece.param_hi])
         self.publish_params()

@@ -7,6 +7,7 @@ clean steps. Megatron's ``hysteresis`` lets a few overflows pass before backing 
 starts at ``hysteresis``, each overflow decrements it and the scale backs off only once it reaches
 zero; it is refilled only when the scale grows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,8 +47,15 @@ class DynamicLossScaler:
     """Megatron's DynamicGradScaler (defaults: 2**32 initial, x2 growth every 1000 clean steps,
     x0.5 back-off, hysteresis 2, never below ``min_scale``)."""
 
-    def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2) -> None:
+    def __init__(
+        self,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
         if not (initial_scale > 0 and min_scale > 0):
             raise ValueError(f"initial_loss_scale ({initial_scale}) and min_loss_scale ({min_scale}) must be positive")
         if min_scale > initial_scale:

@@ -20,6 +20,7 @@ One step::
     opt.optimizer.step()                         # no-op on a skipped step: main grads are None
     opt.finish_step(result)                      # masters -> model params (all-gather for ZeRO-1)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,12 @@ def build_loss_scaler(config: OptimizerConfig) -> LossScaler:
     """A constant scaler when ``loss_scale`` is set, else Megatron's dynamic scaler."""
     if config.loss_scale is not None:
         return ConstantLossScaler(config.loss_scale)
-    return DynamicLossScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
-                             growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+    return DynamicLossScaler(
+        initial_scale=config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        growth_interval=config.loss_scale_window,
+        hysteresis=config.hysteresis,
+    )
 
 
 class MegatronOptimizer:
@@ -79,16 +84,27 @@ class MegatronOptimizer:
     buffer_reduction: Reduction = "all_reduce"
     """How the gradient buffers are reduced over DP (the distributed optimizer reduce-scatters)."""
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig, layout: ParallelLayout, fp16: bool = False,
-                 grad_reduction: GradReduction = "all_reduce", build: Callable = build_optimizer,
-                 bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OptimizerConfig,
+        layout: ParallelLayout,
+        fp16: bool = False,
+        grad_reduction: GradReduction = "all_reduce",
+        build: Callable = build_optimizer,
+        bucket_size: Optional[int] = None,
+        overlap_grad_reduce: bool = False,
+    ) -> None:
         self.model, self.config, self.layout = model, config, layout
         self.grad_reduction = grad_reduction
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._by_name = dict(self.named_params)
         # FSDP reduce-scatters in its own hooks and leaves sharded gradients in param.grad.
-        self.grad_buffers: Optional[GradBuffers] = None if grad_reduction == "fsdp" else GradBuffers(
-            self.named_params, layout, self.buffer_reduction, bucket_size, overlap_grad_reduce)
+        self.grad_buffers: Optional[GradBuffers] = (
+            None
+            if grad_reduction == "fsdp"
+            else GradBuffers(self.named_params, layout, self.buffer_reduction, bucket_size, overlap_grad_reduce)
+        )
         self.loss_scaler: Optional[LossScaler] = build_loss_scaler(config) if fp16 else None
         self.skipped_steps = 0
         self.timers = None
@@ -200,15 +216,19 @@ class MegatronOptimizer:
 
     def norm_inputs(self) -> tuple[list[torch.Tensor], Optional[dist.ProcessGroup], bool]:
         """(gradients counted in the global norm on this rank, group to sum over, whether over all ranks)."""
-        grads = [main.grad for model_param, main in self.main_params()
-                 if main.grad is not None and counts_in_norm(model_param, self.layout)]
+        grads = [
+            main.grad
+            for model_param, main in self.main_params()
+            if main.grad is not None and counts_in_norm(model_param, self.layout)
+        ]
         if self.grad_reduction == "fsdp":
             return grads, None, True  # disjoint shards on every rank
         return grads, self.layout.group("mp"), False
 
     @torch.no_grad()
-    def prepare_step(self, grad_scale: Optional[torch.Tensor] = None,
-                     accept: Optional[Callable[[torch.Tensor], bool]] = None) -> Optional[StepResult]:
+    def prepare_step(
+        self, grad_scale: Optional[torch.Tensor] = None, accept: Optional[Callable[[torch.Tensor], bool]] = None
+    ) -> Optional[StepResult]:
         """Reduce gradients, unscale them (``grad_scale`` from the schedule, divided by the loss
         scale), check for overflow, compute the global norm and clip. On overflow the main
         gradients are dropped, so the torch optimizer's step leaves parameters and state untouched.
@@ -247,7 +267,8 @@ class MegatronOptimizer:
                 f"the global gradient norm is {norm.item()} (NaN/Inf gradients) and this run has no fp16 loss "
                 f"scaler to skip the step: lower the learning rate or check the data; set "
                 f"OptimizerConfig(check_for_nan_in_grad=False) to train on regardless (Megatron's "
-                f"--no-check-for-nan-in-loss-and-grad).")
+                f"--no-check-for-nan-in-loss-and-grad)."
+            )
         if skipped:
             self.skipped_steps += 1
             for _, main in self.main_params():
@@ -314,8 +335,10 @@ class MegatronOptimizer:
 
     def state_dict_extra(self) -> dict:
         """Non-tensor state: the loss scaler and the skipped-step count."""
-        return {"loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict_extra(self, extra: dict) -> None:
         if self.loss_scaler is not None and extra.get("loss_scaler"):

@@ -4,6 +4,7 @@ The schedule position ``n`` counts optimizer steps taken (``*_iters`` configs) o
 (``*_samples`` configs). The values used by the step at position ``n`` are ``lr_at(n)`` and
 ``weight_decay_at(n)``, so step 0 of a warmup runs at ``lr_warmup_init`` exactly as in Megatron.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,27 +45,34 @@ def schedule_lengths(cfg: OptimizerConfig, max_steps: Optional[int]) -> Schedule
     incr: Optional[int]
     if cfg.sample_based:
         if cfg.lr_decay_samples is None:
-            raise ValueError("a sample-based schedule needs lr_decay_samples (the consumed samples at which the "
-                             "decay ends); set it.")
+            raise ValueError(
+                "a sample-based schedule needs lr_decay_samples (the consumed samples at which the decay ends); set it."
+            )
         decay = incr = cfg.lr_decay_samples
     else:
         decay = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else run_length
         incr = run_length if run_length is not None else decay
     if decay is None and (cfg.lr_decay_style != "constant" or cfg.lr_warmup_fraction is not None):
-        what = (f"lr_decay_style={cfg.lr_decay_style!r}" if cfg.lr_decay_style != "constant"
-                else "lr_warmup_fraction")
+        what = f"lr_decay_style={cfg.lr_decay_style!r}" if cfg.lr_decay_style != "constant" else "lr_warmup_fraction"
         raise ValueError(f"{what} needs a decay length: set optimizer.lr_decay_iters or Trainer(max_steps=...).")
     if incr is None and cfg.weight_decay_incr_style != "constant":
-        raise ValueError(f"weight_decay_incr_style={cfg.weight_decay_incr_style!r} needs the run length: set "
-                         f"Trainer(max_steps=...) or optimizer.lr_decay_iters.")
+        raise ValueError(
+            f"weight_decay_incr_style={cfg.weight_decay_incr_style!r} needs the run length: set "
+            f"Trainer(max_steps=...) or optimizer.lr_decay_iters."
+        )
     if decay is not None:
         cfg.check_decay(decay)
     wsd = cfg.lr_wsd_decay_length if cfg.lr_decay_style == "WSD" else None
     return ScheduleLengths(warmup=cfg.lr_warmup_length(decay), decay=decay, wsd_decay=wsd, weight_decay_incr=incr)
 
 
-def lr_at(n: float, cfg: OptimizerConfig, decay_steps: Optional[int], warmup_steps: float,
-          wsd_decay_steps: Optional[int] = None) -> float:
+def lr_at(
+    n: float,
+    cfg: OptimizerConfig,
+    decay_steps: Optional[int],
+    warmup_steps: float,
+    wsd_decay_steps: Optional[int] = None,
+) -> float:
     """The learning rate at schedule position ``n`` (Megatron's get_lr; ../shared/DESIGN.md section 3)."""
     max_lr, min_lr = cfg.lr, cfg.min_lr
     if warmup_steps > 0 and n <= warmup_steps:
@@ -162,14 +170,18 @@ class MegatronLRScheduler(LRScheduler):
             increment = 0
         elif self.config.sample_based:
             if increment is None:
-                raise ValueError("this schedule is counted in samples (lr_*_samples): call "
-                                 "scheduler.step(increment=<samples consumed by this step>)")
+                raise ValueError(
+                    "this schedule is counted in samples (lr_*_samples): call "
+                    "scheduler.step(increment=<samples consumed by this step>)"
+                )
             if isinstance(increment, bool) or not isinstance(increment, int) or increment < 0:
                 raise ValueError(f"increment must be a non-negative number of samples, got {increment!r}")
         else:
             if increment is not None:
-                raise ValueError(f"this schedule is counted in optimizer steps (lr_*_iters), so step() advances one "
-                                 f"step; drop increment={increment!r}, or use lr_*_samples fields to count samples.")
+                raise ValueError(
+                    f"this schedule is counted in optimizer steps (lr_*_iters), so step() advances one "
+                    f"step; drop increment={increment!r}, or use lr_*_samples fields to count samples."
+                )
             increment = 1
         self.num_steps += increment
         self._step_count += 1
@@ -186,14 +198,20 @@ class MegatronLRScheduler(LRScheduler):
 
     def state_dict(self) -> dict:
         # Counters only: the config and lengths are rebuilt from the module's hyperparameters.
-        return {"num_steps": self.num_steps, "unit": self.config.schedule_unit, "last_epoch": self.last_epoch,
-                "_step_count": self._step_count}
+        return {
+            "num_steps": self.num_steps,
+            "unit": self.config.schedule_unit,
+            "last_epoch": self.last_epoch,
+            "_step_count": self._step_count,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         unit = state_dict.get("unit", "iters")  # checkpoints from before sample-based schedules counted steps
         if unit != self.config.schedule_unit:
-            raise ValueError(f"the checkpoint's schedule is counted in {unit} but this config counts in "
-                             f"{self.config.schedule_unit}; resume with lr_*_{unit} fields.")
+            raise ValueError(
+                f"the checkpoint's schedule is counted in {unit} but this config counts in "
+                f"{self.config.schedule_unit}; resume with lr_*_{unit} fields."
+            )
         self.num_steps = state_dict.get("num_steps", state_dict["last_epoch"])
         self.last_epoch = state_dict["last_epoch"]
         self._step_count = state_dict["_step_count"]

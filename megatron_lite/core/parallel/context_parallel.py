@@ -17,6 +17,7 @@ documents, not with the square of the row.
 Only the key/value heads travel (GQA): query heads are grouped over their key/value head inside the
 block computation instead of being expanded.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,12 +38,15 @@ def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def zigzag_positions(seq_length: int, cp_size: int, cp_rank: int,
-                     device: Optional[torch.device] = None) -> torch.Tensor:
+def zigzag_positions(
+    seq_length: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Global positions ``[seq_length / cp_size]`` of the tokens CP rank ``cp_rank`` holds."""
     if seq_length % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_length} must be divisible by 2 x context_parallel_size "
-                         f"({2 * cp_size}); set seq_length to a multiple of {2 * cp_size}.")
+        raise ValueError(
+            f"sequence length {seq_length} must be divisible by 2 x context_parallel_size "
+            f"({2 * cp_size}); set seq_length to a multiple of {2 * cp_size}."
+        )
     chunk = seq_length // (2 * cp_size)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(cp_size, cp_rank)])
 
@@ -88,8 +92,10 @@ def document_ranges(cu_seqlens_row: list[int], length: int) -> list[tuple[int, i
     one more document, so they attend among themselves only."""
     bounds = [int(b) for b in cu_seqlens_row if b >= 0]
     if not bounds or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens {bounds} must start at 0 and increase strictly (document start offsets, then "
-                         f"the packed length, padded with -1); fix the packing of the data.")
+        raise ValueError(
+            f"cu_seqlens {bounds} must start at 0 and increase strictly (document start offsets, then "
+            f"the packed length, padded with -1); fix the packing of the data."
+        )
     bounds = [min(b, length) for b in bounds]
     if bounds[-1] < length:
         bounds.append(length)
@@ -132,8 +138,9 @@ class _Block:
     causal: bool
 
 
-def _blocks(rows: slice, docs: list[tuple[int, int]], row_length: int, cp_size: int, cp_rank: int,
-            source: int) -> list[_Block]:
+def _blocks(
+    rows: slice, docs: list[tuple[int, int]], row_length: int, cp_size: int, cp_rank: int, source: int
+) -> list[_Block]:
     blocks = []
     sources = _pieces(docs, row_length, cp_size, source)
     for q in _pieces(docs, row_length, cp_size, cp_rank):
@@ -142,8 +149,9 @@ def _blocks(rows: slice, docs: list[tuple[int, int]], row_length: int, cp_size: 
                 continue
             # Chunks are disjoint and aligned, so two runs of one document are the same run or disjoint.
             causal = k.start == q.start
-            blocks.append(_Block(rows, q.local, q.local + (q.end - q.start), k.local, k.local + (k.end - k.start),
-                                 causal))
+            blocks.append(
+                _Block(rows, q.local, q.local + (q.end - q.start), k.local, k.local + (k.end - k.start), causal)
+            )
     return blocks
 
 
@@ -191,15 +199,21 @@ class AttentionContext:
         if key not in self._plans:
             row_length = local_length * self.cp_size
             if row_length % (2 * self.cp_size):
-                raise ValueError(f"sequence length {row_length} must be divisible by 2 x context_parallel_size "
-                                 f"({2 * self.cp_size})")
+                raise ValueError(
+                    f"sequence length {row_length} must be divisible by 2 x context_parallel_size ({2 * self.cp_size})"
+                )
             if self.packed:
                 per_row = [(slice(i, i + 1), docs) for i, docs in enumerate(self.documents(row_length))]
             else:
                 per_row = [(slice(0, batch), [(0, row_length)])]
-            self._plans[key] = [[b for rows, docs in per_row
-                                 for b in _blocks(rows, docs, row_length, self.cp_size, self.cp_rank, source)]
-                                for source in range(self.cp_size)]
+            self._plans[key] = [
+                [
+                    b
+                    for rows, docs in per_row
+                    for b in _blocks(rows, docs, row_length, self.cp_size, self.cp_rank, source)
+                ]
+                for source in range(self.cp_size)
+            ]
         return self._plans[key]
 
 
@@ -259,11 +273,22 @@ def _block_backward(q, k, v, d_out, out, lse, delta, causal: bool, scale: float,
         qh, kh, vh = _heads(q, k, v)
         n, g, qpg, lq, d = q.shape
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out.reshape(qh.shape), qh, kh, vh, out.reshape(qh.shape), lse.reshape(qh.shape[:-1]), 0.0, causal,
-            scale=scale)
+            d_out.reshape(qh.shape),
+            qh,
+            kh,
+            vh,
+            out.reshape(qh.shape),
+            lse.reshape(qh.shape[:-1]),
+            0.0,
+            causal,
+            scale=scale,
+        )
         lk = k.shape[3]
-        return (dq.view(q.shape), dk.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
-                dv.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True))
+        return (
+            dq.view(q.shape),
+            dk.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
+            dv.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
+        )
     probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), d_out).sum(dim=2, keepdim=True)
     d_scores = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta.unsqueeze(-1))
@@ -275,26 +300,37 @@ def _block_backward(q, k, v, d_out, out, lse, delta, causal: bool, scale: float,
 def _attend_forward(q, k, v, blocks: list[_Block], out, lse, scale: float, fused: bool) -> None:
     """Merge the blocks' attention results into the running ``out`` [b, g, qpg, s, d] and ``lse``."""
     for blk in blocks:
-        qs = q[blk.rows, :, :, blk.q_lo:blk.q_hi]
-        ks, vs = k[blk.rows, :, :, blk.k_lo:blk.k_hi], v[blk.rows, :, :, blk.k_lo:blk.k_hi]
+        qs = q[blk.rows, :, :, blk.q_lo : blk.q_hi]
+        ks, vs = k[blk.rows, :, :, blk.k_lo : blk.k_hi], v[blk.rows, :, :, blk.k_lo : blk.k_hi]
         block_out, block_lse = _block_forward(qs, ks, vs, blk.causal, scale, fused)
-        old_out = out[blk.rows, :, :, blk.q_lo:blk.q_hi]
-        old_lse = lse[blk.rows, :, :, blk.q_lo:blk.q_hi]
+        old_out = out[blk.rows, :, :, blk.q_lo : blk.q_hi]
+        old_lse = lse[blk.rows, :, :, blk.q_lo : blk.q_hi]
         new_lse = torch.logaddexp(old_lse, block_lse)
         # exp(-inf - finite) = 0: a query's first block simply replaces the empty running result
         old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1)).add_(
-            block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+            block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+        )
         old_lse.copy_(new_lse)
 
 
-def _attend_backward(q, k, v, dout, out, delta, lse, blocks: list[_Block], dq, dk, dv, scale: float,
-                     fused: bool) -> None:
+def _attend_backward(
+    q, k, v, dout, out, delta, lse, blocks: list[_Block], dq, dk, dv, scale: float, fused: bool
+) -> None:
     """Accumulate the blocks' gradients into ``dq`` (local queries) and ``dk``/``dv`` (the source's keys)."""
     for blk in blocks:
         rows, qsl, ksl = blk.rows, slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
-        grads = _block_backward(q[rows, :, :, qsl], k[rows, :, :, ksl], v[rows, :, :, ksl], dout[rows, :, :, qsl],
-                                out[rows, :, :, qsl], lse[rows, :, :, qsl], delta[rows, :, :, qsl], blk.causal, scale,
-                                fused)
+        grads = _block_backward(
+            q[rows, :, :, qsl],
+            k[rows, :, :, ksl],
+            v[rows, :, :, ksl],
+            dout[rows, :, :, qsl],
+            out[rows, :, :, qsl],
+            lse[rows, :, :, qsl],
+            delta[rows, :, :, qsl],
+            blk.causal,
+            scale,
+            fused,
+        )
         dq[rows, :, :, qsl] += grads[0]
         dk[rows, :, :, ksl] += grads[1]
         dv[rows, :, :, ksl] += grads[2]
@@ -321,8 +357,10 @@ class _Ring:
         Keys/values and their gradients travel with different tags: with two ranks the next and the
         previous rank are the same, and both streams are in flight at once."""
         received = torch.empty_like(tensor)
-        works = [dist.isend(tensor, self.next, group=self.group, tag=tag),
-                 dist.irecv(received, self.prev, group=self.group, tag=tag)]
+        works = [
+            dist.isend(tensor, self.next, group=self.group, tag=tag),
+            dist.irecv(received, self.prev, group=self.group, tag=tag),
+        ]
         return received, works
 
 
@@ -367,8 +405,16 @@ class _ContextParallelAttention(torch.autograd.Function):
         elif context.comm_type == "all_gather":
             gathered = _all_gather_blocks(kv, context)
             for source in [rank] + [j for j in range(size) if j != rank]:  # own block first: finite lse early
-                _attend_forward(qb, _to_blocks(gathered[source, 0], groups), _to_blocks(gathered[source, 1], groups),
-                                plan[source], out, lse, scale, context.fused)
+                _attend_forward(
+                    qb,
+                    _to_blocks(gathered[source, 0], groups),
+                    _to_blocks(gathered[source, 1], groups),
+                    plan[source],
+                    out,
+                    lse,
+                    scale,
+                    context.fused,
+                )
         else:
             ring = _Ring(context)
             current = kv
@@ -376,8 +422,16 @@ class _ContextParallelAttention(torch.autograd.Function):
                 source = (rank - step) % size
                 if step + 1 < size:
                     incoming, works = ring.shift(current, _KV_TAG)  # the next block travels while this one is computed
-                _attend_forward(qb, _to_blocks(current[0], groups), _to_blocks(current[1], groups), plan[source],
-                                out, lse, scale, context.fused)
+                _attend_forward(
+                    qb,
+                    _to_blocks(current[0], groups),
+                    _to_blocks(current[1], groups),
+                    plan[source],
+                    out,
+                    lse,
+                    scale,
+                    context.fused,
+                )
                 if step + 1 < size:
                     _wait(works)
                     current = incoming
@@ -439,8 +493,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         return _from_blocks(dq).to(q.dtype), dk, dv, None, None
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext,
-                               scale: Optional[float] = None) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext, scale: Optional[float] = None
+) -> torch.Tensor:
     """Causal attention of local queries ``q`` [s/C, b, heads, d] over the whole rows, whose keys and
     values ``k``, ``v`` [s/C, b, groups, d] are spread over the CP ranks. Returns [s/C, b, heads·d]."""
     if q.shape[2] % k.shape[2]:
@@ -449,8 +504,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _ContextParallelAttention.apply(q, k, v, context, scale)
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext,
-                     dropout: float = 0.0) -> torch.Tensor:
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext, dropout: float = 0.0
+) -> torch.Tensor:
     """Causal attention of packed rows without context parallelism: each document on its own (fused
     SDPA per document), so nothing is computed or stored across documents. ``q`` [s, b, heads, d],
     ``k``/``v`` [s, b, groups, d] -> [s, b, heads·d]."""

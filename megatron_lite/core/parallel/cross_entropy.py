@@ -8,6 +8,7 @@ Vocabulary padding (see ``vocab_padding.py``) never takes part in the softmax: g
 probability is exactly 0, so they get no gradient); a rank whose slice holds no padding runs exactly
 the unpadded code.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -62,8 +63,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup],
-                                 vocab_start: int = 0, vocab_size: Optional[int] = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    vocab_start: int = 0,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
     """Per-token loss ``[...]`` from this rank's logits ``[..., V/tp]`` covering
     ``[vocab_start, vocab_start + V/tp)`` and targets ``[...]`` in the full vocabulary.
 

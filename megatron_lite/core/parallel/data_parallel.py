@@ -2,6 +2,7 @@
 
 Coalesced into flat buffers so that a step issues a few large collectives, not one per parameter.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional

@@ -11,6 +11,7 @@ untouched. Two adjustments to FSDP's defaults:
 - ``fully_shard`` replaces parameters with new DTensor parameters; the metadata our layers attach
   (TP shard layout, init spec, sequence-parallel flag) is copied onto the new parameters.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeGuard
@@ -34,8 +35,9 @@ def apply_fsdp2(model: nn.Module, layout: ParallelLayout, reshard_after_forward:
         raise ValueError("FSDP2 needs a process group: run under MegatronStrategy (or build a ParallelLayout)")
     if layout.cp_size > 1:
         raise ValueError("FSDP2 with context parallelism is not supported yet; use cp=1 or the distributed optimizer")
-    metadata = {name: {k: getattr(p, k) for k in _PARAM_METADATA if hasattr(p, k)}
-                for name, p in model.named_parameters()}
+    metadata = {
+        name: {k: getattr(p, k) for k in _PARAM_METADATA if hasattr(p, k)} for name, p in model.named_parameters()
+    }
     mesh = layout.mesh["dp"]
     for layer in getattr(model, "layers", {}).values() if hasattr(model, "layers") else []:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -59,8 +59,9 @@ class DataGeometry:
         """The batch-size schedule of training at data-parallel size ``dp_size`` (constant without ramp-up);
         raises ValueError naming the fix when a batch is not whole microbatches on every rank."""
         _check_positive_int("dp_size", dp_size)
-        return build_num_microbatches_calculator(self.global_batch_size, self.micro_batch_size, dp_size,
-                                                 self.rampup_batch_size)
+        return build_num_microbatches_calculator(
+            self.global_batch_size, self.micro_batch_size, dp_size, self.rampup_batch_size
+        )
 
 
 def num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
@@ -74,7 +75,8 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int
             f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) x "
             f"data-parallel size ({dp_size}) = {per_step}; change global_batch_size to a multiple of {per_step} (e.g. "
             f"{example}) or change micro_batch_size / the device count (the parallel layout) so that their product "
-            f"divides {global_batch_size}")
+            f"divides {global_batch_size}"
+        )
     return global_batch_size // per_step
 
 

@@ -13,6 +13,7 @@ have arrived, overlapping communication with the rest of the backward.
 Owning this outside the optimizer lets any schedule drive it: a schedule wraps every backward but
 the last one of each model chunk in :meth:`no_sync`, and the optimizer step calls :meth:`reduce`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,7 +57,7 @@ class Bucket:
         """The buffer slice of the ``index``-th parameter, shaped like it."""
         param = self.params[index][1]
         offset = self.offsets[index]
-        return self.buffer[offset:offset + param.numel()].view(param.shape)
+        return self.buffer[offset : offset + param.numel()].view(param.shape)
 
 
 def make_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[Bucket]:
@@ -100,9 +101,14 @@ class GradBuffers:
         overlap: launch each bucket's reduction during the backward (see the module docstring).
     """
 
-    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], layout: ParallelLayout,
-                 reduction: Reduction = "all_reduce", bucket_size: Optional[int] = None,
-                 overlap: bool = False) -> None:
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        layout: ParallelLayout,
+        reduction: Reduction = "all_reduce",
+        bucket_size: Optional[int] = None,
+        overlap: bool = False,
+    ) -> None:
         self.layout, self.reduction, self.overlap = layout, reduction, overlap
         self.dp_group = layout.group("dp_cp")
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
@@ -127,7 +133,8 @@ class GradBuffers:
             if param.grad is None:
                 raise RuntimeError(
                     f"the gradient of {name} was already taken by another set of gradient buffers on the same "
-                    f"parameters: call remove_hooks() on the previous optimizer before building a new one")
+                    f"parameters: call remove_hooks() on the previous optimizer before building a new one"
+                )
             view.add_(param.grad.reshape(view.shape))
             param.grad = None
             if self.overlap and self._sync:
@@ -180,7 +187,8 @@ class GradBuffers:
                 raise RuntimeError(
                     f"overlap_grad_reduce: gradient bucket(s) {missed} did not receive every parameter's "
                     f"gradient during the backward (parameters unused in this step?); set "
-                    f"MegatronStrategy(overlap_grad_reduce=False) for models with unused parameters.")
+                    f"MegatronStrategy(overlap_grad_reduce=False) for models with unused parameters."
+                )
         for bucket in self.buckets:
             if bucket.pending is None:
                 bucket.pending = self._launch(bucket, async_op=False)
@@ -198,15 +206,21 @@ class GradBuffers:
         """Sequence-parallel gradients of the bucket over TP, then its reduction over DP; returns the
         launched reduction (its work when ``async_op``) and where its result lands."""
         if self.layout.sequence_parallel:
-            all_reduce_coalesced([bucket.view(i).view(-1) for i, (_, p) in enumerate(bucket.params)
-                                  if getattr(p, "sequence_parallel_grad", False)], self.layout.group("tp"))
+            all_reduce_coalesced(
+                [
+                    bucket.view(i).view(-1)
+                    for i, (_, p) in enumerate(bucket.params)
+                    if getattr(p, "sequence_parallel_grad", False)
+                ],
+                self.layout.group("tp"),
+            )
         if self.reduction == "all_reduce":
             work = None
             if self.dp_size > 1:
                 work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=async_op)
             return work if async_op else None, bucket.buffer
         if self.dp_size == 1:
-            return None, bucket.buffer[:bucket.shard_size]
+            return None, bucket.buffer[: bucket.shard_size]
         shard = torch.empty(bucket.shard_size, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
         work = _reduce_scatter_single(shard, bucket.buffer, group=self.dp_group, async_op=async_op)
         return work if async_op else None, shard

@@ -4,6 +4,7 @@ One object, built once by the strategy and passed down explicitly (no module-lev
 Rank order is Megatron's default ``tp-cp-ep-dp-pp``: TP varies fastest so that tensor-parallel
 neighbours share a node, PP varies slowest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,8 +52,12 @@ class ParallelConfig:
     ring, the next block in flight while the current one is computed) or 'all_gather' (all at once)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -67,30 +72,39 @@ class ParallelConfig:
         self._validate_pipeline()
 
     def _validate_pipeline(self) -> None:
-        pp, vpp, schedule = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, \
-            self.pipeline_schedule
+        pp, vpp, schedule = (
+            self.pipeline_model_parallel_size,
+            self.virtual_pipeline_model_parallel_size,
+            self.pipeline_schedule,
+        )
         if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be a positive integer, got {vpp!r}.")
         if vpp > 1 and pp == 1:
             raise ValueError(
                 f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 (virtual "
-                f"stages interleave chunks over pipeline ranks); raise pipeline_model_parallel_size or set it to 1.")
+                f"stages interleave chunks over pipeline ranks); raise pipeline_model_parallel_size or set it to 1."
+            )
         if schedule is not None and schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES} (or None for the default), "
-                             f"got {schedule!r}.")
+            raise ValueError(
+                f"pipeline_schedule must be one of {PIPELINE_SCHEDULES} (or None for the default), got {schedule!r}."
+            )
         if schedule in ("zbv", "dualpipev"):
             raise ValueError(
                 f"pipeline_schedule={schedule!r} is not offered yet: the zero-bubble schedules split every backward "
                 f"into an input-gradient and a weight-gradient pass, which our gradient hooks (fp32 main_grad "
-                f"buffers, ZeRO-1 buckets) do not support yet; use '1f1b' or 'interleaved_1f1b'.")
+                f"buffers, ZeRO-1 buckets) do not support yet; use '1f1b' or 'interleaved_1f1b'."
+            )
         if schedule == "interleaved_1f1b" and vpp == 1:
-            raise ValueError("pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_model_parallel_size > 1; "
-                             "set it (e.g. 2) or use pipeline_schedule='1f1b'.")
+            raise ValueError(
+                "pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_model_parallel_size > 1; "
+                "set it (e.g. 2) or use pipeline_schedule='1f1b'."
+            )
         if schedule in ("1f1b", "gpipe") and vpp > 1:
             raise ValueError(
                 f"pipeline_schedule={schedule!r} runs one model chunk per rank, but "
                 f"virtual_pipeline_model_parallel_size={vpp}; use pipeline_schedule='interleaved_1f1b' or drop the "
-                f"virtual stages.")
+                f"virtual stages."
+            )
         if schedule is not None and pp == 1:
             raise ValueError(f"pipeline_schedule={schedule!r} needs pipeline_model_parallel_size > 1.")
 
@@ -105,15 +119,24 @@ class ParallelConfig:
 
     def stage_chunks(self, num_layers: int, pp_rank: int) -> list[StageChunk]:
         """The (virtual) stages pipeline rank ``pp_rank`` holds for a model of ``num_layers`` layers."""
-        return stage_chunks(num_layers, self.pipeline_model_parallel_size, pp_rank,
-                            self.virtual_pipeline_model_parallel_size, self.num_layers_in_first_pipeline_stage,
-                            self.num_layers_in_last_pipeline_stage)
+        return stage_chunks(
+            num_layers,
+            self.pipeline_model_parallel_size,
+            pp_rank,
+            self.virtual_pipeline_model_parallel_size,
+            self.num_layers_in_first_pipeline_stage,
+            self.num_layers_in_last_pipeline_stage,
+        )
 
     @property
     def model_parallel_size(self) -> int:
         """Ranks that together hold one replica of the model."""
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                * self.context_parallel_size * self.expert_model_parallel_size)
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+            * self.expert_model_parallel_size
+        )
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks, or a ValueError that says what to change."""
@@ -159,12 +182,18 @@ class ParallelLayout:
         config = config or ParallelConfig()
         if config.model_parallel_size != 1:
             raise ValueError("ParallelLayout.single() needs all model-parallel sizes equal to 1.")
-        return cls(config=config, world_size=1, rank=0, coords={d: 0 for d in MESH_DIMS},
-                   groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding", "pp_backward")})
+        return cls(
+            config=config,
+            world_size=1,
+            rank=0,
+            coords={d: 0 for d in MESH_DIMS},
+            groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding", "pp_backward")},
+        )
 
     @classmethod
-    def build(cls, config: ParallelConfig, device_type: str = "cpu",
-              timeout: Optional[timedelta] = None) -> "ParallelLayout":
+    def build(
+        cls, config: ParallelConfig, device_type: str = "cpu", timeout: Optional[timedelta] = None
+    ) -> "ParallelLayout":
         """Create the DeviceMesh and the groups over the initialised default process group.
 
         ``timeout``: how long a collective of every group waits for its peers (the strategy's ``timeout``);
@@ -177,12 +206,20 @@ class ParallelLayout:
             return cls.single(config)
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (config.pipeline_model_parallel_size, dp, config.expert_model_parallel_size,
-                 config.context_parallel_size, config.tensor_model_parallel_size)
+        shape = (
+            config.pipeline_model_parallel_size,
+            dp,
+            config.expert_model_parallel_size,
+            config.context_parallel_size,
+            config.tensor_model_parallel_size,
+        )
         # DeviceMesh makes its groups with torch's default timeout unless given options that carry one; a
         # dimension spanning every rank reuses the default group, which has the timeout already.
-        override: Optional[dict[int | str, Any]] = None if timeout is None else {
-            name: _group_options(timeout) for name, size in zip(MESH_DIMS, shape) if size < world_size}
+        override: Optional[dict[int | str, Any]] = (
+            None
+            if timeout is None
+            else {name: _group_options(timeout) for name, size in zip(MESH_DIMS, shape) if size < world_size}
+        )
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None)
         coords = {name: mesh.get_local_rank(name) for name in MESH_DIMS}
         groups: dict[str, Optional[dist.ProcessGroup]] = {name: mesh.get_group(name) for name in MESH_DIMS}
@@ -192,12 +229,12 @@ class ParallelLayout:
         groups["dp_cp"] = _new_subgroups(mesh, ("dp", "cp"), timeout)
         # A second pipeline group for gradients travelling backward: activations and gradients then never
         # share a communicator, so their messages cannot be matched out of order (NCCL ignores tags).
-        groups["pp_backward"] = _new_subgroups(mesh, ("pp",), timeout) if config.pipeline_model_parallel_size > 1 \
-            else None
+        groups["pp_backward"] = (
+            _new_subgroups(mesh, ("pp",), timeout) if config.pipeline_model_parallel_size > 1 else None
+        )
         # First and last pipeline stage of one replica: tied embedding weights are summed over it.
         groups["embedding"] = _embedding_subgroups(mesh, timeout) if config.pipeline_model_parallel_size > 1 else None
-        return cls(config=config, world_size=world_size, rank=rank, mesh=mesh, coords=coords,
-                   groups=groups)
+        return cls(config=config, world_size=world_size, rank=rank, mesh=mesh, coords=coords, groups=groups)
 
     # --- sizes and ranks -------------------------------------------------------------------
     @property
@@ -264,8 +301,10 @@ class ParallelLayout:
         """The process group of dimension ``name``; None when that dimension has size 1."""
         if self.destroyed:
             # None would read as "alone" and silently skip the collective.
-            raise RuntimeError(f"the process groups of this layout ({self.describe()}) were destroyed when its run "
-                               f"ended; build the model again under a live layout (a new fit/validate does)")
+            raise RuntimeError(
+                f"the process groups of this layout ({self.describe()}) were destroyed when its run "
+                f"ended; build the model again under a live layout (a new fit/validate does)"
+            )
         return self.groups.get(name)
 
     def destroy(self) -> None:

@@ -12,6 +12,7 @@ Every rank of a step's reductions needs the same names, and pipeline stages that
 them: :class:`ReportNames` learns them at an engine's first step (training and forward-only steps apart) with
 one object gather per group. Later steps may leave a learnt name out (it counts zero) but not add one.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
@@ -36,8 +37,10 @@ def report_entry(total: Any, count: Any) -> torch.Tensor:
 def split_loss(returned: Any) -> tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]:
     """A loss's ``(sum, count)`` or ``(sum, count, report)`` as ``(sum, count, report)`` (``{}`` without one)."""
     if not isinstance(returned, (tuple, list)) or len(returned) not in (2, 3):
-        raise TypeError(f"a loss returns (sum, count) or (sum, count, report), got {type(returned).__name__}"
-                        + (f" of length {len(returned)}" if isinstance(returned, (tuple, list)) else ""))
+        raise TypeError(
+            f"a loss returns (sum, count) or (sum, count, report), got {type(returned).__name__}"
+            + (f" of length {len(returned)}" if isinstance(returned, (tuple, list)) else "")
+        )
     report = returned[2] if len(returned) == 3 and returned[2] is not None else {}
     if not isinstance(report, Mapping):
         raise TypeError(f"a loss's report is a dict of name -> [sum, count], got {type(report).__name__}")
@@ -59,8 +62,10 @@ def _as_entry(name: str, value: Any, device: torch.device) -> torch.Tensor:
         return report_entry(*value).to(device)
     if isinstance(value, torch.Tensor) and value.numel() == 2:
         return value.detach().reshape(2).to(device=device, dtype=torch.float64)
-    raise TypeError(f"report entry {name!r} must be its [sum, count] (a 2-element tensor, e.g. "
-                    f"report_entry(sum, count)), got {value!r}")
+    raise TypeError(
+        f"report entry {name!r} must be its [sum, count] (a 2-element tensor, e.g. "
+        f"report_entry(sum, count)), got {value!r}"
+    )
 
 
 class ReportSums:
@@ -91,8 +96,10 @@ def report_means(report: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def add_reports(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> LossReport:
     """Two reports' sums and counts added name by name (e.g. over several optimizer steps)."""
-    return {name: a[name] + b[name] if name in a and name in b else (a[name] if name in a else b[name])
-            for name in sorted(set(a) | set(b))}
+    return {
+        name: a[name] + b[name] if name in a and name in b else (a[name] if name in a else b[name])
+        for name in sorted(set(a) | set(b))
+    }
 
 
 class ReportNames:
@@ -116,8 +123,10 @@ class ReportNames:
             known = self._known[forward_only] = tuple(sorted(names))
         new = sorted(set(local or ()) - set(known))
         if new:
-            raise ValueError(f"the loss reported {new}, which it did not report at the first "
-                             f"{'forward-only ' if forward_only else ''}step ({list(known)}): the pipeline stages "
-                             f"learn the report's names once, so report every name at every step (with a zero "
-                             f"count when there is nothing to count)")
+            raise ValueError(
+                f"the loss reported {new}, which it did not report at the first "
+                f"{'forward-only ' if forward_only else ''}step ({list(known)}): the pipeline stages "
+                f"learn the report's names once, so report every name at every step (with a zero "
+                f"count when there is nothing to count)"
+            )
         return known

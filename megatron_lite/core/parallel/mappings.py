@@ -3,6 +3,7 @@
 Each is the identity when its group is None (size 1), so the same model code runs alone.
 Sequence-parallel activations are laid out ``[s, b, h]`` and sharded along dim 0.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -199,8 +200,7 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.
     return x if group is None else _ScatterToSequenceParallel.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group,
-                                         grad_is_partial: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group, grad_is_partial: bool = True) -> torch.Tensor:
     """All-gather dim 0 forward; reduce-scatter (or split) backward."""
     return x if group is None else _GatherFromSequenceParallel.apply(x, group, grad_is_partial)
 

@@ -6,6 +6,7 @@ Megatron keeps one calculator in a module global; here the caller builds one wit
 ``update`` / ``get`` / ``get_current_global_batch_size`` API; ``global_batch_size_at`` is the same rule as a pure
 function, for code (the samplers) that must know future batch sizes without changing the calculator's state.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,7 +32,8 @@ def _check_multiple(name: str, value: int, micro_batch_size: int, data_parallel_
             f"{name} ({value}) must be a multiple of micro_batch_size ({micro_batch_size}) x data-parallel size "
             f"({data_parallel_size}) = {unit}, so that every rank runs whole microbatches; set {name} to a "
             f"multiple of {unit} (e.g. {max(unit, value // unit * unit)}) or change micro_batch_size / the "
-            f"device count")
+            f"device count"
+        )
 
 
 class NumMicroBatchesCalculator:
@@ -130,18 +132,28 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             raise ValueError(
                 f"the ramp-up start batch rampup_batch_size[0] ({self.start_global_batch_size}) exceeds "
                 f"global_batch_size ({self.global_batch_size}); ramp-up only grows the batch: set "
-                f"rampup_batch_size[0] <= {self.global_batch_size}")
+                f"rampup_batch_size[0] <= {self.global_batch_size}"
+            )
         difference = self.global_batch_size - self.start_global_batch_size
         if difference % self.batch_size_increment:
             raise ValueError(
                 f"global_batch_size - start ({self.global_batch_size} - {self.start_global_batch_size} = "
                 f"{difference}) must be divisible by the increment ({self.batch_size_increment}); set "
-                f"rampup_batch_size[1] to a divisor of {difference}, or change the start or global_batch_size")
+                f"rampup_batch_size[1] to a divisor of {difference}, or change the start or global_batch_size"
+            )
         # start and increment multiples of mbs x dp make every batch of the ramp (and the last) one as well
-        _check_multiple("rampup_batch_size[0] (the start batch)", self.start_global_batch_size,
-                        self.micro_batch_size, self.data_parallel_size)
-        _check_multiple("rampup_batch_size[1] (the increment)", self.batch_size_increment,
-                        self.micro_batch_size, self.data_parallel_size)
+        _check_multiple(
+            "rampup_batch_size[0] (the start batch)",
+            self.start_global_batch_size,
+            self.micro_batch_size,
+            self.data_parallel_size,
+        )
+        _check_multiple(
+            "rampup_batch_size[1] (the increment)",
+            self.batch_size_increment,
+            self.micro_batch_size,
+            self.data_parallel_size,
+        )
         increments = difference // self.batch_size_increment
         # start == global_batch_size: nothing to ramp (Megatron divides by zero here)
         self.rampup_samples_per_increment = self.rampup_samples / increments if increments else float("inf")
@@ -157,21 +169,34 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         return self.start_global_batch_size + increments * self.batch_size_increment
 
 
-def build_num_microbatches_calculator(global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                                      rampup_batch_size: Optional[Sequence[int]] = None
-                                      ) -> NumMicroBatchesCalculator:
+def build_num_microbatches_calculator(
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    rampup_batch_size: Optional[Sequence[int]] = None,
+) -> NumMicroBatchesCalculator:
     """A constant calculator, or a ramp-up one for ``rampup_batch_size = [start, increment, rampup_samples]``
     (Megatron's ``--rampup-batch-size``). Bad sizes raise ValueError saying what to change."""
     if rampup_batch_size is None:
         return ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size)
-    if isinstance(rampup_batch_size, (str, bytes)) or not isinstance(rampup_batch_size, Sequence) \
-            or len(rampup_batch_size) != 3:
-        raise ValueError(f"rampup_batch_size must be [start_global_batch_size, batch_size_increment, "
-                         f"rampup_samples], got {rampup_batch_size!r}")
+    if (
+        isinstance(rampup_batch_size, (str, bytes))
+        or not isinstance(rampup_batch_size, Sequence)
+        or len(rampup_batch_size) != 3
+    ):
+        raise ValueError(
+            f"rampup_batch_size must be [start_global_batch_size, batch_size_increment, "
+            f"rampup_samples], got {rampup_batch_size!r}"
+        )
     start, increment, samples = rampup_batch_size
     return RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size, micro_batch_size, data_parallel_size, start_global_batch_size=start,
-        batch_size_increment=increment, rampup_samples=samples)
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        start_global_batch_size=start,
+        batch_size_increment=increment,
+        rampup_samples=samples,
+    )
 
 
 def consumed_samples_after(calculator: NumMicroBatchesCalculator, steps: int) -> int:

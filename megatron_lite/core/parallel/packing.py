@@ -8,13 +8,16 @@ padding up to a fixed length so that rows of one batch stack. Document ``d`` hol
 tokens at the end of a row (packed SFT) form a document of their own, so the last entry is always the
 row length. Attention never crosses a document boundary and positions restart at 0 in each document.
 """
+
 from __future__ import annotations
 
 import torch
 
-_FORMAT = ("cu_seqlens lists each document's start offset in the row (the first is 0, strictly increasing), "
-           "then the row length, then -1 padding: e.g. [0, 7, 17, -1] for documents of 7 and 10 tokens in a "
-           "17-token row")
+_FORMAT = (
+    "cu_seqlens lists each document's start offset in the row (the first is 0, strictly increasing), "
+    "then the row length, then -1 padding: e.g. [0, 7, 17, -1] for documents of 7 and 10 tokens in a "
+    "17-token row"
+)
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, row_length: int, what: str = "cu_seqlens") -> None:
@@ -27,13 +30,19 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, row_length: int, what: str = "cu_
     """
     if isinstance(row_length, bool) or not isinstance(row_length, int) or row_length < 1:
         raise ValueError(f"row_length must be a positive integer (tokens per row), got {row_length!r}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point \
-            or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dtype.is_floating_point
+        or cu_seqlens.dtype.is_complex
+        or cu_seqlens.dtype == torch.bool
+    ):
         kind = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
         raise ValueError(f"{what} must be an integer tensor (int32 or int64), got {kind}; {_FORMAT}")
     if cu_seqlens.dim() not in (1, 2) or cu_seqlens.shape[-1] < 2:
-        raise ValueError(f"{what} must have shape [k] or [batch, k] with k >= 2 (0 and the row length), got "
-                         f"{tuple(cu_seqlens.shape)}; {_FORMAT}")
+        raise ValueError(
+            f"{what} must have shape [k] or [batch, k] with k >= 2 (0 and the row length), got "
+            f"{tuple(cu_seqlens.shape)}; {_FORMAT}"
+        )
     rows = cu_seqlens.reshape(-1, cu_seqlens.shape[-1]).long()
     pad = rows == -1
     ok = rows[:, 0] == 0
@@ -47,8 +56,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, row_length: int, what: str = "cu_
     bad = int((~ok).nonzero()[0, 0])
     where = f"{what} (row {bad} of the batch)" if cu_seqlens.dim() == 2 else what
     values = rows[bad].tolist()
-    raise ValueError(f"{where} = {values} is not a packed row of {row_length} tokens: "
-                     f"{_diagnose(values, row_length)}. {_FORMAT}; fix the packing that built it")
+    raise ValueError(
+        f"{where} = {values} is not a packed row of {row_length} tokens: "
+        f"{_diagnose(values, row_length)}. {_FORMAT}; fix the packing that built it"
+    )
 
 
 def _diagnose(row: list[int], row_length: int) -> str:
@@ -63,10 +74,14 @@ def _diagnose(row: list[int], row_length: int) -> str:
             return f"entry {j} is {value} after the -1 padding began at entry {end}: padding goes only at the end"
     for j in range(1, end):
         if row[j] <= row[j - 1]:
-            return (f"entry {j} ({row[j]}) is not greater than entry {j - 1} ({row[j - 1]}): offsets must "
-                    f"strictly increase (every document holds at least one token)")
-    return (f"its last entry before the padding is {row[end - 1]}, but it must be the row length {row_length} "
-            f"(the end of the last document)")
+            return (
+                f"entry {j} ({row[j]}) is not greater than entry {j - 1} ({row[j - 1]}): offsets must "
+                f"strictly increase (every document holds at least one token)"
+            )
+    return (
+        f"its last entry before the padding is {row[end - 1]}, but it must be the row length {row_length} "
+        f"(the end of the last document)"
+    )
 
 
 def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -92,10 +107,12 @@ def cu_seqlens_from_eod(tokens: torch.Tensor, eod_token: int, padded_length: int
     eods = torch.nonzero(tokens[:-1] == eod_token)[:, 0]
     used = eods.numel() + 2  # start 0, one start per EOD input, the row length
     if used > padded_length:
-        raise ValueError(f"a row with {eods.numel()} EOD inputs needs cu_seqlens of length >= {used}, got "
-                         f"padded_length={padded_length}")
+        raise ValueError(
+            f"a row with {eods.numel()} EOD inputs needs cu_seqlens of length >= {used}, got "
+            f"padded_length={padded_length}"
+        )
     cu = torch.full((padded_length,), -1, dtype=torch.int32)
     cu[0] = 0
-    cu[1:used - 1] = (eods + 1).to(torch.int32)
+    cu[1 : used - 1] = (eods + 1).to(torch.int32)
     cu[used - 1] = row_length
     return cu

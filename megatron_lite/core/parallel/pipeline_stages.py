@@ -9,6 +9,7 @@ The cut and the schedule names are part of the parallel configuration (``Paralle
 with them), so they live below ``layout``, outside ``pipeline/``: the pipeline's runtime (transfers, schedules)
 is built on the layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ class StageChunk:
         return self.virtual_stage == self.num_virtual_stages - 1
 
 
-def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,
-                             last: Optional[int] = None) -> list[int]:
+def layers_per_virtual_stage(
+    num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None, last: Optional[int] = None
+) -> list[int]:
     """Layer counts of the ``pp * vpp`` virtual stages, in pipeline order; a ValueError names the fix.
 
     ``first``/``last`` (Megatron's ``num_layers_in_first/last_pipeline_stage``) fix the first and last
@@ -50,7 +52,8 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int = 1, first: Opti
     if (first is not None or last is not None) and vpp > 1:
         raise ValueError(
             "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage are supported without "
-            "virtual pipeline stages only; drop virtual_pipeline_model_parallel_size or the uneven cut.")
+            "virtual pipeline stages only; drop virtual_pipeline_model_parallel_size or the uneven cut."
+        )
     if (first is not None or last is not None) and pp == 1:
         raise ValueError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1.")
     for name, value in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
@@ -58,11 +61,15 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int = 1, first: Opti
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     if first is None and last is None:
         if num_layers % stages:
-            what = f"pipeline_model_parallel_size ({pp})" if vpp == 1 else \
-                f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size ({pp} x {vpp} = {stages})"
+            what = (
+                f"pipeline_model_parallel_size ({pp})"
+                if vpp == 1
+                else f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size ({pp} x {vpp} = {stages})"
+            )
             raise ValueError(
                 f"num_layers ({num_layers}) must be divisible by {what}; change num_layers or the pipeline sizes, "
-                f"or cut unevenly with num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage.")
+                f"or cut unevenly with num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage."
+            )
         return [num_layers // stages] * stages
     fixed = (first or 0) + (last or 0)
     middle = pp - (first is not None) - (last is not None)
@@ -70,7 +77,8 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int = 1, first: Opti
     if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
         raise ValueError(
             f"num_layers ({num_layers}) minus the first/last stage's layers ({fixed}) must split evenly over the "
-            f"{middle} other pipeline stage(s); change num_layers_in_first/last_pipeline_stage.")
+            f"{middle} other pipeline stage(s); change num_layers_in_first/last_pipeline_stage."
+        )
     even = rest // middle if middle else 0
     counts = [even] * pp
     if first is not None:
@@ -80,8 +88,9 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int = 1, first: Opti
     return counts
 
 
-def stage_chunks(num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first: Optional[int] = None,
-                 last: Optional[int] = None) -> list[StageChunk]:
+def stage_chunks(
+    num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first: Optional[int] = None, last: Optional[int] = None
+) -> list[StageChunk]:
     """The chunks (virtual stages) pipeline rank ``pp_rank`` holds, in chunk order ``v = 0 .. V-1``."""
     counts = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
     starts = [sum(counts[:s]) for s in range(len(counts))]

@@ -6,6 +6,7 @@ replicated over TP and must be dropped identically, so dropout runs in a "data-p
 seeded ``seed + 100 * pp_rank`` (Megatron's default seed), the same on every TP rank. Both streams
 are owned by the model, so neither depends on the global RNG state nor disturbs it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -96,8 +97,11 @@ def model_parallel_rng_tracker(seed: int, tp_rank: int, pp_rank: int = 0) -> RNG
 
 def rng_trackers(module: nn.Module) -> dict[str, RNGStatesTracker]:
     """The dropout streams of ``module`` and its sub-modules, keyed by the owner's name ("root": ``module``)."""
-    return {name or "root": m.rng_tracker for name, m in module.named_modules()
-            if isinstance(getattr(m, "rng_tracker", None), RNGStatesTracker)}
+    return {
+        name or "root": m.rng_tracker
+        for name, m in module.named_modules()
+        if isinstance(getattr(m, "rng_tracker", None), RNGStatesTracker)
+    }
 
 
 def model_rng_state(module: nn.Module) -> dict[str, torch.Tensor]:

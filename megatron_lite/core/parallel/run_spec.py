@@ -7,6 +7,7 @@ memory estimator takes it (:func:`~megatron_lite.core.estimator.memory.estimate_
 everything that needs no model: the sizes against the world, the batch geometry against the data-parallel size,
 and where FSDP2 composes (the one place for those rules).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +20,9 @@ from megatron_lite.core.precision import normalize_precision
 
 def check_bucket_size(ddp_bucket_size: Optional[int]) -> None:
     """``ddp_bucket_size`` is None (the default size) or a positive number of elements."""
-    if ddp_bucket_size is not None and (isinstance(ddp_bucket_size, bool) or not isinstance(ddp_bucket_size, int)
-                                        or ddp_bucket_size <= 0):
+    if ddp_bucket_size is not None and (
+        isinstance(ddp_bucket_size, bool) or not isinstance(ddp_bucket_size, int) or ddp_bucket_size <= 0
+    ):
         raise ValueError(f"ddp_bucket_size must be a positive number of elements, got {ddp_bucket_size}")
 
 
@@ -78,18 +80,21 @@ class RunSpec:
         if precision.endswith("-true") and precision != "32-true":
             raise ValueError(
                 f"use_torch_fsdp2=True with precision={precision!r}: FSDP keeps its sharded fp32 parameters as "
-                f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2.")
+                f"the master weights; use precision='bf16-mixed' (or '32-true') with FSDP2."
+            )
         if parallel.pipeline_model_parallel_size > 1:
             raise ValueError(
                 "use_torch_fsdp2=True with pipeline_model_parallel_size > 1 is not composed yet (FSDP2 gathers and "
                 "reduces in module hooks that the pipeline schedule would have to drive per stage); use the "
-                "distributed optimizer, OptimizerConfig(use_distributed_optimizer=True), with pipeline parallelism.")
+                "distributed optimizer, OptimizerConfig(use_distributed_optimizer=True), with pipeline parallelism."
+            )
         if parallel.context_parallel_size > 1:
             raise ValueError(
                 f"use_torch_fsdp2=True with context_parallel_size={parallel.context_parallel_size} is not composed yet "
                 f"(FSDP2 would shard over the data-parallel ranks only, while gradients must be reduced over data x "
                 f"context parallel ranks); use the distributed optimizer, OptimizerConfig(use_distributed_optimizer="
-                f"True), with context parallelism.")
+                f"True), with context parallelism."
+            )
 
     def check_optimizer(self, optimizer_config: Any) -> None:
         """Refuse an optimizer config this run cannot use: the distributed optimizer beside FSDP2 (both shard the
@@ -97,7 +102,8 @@ class RunSpec:
         if self.use_torch_fsdp2 and getattr(optimizer_config, "use_distributed_optimizer", False):
             raise ValueError(
                 "use_torch_fsdp2=True already shards optimizer state over data-parallel ranks; set "
-                "OptimizerConfig(use_distributed_optimizer=False) or drop use_torch_fsdp2.")
+                "OptimizerConfig(use_distributed_optimizer=False) or drop use_torch_fsdp2."
+            )
 
     def check_frozen_copy(self, objective: str, otherwise: str) -> None:
         """Refuse FSDP2 for ``objective``, which keeps a frozen copy of the model (a DPO/GRPO reference): that copy
@@ -107,7 +113,8 @@ class RunSpec:
             raise ValueError(
                 f"{objective} does not run with use_torch_fsdp2=True (its frozen reference is a plain sharded copy of "
                 f"the policy); use the distributed optimizer (model.optimizer.use_distributed_optimizer=true) for "
-                f"ZeRO-1{otherwise}")
+                f"ZeRO-1{otherwise}"
+            )
 
     # --- batches ----------------------------------------------------------------------------
     def _check_batches(self, data: DataGeometry) -> None:
@@ -131,4 +138,5 @@ class RunSpec:
                     f"the interleaved pipeline schedule needs the number of microbatches per step to be a multiple of "
                     f"pipeline_model_parallel_size ({pp}), got {microbatches} (global batch {size} / (micro_batch_size "
                     f"{mbs} x dp {dp})); set global_batch_size to a multiple of {mbs * dp * pp} (and so every "
-                    f"ramp-up size) or use pipeline_schedule='1f1b'.")
+                    f"ramp-up size) or use pipeline_schedule='1f1b'."
+                )

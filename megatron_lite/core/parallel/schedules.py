@@ -8,6 +8,7 @@ exactly the gradient of the global mean, whatever mask a custom loss function ap
 also return a report of named metrics, reduced in the same collective (``loss_report``). A pipeline
 schedule (``megatron_lite.core.engine``) produces the same :class:`StepLoss`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,9 @@ def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
     if size % micro_batch_size != 0:
         raise ValueError(
             f"this rank's batch of {size} samples is not a whole number of microbatches of "
-            f"micro_batch_size={micro_batch_size}; the dataloader's batch must be global_batch_size / dp")
-    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
+            f"micro_batch_size={micro_batch_size}; the dataloader's batch must be global_batch_size / dp"
+        )
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
 def gpt_forward_step(part, microbatch: dict, hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -88,12 +90,18 @@ def gpt_loss(model: nn.Module, microbatch: dict) -> tuple[torch.Tensor, torch.Te
     return masked_token_loss(gpt_forward_step(model, microbatch), microbatch)
 
 
-def forward_backward_no_pipelining(model: nn.Module, microbatches: Sequence[dict], layout: ParallelLayout,
-                                   loss_fn: LossFn = gpt_loss, forward_only: bool = False,
-                                   device: Optional[torch.device] = None, loss_scale: Optional[float] = None,
-                                   scale_grads: bool = True,
-                                   no_sync: Optional[Callable[[], ContextManager]] = None,
-                                   report_names: Optional[ReportNames] = None) -> StepLoss:
+def forward_backward_no_pipelining(
+    model: nn.Module,
+    microbatches: Sequence[dict],
+    layout: ParallelLayout,
+    loss_fn: LossFn = gpt_loss,
+    forward_only: bool = False,
+    device: Optional[torch.device] = None,
+    loss_scale: Optional[float] = None,
+    scale_grads: bool = True,
+    no_sync: Optional[Callable[[], ContextManager]] = None,
+    report_names: Optional[ReportNames] = None,
+) -> StepLoss:
     """Run every microbatch forward (and backward unless ``forward_only``), accumulating gradients.
 
     On return the gradients are this rank's share of the gradient of the global-batch mean loss
@@ -139,9 +147,15 @@ def backward_scale_for(loss_scale: Optional[float], microbatches: Sequence[dict]
     return loss_scale / max(1, next(iter(microbatches[0].values())).numel())
 
 
-def finish_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, layout: ParallelLayout,
-                     loss_scale: Optional[float], backward_scale: float, report: Optional[ReportSums] = None,
-                     report_names: Sequence[str] = ()) -> StepLoss:
+def finish_step_loss(
+    loss_sum: torch.Tensor,
+    num_tokens: torch.Tensor,
+    layout: ParallelLayout,
+    loss_scale: Optional[float],
+    backward_scale: float,
+    report: Optional[ReportSums] = None,
+    report_names: Sequence[str] = (),
+) -> StepLoss:
     """Sum this rank's loss and token totals and its report (``report_names``' ``[sum, count]``; zeros where
     ``report`` is None, a stage without a loss) over the pipeline, then over DP (and CP): one collective per
     group, no host sync. Then derive the factor that turns accumulated gradients into those of the
@@ -157,9 +171,10 @@ def finish_step_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, layout: P
             dist.all_reduce(totals, group=group)
     global_tokens = totals[1].clamp(min=1.0)  # an all-masked global batch contributes no gradient
     grad_scale = ((loss_scale or 1.0) / (global_tokens * backward_scale)).to(torch.float32)
-    reduced = {name: totals[2 + 2 * i: 4 + 2 * i] for i, name in enumerate(names)}
-    return StepLoss(loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1], grad_scale=grad_scale,
-                    report=reduced)
+    reduced = {name: totals[2 + 2 * i : 4 + 2 * i] for i, name in enumerate(names)}
+    return StepLoss(
+        loss=(totals[0] / global_tokens).to(torch.float32), num_tokens=totals[1], grad_scale=grad_scale, report=reduced
+    )
 
 
 def scale_model_grads(model: nn.Module, grad_scale: torch.Tensor) -> None:

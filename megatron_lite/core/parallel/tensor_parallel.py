@@ -4,6 +4,7 @@ Each layer holds its local shard as a plain parameter and records how that shard
 tensor (:class:`TPShard`), so that initialisation is independent of the layout (the full tensor is
 drawn from the seed, then sharded) and checkpoints can be written as global tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -78,7 +79,7 @@ class TPShard:
         missing = self.global_shape[self.dim] - real.shape[self.dim]
         if self.unpadded_size is None or missing == 0:
             return real
-        zeros = real.new_zeros(*real.shape[:self.dim], missing, *real.shape[self.dim + 1:])
+        zeros = real.new_zeros(*real.shape[: self.dim], missing, *real.shape[self.dim + 1 :])
         return torch.cat([real, zeros], dim=self.dim)
 
     def unpad(self, full: torch.Tensor) -> torch.Tensor:
@@ -106,16 +107,17 @@ class TPShard:
             return local, tuple(self.global_shape), self.dim
         d = self.dim
         gshape = list(self.global_shape)
-        view = local.reshape(*local.shape[:d], self.stride, local.shape[d] // self.stride, *local.shape[d + 1:])
-        global_view = (*gshape[:d], self.stride, gshape[d] // self.stride, *gshape[d + 1:])
+        view = local.reshape(*local.shape[:d], self.stride, local.shape[d] // self.stride, *local.shape[d + 1 :])
+        global_view = (*gshape[:d], self.stride, gshape[d] // self.stride, *gshape[d + 1 :])
         return view, global_view, d + 1
 
 
 _Param = TypeVar("_Param", bound=torch.Tensor)
 
 
-def mark_parameter(param: _Param, init: tuple, shard: Optional[TPShard] = None,
-                   sequence_parallel_grad: bool = False) -> _Param:
+def mark_parameter(
+    param: _Param, init: tuple, shard: Optional[TPShard] = None, sequence_parallel_grad: bool = False
+) -> _Param:
     """Attach the metadata every parameter of our models carries.
 
     ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
@@ -190,10 +192,20 @@ class ColumnParallelLinear(_LocalGemm):
     first; otherwise it is replicated and its gradient all-reduced.
     """
 
-    def __init__(self, input_size: int, output_size: int, layout: ParallelLayout, *, bias: bool = True,
-                 gather_output: bool = False, init_std: float = 0.02, stride: int = 1,
-                 skip_weight_param: bool = False, params_dtype: torch.dtype = torch.float32,
-                 unpadded_output_size: Optional[int] = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        layout: ParallelLayout,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        stride: int = 1,
+        skip_weight_param: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        unpadded_output_size: Optional[int] = None,
+    ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
@@ -213,11 +225,15 @@ class ColumnParallelLinear(_LocalGemm):
         else:
             self.weight = mark_parameter(
                 nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype)),
-                ("normal", init_std), wshard)
+                ("normal", init_std),
+                wshard,
+            )
         if bias:
             self.bias = mark_parameter(
                 nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype)),
-                ("zeros",), TPShard(0, stride, (output_size,), layout.tp_rank, tp))
+                ("zeros",),
+                TPShard(0, stride, (output_size,), layout.tp_rank, tp),
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -237,8 +253,16 @@ class RowParallelLinear(_LocalGemm):
     """``Y = X A^T + b`` with ``A`` split along its input dimension; partial outputs are summed
     (all-reduce, or reduce-scatter along the sequence under sequence parallelism)."""
 
-    def __init__(self, input_size: int, output_size: int, layout: ParallelLayout, *, bias: bool = True,
-                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        layout: ParallelLayout,
+        *,
+        bias: bool = True,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_group = layout.group("tp")
@@ -247,10 +271,16 @@ class RowParallelLinear(_LocalGemm):
         self.input_size_per_partition = _divide(input_size, tp, "input size")
         self.weight = mark_parameter(
             nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype)),
-            ("normal", init_std), TPShard(1, 1, (output_size, input_size), layout.tp_rank, tp))
+            ("normal", init_std),
+            TPShard(1, 1, (output_size, input_size), layout.tp_rank, tp),
+        )
         if bias:
-            self.bias = mark_parameter(nn.Parameter(torch.empty(output_size, dtype=params_dtype)), ("zeros",),
-                                       None, sequence_parallel_grad=self.sequence_parallel)
+            self.bias = mark_parameter(
+                nn.Parameter(torch.empty(output_size, dtype=params_dtype)),
+                ("zeros",),
+                None,
+                sequence_parallel_grad=self.sequence_parallel,
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -270,9 +300,16 @@ class VocabParallelEmbedding(nn.Module):
     ``num_embeddings`` is the padded vocabulary and ``vocab_size`` the real one: the padding rows are zero
     and never looked up (token ids are below ``vocab_size``)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, layout: ParallelLayout, *,
-                 init_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 vocab_size: Optional[int] = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        layout: ParallelLayout,
+        *,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+        vocab_size: Optional[int] = None,
+    ):
         super().__init__()
         tp = layout.tp_size
         self.tp_group = layout.group("tp")
@@ -283,7 +320,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
         self.weight = mark_parameter(
             nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype)),
-            ("normal", init_std), TPShard(0, 1, (num_embeddings, embedding_dim), layout.tp_rank, tp, vocab_size))
+            ("normal", init_std),
+            TPShard(0, 1, (num_embeddings, embedding_dim), layout.tp_rank, tp, vocab_size),
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` [s, b] -> embeddings [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
@@ -318,6 +357,7 @@ def gather_full(local: torch.Tensor, shard: Optional[TPShard], group) -> torch.T
     pieces = [torch.empty_like(local) for _ in range(shard.size)]
     dist.all_gather(pieces, local.contiguous(), group=group)
     blocks_per_rank = [p.chunk(shard.stride, dim=shard.dim) for p in pieces]
-    blocks = [torch.cat([rank_blocks[b] for rank_blocks in blocks_per_rank], dim=shard.dim)
-              for b in range(shard.stride)]
+    blocks = [
+        torch.cat([rank_blocks[b] for rank_blocks in blocks_per_rank], dim=shard.dim) for b in range(shard.stride)
+    ]
     return shard.unpad(torch.cat(blocks, dim=shard.dim))

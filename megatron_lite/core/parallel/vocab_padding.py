@@ -7,6 +7,7 @@ reach a softmax, a max or an output: then the same seed is the same model at any
 are padding is known from Python integers (no host sync), and a rank whose slice holds no padding does no
 extra work.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -7,6 +7,7 @@ group: the two maxima (MAX all-reduce), the two sums of exponentials and the KL'
 all-reduces). Vocabulary padding (``vocab_padding.py``) takes no part: its entries are out of every max and
 sum, and get no gradient. The teacher is a constant: its logits get no gradient.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -44,7 +45,7 @@ class _VocabParallelKL(torch.autograd.Function):
         log_p_s = _log_softmax(student[..., :real].float() / temperature, group)
         log_p_t = _log_softmax(teacher[..., :real].float() / temperature, group)
         p_t = log_p_t.exp()
-        kl = _all_reduce((p_t * (log_p_t - log_p_s)).sum(dim=-1), group) * temperature ** 2
+        kl = _all_reduce((p_t * (log_p_t - log_p_s)).sum(dim=-1), group) * temperature**2
         # d(T²·KL)/ds = T·(softmax(s/T) − softmax(t/T)); kept instead of both softmaxes (one V/tp tensor).
         grad = student.new_zeros(student.shape, dtype=torch.float32)
         grad[..., :real] = (log_p_s.exp() - p_t) * temperature
@@ -58,18 +59,26 @@ class _VocabParallelKL(torch.autograd.Function):
         return (grad * grad_kl.unsqueeze(-1)).to(ctx.student_dtype), None, None, None, None, None
 
 
-def vocab_parallel_kl_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                                 group: Optional[dist.ProcessGroup], vocab_start: int = 0,
-                                 vocab_size: Optional[int] = None, temperature: float = 1.0) -> torch.Tensor:
+def vocab_parallel_kl_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    vocab_start: int = 0,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per-token ``T² · KL(softmax(teacher/T) ‖ softmax(student/T))`` ``[...]`` (fp32) from this rank's logits
     ``[..., V/tp]`` of both models, which cover ``[vocab_start, vocab_start + V/tp)`` of the same padded
     vocabulary. ``vocab_size`` is the real vocabulary: entries at or past it (padding) are left out (None:
     every entry is real). Differentiable in the student's logits only; collective over ``group``."""
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ: both models must share the (padded) vocabulary "
-                         f"and see the same tokens")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ: both models must share the (padded) vocabulary "
+            f"and see the same tokens"
+        )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), group, vocab_start, vocab_size,
-                                  float(temperature))
+    return _VocabParallelKL.apply(
+        student_logits, teacher_logits.detach(), group, vocab_start, vocab_size, float(temperature)
+    )

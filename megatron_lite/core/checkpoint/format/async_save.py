@@ -35,6 +35,7 @@ checkpoint, the rank and the original error (chained as ``__cause__`` where it i
 is named as such, with the bytes needed and free (:mod:`~megatron_lite.core.checkpoint.format.disk_space`); the
 unfinished save is removed and the previous checkpoint stays the latest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,9 @@ def stage(value: Any) -> Any:
 
     if isinstance(value, DTensor):
         local = _copy_local(value.to_local())
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
     return _copy_local(value)
 
 
@@ -132,8 +134,14 @@ class AsyncCheckpointWriter:
         """The checkpoint being written, if one is (until :meth:`wait` returned)."""
         return self._job.target.path if self._job is not None else None
 
-    def save(self, state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None,
-             allowed: Sequence[type] = (), latest: bool = False) -> Path:
+    def save(
+        self,
+        state: dict[str, Any],
+        path: str | os.PathLike,
+        extra: Optional[dict] = None,
+        allowed: Sequence[type] = (),
+        latest: bool = False,
+    ) -> Path:
         """Wait for the previous save (raising its error), then start writing ``state`` and ``extra`` to
         ``path`` as :func:`~megatron_lite.core.checkpoint.format.sharded.save_sharded` would (``latest`` as
         there); returns once the tensors are staged."""
@@ -195,8 +203,9 @@ class AsyncCheckpointWriter:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _finish(self, job: _Job, written: Future, writer: ChecksummingFileSystemWriter,
-                group: Optional[dist.ProcessGroup]) -> None:
+    def _finish(
+        self, job: _Job, written: Future, writer: ChecksummingFileSystemWriter, group: Optional[dist.ProcessGroup]
+    ) -> None:
         """In the background thread: every rank's outcome, then the commit only if all wrote their files."""
         path = job.target.path
         failure = full = None
@@ -206,27 +215,36 @@ class AsyncCheckpointWriter:
             failure, full = dcp_error(error, f"writing {path}"), disk_full_cause(error)
         except Exception as error:  # noqa: BLE001 - shared with every rank below
             failure, full = error, disk_full_cause(error)
-        outcome = None if failure is None else (f"{type(failure).__name__}: {failure}",
-                                                None if full is None else (full.errno, full.strerror, full.filename))
+        outcome = (
+            None
+            if failure is None
+            else (
+                f"{type(failure).__name__}: {failure}",
+                None if full is None else (full.errno, full.strerror, full.filename),
+            )
+        )
         failed = [(rank, o) for rank, o in enumerate(gather_to_all(outcome, group)) if o is not None]
         if failed:
             self._drop_removals(job)
             disk_full = [o[1] for _, o in failed if o[1] is not None]
             if disk_full:  # every rank sees the same outcomes, so all of them make this collective call
                 full_error = disk_full_error(path, job.target.tmp, OSError(*disk_full[0]), job.tensor_bytes, group)
-                raise AsyncCheckpointError(f"the checkpoint {path} could not be written in the background: "
-                                           f"{full_error}") from full_error
+                raise AsyncCheckpointError(
+                    f"the checkpoint {path} could not be written in the background: {full_error}"
+                ) from full_error
             rank, (message, _) = failed[0]
             raise AsyncCheckpointError(
                 f"the checkpoint {path} could not be written in the background (rank {rank}: {message}); "
                 f"it was not committed and the previous checkpoint is still the latest. Check that the "
-                f"checkpoint directory is writable and has space.") from failure
+                f"checkpoint directory is writable and has space."
+            ) from failure
         try:
             finish_save(job.target, writer.records, group)
         except Exception as error:
             self._drop_removals(job)
-            raise AsyncCheckpointError(f"the checkpoint {path} was written but could not be committed: "
-                                       f"{type(error).__name__}: {error}") from error
+            raise AsyncCheckpointError(
+                f"the checkpoint {path} was written but could not be committed: {type(error).__name__}: {error}"
+            ) from error
         with self._lock:
             job.outcome = "committed"
             removals, job.removals = job.removals, []
@@ -238,6 +256,8 @@ class AsyncCheckpointWriter:
         with self._lock:
             job.outcome = "failed"
             if job.removals:
-                log.warning("megatron-lite: kept %s: the save meant to replace it failed",
-                            ", ".join(str(p) for p in job.removals))
+                log.warning(
+                    "megatron-lite: kept %s: the save meant to replace it failed",
+                    ", ".join(str(p) for p in job.removals),
+                )
             job.removals = []

@@ -22,6 +22,7 @@ passed as ``in_flight``.
 After the commit, ``latest_checkpoint.json`` in the same directory records the checkpoint as the
 latest one (a small JSON file replaced atomically); loading that directory loads it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -182,15 +183,20 @@ def recover(path: str | os.PathLike) -> Optional[Path]:
     path = Path(path)
     if os.path.lexists(path):
         return None
-    candidates = [p for p, m in siblings_in(path.parent)
-                  if m["name"] == path.name and m["kind"] in ("tmp", "old") and finished(p)]
+    candidates = [
+        p for p, m in siblings_in(path.parent) if m["name"] == path.name and m["kind"] in ("tmp", "old") and finished(p)
+    ]
     if not candidates:
         return None
     newest = max(candidates, key=written_at)
     os.rename(newest, path)
     fsync_dir(path.parent)
-    log.warning("megatron-lite: %s was missing (a save was interrupted while replacing it); recovered the complete "
-                "checkpoint left at %s", path, newest.name)
+    log.warning(
+        "megatron-lite: %s was missing (a save was interrupted while replacing it); recovered the complete "
+        "checkpoint left at %s",
+        path,
+        newest.name,
+    )
     return newest
 
 
@@ -238,8 +244,12 @@ def clean_up(directory: str | os.PathLike, in_flight: Collection[str | os.PathLi
     except OSError as error:
         log.warning("megatron-lite: could not clean up interrupted saves in %s: %s", directory, error)
     if removed:
-        log.info("megatron-lite: removed %d leftover(s) of interrupted checkpoint saves in %s: %s", len(removed),
-                 directory, ", ".join(p.name for p in removed))
+        log.info(
+            "megatron-lite: removed %d leftover(s) of interrupted checkpoint saves in %s: %s",
+            len(removed),
+            directory,
+            ", ".join(p.name for p in removed),
+        )
     return removed
 
 
@@ -284,6 +294,10 @@ def latest_in(directory: str | os.PathLike) -> Optional[Path]:
         return None
     newest = max(complete, key=written_at)
     if name is not None:
-        log.warning("megatron-lite: %s names %s, which is gone; using the newest complete checkpoint there, %s",
-                    directory / LATEST, name, newest.name)
+        log.warning(
+            "megatron-lite: %s names %s, which is gone; using the newest complete checkpoint there, %s",
+            directory / LATEST,
+            name,
+            newest.name,
+        )
     return newest

@@ -9,6 +9,7 @@ the tensors' bytes are summed over the ranks, and rank 0 removes the unfinished 
 and measures what is free. Nothing was committed: the previous checkpoint and ``latest_checkpoint.json``
 are as they were.
 """
+
 from __future__ import annotations
 
 import errno
@@ -63,8 +64,9 @@ def tensor_bytes(state: Any, prefix: str = "") -> dict[str, int]:
     return {}
 
 
-def disk_full_error(path: Path, tmp: Path, cause: OSError, local_bytes: dict[str, int],
-                    group=None) -> CheckpointDiskFullError:
+def disk_full_error(
+    path: Path, tmp: Path, cause: OSError, local_bytes: dict[str, int], group=None
+) -> CheckpointDiskFullError:
     """The error of a save of ``path`` (written into ``tmp``) that ran out of disk; collective (over ``group``
     when given): every rank must call it, and every rank gets the same error. Rank 0 removes ``tmp``."""
     merged: dict[str, int] = {}
@@ -76,11 +78,13 @@ def disk_full_error(path: Path, tmp: Path, cause: OSError, local_bytes: dict[str
     what = DISK_FULL[cause.errno]
     where = f" ({cause.filename})" if cause.filename else ""
     space = f"{format_bytes(free)} are free there" if free is not None else "the free space there is unknown"
-    kept = (f"the previous checkpoint at {path} is unchanged" if previous else f"nothing was written at {path}")
-    message = (f"{what} while writing the checkpoint {path}{where}. It needs about {format_bytes(needed)} (its "
-               f"tensors) and {space} once the unfinished save was removed. Nothing was committed: {kept}, and "
-               f"{path.parent / LATEST} names what it named before. Free space on that disk, or save to one with "
-               f"more (ModelCheckpoint(dirpath=...)), or keep fewer checkpoints (save_top_k).")
+    kept = f"the previous checkpoint at {path} is unchanged" if previous else f"nothing was written at {path}"
+    message = (
+        f"{what} while writing the checkpoint {path}{where}. It needs about {format_bytes(needed)} (its "
+        f"tensors) and {space} once the unfinished save was removed. Nothing was committed: {kept}, and "
+        f"{path.parent / LATEST} names what it named before. Free space on that disk, or save to one with "
+        f"more (ModelCheckpoint(dirpath=...)), or keep fewer checkpoints (save_top_k)."
+    )
     return CheckpointDiskFullError(cause.errno, message, needed, free)
 
 

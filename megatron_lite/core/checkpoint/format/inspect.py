@@ -3,6 +3,7 @@
 Used by ``megatron-lite checkpoint inspect``. Nothing is unpickled and no class named by the checkpoint is
 built: configs come back as plain dicts (with their class name under ``"__class__"``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,19 +33,30 @@ def locate(path: str | os.PathLike) -> Path:
         return path
     if not os.path.lexists(path):
         leftovers = incomplete_leftovers(path)
-        hint = (f"; the interrupted save(s) {', '.join(p.name for p in leftovers)} are beside it (loading the path "
-                f"recovers a complete one)" if leftovers else "")
+        hint = (
+            f"; the interrupted save(s) {', '.join(p.name for p in leftovers)} are beside it (loading the path "
+            f"recovers a complete one)"
+            if leftovers
+            else ""
+        )
         raise FileNotFoundError(f"no checkpoint at {path}{hint}")
-    raise FileNotFoundError(f"{path} is not a megatron-lite checkpoint (no DCP .metadata inside); pass the directory "
-                            f"that trainer.save_checkpoint() or ModelCheckpoint wrote")
+    raise FileNotFoundError(
+        f"{path} is not a megatron-lite checkpoint (no DCP .metadata inside); pass the directory "
+        f"that trainer.save_checkpoint() or ModelCheckpoint wrote"
+    )
 
 
 def _read_meta(path: Path) -> tuple[Optional[dict], str, Optional[str]]:
     """(metadata or None, its file, the error that kept it from being read)."""
     if (path / META).is_file():
         try:
-            return meta_json.loads((path / META).read_bytes(), allowed=None, unknown_classes="dict",
-                                   source=str(path / META)), META, None
+            return (
+                meta_json.loads(
+                    (path / META).read_bytes(), allowed=None, unknown_classes="dict", source=str(path / META)
+                ),
+                META,
+                None,
+            )
         except ValueError as error:
             return None, META, str(error)
     if (path / LEGACY_META).is_file():
@@ -71,8 +83,10 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a legacy meta.pt's configs
-        return {"__class__": meta_json.class_name(type(value)),
-                **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+        return {
+            "__class__": meta_json.class_name(type(value)),
+            **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)},
+        }
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -90,13 +104,16 @@ def describe_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict
     """
     path = locate(path)
     files = [p for p in path.rglob("*") if p.is_file()]  # with the folders it carries (tokenizer/)
-    info: dict[str, Any] = {"path": str(path), "size_bytes": sum(p.stat().st_size for p in files),
-                            "files": len(files)}
+    info: dict[str, Any] = {"path": str(path), "size_bytes": sum(p.stat().st_size for p in files), "files": len(files)}
     if checksums:
         try:
             verdict = verify_checkpoint(path)
-            info["checksums"] = {"status": verdict.status, "problems": [], "files_checked": verdict.files,
-                                 "bytes_checked": verdict.bytes}
+            info["checksums"] = {
+                "status": verdict.status,
+                "problems": [],
+                "files_checked": verdict.files,
+                "bytes_checked": verdict.bytes,
+            }
         except CorruptCheckpointError as error:
             problems = [line.strip() for line in str(error).splitlines()[1:-1]]
             info["checksums"] = {"status": "corrupt", "problems": problems}
@@ -121,11 +138,16 @@ def describe_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict
         info["meta_error"] = meta_error
     if meta is not None:
         consumed, owner = _consumed_samples(meta)
-        info.update(global_step=meta.get("global_step"), epoch=meta.get("epoch"), consumed_samples=consumed,
-                    consumed_samples_from=owner, layout=_plain(meta.get("megatron_lite_layout")),
-                    hyper_parameters=_plain(meta.get("hyper_parameters")),
-                    datamodule_hyper_parameters=_plain(meta.get("datamodule_hyper_parameters")),
-                    lightning_version=meta.get("pytorch-lightning_version"))
+        info.update(
+            global_step=meta.get("global_step"),
+            epoch=meta.get("epoch"),
+            consumed_samples=consumed,
+            consumed_samples_from=owner,
+            layout=_plain(meta.get("megatron_lite_layout")),
+            hyper_parameters=_plain(meta.get("hyper_parameters")),
+            datamodule_hyper_parameters=_plain(meta.get("datamodule_hyper_parameters")),
+            lightning_version=meta.get("pytorch-lightning_version"),
+        )
     return info
 
 

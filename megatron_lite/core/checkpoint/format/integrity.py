@@ -20,6 +20,7 @@ between the ranks (largest first, to the least loaded rank), each rank checks it
 findings are all-gathered, so every rank raises the same error naming every bad file -- a rank that
 finds a problem never leaves the others waiting in a collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -181,8 +182,12 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
 
 def manifest_bytes(records: dict[str, FileRecord]) -> bytes:
     """The content of ``manifest.json`` for the files in ``records``."""
-    document = {"format": MANIFEST_FORMAT, "checksum": "crc32", "written_at": time.time(),
-                "files": {name: records[name].to_json() for name in sorted(records)}}
+    document = {
+        "format": MANIFEST_FORMAT,
+        "checksum": "crc32",
+        "written_at": time.time(),
+        "files": {name: records[name].to_json() for name in sorted(records)},
+    }
     return json.dumps(document, indent=1).encode("utf-8")
 
 
@@ -229,8 +234,10 @@ def check_file(directory: Path, name: str, record: FileRecord, *, checksum: bool
         if checksum:
             found = record_file(path)
             if found.crc32 != record.crc32:
-                return (f"{name}: checksum mismatch (crc32 {found.crc32:08x} on disk, {record.crc32:08x} written): "
-                        f"its bytes changed after the save")
+                return (
+                    f"{name}: checksum mismatch (crc32 {found.crc32:08x} on disk, {record.crc32:08x} written): "
+                    f"its bytes changed after the save"
+                )
     except FileNotFoundError:
         return f"{name}: missing"
     except OSError as error:
@@ -282,8 +289,10 @@ def _local_findings(directory: Path, rank: int, world_size: int) -> tuple[list[s
         return [str(error)], None
     if manifest is None:
         if (directory / META).exists():
-            return [f"{directory} has no {MANIFEST}: the save did not finish (or the file was removed), so the "
-                    f"checkpoint is incomplete"], None
+            return [
+                f"{directory} has no {MANIFEST}: the save did not finish (or the file was removed), so the "
+                f"checkpoint is incomplete"
+            ], None
         return [], None
     problems = []
     for name in _share(manifest.files, world_size, rank):
@@ -308,8 +317,11 @@ def verify_checkpoint(directory: str | os.PathLike) -> Verdict:
     problems = sorted({p for ranks in gather_to_all(problems) for p in ranks})
     if problems:
         raise CorruptCheckpointError(
-            f"checkpoint {directory} is corrupted or incomplete; nothing was loaded:\n  " + "\n  ".join(problems)
-            + "\nLoad an earlier checkpoint (or copy this one again from where it came from).", tuple(problems))
+            f"checkpoint {directory} is corrupted or incomplete; nothing was loaded:\n  "
+            + "\n  ".join(problems)
+            + "\nLoad an earlier checkpoint (or copy this one again from where it came from).",
+            tuple(problems),
+        )
     if manifest is None:
         return Verdict("unverified", 0, 0)
     return Verdict("ok", len(manifest.files), sum(r.size for r in manifest.files.values()))

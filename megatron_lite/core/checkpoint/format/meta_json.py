@@ -24,6 +24,7 @@ dataclass is rebuilt only if its qualified name is one of the classes the caller
 module's own config classes); otherwise it is refused, or (``unknown_classes="dict"``, for inspection)
 returned as a plain dict with its class name under ``"__class__"``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,9 @@ MAX_INLINE_ELEMENTS = 4096
 """Largest tensor written inline into meta.json; bigger ones belong in the model/optimizer state (DCP)."""
 
 _TAGS = frozenset({"__tuple__", "__float__", "__tensor__", "__dtype__", "__path__", "__dataclass__", "__dict__"})
-_DTYPES: dict[str, torch.dtype] = {str(v).removeprefix("torch."): v for v in vars(torch).values()
-                                   if isinstance(v, torch.dtype)}
+_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -107,7 +109,8 @@ class _Encoder:
             f"cannot hold: it is written as JSON and never pickled. It may hold None, bool, int, float, str, lists, "
             f"tuples, dicts, small tensors, torch dtypes, paths and the config dataclasses ({names}). Store this "
             f"value as one of those (e.g. a dict of numbers and strings), or leave it out of the hyperparameters "
-            f"(save_hyperparameters(ignore=[...])) or of the callback's state_dict.")
+            f"(save_hyperparameters(ignore=[...])) or of the callback's state_dict."
+        )
 
     def encode(self, value: Any, where: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
@@ -123,8 +126,11 @@ class _Encoder:
         if isinstance(value, dict):  # dict subclasses (OrderedDict, Lightning's AttributeDict) are written as dicts
             if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in _TAGS):
                 return {k: self.encode(v, f"{where}.{k}") for k, v in value.items()}
-            return {"__dict__": [[self.encode(k, f"{where} key {k!r}"), self.encode(v, f"{where}[{k!r}]")]
-                                 for k, v in value.items()]}
+            return {
+                "__dict__": [
+                    [self.encode(k, f"{where} key {k!r}"), self.encode(v, f"{where}[{k!r}]")] for k, v in value.items()
+                ]
+            }
         if isinstance(value, torch.dtype):
             return {"__dtype__": str(value).removeprefix("torch.")}
         if isinstance(value, pathlib.PurePath):
@@ -135,9 +141,16 @@ class _Encoder:
             name = class_name(type(value))
             if self.allowed.get(name) is not type(value):
                 raise self.refuse(where, value, " (a dataclass that is not one of the module's config classes)")
-            return {"__dataclass__": {"class": name, "fields": {
-                f.name: self.encode(getattr(value, f.name), f"{where}.{f.name}")
-                for f in dataclasses.fields(value) if f.init}}}
+            return {
+                "__dataclass__": {
+                    "class": name,
+                    "fields": {
+                        f.name: self.encode(getattr(value, f.name), f"{where}.{f.name}")
+                        for f in dataclasses.fields(value)
+                        if f.init
+                    },
+                }
+            }
         raise self.refuse(where, value)
 
     def tensor(self, value: torch.Tensor, where: str) -> dict:
@@ -147,10 +160,16 @@ class _Encoder:
             raise CheckpointMetaError(
                 f"{where} is a tensor of {value.numel()} elements; the checkpoint's metadata (meta.json) holds "
                 f"tensors of at most {MAX_INLINE_ELEMENTS}. Keep large tensors in the module (a parameter or a "
-                f"persistent buffer), where they are written as DCP shards.")
+                f"persistent buffer), where they are written as DCP shards."
+            )
         flat = value.detach().to("cpu").reshape(-1).tolist()
-        return {"__tensor__": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
-                               "data": [self.encode(v, where) for v in flat]}}
+        return {
+            "__tensor__": {
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+                "data": [self.encode(v, where) for v in flat],
+            }
+        }
 
 
 def dumps(meta: Any, allowed: Iterable[type] = ()) -> bytes:
@@ -184,7 +203,7 @@ class _Decoder:
         if not isinstance(data, dict):
             raise CheckpointMetaError(f"{where}: unexpected JSON value {data!r}")
         if len(data) == 1 and next(iter(data)) in _TAGS:
-            (tag, body), = data.items()
+            ((tag, body),) = data.items()
             return getattr(self, "tag_" + tag.strip("_"))(body, where)
         return {k: self.decode(v, f"{where}.{k}") for k, v in data.items()}
 
@@ -222,8 +241,11 @@ class _Decoder:
         dtype = self.tag_dtype(body.get("dtype"), where)
         shape = self.expect(body.get("shape"), list, where)
         data = [self.decode(v, where) for v in self.expect(body.get("data"), list, where)]
-        if not all(isinstance(s, int) and s >= 0 for s in shape) or math.prod(shape) != len(data) \
-                or len(data) > MAX_INLINE_ELEMENTS:
+        if (
+            not all(isinstance(s, int) and s >= 0 for s in shape)
+            or math.prod(shape) != len(data)
+            or len(data) > MAX_INLINE_ELEMENTS
+        ):
             raise CheckpointMetaError(f"{where}: tensor data of {len(data)} values does not fit shape {shape}")
         odd = [v for v in data if not isinstance(v, (bool, int, float))]
         if odd:
@@ -245,7 +267,8 @@ class _Decoder:
                 f"{where} is a {name}, which is not one of the config classes this load allows "
                 f"({', '.join(sorted(self.allowed))}); megatron-lite never imports a class named by a checkpoint. "
                 f"Load it into a module whose config is a {name.rsplit('.', 1)[-1]}, or inspect it with "
-                f"`megatron-lite checkpoint inspect`.")
+                f"`megatron-lite checkpoint inspect`."
+            )
         try:
             return cls(**fields)
         except (TypeError, ValueError) as error:
@@ -258,8 +281,12 @@ class _Decoder:
         return value
 
 
-def loads(raw: bytes, allowed: Optional[Iterable[type]] = (), unknown_classes: UnknownClasses = "error",
-          source: str = "meta.json") -> Any:
+def loads(
+    raw: bytes,
+    allowed: Optional[Iterable[type]] = (),
+    unknown_classes: UnknownClasses = "error",
+    source: str = "meta.json",
+) -> Any:
     """The metadata held by the bytes of a ``meta.json``."""
     try:
         document = json.loads(raw.decode("utf-8"))
@@ -268,9 +295,11 @@ def loads(raw: bytes, allowed: Optional[Iterable[type]] = (), unknown_classes: U
     except RecursionError:
         raise _too_deep(source) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT or "meta" not in document:
-        raise CheckpointMetaError(f"{source} is not a megatron-lite checkpoint metadata file (format "
-                                  f"{document.get('format') if isinstance(document, dict) else None!r}, "
-                                  f"expected {FORMAT!r})")
+        raise CheckpointMetaError(
+            f"{source} is not a megatron-lite checkpoint metadata file (format "
+            f"{document.get('format') if isinstance(document, dict) else None!r}, "
+            f"expected {FORMAT!r})"
+        )
     try:
         return decode(document["meta"], allowed, unknown_classes)
     except CheckpointMetaError as error:
@@ -280,5 +309,7 @@ def loads(raw: bytes, allowed: Optional[Iterable[type]] = (), unknown_classes: U
 
 
 def _too_deep(source: str) -> CheckpointMetaError:
-    return CheckpointMetaError(f"{source} is malformed: it nests deeper than a checkpoint's metadata does (crafted or "
-                               f"damaged); it cannot be loaded")
+    return CheckpointMetaError(
+        f"{source} is malformed: it nests deeper than a checkpoint's metadata does (crafted or "
+        f"damaged); it cannot be loaded"
+    )

@@ -10,6 +10,7 @@
   else -- a directory of checkpoints, a user's folder, an output someone added files to -- is refused with a
   message and never deleted. A missing path or an empty directory is always fine.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,12 @@ def _written_by_us(directory: Path) -> tuple[Optional[set[str]], str]:
     return None, f"it has no {MANIFEST} or {OUTPUT_MARKER}"
 
 
-def check_output(output: str | os.PathLike, inputs: Iterable[Optional[str | os.PathLike]] = (),
-                 overwrite: bool = False, option: str = "--output") -> None:
+def check_output(
+    output: str | os.PathLike,
+    inputs: Iterable[Optional[str | os.PathLike]] = (),
+    overwrite: bool = False,
+    option: str = "--output",
+) -> None:
     """Refuse ``output`` (ValueError, FileExistsError: one line naming the fix) unless a writer may write it:
     not one of ``inputs``, inside one or holding one; absent, an empty directory, or -- with ``overwrite`` --
     an earlier megatron-lite output with nothing else in it (see the module docstring). Call it before any
@@ -74,8 +79,10 @@ def check_output(output: str | os.PathLike, inputs: Iterable[Optional[str | os.P
         if source in target.parents:
             raise ValueError(f"{option} {output} is inside the input {given}; write to a directory outside it")
         if target in source.parents:
-            raise ValueError(f"{option} {output} holds the input {given} (replacing it would delete the input); "
-                             f"write to a new directory")
+            raise ValueError(
+                f"{option} {output} holds the input {given} (replacing it would delete the input); "
+                f"write to a new directory"
+            )
     if not os.path.lexists(path):
         return
     if path.is_symlink():
@@ -85,25 +92,35 @@ def check_output(output: str | os.PathLike, inputs: Iterable[Optional[str | os.P
     if not any(path.iterdir()):
         return
     if not overwrite:
-        raise FileExistsError(f"{option} {output} exists and is not empty; pass a new directory, or --overwrite to "
-                              f"replace an earlier output of megatron-lite")
+        raise FileExistsError(
+            f"{option} {output} exists and is not empty; pass a new directory, or --overwrite to "
+            f"replace an earlier output of megatron-lite"
+        )
     ours, why = _written_by_us(path)
     if ours is None:
-        raise FileExistsError(f"{option} {output} is not an output of megatron-lite ({why}), so --overwrite does "
-                              f"not replace it; pass a new directory, or remove it yourself")
+        raise FileExistsError(
+            f"{option} {output} is not an output of megatron-lite ({why}), so --overwrite does "
+            f"not replace it; pass a new directory, or remove it yourself"
+        )
     foreign = [name for name in _files_under(path) if name not in ours]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise FileExistsError(f"{option} {output} holds {foreign[0]}{more}, which megatron-lite did not write, so "
-                              f"--overwrite does not replace it; pass a new directory, or move those files out")
+        raise FileExistsError(
+            f"{option} {output} holds {foreign[0]}{more}, which megatron-lite did not write, so "
+            f"--overwrite does not replace it; pass a new directory, or move those files out"
+        )
 
 
 def mark_output(directory: str | os.PathLike, written_by: str) -> None:
     """Record in ``directory`` (just written by ``written_by``) that it is a megatron-lite output, listing its
     files, so that a later ``--overwrite`` may replace it. For outputs without a manifest (HF exports)."""
     directory = Path(directory)
-    document = {"format": MARKER_FORMAT, "written_by": written_by, "written_at": time.time(),
-                "files": [name for name in _files_under(directory) if name != OUTPUT_MARKER]}
+    document = {
+        "format": MARKER_FORMAT,
+        "written_by": written_by,
+        "written_at": time.time(),
+        "files": [name for name in _files_under(directory) if name != OUTPUT_MARKER],
+    }
     tmp = directory / f".{OUTPUT_MARKER}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, directory / OUTPUT_MARKER)

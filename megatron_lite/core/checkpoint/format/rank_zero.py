@@ -3,6 +3,7 @@
 A step that fails on rank 0 (a refused metadata value, a path that is not a checkpoint) must fail on every
 rank with the same message; otherwise the other ranks would wait for rank 0 in the next collective.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, TypeVar

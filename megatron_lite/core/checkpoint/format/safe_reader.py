@@ -8,6 +8,7 @@ up in a fixed table -- nothing named by the file is imported), and :class:`SafeL
 non-tensor entries with ``weights_only=True``. Tensor data is already read by torch with
 ``weights_only=True``. Every DCP read in megatron-lite goes through both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
 from megatron_lite.core.checkpoint.errors import UnsafeCheckpointError
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
@@ -41,9 +43,19 @@ def _layout_by_name(name: str) -> torch.layout:
 # torch/distributed/checkpoint/metadata.py and by listing the globals of checkpoints we write
 # (TP DTensor shards, plain and ZeRO-1 optimizer state, fp32 and bf16).
 _ALLOWED: dict[tuple[str, str], Any] = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _layout_by_name,
@@ -66,7 +78,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise UnsafeCheckpointError(
                 f"{self.source} refers to {module}.{name}, which a DCP checkpoint's metadata never holds; "
                 f"megatron-lite does not unpickle it (a crafted checkpoint could run code that way). Only load "
-                f"checkpoints written by torch.distributed.checkpoint.")
+                f"checkpoints written by torch.distributed.checkpoint."
+            )
         return _ALLOWED[(module, name)]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -98,8 +111,9 @@ def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     except FileNotFoundError:
         raise
     except Exception as error:  # a truncated or garbled file: pickle raises many types
-        raise UnsafeCheckpointError(f"{source} cannot be read as DCP metadata ({type(error).__name__}: {error}); "
-                                    f"the file is damaged") from None
+        raise UnsafeCheckpointError(
+            f"{source} cannot be read as DCP metadata ({type(error).__name__}: {error}); the file is damaged"
+        ) from None
     _check_metadata(metadata, source)
     return metadata
 
@@ -118,8 +132,9 @@ def _check_metadata(metadata: Any, source: str) -> None:
             raise UnsafeCheckpointError(f"{source}: the storage entry of {index} is a {type(info).__name__}")
         # DCP writes flat files: a path that leaves the checkpoint directory is crafted
         if not is_file_name(info.relative_path):
-            raise UnsafeCheckpointError(f"{source}: storage file {info.relative_path!r} is not a file name inside "
-                                        f"the checkpoint directory")
+            raise UnsafeCheckpointError(
+                f"{source}: storage file {info.relative_path!r} is not a file name inside the checkpoint directory"
+            )
 
 
 def storage_files(metadata: dcp_metadata.Metadata) -> set[str]:
@@ -182,7 +197,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 unsafe = ""
             raise UnsafeCheckpointError(
                 f"checkpoint entry {fqn!r} holds objects outside plain data ({unsafe or 'not a torch.save archive'}); "
-                f"megatron-lite does not unpickle them.") from None
+                f"megatron-lite does not unpickle them."
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:

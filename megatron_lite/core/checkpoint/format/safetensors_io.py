@@ -8,6 +8,7 @@ without depending on it: the core must work from a bare install. Reading validat
 that package does (the same files are accepted, the same refused), with a message naming the file and
 the problem.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,24 +21,55 @@ from typing import BinaryIO, Collection, NamedTuple, Optional
 import torch
 
 _DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",  # FP8: quantized exports
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",  # FP8: quantized exports
 }
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 # Every dtype the format knows, with its size in bits (the safetensors library's ``Dtype::bitsize``): a header
 # naming another is malformed; one we cannot hold as a torch tensor is refused when read.
-_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-         "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
-         "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
 # The header length is a u64; the format caps the header at 100 MB against hostile files.
 _MAX_HEADER = 100_000_000
 _U64 = 2**64  # sizes and offsets are u64 (usize) in the format
 _MAX_DIM = 2**63 - 1  # torch's sizes are i64
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
-                     metadata: Optional[dict[str, str]] = None) -> None:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[dict[str, str]] = None
+) -> None:
     """Write ``tensors`` (CPU or not; copied to CPU) to ``path`` in the safetensors format, atomically
     (a temporary sibling renamed into place)."""
     if sys.byteorder != "little":
@@ -54,12 +86,17 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
     for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
         tensor = tensors[name]
         if tensor.dtype not in _DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store here; "
-                            f"convert it to one of {sorted(_BY_NAME)}")
+            raise TypeError(
+                f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store here; "
+                f"convert it to one of {sorted(_BY_NAME)}"
+            )
         data = tensor.detach().to("cpu").contiguous()
         blob = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-        header[name] = {"dtype": _DTYPES[data.dtype], "shape": list(data.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": _DTYPES[data.dtype],
+            "shape": list(data.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         blobs.append(blob)
         offset += len(blob)
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -86,8 +123,15 @@ class _Entry(NamedTuple):
 
 
 def _json_kind(value: object) -> str:
-    kinds = {dict: "a JSON object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
+    kinds = {
+        dict: "a JSON object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return kinds.get(type(value), type(value).__name__)
 
 
@@ -106,6 +150,7 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[dict[str, _E
     null or str -> str; each tensor a known dtype, a shape of sizes and a pair of offsets; the tensors' data back
     to back from byte 0 in offset order (no gap, no overlap), each exactly its shape's bytes, together exactly
     the rest of the file."""
+
     def bad(problem: str) -> ValueError:
         return ValueError(f"{path} is not a valid safetensors file: {problem}")
 
@@ -117,7 +162,7 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[dict[str, _E
     if 8 + length > file_size:
         raise bad(f"its header length {length} runs past the end of the file ({file_size} bytes)")
     try:
-        text = head[8:8 + length].decode("utf-8")
+        text = head[8 : 8 + length].decode("utf-8")
     except UnicodeDecodeError as error:
         raise bad(f"its header is not UTF-8 ({error})") from None
     try:
@@ -154,9 +199,11 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[dict[str, _E
     expected = 0
     for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin != expected or entry.end < entry.begin:
-            raise bad(f"tensor {name!r} has data_offsets [{entry.begin}, {entry.end}] but its data must begin at byte "
-                      f"{expected} (the tensors' data lie back to back from byte 0, in offset order, without gaps or "
-                      f"overlaps)")
+            raise bad(
+                f"tensor {name!r} has data_offsets [{entry.begin}, {entry.end}] but its data must begin at byte "
+                f"{expected} (the tensors' data lie back to back from byte 0, in offset order, without gaps or "
+                f"overlaps)"
+            )
         expected = entry.end
         elements = 1
         for size in entry.shape:
@@ -169,11 +216,15 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[dict[str, _E
         if bits % 8:
             raise bad(f"tensor {name!r}: {entry.dtype} of shape {list(entry.shape)} does not end on a byte boundary")
         if entry.end - entry.begin != bits // 8:
-            raise bad(f"tensor {name!r}: {entry.dtype} of shape {list(entry.shape)} is {bits // 8} bytes but its "
-                      f"data_offsets [{entry.begin}, {entry.end}] hold {entry.end - entry.begin}")
+            raise bad(
+                f"tensor {name!r}: {entry.dtype} of shape {list(entry.shape)} is {bits // 8} bytes but its "
+                f"data_offsets [{entry.begin}, {entry.end}] hold {entry.end - entry.begin}"
+            )
     if 8 + length + expected != file_size:
-        raise bad(f"the tensors' data take {expected} bytes but the file holds {file_size - 8 - length} after its "
-                  f"header (truncated, or bytes appended)")
+        raise bad(
+            f"the tensors' data take {expected} bytes but the file holds {file_size - 8 - length} after its "
+            f"header (truncated, or bytes appended)"
+        )
     return entries, metadata, length
 
 
@@ -194,8 +245,9 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, tuple[st
     return {name: (entry.dtype, entry.shape) for name, entry in entries.items()}, metadata
 
 
-def load_safetensors(path: str | os.PathLike, names: Optional[Collection[str]] = None
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_safetensors(
+    path: str | os.PathLike, names: Optional[Collection[str]] = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file, whose header is validated as the ``safetensors`` library
     validates it; only the tensors in ``names`` (those the file has) if given."""
     path = Path(path)
@@ -207,8 +259,10 @@ def load_safetensors(path: str | os.PathLike, names: Optional[Collection[str]] =
                 continue
             dtype = _BY_NAME.get(entry.dtype)
             if dtype is None:
-                raise ValueError(f"{path}: tensor {name!r} has dtype {entry.dtype!r}, which megatron-lite does not "
-                                 f"read (it reads {', '.join(sorted(_BY_NAME))})")
+                raise ValueError(
+                    f"{path}: tensor {name!r} has dtype {entry.dtype!r}, which megatron-lite does not "
+                    f"read (it reads {', '.join(sorted(_BY_NAME))})"
+                )
             if any(size > _MAX_DIM for size in entry.shape):
                 raise ValueError(f"{path}: tensor {name!r} has shape {list(entry.shape)}, larger than torch can hold")
             if entry.end == entry.begin:

@@ -6,6 +6,7 @@ writing and checked before reading (``integrity``), the atomic commit and recove
 DCP reads that never unpickle (``safe_reader``). The state dicts they write are built from a live run by
 :mod:`megatron_lite.core.checkpoint.state`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,13 +79,18 @@ def _resolve(path: Path) -> Path:
         return path
     if not os.path.lexists(path):
         leftovers = incomplete_leftovers(path)
-        hint = (f" Only the unfinished save(s) {', '.join(p.name for p in leftovers)} are there: the save was killed "
-                f"before it finished, so load an earlier checkpoint." if leftovers else "")
+        hint = (
+            f" Only the unfinished save(s) {', '.join(p.name for p in leftovers)} are there: the save was killed "
+            f"before it finished, so load an earlier checkpoint."
+            if leftovers
+            else ""
+        )
         raise FileNotFoundError(f"no checkpoint at {path}.{hint}")
     what = "a file" if path.is_file() else "a directory without DCP .metadata"
     raise FileNotFoundError(
         f"{path} is {what}, not a megatron-lite checkpoint; pass the directory that trainer.save_checkpoint() or "
-        f"ModelCheckpoint wrote (it holds .metadata, *.distcp, meta.json and manifest.json).")
+        f"ModelCheckpoint wrote (it holds .metadata, *.distcp, meta.json and manifest.json)."
+    )
 
 
 def checkpoint_keys(path: str | os.PathLike) -> set[str]:
@@ -92,9 +98,14 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
     return set(read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata.keys())
 
 
-def save_sharded(state: dict[str, Any], path: str | os.PathLike, extra: Optional[dict] = None,
-                 allowed: Sequence[type] = (), in_flight: Sequence[str | os.PathLike] = (),
-                 latest: bool = False) -> Path:
+def save_sharded(
+    state: dict[str, Any],
+    path: str | os.PathLike,
+    extra: Optional[dict] = None,
+    allowed: Sequence[type] = (),
+    in_flight: Sequence[str | os.PathLike] = (),
+    latest: bool = False,
+) -> Path:
     """Write ``state`` with DCP and ``extra`` (the non-tensor part: loops, schedulers, hyperparameters) as
     ``meta.json`` under ``path``, atomically; collective when a process group exists.
 
@@ -145,8 +156,13 @@ class SaveTarget:
     """The :data:`EMBEDDED_FILES` copied into :attr:`tmp` (rank 0), for the manifest."""
 
 
-def begin_save(path: str | os.PathLike, extra: Optional[dict] = None, allowed: Sequence[type] = (),
-               in_flight: Sequence[str | os.PathLike] = (), latest: bool = False) -> SaveTarget:
+def begin_save(
+    path: str | os.PathLike,
+    extra: Optional[dict] = None,
+    allowed: Sequence[type] = (),
+    in_flight: Sequence[str | os.PathLike] = (),
+    latest: bool = False,
+) -> SaveTarget:
     """Encode ``extra`` (refused before a byte is written), clean up leftovers and create the temporary
     directory (rank 0); collective. ``latest``: record the checkpoint as its directory's latest once committed."""
     path = Path(path)
@@ -182,8 +198,9 @@ def _embedded_names(files: Any) -> dict[str, str]:
     return {name: os.fspath(source) for name, source in files.items()}
 
 
-def _begin_save(path: Path, in_flight: Sequence[str | os.PathLike],
-                files: dict[str, str]) -> tuple[str, dict[str, FileRecord]]:
+def _begin_save(
+    path: Path, in_flight: Sequence[str | os.PathLike], files: dict[str, str]
+) -> tuple[str, dict[str, FileRecord]]:
     missing = [source for source in files.values() if not os.path.isfile(source)]
     if missing:  # before a byte is written
         raise FileNotFoundError(f"{missing[0]}, a file the checkpoint {path} is to carry, does not exist")
@@ -216,8 +233,9 @@ def _finish_save(target: SaveTarget, records: dict[str, FileRecord]) -> None:
         record_latest(target.path, target.step)
 
 
-def load_sharded(state: dict[str, Any], path: str | os.PathLike, allowed: Sequence[type] = (),
-                 verify: bool = True) -> dict:
+def load_sharded(
+    state: dict[str, Any], path: str | os.PathLike, allowed: Sequence[type] = (), verify: bool = True
+) -> dict:
     """Load ``state`` in place from a checkpoint written by :func:`save_sharded`; returns ``extra``.
 
     The path is resolved (:func:`resolve_checkpoint`) and every file checked against the manifest first
@@ -266,4 +284,5 @@ def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) 
             f"{legacy} holds objects of types outside what a checkpoint may contain ({', '.join(unsafe) or error}); "
             f"megatron-lite never unpickles arbitrary objects. Keep hyperparameters to configs, numbers and "
             f"strings (or only load checkpoints you wrote yourself after adding their classes with "
-            f"torch.serialization.add_safe_globals).") from None
+            f"torch.serialization.add_safe_globals)."
+        ) from None

@@ -5,6 +5,7 @@ every tensor under the model's prefix at its saved (global, layout-independent) 
 wrote it. The two functions here are the only places that know how a checkpoint stores them, so a change of
 the checkpoint format is one edit.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,20 +36,25 @@ def is_checkpoint_directory(path: str | os.PathLike) -> bool:
 
 def _require(path: Path) -> None:
     if not is_checkpoint_directory(path):
-        raise FileNotFoundError(f"{path} is not a megatron-lite checkpoint directory (no DCP .metadata inside); pass "
-                                f"the directory that trainer.save_checkpoint(), ModelCheckpoint or "
-                                f"`megatron-lite convert --from hf` wrote")
+        raise FileNotFoundError(
+            f"{path} is not a megatron-lite checkpoint directory (no DCP .metadata inside); pass "
+            f"the directory that trainer.save_checkpoint(), ModelCheckpoint or "
+            f"`megatron-lite convert --from hf` wrote"
+        )
 
 
-def read_checkpoint_hparams(path: str | os.PathLike, allowed: Sequence[type] = (GPTConfig, OptimizerConfig)
-                            ) -> dict[str, Any]:
+def read_checkpoint_hparams(
+    path: str | os.PathLike, allowed: Sequence[type] = (GPTConfig, OptimizerConfig)
+) -> dict[str, Any]:
     """The module's saved hyperparameters (GPTModule: ``config``, ``optimizer``, ``seed``)."""
     path = resolve_checkpoint(path)
     _require(path)
     hparams = read_checkpoint_meta(path, list(allowed)).get(HYPER_PARAMETERS)
     if not isinstance(hparams, dict) or not isinstance(hparams.get("config"), GPTConfig):
-        raise ValueError(f"{path} holds no GPTConfig among its hyperparameters; it was not written by a GPTModule "
-                         f"(build the module yourself and load the checkpoint with ckpt_path=...)")
+        raise ValueError(
+            f"{path} holds no GPTConfig among its hyperparameters; it was not written by a GPTModule "
+            f"(build the module yourself and load the checkpoint with ckpt_path=...)"
+        )
     return hparams
 
 
@@ -61,9 +67,11 @@ def read_model_tensors(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> d
     verify_checkpoint(path)  # every file against its checksum before anything is read
     metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
     key_prefix = "model." + prefix  # the DCP state's "model" entry, then the parameter names
-    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
-             for key, entry in metadata.items()
-             if key.startswith(key_prefix) and isinstance(entry, TensorStorageMetadata)}
+    state = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.items()
+        if key.startswith(key_prefix) and isinstance(entry, TensorStorageMetadata)
+    }
     if not state:
         raise ValueError(f"{path} holds no model tensors (no '{key_prefix}*' entries)")
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
@@ -72,4 +80,4 @@ def read_model_tensors(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> d
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as error:
             raise dcp_error(error, f"reading {path}") from None
-    return {key[len(key_prefix):]: tensor for key, tensor in state.items()}
+    return {key[len(key_prefix) :]: tensor for key, tensor in state.items()}

@@ -18,6 +18,7 @@ of the full tensor. Vocabulary padding depends on the TP size (Megatron pads to 
 with zero rows for the layout at hand. A tensor with more rows than that (padded by someone else) is cut
 to its first ``vocab_size`` rows.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ def holds_distinct_piece(layout: ParallelLayout) -> bool:
 
 
 @torch.no_grad()
-def gather_full_state(module: nn.Module, layout: ParallelLayout,
-                      substitutes: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+def gather_full_state(
+    module: nn.Module, layout: ParallelLayout, substitutes: Optional[dict[str, torch.Tensor]] = None
+) -> Optional[dict[str, torch.Tensor]]:
     """Full global tensors (on the CPU) of ``module``'s parameters and persistent buffers; ``substitutes`` (by
     parameter name, shaped like the parameter's TP-local tensor) are gathered in their parameters' place: the
     fp32 masters of a half-precision model.
@@ -89,8 +91,9 @@ def read_full_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path} is not a megatron-lite full-state file (format {metadata.get('format')!r})")
         for name, tensor in tensors.items():
             if name in state and state[name].shape != tensor.shape:
-                raise ValueError(f"{name} has shape {tuple(state[name].shape)} in one piece and "
-                                 f"{tuple(tensor.shape)} in {path.name}")
+                raise ValueError(
+                    f"{name} has shape {tuple(state[name].shape)} in one piece and {tuple(tensor.shape)} in {path.name}"
+                )
             state.setdefault(name, tensor)
     return state
 
@@ -109,8 +112,9 @@ def _vocab_of(param: torch.Tensor, vocab_size: Optional[int]) -> Optional[int]:
     return shard.unpadded_size if shard is not None and shard.unpadded_size is not None else vocab_size
 
 
-def _adapt_vocab(name: str, full: torch.Tensor, shape: tuple[int, ...],
-                 vocab_size: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _adapt_vocab(
+    name: str, full: torch.Tensor, shape: tuple[int, ...], vocab_size: Optional[int]
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``full`` as a tensor of ``shape``, and a mask of the entries it fixes (None: all of them).
 
     Only a difference in vocabulary padding is bridged: one dimension in which both sizes are at least
@@ -118,10 +122,16 @@ def _adapt_vocab(name: str, full: torch.Tensor, shape: tuple[int, ...],
     if tuple(full.shape) == shape:
         return full, None
     differ = [d for d, (a, b) in enumerate(zip(full.shape, shape)) if a != b]
-    if len(full.shape) != len(shape) or len(differ) != 1 or vocab_size is None or \
-            min(full.shape[differ[0]], shape[differ[0]]) < vocab_size:
-        raise ValueError(f"{name}: the full tensor has shape {tuple(full.shape)}, the model expects {shape}; "
-                         f"the weights belong to a model with another configuration")
+    if (
+        len(full.shape) != len(shape)
+        or len(differ) != 1
+        or vocab_size is None
+        or min(full.shape[differ[0]], shape[differ[0]]) < vocab_size
+    ):
+        raise ValueError(
+            f"{name}: the full tensor has shape {tuple(full.shape)}, the model expects {shape}; "
+            f"the weights belong to a model with another configuration"
+        )
     d = differ[0]
     index = [slice(None)] * len(shape)
     index[d] = slice(0, vocab_size)
@@ -159,8 +169,9 @@ def _shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], *, vocab_size: Optional[int] = None,
-                    strict: bool = True) -> None:
+def load_full_state(
+    module: nn.Module, state: dict[str, torch.Tensor], *, vocab_size: Optional[int] = None, strict: bool = True
+) -> None:
     """Load full global tensors into ``module``, built for any layout (each rank keeps its shard).
 
     With ``strict`` the names of ``state`` must be exactly ``module``'s parameters and persistent buffers
@@ -209,10 +220,16 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
         old_shard: Optional[TPShard] = getattr(old[name], "tp_shard", None)
         new_shard: Optional[TPShard] = getattr(param, "tp_shard", None)
         if is_dtensor(source):
-            if not is_dtensor(param.data) or old_shard != new_shard or source.shape != param.shape \
-                    or source.device_mesh.mesh.tolist() != param.data.device_mesh.mesh.tolist():
-                raise ValueError(f"cannot carry {name} over from an FSDP2-sharded model to another layout in "
-                                 f"place; save a checkpoint and load it with ckpt_path=... instead")
+            if (
+                not is_dtensor(param.data)
+                or old_shard != new_shard
+                or source.shape != param.shape
+                or source.device_mesh.mesh.tolist() != param.data.device_mesh.mesh.tolist()
+            ):
+                raise ValueError(
+                    f"cannot carry {name} over from an FSDP2-sharded model to another layout in "
+                    f"place; save a checkpoint and load it with ckpt_path=... instead"
+                )
             param.data.to_local().copy_(source.to_local())
             continue
         if old_shard is not None and old_shard.size > 1:
@@ -220,7 +237,8 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
                 size, rank = (new_shard.size, new_shard.rank) if new_shard is not None else (1, 0)
                 raise ValueError(
                     f"cannot carry {name} over from tensor-parallel size {old_shard.size} (rank {old_shard.rank}) to "
-                    f"{size} (rank {rank}) in place; save a checkpoint and load it with ckpt_path=... instead")
+                    f"{size} (rank {rank}) in place; save a checkpoint and load it with ckpt_path=... instead"
+                )
             _assign(param, source, None)
             continue
         if old_shard is not None:

@@ -8,6 +8,7 @@ but compute differently from transformers is worse than no model.
 Both config formats are read: transformers 4's ``rope_theta`` / ``rope_scaling`` and transformers 5's
 ``rope_parameters``. Export writes the 4.x keys, which every transformers version since 4.43 (Llama 3.1) reads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,22 +17,50 @@ from typing import Any, Optional
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.models.config import GPTConfig
 
-
 CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # What transformers assumes for a key a config.json leaves out (configs saved as a diff against the defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=2048, tie_word_embeddings=False),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
-                    tie_word_embeddings=False, sliding_window=4096),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768,
-                  tie_word_embeddings=False),
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096 * 32,
+        tie_word_embeddings=False,
+        sliding_window=4096,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
 }
-_COMMON_DEFAULTS = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, mlp_bias=False,
-                        attention_dropout=0.0, initializer_range=0.02)
+_COMMON_DEFAULTS = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    attention_bias=False,
+    mlp_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+)
 # Keys that mean experts (MoE) or quantized weights: neither has a representation here.
 _MOE_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts")
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -54,6 +83,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return float(theta), {}
+
     def need(key: str, default: Any = None) -> Any:
         value = scaling.get(key, default)
         if value is None:
@@ -64,10 +94,14 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         return float(theta), dict(rope_scaling_type="linear", rope_scaling_factor=float(need("factor")))
     if kind == "llama3":
         return float(theta), dict(
-            rope_scaling_type="llama3", rope_scaling_factor=float(need("factor")),
-            rope_low_freq_factor=float(need("low_freq_factor")), rope_high_freq_factor=float(need("high_freq_factor")),
+            rope_scaling_type="llama3",
+            rope_scaling_factor=float(need("factor")),
+            rope_low_freq_factor=float(need("low_freq_factor")),
+            rope_high_freq_factor=float(need("high_freq_factor")),
             rope_original_max_position_embeddings=int(
-                need("original_max_position_embeddings", hf.get("max_position_embeddings"))))
+                need("original_max_position_embeddings", hf.get("max_position_embeddings"))
+            ),
+        )
     raise _refuse(f"rope scaling type {kind!r}", "supported: default, 'linear' and 'llama3'")
 
 
@@ -75,14 +109,20 @@ def _check_architecture(hf: dict[str, Any]) -> str:
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
     if model_type not in CAUSAL_LM:
-        raise _refuse(f"model_type {model_type!r} (architectures {architectures})",
-                      f"megatron-lite imports Llama-architecture models: {sorted(CAUSAL_LM)}")
+        raise _refuse(
+            f"model_type {model_type!r} (architectures {architectures})",
+            f"megatron-lite imports Llama-architecture models: {sorted(CAUSAL_LM)}",
+        )
     other = [a for a in architectures if a != CAUSAL_LM[model_type]]
     if other:
         raise _refuse(f"architectures {other}", f"a {model_type} model is imported as {CAUSAL_LM[model_type]}")
     if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?") if isinstance(hf["quantization_config"], dict) else "?"
-        raise _refuse(f"quantization_config (quant_method {method!r})", "only unquantized bf16/fp16/fp32 weights are read")
+        method = (
+            hf["quantization_config"].get("quant_method", "?") if isinstance(hf["quantization_config"], dict) else "?"
+        )
+        raise _refuse(
+            f"quantization_config (quant_method {method!r})", "only unquantized bf16/fp16/fp32 weights are read"
+        )
     for key in _MOE_KEYS:
         if hf.get(key):
             raise _refuse(f"{key}={hf[key]} (mixture of experts)", "dense models only")
@@ -95,12 +135,16 @@ def _check_attention_window(model_type: str, hf: dict[str, Any]) -> None:
     if model_type == "qwen2" and hf.get("use_sliding_window"):
         raise _refuse("use_sliding_window=true", "attention here always sees the whole causal context")
     if model_type == "mistral" and hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) is not None:
-        raise _refuse(f"sliding_window={hf.get('sliding_window', 4096)} (Mistral's sliding-window attention)",
-                      "attention here always sees the whole causal context; for sequences no longer than the window "
-                      "the result is the same: set \"sliding_window\": null in config.json to import it anyway")
+        raise _refuse(
+            f"sliding_window={hf.get('sliding_window', 4096)} (Mistral's sliding-window attention)",
+            "attention here always sees the whole causal context; for sequences no longer than the window "
+            'the result is the same: set "sliding_window": null in config.json to import it anyway',
+        )
     if sliding_layers:
-        raise _refuse(f"layer_types with {layer_types[sliding_layers[0]]!r} layers {sliding_layers[:4]}",
-                      "every layer uses full causal attention here")
+        raise _refuse(
+            f"layer_types with {layer_types[sliding_layers[0]]!r} layers {sliding_layers[:4]}",
+            "every layer uses full causal attention here",
+        )
 
 
 def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
@@ -118,22 +162,38 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     if model_type == "llama":
         attention_bias, mlp_bias = bool(hf["attention_bias"]), bool(hf["mlp_bias"])
         if attention_bias != mlp_bias:
-            raise _refuse(f"attention_bias={attention_bias} with mlp_bias={mlp_bias}",
-                          "biases are on every linear layer (both true) or on none")
+            raise _refuse(
+                f"attention_bias={attention_bias} with mlp_bias={mlp_bias}",
+                "biases are on every linear layer (both true) or on none",
+            )
         all_bias = attention_bias
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     theta, rope_scaling = _rope(hf)
     fields: dict[str, Any] = dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=head_dim, vocab_size=hf["vocab_size"], seq_length=hf["max_position_embeddings"],
-        max_position_embeddings=hf["max_position_embeddings"], normalization="RMSNorm",
-        layernorm_epsilon=float(hf["rms_norm_eps"]), activation="swiglu", position_embedding_type="rope",
-        rotary_base=theta, rotary_percent=1.0, share_embeddings_and_output_weights=bool(hf["tie_word_embeddings"]),
-        add_bias_linear=all_bias, add_qkv_bias=qkv_bias, hidden_dropout=0.0,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=head_dim,
+        vocab_size=hf["vocab_size"],
+        seq_length=hf["max_position_embeddings"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf["rms_norm_eps"]),
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+        share_embeddings_and_output_weights=bool(hf["tie_word_embeddings"]),
+        add_bias_linear=all_bias,
+        add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
-        init_method_std=float(hf.get("initializer_range") or 0.02), **rope_scaling)
+        init_method_std=float(hf.get("initializer_range") or 0.02),
+        **rope_scaling,
+    )
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -169,16 +229,25 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
         imported = source.get("model_type")
         model_type = imported if imported in ("llama", "mistral") else "llama"
     hf: dict[str, Any] = {
-        "architectures": [CAUSAL_LM[model_type]], "model_type": model_type,
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
-        "head_dim": config.kv_channels, "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": config.layernorm_epsilon,
-        "rope_theta": float(config.rotary_base), "rope_scaling": _rope_scaling_dict(config),
+        "architectures": [CAUSAL_LM[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "rope_theta": float(config.rotary_base),
+        "rope_scaling": _rope_scaling_dict(config),
         "tie_word_embeddings": config.share_embeddings_and_output_weights,
-        "attention_dropout": config.attention_dropout, "initializer_range": config.init_method_std,
-        "use_cache": True, "torch_dtype": dtype,
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "use_cache": True,
+        "torch_dtype": dtype,
     }
     if model_type == "qwen2":
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
@@ -187,8 +256,10 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
     if model_type == "llama":
         hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
     elif config.add_bias_linear:
-        raise UnsupportedHFModel(f"add_bias_linear=True cannot be written as an HF {model_type} model "
-                                 f"(its attention output and MLP have no bias)")
+        raise UnsupportedHFModel(
+            f"add_bias_linear=True cannot be written as an HF {model_type} model "
+            f"(its attention output and MLP have no bias)"
+        )
     for key in _TOKEN_KEYS:
         if key in source:
             hf[key] = source[key]
@@ -201,6 +272,10 @@ def _rope_scaling_dict(config: GPTConfig) -> Optional[dict[str, Any]]:
         return None
     if scaling.kind == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
-    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }

@@ -12,6 +12,7 @@ Writing goes to a temporary sibling directory renamed into place at the end, so 
 leaves a half-written model under the output name. The tokenizer and generation config travel beside the
 weights (:func:`copy_side_files`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,9 +42,18 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # What a model directory carries besides its weights and config: the tokenizer in any of HF's formats, the
 # chat template and the generation defaults (token ids, sampling settings).
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-              "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-              "generation_config.json")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 # Inside one of our checkpoints: the HF files a converted model came with (tokenizer, generation config, and
 # its original config.json, whose token ids and model type an export writes back).
 CHECKPOINT_SIDE_DIR = "hf"
@@ -76,8 +86,10 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The ``config.json`` of an HF model directory, as a dict."""
     path = Path(directory) / CONFIG
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a Hugging Face model directory (no {CONFIG}); pass the "
-                                f"directory that save_pretrained() or a hub download wrote")
+        raise FileNotFoundError(
+            f"{directory} is not a Hugging Face model directory (no {CONFIG}); pass the "
+            f"directory that save_pretrained() or a hub download wrote"
+        )
     return _read_json(path)
 
 
@@ -90,9 +102,11 @@ def _weight_files(directory: Path) -> dict[str, Path]:
             raise ValueError(f"{index} has no weight_map; the index is damaged")
         outside = [file for file in weight_map.values() if not is_file_name(file)]
         if outside:
-            raise ValueError(f"{index} names the shard {outside[0]!r}, which is not a file name inside the model "
-                             f"directory: a model's shards lie beside its index, and no other file is read (the index "
-                             f"is damaged or crafted)")
+            raise ValueError(
+                f"{index} names the shard {outside[0]!r}, which is not a file name inside the model "
+                f"directory: a model's shards lie beside its index, and no other file is read (the index "
+                f"is damaged or crafted)"
+            )
         files = {name: directory / file for name, file in weight_map.items()}
         absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
         if absent:
@@ -103,8 +117,14 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         names, _ = read_safetensors_header(single)
         return {name: single for name in names}
     pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
-    hint = (f" It holds {pickles[:3]}: pickled weights are never loaded (they can run code); save the model with "
-            f"save_pretrained(..., safe_serialization=True) or convert it to safetensors first.") if pickles else ""
+    hint = (
+        (
+            f" It holds {pickles[:3]}: pickled weights are never loaded (they can run code); save the model with "
+            f"save_pretrained(..., safe_serialization=True) or convert it to safetensors first."
+        )
+        if pickles
+        else ""
+    )
     raise FileNotFoundError(f"no {WEIGHTS} or {INDEX} in {directory}; only safetensors weights are read.{hint}")
 
 
@@ -129,8 +149,12 @@ def read_hf_tensors(directory: str | os.PathLike, names: Optional[Collection[str
     return tensors
 
 
-def _tie_rule(config: GPTConfig, directory: str | os.PathLike, overrides: dict[str, Any],
-              tensors: Optional[dict[str, torch.Tensor]] = None) -> GPTConfig:
+def _tie_rule(
+    config: GPTConfig,
+    directory: str | os.PathLike,
+    overrides: dict[str, Any],
+    tensors: Optional[dict[str, torch.Tensor]] = None,
+) -> GPTConfig:
     """``config`` untied when its config.json ties the output layer to the embedding but the files hold an
     ``lm_head.weight`` that is not the embedding: the files win, as in transformers (5.x; 4.x tied them silently).
     An ``lm_head.weight`` equal to the embedding is a copy and stays tied. ``tensors``: the directory's, if read."""
@@ -143,10 +167,13 @@ def _tie_rule(config: GPTConfig, directory: str | os.PathLike, overrides: dict[s
         return config  # a missing embedding is named by the shape check
     if head.shape == embedding.shape and torch.equal(head, embedding.to(head.dtype)):
         return config  # a copy of the embedding
-    log.warning("megatron-lite: %s sets tie_word_embeddings=true, but %s holds an lm_head.weight that is not the "
-                "embedding: loading the two untied, as transformers does. Set tie_word_embeddings to false in "
-                "config.json to silence this, or remove lm_head.weight to tie them.", Path(directory) / CONFIG,
-                directory)
+    log.warning(
+        "megatron-lite: %s sets tie_word_embeddings=true, but %s holds an lm_head.weight that is not the "
+        "embedding: loading the two untied, as transformers does. Set tie_word_embeddings to false in "
+        "config.json to silence this, or remove lm_head.weight to tie them.",
+        Path(directory) / CONFIG,
+        directory,
+    )
     return dataclasses.replace(config, share_embeddings_and_output_weights=False)
 
 
@@ -252,10 +279,17 @@ def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_b
     _write_json(directory / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def save_hf(directory: str | os.PathLike, config: GPTConfig, state: dict[str, torch.Tensor], *,
-            dtype: str = "float32", source_config: Optional[dict[str, Any]] = None,
-            side_files_from: Optional[str | os.PathLike] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-            overwrite: bool = False) -> Path:
+def save_hf(
+    directory: str | os.PathLike,
+    config: GPTConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    dtype: str = "float32",
+    source_config: Optional[dict[str, Any]] = None,
+    side_files_from: Optional[str | os.PathLike] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Write ``state`` (our full state, any vocabulary padding) as an HF model directory: ``config.json``,
     ``model.safetensors`` (or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``), and the
     tokenizer / generation config files found in ``side_files_from``. ``source_config`` (the config.json the

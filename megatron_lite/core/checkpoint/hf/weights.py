@@ -10,6 +10,7 @@ The layouts that differ:
   (:func:`fit_vocab_rows` is the one place that bridges the two).
 RoPE needs no permutation: HF's Llama rotates non-interleaved halves of each head, as we do.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -41,17 +42,29 @@ def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
     q, kv = config.num_attention_heads * d, groups * d
     p = f"model.layers.{i}."
     shapes = {
-        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-        p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "mlp.gate_proj.weight": (f, h),
+        p + "mlp.up_proj.weight": (f, h),
+        p + "mlp.down_proj.weight": (h, f),
     }
     if config.add_bias_linear or config.add_qkv_bias:
-        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)})
+        shapes.update(
+            {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        )
     if config.add_bias_linear:
-        shapes.update({p + "self_attn.o_proj.bias": (h,), p + "mlp.gate_proj.bias": (f,), p + "mlp.up_proj.bias": (f,),
-                       p + "mlp.down_proj.bias": (h,)})
+        shapes.update(
+            {
+                p + "self_attn.o_proj.bias": (h,),
+                p + "mlp.gate_proj.bias": (f,),
+                p + "mlp.up_proj.bias": (f,),
+                p + "mlp.down_proj.bias": (h,),
+            }
+        )
     return shapes
 
 
@@ -76,34 +89,47 @@ def check_hf_shapes(saved: Mapping[str, tuple[int, ...]], config: GPTConfig) -> 
     raise_shape_mismatch(saved, expected, "the HF checkpoint", "its config")
 
 
-def raise_shape_mismatch(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
-                         source: str, target: str, vocab_size: int | None = None) -> None:
+def raise_shape_mismatch(
+    saved: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str,
+    target: str,
+    vocab_size: int | None = None,
+) -> None:
     """Raise one ValueError listing every parameter whose ``saved`` shape differs from the ``expected`` one
     (saved vs expected), and the missing and unexpected names. With ``vocab_size``, a difference in
     vocabulary padding alone (one dimension, both sizes >= vocab_size) is not a difference."""
+
     def differs(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
         if a == b:
             return False
         diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-        return not (vocab_size is not None and len(a) == len(b) and len(diff) == 1
-                    and min(a[diff[0]], b[diff[0]]) >= vocab_size)
+        return not (
+            vocab_size is not None and len(a) == len(b) and len(diff) == 1 and min(a[diff[0]], b[diff[0]]) >= vocab_size
+        )
 
-    wrong = [f"{name}: saved {tuple(saved[name])}, expected {tuple(shape)}"
-             for name, shape in expected.items() if name in saved and differs(tuple(saved[name]), tuple(shape))]
+    wrong = [
+        f"{name}: saved {tuple(saved[name])}, expected {tuple(shape)}"
+        for name, shape in expected.items()
+        if name in saved and differs(tuple(saved[name]), tuple(shape))
+    ]
     missing = [name for name in expected if name not in saved]
     unexpected = [name for name in saved if name not in expected]
     if not (wrong or missing or unexpected):
         return
     parts = []
     if wrong:
-        parts.append(f"{len(wrong)} parameter(s) of another shape: " + "; ".join(wrong[:8])
-                     + (" ..." if len(wrong) > 8 else ""))
+        parts.append(
+            f"{len(wrong)} parameter(s) of another shape: " + "; ".join(wrong[:8]) + (" ..." if len(wrong) > 8 else "")
+        )
     if missing:
         parts.append(f"missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
         parts.append(f"unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    raise ValueError(f"{source} does not hold a model of the shape {target} describes ({'; '.join(parts)}); "
-                     f"load it with the configuration it was saved with.")
+    raise ValueError(
+        f"{source} does not hold a model of the shape {target} describes ({'; '.join(parts)}); "
+        f"load it with the configuration it was saved with."
+    )
 
 
 def _query_groups(config: GPTConfig) -> tuple[int, int, int]:
@@ -116,8 +142,9 @@ def _query_groups(config: GPTConfig) -> tuple[int, int, int]:
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     groups, per_group, d = _query_groups(config)
     rest = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest),
-                       v.reshape(groups, d, *rest)], dim=1)
+    fused = torch.cat(
+        [q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1
+    )
     return fused.reshape(groups * (per_group + 2) * d, *rest)
 
 
@@ -144,8 +171,10 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
     """Our full state (GPTModel names, exactly ``vocab_size`` vocabulary rows, the HF dtype) from HF tensors
     whose shapes :func:`check_hf_shapes` accepted."""
     source = _Tensors(tensors, "the HF checkpoint")
-    state = {"embedding.weight": source["model.embed_tokens.weight"],
-             "final_layernorm.weight": source["model.norm.weight"]}
+    state = {
+        "embedding.weight": source["model.embed_tokens.weight"],
+        "final_layernorm.weight": source["model.norm.weight"],
+    }
     if not config.share_embeddings_and_output_weights:
         state["output_layer.weight"] = source["lm_head.weight"]
     for i in range(config.num_layers):
@@ -156,12 +185,13 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
         for kind in kinds:
             state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"],
-                config)
-        for kind in (["weight", "bias"] if config.add_bias_linear else ["weight"]):
+                source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"], config
+            )
+        for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
             state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
             state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
-                [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0)
+                [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0
+            )
             state[f"{ours}mlp.linear_fc2.{kind}"] = source[f"{mlp}down_proj.{kind}"]
     return state
 
@@ -171,8 +201,10 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
     ``[2, f, h]`` as our checkpoints store it)."""
     source = _Tensors(state, "the model state")
     v = config.vocab_size
-    out = {"model.embed_tokens.weight": fit_vocab_rows(source["embedding.weight"], v),
-           "model.norm.weight": source["final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": fit_vocab_rows(source["embedding.weight"], v),
+        "model.norm.weight": source["final_layernorm.weight"],
+    }
     if not config.share_embeddings_and_output_weights:
         out["lm_head.weight"] = fit_vocab_rows(source["output_layer.weight"], v)
     for i in range(config.num_layers):
@@ -184,7 +216,7 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
         for kind in kinds:
             q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)
             out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
-        for kind in (["weight", "bias"] if config.add_bias_linear else ["weight"]):
+        for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
             out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
             fc1 = source[f"{ours}mlp.linear_fc1.{kind}"]
             rest = (config.hidden_size,) if kind == "weight" else ()

@@ -19,6 +19,7 @@ any process group exists:
   the ranks then check them together (:func:`verify_checkpoint` shares the files out), and the first
   that passes is the choice on every rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -119,8 +120,12 @@ def unfinished_checkpoints(directories: Iterable[str | os.PathLike]) -> list[Ski
         for path, match in siblings_in(directory):
             restorable = match["kind"] in ("tmp", "old") and not os.path.lexists(directory / match["name"])
             if match["kind"] == "tmp" and not (restorable and finished(path)) and _looks_like_checkpoint(path):
-                skipped.append(Skipped(str(path), f"a save of {match['name']} that was killed before it was "
-                                                  f"committed ({_why_unfinished(path)})"))
+                skipped.append(
+                    Skipped(
+                        str(path),
+                        f"a save of {match['name']} that was killed before it was committed ({_why_unfinished(path)})",
+                    )
+                )
     return skipped
 
 

@@ -11,6 +11,7 @@ Before the ranks exist the launching process can compare the checkpoint's key li
 read) with the module's model as built for one process on the meta device (:func:`certain_mismatch`); the
 ranks compare the exact sets once objective extensions have added their sub-modules.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,7 +87,7 @@ def checkpoint_model_entries(path: str | os.PathLike, keys: Optional[set[str]] =
     metadata alone (``keys``: its flattened keys, if read already)."""
     prefix = MODEL_STATE + "."
     keys = keys if keys is not None else checkpoint_keys(path)
-    return {key[len(prefix):] for key in keys if key.startswith(prefix)}
+    return {key[len(prefix) :] for key in keys if key.startswith(prefix)}
 
 
 def certain_mismatch(module: nn.Module, mismatch: EntryMismatch) -> EntryMismatch:
@@ -156,4 +157,5 @@ def refuse_quantized_into_plain(module: nn.Module, path: str | os.PathLike, keys
         raise ValueError(
             f"the checkpoint {path} holds a quantized model, but the module's model is not quantized: its quantizers "
             f"would be dropped. Add megatron_lite.callbacks.Quantize(<its config>, when='fit_start') to the Trainer "
-            f"(the quantizers are rebuilt before the checkpoint loads), or load it with GPTModule.from_pretrained.")
+            f"(the quantizers are rebuilt before the checkpoint loads), or load it with GPTModule.from_pretrained."
+        )

@@ -12,6 +12,7 @@ the same. Then the states are not restored but re-derived from the seeds (:func:
 mixed with the step so a resumed run does not replay the dropout masks of step 0 (Megatron ignores the
 RNG state after a (TP, PP) change and keeps its seeded one; we do the same for every dimension).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,21 @@ _PREFIX = "rng_rank"
 _LAYOUT = "layout"
 # The fingerprint's entries, in order: the sizes that decide which stream a rank draws from, then the
 # rank's coordinates in them. A new entry goes at the end (older checkpoints then simply differ).
-FINGERPRINT_FIELDS = ("world_size", "tp", "pp", "vpp", "dp", "cp", "ep", "sequence_parallel",
-                      "tp_rank", "pp_rank", "dp_rank", "cp_rank", "ep_rank")
+FINGERPRINT_FIELDS = (
+    "world_size",
+    "tp",
+    "pp",
+    "vpp",
+    "dp",
+    "cp",
+    "ep",
+    "sequence_parallel",
+    "tp_rank",
+    "pp_rank",
+    "dp_rank",
+    "cp_rank",
+    "ep_rank",
+)
 
 
 def layout_fingerprint(layout: ParallelLayout) -> torch.Tensor:
@@ -39,11 +53,19 @@ def layout_fingerprint(layout: ParallelLayout) -> torch.Tensor:
     streams stand for the same thing."""
     config = layout.config
     values = {
-        "world_size": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size,
-        "vpp": config.virtual_pipeline_model_parallel_size, "dp": layout.dp_size, "cp": layout.cp_size,
-        "ep": layout.ep_size, "sequence_parallel": int(layout.sequence_parallel),
-        "tp_rank": layout.tp_rank, "pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank,
-        "cp_rank": layout.cp_rank, "ep_rank": layout.coords.get("ep", 0),
+        "world_size": layout.world_size,
+        "tp": layout.tp_size,
+        "pp": layout.pp_size,
+        "vpp": config.virtual_pipeline_model_parallel_size,
+        "dp": layout.dp_size,
+        "cp": layout.cp_size,
+        "ep": layout.ep_size,
+        "sequence_parallel": int(layout.sequence_parallel),
+        "tp_rank": layout.tp_rank,
+        "pp_rank": layout.pp_rank,
+        "dp_rank": layout.dp_rank,
+        "cp_rank": layout.cp_rank,
+        "ep_rank": layout.coords.get("ep", 0),
     }
     return torch.tensor([values[f] for f in FINGERPRINT_FIELDS], dtype=torch.int64)
 
@@ -61,8 +83,11 @@ def rng_placeholders(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
     """Empty tensors for every RNG entry this rank saved in the checkpoint at ``path`` (to load into)."""
     metadata = read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata
     prefix = f"{_PREFIX}{rank}."
-    return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in metadata.items() if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    return {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
 
 
 def layout_mismatch(loaded: dict[str, torch.Tensor], layout: ParallelLayout, rank: int) -> Optional[str]:
@@ -87,21 +112,23 @@ def saved_cpu_generator_state(loaded: dict[str, torch.Tensor], rank: int) -> Opt
     return loaded.get(f"{_PREFIX}{rank}.torch")
 
 
-def restore_rng_state(module: nn.Module, loaded: dict[str, torch.Tensor], rank: int,
-                      cpu_generator: bool = True) -> None:
+def restore_rng_state(
+    module: nn.Module, loaded: dict[str, torch.Tensor], rank: int, cpu_generator: bool = True
+) -> None:
     """Put states loaded into :func:`rng_placeholders` back into the generators and streams (the caller
     checked :func:`layout_mismatch` first). ``cpu_generator=False`` leaves the global CPU generator to the
     caller (see :func:`saved_cpu_generator_state`)."""
     prefix = f"{_PREFIX}{rank}."
-    restore_model_rng_state(module, {name[len(prefix):]: value for name, value in loaded.items()
-                                     if name.startswith(prefix)}, cpu_generator)
+    restore_model_rng_state(
+        module, {name[len(prefix) :]: value for name, value in loaded.items() if name.startswith(prefix)}, cpu_generator
+    )
 
 
 def derived_seed(seed: int, step: int) -> int:
     """A seed for ``step`` of a run seeded ``seed``: a hash of both (a sum would collide across streams
     whose seeds differ by small offsets, as Megatron's do), kept below 2**63."""
     digest = hashlib.sha256(f"megatron-lite-rng:{int(seed)}:{int(step)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def derived_cpu_generator_state(step: int) -> torch.Tensor:
@@ -120,5 +147,8 @@ def rederive_rng_state(module: nn.Module, step: int, cpu_generator: bool = True)
         torch.cuda.manual_seed(derived_seed(torch.cuda.initial_seed(), step))
     for tracker in rng_trackers(module).values():
         devices = {d for (_, d) in tracker.states} | {"cpu"}
-        tracker.states = {(name, device): torch.Generator(device=device).manual_seed(
-            derived_seed(seed, step)).get_state() for name, seed in tracker.seeds.items() for device in devices}
+        tracker.states = {
+            (name, device): torch.Generator(device=device).manual_seed(derived_seed(seed, step)).get_state()
+            for name, seed in tracker.seeds.items()
+            for device in devices
+        }

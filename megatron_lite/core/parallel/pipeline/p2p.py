@@ -10,6 +10,7 @@ need not know each other's activation shapes; later ones in the step have the sa
 microbatches of a step do), which lets the receiver post them ahead. A backward transfer has the
 shape of the activation it answers, which the receiver holds.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -52,12 +53,14 @@ class PipelineP2P:
             if known is None:
                 header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
                 header[0], header[1] = tensor.ndim, DTYPES.index(tensor.dtype)
-                header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
+                header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
                 self._isend(header.to(self.device), self.next_rank, self.forward_group, to_virtual_stage)
                 self._sent_shapes[to_virtual_stage] = meta
             elif known != meta:
-                raise ValueError(f"pipeline activations changed shape within a step ({known} then {meta}): every "
-                                 f"microbatch of a step must have the same shape")
+                raise ValueError(
+                    f"pipeline activations changed shape within a step ({known} then {meta}): every "
+                    f"microbatch of a step must have the same shape"
+                )
             self._isend(tensor, self.next_rank, self.forward_group, to_virtual_stage)
 
     def forward_shape_known(self, virtual_stage: int) -> bool:
@@ -80,7 +83,7 @@ class PipelineP2P:
                 dist.recv(header, self.prev_rank, group=self.forward_group, tag=virtual_stage)
                 header = header.cpu()
                 ndim = int(header[0])
-                self._recv_shapes[virtual_stage] = (tuple(header[2:2 + ndim].tolist()), DTYPES[int(header[1])])
+                self._recv_shapes[virtual_stage] = (tuple(header[2 : 2 + ndim].tolist()), DTYPES[int(header[1])])
             return self.post_forward(virtual_stage).wait()
 
     def send_backward(self, grad: torch.Tensor, to_virtual_stage: int) -> None:
@@ -93,8 +96,9 @@ class PipelineP2P:
         out = torch.empty_like(like, memory_format=torch.contiguous_format)
         return PostedRecv(dist.irecv(out, self.next_rank, group=self.backward_group, tag=virtual_stage), out)
 
-    def recv_backward(self, virtual_stage: int, like: torch.Tensor,
-                      posted: Optional["PostedRecv"] = None) -> torch.Tensor:
+    def recv_backward(
+        self, virtual_stage: int, like: torch.Tensor, posted: Optional["PostedRecv"] = None
+    ) -> torch.Tensor:
         """The gradient of ``like`` (this stage's output) from the next stage (blocks)."""
         with timed(self.timers, "backward-recv", log_level=2):
             return (posted or self.post_backward(virtual_stage, like)).wait()

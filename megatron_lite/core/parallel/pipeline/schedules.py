@@ -14,6 +14,7 @@ one (so the transfer overlaps the compute, as Megatron's batched send/receive pa
 a receive only when the data is needed; in a valid order (each of these is) every receive's send is
 eventually posted, so it cannot deadlock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,10 @@ def interleaved_order(num_microbatches: int, pp_size: int, pp_rank: int, num_chu
     """
     P, V, M = pp_size, num_chunks, num_microbatches
     if M % P:
-        raise ValueError(f"the interleaved schedule needs the number of microbatches ({M}) to be a multiple of "
-                         f"pipeline_model_parallel_size ({P})")
+        raise ValueError(
+            f"the interleaved schedule needs the number of microbatches ({M}) to be a multiple of "
+            f"pipeline_model_parallel_size ({P})"
+        )
     total = M * V
     if M == P:
         warmup = total  # Megatron: with one group all forwards run first
@@ -75,8 +78,9 @@ def interleaved_order(num_microbatches: int, pp_size: int, pp_rank: int, num_chu
     return order
 
 
-def schedule_order(schedule: str, num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int,
-                   forward_only: bool = False) -> list[Action]:
+def schedule_order(
+    schedule: str, num_microbatches: int, pp_size: int, pp_rank: int, num_chunks: int, forward_only: bool = False
+) -> list[Action]:
     """The action order of ``schedule`` on pipeline rank ``pp_rank``. Forward-only (evaluation,
     prediction) runs every microbatch through this rank's chunks in turn, for any microbatch count."""
     if forward_only:
@@ -144,11 +148,20 @@ class PipelineResult:
     events: list = field(default_factory=list)
 
 
-def run_pipeline(order: Sequence[Action], parts: Sequence[StagePart], microbatches: Sequence[dict],
-                 forward_step: ForwardStep, loss_step: Optional[LossStep], p2p: PipelineP2P,
-                 device: torch.device, forward_only: bool = False, backward_scale: float = 1.0,
-                 no_sync: Optional[Callable[[], ContextManager]] = None, keep_outputs: bool = False,
-                 record_events: bool = False) -> PipelineResult:
+def run_pipeline(
+    order: Sequence[Action],
+    parts: Sequence[StagePart],
+    microbatches: Sequence[dict],
+    forward_step: ForwardStep,
+    loss_step: Optional[LossStep],
+    p2p: PipelineP2P,
+    device: torch.device,
+    forward_only: bool = False,
+    backward_scale: float = 1.0,
+    no_sync: Optional[Callable[[], ContextManager]] = None,
+    keep_outputs: bool = False,
+    record_events: bool = False,
+) -> PipelineResult:
     """Run ``order`` on this rank.
 
     The last stage turns each microbatch's output into (summed loss, token count[, report]) with

@@ -16,6 +16,7 @@ Every rank's events are in one picture only when the ranks share a clock (one ma
 sync by NTP to well under a microbatch). With several pipelines (data, tensor or context parallel
 replicas), the one of data/tensor/context rank 0 is read.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,11 @@ class TimelineError(ValueError):
 
 
 def _how_to_record() -> str:
-    return ("record them with Trainer(callbacks=[megatron_lite.callbacks.PipelineTimeline()]) under "
-            "MegatronStrategy(pipeline_model_parallel_size > 1); the events land in <log_dir>/pipeline_events "
-            "(or PipelineTimeline(dirpath=...))")
+    return (
+        "record them with Trainer(callbacks=[megatron_lite.callbacks.PipelineTimeline()]) under "
+        "MegatronStrategy(pipeline_model_parallel_size > 1); the events land in <log_dir>/pipeline_events "
+        "(or PipelineTimeline(dirpath=...))"
+    )
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -61,14 +64,19 @@ class StepTimeline:
 def find_events_dir(run_dir: Path) -> Path:
     """``run_dir/pipeline_events``, ``run_dir`` itself if it is one, or the newest one below ``run_dir``."""
     if not run_dir.is_dir():
-        raise TimelineError(f"run directory {run_dir} does not exist; pass the directory the run logged into "
-                            f"(the Trainer's log_dir) or PipelineTimeline's dirpath")
+        raise TimelineError(
+            f"run directory {run_dir} does not exist; pass the directory the run logged into "
+            f"(the Trainer's log_dir) or PipelineTimeline's dirpath"
+        )
     if run_dir.name == EVENTS_DIR:
         return run_dir
     if (run_dir / EVENTS_DIR).is_dir():
         return run_dir / EVENTS_DIR
-    found = sorted((p for p in run_dir.rglob(EVENTS_DIR) if p.is_dir() and any(p.glob("rank*.jsonl"))),
-                   key=lambda p: max(f.stat().st_mtime for f in p.glob("rank*.jsonl")), reverse=True)
+    found = sorted(
+        (p for p in run_dir.rglob(EVENTS_DIR) if p.is_dir() and any(p.glob("rank*.jsonl"))),
+        key=lambda p: max(f.stat().st_mtime for f in p.glob("rank*.jsonl")),
+        reverse=True,
+    )
     if not found:
         raise TimelineError(f"no pipeline events under {run_dir} (no {EVENTS_DIR}/rank<R>.jsonl); {_how_to_record()}")
     return found[0]
@@ -97,10 +105,17 @@ def load_steps(events_dir: Path) -> dict[tuple[float, int], StepTimeline]:
                 if not _in_replica(record):
                     continue
                 key = (record["run"], record["step"])
-                timeline = steps.setdefault(key, StepTimeline(
-                    step=record["step"], run=record["run"], schedule=record["schedule"], pp_size=record["pp_size"],
-                    virtual_pipeline_size=record["virtual_pipeline_size"],
-                    num_microbatches=record["num_microbatches"]))
+                timeline = steps.setdefault(
+                    key,
+                    StepTimeline(
+                        step=record["step"],
+                        run=record["run"],
+                        schedule=record["schedule"],
+                        pp_size=record["pp_size"],
+                        virtual_pipeline_size=record["virtual_pipeline_size"],
+                        num_microbatches=record["num_microbatches"],
+                    ),
+                )
                 pp_rank = record["coords"]["pp"]
                 timeline.stages[pp_rank] = [PipelineEvent(**event) for event in record["events"]]
                 timeline.ranks[pp_rank] = record["rank"]
@@ -119,14 +134,18 @@ def select_step(steps: Mapping[tuple[float, int], StepTimeline], step: Optional[
         runs = [key for key in steps if key[1] == step]
         if not runs:
             recorded = sorted({s for _, s in steps})
-            raise TimelineError(f"step {step} was not recorded; recorded steps: {_ranges(recorded)} (choose which "
-                                f"with PipelineTimeline(steps=...) or every_n_steps=...)")
+            raise TimelineError(
+                f"step {step} was not recorded; recorded steps: {_ranges(recorded)} (choose which "
+                f"with PipelineTimeline(steps=...) or every_n_steps=...)"
+            )
         timeline = steps[max(runs)]
     missing = sorted(set(range(timeline.pp_size)) - set(timeline.stages))
     if missing:
-        raise TimelineError(f"step {timeline.step} lacks the events of pipeline stage(s) {missing} (files "
-                            f"rank<R>.jsonl of those ranks): every rank of the pipeline must write to the same "
-                            f"directory (a shared filesystem on several machines)")
+        raise TimelineError(
+            f"step {timeline.step} lacks the events of pipeline stage(s) {missing} (files "
+            f"rank<R>.jsonl of those ranks): every rank of the pipeline must write to the same "
+            f"directory (a shared filesystem on several machines)"
+        )
     return timeline
 
 
@@ -159,8 +178,9 @@ def measured_bubble(stages: Mapping[int, Sequence[PipelineEvent]]) -> Bubble:
     forwards = [e for e in events if e.kind == "F"]
     backwards = [e for e in events if e.kind == "B"]
     if not forwards or not backwards:
-        raise TimelineError("a training step's events need forwards and backwards (a forward-only step has no "
-                            "1F1B bubble to measure)")
+        raise TimelineError(
+            "a training step's events need forwards and backwards (a forward-only step has no 1F1B bubble to measure)"
+        )
     start = min(e.start for e in forwards)
     span = max(e.end for e in backwards) - start
     if span <= 0:
