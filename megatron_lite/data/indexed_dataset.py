@@ -17,6 +17,9 @@ load in Megatron-LM and the reverse. ``.idx``, little-endian::
 memory-mapped; reading a sequence, or a slice of one with :meth:`IndexedDataset.get`, touches only its
 bytes. Opening validates the header and both file sizes, so a truncated or foreign pair fails at once
 with a message naming the file, never later with a wrong sample.
+
+One file for the reader and the writer (past the usual ~500 lines, on purpose): they are the two halves of one
+byte format and must change together, as in Megatron-LM's own ``indexed_dataset.py``.
 """
 
 from __future__ import annotations

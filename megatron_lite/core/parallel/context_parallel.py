@@ -16,6 +16,10 @@ documents, not with the square of the row.
 
 Only the key/value heads travel (GQA): query heads are grouped over their key/value head inside the
 block computation instead of being expanded.
+
+One file (past the usual ~500 lines, on purpose): the zigzag split, the document pieces and the block attention
+are one contract -- which tokens a rank holds decides which blocks it computes and in what order they travel --
+and are read and changed together.
 """
 
 from __future__ import annotations
