@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -33,7 +34,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 def run_ranks(fn: Callable[..., Any], world_size: int, *args) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns each rank's return value."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, start_method="fork"
-        )
+        gc.freeze()  # as the fork launcher does: the ranks never walk (nor copy) this process's heap
+        try:
+            mp.start_processes(
+                _worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, start_method="fork"
+            )
+        finally:
+            gc.unfreeze()
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

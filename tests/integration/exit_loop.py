@@ -12,6 +12,7 @@ active exception"). A run is clean when both ranks exit 0, print no abort and no
 process is left behind.
 """
 
+import gc
 import json
 import os
 import socket
@@ -88,6 +89,7 @@ def _rank(rank: int, port: int, log: Path) -> None:
 def main() -> None:
     runs, out = int(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
+    gc.freeze()  # before the forks, as the fork launcher does (strategies/_lightning_private.py)
     failures = []
     start = time.monotonic()
     for run in range(runs):

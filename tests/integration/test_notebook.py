@@ -5,6 +5,7 @@ any launcher in this process and against what the ranks computed."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -107,7 +108,10 @@ def test_notebook_session_uses_the_trained_model(tp, pp, devices, reference, tmp
 
     # fit: the trained model, its metrics and its step come back to this process
     trainer = _trainer(tp, devices, pp, **_fit_kwargs(STEPS))
+    frozen_before = gc.get_freeze_count()
     trainer.fit(module, data)
+    # the launcher froze this process's heap for the fork only: the notebook's garbage is collected again after
+    assert gc.get_freeze_count() == frozen_before
     fit_val = float(trainer.callback_metrics["val/loss"])
     assert trainer.global_step == STEPS
     assert module.model is not None and module.model.layout.world_size == 1  # a one-process model
