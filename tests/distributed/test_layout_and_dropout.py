@@ -27,6 +27,67 @@ def test_rank_order_is_tp_cp_ep_dp_pp():
         assert c["dp_size"] == 2 and c["mp_group_size"] == 4 and c["dp_cp_group_size"] == 2
 
 
+def _expert_groups(rank, world_size):
+    out = {}
+    for name, parallel in {
+        "tp2-pp2-ep2-etp1": dict(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+        ),
+        "tp2-ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+        "cp2-tp2-ep2": dict(tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2),
+    }.items():
+        layout = ParallelLayout.build(ParallelConfig(**parallel))
+        ranks = {
+            g: sorted(torch.distributed.get_process_group_ranks(layout.group(g)))
+            if layout.group(g) is not None
+            else [rank]
+            for g in ("etp", "ep", "edp", "ep_etp", "tp_cp", "tp_dp_cp")
+        }
+        out[name] = (layout.etp_rank, layout.ep_rank, layout.coords["edp"], ranks)
+        layout.destroy()
+    return out
+
+
+def _folded(rank, world_size, pp, etp, ep):
+    """Megatron's expert rank generator: order tp-cp-ep-dp-pp with tp=ETP, cp=1, ep=EP, dp=EDP."""
+    per_stage = world_size // pp
+    stage, local = divmod(rank, per_stage)
+    coords = (local % etp, (local // etp) % ep, local // (etp * ep))
+    base = stage * per_stage
+
+    def members(dim):
+        sizes = (etp, ep, per_stage // (etp * ep))
+        strides = (1, etp, etp * ep)
+        fixed = local - coords[dim] * strides[dim]
+        return [base + fixed + i * strides[dim] for i in range(sizes[dim])]
+
+    both = sorted(base + local - coords[0] - coords[1] * etp + i for i in range(etp * ep))
+    return coords, {"etp": members(0), "ep": members(1), "edp": members(2), "ep_etp": both}
+
+
+def test_experts_fold_into_tp_cp_dp_in_megatron_order():
+    """MoE parallel folding: the ranks of a pipeline stage read as ETP x EP x EDP (ETP fastest), whatever TP/CP/DP."""
+    results = run_ranks(_expert_groups, 8)
+    for rank, result in enumerate(results):
+        for name, (pp, etp, ep) in {
+            "tp2-pp2-ep2-etp1": (2, 1, 2),
+            "tp2-ep2": (1, 2, 2),
+            "cp2-tp2-ep2": (1, 2, 2),
+        }.items():
+            coords, groups = _folded(rank, 8, pp, etp, ep)
+            got_etp, got_ep, got_edp, ranks = result[name]
+            assert (got_etp, got_ep, got_edp) == coords, (name, rank)
+            for g, members in groups.items():
+                assert ranks[g] == sorted(members), (name, rank, g)
+        # the router's groups: one sequence's ranks (TP x CP) and a whole stage
+        assert result["cp2-tp2-ep2"][3]["tp_cp"] == [r for r in range(8) if r // 4 == rank // 4]
+        assert result["tp2-pp2-ep2-etp1"][3]["tp_dp_cp"] == [r for r in range(8) if r // 4 == rank // 4]
+        assert result["tp2-ep2"][3]["tp_dp_cp"] == list(range(8))
+
+
 def _train_with_dropout(rank, world_size, sp):
     config = GPTConfig(
         num_layers=2,
@@ -81,7 +142,8 @@ def _collective_without_a_peer(rank, world_size, flag):
     timeouts = {
         name: group._get_backend(cpu).options._timeout.total_seconds()
         for name, group in layout.groups.items()
-        if group is not None
+        # the default group (a stage's every rank without PP) has the timeout the strategy initialised it with
+        if group is not None and group is not torch.distributed.group.WORLD
     }
     error = None
     if rank == 0:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core.inference.kv_cache import InferenceStep
-from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelLayout
 from megatron_lite.core.parallel.mappings import all_gather_into_tensor
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 def _mesh_rank(layout: ParallelLayout, **coords: int) -> int:
     """Global rank of the mesh point with this rank's coordinates, overridden by ``coords``."""
     assert layout.mesh is not None  # asked only when distributed
-    point = [coords.get(name, layout.coords.get(name, 0)) for name in ("pp", "dp", "ep", "cp", "tp")]
+    point = [coords.get(name, layout.coords.get(name, 0)) for name in MESH_DIMS]
     return int(layout.mesh.mesh[tuple(point)])
 
 
@@ -64,9 +64,9 @@ class StepRunner:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         distributed = layout.mesh is not None
-        self.computes = layout.cp_rank == 0 and layout.coords.get("ep", 0) == 0
+        self.computes = layout.cp_rank == 0
         """Whether this rank runs the model (context-parallel ranks > 0 only follow the tokens)."""
-        self.sampler_rank = _mesh_rank(layout, pp=layout.pp_size - 1, ep=0, cp=0, tp=0) if distributed else 0
+        self.sampler_rank = _mesh_rank(layout, pp=layout.pp_size - 1, cp=0, tp=0) if distributed else 0
         self.is_sampler = layout.rank == self.sampler_rank
         """Whether this rank chooses the tokens."""
         self.mp_group = _group(layout, "mp")

@@ -3,6 +3,11 @@
 One object, built once by the strategy and passed down explicitly (no module-level globals).
 Rank order is Megatron's default ``tp-cp-ep-dp-pp``: TP varies fastest so that tensor-parallel
 neighbours share a node, PP varies slowest.
+
+Experts are laid out over the same ranks a second way (Megatron's "MoE parallel folding"): within a
+pipeline stage the TP x CP x DP ranks are read again as ETP x EP x EDP (expert tensor, expert and
+expert-data parallel), ETP varying fastest. Attention runs on TP x CP x DP x PP, the experts of an MoE
+layer on ETP x EP x EDP x PP; expert parameters' gradients are reduced over EDP.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from megatron_lite.core.parallel.pipeline_stages import PIPELINE_SCHEDULES, Stag
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-# Mesh dimension names, slowest-varying first (the DeviceMesh convention), i.e. ``tp-cp-ep-dp-pp``
-# read right to left.
-MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+# Mesh dimension names, slowest-varying first (the DeviceMesh convention), i.e. ``tp-cp-dp-pp``
+# read right to left (EP is folded into the other dimensions, see EXPERT_MESH_DIMS).
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+# The same ranks seen by the experts of MoE layers, slowest-varying first.
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "etp")
 # Ways context-parallel attention exchanges keys and values (Megatron's --cp-comm-type).
 CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -36,7 +43,9 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """Ranks that split the sequence inside attention (Megatron CP)."""
     expert_model_parallel_size: int = 1
-    """Ranks that split the experts of MoE layers (Megatron EP)."""
+    """Ranks that split the experts of MoE layers (Megatron EP), folded into TP x CP x DP."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert's weights (Megatron ETP); None means tensor_model_parallel_size."""
     sequence_parallel: bool = False
     """Shard activations outside TP regions along the sequence (needs TP > 1)."""
     virtual_pipeline_model_parallel_size: int = 1
@@ -61,6 +70,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
+            raise ValueError(f"expert_tensor_parallel_size must be a positive integer or None, got {etp!r}.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_model_parallel_size > 1 (sequence parallelism "
@@ -130,13 +142,14 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that together hold one replica of the model."""
-        return (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.context_parallel_size
-            * self.expert_model_parallel_size
-        )
+        """Ranks that together hold one replica of the dense layers (experts are folded into these and DP)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def etp_size(self) -> int:
+        """Expert tensor-parallel size (ETP; TP's when not set)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks, or a ValueError that says what to change."""
@@ -144,13 +157,28 @@ class ParallelConfig:
         if world_size % mp != 0:
             raise ValueError(
                 f"The world size ({world_size} processes) must be divisible by the model-parallel size "
-                f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size x "
-                f"expert_model_parallel_size = {self.tensor_model_parallel_size} x "
-                f"{self.pipeline_model_parallel_size} x {self.context_parallel_size} x "
-                f"{self.expert_model_parallel_size} = {mp}; use a number of devices x nodes that is a "
+                f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size = "
+                f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
+                f"{self.context_parallel_size} = {mp}; use a number of devices x nodes that is a "
                 f"multiple of {mp} or change the parallel sizes."
             )
+        self.expert_data_parallel_size(world_size)
         return world_size // mp
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """EDP: how many copies of each expert there are per pipeline stage (TP x CP x DP / (ETP x EP)), or a
+        ValueError naming the fix."""
+        per_stage = world_size // self.pipeline_model_parallel_size
+        folded = self.etp_size * self.expert_model_parallel_size
+        if world_size % self.pipeline_model_parallel_size or per_stage % folded:
+            raise ValueError(
+                f"expert_tensor_parallel_size x expert_model_parallel_size = {self.etp_size} x "
+                f"{self.expert_model_parallel_size} = {folded} must divide the ranks of a pipeline stage "
+                f"(world size {world_size} / pipeline_model_parallel_size {self.pipeline_model_parallel_size}); "
+                f"experts are folded into tensor x context x data parallelism, so choose expert sizes whose "
+                f"product divides {per_stage} or use more devices."
+            )
+        return per_stage // folded
 
 
 @dataclass
@@ -173,6 +201,9 @@ class ParallelLayout:
     """This rank's index along each mesh dimension."""
     groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     """Process group per dimension name (and 'mp', 'dp_cp'); None entries mean 'alone'."""
+    expert_mesh: Optional[DeviceMesh] = None
+    """DeviceMesh with dims ``EXPERT_MESH_DIMS`` over the same ranks; None when the experts are laid out like the
+    dense layers (EP = 1 and ETP = TP: their groups are then TP's and DP x CP's)."""
     destroyed: bool = False
     """Whether :meth:`destroy` released the process groups (sizes and coordinates stay readable)."""
 
@@ -186,8 +217,8 @@ class ParallelLayout:
             config=config,
             world_size=1,
             rank=0,
-            coords={d: 0 for d in MESH_DIMS},
-            groups={d: None for d in (*MESH_DIMS, "mp", "dp_cp", "embedding", "pp_backward")},
+            coords={d: 0 for d in (*MESH_DIMS, *EXPERT_MESH_DIMS)},
+            groups={d: None for d in (*MESH_DIMS, *EXPERT_MESH_DIMS, *_FLATTENED_GROUPS)},
         )
 
     @classmethod
@@ -209,7 +240,6 @@ class ParallelLayout:
         shape = (
             config.pipeline_model_parallel_size,
             dp,
-            config.expert_model_parallel_size,
             config.context_parallel_size,
             config.tensor_model_parallel_size,
         )
@@ -225,8 +255,18 @@ class ParallelLayout:
         groups: dict[str, Optional[dist.ProcessGroup]] = {name: mesh.get_group(name) for name in MESH_DIMS}
         # Flattened groups: every rank of one model replica ("mp") and the gradient-reduction group
         # of data plus context parallelism ("dp_cp"), as in Megatron.
-        groups["mp"] = _new_subgroups(mesh, ("pp", "ep", "cp", "tp"), timeout)
+        groups["mp"] = _new_subgroups(mesh, ("pp", "cp", "tp"), timeout)
         groups["dp_cp"] = _new_subgroups(mesh, ("dp", "cp"), timeout)
+        # The router's groups: token counts over one sequence's ranks (TP x CP) and over a whole stage.
+        tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+        if tp > 1 and cp > 1:
+            groups["tp_cp"] = _new_subgroups(mesh, ("cp", "tp"), timeout)
+        else:
+            groups["tp_cp"] = groups["tp"] if tp > 1 else groups["cp"]
+        if config.pipeline_model_parallel_size == 1:
+            groups["tp_dp_cp"] = dist.group.WORLD
+        else:
+            groups["tp_dp_cp"] = _new_subgroups(mesh, ("dp", "cp", "tp"), timeout)
         # A second pipeline group for gradients travelling backward: activations and gradients then never
         # share a communicator, so their messages cannot be matched out of order (NCCL ignores tags).
         groups["pp_backward"] = (
@@ -234,7 +274,16 @@ class ParallelLayout:
         )
         # First and last pipeline stage of one replica: tied embedding weights are summed over it.
         groups["embedding"] = _embedding_subgroups(mesh, timeout) if config.pipeline_model_parallel_size > 1 else None
-        return cls(config=config, world_size=world_size, rank=rank, mesh=mesh, coords=coords, groups=groups)
+        expert_mesh = _add_expert_groups(config, groups, coords, rank, world_size, device_type, timeout)
+        return cls(
+            config=config,
+            world_size=world_size,
+            rank=rank,
+            mesh=mesh,
+            coords=coords,
+            groups=groups,
+            expert_mesh=expert_mesh,
+        )
 
     # --- sizes and ranks -------------------------------------------------------------------
     @property
@@ -256,6 +305,26 @@ class ParallelLayout:
     def ep_size(self) -> int:
         """Expert-parallel size."""
         return self.config.expert_model_parallel_size
+
+    @property
+    def etp_size(self) -> int:
+        """Expert tensor-parallel size."""
+        return self.config.etp_size
+
+    @property
+    def edp_size(self) -> int:
+        """Expert data-parallel size: copies of each expert per pipeline stage."""
+        return self.config.expert_data_parallel_size(self.world_size)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group."""
+        return self.coords.get("ep", 0)
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's index in its expert tensor-parallel group."""
+        return self.coords.get("etp", 0)
 
     @property
     def dp_size(self) -> int:
@@ -321,19 +390,52 @@ class ParallelLayout:
         seen: set[int] = set()
         groups = [g for g in self.groups.values() if g is not None]
         groups += list(self.mesh.get_all_groups())
+        if self.expert_mesh is not None:
+            groups += list(self.expert_mesh.get_all_groups())
         for group in groups:
             if id(group) in seen or group is dist.GroupMember.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
                 continue
             seen.add(id(group))
             dist.destroy_process_group(group)
         self.groups = {name: None for name in self.groups}
-        self.mesh = None
+        self.mesh = self.expert_mesh = None
         self.destroyed = True
 
     def describe(self) -> str:
         """One line for logs: sizes and this rank's coordinates."""
-        sizes = f"tp={self.tp_size} cp={self.cp_size} ep={self.ep_size} dp={self.dp_size} pp={self.pp_size}"
+        sizes = f"tp={self.tp_size} cp={self.cp_size} dp={self.dp_size} pp={self.pp_size}"
+        if self.ep_size > 1 or self.etp_size != self.tp_size:
+            sizes += f" | experts: etp={self.etp_size} ep={self.ep_size} edp={self.edp_size}"
         return f"rank {self.rank}/{self.world_size} [{sizes}] coords={self.coords}"
+
+
+def _add_expert_groups(config, groups, coords, rank, world_size, device_type, timeout):
+    """Fill in the expert coordinates and groups ('etp', 'ep', 'edp', 'ep_etp'); returns the expert DeviceMesh, or
+    None when the experts are laid out like the dense layers and reuse their groups (no new communicators)."""
+    pp, tp = config.pipeline_model_parallel_size, config.tensor_model_parallel_size
+    etp, ep = config.etp_size, config.expert_model_parallel_size
+    edp = config.expert_data_parallel_size(world_size)
+    local = rank % (world_size // pp)  # rank within its pipeline stage (PP varies slowest in both views)
+    coords.update(etp=local % etp, ep=(local // etp) % ep, edp=local // (etp * ep))
+    if ep == 1 and etp == tp:
+        groups.update(etp=groups["tp"], ep=None, ep_etp=groups["tp"], edp=groups["dp_cp"])
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # init_device_mesh numbers ranks row-major over the shape: exactly the folded order (ETP fastest, PP slowest).
+    shape = (pp, edp, ep, etp)
+    override = (
+        None
+        if timeout is None
+        else {name: _group_options(timeout) for name, size in zip(EXPERT_MESH_DIMS, shape) if size < world_size}
+    )
+    expert_mesh = init_device_mesh(
+        device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS, backend_override=override or None
+    )
+    for name in ("etp", "ep", "edp"):
+        groups[name] = expert_mesh.get_group(name) if expert_mesh.size(EXPERT_MESH_DIMS.index(name)) > 1 else None
+    groups["ep_etp"] = _new_subgroups(expert_mesh, ("ep", "etp"), timeout, EXPERT_MESH_DIMS) if ep * etp > 1 else None
+    return expert_mesh
 
 
 def _group_options(timeout: timedelta):
@@ -349,13 +451,13 @@ def _group_options(timeout: timedelta):
     return Backend.Options(str(dist.get_backend()), timeout)
 
 
-def _new_subgroups(mesh, keep: tuple[str, ...], timeout: Optional[timedelta] = None):
+def _new_subgroups(mesh, keep: tuple[str, ...], timeout: Optional[timedelta] = None, dims: tuple[str, ...] = MESH_DIMS):
     """The group of ranks that differ from this one only along the ``keep`` dimensions.
 
     Every rank must call this in the same order (``new_group`` is collective); the rank tensor of
     the mesh gives the partition.
     """
-    names = list(MESH_DIMS)
+    names = list(dims)
     ranks = mesh.mesh  # tensor of global ranks, dims in MESH_DIMS order
     other = [i for i, n in enumerate(names) if n not in keep]
     kept = [i for i, n in enumerate(names) if n in keep]
@@ -382,6 +484,9 @@ def _embedding_subgroups(mesh, timeout: Optional[timedelta] = None):
         if me in members:
             my_group = group
     return my_group
+
+
+_FLATTENED_GROUPS = ("mp", "dp_cp", "tp_cp", "tp_dp_cp", "ep_etp", "embedding", "pp_backward")
 
 
 def _prod(values) -> int:

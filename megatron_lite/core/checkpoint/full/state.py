@@ -38,9 +38,9 @@ FORMAT = "megatron-lite-full-state/1"
 
 
 def holds_distinct_piece(layout: ParallelLayout) -> bool:
-    """Whether this rank writes its piece of the model: the first rank of its stage's replica (TP, CP,
-    EP rank 0 and DP rank 0). Without pipeline parallelism that is global rank 0 only."""
-    return layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0 and layout.coords.get("ep", 0) == 0
+    """Whether this rank writes its piece of the model: the first rank of its stage's replica (TP, CP
+    and DP rank 0). Without pipeline parallelism that is global rank 0 only."""
+    return layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0
 
 
 @torch.no_grad()

@@ -65,7 +65,7 @@ def layout_fingerprint(layout: ParallelLayout) -> torch.Tensor:
         "pp_rank": layout.pp_rank,
         "dp_rank": layout.dp_rank,
         "cp_rank": layout.cp_rank,
-        "ep_rank": layout.coords.get("ep", 0),
+        "ep_rank": layout.ep_rank,
     }
     return torch.tensor([values[f] for f in FINGERPRINT_FIELDS], dtype=torch.int64)
 

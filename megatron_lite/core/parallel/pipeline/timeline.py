@@ -28,7 +28,7 @@ from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent
 
 EVENTS_DIR = "pipeline_events"
 # The pipeline replica drawn when data/tensor/context parallelism makes several: coordinates other than pp.
-REPLICA = {"dp": 0, "tp": 0, "cp": 0, "ep": 0}
+REPLICA = {"dp": 0, "tp": 0, "cp": 0}
 
 
 class TimelineError(ValueError):
