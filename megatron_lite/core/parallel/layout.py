@@ -424,7 +424,7 @@ def _add_expert_groups(config, groups, coords, rank, world_size, device_type, ti
 
     # init_device_mesh numbers ranks row-major over the shape: exactly the folded order (ETP fastest, PP slowest).
     shape = (pp, edp, ep, etp)
-    override = (
+    override: Optional[dict[int | str, Any]] = (
         None
         if timeout is None
         else {name: _group_options(timeout) for name, size in zip(EXPERT_MESH_DIMS, shape) if size < world_size}
