@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megatron_lite.core.models.rope import RopeScaling
 
@@ -91,6 +91,55 @@ class GPTConfig:
     """With 'full': checkpoint groups of recompute_num_layers layers ('uniform') or the first ones ('block')."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per checkpointed group ('uniform') or layers checkpointed one by one ('block')."""
+    # --- Mixture of Experts (Megatron's names and defaults; checked in core/models/moe/config_checks.py) ---
+    num_moe_experts: Optional[int] = None
+    """Experts per MoE layer; None means a dense model (every other moe_* field must then keep its default)."""
+    moe_layer_freq: Union[int, list[int]] = 1
+    """Which layers are MoE: every N-th (int N; layer i is MoE when i % N == 0) or a 0/1 list of num_layers entries."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of one expert; None means ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """How router logits become scores."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (Mixtral normalises after it, over the chosen k)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiply the chosen experts' weights by this (DeepSeek's routed_scaling_factor)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts form this many groups (DeepSeek's n_group)."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: tokens pick experts from this many best groups (DeepSeek's topk_group)."""
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = None
+    """Precision of the router's logits and scores; None means fp32."""
+    moe_input_jitter_eps: Optional[float] = None
+    """Multiply router inputs by uniform noise in [1-eps, 1+eps] in training (Switch Transformer)."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] = (
+        "aux_loss"
+    )
+    """Load balancing: an auxiliary loss over the micro-batch, per sequence or over the global batch, Sinkhorn, none."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (0: computed nowhere)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss (ST-MoE); None: off."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added for the choice only, updated every step."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update (towards the mean load), per optimizer step."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Tokens an expert takes, as a multiple of the even share; None means dropless."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Over capacity, drop the tokens with the lowest routing weight ('probs') or the latest ones ('position')."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (fixed shapes; needs moe_expert_capacity_factor)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Inner width of the shared expert every token goes through (Qwen2-MoE, DeepSeek); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a learned sigmoid gate per token (Qwen2-MoE)."""
+    moe_grouped_gemm: bool = False
+    """Run the local experts as one grouped GEMM (torch._grouped_mm) where it runs, else one GEMM per expert."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach their experts' ranks: all-gather, all-to-all, or DeepEP ('flex', needs deep_ep)."""
 
     def __post_init__(self) -> None:
         _refuse_non_finite(self)
@@ -153,6 +202,9 @@ class GPTConfig:
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
         self._validate_recompute()
+        from megatron_lite.core.models.moe.config_checks import check_moe_fields
+
+        check_moe_fields(self)
 
     def _validate_rope_scaling(self) -> None:
         """The scaling fields belong to one scaling type each; 'llama3' fills in Llama 3.1's values."""
