@@ -27,8 +27,9 @@ def check_moe_fields(config: "GPTConfig") -> None:
     if experts is None:
         changed = [f.name for f in fields(config) if f.name.startswith("moe_") and getattr(config, f.name) != f.default]
         if changed:
+            verb = "apply" if len(changed) > 1 else "applies"
             _fail(
-                f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to a mixture-of-experts model: set num_moe_experts (e.g. 8) or "
+                f"{', '.join(changed)} only {verb} to a mixture-of-experts model: set num_moe_experts (e.g. 8) or "
                 f"leave {'them' if len(changed) > 1 else 'it'} at the default."
             )
         return
