@@ -43,6 +43,8 @@ class TPShard:
     unpadded_size: Optional[int] = None
     """Length of ``dim`` without vocabulary padding (the rows from here on are padding: zero, outside every
     softmax, never checkpointed); None when the tensor is not padded."""
+    group: str = "tp"
+    """The layout's group the tensor is split over: 'tp', or 'etp' for an expert's weights."""
 
     def __post_init__(self) -> None:
         if self.unpadded_size is not None:
@@ -112,24 +114,63 @@ class TPShard:
         return view, global_view, d + 1
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """Where the local experts of an MoE layer's weight sit among all its experts: dimension 0 of the global
+    ``[num_experts, ...]`` tensor, split evenly over the expert-parallel group ('ep')."""
+
+    num_experts: int
+    """Experts of the layer (the global tensor's dimension 0)."""
+    rank: int
+    """This rank's index in the expert-parallel group."""
+    size: int
+    """Expert-parallel group size."""
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts this rank holds."""
+        return self.num_experts // self.size
+
+    @property
+    def local_start(self) -> int:
+        """Global index of this rank's first expert."""
+        return self.rank * self.num_local_experts
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of the global tensor."""
+        return full.narrow(0, self.local_start, self.num_local_experts)
+
+
 _Param = TypeVar("_Param", bound=torch.Tensor)
 
 
 def mark_parameter(
-    param: _Param, init: tuple, shard: Optional[TPShard] = None, sequence_parallel_grad: bool = False
+    param: _Param,
+    init: tuple,
+    shard: Optional[TPShard] = None,
+    sequence_parallel_grad: bool = False,
+    expert_shard: Optional[ExpertShard] = None,
 ) -> _Param:
     """Attach the metadata every parameter of our models carries.
 
     ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
     parameters; ``sequence_parallel_grad`` marks replicated parameters whose gradient is partial
-    per TP rank under sequence parallelism (norm weights, row-parallel biases).
+    per TP rank under sequence parallelism (norm weights, row-parallel biases). ``expert_shard`` marks the
+    weights of an MoE layer's experts (``[local experts, ...]``): their gradients are reduced over the
+    expert-data-parallel group, not DP x CP, and their ``shard`` (if any) is over 'etp'.
     """
     # Plain attributes on the tensor (Megatron's convention: they follow the parameter wherever it goes);
     # readers take them with getattr(param, name, default).
     setattr(param, "init_spec", init)
     setattr(param, "tp_shard", shard)
     setattr(param, "sequence_parallel_grad", sequence_parallel_grad)
+    setattr(param, "expert_shard", expert_shard)
     return param
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to an MoE layer's experts (gradients reduced over the expert-DP group)."""
+    return getattr(param, "expert_shard", None) is not None
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
