@@ -56,6 +56,10 @@ class MegatronStrategy(ParallelStrategy):
             ``seq_length`` divisible by ``2 x C`` (``2 x C x TP`` with sequence parallelism), ``attention_dropout=0``.
         cp_comm_type: how CP attention gets the other ranks' keys and values: ``"p2p"`` (around the ring, one block in
             flight) or ``"all_gather"`` (the whole sequence's at once).
+        expert_model_parallel_size: ranks that split the experts of an MoE model (EP), folded into TP x CP x DP: the
+            experts of a stage run on ETP x EP x EDP of the same ranks (Megatron's MoE parallel folding).
+        expert_tensor_parallel_size: ranks that split each expert's weights (ETP); None means
+            ``tensor_model_parallel_size``.
         use_torch_fsdp2: shard parameters, gradients and optimizer state over the DP ranks with PyTorch's FSDP2
             (ZeRO-3), composed with TP; for ZeRO-1 set ``OptimizerConfig(use_distributed_optimizer=True)`` instead.
         ddp_bucket_size: elements per gradient bucket (Megatron's ``--ddp-bucket-size``; default max(40M, 1M x dp)).
@@ -90,6 +94,8 @@ class MegatronStrategy(ParallelStrategy):
         num_layers_in_last_pipeline_stage: Optional[int] = None,
         context_parallel_size: int = 1,
         cp_comm_type: str = "p2p",
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: Optional[int] = None,
         use_torch_fsdp2: bool = False,
         ddp_bucket_size: Optional[int] = None,
         overlap_grad_reduce: bool = False,
@@ -125,6 +131,8 @@ class MegatronStrategy(ParallelStrategy):
                 num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
                 context_parallel_size=context_parallel_size,
                 cp_comm_type=cp_comm_type,
+                expert_model_parallel_size=expert_model_parallel_size,
+                expert_tensor_parallel_size=expert_tensor_parallel_size,
             ),
             use_torch_fsdp2=use_torch_fsdp2,
             ddp_bucket_size=ddp_bucket_size,

@@ -19,7 +19,7 @@ from torch import nn
 
 from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.loss_report import ReportNames
+from megatron_lite.core.parallel.loss_report import ReportNames, ReportSums
 from megatron_lite.core.parallel.pipeline.p2p import DTYPES, PipelineP2P
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, run_pipeline, schedule_order
 from megatron_lite.core.parallel.schedules import (
@@ -28,6 +28,7 @@ from megatron_lite.core.parallel.schedules import (
     finish_step_loss,
     forward_backward_no_pipelining,
     scale_model_grads,
+    take_model_report,
 )
 from megatron_lite.core.rerun import RerunStateMachine
 from megatron_lite.core.timers import Timers, timed
@@ -143,6 +144,9 @@ class TrainingEngine:
         """Forward (and backward) of every microbatch through the layout's schedule; the loss is the
         global-batch mean on every rank. Gradients are left unnormalised with ``scale_grads=False``
         (``StepLoss.grad_scale`` says by what to multiply them). The loss's report is reduced with it."""
+        state = getattr(self.model, "moe_state", None)
+        if state is not None:  # the MoE layers' auxiliary losses are back-propagated with the loss's multiplier
+            state.backward_scale = backward_scale_for(loss_scale, microbatches)
         if not self.pipelined:
             return forward_backward_no_pipelining(
                 self.model,
@@ -158,6 +162,11 @@ class TrainingEngine:
             )
         backward_scale = backward_scale_for(loss_scale, microbatches)
         result = self._run(microbatches, forward_only, backward_scale, no_sync)
+        recorded = take_model_report(self.model)  # every stage's layers may record (MoE), not only the last's
+        if recorded:
+            if result.report is None:
+                result.report = ReportSums(self.device)
+            result.report.add(recorded)
         local = result.report.names() if result.report is not None else None
         names = self._report_names.agree(local, self.layout, forward_only)
         step = finish_step_loss(
@@ -230,6 +239,9 @@ class TrainingEngine:
             finally:
                 self._loss = self.objective.loss
             self.reduce_shared_embedding_grads()
+            finalize = getattr(self.model, "finalize_moe_step", None)
+            if finalize is not None:  # MoE: expert biases move once per step, from the step's expert loads
+                finalize()
             # The check runs once the norm is known and before the optimizer (or the loss scaler) changed
             # anything: a replay starts from exactly the state this attempt started from.
             accept = self._rerun_check(rerun, mopt, step.loss, seen) if rerun is not None else None

@@ -17,6 +17,8 @@ from torch import nn
 from megatron_lite.core.models.attention import SelfAttention, rotary_tables, scaled_init_std
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.mlp import MLP
+from megatron_lite.core.models.moe.config_checks import check_moe_parallelism, moe_layer_pattern
+from megatron_lite.core.models.moe.step_state import MoEStepState
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding
@@ -56,16 +58,29 @@ def hidden_dropout(
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the MLP is an MoE layer where
+    ``moe_layer_freq`` says so (``moe_state``: the model's, shared by its MoE layers)."""
 
-    def __init__(self, config: GPTConfig, layout: ParallelLayout):
+    def __init__(
+        self,
+        config: GPTConfig,
+        layout: ParallelLayout,
+        layer_number: int = 0,
+        moe_state: Optional[MoEStepState] = None,
+    ):
         super().__init__()
         sp = layout.sequence_parallel
         out_std = scaled_init_std(config)
         self.input_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
         self.self_attention = SelfAttention(config, layout, out_std)
         self.pre_mlp_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
-        self.mlp = MLP(config, layout, out_std)
+        self.mlp: nn.Module
+        if moe_state is not None and moe_layer_pattern(config)[layer_number]:
+            from megatron_lite.core.models.moe.layer import MoELayer
+
+            self.mlp = MoELayer(config, layout, layer_number, out_std, moe_state)
+        else:
+            self.mlp = MLP(config, layout, out_std)
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
 
@@ -151,11 +166,7 @@ class GPTModel(nn.Module):
     ):
         super().__init__()
         layout = layout or ParallelLayout.single()
-        if layout.ep_size > 1:
-            raise NotImplementedError(
-                f"GPTModel has no expert-parallel implementation yet (layout has ep={layout.ep_size}); build the "
-                f"layout with expert_model_parallel_size=1"
-            )
+        check_moe_parallelism(config, layout.config, sequence_parallel=True)  # SP is the training check's business
         if layout.cp_size > 1 and config.attention_dropout > 0.0:
             raise ValueError(
                 f"attention_dropout={config.attention_dropout} with context_parallel_size={layout.cp_size}: the "
@@ -200,8 +211,10 @@ class GPTModel(nn.Module):
             self.rotary = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base, scaling=config.rope_scaling()
             )
+        self.moe_state: Optional[MoEStepState] = MoEStepState() if config.num_moe_experts is not None else None
+        """Shared by the MoE layers: the engine's backward multiplier for their auxiliary losses, their metrics."""
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, layout) for stage in stages for i in stage.layers}
+            {str(i): TransformerLayer(config, layout, i, self.moe_state) for stage in stages for i in stage.layers}
         )
         self.final_layernorm: Optional[Norm] = None
         self.output_layer: Optional[ColumnParallelLinear] = None
@@ -231,6 +244,26 @@ class GPTModel(nn.Module):
             for stage in stages
         ]
         initialize_parameters(self, seed)
+
+    def take_step_report(self) -> dict:
+        """The metrics the MoE layers recorded since the last call (report entries; ``{}`` for a dense model)."""
+        return self.moe_state.take() if self.moe_state is not None else {}
+
+    @torch.no_grad()
+    def finalize_moe_step(self) -> None:
+        """Once per optimizer step, after the backward passes (Megatron's finalize_model_grads): expert biases move
+        towards balance from the step's loads (summed over the stage's ranks), global-aux-loss counts restart."""
+        if self.moe_state is None:
+            return
+        from megatron_lite.core.models.moe.aux_loss import update_expert_bias
+        from megatron_lite.core.models.moe.router import TopKRouter
+
+        routers = [m for m in self.modules() if isinstance(m, TopKRouter)]
+        with_bias = [r for r in routers if getattr(r, "expert_bias", None) is not None]
+        if with_bias:
+            update_expert_bias(with_bias, self.layout.group("tp_dp_cp"))
+        for router in routers:
+            router.reset_global_aux_counts()
 
     def layer(self, index: int) -> TransformerLayer:
         """The transformer layer of global index ``index`` (one of this rank's stages')."""

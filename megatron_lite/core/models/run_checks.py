@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.moe.config_checks import check_moe_parallelism
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.run_spec import RunSpec
 
@@ -22,6 +23,11 @@ def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None)
     seq_length = run.data.seq_length if run.data is not None else None
     check_context_parallel(parallel, model_config, seq_length)
     if model_config is None:
+        if parallel.expert_model_parallel_size > 1 or parallel.expert_tensor_parallel_size is not None:
+            raise ValueError(
+                "expert_model_parallel_size / expert_tensor_parallel_size split the experts of an MoE model, and "
+                "this module has no GPTConfig with num_moe_experts: leave them at their defaults."
+            )
         return
     model_config.validate_parallelism(
         parallel.tensor_model_parallel_size,
@@ -30,6 +36,7 @@ def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None)
         parallel.sequence_parallel,
     )
     parallel.stage_chunks(model_config.num_layers, 0)  # the layers split into the pipeline stages
+    check_moe_parallelism(model_config, parallel)
     if seq_length is None:
         return
     check_seq_length(seq_length, model_config)

@@ -208,3 +208,30 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group, grad_is_
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Reduce-scatter dim 0 forward, all-gather backward."""
     return x if group is None else _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows ``input_splits[j]`` go to rank j, ``output_splits[j]`` rows come from it. Backward: the same
+    exchange reversed (an expert-parallel token dispatch and its combine)."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """Exchange rows of ``x`` over ``group`` with variable split sizes (differentiable; identity alone)."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)

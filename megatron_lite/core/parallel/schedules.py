@@ -131,11 +131,19 @@ def forward_backward_no_pipelining(
         loss_sum += mb_loss.detach().to(torch.float64)
         num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
         report.add(mb_report)
+    report.add(take_model_report(model))
     names = report_names.agree(report.names(), layout, forward_only) if report_names is not None else report.names()
     step = finish_step_loss(loss_sum, num_tokens, layout, loss_scale, backward_scale, report, names)
     if not forward_only and scale_grads:
         scale_model_grads(model, step.grad_scale)
     return step
+
+
+def take_model_report(model: nn.Module) -> dict:
+    """Metrics the model's layers recorded during the step's forwards (an MoE model's router losses and expert
+    loads), as report entries; ``{}`` for a model that records none."""
+    take = getattr(model, "take_step_report", None)
+    return take() if take is not None else {}
 
 
 def backward_scale_for(loss_scale: Optional[float], microbatches: Sequence[dict]) -> float:
