@@ -116,19 +116,26 @@ _Param = TypeVar("_Param", bound=torch.Tensor)
 
 
 def mark_parameter(
-    param: _Param, init: tuple, shard: Optional[TPShard] = None, sequence_parallel_grad: bool = False
+    param: _Param,
+    init: tuple,
+    shard: Optional[TPShard] = None,
+    sequence_parallel_grad: bool = False,
+    tp_partial_grad: bool = False,
 ) -> _Param:
     """Attach the metadata every parameter of our models carries.
 
     ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
     parameters; ``sequence_parallel_grad`` marks replicated parameters whose gradient is partial
-    per TP rank under sequence parallelism (norm weights, row-parallel biases).
+    per TP rank under sequence parallelism (norm weights, row-parallel biases); ``tp_partial_grad``
+    marks replicated parameters whose gradient is partial per TP rank with or without it (weights
+    every attention head shares, as qk_layernorm's: each TP rank computes only its own heads).
     """
     # Plain attributes on the tensor (Megatron's convention: they follow the parameter wherever it goes);
     # readers take them with getattr(param, name, default).
     setattr(param, "init_spec", init)
     setattr(param, "tp_shard", shard)
     setattr(param, "sequence_parallel_grad", sequence_parallel_grad)
+    setattr(param, "tp_partial_grad", tp_partial_grad)
     return param
 
 
