@@ -63,16 +63,21 @@ def test_defaults_of_keys_a_config_leaves_out_and_overrides():
         gpt_config_from_hf({"model_type": "llama"}, hidden=3)
 
 
+SMALL_GQA = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    vocab_size=100,
+)
+
+
 def test_qwen2_maps_to_qkv_bias_and_back():
     config = gpt_config_from_hf(
         {
             "model_type": "qwen2",
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "intermediate_size": 96,
-            "vocab_size": 100,
+            **SMALL_GQA,
             "tie_word_embeddings": True,
             "use_sliding_window": False,
             "sliding_window": None,
@@ -88,12 +93,7 @@ def test_qwen2_maps_to_qkv_bias_and_back():
 def test_qwen3_maps_to_qk_layernorm_with_its_own_head_width_and_back():
     qwen3 = {
         "model_type": "qwen3",
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "intermediate_size": 96,
-        "vocab_size": 100,
+        **SMALL_GQA,
         "use_sliding_window": False,
         "sliding_window": 4096,  # ignored without use_sliding_window, as transformers ignores it
     }

@@ -25,6 +25,17 @@ CAUSAL_LM = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
+# transformers' Qwen2 defaults; Qwen3's are the same with a head width of its own.
+_QWEN2_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
 # What transformers assumes for a key a config.json leaves out (configs saved as a diff against the defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -47,27 +58,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         sliding_window=4096,
     ),
-    "qwen2": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    ),
-    "qwen3": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        head_dim=128,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    ),
+    "qwen2": _QWEN2_DEFAULTS,
+    "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128},
 }
 _COMMON_DEFAULTS = dict(
     hidden_act="silu",
