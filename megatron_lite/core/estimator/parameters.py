@@ -74,10 +74,10 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
     tied = config.share_embeddings_and_output_weights
     out: list = []
 
-    def norm(prefix: str) -> None:
-        out.append(ParamShape(f"{prefix}.weight", (h,), False))
+    def norm(prefix: str, width: int = h) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (width,), False))
         if config.normalization == "LayerNorm":
-            out.append(ParamShape(f"{prefix}.bias", (h,), False))
+            out.append(ParamShape(f"{prefix}.bias", (width,), False))
 
     def linear(prefix: str, rows: int, cols: int, bias: Optional[tuple]) -> None:
         out.append(ParamShape(f"{prefix}.weight", (rows, cols), True))
@@ -96,6 +96,9 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
         # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
         linear(f"{p}.self_attention.linear_qkv", qkv // tp, h, (qkv // tp,) if bias or config.add_qkv_bias else None)
         linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, (h,) if bias else None)
+        if config.qk_layernorm:  # one head's width, shared by every head: replicated
+            norm(f"{p}.self_attention.q_layernorm", d)
+            norm(f"{p}.self_attention.k_layernorm", d)
         norm(f"{p}.pre_mlp_layernorm")
         linear(f"{p}.mlp.linear_fc1", fc1 // tp, h, (fc1 // tp,) if bias else None)
         linear(f"{p}.mlp.linear_fc2", h, f // tp, (h,) if bias else None)

@@ -77,6 +77,8 @@ class GPTConfig:
     """Biases in the linear layers (GPT-2 style)."""
     add_qkv_bias: bool = False
     """Bias in the QKV projection only (Qwen style)."""
+    qk_layernorm: bool = False
+    """Normalize each query and key head (over kv_channels, with the model's normalization) before RoPE (Qwen3)."""
     hidden_dropout: float = 0.0
     """Dropout on the residual branches and the embedding."""
     attention_dropout: float = 0.0
@@ -356,7 +358,9 @@ class GPTConfig:
             biases = (q + kv) + h + fc1 + h
         elif self.add_qkv_bias:
             biases = q + kv
-        per_layer = attn + mlp + biases + 2 * norm
+        # qk_layernorm: one norm of a head's width for the queries, one for the keys (shared by every head)
+        qk_norms = 2 * self.kv_channels * (2 if self.normalization == "LayerNorm" else 1) if self.qk_layernorm else 0
+        per_layer = attn + mlp + biases + 2 * norm + qk_norms
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
         return L * per_layer + emb + out + norm

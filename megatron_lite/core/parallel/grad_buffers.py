@@ -23,7 +23,7 @@ from typing import Iterator, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
+from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced, grad_is_partial_over_tp
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _reduce_scatter_single
 
@@ -203,14 +203,14 @@ class GradBuffers:
         return bucket.pending[1]
 
     def _launch(self, bucket: Bucket, async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor]:
-        """Sequence-parallel gradients of the bucket over TP, then its reduction over DP; returns the
-        launched reduction (its work when ``async_op``) and where its result lands."""
-        if self.layout.sequence_parallel:
+        """The bucket's gradients that are partial per TP rank summed over TP, then its reduction over DP;
+        returns the launched reduction (its work when ``async_op``) and where its result lands."""
+        if self.layout.tp_size > 1:
             all_reduce_coalesced(
                 [
                     bucket.view(i).view(-1)
                     for i, (_, p) in enumerate(bucket.params)
-                    if getattr(p, "sequence_parallel_grad", False)
+                    if grad_is_partial_over_tp(p, self.layout.sequence_parallel)
                 ],
                 self.layout.group("tp"),
             )

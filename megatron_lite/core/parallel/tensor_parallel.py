@@ -149,21 +149,25 @@ def mark_parameter(
     init: tuple,
     shard: Optional[TPShard] = None,
     sequence_parallel_grad: bool = False,
+    tp_partial_grad: bool = False,
     expert_shard: Optional[ExpertShard] = None,
 ) -> _Param:
     """Attach the metadata every parameter of our models carries.
 
     ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
     parameters; ``sequence_parallel_grad`` marks replicated parameters whose gradient is partial
-    per TP rank under sequence parallelism (norm weights, row-parallel biases). ``expert_shard`` marks the
-    weights of an MoE layer's experts (``[local experts, ...]``): their gradients are reduced over the
-    expert-data-parallel group, not DP x CP, and their ``shard`` (if any) is over 'etp'.
+    per TP rank under sequence parallelism (norm weights, row-parallel biases); ``tp_partial_grad``
+    marks replicated parameters whose gradient is partial per TP rank with or without it (weights
+    every attention head shares, as qk_layernorm's: each TP rank computes only its own heads).
+    ``expert_shard`` marks the weights of an MoE layer's experts (``[local experts, ...]``): their gradients are
+    reduced over the expert-data-parallel group, not DP x CP, and their ``shard`` (if any) is over 'etp'.
     """
     # Plain attributes on the tensor (Megatron's convention: they follow the parameter wherever it goes);
     # readers take them with getattr(param, name, default).
     setattr(param, "init_spec", init)
     setattr(param, "tp_shard", shard)
     setattr(param, "sequence_parallel_grad", sequence_parallel_grad)
+    setattr(param, "tp_partial_grad", tp_partial_grad)
     setattr(param, "expert_shard", expert_shard)
     return param
 
