@@ -102,6 +102,8 @@ class TopKRouter(nn.Module):
             raise ValueError(f"moe_router_load_balancing_type={kind!r} must be one of {LOAD_BALANCING_TYPES}")
         if config.moe_router_dtype not in _ROUTER_DTYPES:
             raise ValueError(f"moe_router_dtype={config.moe_router_dtype!r} must be 'fp32', 'fp64' or None (fp32)")
+        if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'")
         self.config = config
         self.layer_number = layer_number
         self.num_experts = config.num_moe_experts
@@ -140,8 +142,9 @@ class TopKRouter(nn.Module):
         ``[s, b, h]`` flattened) -> (probs ``[T, E]`` in the router dtype (fp32 unless fp64), zero where not
         routed; routing_map ``[T, E]`` bool).
 
-        Input jitter draws from the default generator of ``x``'s device: run the router where that stream is
-        the same on every TP rank (the data-parallel stream), so that replicated tokens route alike.
+        Input jitter (training only; Megatron's also jitters in evaluation) draws from the default generator of
+        ``x``'s device: run the router where that stream is the same on every TP rank (the data-parallel
+        stream), so that replicated tokens route alike.
         """
         if x.dim() != 2 or x.shape[0] != seq_length * batch_size:
             raise ValueError(
@@ -244,7 +247,7 @@ class TopKRouter(nn.Module):
         # module.to(bf16) (a "-true" precision) must not round the bias or the counts: a 1e-3 bias step
         # is lost on bf16 biases of order 1 (Megatron restores them to fp32 for the same reason).
         super()._apply(fn, recurse)
-        for name, buffer in self.named_buffers(recurse=False):
+        for name, buffer in list(self.named_buffers(recurse=False)):
             if buffer.is_floating_point() and buffer.dtype != torch.float32:
                 setattr(self, name, buffer.float())
         return self
