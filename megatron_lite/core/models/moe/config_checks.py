@@ -166,6 +166,12 @@ def _check_losses(config: "GPTConfig") -> None:
     if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff <= 0:
         _fail(f"moe_z_loss_coeff must be positive or None (off), got {config.moe_z_loss_coeff}")
     if config.moe_router_enable_expert_bias:
+        if config.moe_router_score_function != "sigmoid":
+            _fail(
+                "moe_router_enable_expert_bias=True (aux-loss-free balancing) needs moe_router_score_function="
+                "'sigmoid', as in Megatron and DeepSeek-V3: a bias on softmax scores would shift every expert's "
+                "probability; set moe_router_score_function='sigmoid'."
+            )
         if kind == "sinkhorn":
             _fail(
                 "moe_router_enable_expert_bias=True has no effect with moe_router_load_balancing_type='sinkhorn' "
