@@ -173,3 +173,18 @@ def test_etp_partial_outputs_sum_to_the_whole_experts(activation):
         counts = [COUNTS[e] for e in experts]
         partial = [_experts(config, _rank_layout(2, 2, ep_rank, r))(tokens[rows], counts) for r in range(2)]
         torch.testing.assert_close(partial[0] + partial[1], expected[rows])
+
+
+def test_a_one_process_models_experts_carry_over_into_an_ep_rank_and_back_is_refused():
+    """carry_over_state (a notebook's one-process model into the ranks' models): each EP x ETP rank cuts its
+    experts out of the whole ones; an EP rank's few experts cannot become a whole model in place."""
+    from megatron_lite.core.checkpoint.full.state import carry_over_state
+
+    config = _config()
+    whole = _experts(config)
+    rank = GroupedExperts(config, _rank_layout(2, 2, ep_rank=1, etp_rank=0), output_init_std=0.01)
+    carry_over_state(whole, rank)
+    for (name, param), source in zip(rank.named_parameters(), whole.parameters()):
+        assert torch.equal(param, local_shard(param, source)), name
+    with pytest.raises(ValueError, match="from expert-parallel size 2 .rank 1. to 1 .rank 0."):
+        carry_over_state(rank, GroupedExperts(config, ParallelLayout.single(), output_init_std=0.01))
