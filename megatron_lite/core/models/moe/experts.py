@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.core.models.moe.config_checks import check_moe_parallelism
+from megatron_lite.core.models.moe_config import check_moe_parallelism
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import ExpertShard, TPShard, mark_parameter
 
