@@ -200,8 +200,8 @@ class MegatronOptimizer:
 
     def reduce_gradients(self) -> None:
         """Make the gradients those of the global batch: under sequence parallelism the partial
-        gradients of replicated parameters are summed over TP, then everything over DP (FSDP has
-        already reduce-scattered over DP in its backward hooks)."""
+        gradients of replicated parameters are summed over TP, then everything over DP (experts over
+        expert-DP; FSDP has already reduce-scattered over DP in its backward hooks)."""
         if self.grad_reduction == "fsdp":
             for _, param in self.named_params:
                 if param.grad is None:
