@@ -190,11 +190,19 @@ def _mismatches(layout: ParallelLayout, name: str, ref: dict) -> list[str]:
         opt.finish_step(result)
     for n, p in params.items():
         check(f"{n} after {STEPS} steps", p.detach(), local_of(ref["weights"][n], p))
-    for n, entry in opt.checkpoint_state().items():  # ZeRO-1 gathers each parameter's state over its group
+    state = opt.checkpoint_state()  # ZeRO-1 gathers each parameter's state over its group
+    for n, entry in state.items():
         check(f"{n} momentum", entry["momentum_buffer"], local_of(ref["momentum"][n], params[n]))
     if overlap:
         assert opt.overlapped_reductions == STEPS * len(opt.grad_buffers.buckets), name
     opt.remove_hooks()
+    if distributed:  # and back: a fresh ZeRO-1 optimizer takes its own slices of the gathered state
+        fresh = DistributedOptimizer(model, config, layout, bucket_size=bucket_size)
+        fresh.ensure_state()
+        fresh.load_checkpoint_state(state)
+        for n, entry in fresh.checkpoint_state().items():
+            check(f"{n} momentum reloaded", entry["momentum_buffer"], local_of(ref["momentum"][n], params[n]))
+        fresh.remove_hooks()
     return mismatches
 
 
