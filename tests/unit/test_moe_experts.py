@@ -37,7 +37,8 @@ def _rank_layout(ep: int = 1, etp: int = 1, ep_rank: int = 0, etp_rank: int = 0)
     """The layout a rank of EP x ETP (x nothing else) sees, without process groups."""
     if ep == etp == 1:
         return ParallelLayout.single()
-    config = ParallelConfig(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    # ETP = TP (the default), as expert output biases need
+    config = ParallelConfig(expert_model_parallel_size=ep, tensor_model_parallel_size=etp, sequence_parallel=etp > 1)
     world = ep * etp
     return ParallelLayout(config, world, ep_rank * etp + etp_rank, coords={"ep": ep_rank, "etp": etp_rank})
 

@@ -103,10 +103,11 @@ def check_moe_parallelism(config: "GPTConfig", parallel, sequence_parallel: Opti
             f"moe_ffn_hidden_size ({config.moe_ffn_hidden_size}) must be divisible by expert_tensor_parallel_size "
             f"({etp}); choose an expert_tensor_parallel_size dividing it."
         )
-    if config.add_bias_linear and etp > 1:
+    if config.add_bias_linear and etp > 1 and etp != parallel.tensor_model_parallel_size:
         _fail(
-            f"add_bias_linear=True with expert_tensor_parallel_size={etp}: the experts' output bias is not split over "
-            f"ETP yet; set expert_tensor_parallel_size=1 or add_bias_linear=False."
+            f"add_bias_linear=True with expert_tensor_parallel_size={etp} != tensor_model_parallel_size "
+            f"({parallel.tensor_model_parallel_size}): the experts' output bias is reduced over the TP group; set "
+            f"expert_tensor_parallel_size to 1 or to the TP size, or add_bias_linear=False."
         )
     shared = config.moe_shared_expert_intermediate_size
     tp = parallel.tensor_model_parallel_size

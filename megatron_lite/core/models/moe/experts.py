@@ -99,8 +99,10 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = local
         stride = 2 if self.swiglu else 1
 
-        def expert_param(shape: tuple, init: tuple, shard: Optional[TPShard]) -> nn.Parameter:
-            return mark_parameter(nn.Parameter(torch.empty(shape)), init, shard, expert_shard=experts)
+        def expert_param(shape: tuple, init: tuple, shard: Optional[TPShard], partial: bool = False) -> nn.Parameter:
+            return mark_parameter(
+                nn.Parameter(torch.empty(shape)), init, shard, tp_partial_grad=partial, expert_shard=experts
+            )
 
         def etp_shard(dim: int, split_stride: int, global_shape: tuple) -> TPShard:
             return TPShard(dim, split_stride, global_shape, layout.etp_rank, etp, group="etp")
@@ -118,7 +120,9 @@ class GroupedExperts(nn.Module):
             expert_param(
                 (local, hidden, ffn // etp), ("normal", output_init_std), etp_shard(2, 1, (local, hidden, ffn))
             ),
-            expert_param((local, hidden), ("zeros",), None) if bias else None,
+            # whole on every ETP rank but added on rank 0 only (the caller sums the partial outputs): its gradient
+            # is rank 0's, summed over the ETP group (= the TP group: ETP must equal TP for biases) by the reduction
+            expert_param((local, hidden), ("zeros",), None, partial=etp > 1) if bias else None,
             add_bias=layout.etp_rank == 0,
         )
         # Whether torch's grouped GEMM runs here, per (device type, compute dtype): probed once each
