@@ -14,6 +14,15 @@ def _config(**overrides):
     return tiny_config(**{**MOE, **overrides})
 
 
+def assert_same_reports(result, reference):
+    """The router losses and expert loads the layers report are the single process's, per step."""
+    assert reference["reported"][0], "the reference reported no MoE metrics"
+    for got, want in zip(result["reported"], reference["reported"]):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
 LAYOUTS = {
     "ep2": dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
     "ep2-alltoall": dict(
@@ -49,6 +58,7 @@ def test_moe_layout_matches_single_process(name, references, tmp_path):
     reference = references(kwargs.get("mbs", 2))
     result = run(tmp_path, config=_config(moe_token_dispatcher_type=dispatcher), steps=4, **kwargs)
     assert_same_training(result, reference)
+    assert_same_reports(result, reference)
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
     )
@@ -107,6 +117,7 @@ def test_moe_variant_matches_single_process(name, tmp_path):
     result = run(tmp_path / "parallel", config=config, steps=3, **kwargs)
     # ZeRO-1 moves the gradients into its shards: there the norms, losses and parameters carry the proof
     assert_same_training(result, reference, grads=not zero1)
+    assert_same_reports(result, reference)
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
     )
