@@ -96,6 +96,14 @@ VARIANTS = {
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, moe_grouped_gemm=True),
         dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
     ),
+    "tp2-sp-ep2-recompute-moe-alltoall": (
+        dict(
+            recompute_granularity="selective",
+            recompute_modules=["core_attn", "moe"],
+            moe_token_dispatcher_type="alltoall",
+        ),
+        dict(devices=4, tp=2, sp=True, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
     "ep2-pp2-vpp2": (
         dict(num_layers=4),
         dict(devices=4, pp=2, vpp=2, strategy_kwargs=dict(expert_model_parallel_size=2)),

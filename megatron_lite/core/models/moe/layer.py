@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
@@ -75,8 +76,16 @@ class MoELayer(nn.Module):
         self.sequence_parallel = layout.sequence_parallel
         self.tp_cp_group, self.tp_dp_cp_group = layout.group("tp_cp"), layout.group("tp_dp_cp")
         self.cp_size = layout.cp_size
+        self.recompute = config.recomputes("moe")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # selective recompute of 'moe': keep only the layer's input; router, dispatch and experts (their
+            # collectives too) run again in the backward pass, where the router attaches and records nothing
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         # Without sequence parallelism (generation) the TP ranks hold the same tokens: each takes its share, so the
         # experts see every token once, and the outputs are gathered again (padding a length TP does not divide).
         split = self.tp_size > 1 and not self.sequence_parallel
