@@ -93,7 +93,7 @@ class GPTConfig:
     """With 'full': checkpoint groups of recompute_num_layers layers ('uniform') or the first ones ('block')."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per checkpointed group ('uniform') or layers checkpointed one by one ('block')."""
-    # --- Mixture of Experts (Megatron's names and defaults; checked in core/models/moe/config_checks.py) ---
+    # --- Mixture of Experts (Megatron's names and defaults; checked in core/models/moe_config.py) ---
     num_moe_experts: Optional[int] = None
     """Experts per MoE layer; None means a dense model (every other moe_* field must then keep its default)."""
     moe_layer_freq: Union[int, list[int]] = 1
@@ -204,7 +204,7 @@ class GPTConfig:
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
         self._validate_recompute()
-        from megatron_lite.core.models.moe.config_checks import check_moe_fields
+        from megatron_lite.core.models.moe_config import check_moe_fields
 
         check_moe_fields(self)
 

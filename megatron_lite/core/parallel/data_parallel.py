@@ -13,6 +13,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.tensor_parallel import is_expert_parameter
 
 _BUCKET_BYTES = 40 * 1024 * 1024
 
@@ -52,12 +53,14 @@ def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
 
     1. Replicated parameters whose gradient is partial per TP rank (see :func:`grad_is_partial_over_tp`)
        get it summed over TP.
-    2. All gradients are summed over data (and context) parallel ranks. The loss was already
-       divided by the global token count, so the sum is the mean.
+    2. Dense gradients are summed over data (and context) parallel ranks, those of MoE experts over the
+       expert-data-parallel ranks (the other copies of the same experts). The loss was already divided
+       by the global token count, so the sum is the mean.
     """
     params = list(model.parameters())
     reduce_tp_partial_grads(params, layout)
-    all_reduce_coalesced(_grads(params), layout.group("dp_cp"))
+    all_reduce_coalesced(_grads(p for p in params if not is_expert_parameter(p)), layout.group("dp_cp"))
+    all_reduce_coalesced(_grads(p for p in params if is_expert_parameter(p)), layout.group("edp"))
 
 
 def grad_is_partial_over_tp(param: torch.Tensor, sequence_parallel: bool) -> bool:

@@ -1,5 +1,6 @@
-"""GPTConfig's MoE fields checked as Megatron's TransformerConfig checks them, plus the options that would have no
-effect in the chosen configuration (refused rather than silently ignored)."""
+"""GPTConfig's MoE fields checked as Megatron's TransformerConfig checks them (a sibling of config.py, not inside moe/:
+the config reads it and the MoE layers read the config), plus the options that would have no effect in the chosen
+configuration (refused rather than silently ignored)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,11 @@ def check_moe_parallelism(config: "GPTConfig", parallel, sequence_parallel: Opti
         _fail(
             f"moe_ffn_hidden_size ({config.moe_ffn_hidden_size}) must be divisible by expert_tensor_parallel_size "
             f"({etp}); choose an expert_tensor_parallel_size dividing it."
+        )
+    if config.add_bias_linear and etp > 1:
+        _fail(
+            f"add_bias_linear=True with expert_tensor_parallel_size={etp}: the experts' output bias is not split over "
+            f"ETP yet; set expert_tensor_parallel_size=1 or add_bias_linear=False."
         )
     shared = config.moe_shared_expert_intermediate_size
     tp = parallel.tensor_model_parallel_size
