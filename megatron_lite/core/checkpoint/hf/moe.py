@@ -29,7 +29,7 @@ from typing import Any
 
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.moe.config_checks import moe_layer_pattern
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 
 CAUSAL_LM = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _QWEN_MOE_DEFAULTS: dict[str, Any] = dict(

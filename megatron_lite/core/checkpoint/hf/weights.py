@@ -29,7 +29,7 @@ import torch
 
 from megatron_lite.core.checkpoint.hf.moe import moe_model_type
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.moe.config_checks import moe_layer_pattern
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 
 # Buffers some old HF checkpoints saved; they are recomputed from the config, never read.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
