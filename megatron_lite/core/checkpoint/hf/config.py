@@ -28,16 +28,29 @@ CAUSAL_LM = {
     **moe.CAUSAL_LM,
 }
 
-# transformers' Qwen2 defaults; Qwen3's are the same with a head width of its own.
+# transformers' Qwen defaults: the vocabulary and context of every Qwen (Qwen3's head width is its own)
+_QWEN: dict[str, Any] = dict(vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=False)
 _QWEN2_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=151936,
+    _QWEN,
     hidden_size=4096,
     intermediate_size=22016,
     num_hidden_layers=32,
     num_attention_heads=32,
     num_key_value_heads=32,
-    max_position_embeddings=32768,
+)
+# Mistral's shape is Mixtral's; Qwen2-MoE's and Qwen3-MoE's routers share their defaults.
+_MISTRAL: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096 * 32,
     tie_word_embeddings=False,
+)
+_QWEN_MOE: dict[str, Any] = dict(
+    _QWEN, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, router_aux_loss_coef=0.001
 )
 # What transformers assumes for a key a config.json leaves out (configs saved as a diff against the defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -50,20 +63,40 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     ),
-    "mistral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096 * 32,
-        tie_word_embeddings=False,
-        sliding_window=4096,
-    ),
+    "mistral": dict(_MISTRAL, sliding_window=4096),
     "qwen2": _QWEN2_DEFAULTS,
     "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128},
-    **moe.DEFAULTS,
+    # (the expert count has two names: its default is moe.DEFAULT_EXPERTS)
+    "mixtral": dict(
+        _MISTRAL,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.001,
+        router_jitter_noise=0.0,
+    ),
+    "qwen2_moe": dict(
+        _QWEN_MOE,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_experts_per_tok=4,
+        qkv_bias=True,
+    ),
+    "qwen3_moe": dict(
+        _QWEN_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+    ),
 }
 _COMMON_DEFAULTS = dict(
     hidden_act="silu",

@@ -32,58 +32,10 @@ from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 
 CAUSAL_LM = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-_QWEN_MOE_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    tie_word_embeddings=False,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=False,
-    router_aux_loss_coef=0.001,
-)
-# What transformers assumes for a key a config.json leaves out.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "mixtral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096 * 32,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        rope_theta=1e6,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=0.001,
-        router_jitter_noise=0.0,
-    ),
-    "qwen2_moe": dict(
-        _QWEN_MOE_DEFAULTS,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        moe_intermediate_size=1408,
-        shared_expert_intermediate_size=5632,
-        num_experts_per_tok=4,
-        qkv_bias=True,
-    ),
-    "qwen3_moe": dict(
-        _QWEN_MOE_DEFAULTS,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        moe_intermediate_size=768,
-        num_experts_per_tok=8,
-    ),
-}
-# The expert count has two names (below); transformers' default when a config.json gives neither.
+# The expert count has two names (below); transformers' default when a config.json gives neither (its other
+# defaults are in config.py's, with the dense models').
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")
-_DEFAULT_EXPERTS = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128}
+DEFAULT_EXPERTS = {"mixtral": 8, "qwen2_moe": 60, "qwen3_moe": 128}
 _refuse = UnsupportedHFModel.config_option
 
 
@@ -93,7 +45,7 @@ def _experts(model_type: str, hf: dict[str, Any]) -> int:
     given = {key: hf[key] for key in _EXPERT_COUNT_KEYS if hf.get(key) is not None}
     if len(set(given.values())) > 1:
         raise _refuse(f"{given}", "the two names of the expert count must agree")
-    experts = next(iter(given.values()), _DEFAULT_EXPERTS[model_type])
+    experts = next(iter(given.values()), DEFAULT_EXPERTS[model_type])
     if not isinstance(experts, int) or experts < 1:
         name = next(iter(given), _EXPERT_COUNT_KEYS[0])
         raise _refuse(f"{name}={experts!r}", f"a {model_type} model without experts is a dense model")
@@ -116,7 +68,8 @@ def _layer_freq(hf: dict[str, Any]) -> int | list[int]:
 
 
 def moe_fields_from_hf(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
-    """The GPTConfig MoE fields of an MoE ``config.json`` (``hf`` with transformers' defaults filled in)."""
+    """The GPTConfig MoE fields of an MoE ``config.json`` (``hf`` with transformers' defaults filled in, but for the
+    expert count)."""
     fields: dict[str, Any] = dict(
         num_moe_experts=_experts(model_type, hf),
         moe_router_topk=hf["num_experts_per_tok"],
