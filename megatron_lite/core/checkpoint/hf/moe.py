@@ -1,17 +1,6 @@
 """The mixture-of-experts half of an HF ``config.json`` <-> :class:`GPTConfig`: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-| HF                                              | GPTConfig                                              |
-|-------------------------------------------------|--------------------------------------------------------|
-| ``num_local_experts`` / ``num_experts``         | ``num_moe_experts``                                    |
-| ``num_experts_per_tok``                         | ``moe_router_topk``                                    |
-| ``intermediate_size`` (Mixtral),                | ``moe_ffn_hidden_size`` (the dense layers' width stays |
-| ``moe_intermediate_size`` (Qwen)                | ``ffn_hidden_size``)                                   |
-| Mixtral; Qwen ``norm_topk_prob``                | ``moe_router_pre_softmax=not norm_topk_prob`` (Mixtral |
-|                                                 | renormalises the top-k: ``False``)                     |
-| ``router_aux_loss_coef``                        | ``moe_aux_loss_coeff`` (``aux_loss`` balancing)        |
-| ``shared_expert_intermediate_size`` + its gate  | ``moe_shared_expert_intermediate_size``,               |
-|                                                 | ``moe_shared_expert_gate=True``                        |
-| ``decoder_sparse_step``, ``mlp_only_layers``    | ``moe_layer_freq`` (a 0/1 list unless every layer)     |
+The field-by-field mapping is the table in ``docs/hugging-face.md``.
 
 Why the router settings are exact: for softmax scores Megatron's ``pre_softmax=False`` softmaxes the k largest
 logits among themselves, which is transformers' softmax over all experts renormalised over its top k (same
