@@ -129,3 +129,23 @@ def test_moe_variant_matches_single_process(name, tmp_path):
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
     )
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-true"])
+def test_moe_mixed_precision_tracks_fp32(precision, tmp_path):
+    """bf16 is not bit-exact and fp16 scales the loss: at EP2, with an aux loss large enough to matter (its gradient
+    is back-propagated with the loss scale, or fp16's norm would be off by the scale), both track fp32."""
+    config = _config(moe_aux_loss_coeff=1.0, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+    kwargs = dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2), config=config, steps=3)
+    reference = run(tmp_path / "fp32", **kwargs)
+    if precision == "16-true":  # a loss scale that does not overflow at the first steps (Megatron starts at 2**32)
+        kwargs["optimizer"] = ml.OptimizerConfig(
+            lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, initial_loss_scale=2.0**10
+        )
+    result = run(tmp_path / precision, precision=precision, **kwargs)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=2e-2, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=5e-2, atol=0
+    )
+    if precision == "16-true":
+        assert result["loss_scale"] is not None and result["skipped_steps"] == 0

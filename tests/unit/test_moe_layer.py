@@ -54,3 +54,19 @@ def test_a_training_forward_reports_router_losses_and_expert_loads():
     assert report["moe/dropped_token_fraction"][0] == 0  # dropless: nothing dropped, out of 2 x 16 x top-2 pairs
     assert report["moe/dropped_token_fraction"][1] == 2 * 16 * 2
     assert report["moe/layer_1/load_max_over_mean"][0] >= 1.0
+
+
+def test_aux_losses_are_back_propagated_with_the_loss_scale():
+    """fp16 loss scaling multiplies each micro-batch's backward: the router's auxiliary and z-losses get the same
+    multiplier, so once the step's grad_scale is applied the router's gradient is the unscaled one times the scale."""
+    from megatron_lite.core.parallel.layout import ParallelLayout
+    from megatron_lite.core.parallel.schedules import forward_backward_no_pipelining
+
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    microbatches = [{"tokens": tokens[:2]}, {"tokens": tokens[2:]}]
+    grads = []
+    for loss_scale in (None, 1024.0):
+        model = ml.GPTModel(ml.GPTConfig(**{**BASE, "moe_aux_loss_coeff": 1.0}), seed=3)
+        forward_backward_no_pipelining(model, microbatches, ParallelLayout.single(), loss_scale=loss_scale)
+        grads.append(model.layer(0).mlp.router.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0] * 1024.0, rtol=1e-4, atol=1e-5 * grads[1].abs().max().item())

@@ -28,6 +28,7 @@ from megatron_lite.core.parallel.schedules import (
     finish_step_loss,
     forward_backward_no_pipelining,
     scale_model_grads,
+    share_backward_scale,
     take_model_report,
 )
 from megatron_lite.core.rerun import RerunStateMachine
@@ -144,9 +145,6 @@ class TrainingEngine:
         """Forward (and backward) of every microbatch through the layout's schedule; the loss is the
         global-batch mean on every rank. Gradients are left unnormalised with ``scale_grads=False``
         (``StepLoss.grad_scale`` says by what to multiply them). The loss's report is reduced with it."""
-        state = getattr(self.model, "moe_state", None)
-        if state is not None:  # the MoE layers' auxiliary losses are back-propagated with the loss's multiplier
-            state.backward_scale = backward_scale_for(loss_scale, microbatches)
         if not self.pipelined:
             return forward_backward_no_pipelining(
                 self.model,
@@ -161,6 +159,7 @@ class TrainingEngine:
                 report_names=self._report_names,
             )
         backward_scale = backward_scale_for(loss_scale, microbatches)
+        share_backward_scale(self.model, backward_scale)
         result = self._run(microbatches, forward_only, backward_scale, no_sync)
         recorded = take_model_report(self.model)  # every stage's layers may record (MoE), not only the last's
         if recorded:

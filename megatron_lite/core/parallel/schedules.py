@@ -119,6 +119,7 @@ def forward_backward_no_pipelining(
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
     report = ReportSums(device)
     backward_scale = backward_scale_for(loss_scale, microbatches)
+    share_backward_scale(model, backward_scale)
     for index, microbatch in enumerate(microbatches):
         if forward_only:
             with torch.no_grad():
@@ -137,6 +138,14 @@ def forward_backward_no_pipelining(
     if not forward_only and scale_grads:
         scale_model_grads(model, step.grad_scale)
     return step
+
+
+def share_backward_scale(model: nn.Module, backward_scale: float) -> None:
+    """Tell the model's layers the multiplier of this step's backward passes: an MoE layer back-propagates its
+    auxiliary losses with it, as the loss is (fp16 loss scaling)."""
+    state = getattr(model, "moe_state", None)
+    if state is not None:
+        state.backward_scale = backward_scale
 
 
 def take_model_report(model: nn.Module) -> dict:
