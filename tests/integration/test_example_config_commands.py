@@ -48,6 +48,7 @@ def test_the_headers_hold_the_commands_they_should() -> None:
         "gpt_tiny.yaml": ["fit", "fit", "estimate"],
         "grpo.yaml": ["fit"],
         "loggers.yaml": ["fit", "plot"],
+        "moe_tiny.yaml": ["fit", "fit", "estimate"],
     }
 
 
@@ -82,6 +83,12 @@ def test_every_command_in_a_config_header_runs(
         saved = next((tmp_path / "csv0").rglob("config.yaml")).read_text()
         assert "path: shakespeare" in saved and "tensor_model_parallel_size: 2" in saved
         assert "FLOPs per step:" in out  # estimate printed its table
+    elif config.stem == "moe_tiny":
+        # EP2 trained, reported its router losses and expert loads, resumed from its own checkpoint
+        assert _steps(tmp_path / "csv0", "train/load_balancing_loss") == [0, 1]
+        assert _steps(tmp_path / "csv0", "train/moe/layer_3/load_cv") == [0, 1]
+        assert _steps(tmp_path / "csv1", "train/loss") == [2, 3]
+        assert "FLOPs per step:" in out
     elif config.stem == "gpt_pretrain_bin":
         assert (tmp_path / "data/shakespeare_text_document.idx").is_file()
         assert "sequence_parallel: true" in next((tmp_path / "csv1").rglob("config.yaml")).read_text()
