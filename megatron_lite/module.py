@@ -110,7 +110,7 @@ class GPTModule(GPTInference, pl.LightningModule):
         strict: bool = True,
         **config_overrides: Any,
     ) -> "GPTModule":
-        """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2 directory
+        """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2/Qwen3 directory
         (config.json + safetensors) or one of our checkpoints (its saved config, optimizer settings and seed).
 
         The model is built for one process and put in eval mode: ``module.full_logits(tokens)`` and

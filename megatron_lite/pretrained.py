@@ -41,17 +41,21 @@ from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.tensor_parallel import full_shape
 from megatron_lite.tokenizers.build import TOKENIZER_KEY, portable_tokenizer_spec, tokenizer_spec
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
 
 
 def _saved_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape a checkpoint stores ``param`` at (its global shape, fused blocks as their own dimension)."""
+    """The shape a checkpoint stores ``param`` at (its global shape, fused blocks as their own dimension, an expert
+    weight's for all experts)."""
     shard = getattr(param, "tp_shard", None)
-    if shard is None:
-        return tuple(param.shape)
-    return tuple(shard.blocked_view(torch.empty(shard.global_shape, device="meta"))[1])
+    shape = (
+        tuple(param.shape) if shard is None else shard.blocked_view(torch.empty(shard.global_shape, device="meta"))[1]
+    )
+    experts = getattr(param, "expert_shard", None)
+    return tuple(experts.global_shape(shape) if experts is not None else shape)
 
 
 def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
@@ -93,7 +97,7 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
     )
     full = {}
     for name, tensor in saved.items():
-        shape = getattr(getattr(params[name], "tp_shard", None), "global_shape", tuple(params[name].shape))
+        shape = full_shape(params[name], padded=True)
         # A fused block seen as its own dimension ([2, ffn, h]) is the flat parameter's memory: reshape it back.
         full[name] = tensor.reshape(shape) if tensor.numel() == torch.Size(shape).numel() else tensor
     load_full_state(model, full, vocab_size=vocab_size, strict=strict)

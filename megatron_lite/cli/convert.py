@@ -5,7 +5,7 @@
     megatron-lite convert --to hf --input QUANTIZED_CKPT --output HF_DIR     (ModelOpt unified, for TRT-LLM/vLLM)
 
 ``--from hf`` reads a local HF directory (config.json + safetensors, sharded or not; Llama 2/3, SmolLM, Mistral
-without sliding window, Qwen2) and writes one of our checkpoints holding its weights and config, plus the
+without sliding window, Qwen2, Qwen3) and writes one of our checkpoints holding its weights and config, plus the
 HF tokenizer/generation files in ``CKPT/hf/``. Fine-tune from it with ``GPTModule.from_pretrained(CKPT)``
 and ``trainer.fit(module, data)``; ``trainer.validate/test/predict(..., ckpt_path=CKPT)`` load it directly.
 

@@ -346,6 +346,11 @@ def _sliced_state(model: GPTModel, plan: PrunePlan) -> dict[str, torch.Tensor]:
             "self_attention.linear_qkv.bias": (rows,),
             "self_attention.linear_proj.weight": (ch, cols),
             "self_attention.linear_proj.bias": (ch,),
+            # qk_layernorm: one weight over a head's width, shared by every head (the width is kept)
+            "self_attention.q_layernorm.weight": (slice(None),),
+            "self_attention.q_layernorm.bias": (slice(None),),
+            "self_attention.k_layernorm.weight": (slice(None),),
+            "self_attention.k_layernorm.bias": (slice(None),),
             "mlp.linear_fc1.weight": (neurons_fc1, ch),
             "mlp.linear_fc1.bias": (neurons_fc1,),
             "mlp.linear_fc2.weight": (ch, neurons),

@@ -63,6 +63,7 @@ SHAPE_FIELDS = (
     "share_embeddings_and_output_weights",
     "add_bias_linear",
     "add_qkv_bias",
+    "qk_layernorm",
 )
 
 

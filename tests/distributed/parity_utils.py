@@ -48,7 +48,13 @@ def full_tensors(pl_module, which) -> dict:
         if t is None:
             continue
         t = full_local_tensor(t.detach()).clone().float()
-        out[name] = gather_full(t, getattr(p, "tp_shard", None), group).cpu()
+        shard = getattr(p, "tp_shard", None)
+        t = gather_full(t, shard, layout.group(shard.group) if shard is not None else group)
+        if getattr(p, "expert_shard", None) is not None and layout.group("ep") is not None:
+            pieces = [torch.empty_like(t) for _ in range(layout.ep_size)]
+            torch.distributed.all_gather(pieces, t.contiguous(), group=layout.group("ep"))
+            t = torch.cat(pieces)  # the experts of every EP rank, in expert order
+        out[name] = t.cpu()
     if layout.pp_size > 1:
         stages = [None] * layout.pp_size
         torch.distributed.all_gather_object(stages, out, group=layout.group("pp"))

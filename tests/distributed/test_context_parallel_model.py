@@ -1,6 +1,6 @@
 """A GPTModel under context parallelism (core, no Lightning) computes the single-process model's loss
 and gradients: each CP rank runs its zigzag share of the rows, the loss sums and the gradients are
-summed over CP; with TP and sequence parallelism too, with packed rows, with recompute; full_logits
+summed over CP; with TP and sequence parallelism too, with packed rows, with recompute, with qk_layernorm; full_logits
 and generation run the whole rows on every CP rank."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from spawn_utils import run_ranks
 
 import megatron_lite as ml
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
+from megatron_lite.core.parallel.data_parallel import grad_is_partial_over_tp
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.core.parallel.tensor_parallel import gather_full
@@ -72,7 +73,7 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
     for name, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g, group=layout.group("cp"))
-        if sp and getattr(p, "sequence_parallel_grad", False):
+        if layout.tp_size > 1 and grad_is_partial_over_tp(p, sp):
             dist.all_reduce(g, group=layout.group("tp"))
         grads[name] = gather_full(g, getattr(p, "tp_shard", None), layout.group("tp"))
     logits = model.full_logits(mb["tokens"][:, :-1])
@@ -83,9 +84,9 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
     "world,tp,sp,packed,overrides,comm_type",
     [
         (2, 1, False, False, {}, "p2p"),
-        (2, 1, False, True, {}, "all_gather"),
+        (2, 1, False, True, {"qk_layernorm": True}, "all_gather"),
         (4, 1, False, True, {}, "p2p"),
-        (4, 2, True, False, {"recompute_granularity": "selective"}, "p2p"),
+        (4, 2, True, False, {"recompute_granularity": "selective", "qk_layernorm": True}, "p2p"),
         (
             2,
             1,
@@ -95,7 +96,7 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
             "p2p",
         ),
     ],
-    ids=["cp2", "cp2-packed-allgather", "cp4-packed", "tp2-cp2-sp-recompute", "cp2-learned-pos"],
+    ids=["cp2", "cp2-packed-allgather-qknorm", "cp4-packed", "tp2-cp2-sp-recompute-qknorm", "cp2-learned-pos"],
 )
 def test_context_parallel_model_equals_single_process(world, tp, sp, packed, overrides, comm_type):
     torch.set_num_threads(1)

@@ -4,6 +4,8 @@ Same seed, same mock data, same global batch: the 10 per-step losses and the fir
 gradients must match to fp32 tolerance (rtol 1e-5), the way Megatron checks itself.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from parity_utils import assert_same_training, run, tiny_config
@@ -52,6 +54,26 @@ def test_gpt2_style_model_with_tp_sp_matches(tmp_path):
     # Not the final parameters: the key bias has a zero gradient in exact arithmetic (softmax ignores a
     # per-key constant), so Adam turns its rounding noise into +-lr updates in any summation order.
     assert_same_training(result, reference, params=False)
+
+
+def test_qk_layernorm_under_tp2_with_and_without_sp_matches(tmp_path):
+    """Qwen3's per-head query/key norms: one weight shared by every head, while each TP rank computes only its
+    own heads, so a rank's gradient of it is partial and is summed over TP, without SP as with it (where the
+    attention's input is gathered, so it is not a per-token partial sum), and under FSDP2, which reduces its own
+    gradients. Selective recompute under SP."""
+    config = tiny_config(qk_layernorm=True)
+    reference = run(tmp_path / "single", devices=1, config=config, steps=3)
+    for name, kwargs in {
+        "tp2": dict(devices=2, config=config),
+        "tp2_sp": dict(devices=2, sp=True, config=dataclasses.replace(config, recompute_granularity="selective")),
+        "tp2_dp2_fsdp2": dict(devices=4, config=config, strategy_kwargs=dict(use_torch_fsdp2=True)),
+    }.items():
+        result = run(tmp_path / name, tp=2, steps=3, **kwargs)
+        assert result["grads"]["layers.0.self_attention.q_layernorm.weight"].abs().sum() > 0
+        assert_same_training(result, reference)
+        torch.testing.assert_close(
+            torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+        )
 
 
 def test_bf16_mixed_under_tp2_trains_close_to_fp32(reference, tmp_path):

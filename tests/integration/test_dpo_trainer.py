@@ -144,6 +144,9 @@ def test_reference_from_a_checkpoint_and_one_of_another_shape(tmp_path):
     message = str(err.value)
     assert "reference {'hidden_size': 64" in message and "vs policy {'hidden_size': 32" in message
     assert "\n" not in message
+    qk_norms = _saved(tmp_path, "qk_norms", qk_layernorm=True)  # extra weights, none of another shape
+    with pytest.raises(ValueError, match=r"reference \{'qk_layernorm': True\} vs policy \{'qk_layernorm': False\}"):
+        _trainer(tmp_path, max_steps=1).fit(DPOModule(config, reference=qk_norms), data)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _trainer(tmp_path, max_steps=1).fit(DPOModule(config, reference=str(tmp_path / "missing")), data)
 

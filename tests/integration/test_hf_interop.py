@@ -1,8 +1,9 @@
 """Hugging Face Llama interop against transformers itself: tiny random models (GQA untied, tied MHA, Llama-3.1
-RoPE scaling, biases everywhere, Qwen2's q/k/v bias, Mistral without a window) built in-process and saved with
-save_pretrained, imported (one process and TP2 under a real Trainer), exported with the CLI and loaded back in
-transformers; a model we trained at TP2 exported and loaded in transformers; sharded safetensors with an
-index; bf16 weights; refusals. Logits are compared in fp32 by relative L2 error (1e-5). Nothing is downloaded."""
+RoPE scaling, biases everywhere, Qwen2's q/k/v bias, Mistral without a window, Qwen3's q/k norms tied and untied)
+built in-process and saved with save_pretrained, imported (one process and TP2 under a real Trainer), exported
+with the CLI and loaded back in transformers; a model we trained at TP2 exported and loaded in transformers;
+sharded safetensors with an index; bf16 weights; refusals. Logits are compared in fp32 by relative L2 error (1e-5).
+Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -76,6 +77,13 @@ CASES = {
     ),
     "mistral_no_window": lambda: transformers.MistralConfig(
         **{**SMALL, "num_key_value_heads": 2, "sliding_window": None}
+    ),
+    # q_norm/k_norm (qk_layernorm) with a head width other than hidden / heads (64 / 4)
+    "qwen3_gqa_tied": lambda: transformers.Qwen3Config(
+        **{**SMALL, "num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": True}
+    ),
+    "qwen3_mha_untied": lambda: transformers.Qwen3Config(
+        **{**SMALL, "num_key_value_heads": 4, "head_dim": 8, "tie_word_embeddings": False}
     ),
 }
 
@@ -156,7 +164,7 @@ def test_import_gives_transformers_logits_in_one_process(case, hf_models):
     assert module.generate(prompt.tolist(), max_new_tokens=4).tokens == expected[:, 8:].tolist()
 
 
-@pytest.mark.parametrize("case", ["llama_gqa_untied", "qwen2_qkv_bias"])
+@pytest.mark.parametrize("case", ["llama_gqa_untied", "qwen2_qkv_bias", "qwen3_gqa_tied"])
 def test_import_gives_transformers_logits_at_tp2_under_a_trainer(case, hf_models, tmp_path):
     model, directory = hf_models[case]
     # 4 x 32 x 200 fp32 logits: 100 KiB, more than the pipe that carried rank 0's predictions used to hold
@@ -386,7 +394,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(
         UnsupportedHFModel,
         match=r"model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not "
-        r"supported .*\['llama', 'mistral', 'qwen2'\]",
+        r"supported .*\['llama', 'mistral', 'qwen2', 'qwen3'\]",
     ):
         ml.GPTModule.from_pretrained(gpt2)
     window = tmp_path / "mistral"

@@ -24,6 +24,7 @@ def test_derived_defaults_and_megatron_vocab_padding():
             share_embeddings_and_output_weights=True,
         ),
         dict(num_query_groups=2, ffn_hidden_size=88, add_qkv_bias=True),
+        dict(num_query_groups=2, kv_channels=12, qk_layernorm=True),
     ],
 )
 def test_num_parameters_matches_the_model(kwargs):

@@ -63,16 +63,21 @@ def test_defaults_of_keys_a_config_leaves_out_and_overrides():
         gpt_config_from_hf({"model_type": "llama"}, hidden=3)
 
 
+SMALL_GQA = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    vocab_size=100,
+)
+
+
 def test_qwen2_maps_to_qkv_bias_and_back():
     config = gpt_config_from_hf(
         {
             "model_type": "qwen2",
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "intermediate_size": 96,
-            "vocab_size": 100,
+            **SMALL_GQA,
             "tie_word_embeddings": True,
             "use_sliding_window": False,
             "sliding_window": None,
@@ -83,6 +88,26 @@ def test_qwen2_maps_to_qkv_bias_and_back():
     exported = hf_config_from_gpt(config, "float32")
     assert exported["model_type"] == "qwen2" and exported["architectures"] == ["Qwen2ForCausalLM"]
     assert gpt_config_from_hf(exported) == config
+
+
+def test_qwen3_maps_to_qk_layernorm_with_its_own_head_width_and_back():
+    qwen3 = {
+        "model_type": "qwen3",
+        **SMALL_GQA,
+        "use_sliding_window": False,
+        "sliding_window": 4096,  # ignored without use_sliding_window, as transformers ignores it
+    }
+    config = gpt_config_from_hf(qwen3)
+    assert config.qk_layernorm and not config.add_qkv_bias and not config.add_bias_linear
+    assert config.kv_channels == 128  # transformers' Qwen3 default head_dim, not hidden / heads
+    assert not config.share_embeddings_and_output_weights
+    exported = hf_config_from_gpt(config, "float32")
+    assert exported["model_type"] == "qwen3" and exported["architectures"] == ["Qwen3ForCausalLM"]
+    assert exported["head_dim"] == 128 and exported["attention_bias"] is False
+    assert gpt_config_from_hf(exported) == config
+    tied = gpt_config_from_hf({**qwen3, "head_dim": 24, "tie_word_embeddings": True})
+    assert tied.kv_channels == 24 and tied.share_embeddings_and_output_weights
+    assert gpt_config_from_hf(hf_config_from_gpt(tied, "float32")) == tied
 
 
 @pytest.mark.parametrize(
@@ -104,6 +129,10 @@ def test_qwen2_maps_to_qkv_bias_and_back():
         ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
         ({"model_type": "mistral"}, "sliding_window=4096"),  # transformers' Mistral default has a window
         ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+        ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True for qwen3"),
+        ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "model_type 'qwen3_moe'"),
         ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "without 'low_freq_factor'"),
     ],
@@ -123,6 +152,8 @@ def test_models_transformers_cannot_load_are_not_exported():
             GPTConfig(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute"),
             "float32",
         )
+    with pytest.raises(UnsupportedHFModel, match=r"qk_layernorm with add_qkv_bias or add_bias_linear"):
+        hf_config_from_gpt(GPTConfig(qk_layernorm=True, add_qkv_bias=True), "float32")
 
 
 def test_rope_scaling_fields_are_validated():

@@ -158,8 +158,10 @@ def test_generation_frees_its_cache(model):
         dict(num_query_groups=8, share_embeddings_and_output_weights=True),
         dict(num_query_groups=1),
         dict(normalization="LayerNorm", activation="gelu", add_bias_linear=True),
+        dict(qk_layernorm=True, kv_channels=12),
+        dict(qk_layernorm=True, normalization="LayerNorm", rotary_percent=0.5),
     ],
-    ids=["gqa", "partial-rope", "learned-positions", "mha-tied", "mqa", "gpt2-style"],
+    ids=["gqa", "partial-rope", "learned-positions", "mha-tied", "mqa", "gpt2-style", "qk-norm", "qk-layernorm"],
 )
 def test_cache_equals_an_argmax_loop_over_the_training_forward(overrides):
     model = GPTModel(GPTConfig(**{**CONFIG, **overrides}), seed=5).eval()

@@ -46,7 +46,11 @@ def _calibration(n: int = 2) -> list[dict]:
     return [{"tokens": torch.randint(0, 96, (2, 17), generator=g)} for _ in range(n)]
 
 
-@pytest.mark.parametrize("config", [GQA, MHA], ids=["gqa-rope-swiglu", "mha-layernorm-gelu-tied"])
+@pytest.mark.parametrize(
+    "config",
+    [GQA, MHA, dict(MHA, qk_layernorm=True)],
+    ids=["gqa-rope-swiglu", "mha-layernorm-gelu-tied", "mha-layernorm-qk-layernorm"],
+)
 def test_a_target_equal_to_the_model_keeps_its_function_exactly(config):
     module = _module(**config)
     c = module.config

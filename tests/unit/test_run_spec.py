@@ -69,6 +69,19 @@ def test_derived_sizes_and_equality():
             dict(parallel=ParallelConfig(context_parallel_size=2), world_size=2, use_torch_fsdp2=True),
             r"use_torch_fsdp2=True with context_parallel_size=2 is not composed yet",
         ),
+        (
+            dict(parallel=ParallelConfig(expert_model_parallel_size=2), world_size=2, use_torch_fsdp2=True),
+            r"use_torch_fsdp2=True with expert_model_parallel_size=2 and expert_tensor_parallel_size=1 .* not composed "
+            r"yet .*use_distributed_optimizer=True",
+        ),
+        (
+            dict(
+                parallel=ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+                world_size=2,
+                use_torch_fsdp2=True,
+            ),
+            r"expert_tensor_parallel_size=1 \(tensor_model_parallel_size=2\) is not composed yet",
+        ),
         (dict(world_size=1, ddp_bucket_size=0), r"ddp_bucket_size must be a positive number of elements, got 0"),
         (dict(world_size=1, precision="fp8"), r"unknown precision 'fp8'"),
     ],

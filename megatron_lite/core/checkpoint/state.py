@@ -30,7 +30,10 @@ copy, which must be written back into the shard after loading (:func:`write_back
 
 
 def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayout):
+    experts = getattr(param, "expert_shard", None)
     shard = getattr(param, "tp_shard", None)
+    if experts is not None:
+        return _experts_view(tensor, shard, experts, layout)
     if shard is None:
         return tensor
     if shard.unpadded_size is not None:
@@ -40,12 +43,43 @@ def _global_view(tensor: torch.Tensor, param: torch.Tensor, layout: ParallelLayo
         # Still the blocked view (e.g. [2, ffn, h] for fused gate/up): the saved shape must not
         # depend on the TP size, or a TP1 checkpoint could not be loaded at TP2.
         return view
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
-    stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(
-        view, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=torch.Size(global_shape), stride=stride
-    )
+    return _dtensor(view, layout.mesh["tp"], [Shard(dim)], global_shape)
+
+
+def _experts_view(tensor: torch.Tensor, shard, experts, layout: ParallelLayout):
+    """An MoE layer's expert weight as its tensor of all experts ``[num_experts, ...]`` (fused blocks as their own
+    dimension, as for the dense layers), sharded along dimension 0 over EP and along its split dimension over ETP:
+    the saved tensor does not depend on EP, ETP or TP. Without an expert mesh (EP 1, ETP = TP) the ETP group is
+    TP's."""
+    from torch.distributed.tensor import Shard
+
+    if shard is not None:
+        view, global_shape, dim = shard.blocked_view(tensor)
+    else:  # whole over ETP (fc2's bias): replicated there
+        view, global_shape, dim = tensor, tuple(tensor.shape), None
+    global_shape = experts.global_shape(global_shape)
+    split_over_etp = shard is not None and shard.size > 1
+    if layout.expert_mesh is not None:
+        dims = [("ep", Shard(0))] if experts.size > 1 else []
+        dims += [("etp", Shard(dim))] if split_over_etp else []
+        if not dims:
+            return view
+        mesh = layout.expert_mesh[tuple(name for name, _ in dims)]
+    elif split_over_etp and layout.mesh is not None:  # EP 1 and ETP = TP: the ETP split is over TP's mesh dimension
+        dims, mesh = [("tp", Shard(dim))], layout.mesh["tp"]
+    else:
+        return view
+    return _dtensor(view, mesh, [placement for _, placement in dims], global_shape)
+
+
+def _dtensor(local, mesh, placements, global_shape):
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
@@ -63,7 +97,7 @@ def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
     local = tensor.narrow(dim, 0, real)
     if shard.size == 1 or layout.mesh is None:
         return local
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     if real > 0:
@@ -73,9 +107,7 @@ def _real_rows_view(tensor: torch.Tensor, shard, layout: ParallelLayout):
     else:  # this rank holds only padding: nothing of it is written, nothing read into it (the empty
         # wrapper describes a 2-D tensor: vocabulary tensors are [vocab, hidden])
         rows = LocalShardsWrapper([], [])
-    global_shape = torch.Size(shard.real_shape)
-    stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(rows, layout.mesh["tp"], [Shard(dim)], run_check=False, shape=global_shape, stride=stride)
+    return _dtensor(rows, layout.mesh["tp"], [Shard(dim)], shard.real_shape)
 
 
 def _checkpoint_view(

@@ -26,7 +26,7 @@ from megatron_lite.core.estimator.moe_activations import moe_dispatch_transient,
 from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, schedule_memory
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.moe.config_checks import moe_layer_pattern
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.models.recompute import full_recompute_groups
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
 

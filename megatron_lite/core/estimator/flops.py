@@ -32,8 +32,8 @@ from typing import Optional
 
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.moe.config_checks import moe_layer_pattern
-from megatron_lite.core.models.moe.sizes import mlp_weights, moe_router_parameters
+from megatron_lite.core.models.moe_config import moe_layer_pattern
+from megatron_lite.core.models.moe_sizes import mlp_weights, moe_router_parameters
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.moe.config_checks import moe_layer_pattern
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.parallel.layout import ParallelConfig
 
 
@@ -89,10 +89,10 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Option
     tied = config.share_embeddings_and_output_weights
     out: list = []
 
-    def norm(prefix: str) -> None:
-        out.append(ParamShape(f"{prefix}.weight", (h,), False))
+    def norm(prefix: str, width: int = h) -> None:
+        out.append(ParamShape(f"{prefix}.weight", (width,), False))
         if config.normalization == "LayerNorm":
-            out.append(ParamShape(f"{prefix}.bias", (h,), False))
+            out.append(ParamShape(f"{prefix}.bias", (width,), False))
 
     def linear(prefix: str, rows: int, cols: int, bias: Optional[tuple]) -> None:
         out.append(ParamShape(f"{prefix}.weight", (rows, cols), True))
@@ -107,11 +107,8 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Option
 
     def moe(prefix: str) -> None:
         assert config.num_moe_experts is not None and config.moe_ffn_hidden_size is not None  # an MoE model
-        width, split = config.moe_ffn_hidden_size, tp if etp is None else etp
-        local, fc1 = (
-            config.num_moe_experts // ep,
-            config.moe_ffn_hidden_size * (2 if config.activation == "swiglu" else 1),
-        )
+        width, split, local = config.moe_ffn_hidden_size, tp if etp is None else etp, config.num_moe_experts // ep
+        fc1 = width * (2 if config.activation == "swiglu" else 1)
         out.append(ParamShape(f"{prefix}.router.weight", (config.num_moe_experts, h), False))
         for name, shape, bias_shape in (
             ("linear_fc1", (local, fc1 // split, h), (local, fc1 // split)),
@@ -138,6 +135,9 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Option
         # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
         linear(f"{p}.self_attention.linear_qkv", qkv // tp, h, (qkv // tp,) if bias or config.add_qkv_bias else None)
         linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, (h,) if bias else None)
+        if config.qk_layernorm:  # one head's width, shared by every head: replicated
+            norm(f"{p}.self_attention.q_layernorm", d)
+            norm(f"{p}.self_attention.k_layernorm", d)
         norm(f"{p}.pre_mlp_layernorm")
         if is_moe[i]:
             moe(f"{p}.mlp")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, recompute_active
 from megatron_lite.core.models.rope import apply_rotary
 from megatron_lite.core.parallel.context_parallel import AttentionContext, context_parallel_attention, packed_attention
@@ -24,7 +25,9 @@ class SelfAttention(nn.Module):
 
     The QKV weight uses Megatron's layout ``[groups, (heads_per_group + 2), head_dim]`` along its
     output dimension, so a contiguous TP split hands each rank whole query groups with their keys
-    and values.
+    and values. With ``qk_layernorm`` each query and key head is normalized over its width before
+    RoPE (Qwen3's ``q_norm``/``k_norm``, Megatron's ``q_layernorm``/``k_layernorm``): one weight of a
+    head's width, shared by every head, so replicated over TP with a gradient summed over TP.
     """
 
     def __init__(self, config: GPTConfig, layout: ParallelLayout, output_init_std: float):
@@ -54,6 +57,21 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear,
             init_std=output_init_std,
         )
+        self.q_layernorm: Optional[Norm] = None
+        self.k_layernorm: Optional[Norm] = None
+        if config.qk_layernorm:
+            # Under SP the attention's input is already gathered: these norms see every token of this
+            # rank's heads, so their gradients are partial over TP through the heads, not the sequence.
+            norm = (config.normalization, self.head_dim, config.layernorm_epsilon)
+            self.q_layernorm = Norm(*norm, sequence_parallel=False, shared_by_tp_heads=True)
+            self.k_layernorm = Norm(*norm, sequence_parallel=False, shared_by_tp_heads=True)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[..., heads, head_dim]``, each head normalized over its channels with ``qk_layernorm``
+        (unchanged without it)."""
+        if self.q_layernorm is None or self.k_layernorm is None:
+            return q, k
+        return self.q_layernorm(q), self.k_layernorm(k)
 
     def forward(
         self,
@@ -69,6 +87,7 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.groups_per_rank * self.q_per_group, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)
+        q, k = self.normalize_qk(q, k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k, v = self.cached_kv(k, v)
@@ -105,6 +124,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups_per_rank, per_group + 2, self.head_dim)
         # Views and few ops: this runs per layer per token, and a decode step's tensors are tiny.
         qk = qkv.narrow(3, 0, per_group + 1)
+        if self.q_layernorm is not None:
+            qk = torch.cat(self.normalize_qk(qk.narrow(3, 0, per_group), qk.narrow(3, per_group, 1)), dim=3)
         if rope is not None:  # queries and keys rotated in one go: half the small ops of a decode step
             qk = rotate(qk, *rope)
         q = qk.narrow(3, 0, per_group)

@@ -77,6 +77,8 @@ class GPTConfig:
     """Biases in the linear layers (GPT-2 style)."""
     add_qkv_bias: bool = False
     """Bias in the QKV projection only (Qwen style)."""
+    qk_layernorm: bool = False
+    """Normalize each query and key head (over kv_channels, with the model's normalization) before RoPE (Qwen3)."""
     hidden_dropout: float = 0.0
     """Dropout on the residual branches and the embedding."""
     attention_dropout: float = 0.0
@@ -91,7 +93,7 @@ class GPTConfig:
     """With 'full': checkpoint groups of recompute_num_layers layers ('uniform') or the first ones ('block')."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per checkpointed group ('uniform') or layers checkpointed one by one ('block')."""
-    # --- Mixture of Experts (Megatron's names and defaults; checked in core/models/moe/config_checks.py) ---
+    # --- Mixture of Experts (Megatron's names and defaults; checked in core/models/moe_config.py) ---
     num_moe_experts: Optional[int] = None
     """Experts per MoE layer; None means a dense model (every other moe_* field must then keep its default)."""
     moe_layer_freq: Union[int, list[int]] = 1
@@ -202,7 +204,7 @@ class GPTConfig:
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be positive, got {self.init_method_std}")
         self._validate_recompute()
-        from megatron_lite.core.models.moe.config_checks import check_moe_fields
+        from megatron_lite.core.models.moe_config import check_moe_fields
 
         check_moe_fields(self)
 
@@ -346,7 +348,7 @@ class GPTConfig:
         return self._count_parameters(active=True)
 
     def _count_parameters(self, active: bool) -> int:
-        from megatron_lite.core.models.moe.sizes import mlp_side_parameters
+        from megatron_lite.core.models.moe_sizes import mlp_side_parameters
 
         h, L, v = self.hidden_size, self.num_layers, self.padded_vocab_size()
         assert (
@@ -363,7 +365,9 @@ class GPTConfig:
             biases = (q + kv) + h
         elif self.add_qkv_bias:
             biases = q + kv
-        per_layer = attn + biases + 2 * norm
+        # qk_layernorm: one norm of a head's width for the queries, one for the keys (shared by every head)
+        qk_norms = 2 * self.kv_channels * (2 if self.normalization == "LayerNorm" else 1) if self.qk_layernorm else 0
+        per_layer = attn + biases + 2 * norm + qk_norms
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
         return L * per_layer + mlp_side_parameters(self, active) + emb + out + norm

@@ -17,8 +17,8 @@ from torch import nn
 from megatron_lite.core.models.attention import SelfAttention, rotary_tables, scaled_init_std
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.mlp import MLP
-from megatron_lite.core.models.moe.config_checks import check_moe_parallelism, moe_layer_pattern
 from megatron_lite.core.models.moe.step_state import MoEStepState
+from megatron_lite.core.models.moe_config import check_moe_parallelism, moe_layer_pattern
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding

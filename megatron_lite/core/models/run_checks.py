@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.moe.config_checks import check_moe_parallelism
+from megatron_lite.core.models.moe_config import check_moe_parallelism
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.run_spec import RunSpec
 

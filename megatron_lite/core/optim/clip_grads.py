@@ -1,7 +1,7 @@
 """Global gradient norm and clipping across every shard (Megatron's clip_grads).
 
 One norm over the whole model: every tensor-parallel shard, every data-parallel shard (distributed
-optimizer, FSDP), each replicated gradient counted exactly once.
+optimizer, FSDP), every expert shard, each replicated gradient counted exactly once.
 """
 
 from __future__ import annotations
@@ -12,18 +12,38 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.tensor_parallel import is_tensor_parallel
+from megatron_lite.core.parallel.tensor_parallel import is_expert_parameter, is_tensor_parallel
 
 
-def counts_in_norm(model_param: torch.Tensor, layout: ParallelLayout, sliced_over_cp: bool = False) -> bool:
-    """Whether this rank's copy of ``model_param``'s gradient enters the global norm: a replicated
-    parameter has the same gradient on every TP (and CP) rank, so only rank 0 of those counts it; the
-    last pipeline stage's copy of a tied embedding is counted on the first stage. ``sliced_over_cp``:
-    the caller holds disjoint slices over the data x context parallel group (the distributed optimizer),
-    so every CP rank counts its own."""
-    if (layout.cp_rank != 0 and not sliced_over_cp) or getattr(model_param, "pipeline_duplicate", False):
+def replicated_norm_group(layout: ParallelLayout) -> tuple[Optional[dist.ProcessGroup], bool]:
+    """(group, over every rank) to sum the squared norm over when every rank holds whole (reduced) gradients:
+    one model replica ('mp': PP x CP x TP), or every rank when the experts are folded differently from the dense
+    layers (their replicas, over EDP, are not the dense ones, over DP x CP: no group smaller than the world holds
+    one copy of each, so :func:`counts_in_norm` picks one replica of each and one scalar is summed over all)."""
+    if layout.experts_folded:
+        return None, True
+    return layout.group("mp"), False
+
+
+def counts_in_norm(model_param: torch.Tensor, layout: ParallelLayout, sliced_over_dp: bool = False) -> bool:
+    """Whether this rank's copy of ``model_param``'s gradient enters the global norm, so that each distinct piece
+    is counted once over the ranks the norm is summed over (:func:`replicated_norm_group`, or every rank).
+
+    A dense gradient is the same on every DP x CP rank and, for a replicated parameter, on every TP rank; an
+    expert's is the same on every expert-DP rank and, when not split over ETP, on every ETP rank. The last
+    pipeline stage's copy of a tied embedding is counted on the first stage. ``sliced_over_dp``: the caller holds
+    disjoint slices over the gradient's reduction group (DP x CP, or expert-DP: the distributed optimizer, FSDP),
+    so every rank of it counts its own and the norm is summed over every rank."""
+    if getattr(model_param, "pipeline_duplicate", False):
         return False
-    return is_tensor_parallel(model_param) or layout.tp_rank == 0
+    expert = is_expert_parameter(model_param)
+    if not sliced_over_dp:
+        if layout.experts_folded:  # summed over every rank: one DP x CP (dense) or EDP (expert) replica
+            if (layout.edp_rank != 0) if expert else (layout.dp_rank != 0 or layout.cp_rank != 0):
+                return False
+        elif layout.cp_rank != 0:  # summed over PP x CP x TP; experts replicated like dense weights
+            return False
+    return is_tensor_parallel(model_param) or (layout.etp_rank if expert else layout.tp_rank) == 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +77,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], layout: ParallelLayout) -> 
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None and counts_in_norm(p, layout)]
-    return grad_norm_of(grads, layout.group("mp"), device)
+    group, all_ranks = replicated_norm_group(layout)
+    return grad_norm_of(grads, group, device, all_ranks=all_ranks)
 
 
 @torch.no_grad()

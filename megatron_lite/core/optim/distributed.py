@@ -1,5 +1,5 @@
 """Megatron's distributed optimizer (ZeRO-1): fp32 main parameters and optimizer state sharded over
-the data-parallel ranks.
+the data-parallel ranks (those of MoE experts over the expert-data-parallel ranks).
 
 Parameters are grouped into buckets (contiguous runs of parameters, ``bucket_size`` elements or
 more). Each bucket owns a flat fp32 gradient buffer, padded to a multiple of the DP size, into which
@@ -10,6 +10,10 @@ parameters (and the torch optimizer's state) for exactly those slices, steps the
 the updated slices back into every rank's model parameters. A parameter's slice on a rank is a
 1-D view into the rank's flat fp32 shard; it joins the torch optimizer's parameter group of its
 model parameter (weight decay and lr multipliers are decided from the model parameter).
+
+Each bucket is sharded over the group its gradients are summed over (:class:`ReductionGroup`): DP x CP
+for dense parameters, expert-DP for the experts of MoE layers (their own buckets, Megatron's
+expert-parallel buffers); "DP" below means the bucket's group.
 
 Per rank, with half-precision weights: 2 (weights) + 4 (fp32 gradient buffers) + 12/dp (fp32 master and
 Adam's moments) = ``6 + 12/dp`` bytes per parameter, Megatron's formula. fp32 weights are their own
@@ -30,7 +34,7 @@ from megatron_lite.core.optim.build import build_optimizer
 from megatron_lite.core.optim.clip_grads import counts_in_norm
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.optimizer import MegatronOptimizer
-from megatron_lite.core.parallel.grad_buffers import Bucket, GradBuffers, Reduction
+from megatron_lite.core.parallel.grad_buffers import Bucket, GradBuffers, Reduction, ReductionGroup
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _gather_first
 from megatron_lite.core.timers import timed
@@ -67,7 +71,8 @@ def _is_view_of(main: torch.Tensor, param: torch.Tensor) -> bool:
 
 
 class DistributedOptimizer(MegatronOptimizer):
-    """ZeRO-1 over the data(-and-context)-parallel group; same step interface as :class:`MegatronOptimizer`.
+    """ZeRO-1 over the data(-and-context)-parallel group (experts: over the expert-data-parallel group); same step
+    interface as :class:`MegatronOptimizer`.
 
     Args:
         bucket_size: elements per gradient bucket (one reduce-scatter and one all-gather each).
@@ -90,9 +95,6 @@ class DistributedOptimizer(MegatronOptimizer):
         overlap_grad_reduce: bool = False,
         build: Callable = build_optimizer,
     ) -> None:
-        self.dp_group = layout.group("dp_cp")
-        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
-        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
         super().__init__(
             model,
             config,
@@ -117,7 +119,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for bucket in self.grad_buffers.buckets:
             shard = _Shard(bucket)
             self.shards.append(shard)
-            lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            lo, hi = bucket.group.rank * bucket.shard_size, (bucket.group.rank + 1) * bucket.shard_size
             # fp32 weights are their own main copy (the slices are views into them, as in Megatron);
             # half-precision weights get an fp32 master shard.
             if bucket.dtype != torch.float32:
@@ -152,8 +154,8 @@ class DistributedOptimizer(MegatronOptimizer):
     # --- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """SP gradients over TP, then each bucket's fp32 gradient buffer reduce-scattered over DP into
-        the main gradients of this rank's slices."""
+        """SP gradients over TP, then each bucket's fp32 gradient buffer reduce-scattered over its group (DP x CP,
+        or expert-DP) into the main gradients of this rank's slices."""
         self.grad_buffers.reduce()
         for shard in self.shards:
             reduced = self.grad_buffers.reduced_shard(shard.bucket)
@@ -164,12 +166,12 @@ class DistributedOptimizer(MegatronOptimizer):
         """Done by :meth:`reduce_gradients` (the reduce-scatter lands in the main gradients)."""
 
     def norm_inputs(self):
-        # Slices are disjoint across DP x CP ranks; a TP-replicated parameter's slices are the same on
-        # every TP rank, so only TP rank 0 counts them. Summed over every rank.
+        # Slices are disjoint across the ranks of each bucket's group; a TP- (ETP-) replicated parameter's slices
+        # are the same on every TP (ETP) rank, so only its rank 0 counts them. Summed over every rank.
         grads = [
             piece.main.grad
             for piece in self._pieces()
-            if piece.main.grad is not None and counts_in_norm(piece.param, self.layout, sliced_over_cp=True)
+            if piece.main.grad is not None and counts_in_norm(piece.param, self.layout, sliced_over_dp=True)
         ]
         return grads, None, True
 
@@ -195,9 +197,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def publish_params(self) -> None:
         for shard in self.shards:
             bucket = shard.bucket
-            if self.dp_size == 1 and shard.main_shard is None:
+            if bucket.group.size == 1 and shard.main_shard is None:
                 continue  # the only rank updated the weights in place
-            full = _gather_first(self._owned_shard(shard).to(bucket.dtype), self.dp_group)
+            full = _gather_first(self._owned_shard(shard).to(bucket.dtype), bucket.group.group)
             for (_, param), offset in zip(bucket.params, bucket.offsets):
                 param.data.copy_(full[offset : offset + param.numel()].view_as(param))
 
@@ -212,7 +214,7 @@ class DistributedOptimizer(MegatronOptimizer):
             value = local_of(piece)
             if value is not None:
                 flat[piece.shard_lo : piece.shard_lo + value.numel()].copy_(value)
-        full = _gather_first(flat, self.dp_group)
+        full = _gather_first(flat, bucket.group.group)
         return {
             name: full[offset : offset + p.numel()].view(p.shape).clone()
             for (name, p), offset in zip(bucket.params, bucket.offsets)
@@ -221,7 +223,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def master_weights(self) -> dict[str, torch.Tensor]:
         """Every half-precision parameter's fp32 master, gathered over DP into the parameter's shape; collective
-        over the data-parallel group."""
+        over the data-parallel group (and the expert-data-parallel one for experts)."""
         masters: dict[str, torch.Tensor] = {}
         for shard in self.shards:
             if shard.main_shard is not None:
@@ -230,45 +232,55 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's optimizer state and fp32 master, gathered over DP into the parameter's
+        """Every parameter's optimizer state and fp32 master, gathered over its bucket's group into the parameter's
         shape (fresh tensors: load them with :meth:`load_checkpoint_state` after filling them)."""
         state: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in self.named_params}
-        keys, scalars = self._state_keys()
-        for shard in self.shards:
-            for key in keys:
-                gathered = self._gather_per_param(shard, functools.partial(self._state_slice, key))
-                for name, value in gathered.items():
-                    state[name][key] = value
-            if shard.main_shard is not None:  # fp32 weights are their own master: saved with the model
-                for name, value in self._gather_per_param(shard, lambda pc: pc.main).items():
-                    state[name]["master"] = value
-        for key, value in scalars.items():
-            for name in state:
-                state[name][key] = value.clone()
+        for group in self._groups():
+            shards = [shard for shard in self.shards if shard.bucket.group == group]
+            keys, scalars = self._state_keys(shards, group)
+            for shard in shards:
+                for key in keys:
+                    gathered = self._gather_per_param(shard, functools.partial(self._state_slice, key))
+                    for name, value in gathered.items():
+                        state[name][key] = value
+                if shard.main_shard is not None:  # fp32 weights are their own master: saved with the model
+                    for name, value in self._gather_per_param(shard, lambda pc: pc.main).items():
+                        state[name]["master"] = value
+                for key, value in scalars.items():
+                    for name, _ in shard.bucket.params:
+                        state[name][key] = value.clone()
         return state
+
+    def _groups(self) -> list[ReductionGroup]:
+        """The buckets' groups, in bucket order (dense, then experts): every rank of a group holds the same
+        parameters, hence the same buckets of that group."""
+        groups: list[ReductionGroup] = []
+        for shard in self.shards:
+            if shard.bucket.group not in groups:
+                groups.append(shard.bucket.group)
+        return groups
 
     def _state_slice(self, key: str, piece: _Piece) -> Optional[torch.Tensor]:
         """This rank's slice of ``piece``'s optimizer state ``key`` (None before its first step)."""
         return self.optimizer.state.get(piece.main, {}).get(key)
 
-    def _state_keys(self) -> tuple[list[str], dict[str, torch.Tensor]]:
-        """Names of per-element state tensors, and the scalar entries (Adam's step), agreed across DP."""
+    def _state_keys(self, shards: list[_Shard], group: ReductionGroup) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """Names of per-element state tensors of ``shards``, and their scalar entries (Adam's step), agreed across
+        ``group``."""
         keys: list[str] = []
         scalars: dict[str, torch.Tensor] = {}
-        for piece in self._pieces():
+        for piece in (piece for shard in shards for piece in shard.pieces):
             for key, value in self.optimizer.state.get(piece.main, {}).items():
                 if torch.is_tensor(value) and value.ndim == 0:
                     scalars.setdefault(key, value)
                 elif key not in keys:
                     keys.append(key)
         # Every rank must run the same gathers even if it owns no slice of some bucket.
-        agreed: list = [None] * self.dp_size
-        if self.dp_size > 1:
-            dist.all_gather_object(
-                agreed, (sorted(keys), {k: float(v) for k, v in scalars.items()}), group=self.dp_group
-            )
-        else:
-            agreed = [(sorted(keys), {k: float(v) for k, v in scalars.items()})]
+        mine = (sorted(keys), {k: float(v) for k, v in scalars.items()})
+        agreed: list = [mine]
+        if group.size > 1:
+            agreed = [None] * group.size
+            dist.all_gather_object(agreed, mine, group=group.group)
         all_keys = sorted({k for ks, _ in agreed for k in ks})
         all_scalars: dict[str, torch.Tensor] = {}
         for _, sc in agreed:

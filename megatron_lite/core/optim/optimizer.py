@@ -32,10 +32,16 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.core.optim.build import build_optimizer
-from megatron_lite.core.optim.clip_grads import clip_coefficient, counts_in_norm, grad_norm_of, scale_grads
+from megatron_lite.core.optim.clip_grads import (
+    clip_coefficient,
+    counts_in_norm,
+    grad_norm_of,
+    replicated_norm_group,
+    scale_grads,
+)
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.optim.grad_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megatron_lite.core.parallel.data_parallel import reduce_sequence_parallel_grads
+from megatron_lite.core.parallel.data_parallel import reduce_tp_partial_grads
 from megatron_lite.core.parallel.grad_buffers import GradBuffers, Reduction
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import timed
@@ -193,14 +199,14 @@ class MegatronOptimizer:
             self.grad_buffers.zero()
 
     def reduce_gradients(self) -> None:
-        """Make the gradients those of the global batch: under sequence parallelism the partial
-        gradients of replicated parameters are summed over TP, then everything over DP (FSDP has
-        already reduce-scattered over DP in its backward hooks)."""
+        """Make the gradients those of the global batch: the partial gradients of replicated parameters
+        (under sequence parallelism; qk_layernorm's always) are summed over TP, then everything over DP
+        (experts over expert-DP; FSDP has already reduce-scattered over DP in its backward hooks)."""
         if self.grad_reduction == "fsdp":
             for _, param in self.named_params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-            reduce_sequence_parallel_grads([p for _, p in self.named_params], self.layout)
+            reduce_tp_partial_grads([p for _, p in self.named_params], self.layout)
             return
         # A parameter that got no gradient keeps a zero buffer slice and still takes a step (weight
         # decay, Adam's moments), as with Megatron's buffers, the same under every optimizer and precision.
@@ -216,14 +222,16 @@ class MegatronOptimizer:
 
     def norm_inputs(self) -> tuple[list[torch.Tensor], Optional[dist.ProcessGroup], bool]:
         """(gradients counted in the global norm on this rank, group to sum over, whether over all ranks)."""
+        sharded = self.grad_reduction == "fsdp"  # disjoint shards on every rank
         grads = [
             main.grad
             for model_param, main in self.main_params()
-            if main.grad is not None and counts_in_norm(model_param, self.layout)
+            if main.grad is not None and counts_in_norm(model_param, self.layout, sliced_over_dp=sharded)
         ]
-        if self.grad_reduction == "fsdp":
-            return grads, None, True  # disjoint shards on every rank
-        return grads, self.layout.group("mp"), False
+        if sharded:
+            return grads, None, True
+        group, all_ranks = replicated_norm_group(self.layout)
+        return grads, group, all_ranks
 
     @torch.no_grad()
     def prepare_step(

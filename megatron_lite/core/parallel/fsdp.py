@@ -24,7 +24,7 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-_PARAM_METADATA = ("init_spec", "tp_shard", "sequence_parallel_grad", "expert_shard")
+_PARAM_METADATA = ("init_spec", "tp_shard", "sequence_parallel_grad", "tp_partial_grad", "expert_shard")
 
 
 def apply_fsdp2(model: nn.Module, layout: ParallelLayout, reshard_after_forward: bool = True) -> nn.Module:

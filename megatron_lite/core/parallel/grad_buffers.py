@@ -1,12 +1,15 @@
 """Gradient buffers and their data-parallel reduction (what Megatron's DistributedDataParallel wrapper does).
 
 Parameters are grouped into buckets (contiguous runs of parameters, ``bucket_size`` elements or more,
-one dtype). Each bucket owns a flat fp32 buffer, padded to a multiple of the DP size; a hook adds
-every fresh gradient of a parameter into its slice of the buffer (Megatron's ``main_grad``) and
-frees it, so gradients accumulate over microbatches in fp32 whatever the parameter's dtype. After
-the backward passes each bucket is reduced over the data(-and-context)-parallel group: all-reduced
-(every rank gets the whole summed gradient: the plain optimizer) or reduce-scattered (rank r gets
-slice r: the distributed optimizer). With ``overlap`` a bucket's reduction is launched
+one dtype, one reduction group). Each bucket owns a flat fp32 buffer, padded to a multiple of its group's
+size; a hook adds every fresh gradient of a parameter into its slice of the buffer (Megatron's
+``main_grad``) and frees it, so gradients accumulate over microbatches in fp32 whatever the parameter's
+dtype. After the backward passes each bucket is reduced over its group: all-reduced (every rank gets
+the whole summed gradient: the plain optimizer) or reduce-scattered (rank r gets slice r: the
+distributed optimizer). Dense parameters are reduced over the data(-and-context)-parallel group
+('dp_cp'); the experts of MoE layers (:func:`~megatron_lite.core.parallel.tensor_parallel.is_expert_parameter`)
+have buckets of their own, reduced over the expert-data-parallel group ('edp': the ranks that hold a copy
+of the same experts, Megatron's expert_data_parallel_group). With ``overlap`` a bucket's reduction is launched
 asynchronously from the hook as soon as all its parameters' gradients of the step's last backward
 have arrived, overlapping communication with the rest of the backward.
 
@@ -23,13 +26,40 @@ from typing import Iterator, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced
+from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced, grad_is_partial_over_tp
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _reduce_scatter_single
+from megatron_lite.core.parallel.tensor_parallel import is_expert_parameter
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default (at least 1M x dp)
 
 Reduction = Literal["all_reduce", "reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """The ranks a bucket's gradients are summed (and ZeRO-1's state sharded) over."""
+
+    name: str
+    """The layout's group: 'dp_cp' for dense parameters, 'edp' for the experts of MoE layers."""
+    group: Optional[dist.ProcessGroup]
+    """The process group; None when this rank is alone in it."""
+    size: int
+    """Ranks in the group."""
+    rank: int
+    """This rank's index in the group: the slice of each bucket it receives from a reduce-scatter."""
+
+    @classmethod
+    def of(cls, layout: ParallelLayout, name: str) -> "ReductionGroup":
+        group = layout.group(name)
+        if group is None:
+            return cls(name, None, 1, 0)
+        return cls(name, group, dist.get_world_size(group), dist.get_rank(group))
+
+
+def reduction_group_name(param: torch.Tensor) -> str:
+    """The layout group ``param``'s gradient is summed over: 'edp' for an expert's weights, else 'dp_cp'."""
+    return "edp" if is_expert_parameter(param) else "dp_cp"
 
 
 @dataclass
@@ -41,13 +71,15 @@ class Bucket:
     """Where each parameter starts in the bucket's flat order."""
     numel: int
     padded: int
-    """``numel`` rounded up to a multiple of the DP size."""
+    """``numel`` rounded up to a multiple of the reduction group's size."""
     shard_size: int
-    """``padded / dp``: the slice each DP rank receives from a reduce-scatter."""
+    """``padded / group size``: the slice each rank of the group receives from a reduce-scatter."""
     dtype: torch.dtype
     """The parameters' dtype (the buffer itself is fp32)."""
     buffer: torch.Tensor
     """The flat fp32 gradient buffer, ``padded`` elements on the parameters' device."""
+    group: ReductionGroup
+    """The ranks its gradients are summed over (dense: DP x CP; experts: expert-DP)."""
     ready: int = 0
     """Parameters whose gradient of the last backward has arrived (overlapped reduction)."""
     pending: Optional[tuple[Optional[dist.Work], torch.Tensor]] = None
@@ -60,9 +92,12 @@ class Bucket:
         return self.buffer[offset : offset + param.numel()].view(param.shape)
 
 
-def make_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_size: int, dp: int) -> list[Bucket]:
+def make_buckets(
+    named_params: Sequence[tuple[str, torch.Tensor]], bucket_size: int, group: ReductionGroup
+) -> list[Bucket]:
     """Consecutive parameters of one dtype, closed once ``bucket_size`` elements are reached, each with its
-    zeroed buffer."""
+    zeroed buffer padded to a multiple of ``group``'s size."""
+    dp = group.size
     buckets: list[Bucket] = []
     current: list[tuple[str, torch.Tensor]] = []
 
@@ -76,7 +111,7 @@ def make_buckets(named_params: Sequence[tuple[str, torch.Tensor]], bucket_size: 
         padded = -(-total // dp) * dp
         first = current[0][1]
         buffer = torch.zeros(padded, dtype=torch.float32, device=first.device)
-        buckets.append(Bucket(list(current), offsets, total, padded, padded // dp, first.dtype, buffer))
+        buckets.append(Bucket(list(current), offsets, total, padded, padded // dp, first.dtype, buffer, group))
         current.clear()
 
     size = 0
@@ -95,8 +130,9 @@ class GradBuffers:
 
     Args:
         named_params: the parameters (name, tensor) that train, in model order.
-        layout: the parallel layout (DP and TP groups).
-        reduction: ``"all_reduce"`` or ``"reduce_scatter"`` over the dp x cp group.
+        layout: the parallel layout (DP, expert-DP and TP groups).
+        reduction: ``"all_reduce"`` or ``"reduce_scatter"``, over the dp x cp group for dense parameters and
+            over the expert-data-parallel group for experts (in buckets of their own, after the dense ones).
         bucket_size: elements per bucket (default max(40M, 1M x dp), Megatron's).
         overlap: launch each bucket's reduction during the backward (see the module docstring).
     """
@@ -110,11 +146,14 @@ class GradBuffers:
         overlap: bool = False,
     ) -> None:
         self.layout, self.reduction, self.overlap = layout, reduction, overlap
-        self.dp_group = layout.group("dp_cp")
-        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
-        self.dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
-        self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
-        self.buckets = make_buckets(named_params, self.bucket_size, self.dp_size)
+        dense = ReductionGroup.of(layout, "dp_cp")
+        self.bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * dense.size)
+        # Experts last, in buckets of their own (Megatron's expert-parallel buffers): every rank of a group
+        # issues that group's collectives in the same order.
+        self.buckets: list[Bucket] = []
+        for group in (dense, ReductionGroup.of(layout, "edp")):
+            members = [(n, p) for n, p in named_params if reduction_group_name(p) == group.name]
+            self.buckets += make_buckets(members, self.bucket_size, group)
         self._where: dict[str, tuple[Bucket, int]] = {}
         self._hooks: list = []
         self._sync = True
@@ -203,24 +242,26 @@ class GradBuffers:
         return bucket.pending[1]
 
     def _launch(self, bucket: Bucket, async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor]:
-        """Sequence-parallel gradients of the bucket over TP, then its reduction over DP; returns the
-        launched reduction (its work when ``async_op``) and where its result lands."""
-        if self.layout.sequence_parallel:
+        """The bucket's gradients that are partial per TP rank summed over TP, then its reduction over its group
+        (DP x CP, or expert-DP); returns the launched reduction (its work when ``async_op``) and where its result
+        lands."""
+        if self.layout.tp_size > 1:
             all_reduce_coalesced(
                 [
                     bucket.view(i).view(-1)
                     for i, (_, p) in enumerate(bucket.params)
-                    if getattr(p, "sequence_parallel_grad", False)
+                    if grad_is_partial_over_tp(p, self.layout.sequence_parallel)
                 ],
                 self.layout.group("tp"),
             )
+        group = bucket.group
         if self.reduction == "all_reduce":
             work = None
-            if self.dp_size > 1:
-                work = dist.all_reduce(bucket.buffer, group=self.dp_group, async_op=async_op)
+            if group.size > 1:
+                work = dist.all_reduce(bucket.buffer, group=group.group, async_op=async_op)
             return work if async_op else None, bucket.buffer
-        if self.dp_size == 1:
+        if group.size == 1:
             return None, bucket.buffer[: bucket.shard_size]
         shard = torch.empty(bucket.shard_size, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-        work = _reduce_scatter_single(shard, bucket.buffer, group=self.dp_group, async_op=async_op)
+        work = _reduce_scatter_single(shard, bucket.buffer, group=group.group, async_op=async_op)
         return work if async_op else None, shard

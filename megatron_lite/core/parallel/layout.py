@@ -327,6 +327,17 @@ class ParallelLayout:
         return self.coords.get("etp", 0)
 
     @property
+    def edp_rank(self) -> int:
+        """This rank's index in its expert-data-parallel group (the copies of its experts)."""
+        return self.coords.get("edp", 0)
+
+    @property
+    def experts_folded(self) -> bool:
+        """Whether the experts are laid out differently from the dense layers (EP > 1 or ETP != TP): their
+        groups are then new ones, not TP's and DP x CP's."""
+        return self.ep_size > 1 or self.etp_size != self.tp_size
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel size."""
         return self.world_size // self.config.model_parallel_size

@@ -95,6 +95,15 @@ class RunSpec:
                 f"context parallel ranks); use the distributed optimizer, OptimizerConfig(use_distributed_optimizer="
                 f"True), with context parallelism."
             )
+        ep, etp, tp = parallel.expert_model_parallel_size, parallel.etp_size, parallel.tensor_model_parallel_size
+        if ep > 1 or etp != tp:
+            raise ValueError(
+                f"use_torch_fsdp2=True with expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} "
+                f"(tensor_model_parallel_size={tp}) is not composed yet (FSDP2 shards and reduces every parameter over "
+                f"the data-parallel ranks, while the experts of MoE layers are copied over the expert-data-parallel "
+                f"ranks, a different group once EP > 1 or ETP != TP); use the distributed optimizer, OptimizerConfig("
+                f"use_distributed_optimizer=True), which shards expert state over the expert-data-parallel ranks."
+            )
 
     def check_optimizer(self, optimizer_config: Any) -> None:
         """Refuse an optimizer config this run cannot use: the distributed optimizer beside FSDP2 (both shard the

@@ -140,6 +140,10 @@ class ExpertShard:
         """This rank's experts of the global tensor."""
         return full.narrow(0, self.local_start, self.num_local_experts)
 
+    def global_shape(self, local_shape: tuple) -> tuple:
+        """The shape of the tensor of all experts whose local part (this rank's experts) is shaped ``local_shape``."""
+        return (self.num_experts, *local_shape[1:])
+
 
 _Param = TypeVar("_Param", bound=torch.Tensor)
 
@@ -149,21 +153,25 @@ def mark_parameter(
     init: tuple,
     shard: Optional[TPShard] = None,
     sequence_parallel_grad: bool = False,
+    tp_partial_grad: bool = False,
     expert_shard: Optional[ExpertShard] = None,
 ) -> _Param:
     """Attach the metadata every parameter of our models carries.
 
     ``init`` is ("normal", std), ("zeros",) or ("ones",); ``shard`` is None for replicated
     parameters; ``sequence_parallel_grad`` marks replicated parameters whose gradient is partial
-    per TP rank under sequence parallelism (norm weights, row-parallel biases). ``expert_shard`` marks the
-    weights of an MoE layer's experts (``[local experts, ...]``): their gradients are reduced over the
-    expert-data-parallel group, not DP x CP, and their ``shard`` (if any) is over 'etp'.
+    per TP rank under sequence parallelism (norm weights, row-parallel biases); ``tp_partial_grad``
+    marks replicated parameters whose gradient is partial per TP rank with or without it (weights
+    every attention head shares, as qk_layernorm's: each TP rank computes only its own heads).
+    ``expert_shard`` marks the weights of an MoE layer's experts (``[local experts, ...]``): their gradients are
+    reduced over the expert-data-parallel group, not DP x CP, and their ``shard`` (if any) is over 'etp'.
     """
     # Plain attributes on the tensor (Megatron's convention: they follow the parameter wherever it goes);
     # readers take them with getattr(param, name, default).
     setattr(param, "init_spec", init)
     setattr(param, "tp_shard", shard)
     setattr(param, "sequence_parallel_grad", sequence_parallel_grad)
+    setattr(param, "tp_partial_grad", tp_partial_grad)
     setattr(param, "expert_shard", expert_shard)
     return param
 
@@ -179,6 +187,27 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return shard is not None and shard.size > 1
 
 
+def full_shape(tensor: torch.Tensor, padded: bool = False) -> tuple:
+    """The shape of the whole tensor that ``tensor`` (a parameter or buffer marked by :func:`mark_parameter`) is this
+    rank's piece of: over TP (or ETP) and over all experts; without vocabulary padding unless ``padded``."""
+    shard: Optional[TPShard] = getattr(tensor, "tp_shard", None)
+    experts: Optional[ExpertShard] = getattr(tensor, "expert_shard", None)
+    if shard is None:
+        shape = tuple(tensor.shape)
+    else:
+        shape = tuple(shard.global_shape) if padded else shard.real_shape
+    return experts.global_shape(shape) if experts is not None else shape
+
+
+def local_shard(tensor: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` (shaped :func:`full_shape` of ``tensor``): its experts, then its TP/ETP slice."""
+    experts: Optional[ExpertShard] = getattr(tensor, "expert_shard", None)
+    shard: Optional[TPShard] = getattr(tensor, "tp_shard", None)
+    if experts is not None:
+        full = experts.shard(full)
+    return shard.shard(full) if shard is not None else full
+
+
 def _seed_for(seed: int, name: str) -> int:
     # A stable per-parameter seed: the same name gets the same weights at any layout.
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
@@ -186,15 +215,15 @@ def _seed_for(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, seed: int) -> None:
-    """Draw every parameter's full tensor from (seed, name), then keep this rank's shard."""
+    """Draw every parameter's full tensor from (seed, name), then keep this rank's shard. An MoE layer's expert
+    weight ``[num_experts, ...]`` is drawn expert by expert, expert ``e`` from (seed, name, e): the whole tensor is
+    the same at any EP and ETP size, and a rank draws only its own experts (all experts of a large MoE layer can
+    be tens of GB)."""
     for name, param in module.named_parameters():
         spec = getattr(param, "init_spec", None)
         if spec is None:
             raise ValueError(f"parameter {name} has no init_spec; build it with mark_parameter()")
-        shard = getattr(param, "tp_shard", None)
-        # Only the real rows of a vocabulary-padded tensor are drawn, exactly as an unpadded tensor would be
-        # (the same weights whatever the padding, hence whatever the TP size); the padding rows are zero.
-        shape = shard.real_shape if shard is not None else tuple(param.shape)
+        shard: Optional[TPShard] = getattr(param, "tp_shard", None)
         if spec[0] == "zeros":
             param.zero_()
             continue
@@ -203,12 +232,26 @@ def initialize_parameters(module: nn.Module, seed: int) -> None:
                 raise ValueError(f"parameter {name}: a vocabulary-padded tensor cannot be initialised to ones")
             param.fill_(1.0)
             continue
-        gen = torch.Generator().manual_seed(_seed_for(seed, name))
-        # Drawn on the CPU with a CPU generator even when Lightning builds the model under a CUDA
-        # default device: the same numbers on every device and layout.
-        full = torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, spec[1], generator=gen)
+        # Only the real rows of a vocabulary-padded tensor are drawn, exactly as an unpadded tensor would be
+        # (the same weights whatever the padding, hence whatever the TP size); the padding rows are zero.
+        shape = full_shape(param)
+        experts: Optional[ExpertShard] = getattr(param, "expert_shard", None)
+        if experts is None:
+            full = _normal(shape, spec[1], _seed_for(seed, name))
+        else:  # this rank's experts, each whole over ETP
+            local_experts = range(experts.local_start, experts.local_start + experts.num_local_experts)
+            full = torch.stack(
+                [_normal(shape[1:], spec[1], _seed_for(seed, f"{name}#expert{e}")) for e in local_experts]
+            )
         local = shard.shard(full) if shard is not None else full
         param.copy_(local.to(dtype=param.dtype, device=param.device))
+
+
+def _normal(shape: tuple, std: float, seed: int) -> torch.Tensor:
+    # Drawn on the CPU with a CPU generator even when Lightning builds the model under a CUDA
+    # default device: the same numbers on every device and layout.
+    generator = torch.Generator().manual_seed(seed)
+    return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -402,3 +445,19 @@ def gather_full(local: torch.Tensor, shard: Optional[TPShard], group) -> torch.T
         torch.cat([rank_blocks[b] for rank_blocks in blocks_per_rank], dim=shard.dim) for b in range(shard.stride)
     ]
     return shard.unpad(torch.cat(blocks, dim=shard.dim))
+
+
+def gather_full_tensor(local: torch.Tensor, tensor: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """The whole tensor (:func:`full_shape`) from every rank's ``local`` piece of ``tensor``: the inverse of
+    :func:`local_shard`. Collective over the tensor's TP (or ETP) group and, for an expert's weight, over EP."""
+    shard: Optional[TPShard] = getattr(tensor, "tp_shard", None)
+    group = layout.group(shard.group) if shard is not None and shard.size > 1 else None
+    full = gather_full(local, shard, group)
+    experts: Optional[ExpertShard] = getattr(tensor, "expert_shard", None)
+    if experts is None or experts.size == 1:
+        return full
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(full) for _ in range(experts.size)]
+    dist.all_gather(pieces, full.contiguous(), group=layout.group("ep"))
+    return torch.cat(pieces, dim=0)

@@ -6,8 +6,9 @@ built for another (the notebook's one-process model into TP2 ranks). Names are t
 parameter names, which do not depend on the layout (layers are keyed by their global index).
 
 Gathering goes through the same metadata the distributed checkpoints use (each parameter's
-``tp_shard``, FSDP2 DTensors): every rank of a layout calls :func:`gather_full_state` (collectives over
-TP and FSDP's DP); the ranks that hold a distinct piece of the model -- data-parallel rank 0 of each
+``tp_shard`` and, for an MoE layer's experts, ``expert_shard``; FSDP2 DTensors): every rank of a layout calls
+:func:`gather_full_state` (collectives over TP -- ETP and EP for experts, which are saved as the tensors of all
+experts -- and FSDP's DP); the ranks that hold a distinct piece of the model -- data-parallel rank 0 of each
 tensor-parallel group, and with pipeline parallelism one such rank per stage -- get the tensors and write
 them with :func:`write_full_state`, one safetensors file each; :func:`read_full_state` merges the files.
 
@@ -32,7 +33,13 @@ from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors
 from megatron_lite.core.checkpoint.resume.entries import compare_entries, persistent_buffers
 from megatron_lite.core.parallel.fsdp import full_local_tensor, is_dtensor
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.tensor_parallel import TPShard, gather_full
+from megatron_lite.core.parallel.tensor_parallel import (
+    ExpertShard,
+    TPShard,
+    full_shape,
+    gather_full_tensor,
+    local_shard,
+)
 
 FORMAT = "megatron-lite-full-state/1"
 
@@ -52,20 +59,20 @@ def gather_full_state(
     fp32 masters of a half-precision model.
 
     Collective: every rank of the layout must call it (FSDP2 all-gathers over DP, TP shards over the TP
-    group). Returns the tensors on the ranks that :func:`holds_distinct_piece`, None on the others.
+    group, experts over ETP and EP). Returns the tensors on the ranks that :func:`holds_distinct_piece`, None on
+    the others.
     """
     keep = holds_distinct_piece(layout)
-    group = layout.group("tp") if layout.tp_size > 1 else None
     substitutes = substitutes or {}
     state: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         local = substitutes[name] if name in substitutes else full_local_tensor(param.detach())
-        full = gather_full(local, getattr(param, "tp_shard", None), group)
+        full = gather_full_tensor(local, param, layout)
         if keep:
             state[name] = full.to("cpu", copy=True).contiguous()
     for name, buf in persistent_buffers(module):
         # A buffer split over TP like its layer (a quantizer's per-channel amax) carries a tp_shard too
-        full = gather_full(full_local_tensor(buf.detach()), getattr(buf, "tp_shard", None), group)
+        full = gather_full_tensor(full_local_tensor(buf.detach()), buf, layout)
         if keep:
             state[name] = full.to("cpu", copy=True).contiguous()
     return state if keep else None
@@ -96,14 +103,6 @@ def read_full_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
                 )
             state.setdefault(name, tensor)
     return state
-
-
-def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape a full state holds for ``param``: its global shape without vocabulary padding."""
-    shard: Optional[TPShard] = getattr(param, "tp_shard", None)
-    if shard is not None:
-        return shard.real_shape
-    return tuple(param.shape)  # a DTensor's shape is its global (unsharded over DP) shape
 
 
 def _vocab_of(param: torch.Tensor, vocab_size: Optional[int]) -> Optional[int]:
@@ -163,11 +162,6 @@ def _assign(param: torch.Tensor, tp_local: torch.Tensor, mask: Optional[torch.Te
         target.copy_(torch.where(mask.to(target.device), tp_local, target))
 
 
-def _shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    shard: Optional[TPShard] = getattr(param, "tp_shard", None)
-    return shard.shard(full) if shard is not None else full
-
-
 @torch.no_grad()
 def load_full_state(
     module: nn.Module, state: dict[str, torch.Tensor], *, vocab_size: Optional[int] = None, strict: bool = True
@@ -187,11 +181,11 @@ def load_full_state(
     params = {n: p for n, p in params.items() if n in state}
     buffers = {n: b for n, b in buffers.items() if n in state}
     for name, param in params.items():
-        full, mask = _adapt_vocab(name, state[name], _global_shape(param), _vocab_of(param, vocab_size))
-        _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)
+        full, mask = _adapt_vocab(name, state[name], full_shape(param), _vocab_of(param, vocab_size))
+        _assign(param, local_shard(param, full), local_shard(param, mask) if mask is not None else None)
     for name, buf in buffers.items():
-        full, mask = _adapt_vocab(name, state[name], _global_shape(buf), vocab_size)
-        _assign(buf, _shard(buf, full), _shard(buf, mask) if mask is not None else None)
+        full, mask = _adapt_vocab(name, state[name], full_shape(buf), vocab_size)
+        _assign(buf, local_shard(buf, full), local_shard(buf, mask) if mask is not None else None)
 
 
 def same_layout(a: Optional[ParallelLayout], b: Optional[ParallelLayout]) -> bool:
@@ -209,8 +203,9 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
 
     Each parameter of ``previous`` is either whole (a one-process model, or replicated over TP) -- then
     ``model`` cuts its own shard out of it -- or a shard; a shard is copied only into the same shard of
-    the same tensor (the same TP rank and size). Any other change of layout needs the full tensors:
-    gather them while the old layout lives (:func:`gather_full_state`) and :func:`load_full_state`.
+    the same tensor (the same TP rank and size; for an expert's weight also the same EP rank and size). Any
+    other change of layout needs the full tensors: gather them while the old layout lives
+    (:func:`gather_full_state`) and :func:`load_full_state`.
     """
     old = dict(previous.named_parameters())
     for name, param in model.named_parameters():
@@ -219,10 +214,12 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
         source = old[name].detach()
         old_shard: Optional[TPShard] = getattr(old[name], "tp_shard", None)
         new_shard: Optional[TPShard] = getattr(param, "tp_shard", None)
+        old_experts: Optional[ExpertShard] = getattr(old[name], "expert_shard", None)
+        new_experts: Optional[ExpertShard] = getattr(param, "expert_shard", None)
         if is_dtensor(source):
             if (
                 not is_dtensor(param.data)
-                or old_shard != new_shard
+                or (old_shard, old_experts) != (new_shard, new_experts)
                 or source.shape != param.shape
                 or source.device_mesh.mesh.tolist() != param.data.device_mesh.mesh.tolist()
             ):
@@ -231,6 +228,16 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
                     f"place; save a checkpoint and load it with ckpt_path=... instead"
                 )
             param.data.to_local().copy_(source.to_local())
+            continue
+        if old_experts is not None and old_experts.size > 1:
+            if (old_shard, old_experts) != (new_shard, new_experts):
+                size, rank = (new_experts.size, new_experts.rank) if new_experts is not None else (1, 0)
+                raise ValueError(
+                    f"cannot carry {name} over from expert-parallel size {old_experts.size} (rank {old_experts.rank}) "
+                    f"to {size} (rank {rank}) or another expert tensor-parallel split in place; save a checkpoint and "
+                    f"load it with ckpt_path=... instead"
+                )
+            _assign(param, source, None)
             continue
         if old_shard is not None and old_shard.size > 1:
             if old_shard != new_shard:
@@ -243,8 +250,8 @@ def carry_over_state(previous: nn.Module, model: nn.Module, *, vocab_size: Optio
             continue
         if old_shard is not None:
             source = old_shard.unpad(source)  # the real rows of a whole (one-TP-rank) tensor
-        full, mask = _adapt_vocab(name, source, _global_shape(param), _vocab_of(param, vocab_size))
-        _assign(param, _shard(param, full), _shard(param, mask) if mask is not None else None)
+        full, mask = _adapt_vocab(name, source, full_shape(param), _vocab_of(param, vocab_size))
+        _assign(param, local_shard(param, full), local_shard(param, mask) if mask is not None else None)
     old_buffers = dict(persistent_buffers(previous))
     for name, buf in persistent_buffers(model):
         if name in old_buffers and old_buffers[name].shape == buf.shape:

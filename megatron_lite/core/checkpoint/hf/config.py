@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` <-> :class:`GPTConfig` for Llama-architecture models.
 
-Supported: ``llama`` (Llama 2/3/3.1, SmolLM, ...), ``mistral`` without a sliding window, and ``qwen2`` (bias on
-q/k/v only) -- RMSNorm, SwiGLU, RoPE (plain, ``linear`` or ``llama3`` scaling), grouped-query attention, tied or
-untied embeddings. Anything else is refused by name before a weight is read: a model we would load "successfully"
+Supported: ``llama`` (Llama 2/3/3.1, SmolLM, ...), ``mistral`` without a sliding window, ``qwen2`` (bias on
+q/k/v only) and dense ``qwen3`` (per-head RMSNorm of queries and keys: ``qk_layernorm``; a head width of its own)
+-- RMSNorm, SwiGLU, RoPE (plain, ``linear`` or ``llama3`` scaling), grouped-query attention, tied or untied
+embeddings. Anything else is refused by name before a weight is read: a model we would load "successfully"
 but compute differently from transformers is worse than no model.
 
 Both config formats are read: transformers 4's ``rope_theta`` / ``rope_scaling`` and transformers 5's
@@ -17,8 +18,24 @@ from typing import Any, Optional
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.models.config import GPTConfig
 
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CAUSAL_LM = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
+# transformers' Qwen2 defaults; Qwen3's are the same with a head width of its own.
+_QWEN2_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
 # What transformers assumes for a key a config.json leaves out (configs saved as a diff against the defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -41,16 +58,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         sliding_window=4096,
     ),
-    "qwen2": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    ),
+    "qwen2": _QWEN2_DEFAULTS,
+    "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128},
 }
 _COMMON_DEFAULTS = dict(
     hidden_act="silu",
@@ -132,7 +141,7 @@ def _check_architecture(hf: dict[str, Any]) -> str:
 def _check_attention_window(model_type: str, hf: dict[str, Any]) -> None:
     layer_types = hf.get("layer_types") or []
     sliding_layers = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         raise _refuse("use_sliding_window=true", "attention here always sees the whole causal context")
     if model_type == "mistral" and hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) is not None:
         raise _refuse(
@@ -159,6 +168,12 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         raise _refuse(f"hidden_act={hf['hidden_act']!r}", "the MLP here is SwiGLU (gate: silu)")
     qkv_bias = model_type == "qwen2"
     all_bias = False
+    if model_type == "qwen3" and hf["attention_bias"]:
+        raise _refuse(
+            "attention_bias=True for qwen3",
+            "its biases are on q/k/v and o_proj but not the MLP: here either the QKV projection alone or "
+            "every linear layer has one",
+        )
     if model_type == "llama":
         attention_bias, mlp_bias = bool(hf["attention_bias"]), bool(hf["mlp_bias"])
         if attention_bias != mlp_bias:
@@ -189,6 +204,7 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         share_embeddings_and_output_weights=bool(hf["tie_word_embeddings"]),
         add_bias_linear=all_bias,
         add_qkv_bias=qkv_bias,
+        qk_layernorm=model_type == "qwen3",
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         init_method_std=float(hf.get("initializer_range") or 0.02),
@@ -202,7 +218,7 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
 
 
 def check_exportable(config: GPTConfig) -> None:
-    """Raise :class:`UnsupportedHFModel` naming every field of ``config`` an HF Llama/Qwen2 cannot express."""
+    """Raise :class:`UnsupportedHFModel` naming every field of ``config`` an HF Llama/Qwen2/Qwen3 cannot express."""
     problems = []
     if config.normalization != "RMSNorm":
         problems.append(f"normalization={config.normalization!r} (HF Llama uses RMSNorm)")
@@ -214,6 +230,11 @@ def check_exportable(config: GPTConfig) -> None:
         problems.append(f"rotary_percent={config.rotary_percent} (HF Llama rotates whole heads)")
     if config.add_bias_linear and config.add_qkv_bias:
         problems.append("add_bias_linear with add_qkv_bias")
+    if config.qk_layernorm and (config.add_bias_linear or config.add_qkv_bias):
+        problems.append(
+            "qk_layernorm with add_qkv_bias or add_bias_linear (HF Qwen3, the model with q/k norms, has biases "
+            "on q/k/v and o_proj together or none)"
+        )
     if problems:
         raise UnsupportedHFModel(f"this model cannot be written as an HF Llama: {'; '.join(problems)}.")
 
@@ -223,7 +244,9 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
     from, if any: its token ids and model type are kept."""
     check_exportable(config)
     source = source or {}
-    if config.add_qkv_bias:
+    if config.qk_layernorm:
+        model_type = "qwen3"  # per-head norms of queries and keys: Qwen3's attention
+    elif config.add_qkv_bias:
         model_type = "qwen2"  # bias on q/k/v only: Qwen2's attention
     else:
         imported = source.get("model_type")
@@ -249,8 +272,10 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
         "use_cache": True,
         "torch_dtype": dtype,
     }
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+    if model_type == "qwen3":
+        hf.update(attention_bias=False)
     elif model_type == "mistral":
         hf.update(sliding_window=None)
     if model_type == "llama":

@@ -8,7 +8,8 @@ The layouts that differ:
   separately (``stride=2``);
 - vocabulary: HF holds exactly ``vocab_size`` rows; a model of ours may hold padded rows
   (:func:`fit_vocab_rows` is the one place that bridges the two).
-RoPE needs no permutation: HF's Llama rotates non-interleaved halves of each head, as we do.
+RoPE needs no permutation: HF's Llama rotates non-interleaved halves of each head, as we do. Qwen3's per-head
+``q_norm``/``k_norm`` [d] are our ``q_layernorm``/``k_layernorm`` as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from megatron_lite.core.models.config import GPTConfig
 
 # Buffers some old HF checkpoints saved; they are recomputed from the config, never read.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Qwen3's per-head query and key norms (HF name, ours under self_attention).
+_QK_NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))
 
 
 def fit_vocab_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -52,6 +55,8 @@ def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
         p + "mlp.up_proj.weight": (f, h),
         p + "mlp.down_proj.weight": (h, f),
     }
+    if config.qk_layernorm:
+        shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if config.add_bias_linear or config.add_qkv_bias:
         shapes.update(
             {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
@@ -182,6 +187,8 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
         state[ours + "input_layernorm.weight"] = source[hf + "input_layernorm.weight"]
         state[ours + "pre_mlp_layernorm.weight"] = source[hf + "post_attention_layernorm.weight"]
         attn, mlp = hf + "self_attn.", hf + "mlp."
+        for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
+            state[f"{ours}self_attention.{our_norm}.weight"] = source[f"{attn}{hf_norm}.weight"]
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
         for kind in kinds:
             state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
@@ -212,6 +219,8 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
         out[hf + "input_layernorm.weight"] = source[ours + "input_layernorm.weight"]
         out[hf + "post_attention_layernorm.weight"] = source[ours + "pre_mlp_layernorm.weight"]
         attn, mlp = hf + "self_attn.", hf + "mlp."
+        for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
+            out[f"{attn}{hf_norm}.weight"] = source[f"{ours}self_attention.{our_norm}.weight"]
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
         for kind in kinds:
             q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)

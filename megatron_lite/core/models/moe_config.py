@@ -1,5 +1,6 @@
-"""GPTConfig's MoE fields checked as Megatron's TransformerConfig checks them, plus the options that would have no
-effect in the chosen configuration (refused rather than silently ignored)."""
+"""GPTConfig's MoE fields checked as Megatron's TransformerConfig checks them (a sibling of config.py, not inside moe/:
+the config reads it and the MoE layers read the config), plus the options that would have no effect in the chosen
+configuration (refused rather than silently ignored)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,12 @@ def check_moe_parallelism(config: "GPTConfig", parallel, sequence_parallel: Opti
             f"moe_ffn_hidden_size ({config.moe_ffn_hidden_size}) must be divisible by expert_tensor_parallel_size "
             f"({etp}); choose an expert_tensor_parallel_size dividing it."
         )
+    if config.add_bias_linear and etp > 1 and etp != parallel.tensor_model_parallel_size:
+        _fail(
+            f"add_bias_linear=True with expert_tensor_parallel_size={etp} != tensor_model_parallel_size "
+            f"({parallel.tensor_model_parallel_size}): the experts' output bias is reduced over the TP group; set "
+            f"expert_tensor_parallel_size to 1 or to the TP size, or add_bias_linear=False."
+        )
     shared = config.moe_shared_expert_intermediate_size
     tp = parallel.tensor_model_parallel_size
     if shared is not None and shared % tp:
@@ -166,6 +173,12 @@ def _check_losses(config: "GPTConfig") -> None:
     if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff <= 0:
         _fail(f"moe_z_loss_coeff must be positive or None (off), got {config.moe_z_loss_coeff}")
     if config.moe_router_enable_expert_bias:
+        if config.moe_router_score_function != "sigmoid":
+            _fail(
+                "moe_router_enable_expert_bias=True (aux-loss-free balancing) needs moe_router_score_function="
+                "'sigmoid', as in Megatron and DeepSeek-V3: a bias on softmax scores would shift every expert's "
+                "probability; set moe_router_score_function='sigmoid'."
+            )
         if kind == "sinkhorn":
             _fail(
                 "moe_router_enable_expert_bias=True has no effect with moe_router_load_balancing_type='sinkhorn' "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_lite.core.models.moe.config_checks import moe_layer_pattern
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 
 if TYPE_CHECKING:
     from megatron_lite.core.models.config import GPTConfig
