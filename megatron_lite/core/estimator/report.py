@@ -85,9 +85,9 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
     ]
     if moe:
         rows.append(
-            f"  of which per MoE layer   {format_bytes(acts.per_moe_layer):>16}   (per microbatch, dense layer "
-            f"{format_bytes(acts.per_layer)}; balanced routing assumed: a dropless layer's expert loads depend on the "
-            f"data; + {format_bytes(acts.moe_dispatch_transient)} while its dispatcher moves the tokens)"
+            f"  of which per MoE layer   {format_bytes(acts.per_moe_layer):>16}   (per microbatch; balanced routing "
+            f"assumed: a dropless layer's expert loads depend on the data; + "
+            f"{format_bytes(acts.moe_dispatch_transient)} while its dispatcher moves the tokens)"
         )
     if estimate.fsdp_unsharded_bytes:
         rows.append(f"  FSDP2 all-gathered       {format_bytes(estimate.fsdp_unsharded_bytes):>16}")
