@@ -5,9 +5,10 @@
     megatron-lite convert --to hf --input QUANTIZED_CKPT --output HF_DIR     (ModelOpt unified, for TRT-LLM/vLLM)
 
 ``--from hf`` reads a local HF directory (config.json + safetensors, sharded or not; Llama 2/3, SmolLM, Mistral
-without sliding window, Qwen2, Qwen3) and writes one of our checkpoints holding its weights and config, plus the
-HF tokenizer/generation files in ``CKPT/hf/``. Fine-tune from it with ``GPTModule.from_pretrained(CKPT)``
-and ``trainer.fit(module, data)``; ``trainer.validate/test/predict(..., ckpt_path=CKPT)`` load it directly.
+without sliding window, Qwen2, Qwen3, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and writes one of our checkpoints
+holding its weights and config, plus the HF tokenizer/generation files in ``CKPT/hf/``. Fine-tune from it with
+``GPTModule.from_pretrained(CKPT)`` and ``trainer.fit(module, data)``; ``trainer.validate/test/predict(...,
+ckpt_path=CKPT)`` load it directly.
 
 ``--to hf`` reads any of our checkpoints, whatever layout (TP/PP/DP, ZeRO-1/FSDP2) wrote it, and writes an HF
 directory that ``transformers`` loads (``AutoModelForCausalLM.from_pretrained(HF_DIR)``), with the tokenizer from

@@ -20,6 +20,14 @@ from megatron_lite.data import MockGPTDataModule
 # a matmul for ~60 ms to estimate one (~14% of a 2-rank run's CPU). Parity compares numbers, not throughput;
 # the measured peak is tested where MFU is (test_metrics_callback.py).
 PEAK_TFLOPS = 1.0
+# Metrics an MoE model's layers report each step (the objective's own report entries are compared by their tests)
+REPORTED = (
+    "train/load_balancing_loss",
+    "train/seq_load_balancing_loss",
+    "train/global_load_balancing_loss",
+    "train/z_loss",
+    "train/moe/",
+)
 
 
 def tiny_config(**overrides) -> ml.GPTConfig:
@@ -76,10 +84,14 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
         self.grads: Optional[dict] = None
         self.grad_norms: list[float] = []
+        self.reported: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         self.grad_norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+        # what the objective and the model's layers reported this step (MoE: router losses, expert loads)
+        reported = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(REPORTED)}
+        self.reported.append(reported)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.grads is None:
@@ -96,6 +108,7 @@ class Recorder(L.Callback):
                     "global_step": trainer.global_step,
                     "params": params,
                     "grad_norms": self.grad_norms,
+                    "reported": self.reported,
                     "skipped_steps": mopt.skipped_steps,
                     "overlapped_reductions": getattr(mopt, "overlapped_reductions", 0),
                     "loss_scale": mopt.loss_scale,

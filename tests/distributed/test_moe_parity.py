@@ -5,11 +5,22 @@ import pytest
 import torch
 from parity_utils import assert_same_training, run, tiny_config
 
+import megatron_lite as ml
+
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, ffn_hidden_size=64)
 
 
 def _config(**overrides):
     return tiny_config(**{**MOE, **overrides})
+
+
+def assert_same_reports(result, reference):
+    """The router losses and expert loads the layers report are the single process's, per step."""
+    assert reference["reported"][0], "the reference reported no MoE metrics"
+    for got, want in zip(result["reported"], reference["reported"]):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
 LAYOUTS = {
@@ -27,16 +38,94 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("single"), devices=1, config=_config(), steps=4)
+def references(tmp_path_factory):
+    """The single-process runs, per micro-batch size: the auxiliary losses are per micro-batch (Megatron's), so
+    the reference must cut the global batch into the same micro-batches."""
+    cache = {}
+
+    def reference(mbs):
+        if mbs not in cache:
+            cache[mbs] = run(tmp_path_factory.mktemp(f"single{mbs}"), devices=1, mbs=mbs, config=_config(), steps=4)
+        return cache[mbs]
+
+    return reference
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_layout_matches_single_process(name, reference, tmp_path):
+def test_moe_layout_matches_single_process(name, references, tmp_path):
     kwargs = dict(LAYOUTS[name])
     dispatcher = kwargs.pop("moe_token_dispatcher_type", "allgather")
+    reference = references(kwargs.get("mbs", 2))
     result = run(tmp_path, config=_config(moe_token_dispatcher_type=dispatcher), steps=4, **kwargs)
     assert_same_training(result, reference)
+    assert_same_reports(result, reference)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
+    )
+
+
+VARIANTS = {
+    # name: (model overrides, run kwargs)
+    "ep2-cp2": ({}, dict(devices=4, strategy_kwargs=dict(expert_model_parallel_size=2, context_parallel_size=2))),
+    "ep2-dp2-zero1": (
+        {},
+        dict(devices=4, mbs=1, strategy_kwargs=dict(expert_model_parallel_size=2), distributed_optimizer=True),
+    ),
+    "ep2-capacity": (
+        dict(moe_expert_capacity_factor=1.0),
+        dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+    "ep2-capacity-position-padded": (
+        dict(moe_expert_capacity_factor=1.5, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
+        dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+    "ep2-expert-bias": (
+        dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0),
+        dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+    "tp2-sp-ep2-shared-gate-freq": (
+        dict(
+            moe_shared_expert_intermediate_size=32,
+            moe_shared_expert_gate=True,
+            moe_layer_freq=[1, 0, 1, 1],
+            num_layers=4,
+        ),
+        dict(devices=4, tp=2, sp=True, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+    "ep2-full-recompute-grouped-gemm": (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, moe_grouped_gemm=True),
+        dict(devices=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+    "tp2-sp-ep2-recompute-moe-alltoall": (
+        dict(
+            recompute_granularity="selective",
+            recompute_modules=["core_attn", "moe"],
+            moe_token_dispatcher_type="alltoall",
+        ),
+        dict(devices=4, tp=2, sp=True, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+    "ep2-pp2-vpp2": (
+        dict(num_layers=4),
+        dict(devices=4, pp=2, vpp=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_moe_variant_matches_single_process(name, tmp_path):
+    overrides, kwargs = VARIANTS[name]
+    kwargs = dict(kwargs)
+    zero1 = kwargs.pop("distributed_optimizer", False)
+    if zero1:
+        kwargs["optimizer"] = ml.OptimizerConfig(
+            lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=True
+        )
+    config = _config(**overrides)
+    reference = run(tmp_path / "single", devices=1, mbs=kwargs.get("mbs", 2), config=config, steps=3)
+    result = run(tmp_path / "parallel", config=config, steps=3, **kwargs)
+    # ZeRO-1 moves the gradients into its shards: there the norms, losses and parameters carry the proof
+    assert_same_training(result, reference, grads=not zero1)
+    assert_same_reports(result, reference)
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
     )

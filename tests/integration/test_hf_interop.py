@@ -1,6 +1,7 @@
 """Hugging Face Llama interop against transformers itself: tiny random models (GQA untied, tied MHA, Llama-3.1
-RoPE scaling, biases everywhere, Qwen2's q/k/v bias, Mistral without a window, Qwen3's q/k norms tied and untied)
-built in-process and saved with save_pretrained, imported (one process and TP2 under a real Trainer), exported
+RoPE scaling, biases everywhere, Qwen2's q/k/v bias, Mistral without a window, Qwen3's q/k norms tied and untied,
+and the mixtures of experts Mixtral, Qwen2-MoE with its gated shared expert and a dense layer, Qwen3-MoE) built
+in-process and saved with save_pretrained, imported (one process and TP2 under a real Trainer), exported
 with the CLI and loaded back in transformers; a model we trained at TP2 exported and loaded in transformers;
 sharded safetensors with an index; bf16 weights; refusals. Logits are compared in fp32 by relative L2 error (1e-5).
 Nothing is downloaded."""
@@ -15,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import lightning as L  # noqa: E402
 import pytest  # noqa: E402
@@ -85,6 +87,26 @@ CASES = {
     "qwen3_mha_untied": lambda: transformers.Qwen3Config(
         **{**SMALL, "num_key_value_heads": 4, "head_dim": 8, "tie_word_embeddings": False}
     ),
+    # Mixture of experts: top-2 of 4 experts renormalised (Mixtral, Qwen3-MoE's norm_topk_prob) or not (Qwen2-MoE)
+    "mixtral": lambda: transformers.MixtralConfig(
+        **{**SMALL, "num_key_value_heads": 2, "intermediate_size": 48, "num_local_experts": 4}
+    ),
+    # a gated shared expert, q/k/v biases, and a dense MLP in layer 1 (mlp_only_layers)
+    "qwen2_moe_shared_expert": lambda: transformers.Qwen2MoeConfig(
+        **{**SMALL, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2},
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=40,
+        mlp_only_layers=[1],
+    ),
+    # q/k norms, tied, MoE in layer 1 only (decoder_sparse_step=2)
+    "qwen3_moe_tied": lambda: transformers.Qwen3MoeConfig(
+        **{**SMALL, "num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": True},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+    ),
 }
 
 
@@ -138,9 +160,9 @@ def _convert(*args: str) -> None:
     assert exit_info.value.code == 0
 
 
-def _trainer(tp: int, devices: int, **kwargs) -> L.Trainer:
+def _trainer(tp: int, devices: int, parallel: Optional[dict] = None, **kwargs) -> L.Trainer:
     return L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork", **(parallel or {})),
         accelerator="cpu",
         devices=devices,
         logger=False,
@@ -180,6 +202,36 @@ def test_import_gives_transformers_logits_at_tp2_under_a_trainer(case, hf_models
     fresh = ml.GPTModule(ml.GPTModule.from_pretrained(tmp_path / "ckpt").config, seed=99)
     predicted = _trainer(2, 2).predict(fresh, loader, ckpt_path=str(tmp_path / "ckpt"))
     _assert_close(torch.cat(predicted), reference)
+
+
+def test_moe_import_gives_transformers_logits_at_tp2_ep2_under_a_trainer(hf_models, tmp_path):
+    """Qwen2-MoE at TP2 + SP with its experts split over EP2 (ETP1): each rank holds two of the four experts."""
+    model, directory = hf_models["qwen2_moe_shared_expert"]
+    tokens = _tokens(n=4, s=32)
+    loader = DataLoader([{"tokens": t} for t in tokens], batch_size=4)
+    reference = _hf_logits(model, tokens)
+    parallel = dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1, sequence_parallel=True)
+    predicted = _trainer(2, 2, parallel).predict(ml.GPTModule.from_pretrained(directory), loader)
+    _assert_close(torch.cat(predicted), reference)
+    # The converted checkpoint (experts saved whole) loads at EP2 into a module whose weights are random.
+    _convert("--from", "hf", "--input", directory, "--output", tmp_path / "ckpt")
+    fresh = ml.GPTModule(ml.GPTModule.from_pretrained(tmp_path / "ckpt").config, seed=99)
+    predicted = _trainer(2, 2, parallel).predict(fresh, loader, ckpt_path=str(tmp_path / "ckpt"))
+    _assert_close(torch.cat(predicted), reference)
+
+
+def test_transformers_5_fused_expert_layout_is_read(hf_models, tmp_path):
+    """save_pretrained(save_original_format=False) keeps transformers 5's own layout (experts.gate_up_proj
+    [E, 2f, h], experts.down_proj, Mixtral's block under mlp.): it imports to the same model."""
+    tokens = _tokens()
+    for case in ("mixtral", "qwen2_moe_shared_expert"):
+        model, _ = hf_models[case]
+        fused = _save(model, tmp_path / case, save_original_format=False)
+        names = read_safetensors_header(fused / "model.safetensors")[0]
+        assert (
+            "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.experts.0.w1.weight" not in names
+        )
+        _assert_close(ml.GPTModule.from_pretrained(fused).full_logits(tokens), _hf_logits(model, tokens))
 
 
 class FirstLoss(L.Callback):
@@ -394,7 +446,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(
         UnsupportedHFModel,
         match=r"model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not "
-        r"supported .*\['llama', 'mistral', 'qwen2', 'qwen3'\]",
+        r"supported .*\['llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\]",
     ):
         ml.GPTModule.from_pretrained(gpt2)
     window = tmp_path / "mistral"

@@ -56,6 +56,11 @@ class EntryMismatchError(ValueError):
 class UnsupportedHFModel(ValueError):
     """An HF model or option that megatron-lite cannot represent (the message names it)."""
 
+    @classmethod
+    def config_option(cls, what: str, why: str) -> "UnsupportedHFModel":
+        """The refusal of ``what`` in an HF ``config.json``, saying ``why``."""
+        return cls(f"HF config: {what} is not supported ({why}).")
+
 
 SHARED_ACROSS_RANKS: tuple[type[BaseException], ...] = (
     FileNotFoundError,

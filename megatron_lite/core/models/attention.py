@@ -41,7 +41,7 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(config.attention_dropout, self.q_per_group)
         # 'selective' recompute: the s x s attention scores/probabilities are the largest activations
         # and the cheapest to rebuild (Korthikanti et al. 2022), so only this part is checkpointed.
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = config.recomputes("core_attn")
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,

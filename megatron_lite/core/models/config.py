@@ -13,6 +13,7 @@ ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "moe")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 # Llama 3.1's published values (also Megatron-LM's defaults for --use-rope-scaling).
 LLAMA3_ROPE_DEFAULTS = {
@@ -93,6 +94,8 @@ class GPTConfig:
     """With 'full': checkpoint groups of recompute_num_layers layers ('uniform') or the first ones ('block')."""
     recompute_num_layers: Optional[int] = None
     """With 'full': layers per checkpointed group ('uniform') or layers checkpointed one by one ('block')."""
+    recompute_modules: Optional[list[str]] = None
+    """With 'selective': what is recomputed, Megatron's names: 'core_attn' (the default) and/or 'moe' (MoE layers)."""
     # --- Mixture of Experts (Megatron's names and defaults; checked in core/models/moe_config.py) ---
     num_moe_experts: Optional[int] = None
     """Experts per MoE layer; None means a dense model (every other moe_* field must then keep its default)."""
@@ -250,6 +253,12 @@ class GPTConfig:
         ):
             raise ValueError(f"rope_scaling_factor must be a positive number, got {self.rope_scaling_factor!r}")
 
+    def recomputes(self, module: str) -> bool:
+        """Whether 'selective' recompute reruns ``module`` ('core_attn' or 'moe') in the backward pass."""
+        if self.recompute_granularity != "selective":
+            return False
+        return module in (self.recompute_modules if self.recompute_modules is not None else ("core_attn",))
+
     def rope_scaling(self) -> Optional[RopeScaling]:
         """The RoPE frequency scaling these fields describe (None: plain RoPE)."""
         if self.rope_scaling_type is None:
@@ -275,6 +284,18 @@ class GPTConfig:
             raise ValueError(f"recompute_method must be None or one of {RECOMPUTE_METHODS}, got {method!r}")
         if count is not None:
             _positive_int("recompute_num_layers", count)
+        modules = self.recompute_modules
+        if modules is not None:
+            if granularity != "selective":
+                raise ValueError(
+                    f"recompute_modules={modules!r} only applies to recompute_granularity='selective' (got "
+                    f"{granularity!r}); set recompute_granularity='selective' or leave recompute_modules unset."
+                )
+            unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+            if unknown or not modules:
+                raise ValueError(f"recompute_modules must name some of {RECOMPUTE_MODULES}, got {modules!r}")
+            if "moe" in modules and self.num_moe_experts is None:
+                raise ValueError("recompute_modules=['moe'] recomputes MoE layers, and this model has none.")
         if granularity != "full":
             for name, value in (("recompute_method", method), ("recompute_num_layers", count)):
                 if value is not None:

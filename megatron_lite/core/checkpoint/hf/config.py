@@ -3,8 +3,9 @@
 Supported: ``llama`` (Llama 2/3/3.1, SmolLM, ...), ``mistral`` without a sliding window, ``qwen2`` (bias on
 q/k/v only) and dense ``qwen3`` (per-head RMSNorm of queries and keys: ``qk_layernorm``; a head width of its own)
 -- RMSNorm, SwiGLU, RoPE (plain, ``linear`` or ``llama3`` scaling), grouped-query attention, tied or untied
-embeddings. Anything else is refused by name before a weight is read: a model we would load "successfully"
-but compute differently from transformers is worse than no model.
+embeddings -- and their mixtures of experts ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``
+(:mod:`~megatron_lite.core.checkpoint.hf.moe` maps the experts). Anything else is refused by name before a weight
+is read: a model we would load "successfully" but compute differently from transformers is worse than no model.
 
 Both config formats are read: transformers 4's ``rope_theta`` / ``rope_scaling`` and transformers 5's
 ``rope_parameters``. Export writes the 4.x keys, which every transformers version since 4.43 (Llama 3.1) reads.
@@ -16,6 +17,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
+from megatron_lite.core.checkpoint.hf import moe
 from megatron_lite.core.models.config import GPTConfig
 
 CAUSAL_LM = {
@@ -23,18 +25,32 @@ CAUSAL_LM = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **moe.CAUSAL_LM,
 }
 
-# transformers' Qwen2 defaults; Qwen3's are the same with a head width of its own.
+# transformers' Qwen defaults: the vocabulary and context of every Qwen (Qwen3's head width is its own)
+_QWEN: dict[str, Any] = dict(vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=False)
 _QWEN2_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=151936,
+    _QWEN,
     hidden_size=4096,
     intermediate_size=22016,
     num_hidden_layers=32,
     num_attention_heads=32,
     num_key_value_heads=32,
-    max_position_embeddings=32768,
+)
+# Mistral's shape is Mixtral's; Qwen2-MoE's and Qwen3-MoE's routers share their defaults.
+_MISTRAL: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096 * 32,
     tie_word_embeddings=False,
+)
+_QWEN_MOE: dict[str, Any] = dict(
+    _QWEN, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, router_aux_loss_coef=0.001
 )
 # What transformers assumes for a key a config.json leaves out (configs saved as a diff against the defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -47,19 +63,40 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     ),
-    "mistral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096 * 32,
-        tie_word_embeddings=False,
-        sliding_window=4096,
-    ),
+    "mistral": dict(_MISTRAL, sliding_window=4096),
     "qwen2": _QWEN2_DEFAULTS,
     "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128},
+    # (the expert count has two names: its default is moe.DEFAULT_EXPERTS)
+    "mixtral": dict(
+        _MISTRAL,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.001,
+        router_jitter_noise=0.0,
+    ),
+    "qwen2_moe": dict(
+        _QWEN_MOE,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_experts_per_tok=4,
+        qkv_bias=True,
+    ),
+    "qwen3_moe": dict(
+        _QWEN_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+    ),
 }
 _COMMON_DEFAULTS = dict(
     hidden_act="silu",
@@ -70,13 +107,12 @@ _COMMON_DEFAULTS = dict(
     attention_dropout=0.0,
     initializer_range=0.02,
 )
-# Keys that mean experts (MoE) or quantized weights: neither has a representation here.
+# Keys that mean experts in a dense model type (an MoE of another architecture).
 _MOE_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts")
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _refuse(what: str, why: str) -> UnsupportedHFModel:
-    return UnsupportedHFModel(f"HF config: {what} is not supported ({why}).")
+_refuse = UnsupportedHFModel.config_option
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -132,17 +168,26 @@ def _check_architecture(hf: dict[str, Any]) -> str:
         raise _refuse(
             f"quantization_config (quant_method {method!r})", "only unquantized bf16/fp16/fp32 weights are read"
         )
-    for key in _MOE_KEYS:
+    for key in _MOE_KEYS if model_type not in moe.CAUSAL_LM else ():
         if hf.get(key):
-            raise _refuse(f"{key}={hf[key]} (mixture of experts)", "dense models only")
+            raise _refuse(
+                f"{key}={hf[key]} (mixture of experts) in a {model_type} model",
+                f"the mixtures of experts read are {sorted(moe.CAUSAL_LM)}",
+            )
     return model_type
 
 
 def _check_attention_window(model_type: str, hf: dict[str, Any]) -> None:
     layer_types = hf.get("layer_types") or []
     sliding_layers = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type.startswith("qwen") and hf.get("use_sliding_window"):
         raise _refuse("use_sliding_window=true", "attention here always sees the whole causal context")
+    if model_type == "mixtral" and hf.get("sliding_window") is not None:
+        raise _refuse(
+            f"sliding_window={hf['sliding_window']} (Mixtral's sliding-window attention)",
+            "attention here always sees the whole causal context; for sequences no longer than the window "
+            'the result is the same: set "sliding_window": null in config.json to import it anyway',
+        )
     if model_type == "mistral" and hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) is not None:
         raise _refuse(
             f"sliding_window={hf.get('sliding_window', 4096)} (Mistral's sliding-window attention)",
@@ -166,11 +211,12 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     hf = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
     if hf["hidden_act"] not in ("silu", "swish"):
         raise _refuse(f"hidden_act={hf['hidden_act']!r}", "the MLP here is SwiGLU (gate: silu)")
-    qkv_bias = model_type == "qwen2"
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf["qkv_bias"]))
+    qk_layernorm = model_type in ("qwen3", "qwen3_moe")
     all_bias = False
-    if model_type == "qwen3" and hf["attention_bias"]:
+    if qk_layernorm and hf["attention_bias"]:
         raise _refuse(
-            "attention_bias=True for qwen3",
+            f"attention_bias=True for {model_type}",
             "its biases are on q/k/v and o_proj but not the MLP: here either the QKV projection alone or "
             "every linear layer has one",
         )
@@ -204,12 +250,14 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         share_embeddings_and_output_weights=bool(hf["tie_word_embeddings"]),
         add_bias_linear=all_bias,
         add_qkv_bias=qkv_bias,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         init_method_std=float(hf.get("initializer_range") or 0.02),
         **rope_scaling,
     )
+    if model_type in moe.CAUSAL_LM:
+        fields.update(moe.moe_fields_from_hf(model_type, hf))
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -244,7 +292,9 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
     from, if any: its token ids and model type are kept."""
     check_exportable(config)
     source = source or {}
-    if config.qk_layernorm:
+    if config.num_moe_experts is not None:
+        model_type = moe.moe_model_type(config)
+    elif config.qk_layernorm:
         model_type = "qwen3"  # per-head norms of queries and keys: Qwen3's attention
     elif config.add_qkv_bias:
         model_type = "qwen2"  # bias on q/k/v only: Qwen2's attention
@@ -272,12 +322,14 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
         "use_cache": True,
         "torch_dtype": dtype,
     }
-    if model_type in ("qwen2", "qwen3"):
+    if model_type.startswith("qwen"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         hf.update(attention_bias=False)
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         hf.update(sliding_window=None)
+    if model_type in moe.CAUSAL_LM:
+        hf.update(moe.moe_hf_fields(config, model_type))
     if model_type == "llama":
         hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
     elif config.add_bias_linear:

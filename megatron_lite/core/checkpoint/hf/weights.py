@@ -10,20 +10,108 @@ The layouts that differ:
   (:func:`fit_vocab_rows` is the one place that bridges the two).
 RoPE needs no permutation: HF's Llama rotates non-interleaved halves of each head, as we do. Qwen3's per-head
 ``q_norm``/``k_norm`` [d] are our ``q_layernorm``/``k_layernorm`` as they are.
+
+MoE layers (:class:`_MoENames`): the router ``gate`` [E, h] is our ``mlp.router.weight``; our experts' global
+``linear_fc1`` [E, 2f, h] holds each expert's [gate; up] as the dense MLP does, ``linear_fc2`` [E, h, f]. Hub
+checkpoints (what ``save_pretrained`` writes) keep one tensor per expert -- Mixtral's ``block_sparse_moe.experts.{j}``
+``w1`` (gate), ``w3`` (up), ``w2`` (down), Qwen's ``mlp.experts.{j}`` ``gate_proj``/``up_proj``/``down_proj`` -- and
+are what an export writes; transformers 5's own layout (``save_original_format=False``), ``mlp.experts.gate_up_proj``
+[E, 2f, h] and ``down_proj`` [E, h, f] under ``mlp.`` for all three, is read too. Qwen2-MoE's ``shared_expert`` is a
+dense MLP (our ``shared_experts``) and its ``shared_expert_gate`` [1, h] our ``shared_experts.gate_weight``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
 
+from megatron_lite.core.checkpoint.hf.moe import moe_model_type
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 
 # Buffers some old HF checkpoints saved; they are recomputed from the config, never read.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Qwen3's per-head query and key norms (HF name, ours under self_attention).
 _QK_NORMS = (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm"))
+# The tensor that marks transformers 5's fused expert layout.
+_FUSED_MARK = ".mlp.experts.gate_up_proj"
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoENames:
+    """The HF names of one MoE layer's tensors (``p``: its prefix ``model.layers.{i}.``)."""
+
+    p: str
+    mixtral: bool
+    fused: bool
+
+    @property
+    def block(self) -> str:
+        return self.p + ("block_sparse_moe." if self.mixtral and not self.fused else "mlp.")
+
+    @property
+    def router(self) -> str:
+        return self.block + "gate.weight"
+
+    @property
+    def gate_up(self) -> str:
+        return self.block + "experts.gate_up_proj"
+
+    @property
+    def down(self) -> str:
+        return self.block + "experts.down_proj"
+
+    def expert(self, j: int) -> tuple[str, str, str]:
+        """Expert ``j``'s (gate, up, down) weights, one tensor each."""
+        e = f"{self.block}experts.{j}."
+        if self.mixtral:
+            return e + "w1.weight", e + "w3.weight", e + "w2.weight"
+        return e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"
+
+    @property
+    def shared(self) -> str:
+        return self.block + "shared_expert."
+
+    @property
+    def shared_gate(self) -> str:
+        return self.block + "shared_expert_gate.weight"
+
+
+def is_fused_expert_layout(names) -> bool:
+    """Whether HF tensor ``names`` hold experts in transformers 5's fused layout (not one tensor per expert)."""
+    return any(name.endswith(_FUSED_MARK) for name in names)
+
+
+def _moe_names(config: GPTConfig, fused: bool) -> list[_MoENames | None]:
+    """Per layer, the HF names of its MoE tensors (None for a dense layer)."""
+    mixtral = config.num_moe_experts is not None and moe_model_type(config) == "mixtral"
+    return [
+        _MoENames(f"model.layers.{i}.", mixtral, fused) if is_moe else None
+        for i, is_moe in enumerate(moe_layer_pattern(config))
+    ]
+
+
+def _moe_shapes(names: _MoENames, config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    e, h, f = config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size
+    assert e is not None and f is not None  # an MoE config, resolved by GPTConfig.__post_init__
+    shapes: dict[str, tuple[int, ...]] = {names.router: (e, h)}
+    if names.fused:
+        shapes.update({names.gate_up: (e, 2 * f, h), names.down: (e, h, f)})
+    else:
+        for j in range(e):
+            gate, up, down = names.expert(j)
+            shapes.update({gate: (f, h), up: (f, h), down: (h, f)})
+    width = config.moe_shared_expert_intermediate_size
+    if width is not None:
+        s = names.shared
+        shapes.update(
+            {s + "gate_proj.weight": (width, h), s + "up_proj.weight": (width, h), s + "down_proj.weight": (h, width)}
+        )
+        if config.moe_shared_expert_gate:
+            shapes[names.shared_gate] = (1, h)
+    return shapes
 
 
 def fit_vocab_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -37,8 +125,8 @@ def fit_vocab_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad], dim=0)
 
 
-def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of layer ``i``."""
+def _layer_names(i: int, config: GPTConfig, moe: _MoENames | None) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of layer ``i`` (``moe``: its MoE names, None for a dense MLP)."""
     groups, _, d = _query_groups(config)
     h, f = config.hidden_size, config.ffn_hidden_size
     assert f is not None  # resolved by GPTConfig.__post_init__
@@ -51,10 +139,13 @@ def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
         p + "self_attn.k_proj.weight": (kv, h),
         p + "self_attn.v_proj.weight": (kv, h),
         p + "self_attn.o_proj.weight": (h, q),
-        p + "mlp.gate_proj.weight": (f, h),
-        p + "mlp.up_proj.weight": (f, h),
-        p + "mlp.down_proj.weight": (h, f),
     }
+    if moe is not None:
+        shapes.update(_moe_shapes(moe, config))
+    else:
+        shapes.update(
+            {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+        )
     if config.qk_layernorm:
         shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if config.add_bias_linear or config.add_qkv_bias:
@@ -73,12 +164,13 @@ def _layer_names(i: int, config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of ``config`` holds, with its shape (``lm_head`` only when untied)."""
+def hf_shapes(config: GPTConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``config`` holds, with its shape (``lm_head`` only when untied; experts one
+    tensor each, or in transformers 5's fused layout)."""
     h, v = config.hidden_size, config.vocab_size
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    for i in range(config.num_layers):
-        shapes.update(_layer_names(i, config))
+    for i, moe in enumerate(_moe_names(config, fused_experts)):
+        shapes.update(_layer_names(i, config, moe))
     if not config.share_embeddings_and_output_weights:
         shapes["lm_head.weight"] = (v, h)
     return shapes
@@ -87,7 +179,7 @@ def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 def check_hf_shapes(saved: Mapping[str, tuple[int, ...]], config: GPTConfig) -> None:
     """Raise a ValueError naming every tensor whose saved shape is not the one ``config`` expects, and every
     missing or unexpected tensor. A tied model may carry a copy of the embedding as ``lm_head.weight``."""
-    expected = hf_shapes(config)
+    expected = hf_shapes(config, is_fused_expert_layout(saved))
     saved = {k: tuple(v) for k, v in saved.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.share_embeddings_and_output_weights:
         saved.pop("lm_head.weight", None)
@@ -172,6 +264,54 @@ class _Tensors:
         return self.tensors[name]
 
 
+def _gate_up(fc1: torch.Tensor, width: int, hidden: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) halves of a fused ``linear_fc1`` (flat ``[2f, ...]`` or blocked ``[2, f, ...]``)."""
+    gate, up = fc1.reshape(2, width, *hidden).unbind(0)
+    return gate, up
+
+
+def _moe_to_state(source: _Tensors, names: _MoENames, config: GPTConfig, ours: str) -> dict[str, torch.Tensor]:
+    """Our tensors (under ``ours``, the layer's ``mlp.``) of one HF MoE layer."""
+    state = {ours + "router.weight": source[names.router]}
+    if names.fused:
+        fc1, fc2 = source[names.gate_up], source[names.down]
+    else:
+        experts = [names.expert(j) for j in range(config.num_moe_experts or 0)]
+        fc1 = torch.stack([torch.cat([source[gate], source[up]]) for gate, up, _ in experts])
+        fc2 = torch.stack([source[down] for _, _, down in experts])
+    state.update({ours + "experts.linear_fc1.weight": fc1, ours + "experts.linear_fc2.weight": fc2})
+    if config.moe_shared_expert_intermediate_size is not None:
+        shared, s = ours + "shared_experts.", names.shared
+        state[shared + "linear_fc1.weight"] = torch.cat([source[s + "gate_proj.weight"], source[s + "up_proj.weight"]])
+        state[shared + "linear_fc2.weight"] = source[s + "down_proj.weight"]
+        if config.moe_shared_expert_gate:
+            state[shared + "gate_weight"] = source[names.shared_gate]
+    return state
+
+
+def _moe_to_hf(source: _Tensors, names: _MoENames, config: GPTConfig, ours: str) -> dict[str, torch.Tensor]:
+    """One MoE layer's HF tensors, one per expert (the hub layout), from ours (under ``ours``, the layer's
+    ``mlp.``; experts' ``linear_fc1`` flat ``[E, 2f, h]`` or blocked ``[E, 2, f, h]``)."""
+    e, h, f = config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size
+    assert e is not None and f is not None  # an MoE config, resolved by GPTConfig.__post_init__
+    out = {names.router: source[ours + "router.weight"]}
+    fc1 = source[ours + "experts.linear_fc1.weight"].reshape(e, 2, f, h)
+    fc2 = source[ours + "experts.linear_fc2.weight"]
+    for j in range(e):
+        gate, up, down = names.expert(j)
+        out.update({gate: fc1[j, 0], up: fc1[j, 1], down: fc2[j]})
+    width = config.moe_shared_expert_intermediate_size
+    if width is not None:
+        shared, s = ours + "shared_experts.", names.shared
+        out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = _gate_up(
+            source[shared + "linear_fc1.weight"], width, (h,)
+        )
+        out[s + "down_proj.weight"] = source[shared + "linear_fc2.weight"]
+        if config.moe_shared_expert_gate:
+            out[names.shared_gate] = source[shared + "gate_weight"]
+    return out
+
+
 def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our full state (GPTModel names, exactly ``vocab_size`` vocabulary rows, the HF dtype) from HF tensors
     whose shapes :func:`check_hf_shapes` accepted."""
@@ -182,7 +322,7 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
     }
     if not config.share_embeddings_and_output_weights:
         state["output_layer.weight"] = source["lm_head.weight"]
-    for i in range(config.num_layers):
+    for i, moe in enumerate(_moe_names(config, is_fused_expert_layout(tensors))):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         state[ours + "input_layernorm.weight"] = source[hf + "input_layernorm.weight"]
         state[ours + "pre_mlp_layernorm.weight"] = source[hf + "post_attention_layernorm.weight"]
@@ -194,18 +334,21 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
             state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
                 source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"], config
             )
+        if moe is not None:
+            state.update(_moe_to_state(source, moe, config, ours + "mlp."))
         for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
             state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
-            state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
-                [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0
-            )
-            state[f"{ours}mlp.linear_fc2.{kind}"] = source[f"{mlp}down_proj.{kind}"]
+            if moe is None:
+                state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
+                    [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0
+                )
+                state[f"{ours}mlp.linear_fc2.{kind}"] = source[f"{mlp}down_proj.{kind}"]
     return state
 
 
 def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """HF tensors from our full state (any vocabulary padding; ``linear_fc1`` flat ``[2f, h]`` or blocked
-    ``[2, f, h]`` as our checkpoints store it)."""
+    ``[2, f, h]`` as our checkpoints store it); experts one tensor each, as transformers' ``save_pretrained``."""
     source = _Tensors(state, "the model state")
     v = config.vocab_size
     out = {
@@ -214,7 +357,8 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
     }
     if not config.share_embeddings_and_output_weights:
         out["lm_head.weight"] = fit_vocab_rows(source["output_layer.weight"], v)
-    for i in range(config.num_layers):
+    assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
+    for i, moe in enumerate(_moe_names(config, fused=False)):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         out[hf + "input_layernorm.weight"] = source[ours + "input_layernorm.weight"]
         out[hf + "post_attention_layernorm.weight"] = source[ours + "pre_mlp_layernorm.weight"]
@@ -225,12 +369,13 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
         for kind in kinds:
             q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)
             out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
+        if moe is not None:
+            out.update(_moe_to_hf(source, moe, config, ours + "mlp."))
         for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
             out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
-            fc1 = source[f"{ours}mlp.linear_fc1.{kind}"]
-            rest = (config.hidden_size,) if kind == "weight" else ()
-            assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
-            gate, up = fc1.reshape(2, config.ffn_hidden_size, *rest).unbind(0)
-            out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate, up
-            out[f"{mlp}down_proj.{kind}"] = source[f"{ours}mlp.linear_fc2.{kind}"]
+            if moe is None:
+                rest = (config.hidden_size,) if kind == "weight" else ()
+                gate_up = _gate_up(source[f"{ours}mlp.linear_fc1.{kind}"], config.ffn_hidden_size, rest)
+                out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate_up
+                out[f"{mlp}down_proj.{kind}"] = source[f"{ours}mlp.linear_fc2.{kind}"]
     return {name: t.contiguous() for name, t in out.items()}

@@ -169,7 +169,9 @@ def grouped_mm_refusal(device: torch.device, dtype: torch.dtype, weight_shapes: 
     ``[out, in]`` (each of ``weight_shapes``) in ``dtype`` on ``device``, or None when it can: each is run once,
     forward and backward, on two tokens of one expert."""
     try:
-        with torch.enable_grad():
+        # Identity saved-tensor hooks: the probe's own backward must not unpack through an enclosing activation
+        # checkpoint's hooks (the probe may first run inside a recomputed layer).
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             for out_features, in_features in weight_shapes:
                 tokens = torch.zeros(2, in_features, device=device, dtype=dtype, requires_grad=True)
                 weight = torch.zeros(1, out_features, in_features, device=device, dtype=dtype, requires_grad=True)

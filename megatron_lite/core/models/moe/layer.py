@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
@@ -74,8 +75,17 @@ class MoELayer(nn.Module):
         self.tp_size = layout.tp_size
         self.sequence_parallel = layout.sequence_parallel
         self.tp_cp_group, self.tp_dp_cp_group = layout.group("tp_cp"), layout.group("tp_dp_cp")
+        self.cp_size = layout.cp_size
+        self.recompute = config.recomputes("moe")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # selective recompute of 'moe': keep only the layer's input; router, dispatch and experts (their
+            # collectives too) run again in the backward pass, where the router attaches and records nothing
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         # Without sequence parallelism (generation) the TP ranks hold the same tokens: each takes its share, so the
         # experts see every token once, and the outputs are gathered again (padding a length TP does not divide).
         split = self.tp_size > 1 and not self.sequence_parallel
@@ -106,8 +116,19 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
+    # How a metric is reported: the engine sums report entries over DP x CP (and the pipeline), not over TP. So
+    # each is recorded as one micro-batch sequence's value (the TP x CP group's), weighted 1/CP: summed over the
+    # CP ranks it counts once per micro-batch, whatever the layout.
+    @torch.no_grad()
     def _record(self, name: str, value: torch.Tensor) -> None:
-        self.step_state.record(name, value)
+        """The router's metrics: a load-balancing loss is split into shares over the TP x CP ranks (their sum is the
+        loss), the z-loss is each rank's mean over its tokens (their mean is the loss)."""
+        value = value.detach().to(torch.float32).reshape(1)
+        if self.tp_size > 1 and self.sequence_parallel:
+            dist.all_reduce(value, group=self.tp_group)
+        if name == "z_loss":
+            value = value / (self.tp_size if self.sequence_parallel else 1) / self.cp_size
+        self.step_state.record(name, value[0], count=1.0 / self.cp_size)
 
     @torch.no_grad()
     def _record_load(self, routing_map: torch.Tensor) -> None:
@@ -115,12 +136,14 @@ class MoELayer(nn.Module):
         the mean load and the loads' coefficient of variation; and the fraction of routed (token, expert) pairs
         dropped by the capacity."""
         load = routing_map.sum(0).to(torch.float32)
-        kept = load.sum()
+        counts = torch.cat([load, load.new_full((1,), float(routing_map.shape[0]))])
         if self.tp_cp_group is not None and dist.get_world_size(self.tp_cp_group) > 1:
-            dist.all_reduce(load, group=self.tp_cp_group)
+            dist.all_reduce(counts, group=self.tp_cp_group)
+        load, tokens = counts[:-1], counts[-1]
         mean = load.mean().clamp(min=1e-9)
-        prefix = f"moe/layer_{self.layer_number}"
-        self.step_state.record(f"{prefix}/load_max_over_mean", load.max() / mean)
-        self.step_state.record(f"{prefix}/load_cv", load.std(unbiased=False) / mean)
-        wanted = routing_map.shape[0] * self.topk
-        self.step_state.record("moe/dropped_token_fraction", wanted - kept, count=float(wanted))
+        prefix, weight = f"moe/layer_{self.layer_number}", 1.0 / self.cp_size
+        self.step_state.record(f"{prefix}/load_max_over_mean", load.max() / mean / self.cp_size, weight)
+        self.step_state.record(f"{prefix}/load_cv", load.std(unbiased=False) / mean / self.cp_size, weight)
+        wanted = tokens * self.topk
+        dropped = (wanted - load.sum()) / self.cp_size
+        self.step_state.record("moe/dropped_token_fraction", dropped, wanted / self.cp_size)

@@ -3,7 +3,7 @@ auxiliary losses, and the metrics they record, handed to the engine's report (no
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -18,9 +18,10 @@ class MoEStepState:
         """Multiplier the engine applies to each microbatch's summed loss before its backward (fp16 loss scale)."""
         self._sums: dict[str, torch.Tensor] = {}
 
-    def record(self, name: str, value: torch.Tensor, count: float = 1.0) -> None:
+    def record(self, name: str, value: torch.Tensor, count: Union[float, torch.Tensor] = 1.0) -> None:
         """Add ``value`` (detached, 0-d) to metric ``name`` with weight ``count`` (its mean is sum / count)."""
-        entry = torch.stack([value.detach().reshape(()).to(torch.float64), torch.tensor(count, dtype=torch.float64)])
+        total = value.detach().reshape(()).to(torch.float64)
+        entry = torch.stack([total, torch.as_tensor(count, dtype=torch.float64, device=total.device).reshape(())])
         previous: Optional[torch.Tensor] = self._sums.get(name)
         self._sums[name] = entry if previous is None else previous + entry.to(previous.device)
 
