@@ -222,6 +222,13 @@ ACTIVATION_VARIANTS = {
         moe_z_loss_coeff=1e-3,
         moe_expert_capacity_factor=2.0,  # at most 2 x the even share: nothing of these 64 tokens is dropped
     ),
+    # the MoE layers keep only their input (and, not modelled, the CPU RNG state their checkpoint saves: 0.5% here)
+    "recompute_moe_and_core_attention": dict(
+        recompute_granularity="selective",
+        recompute_modules=["core_attn", "moe"],
+        moe_layer_freq=2,
+        moe_shared_expert_intermediate_size=32,
+    ),
 }
 
 
@@ -239,8 +246,9 @@ def test_moe_activation_estimate_matches_the_probe(variant, precision):
         measured = measure_activation_bytes(model, lambda: (tokens, tokens))
     layout = EstimateLayout(micro_batch_size=2, seq_length=32, precision=precision, device_type="cpu")
     acts = estimate_memory(config, layout).activations
-    assert acts.per_moe_layer > acts.per_layer > 0
-    assert acts.held_after_forward == pytest.approx(measured, rel=0.002)
+    recompute = config.recomputes("moe")
+    assert (acts.per_moe_layer < acts.per_layer) == recompute and acts.per_moe_layer > 0
+    assert acts.held_after_forward == pytest.approx(measured, rel=0.01 if recompute else 0.002)
 
 
 def _expert_ranks_probe(rank: int, world: int, shape: dict, parallel: dict, precision: str) -> tuple:

@@ -33,6 +33,9 @@ from megatron_lite.core.parallel.pipeline.schedules import schedule_order
 if TYPE_CHECKING:  # memory.py imports this module: the type only
     from megatron_lite.core.estimator.memory import EstimateLayout
 
+# What 'selective' recompute may rerun in the backward (GPTConfig.recompute_modules), in words.
+SELECTIVE_MODULES = {"core_attn": "core attention", "moe": "MoE layers"}
+
 
 @dataclass
 class ActivationBreakdown:
@@ -130,7 +133,9 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
         parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
     if layout.context_parallel_size > 1 and not selective:
         parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
-    if moe:
+    if moe and config.recomputes("moe"):
+        parts["moe_input"] = local * h * r  # the checkpointed layer's input; the rest is rebuilt in backward
+    elif moe:
         parts.update(moe_layer_parts(config, layout))
     else:
         parts["fc1_input"] = tokens * h * c  # all-gathered under SP
@@ -168,12 +173,13 @@ def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, t
 
 def _recompute_groups(config: GPTConfig, stage_layers: int) -> tuple:
     """([(layer positions in the stage, recomputed?)] in forward order, description), grouped as ``GPTModel``
-    groups its layers for 'full' recompute; 'selective' checkpoints only the core attention (see
-    :func:`_layer_parts`)."""
+    groups its layers for 'full' recompute; 'selective' checkpoints the core attention and/or the MoE layers
+    (``recompute_modules``; see :func:`_layer_parts`)."""
     groups = full_recompute_groups(config, stage_layers)
     k = config.recompute_num_layers
     if config.recompute_granularity != "full":
-        return groups, "selective (core attention)" if config.recompute_granularity else "none"
+        modules = [name for module, name in SELECTIVE_MODULES.items() if config.recomputes(module)]
+        return groups, f"selective ({', '.join(modules)})" if config.recompute_granularity else "none"
     assert k is not None  # GPTConfig refuses 'full' granularity without recompute_num_layers
     if config.recompute_method == "block":
         return groups, f"full, block: first {min(k, stage_layers)} of {stage_layers} layers"
@@ -197,19 +203,22 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
     tokens = layout.local_seq_length * layout.micro_batch_size
     local = tokens // tp if layout.sequence_parallel else tokens
     h = config.hidden_size
-    selective = config.recompute_granularity == "selective"
+    selective = config.recomputes("core_attn")
     parts = _layer_parts(config, layout, selective)
     per_layer = sum(parts.values())
     is_moe = moe_layer_pattern(config)
     moe_parts = _layer_parts(config, layout, selective, moe=True) if any(is_moe) else {}
     per_moe_layer = sum(moe_parts.values())
     dispatch = moe_dispatch_transient(config, layout) if any(is_moe) else 0
+    # 'moe' recompute rebuilds one MoE layer at a time in the backward, beside its kept input
+    moe_rebuilt = sum(moe_layer_parts(config, layout).values()) if config.recomputes("moe") else 0
     stages = layout.stage_chunks(config, pipeline_stage)
     chunks, embedding, layers, output, loss_transient, recompute = [], 0, 0, 0, 0, "none"
     for stage in stages:
         n = len(stage.layers)
         groups, recompute = _recompute_groups(config, n)
         sizes = [per_moe_layer if is_moe[i] else per_layer for i in stage.layers]  # per position in the stage
+        has_moe = any(is_moe[i] for i in stage.layers)
         full = [sum(sizes[p] for p in positions) for positions, _ in groups]
         kept = [local * h * pb.residual if recomputed else size for (_, recomputed), size in zip(groups, full)]
         peak = max((sum(kept[:j]) + size for j, size in enumerate(full)), default=0)
@@ -240,9 +249,7 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
             attention_peak = (
                 chunk_embedding
                 + before
-                + context_parallel_attention_transient(
-                    config, layout, pb.compute, selective=config.recompute_granularity == "selective"
-                )
+                + context_parallel_attention_transient(config, layout, pb.compute, selective=selective)
             )
         boundary = local * h * pb.residual  # the residual stream crossing between stages
         chunks.append(
@@ -256,9 +263,11 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
                 loss_transient=chunk_loss,
                 attention_peak=attention_peak,
                 # Upper bound: the chunk's kept tensors all alive while its last MoE layer dispatches.
-                dispatch_peak=chunk_embedding + sum(kept) + dispatch if any(is_moe[i] for i in stage.layers) else 0,
-                # The output layer's activations are gone by the time the first group is rebuilt.
-                recompute_working_set=max(0, peak - sum(kept) - chunk_output),
+                dispatch_peak=chunk_embedding + sum(kept) + dispatch if has_moe else 0,
+                # The output layer's activations are gone by the time the first group (or MoE layer) is rebuilt.
+                recompute_working_set=max(
+                    0, peak - sum(kept) - chunk_output, moe_rebuilt - chunk_output if has_moe else 0
+                ),
             )
         )
         embedding, layers, output, loss_transient = (
