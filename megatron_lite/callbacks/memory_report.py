@@ -23,7 +23,7 @@ from megatron_lite.core.parallel.run_spec import RunSpec
 
 def flops_per_step(module: Any, datamodule: Any, geometry: DataGeometry, tensor_model_parallel_size: int) -> float:
     """Model FLOPs of one optimizer step of ``module`` (a GPTConfig ``config``) on a global batch of ``geometry``,
-    with what one sample costs its objective (``objective_cost``)."""
+    with what one sample costs its objective (``objective_cost``); an MoE's active experts only (the top-k)."""
     return training_flops_per_step(
         module.config,
         geometry.global_batch_size,

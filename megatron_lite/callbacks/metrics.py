@@ -79,7 +79,8 @@ class MegatronMetrics(pl.Callback):
     after each validation. FLOPs come from :func:`training_flops_per_step` of the module's
     ``config`` (a :class:`GPTConfig`) and the datamodule's batch ``geometry`` (global batch, seq_length), with
     what one sample costs the module's objective (``objective_cost``: a DPO pair is two sequences and the
-    reference model's forward over both, a GRPO prompt ``group_size`` sequences and their extra forwards).
+    reference model's forward over both, a GRPO prompt ``group_size`` sequences and their extra forwards). For a
+    Mixture-of-Experts model they count the *active* parameters: a token's top-k experts, not all of them.
 
     Args:
         peak_tflops_per_device: dense peak TFLOP/s of one device for MFU. None: the data-sheet peak

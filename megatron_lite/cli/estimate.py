@@ -12,8 +12,11 @@ settings), the total, and the model FLOPs of one step -- both for the model's ob
 prompt ``group_size`` sequences; see ``objective_cost``). Under pipeline parallelism (the strategy's
 pipeline options: sizes, schedule, uneven cut) the details are the most loaded stage's, followed by one
 line per stage (``stages`` in the JSON). Under context parallelism (``context_parallel_size``,
-``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. Exit
-code 2 on bad input, with one line that says what to change.
+``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. For a
+Mixture-of-Experts model (``num_moe_experts``; the strategy's ``expert_model_parallel_size`` and
+``expert_tensor_parallel_size``) each rank holds its experts split over EP x ETP, their optimizer state sharded over
+expert-DP, and the activations of balanced routing; FLOPs count the active (top-k) experts. Exit code 2 on bad
+input, with one line that says what to change.
 """
 
 from __future__ import annotations
@@ -258,6 +261,8 @@ def describe_run(
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         context_parallel_size=int(strategy.get("context_parallel_size", 1)),
         cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),
+        expert_model_parallel_size=int(strategy.get("expert_model_parallel_size", 1)),
+        expert_tensor_parallel_size=_optional_int(strategy.get("expert_tensor_parallel_size")),
     )
     world_size = _world_size(trainer, devices, num_nodes)
     # at this data-parallel size first: the geometry alone would name the fix for one rank

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -220,20 +221,24 @@ def test_weights_grads_and_optimizer_state_equal_the_bytes_after_one_step(optimi
     assert est.optimizer_bytes + est.optimizer_host_bytes == state  # moments + Adam's per-tensor step counters
 
 
-def _optimizer_bytes_after_a_step(rank: int, world: int, shape: dict, precision: str, distributed: bool) -> dict:
+def _optimizer_bytes_after_a_step(
+    rank: int, world: int, shape: dict, precision: str, distributed: bool, parallel: Optional[dict] = None
+) -> dict:
     """Bytes of weights, gradients (as held at the end of a backward) and optimizer state of the real
-    Megatron optimizer (masters, main-grad buffers, ZeRO-1 shards, torch optimizer state)."""
+    Megatron optimizer (masters, main-grad buffers, ZeRO-1 shards, torch optimizer state), on the layout of the
+    ParallelConfig options ``parallel`` (default: data parallelism)."""
     from megatron_lite.core.optim.distributed import DistributedOptimizer
     from megatron_lite.core.optim.optimizer import MegatronOptimizer
 
     config = GPTConfig(**shape)
-    layout = ParallelLayout.build(ParallelConfig()) if world > 1 else ParallelLayout.single()
+    layout = ParallelLayout.build(ParallelConfig(**(parallel or {}))) if world > 1 else ParallelLayout.single()
     model = GPTModel(config, layout)
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
     cls = DistributedOptimizer if distributed else MegatronOptimizer
     opt = cls(model, OptimizerConfig(use_distributed_optimizer=distributed), layout)
-    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+    seed = torch.Generator().manual_seed(layout.dp_rank)  # the same tokens on the ranks of a TP group
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=seed)
     for _ in range(2):  # the second backward leaves the gradients as they are at a step's peak
         opt.zero_grad()
         model(tokens, tokens).float().mean().backward()

@@ -8,7 +8,8 @@ autocast, the fp32 softmax of the loss, recompute), checked against :mod:`megatr
 and on an H200. Under pipeline parallelism the schedule decides how many chunk-microbatches are alive at once
 (:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`); under context parallelism every per-token
 tensor holds ``seq_length / C`` tokens and the attention is the blockwise kind
-(:mod:`megatron_lite.core.estimator.context_parallel`).
+(:mod:`megatron_lite.core.estimator.context_parallel`). An MoE layer keeps its router's, dispatcher's and experts'
+tensors in place of the dense MLP's (:mod:`megatron_lite.core.estimator.moe_activations`, balanced routing assumed).
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ from megatron_lite.core.estimator.context_parallel import (
     context_parallel_attention_transient,
     layer_bytes_until_attention,
 )
-from megatron_lite.core.estimator.parameters import stage_parameter_shapes
+from megatron_lite.core.estimator.moe_activations import moe_dispatch_transient, moe_layer_parts
 from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, schedule_memory
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.models.recompute import full_recompute_groups
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
 
 if TYPE_CHECKING:  # memory.py imports this module: the type only
     from megatron_lite.core.estimator.memory import EstimateLayout
+
+# What 'selective' recompute may rerun in the backward (GPTConfig.recompute_modules), in words.
+SELECTIVE_MODULES = {"core_attn": "core attention", "moe": "MoE layers"}
 
 
 @dataclass
@@ -39,7 +44,11 @@ class ActivationBreakdown:
     embedding: int = 0
     """Shard-local token ids (TP), position ids, embedding dropout mask, rotary tables (not the batch)."""
     per_layer: int = 0
-    """One transformer layer (selective recompute applied; full recompute rebuilds this per layer)."""
+    """One dense transformer layer (selective recompute applied; full recompute rebuilds this per layer)."""
+    per_moe_layer: int = 0
+    """One MoE transformer layer, balanced routing assumed (0 without MoE layers)."""
+    moe_dispatch_transient: int = 0
+    """Extra bytes while an MoE layer's dispatcher moves its tokens (gathered or permuted tokens; 0 without MoE)."""
     layers: int = 0
     """All layers of this rank's chunks for one microbatch, with the recompute setting applied."""
     output: int = 0
@@ -68,7 +77,9 @@ class ActivationBreakdown:
     chunks: list = field(default_factory=list)
     """Per model chunk held by the rank (:class:`ChunkActivations`), in chunk order."""
     parts: dict = field(default_factory=dict)
-    """Per-layer bytes by tensor (for reports and tests)."""
+    """Per-layer bytes by tensor (for reports and tests): a dense layer's."""
+    moe_parts: dict = field(default_factory=dict)
+    """An MoE layer's bytes by tensor (empty without MoE layers)."""
 
     @property
     def total(self) -> int:
@@ -76,8 +87,9 @@ class ActivationBreakdown:
         return self.held_after_forward + self.recompute_working_set
 
 
-def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = False) -> dict:
-    """Bytes one layer saves, by tensor, for one microbatch on one rank (see the module docstring)."""
+def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = False, moe: bool = False) -> dict:
+    """Bytes one layer (an MoE layer where ``moe``) saves, by tensor, for one microbatch on one rank (see the
+    module docstring)."""
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
@@ -95,7 +107,7 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
         return kernels.dropout_mask_bytes or element_bytes
 
     parts = {"norms": 2 * _norm_bytes(config, kernels, local * h, r)}
-    parts["linear_inputs"] = 2 * tokens * h * c  # QKV and fc1 inputs, all-gathered under SP
+    parts["qkv_input"] = tokens * h * c  # all-gathered under SP
     # q, k, v as the attention kernel keeps them: RoPE makes new q and k, cutting q out of GQA groups
     # copies it, GQA repeats k and v to every head, and whatever is still a view keeps the whole fused
     # QKV output alive. Under selective recompute the checkpoint keeps q, k, v before the GQA repeat
@@ -121,8 +133,14 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
         parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
     if layout.context_parallel_size > 1 and not selective:
         parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
-    gated = config.activation == "swiglu"
-    parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
+    if moe and config.recomputes("moe"):
+        parts["moe_input"] = local * h * r  # the checkpointed layer's input; the rest is rebuilt in backward
+    elif moe:
+        parts.update(moe_layer_parts(config, layout))
+    else:
+        parts["fc1_input"] = tokens * h * c  # all-gathered under SP
+        gated = config.activation == "swiglu"
+        parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
     if config.hidden_dropout > 0:
         branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
         parts["dropout_masks"] = 2 * local * h * mask(branch)
@@ -154,12 +172,14 @@ def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, t
 
 
 def _recompute_groups(config: GPTConfig, stage_layers: int) -> tuple:
-    """([(layer count, recomputed?)] in forward order, description), grouped as ``GPTModel`` groups its
-    layers for 'full' recompute; 'selective' checkpoints only the core attention (see :func:`_layer_parts`)."""
-    groups = [(len(positions), checkpointed) for positions, checkpointed in full_recompute_groups(config, stage_layers)]
+    """([(layer positions in the stage, recomputed?)] in forward order, description), grouped as ``GPTModel``
+    groups its layers for 'full' recompute; 'selective' checkpoints the core attention and/or the MoE layers
+    (``recompute_modules``; see :func:`_layer_parts`)."""
+    groups = full_recompute_groups(config, stage_layers)
     k = config.recompute_num_layers
     if config.recompute_granularity != "full":
-        return groups, "selective (core attention)" if config.recompute_granularity else "none"
+        modules = [name for module, name in SELECTIVE_MODULES.items() if config.recomputes(module)]
+        return groups, f"selective ({', '.join(modules)})" if config.recompute_granularity else "none"
     assert k is not None  # GPTConfig refuses 'full' granularity without recompute_num_layers
     if config.recompute_method == "block":
         return groups, f"full, block: first {min(k, stage_layers)} of {stage_layers} layers"
@@ -183,16 +203,26 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
     tokens = layout.local_seq_length * layout.micro_batch_size
     local = tokens // tp if layout.sequence_parallel else tokens
     h = config.hidden_size
-    parts = _layer_parts(config, layout, selective=config.recompute_granularity == "selective")
+    selective = config.recomputes("core_attn")
+    parts = _layer_parts(config, layout, selective)
     per_layer = sum(parts.values())
+    is_moe = moe_layer_pattern(config)
+    moe_parts = _layer_parts(config, layout, selective, moe=True) if any(is_moe) else {}
+    per_moe_layer = sum(moe_parts.values())
+    dispatch = moe_dispatch_transient(config, layout) if any(is_moe) else 0
+    # 'moe' recompute rebuilds one MoE layer at a time in the backward, beside its kept input
+    moe_rebuilt = sum(moe_layer_parts(config, layout).values()) if config.recomputes("moe") else 0
     stages = layout.stage_chunks(config, pipeline_stage)
     chunks, embedding, layers, output, loss_transient, recompute = [], 0, 0, 0, 0, "none"
     for stage in stages:
         n = len(stage.layers)
         groups, recompute = _recompute_groups(config, n)
-        kept = [local * h * pb.residual if recomputed else m * per_layer for m, recomputed in groups]
-        peak = max((sum(kept[:j]) + m * per_layer for j, (m, _) in enumerate(groups)), default=0)
-        stored_layers = sum(m for m, recomputed in groups if not recomputed)
+        sizes = [per_moe_layer if is_moe[i] else per_layer for i in stage.layers]  # per position in the stage
+        has_moe = any(is_moe[i] for i in stage.layers)
+        full = [sum(sizes[p] for p in positions) for positions, _ in groups]
+        kept = [local * h * pb.residual if recomputed else size for (_, recomputed), size in zip(groups, full)]
+        peak = max((sum(kept[:j]) + size for j, size in enumerate(full)), default=0)
+        stored_layers = sum(len(positions) for positions, recomputed in groups if not recomputed)
         chunk_embedding = _rope_bytes(config, layout, stored_layers, tables_held=stored_layers < n)
         if stage.pre_process:
             # Shard-local ids and the out-of-shard mask: whenever the TP group exists, i.e. in any run of more than
@@ -213,15 +243,13 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
             # The last layer's attention: every earlier layer's tensors held, this layer's up to its attention.
             before = (
                 sum(kept)
-                - (0 if groups[-1][1] else per_layer)
+                - (0 if groups[-1][1] else sizes[-1])
                 + layer_bytes_until_attention(parts, recomputed=groups[-1][1])
             )
             attention_peak = (
                 chunk_embedding
                 + before
-                + context_parallel_attention_transient(
-                    config, layout, pb.compute, selective=config.recompute_granularity == "selective"
-                )
+                + context_parallel_attention_transient(config, layout, pb.compute, selective=selective)
             )
         boundary = local * h * pb.residual  # the residual stream crossing between stages
         chunks.append(
@@ -234,8 +262,12 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
                 sent_grad=0 if stage.pre_process else boundary,
                 loss_transient=chunk_loss,
                 attention_peak=attention_peak,
-                # The output layer's activations are gone by the time the first group is rebuilt.
-                recompute_working_set=max(0, peak - sum(kept) - chunk_output),
+                # Upper bound: the chunk's kept tensors all alive while its last MoE layer dispatches.
+                dispatch_peak=chunk_embedding + sum(kept) + dispatch if has_moe else 0,
+                # The output layer's activations are gone by the time the first group (or MoE layer) is rebuilt.
+                recompute_working_set=max(
+                    0, peak - sum(kept) - chunk_output, moe_rebuilt - chunk_output if has_moe else 0
+                ),
             )
         )
         embedding, layers, output, loss_transient = (
@@ -246,12 +278,14 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
         )
     copies = 0
     if pb.compute < pb.weight:
-        copies = sum(p.numel for p in stage_parameter_shapes(config, tp, stages) if p.is_matmul_weight)
+        copies = sum(p.numel for p in layout.stage_parameter_shapes(config, stages) if p.is_matmul_weight)
         copies *= pb.compute
     walk = schedule_memory(_training_order(layout, pipeline_stage), chunks)
     return ActivationBreakdown(
         embedding=embedding,
         per_layer=per_layer,
+        per_moe_layer=per_moe_layer,
+        moe_dispatch_transient=dispatch,
         layers=layers,
         output=output,
         microbatches_in_flight=walk.in_flight,
@@ -264,6 +298,7 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
         recompute=recompute,
         chunks=chunks,
         parts=parts,
+        moe_parts=moe_parts,
     )
 
 

@@ -95,10 +95,4 @@ def layer_bytes_until_attention(parts: dict, recomputed: bool = False) -> int:
     output and log-sum-exp); the rest (projection input, second norm, MLP, dropout masks) comes after. In a
     recomputed layer (whose forward keeps nothing) the norm's own tensors are already freed by then."""
     norm = 0 if recomputed else parts["norms"] // 2
-    return (
-        norm
-        + parts["linear_inputs"] // 2
-        + parts["qkv"]
-        + parts.get("attention_fp32_out", 0)
-        + parts.get("logsumexp", 0)
-    )
+    return norm + parts["qkv_input"] + parts["qkv"] + parts.get("attention_fp32_out", 0) + parts.get("logsumexp", 0)

@@ -1,4 +1,4 @@
-"""Model FLOPs of a dense GPT (DESIGN.md section 3, "FLOPs per step").
+"""Model FLOPs of a GPT, dense or Mixture-of-Experts (DESIGN.md section 3, "FLOPs per step").
 
 Conventions (those of Megatron-LM and of MFU):
 
@@ -11,6 +11,10 @@ Conventions (those of Megatron-LM and of MFU):
   hardware multiplies. The input embedding is a lookup and costs nothing.
 * Training = forward + backward = 3 x forward (the backward computes the gradients of both the
   inputs and the weights of every matmul), i.e. ``6 x parameters`` per token plus attention.
+* Mixture of Experts: a token's work is that of its *active* parameters (Megatron's
+  ``num_floating_point_operations``): in an MoE layer its ``moe_router_topk`` experts and the shared expert
+  (with its gate), plus the router's ``H -> E`` GEMM (which Megatron leaves out), whatever the expert layout;
+  tokens dropped by a capacity factor are counted as routed. MFU thus counts active parameters.
 * Per objective: a sample costs what its objective says
   (:class:`~megatron_lite.core.estimator.objective_cost.ObjectiveCost`): a DPO pair is two sequences plus
   the reference model's forward over both, a GRPO prompt ``group_size`` sequences trained
@@ -28,6 +32,8 @@ from typing import Optional
 
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.moe_config import moe_layer_pattern
+from megatron_lite.core.models.moe_sizes import mlp_weights, moe_router_parameters
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,12 @@ class FlopsBreakdown:
     projection: float
     """Attention output projection of every layer."""
     mlp: float
-    """MLP of every layer (the fused gate/up projection of SwiGLU is 3/2 of a plain ``h -> ffn -> h`` MLP)."""
+    """MLP of every layer (the fused gate/up projection of SwiGLU is 3/2 of a plain ``h -> ffn -> h`` MLP); in an
+    MoE layer a token's top-k experts, the shared expert and its gate."""
     logits: float
     """Output layer over the padded vocabulary."""
+    router: float = 0.0
+    """Router GEMM (``H -> num_moe_experts``) of every MoE layer (0 for a dense model)."""
 
     @property
     def total(self) -> float:
@@ -71,15 +80,25 @@ def forward_flops_breakdown(
     assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
     q_width = config.num_attention_heads * d
     kv_width = 2 * config.num_query_groups * d
-    gated = 2 if config.activation == "swiglu" else 1  # SwiGLU's fc1 holds gate and up
     vocab = config.padded_vocab_size(tensor_model_parallel_size)
     attention_square = 2 * (2 * s * q_width)  # QK^T and AV over all s keys, per query token
+    moe = sum(moe_layer_pattern(config))
+    mlp = (layers - moe) * mlp_weights(config, config.ffn_hidden_size)
+    if moe:  # per token: its top-k experts, the shared expert and the shared expert's [1, H] gate
+        assert config.moe_ffn_hidden_size is not None  # resolved for MoE models by the config checks
+        shared = config.moe_shared_expert_intermediate_size
+        mlp += moe * (
+            config.moe_router_topk * mlp_weights(config, config.moe_ffn_hidden_size)
+            + (mlp_weights(config, shared) if shared is not None else 0)
+            + (h if config.moe_shared_expert_gate else 0)
+        )
     return FlopsBreakdown(
         qkv=layers * 2.0 * h * (q_width + kv_width),
         attention=layers * float(attention_square) / (2 if causal else 1),
         projection=layers * 2.0 * q_width * h,
-        mlp=layers * 2.0 * (h * gated * config.ffn_hidden_size + config.ffn_hidden_size * h),
+        mlp=2.0 * mlp,
         logits=2.0 * h * vocab,
+        router=2.0 * moe * moe_router_parameters(config),
     )
 
 

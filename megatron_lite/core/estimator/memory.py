@@ -13,6 +13,11 @@ the chunk-microbatches its schedule keeps alive, found by walking the order the 
 GPipe ``M``, interleaved most on the first rank).
 Checked against a real pipeline run with :class:`~megatron_lite.core.estimator.probe.ScheduleActivationProbe`.
 
+Mixture-of-Experts layers hold the router and shared expert like dense weights and ``num_moe_experts / EP`` experts
+split over ETP, replicated over expert-DP: the distributed optimizer shards the experts' state over expert-DP and
+the rest over DP x CP. Their activations (:mod:`~megatron_lite.core.estimator.moe_activations`) assume balanced
+routing, since a dropless layer's expert inputs depend on the data.
+
 Under context parallelism every per-token tensor holds ``seq_length / C`` tokens, and the attention is the
 blockwise context-parallel kind (:mod:`megatron_lite.core.estimator.context_parallel`): what it keeps for
 backward, and the keys/values in flight and one block's scores while it runs (a transient of the forward).
@@ -66,6 +71,10 @@ class EstimateLayout:
     """Shard norm/dropout activations along the sequence inside TP groups."""
     context_parallel_size: int = 1
     """CP size: each rank holds ``seq_length / C`` tokens of every sequence."""
+    expert_model_parallel_size: int = 1
+    """EP size: each rank holds ``num_moe_experts / EP`` experts of every MoE layer (folded into TP x CP x DP)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP size: ranks that split each expert's weights; None means tensor_model_parallel_size."""
     cp_comm_type: str = "p2p"
     """How CP attention gets the other ranks' keys/values: 'p2p' (blocks passed around the ring) or 'all_gather'."""
     precision: str = "32-true"
@@ -96,6 +105,7 @@ class EstimateLayout:
             "data_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
             "num_microbatches",
         ):
             value = getattr(self, name)
@@ -123,7 +133,7 @@ class EstimateLayout:
                 f"must be divisible by tensor_model_parallel_size ({self.tensor_model_parallel_size}) "
                 f"with sequence_parallel=True"
             )
-        self.parallel_config()  # the pipeline options, validated as the strategy validates them
+        self.parallel_config().expert_data_parallel_size(self.world_size)  # validated as the strategy validates them
 
     def parallel_config(self) -> ParallelConfig:
         """The strategy's :class:`ParallelConfig` of this layout (it knows the layer cut and the schedule)."""
@@ -137,6 +147,8 @@ class EstimateLayout:
             num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage,
             context_parallel_size=self.context_parallel_size,
             cp_comm_type=self.cp_comm_type,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
         )
 
     @property
@@ -154,6 +166,22 @@ class EstimateLayout:
             * self.data_parallel_size
         )
 
+    @property
+    def etp_size(self) -> int:
+        """ETP: ranks that split each expert's weights (TP's size unless set)."""
+        return self.parallel_config().etp_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP: copies of each expert per pipeline stage, ``TP x CP x DP / (ETP x EP)``."""
+        return self.parallel_config().expert_data_parallel_size(self.world_size)
+
+    def stage_parameter_shapes(self, config: GPTConfig, chunks: list) -> list:
+        """The parameters one rank holding ``chunks`` has (TP shards, its experts split over ETP)."""
+        return stage_parameter_shapes(
+            config, self.tensor_model_parallel_size, chunks, self.etp_size, self.expert_model_parallel_size
+        )
+
     def stage_chunks(self, config: GPTConfig, pipeline_stage: int) -> list:
         """The (virtual) stages pipeline rank ``pipeline_stage`` holds, cut as ``GPTModel`` cuts them."""
         return self.parallel_config().stage_chunks(config.num_layers, pipeline_stage)
@@ -165,9 +193,13 @@ class MemoryEstimate:
     otherwise."""
 
     params: int
-    """Parameters of this rank's TP/PP shard of the model (before any DP sharding)."""
+    """Parameters of this rank's TP/PP shard of the model (before any DP sharding), its experts included."""
+    expert_params: int
+    """Of ``params``, those of this rank's routed experts (``E / EP`` per MoE layer, split over ETP; 0 if dense)."""
     model_params: int
-    """Parameters of the whole model at TP=1 (:meth:`GPTConfig.num_parameters`)."""
+    """Parameters of the whole model at TP=1 (:meth:`GPTConfig.num_parameters`), every expert counted."""
+    model_active_params: int
+    """Parameters one token goes through (:meth:`GPTConfig.num_active_parameters`: top-k experts; FLOPs count these)."""
     weights_bytes: int
     """Parameters as held (divided over DP under FSDP2)."""
     grads_bytes: int
@@ -218,14 +250,19 @@ class MemoryEstimate:
 
 
 def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> MemoryEstimate:
-    tp, dp = layout.tensor_model_parallel_size, layout.data_parallel_size
+    dp = layout.data_parallel_size
     pb = PRECISION_BYTES[layout.precision]
     chunks = layout.stage_chunks(config, stage)
-    shapes = stage_parameter_shapes(config, tp, chunks)
+    shapes = layout.stage_parameter_shapes(config, chunks)
     num_layers = sum(len(chunk.layers) for chunk in chunks)
     params = sum(p.numel for p in shapes)
+    experts = sum(p.numel for p in shapes if p.is_expert)
     moments = (2 if layout.optimizer == "adam" else int(layout.sgd_momentum > 0)) * pb.moment
-    shard = -(-params // dp)  # flat buffers padded to a multiple of dp
+    # ZeRO-1 shards each flat buffer (padded to a multiple of its group) over the ranks that hold the same
+    # parameters: DP x CP for the dense ones, expert-DP for the experts (their own buckets).
+    dense_group, expert_group = dp * layout.context_parallel_size, layout.expert_data_parallel_size
+    shard = -(-(params - experts) // dense_group) + -(-experts // expert_group)
+    padded = -(-(params - experts) // dense_group) * dense_group + -(-experts // expert_group) * expert_group
     # ZeRO-1 keeps an fp32 master shard only beside half-precision weights (fp32 weights are their own main copy).
     main_bytes = DISTRIBUTED_MAIN_BYTES if pb.weight < 4 else 0
     replicated, distributed = params * (pb.master + moments), shard * (main_bytes + moments)
@@ -239,7 +276,7 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
             root = params - layer * num_layers
             unsharded = (root + 2 * layer) * pb.weight + layer * pb.grad
     elif layout.use_distributed_optimizer:
-        weights, grads, optimizer = params * pb.weight, shard * dp * DISTRIBUTED_GRAD_BYTES, distributed
+        weights, grads, optimizer = params * pb.weight, padded * DISTRIBUTED_GRAD_BYTES, distributed
     else:
         weights, grads, optimizer = params * pb.weight, params * pb.grad, replicated
     host = 4 * len(shapes) if layout.optimizer == "adam" else 0
@@ -249,7 +286,9 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
     total += host if layout.device_type == "cpu" else 0
     return MemoryEstimate(
         params=params,
+        expert_params=experts,
         model_params=config.num_parameters(),
+        model_active_params=config.num_active_parameters(),
         weights_bytes=weights,
         grads_bytes=grads,
         optimizer_bytes=optimizer,

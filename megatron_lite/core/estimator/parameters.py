@@ -1,6 +1,7 @@
 """The parameter tensors one rank holds, as ``GPTModel`` builds them: TP shards, the padded vocabulary, replicated
-norms and row-parallel biases, the layers of its pipeline stages (what weights, gradients and optimizer state are
-counted from)."""
+norms and row-parallel biases, the layers of its pipeline stages, and in MoE layers the replicated router, this
+rank's ``E / EP`` experts split over ETP and the TP-split shared expert (what weights, gradients and optimizer state
+are counted from)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.parallel.layout import ParallelConfig
 
 
@@ -21,7 +23,10 @@ class ParamShape:
     shape: tuple
     """Local (per-rank) shape."""
     is_matmul_weight: bool
-    """Multiplied as a matrix (autocast keeps a low-precision copy of it during the step)."""
+    """Multiplied as a matrix under autocast, which keeps one low-precision copy of it during the step (not the
+    router, which multiplies in fp32, nor the experts, cast per expert and forward: see the activations)."""
+    is_expert: bool = False
+    """A weight of the routed experts: replicated over expert-DP (not DP x CP), where ZeRO-1 shards its state."""
 
     @property
     def numel(self) -> int:
@@ -38,6 +43,8 @@ def parameter_shapes(
     virtual_pipeline_model_parallel_size: int = 1,
     num_layers_in_first_pipeline_stage: Optional[int] = None,
     num_layers_in_last_pipeline_stage: Optional[int] = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
 ) -> list:
     """The :class:`ParamShape` of every parameter one rank of pipeline rank ``pipeline_stage`` holds, in the
     order of ``GPTModel.named_parameters()``.
@@ -45,7 +52,8 @@ def parameter_shapes(
     The layers are cut as ``GPTModel`` cuts them (:meth:`ParallelConfig.stage_chunks`: uneven first/last
     stages, ``V`` virtual stages per rank). The first stage holds the embedding, the last the final norm
     and the output layer; with tied embeddings the last stage keeps its own copy of the word embedding
-    (Megatron's), which the output layer multiplies by.
+    (Megatron's), which the output layer multiplies by. MoE layers hold ``num_moe_experts / EP`` experts, each
+    split over ``expert_tensor_parallel_size`` ranks (None: TP's).
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     config.validate_parallelism(tp, pp)
@@ -55,10 +63,18 @@ def parameter_shapes(
         num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
     )
-    return stage_parameter_shapes(config, tp, cut.stage_chunks(config.num_layers, pipeline_stage))
+    return stage_parameter_shapes(
+        config,
+        tp,
+        cut.stage_chunks(config.num_layers, pipeline_stage),
+        etp=expert_tensor_parallel_size,
+        ep=expert_model_parallel_size,
+    )
 
 
-def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
+def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Optional[int] = None, ep: int = 1) -> list:
+    """The parameters of the layers of ``chunks`` (and the embedding/output they carry) on one rank of TP ``tp``,
+    expert-parallel ``ep`` and expert tensor-parallel ``etp`` (None: ``tp``)."""
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     assert (
         f is not None
@@ -68,7 +84,6 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
     )  # resolved by GPTConfig.__post_init__
     vocab = config.padded_vocab_size(tp)
     qkv = d * (config.num_attention_heads + 2 * config.num_query_groups)
-    fc1 = f * (2 if config.activation == "swiglu" else 1)
     first = any(chunk.pre_process for chunk in chunks)
     last = any(chunk.post_process for chunk in chunks)
     tied = config.share_embeddings_and_output_weights
@@ -84,12 +99,36 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
         if bias is not None:
             out.append(ParamShape(f"{prefix}.bias", bias, False))
 
+    def mlp(prefix: str, width: int) -> None:
+        # Column-parallel fc1 (SwiGLU: [gate; up]), row-parallel fc2 with a replicated bias.
+        fc1 = width * (2 if config.activation == "swiglu" else 1)
+        linear(f"{prefix}.linear_fc1", fc1 // tp, h, (fc1 // tp,) if bias else None)
+        linear(f"{prefix}.linear_fc2", h, width // tp, (h,) if bias else None)
+
+    def moe(prefix: str) -> None:
+        assert config.num_moe_experts is not None and config.moe_ffn_hidden_size is not None  # an MoE model
+        width, split, local = config.moe_ffn_hidden_size, tp if etp is None else etp, config.num_moe_experts // ep
+        fc1 = width * (2 if config.activation == "swiglu" else 1)
+        out.append(ParamShape(f"{prefix}.router.weight", (config.num_moe_experts, h), False))
+        for name, shape, bias_shape in (
+            ("linear_fc1", (local, fc1 // split, h), (local, fc1 // split)),
+            ("linear_fc2", (local, h, width // split), (local, h)),
+        ):
+            out.append(ParamShape(f"{prefix}.experts.{name}.weight", shape, False, is_expert=True))
+            if bias:
+                out.append(ParamShape(f"{prefix}.experts.{name}.bias", bias_shape, False, is_expert=True))
+        if config.moe_shared_expert_intermediate_size is not None:
+            if config.moe_shared_expert_gate:  # the module's own parameter comes before its submodules'
+                out.append(ParamShape(f"{prefix}.shared_experts.gate_weight", (1, h), True))
+            mlp(f"{prefix}.shared_experts", config.moe_shared_expert_intermediate_size)
+
     bias = config.add_bias_linear
     if first or (last and tied):
         # A lookup on the first stage; on the last stage of tied embeddings the output layer's matrix.
         out.append(ParamShape("embedding.weight", (vocab // tp, h), last and tied))
     if first and config.position_embedding_type == "learned_absolute":
         out.append(ParamShape("position_embeddings.weight", (config.max_position_embeddings, h), False))
+    is_moe = moe_layer_pattern(config)
     for i in (i for chunk in chunks for i in chunk.layers):
         p = f"layers.{i}"
         norm(f"{p}.input_layernorm")
@@ -100,8 +139,10 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list) -> list:
             norm(f"{p}.self_attention.q_layernorm", d)
             norm(f"{p}.self_attention.k_layernorm", d)
         norm(f"{p}.pre_mlp_layernorm")
-        linear(f"{p}.mlp.linear_fc1", fc1 // tp, h, (fc1 // tp,) if bias else None)
-        linear(f"{p}.mlp.linear_fc2", h, f // tp, (h,) if bias else None)
+        if is_moe[i]:
+            moe(f"{p}.mlp")
+        else:
+            mlp(f"{p}.mlp", f)
     if last:
         norm("final_layernorm")
         if not tied:

@@ -54,15 +54,27 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
             f"flight + {format_bytes(acts.pipeline_buffers)} pipeline send buffers{copies}"
         )
     context = f" x cp {cp}" if cp > 1 else ""
+    moe = acts.per_moe_layer > 0
+    experts = (
+        f"; experts: {world // pp} ranks per stage = etp {lay.etp_size} x ep {lay.expert_model_parallel_size} x edp "
+        f"{lay.expert_data_parallel_size}"
+        if moe
+        else ""
+    )
     tokens_per_rank = f" ({lay.local_seq_length} tokens per rank, K/V exchange {lay.cp_comm_type})" if cp > 1 else ""
     rows = [
         f"layout: {world} ranks = tp {lay.tensor_model_parallel_size}{context} x pp {pp} x dp "
-        f"{lay.data_parallel_size}{pipeline}; sequence_parallel={lay.sequence_parallel}, precision={lay.precision}, "
-        f"{sharding}",
+        f"{lay.data_parallel_size}{pipeline}{experts}; sequence_parallel={lay.sequence_parallel}, "
+        f"precision={lay.precision}, {sharding}",
         f"microbatch: {lay.micro_batch_size} sequences, seq_length={lay.seq_length}{tokens_per_rank}, "
         f"microbatches/step={lay.num_microbatches}, kernels of {lay.device_type}",
         f"per rank (pipeline stage {estimate.pipeline_stage}{', the most loaded' if pp > 1 else ''}):",
-        f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,})",
+        f"  parameters               {estimate.params:>16,}   (model: {estimate.model_params:,}"
+        + (
+            f", active per token: {estimate.model_active_params:,}; this rank's experts: {estimate.expert_params:,})"
+            if moe
+            else ")"
+        ),
         f"  weights                  {format_bytes(estimate.weights_bytes):>16}",
         f"  gradients                {format_bytes(estimate.grads_bytes):>16}",
         f"  optimizer state          {format_bytes(estimate.optimizer_bytes):>16}   (without distributed optimizer "
@@ -71,6 +83,12 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
         f"  activations (peak)       {format_bytes(estimate.activation_bytes):>16}   ({held}; {transient}"
         f"{recompute_note})",
     ]
+    if moe:
+        rows.append(
+            f"  of which per MoE layer   {format_bytes(acts.per_moe_layer):>16}   (per microbatch; balanced routing "
+            f"assumed: a dropless layer's expert loads depend on the data; + "
+            f"{format_bytes(acts.moe_dispatch_transient)} while its dispatcher moves the tokens)"
+        )
     if estimate.fsdp_unsharded_bytes:
         rows.append(f"  FSDP2 all-gathered       {format_bytes(estimate.fsdp_unsharded_bytes):>16}")
     if estimate.frozen_bytes:

@@ -47,6 +47,8 @@ def estimate_for_run(
         num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
         context_parallel_size=parallel.context_parallel_size,
         cp_comm_type=parallel.cp_comm_type,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         precision=run.precision,
         use_distributed_optimizer=bool(getattr(optimizer, "use_distributed_optimizer", False)),
         use_torch_fsdp2=run.shards_with_fsdp2,

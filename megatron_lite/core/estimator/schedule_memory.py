@@ -30,6 +30,9 @@ class ChunkActivations:
     attention_peak: int = 0
     """Bytes of one microbatch's forward of this chunk alive while its last layer runs context-parallel
     attention, that attention's keys/values in flight and block scores included (0 without CP)."""
+    dispatch_peak: int = 0
+    """Bytes of one microbatch's forward of this chunk alive while an MoE layer's dispatcher holds its gathered or
+    permuted tokens, those included (0 without MoE layers)."""
     recompute_working_set: int = 0
     """Extra bytes while this chunk's backward rebuilds a recomputed group of layers."""
     in_flight: int = 1
@@ -76,6 +79,7 @@ def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
                 peak,
                 alive + buffers + lingering + chunk.loss_transient,
                 alive - chunk.per_microbatch + buffers + lingering + chunk.attention_peak,
+                alive - chunk.per_microbatch + buffers + lingering + chunk.dispatch_peak,
             )
             now = alive + buffers + lingering  # at the end of the forward, before the last backward's output is let go
             lingering = 0

@@ -360,31 +360,38 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def num_parameters(self) -> int:
-        """Parameters of the model with its padded vocabulary at TP=1 (for reports and FLOPs)."""
-        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.padded_vocab_size()
+        """Parameters of the model with its padded vocabulary at TP=1 (for reports), every expert counted."""
+        return self._count_parameters(active=False)
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token goes through (for FLOPs): an MoE layer's router, top-k experts and shared expert
+        instead of all its experts; ``num_parameters()`` for a dense model."""
+        return self._count_parameters(active=True)
+
+    def _count_parameters(self, active: bool) -> int:
+        from megatron_lite.core.models.moe_sizes import mlp_side_parameters
+
+        h, L, v = self.hidden_size, self.num_layers, self.padded_vocab_size()
         assert (
-            f is not None
-            and self.num_query_groups is not None
+            self.num_query_groups is not None
             and self.kv_channels is not None
             and self.max_position_embeddings is not None
         )  # resolved by __post_init__
         q = self.num_attention_heads * self.kv_channels
         kv = 2 * self.num_query_groups * self.kv_channels
-        fc1 = f * (2 if self.activation == "swiglu" else 1)
         norm = 2 * h if self.normalization == "LayerNorm" else h
         attn = h * (q + kv) + q * h
-        mlp = h * fc1 + f * h
         biases = 0
         if self.add_bias_linear:
-            biases = (q + kv) + h + fc1 + h
+            biases = (q + kv) + h
         elif self.add_qkv_bias:
             biases = q + kv
         # qk_layernorm: one norm of a head's width for the queries, one for the keys (shared by every head)
         qk_norms = 2 * self.kv_channels * (2 if self.normalization == "LayerNorm" else 1) if self.qk_layernorm else 0
-        per_layer = attn + mlp + biases + 2 * norm + qk_norms
+        per_layer = attn + biases + 2 * norm + qk_norms
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
-        return L * per_layer + emb + out + norm
+        return L * per_layer + mlp_side_parameters(self, active) + emb + out + norm
 
 
 def _positive_int(name: str, value) -> None:
