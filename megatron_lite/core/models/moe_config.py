@@ -65,10 +65,15 @@ def check_moe_fields(config: "GPTConfig") -> None:
         _fail(f"moe_input_jitter_eps must be in (0, 1) or None, got {config.moe_input_jitter_eps}")
     if config.moe_router_topk_scaling_factor is not None and config.moe_router_topk_scaling_factor <= 0:
         _fail(f"moe_router_topk_scaling_factor must be positive or None, got {config.moe_router_topk_scaling_factor}")
-    if config.moe_token_dispatcher_type == "flex" and importlib.util.find_spec("deep_ep") is None:
+    if config.moe_token_dispatcher_type == "flex":
+        if importlib.util.find_spec("deep_ep") is None:
+            _fail(
+                "moe_token_dispatcher_type='flex' runs DeepEP's kernels (NVIDIA GPUs with NVLink/RDMA), and deep_ep "
+                "is not installed here; use 'alltoall' (or 'allgather'), or install DeepEP."
+            )
         _fail(
-            "moe_token_dispatcher_type='flex' runs DeepEP's kernels (NVIDIA GPUs with NVLink/RDMA), and deep_ep is "
-            "not installed here; use 'alltoall' (or 'allgather'), or install DeepEP."
+            "moe_token_dispatcher_type='flex' (DeepEP) is not wired into megatron-lite yet: it needs GPUs to build "
+            "and prove; use 'alltoall', which sends the same tokens over NCCL."
         )
 
 

@@ -165,6 +165,4 @@ def build_dispatcher(kind: str, num_experts: int, layout: ParallelLayout) -> Tok
         return AllGatherDispatcher(num_experts, layout)
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, layout)
-    raise NotImplementedError(
-        f"moe_token_dispatcher_type={kind!r}: DeepEP's flex dispatcher is not wired in this release; use 'alltoall'"
-    )
+    raise ValueError(f"moe_token_dispatcher_type={kind!r} has no dispatcher here; use 'allgather' or 'alltoall'")
