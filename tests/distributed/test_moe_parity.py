@@ -149,3 +149,34 @@ def test_moe_mixed_precision_tracks_fp32(precision, tmp_path):
     )
     if precision == "16-true":
         assert result["loss_scale"] is not None and result["skipped_steps"] == 0
+
+
+def test_moe_with_batch_rampup_matches_single_process(tmp_path):
+    """A growing batch (2, 4, 6, 8 samples) at EP2: the per-micro-batch auxiliary losses follow the microbatch count."""
+    from megatron_lite.data import MockGPTDataModule
+
+    config = _config()
+
+    def data():
+        return MockGPTDataModule(
+            seq_length=config.seq_length,
+            micro_batch_size=2,
+            global_batch_size=8,
+            vocab_size=config.vocab_size,
+            seed=7,
+            rampup_batch_size=[4, 4, 16],
+        )
+
+    optimizer = ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant")
+    reference = run(tmp_path / "single", devices=1, config=config, optimizer=optimizer, data=data(), steps=4)
+    result = run(
+        tmp_path / "ep2",
+        devices=2,
+        config=config,
+        optimizer=optimizer,
+        data=data(),
+        steps=4,
+        strategy_kwargs=dict(expert_model_parallel_size=2),
+    )
+    assert_same_training(result, reference)
+    assert_same_reports(result, reference)
