@@ -31,6 +31,7 @@ from megatron_lite.core.parallel.tensor_parallel import (
     ExpertShard,
     RowParallelLinear,
     TPShard,
+    local_shard,
     mark_parameter,
 )
 
@@ -80,11 +81,12 @@ class TinyMoE(nn.Module):
         self.down = RowParallelLinear(FFN, H, layout)
         etp, local = layout.etp_size, E // layout.ep_size
         experts = ExpertShard(E, layout.ep_rank, layout.ep_size)
-        columns = TPShard(2, 1, (E, H, OUT), layout.etp_rank, etp, group="etp") if etp > 1 else None
+        # the TP shard's global shape is this rank's experts' (the ExpertShard covers dimension 0)
+        columns = TPShard(2, 1, (local, H, OUT), layout.etp_rank, etp, group="etp") if etp > 1 else None
         self.experts = mark_parameter(
-            nn.Parameter(torch.empty(local, H, OUT // etp)), ("zeros",), columns, False, experts
+            nn.Parameter(torch.empty(local, H, OUT // etp)), ("zeros",), columns, expert_shard=experts
         )
-        self.gain = mark_parameter(nn.Parameter(torch.empty(local, OUT)), ("zeros",), None, False, experts)
+        self.gain = mark_parameter(nn.Parameter(torch.empty(local, OUT)), ("zeros",), None, expert_shard=experts)
 
     def forward(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
         h = self.down(F.gelu(self.up(x)))
@@ -94,14 +96,6 @@ class TinyMoE(nn.Module):
         else:
             h = copy_to_tensor_parallel_region(h, etp_group)
         return expert_forward(h, self.experts, self.gain, etp_group) / num_tokens
-
-
-def local_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a global tensor: its experts, then its TP/ETP shard."""
-    expert_shard, tp_shard = getattr(param, "expert_shard", None), getattr(param, "tp_shard", None)
-    if expert_shard is not None:
-        full = expert_shard.shard(full)
-    return tp_shard.shard(full) if tp_shard is not None else full
 
 
 def reference(ep: int, dp: int) -> dict:
@@ -153,7 +147,7 @@ def _mismatches(layout: ParallelLayout, name: str, ref: dict) -> list[str]:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for n, full in full_weights().items():
-            params[n].copy_(local_of(full, params[n]))
+            params[n].copy_(local_shard(params[n], full))
     config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.9, weight_decay=0.0, clip_grad=CLIP)
     kind = DistributedOptimizer if distributed else MegatronOptimizer
     opt = kind(model, config, layout, bucket_size=bucket_size, overlap_grad_reduce=overlap)
@@ -181,18 +175,18 @@ def _mismatches(layout: ParallelLayout, name: str, ref: dict) -> list[str]:
         # The reduced, clipped gradients this rank steps with: whole local tensors, or ZeRO-1's slices of them.
         if distributed:
             for piece in (piece for shard in opt.shards for piece in shard.pieces):
-                want = local_of(ref["grads"][step][piece.name], piece.param).reshape(-1)
+                want = local_shard(piece.param, ref["grads"][step][piece.name]).reshape(-1)
                 check(f"step {step} {piece.name} grad", piece.main.grad, want[piece.param_lo : piece.param_hi])
         else:
             for n, p in params.items():
-                check(f"step {step} {n} grad", p.grad, local_of(ref["grads"][step][n], p))
+                check(f"step {step} {n} grad", p.grad, local_shard(p, ref["grads"][step][n]))
         opt.optimizer.step()
         opt.finish_step(result)
     for n, p in params.items():
-        check(f"{n} after {STEPS} steps", p.detach(), local_of(ref["weights"][n], p))
+        check(f"{n} after {STEPS} steps", p.detach(), local_shard(p, ref["weights"][n]))
     state = opt.checkpoint_state()  # ZeRO-1 gathers each parameter's state over its group
     for n, entry in state.items():
-        check(f"{n} momentum", entry["momentum_buffer"], local_of(ref["momentum"][n], params[n]))
+        check(f"{n} momentum", entry["momentum_buffer"], local_shard(params[n], ref["momentum"][n]))
     if overlap:
         assert opt.overlapped_reductions == STEPS * len(opt.grad_buffers.buckets), name
     opt.remove_hooks()
@@ -201,7 +195,7 @@ def _mismatches(layout: ParallelLayout, name: str, ref: dict) -> list[str]:
         fresh.ensure_state()
         fresh.load_checkpoint_state(state)
         for n, entry in fresh.checkpoint_state().items():
-            check(f"{n} momentum reloaded", entry["momentum_buffer"], local_of(ref["momentum"][n], params[n]))
+            check(f"{n} momentum reloaded", entry["momentum_buffer"], local_shard(params[n], ref["momentum"][n]))
         fresh.remove_hooks()
     return mismatches
 
