@@ -240,3 +240,24 @@ def test_moe_replicas_sharing_experts_equal_reference(moe_reference, world_size,
             assert tokens == want_tokens
             for got, want in zip(log_probs or [], want_log_probs or []):
                 torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def _speculative_with_folded_experts(rank, world_size):
+    from megatron_lite.core.inference.speculative import speculative_generate
+    from megatron_lite.core.models.draft_head import EagleDraftHead
+
+    layout = ParallelLayout.build(ParallelConfig(expert_model_parallel_size=2))
+    config = _config(**MOE)
+    try:
+        speculative_generate(GPTModel(config, layout, seed=3), EagleDraftHead(config), [[1, 2]], 2, check_base=False)
+    except ValueError as error:
+        return str(error)
+    finally:
+        layout.destroy()
+    return None
+
+
+def test_speculative_decoding_refuses_experts_folded_over_replicas():
+    """It steps each replica on its own: refused up front rather than a hang in the first expert exchange."""
+    for message in run_ranks(_speculative_with_folded_experts, 2):
+        assert message is not None and "expert_model_parallel_size=2" in message and "use generate()" in message
