@@ -70,9 +70,8 @@ def _on_layout(rank, world_size, parallel: dict, overrides: dict):
     return out
 
 
-@pytest.fixture(scope="module")
-def reference():
-    model = GPTModel(_config(), seed=3).eval()
+def _expected(model: GPTModel) -> dict:
+    """What ``_check`` compares a layout with, from the one-process ``model``."""
     greedy = _greedy_reference(model, PROMPTS, NEW)
     return {
         "model": model,
@@ -81,6 +80,11 @@ def reference():
         "sampled": generate(model, VARIED, NEW, SAMPLING).tokens,
         "log_probs": [_teacher_forced_log_probs(model, p, g) for p, g in zip(PROMPTS, greedy)],
     }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _expected(GPTModel(_config(), seed=3).eval())
 
 
 def _check(results: list[dict], reference: dict, sequence_parallel: bool = False):
@@ -172,7 +176,6 @@ CALLS = [
 @pytest.fixture(scope="module")
 def moe_reference():
     model = GPTModel(_config(**MOE), seed=3).eval()
-    greedy = _greedy_reference(model, PROMPTS, NEW)
     calls = []
     for rank_calls in CALLS:
         expected = []
@@ -187,14 +190,7 @@ def moe_reference():
             ]
             expected.append((tokens, log_probs))
         calls.append(expected)
-    return {
-        "model": model,
-        "greedy": greedy,
-        "varied": [_greedy_reference(model, [p], NEW)[0] for p in VARIED],
-        "sampled": generate(model, VARIED, NEW, SAMPLING).tokens,
-        "log_probs": [_teacher_forced_log_probs(model, p, g) for p, g in zip(PROMPTS, greedy)],
-        "calls": calls,
-    }
+    return {**_expected(model), "calls": calls}
 
 
 def test_moe_tp2_sp_equals_reference(moe_reference):
