@@ -284,3 +284,9 @@ def test_cli_generates_with_an_moe_model_whose_experts_span_the_replicas(tmp_pat
     assert exit_code.value.code == 0, out.err[-3000:]
     records = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
     assert [r["new_tokens"] for r in records] == expected
+    # Logits of token batches split the same uneven way (each forward one round of the expert group's).
+    loader = torch.utils.data.DataLoader([{"tokens": torch.tensor(p)} for p in prompts], batch_size=1)
+    batches = _trainer(2, expert_model_parallel_size=2).predict(module, loader)
+    assert len(batches) == len(prompts)
+    for got, prompt in zip(batches, prompts):
+        torch.testing.assert_close(got, module.full_logits(torch.tensor([prompt])), rtol=1e-5, atol=1e-5)
