@@ -14,6 +14,7 @@ from torch import nn
 from megatron_lite.core.engine import TrainingEngine
 from megatron_lite.core.inference import GenerationResult, SamplingParams
 from megatron_lite.core.inference import generate as generate_tokens
+from megatron_lite.core.inference.expert_rounds import ExpertRounds, finish_generation
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
@@ -33,12 +34,19 @@ class GPTInference:
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary ``[b, s, vocab_size]`` for ``tokens`` [b, s], on every rank
         (through the pipeline's stages when there are several). In eval mode (no dropout), whatever mode the
-        model is in; its mode is left as it was."""
+        model is in; its mode is left as it was. With experts folded over the data-parallel replicas the forward is
+        one round of the expert group's (see ``core/inference/expert_rounds.py``), so the replicas may make different
+        numbers of calls, as ``trainer.predict`` makes them."""
+        rounds = ExpertRounds(self.model, self.parallel_layout)
         with _eval_mode(self.model):
+            rounds.before_forward()
             if self.parallel_layout.pp_size == 1:
-                return self.model.full_logits(tokens)
-            logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
-        return gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
+                logits = self.model.full_logits(tokens)
+            else:
+                logits = self.engine.forward_outputs([{"tokens": tokens}], forward_step=_logits_step)[0]
+                logits = gather_real_vocab(logits, self.parallel_layout.group("tp"), self.config.vocab_size)
+            rounds.drain()
+        return logits
 
     def generate(
         self,
@@ -94,6 +102,17 @@ class GPTInference:
         for i, tokens in enumerate(result.tokens):
             out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         return out
+
+    def on_predict_epoch_end(self) -> None:
+        """Lightning's predict sampler splits the batches over the data-parallel replicas without repeating any, so
+        replicas may get different numbers of them; where they share folded experts, each ends by serving the
+        others' remaining forwards (under the predict steps' precision context, so its experts compute in their
+        dtype). No collective otherwise."""
+        if self.model is None:
+            return
+        precision = self.trainer.precision_plugin
+        with precision.predict_step_context(), _eval_mode(self.model):
+            finish_generation(self.model, self.parallel_layout)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=1, help="processes (default 1)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="ranks that split an MoE model's experts, folded into the data-parallel replicas (default 1)",
+    )
     p.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default cpu)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     add_tokenizer_options(p)
@@ -60,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> SamplingParams:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for name in ("devices", "tensor_model_parallel_size", "pipeline_model_parallel_size", "batch_size"):
+    for name in (
+        "devices",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "batch_size",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_new_tokens < 0:
@@ -72,10 +84,12 @@ def _check_args(args: argparse.Namespace) -> SamplingParams:
         or args.devices != 1
         or args.pipeline_model_parallel_size != 1
         or args.tensor_model_parallel_size != 1
+        or args.expert_model_parallel_size != 1
     ):
         raise ValueError(
             "--draft (speculative decoding) is greedy and runs in one process: drop --temperature, "
-            "--devices, --tensor-model-parallel-size and --pipeline-model-parallel-size"
+            "--devices, --tensor-model-parallel-size, --pipeline-model-parallel-size and "
+            "--expert-model-parallel-size"
         )
     return sampling
 
@@ -105,7 +119,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     data.check_fits_model(module.config)
     if args.draft is not None:
         return _speculative(module, args, tokenizer, prompts, stop)
-    if args.devices == 1 and args.tensor_model_parallel_size == args.pipeline_model_parallel_size == 1:
+    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size)
+    if args.devices == 1 and sizes == (1, 1, 1):
         new_tokens = [out for batch in data.predict_dataloader() for out in _rows(module.generate_batch(batch))]
     else:
         new_tokens = _predict(module, data, args)
@@ -151,6 +166,7 @@ def _predict(module, data, args: argparse.Namespace) -> list[list[int]]:
     strategy = MegatronStrategy(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         start_method="fork",
     )
     trainer = L.Trainer(

@@ -70,9 +70,8 @@ def _on_layout(rank, world_size, parallel: dict, overrides: dict):
     return out
 
 
-@pytest.fixture(scope="module")
-def reference():
-    model = GPTModel(_config(), seed=3).eval()
+def _expected(model: GPTModel) -> dict:
+    """What ``_check`` compares a layout with, from the one-process ``model``."""
     greedy = _greedy_reference(model, PROMPTS, NEW)
     return {
         "model": model,
@@ -81,6 +80,11 @@ def reference():
         "sampled": generate(model, VARIED, NEW, SAMPLING).tokens,
         "log_probs": [_teacher_forced_log_probs(model, p, g) for p, g in zip(PROMPTS, greedy)],
     }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _expected(GPTModel(_config(), seed=3).eval())
 
 
 def _check(results: list[dict], reference: dict, sequence_parallel: bool = False):
@@ -157,3 +161,99 @@ def test_data_parallel_replicas_generate_independently(reference):
     """Each replica samples its prompt as the batch did (a prompt's generator follows its row id)."""
     results = run_ranks(_data_parallel, 2)
     assert [r[0] for r in results] == reference["sampled"][:2]
+
+
+# --- mixture of experts ------------------------------------------------------------------------------------------
+MOE = dict(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=64)
+# Per data-parallel rank, its generation calls (prompts, max_new_tokens, sampled): different numbers of calls,
+# batch sizes, prompt lengths and steps, so the replicas sharing experts finish each call at different steps.
+CALLS = [
+    [(VARIED, 12, False), ([[9, 9]], 0, False)],
+    [([PROMPTS[0]], 5, False), (PROMPTS, 3, True), ([[250, 3, 1, 2], [6]], 7, False)],
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    model = GPTModel(_config(**MOE), seed=3).eval()
+    calls = []
+    for rank_calls in CALLS:
+        expected = []
+        for prompts, new, sampled in rank_calls:
+            if sampled:
+                expected.append((generate(model, prompts, new, SAMPLING).tokens, None))
+                continue
+            tokens = [_greedy_reference(model, [p], new)[0] for p in prompts]
+            log_probs = [
+                _teacher_forced_log_probs(model, p, t) if t else torch.zeros(0, dtype=torch.float64)
+                for p, t in zip(prompts, tokens)
+            ]
+            expected.append((tokens, log_probs))
+        calls.append(expected)
+    return {**_expected(model), "calls": calls}
+
+
+def test_moe_tp2_sp_equals_reference(moe_reference):
+    """Experts split over TP (ETP = TP): decode steps of one token per row split the rows over TP."""
+    _check(
+        run_ranks(_on_layout, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True), MOE), moe_reference, True
+    )
+
+
+def _moe_replicas(rank, world_size, parallel: dict):
+    """Each data-parallel replica makes its own calls (CALLS), then waits for the others' (finish_generation)."""
+    from megatron_lite.core.inference.expert_rounds import finish_generation
+
+    layout = ParallelLayout.build(ParallelConfig(**parallel))
+    model = GPTModel(_config(**MOE), layout, seed=3)
+    out = []
+    for prompts, new, sampled in CALLS[layout.dp_rank]:
+        result = generate(model, prompts, new, SAMPLING if sampled else None, return_log_probs=not sampled)
+        out.append((result.tokens, result.log_probs))
+    finish_generation(model)
+    layout.destroy()
+    return layout.dp_rank, out
+
+
+@pytest.mark.parametrize(
+    "world_size, parallel, replicas",
+    [
+        pytest.param(2, dict(expert_model_parallel_size=2), 2, id="ep2"),
+        pytest.param(4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), 2, id="pp2-ep2"),
+        pytest.param(4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2), 2, id="tp2-ep2"),
+        # one replica whose two CP ranks hold the two halves of the experts: CP rank 1 must run the model too
+        pytest.param(2, dict(expert_model_parallel_size=2, context_parallel_size=2), 1, id="cp2-ep2"),
+    ],
+)
+def test_moe_replicas_sharing_experts_equal_reference(moe_reference, world_size, parallel, replicas):
+    """Experts folded over the data-parallel replicas (and CP ranks): each replica generates its own prompts with
+    its own number of calls and steps, and gets one process's tokens and log-probs."""
+    results = run_ranks(_moe_replicas, world_size, parallel)
+    assert sorted({dp for dp, _ in results}) == list(range(replicas))
+    for dp, calls in results:
+        assert len(calls) == len(CALLS[dp])
+        for (tokens, log_probs), (want_tokens, want_log_probs) in zip(calls, moe_reference["calls"][dp]):
+            assert tokens == want_tokens
+            for got, want in zip(log_probs or [], want_log_probs or []):
+                torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def _speculative_with_folded_experts(rank, world_size):
+    from megatron_lite.core.inference.speculative import speculative_generate
+    from megatron_lite.core.models.draft_head import EagleDraftHead
+
+    layout = ParallelLayout.build(ParallelConfig(expert_model_parallel_size=2))
+    config = _config(**MOE)
+    try:
+        speculative_generate(GPTModel(config, layout, seed=3), EagleDraftHead(config), [[1, 2]], 2, check_base=False)
+    except ValueError as error:
+        return str(error)
+    finally:
+        layout.destroy()
+    return None
+
+
+def test_speculative_decoding_refuses_experts_folded_over_replicas():
+    """It steps each replica on its own: refused up front rather than a hang in the first expert exchange."""
+    for message in run_ranks(_speculative_with_folded_experts, 2):
+        assert message is not None and "expert_model_parallel_size=2" in message and "use generate()" in message

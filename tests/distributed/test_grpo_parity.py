@@ -24,6 +24,7 @@ from megatron_lite.data import PretrainingDataModule
 from megatron_lite.rl import GRPOConfig, GRPOModule
 
 STEPS = 4  # optimizer steps: 2 rollout batches x 2 updates each
+MOE = dict(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 METRICS = ("train/kl", "train/entropy", "train/clip_fraction_low", "train/clip_fraction_high")
 
 
@@ -145,13 +146,15 @@ class RewardRecorder(L.Callback):
         torch.save(self.values, self.out / f"rewards_{trainer.global_rank}.pt")
 
 
-def full_step(out: Path, devices: int, tp: int = 1) -> dict:
-    """Two whole GRPO steps (sampling, scoring, update) on the addition task."""
+def full_step(out: Path, devices: int, tp: int = 1, ep: int = 1, moe: bool = False, beta: float = 0.0) -> dict:
+    """Two whole GRPO steps (sampling, scoring, update) on the addition task (``moe``: a mixture-of-experts
+    policy, its experts split over ``ep`` ranks, and every fourth prompt a longer one, ``0+a+b=``)."""
     from megatron_lite.data import RLPromptDataModule
     from megatron_lite.rl.tasks import AdditionTask
 
     out.mkdir(parents=True, exist_ok=True)
     task = AdditionTask(max_operand=3, seed=0)
+    rows = [dict(row, prompt="0+" + row["prompt"]) if moe and i % 4 == 0 else row for i, row in enumerate(task.rows)]
     config = ml.GPTConfig(
         num_layers=2,
         hidden_size=64,
@@ -159,19 +162,20 @@ def full_step(out: Path, devices: int, tp: int = 1) -> dict:
         vocab_size=task.tokenizer.vocab_size,
         seq_length=8,
         make_vocab_size_divisible_by=8,
+        **(MOE if moe else {}),
     )
-    data = RLPromptDataModule(task.tokenizer, rows=task.rows, seq_length=8, micro_batch_size=2, global_batch_size=8)
+    data = RLPromptDataModule(task.tokenizer, rows=rows, seq_length=8, micro_batch_size=2, global_batch_size=8)
     # lr 1e-3: the loss is ~0 and Adam turns near-zero gradients summed in another order into ~lr steps
     # (see assert_same_params), so the tolerance on the parameters scales with lr.
     module = GRPOModule(
         config,
         ml.OptimizerConfig(lr=1e-3, lr_decay_style="constant", clip_grad=0.0),
         seed=7,
-        grpo=GRPOConfig(group_size=4, max_new_tokens=2),
+        grpo=GRPOConfig(group_size=4, max_new_tokens=2, beta=beta),
         reward_fn=task.reward,
     )
     trainer = L.Trainer(
-        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method="fork"),
+        strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, start_method="fork"),
         accelerator="cpu",
         devices=devices,
         max_steps=2,
@@ -180,12 +184,28 @@ def full_step(out: Path, devices: int, tp: int = 1) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[Recorder(out), RewardRecorder(out)],
+        callbacks=[Recorder(out), RewardRecorder(out)] + ([MoERecorder(out)] if moe else []),
     )
     trainer.fit(module, data)
     result = torch.load(out / "result.pt", weights_only=False)
     result["rewards"] = [torch.load(out / f"rewards_{r}.pt") for r in range(devices)]
+    if moe:
+        result["moe"] = [torch.load(out / f"moe_{r}.pt") for r in range(devices)]
     return result
+
+
+class MoERecorder(L.Callback):
+    """The policy's MoE metrics logged at each step, and what the frozen reference's MoE layers left recorded."""
+
+    def __init__(self, out: Path):
+        self.out, self.values = Path(out), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append([float(trainer.callback_metrics[k]) for k in ("train/load_balancing_loss", "train/z_loss")])
+
+    def on_train_end(self, trainer, pl_module):
+        leaked = pl_module.reference_model.take_step_report()
+        torch.save({"metrics": self.values, "reference_report": leaked}, self.out / f"moe_{trainer.global_rank}.pt")
 
 
 def test_whole_grpo_steps_at_dp2_and_tp2_match_one_process(tmp_path):
@@ -203,3 +223,22 @@ def test_whole_grpo_steps_at_dp2_and_tp2_match_one_process(tmp_path):
         # With short answers a group's advantages nearly cancel and the loss is ~1e-8: compare it absolutely.
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-6)
         assert_same_training(dict(result, losses=single["losses"]), single)
+
+
+def test_whole_grpo_steps_of_an_moe_policy_at_ep2_match_one_process(tmp_path):
+    """The experts split over the two data-parallel replicas: each samples its own prompts, of other lengths than
+    the other replica's (so the replicas send the experts different numbers of tokens), then the update, whose
+    router losses are the policy's alone: the frozen reference (beta > 0, the same layout) runs forward only and
+    records none."""
+    single = full_step(tmp_path / "single", 1, moe=True, beta=0.1)
+    result = full_step(tmp_path / "ep2", 2, ep=2, moe=True, beta=0.1)
+    assert single["rewards"][0][0][2] > 0  # some groups carried signal
+    for rank_rewards in result["rewards"]:
+        torch.testing.assert_close(torch.tensor(rank_rewards), torch.tensor(single["rewards"][0]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-6)
+    assert_same_training(dict(result, losses=single["losses"]), single)
+    expected = torch.tensor(single["moe"][0]["metrics"])
+    assert expected.min() > 0  # the load-balancing and z losses were recorded and logged
+    for rank in result["moe"] + single["moe"]:
+        torch.testing.assert_close(torch.tensor(rank["metrics"]), expected, rtol=1e-5, atol=0)
+        assert rank["reference_report"] == {}

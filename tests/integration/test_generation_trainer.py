@@ -259,3 +259,34 @@ def test_generate_inside_a_trainer_under_fsdp2(tmp_path):
     trainer.fit(ml.GPTModule(ml.GPTConfig(**CONFIG), ml.OptimizerConfig(lr=1e-2)), data)
     result = torch.load(tmp_path / "generated.pt")
     assert result["generated"] == result["expected"]
+
+
+def test_cli_generates_with_an_moe_model_whose_experts_span_the_replicas(tmp_path, capsys):
+    """EP2 over two data-parallel replicas, one prompt per batch: the predict split gives one replica two batches and
+    the other one (so it serves the other's second generation with its experts), and the text is one process's."""
+    from megatron_lite.pretrained import save_weights_checkpoint
+    from megatron_lite.tokenizers import NullTokenizer
+
+    config = ml.GPTConfig(**{**CONFIG, "num_moe_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 64})
+    module = ml.GPTModule(config, seed=5)
+    module.configure_model()
+    path = save_weights_checkpoint(module, tmp_path / "moe", tokenizer=NullTokenizer(config.vocab_size))
+    prompts = [[5, 17, 42], [7], [3, 4, 100, 9, 9]]
+    expected = module.generate(prompts, 6).tokens
+    args = [arg for p in prompts for arg in ("--prompt", " ".join(map(str, p)))]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(
+            ["generate", "--ckpt", str(path), *args, "--max-new-tokens", "6", "--batch-size", "1", "--json"]
+            + ["--devices", "2", "--expert-model-parallel-size", "2", "--ignore-eod"]
+        )
+    out = capsys.readouterr()
+    assert exit_code.value.code == 0, out.err[-3000:]
+    records = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
+    assert [r["new_tokens"] for r in records] == expected
+    # Logits of token batches split the same uneven way (each forward one round of the expert group's).
+    loader = torch.utils.data.DataLoader([{"tokens": torch.tensor(p)} for p in prompts], batch_size=1)
+    batches = _trainer(2, expert_model_parallel_size=2).predict(module, loader)
+    assert len(batches) == len(prompts)
+    for got, prompt in zip(batches, prompts):
+        torch.testing.assert_close(got, module.full_logits(torch.tensor([prompt])), rtol=1e-5, atol=1e-5)

@@ -160,8 +160,28 @@ def test_generation_frees_its_cache(model):
         dict(normalization="LayerNorm", activation="gelu", add_bias_linear=True),
         dict(qk_layernorm=True, kv_channels=12),
         dict(qk_layernorm=True, normalization="LayerNorm", rotary_percent=0.5),
+        dict(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=32, moe_aux_loss_coeff=1e-2),
+        dict(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_shared_expert_intermediate_size=32,
+            moe_shared_expert_gate=True,
+            moe_layer_freq=[0, 1],
+        ),
     ],
-    ids=["gqa", "partial-rope", "learned-positions", "mha-tied", "mqa", "gpt2-style", "qk-norm", "qk-layernorm"],
+    ids=[
+        "gqa",
+        "partial-rope",
+        "learned-positions",
+        "mha-tied",
+        "mqa",
+        "gpt2-style",
+        "qk-norm",
+        "qk-layernorm",
+        "moe",
+        "moe-shared-expert",
+    ],
 )
 def test_cache_equals_an_argmax_loop_over_the_training_forward(overrides):
     model = GPTModel(GPTConfig(**{**CONFIG, **overrides}), seed=5).eval()

@@ -7,6 +7,12 @@ full-vocabulary logits at temperature 1, before top-k/top-p — of the chosen to
 teacher-forced forward of the generated sequence, which is what RL's importance ratios need. A row
 stops after a stop id (included in its tokens) or after ``max_new_tokens``; the batch stops when
 every row has.
+
+With an MoE model whose experts are folded over data-parallel replicas (``expert_model_parallel_size > 1``),
+the replicas' generations step in rounds (``expert_rounds.py``): each replica may continue its own prompts,
+as many as it likes, to its own ``max_new_tokens``, but every rank of the expert group must call
+:func:`generate` as many times as the others (or end with
+:func:`~megatron_lite.core.inference.expert_rounds.finish_generation`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from megatron_lite.core.inference.expert_rounds import ExpertRounds
 from megatron_lite.core.inference.kv_cache import InferenceStep, KVCache
 from megatron_lite.core.inference.prompts import PromptBatch, attention_mask, check_prompts, check_stop_ids, left_pad
 from megatron_lite.core.inference.sampling import SamplingParams, TokenSampler, token_log_probs
@@ -108,6 +115,7 @@ def generate(
         raise ValueError(f"row_ids has {len(row_ids)} entries for {len(rows)} prompts; give one per prompt")
     layout = layout if layout is not None else model.layout
     if max_new_tokens == 0:
+        ExpertRounds(model, layout).drain()  # no forward of its own, but other replicas' may need its experts
         return GenerationResult(
             [[] for _ in rows], [[] for _ in rows] if return_log_probs else None, [False] * len(rows)
         )
@@ -183,6 +191,7 @@ def _decode(
             else:  # recompute: the whole sequence again, from slot 0
                 sequence = torch.cat([sequence, chosen.unsqueeze(1)], dim=1)
                 inputs, step = sequence, _step(batch, 0, slot + 1, None)
+        runner.rounds.drain()
     finally:
         if cache is not None:
             cache.free()

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megatron_lite.core.inference.expert_rounds import ExpertRounds
 from megatron_lite.core.inference.generate import generation_mode, model_context
 from megatron_lite.core.inference.kv_cache import InferenceStep, KVCache
 from megatron_lite.core.inference.prompts import attention_mask, check_prompts, check_stop_ids
@@ -70,6 +71,14 @@ def check_draft(model: GPTModel, draft: Any, num_draft_tokens: int, check_base: 
         )
     if model.layout.pp_size > 1:
         raise ValueError("speculative decoding runs the whole model on each rank: set pipeline_model_parallel_size=1")
+    if ExpertRounds(model, model.layout).active:
+        layout = model.layout
+        raise ValueError(
+            f"speculative decoding steps each replica on its own, but this MoE model's experts are folded over "
+            f"other replicas (expert_model_parallel_size={layout.ep_size}, expert_tensor_parallel_size="
+            f"{layout.etp_size}, tensor_model_parallel_size={layout.tp_size}), which must step together: use "
+            f"generate(), or expert_model_parallel_size=1 and expert_tensor_parallel_size=tensor_model_parallel_size"
+        )
     if model.output_layer is None:
         raise ValueError(
             "speculative decoding verifies the draft with the model's output layer: this model was built "

@@ -23,7 +23,9 @@ so it cannot diverge — and the next step's embedding, so the lookup's all-redu
 waits on ``2 x layers + 1`` collectives instead of ``2 x layers + 3``.
 
 Generation runs whole rows: context-parallel ranks other than 0 (which hold the same weights)
-compute nothing and only receive the broadcast tokens.
+compute nothing and only receive the broadcast tokens — unless the experts are folded over them (the ETP x EP
+group of an MoE layer reads CP ranks as expert ranks): their experts are then needed, so every CP rank runs the
+model on the same rows, and steps in rounds with the other ranks of its expert group (``expert_rounds.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.inference.expert_rounds import ExpertRounds
 from megatron_lite.core.inference.kv_cache import InferenceStep
 from megatron_lite.core.parallel.layout import MESH_DIMS, ParallelLayout
 from megatron_lite.core.parallel.mappings import all_gather_into_tensor
@@ -64,8 +67,11 @@ class StepRunner:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         distributed = layout.mesh is not None
-        self.computes = layout.cp_rank == 0
-        """Whether this rank runs the model (context-parallel ranks > 0 only follow the tokens)."""
+        self.rounds = ExpertRounds(model, layout)
+        """Keeps the ranks of a folded expert group stepping together (see the module docstring)."""
+        self.computes = layout.cp_rank == 0 or self.rounds.active
+        """Whether this rank runs the model (context-parallel ranks > 0 only follow the tokens, unless their
+        experts serve the others)."""
         self.sampler_rank = _mesh_rank(layout, pp=layout.pp_size - 1, cp=0, tp=0) if distributed else 0
         self.is_sampler = layout.rank == self.sampler_rank
         """Whether this rank chooses the tokens."""
@@ -77,14 +83,13 @@ class StepRunner:
             self.prev_rank = _mesh_rank(layout, pp=(layout.pp_rank - 1) % layout.pp_size)
             self.next_rank = _mesh_rank(layout, pp=(layout.pp_rank + 1) % layout.pp_size)
         self.chunks = list(getattr(model, "chunks", None) or [])
-        self.exchanges_greedy = (
-            layout.tp_size > 1 and layout.pp_size == 1 and layout.cp_size == 1 and layout.ep_size == 1
-        )
+        self.exchanges_greedy = layout.tp_size > 1 and layout.pp_size == 1 and layout.cp_size == 1
         """Whether greedy tokens come from one all-gather over TP (see the module docstring)."""
 
     def __call__(self, tokens: torch.Tensor, step: InferenceStep) -> Optional[torch.Tensor]:
         """Run ``tokens`` [b, s] through this rank's chunks; returns the last position's logits over the real
         vocabulary [b, vocab_size] (fp32) on the sampler, None on every other rank."""
+        self.rounds.before_forward()
         if not self.computes:
             return None
         b, s = tokens.shape
@@ -113,6 +118,7 @@ class StepRunner:
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """Greedy step under TP alone: (chosen tokens [b], their log-probs [b] or None, their word embeddings
         [1, b, h] for the next step), the same on every TP rank."""
+        self.rounds.before_forward()
         local = self.model.inference_forward(tokens, step, embeddings=embeddings).float()  # [b, V_padded/tp]
         start = self.model.vocab_start
         real = max(0, min(local.shape[-1], self.vocab_size - start))  # the rest is vocabulary padding
@@ -137,6 +143,8 @@ class StepRunner:
     def _gather_vocab(self, local: torch.Tensor) -> Optional[torch.Tensor]:
         """This TP rank's logits [b, V_padded/tp] -> the full real vocabulary [b, vocab_size] on TP rank 0."""
         local = local.float().contiguous()
+        if self.layout.cp_rank > 0:  # it computed for its experts' sake; the sampler is on CP rank 0
+            return None
         if self.tp_group is None:
             return local[:, : self.vocab_size]
         if self.layout.tp_rank != 0:

@@ -17,7 +17,7 @@ from megatron_lite.core.models.moe.aux_loss import AuxLossScope
 from megatron_lite.core.models.moe.experts import GroupedExperts
 from megatron_lite.core.models.moe.router import TopKRouter
 from megatron_lite.core.models.moe.step_state import MoEStepState, in_recomputation
-from megatron_lite.core.models.moe.token_dispatcher import build_dispatcher
+from megatron_lite.core.models.moe.token_dispatcher import AllToAllDispatcher, TokenDispatcher, build_dispatcher
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -51,7 +51,14 @@ class SharedExpertMLP(MLP):
 
 
 class MoELayer(nn.Module):
-    """``[s(/tp), b, h] -> [s(/tp), b, h]``: each token through its top-k experts, weighted by the router."""
+    """``[s(/tp), b, h] -> [s(/tp), b, h]``: each token through its top-k experts, weighted by the router.
+
+    Forwards without autograd (generation, a frozen reference model, validation) exchange tokens through the
+    all-to-all dispatcher whatever ``moe_token_dispatcher_type`` says: the ranks of the ETP x EP group may then
+    hold different numbers of tokens (the experts are folded over data-parallel replicas, and replicas that
+    generate their own prompts have their own batch sizes), which the all-gather dispatcher's equal-sized
+    gathers cannot take and the all-to-all's split sizes can. A rank with no tokens of its own still serves
+    its experts to the others: :meth:`idle_exchange`."""
 
     def __init__(
         self,
@@ -70,6 +77,13 @@ class MoELayer(nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, layout, output_init_std)
         self.dispatcher = build_dispatcher(config.moe_token_dispatcher_type, config.num_moe_experts, layout)
+        self.variable_size_dispatcher: TokenDispatcher = (
+            self.dispatcher
+            if isinstance(self.dispatcher, AllToAllDispatcher)
+            else AllToAllDispatcher(config.num_moe_experts, layout)
+        )
+        """The exchange of forwards without autograd (any number of tokens per rank; see the class docstring)."""
+        self.hidden_size = config.hidden_size
         self.topk = config.moe_router_topk
         self.tp_group = layout.group("tp")
         self.tp_size = layout.tp_size
@@ -106,8 +120,9 @@ class MoELayer(nn.Module):
             recomputing=self.training and in_recomputation(),
         )
         probs, routing_map = self.router(flat, scope, seq, batch)
-        rows, tokens_per_expert = self.dispatcher.dispatch(flat, probs, routing_map)
-        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert)).reshape(tokens.shape)
+        dispatcher = self.dispatcher if torch.is_grad_enabled() else self.variable_size_dispatcher
+        rows, tokens_per_expert = dispatcher.dispatch(flat, probs, routing_map)
+        out = dispatcher.combine(self.experts(rows, tokens_per_expert)).reshape(tokens.shape)
         if split:
             out = gather_from_sequence_parallel_region(out, self.tp_group, grad_is_partial=False)[: x.shape[0]]
         if recording:
@@ -115,6 +130,21 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    @torch.no_grad()
+    def idle_exchange(self) -> None:
+        """Take part in one forward's expert exchange holding no tokens: this rank's experts still compute the rows
+        the other ranks of the ETP x EP group send them, and send the results back. For a rank whose own forwards
+        are over (its generation finished) while other data-parallel replicas, whose tokens its experts serve, go
+        on; each of their forwards is matched by one call here per MoE layer, in the layers' order."""
+        weight = self.router.weight
+        dtype = next(self.experts.parameters()).dtype
+        tokens = torch.empty(0, self.hidden_size, dtype=dtype, device=weight.device)
+        probs = torch.empty(0, self.router.num_experts, dtype=weight.dtype, device=weight.device)
+        routing_map = torch.zeros(0, self.router.num_experts, dtype=torch.bool, device=weight.device)
+        dispatcher = self.variable_size_dispatcher
+        rows, tokens_per_expert = dispatcher.dispatch(tokens, probs, routing_map)
+        dispatcher.combine(self.experts(rows, tokens_per_expert))
 
     # How a metric is reported: the engine sums report entries over DP x CP (and the pipeline), not over TP. So
     # each is recorded as one micro-batch sequence's value (the TP x CP group's), weighted 1/CP: summed over the

@@ -140,7 +140,7 @@ class AllToAllDispatcher(TokenDispatcher):
             rank = dist.get_rank(self.etp_group)
             mine = self.etp_sizes[rank]
             pieces = all_to_all(rows, self.etp_group, [mine] * self.etp, self.etp_sizes)
-            rows = pieces.reshape(self.etp, mine, -1).sum(0)
+            rows = pieces.reshape(self.etp, mine, pieces.shape[-1]).sum(0)  # -1 is ambiguous for 0 rows
         rows = all_to_all(rows, self.ep_group, self.input_splits, self.output_splits)
         return weighted_sum_back(rows, self.weights, self.token_index, self.num_tokens)
 
