@@ -11,6 +11,9 @@ on 2 forked gloo ranks unless said. Timings are never asserted on.
    ``alltoall`` dispatcher and ``moe_grouped_gemm=True`` against the per-expert loop. Median step time of rank 0
    (``overhead.StepTimer``), tokens/s of the global batch; the runs alternate order over ``--repeats``. Same seeds
    and data: the losses agree (printed).
+   **1b.** The same four, step-interleaved: on 2 forked ranks, one ``TrainingEngine`` (the engine ``GPTModule`` runs)
+   per run over the same batches, one optimizer step of each in turn, so the machine's noise hits all four alike;
+   wall and CPU time of rank 0.
 2. **One MoE layer, forward + backward** at EP2: allgather, alltoall and alltoall with grouped GEMM, iterations
    interleaved so that machine noise hits each alike (both ranks start each iteration together).
 3. **Bytes each rank sends per step** for each dispatcher: one real training step (``forward_backward_no_pipelining``,
@@ -27,7 +30,7 @@ on 2 forked gloo ranks unless said. Timings are never asserted on.
    masters, AdamW, plain and ZeRO-1; ``memory.measure_step_bytes``) at EP1 and EP2 against the estimator
    (``estimate_for_run``).
 
-Run from the repository root: ``python benchmarks/moe.py [--steps 12 --repeats 2 ...]`` (about 3 minutes on 2 cores).
+Run from the repository root: ``python benchmarks/moe.py [--steps 12 --repeats 1 ...]`` (about 2.5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -64,12 +67,19 @@ import moe_peer  # noqa: E402  (benchmarks/moe_peer.py: megatron-core's MoELayer
 import overhead  # noqa: E402  (benchmarks/overhead.py: run_framework, StepTimer, _summary, _print_table, ...)
 
 import megatron_lite as ml  # noqa: E402
+from megatron_lite.core.engine import TrainingEngine  # noqa: E402
 from megatron_lite.core.estimator import estimate_for_run  # noqa: E402
+from megatron_lite.core.optim.optimizer import MegatronOptimizer  # noqa: E402
 from megatron_lite.core.parallel.collective_bytes import CollectiveBytes  # noqa: E402
 from megatron_lite.core.parallel.geometry import DataGeometry  # noqa: E402
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout  # noqa: E402
 from megatron_lite.core.parallel.run_spec import RunSpec  # noqa: E402
-from megatron_lite.core.parallel.schedules import forward_backward_no_pipelining, gpt_loss  # noqa: E402
+from megatron_lite.core.parallel.schedules import (  # noqa: E402
+    forward_backward_no_pipelining,
+    gpt_forward_step,
+    gpt_loss,
+    masked_token_loss,
+)
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "moe.json"
 WORLD = 2
@@ -80,6 +90,8 @@ TRAINER_RUNS = {
     "EP2 allgather": (2, "allgather", False),
     "EP2 alltoall grouped": (2, "alltoall", True),
 }
+# constant lr: the runs' losses stay comparable step by step
+OPTIMIZER = ml.OptimizerConfig(lr=3e-4, lr_decay_style="constant", clip_grad=1.0, weight_decay=0.01)
 LAYER_VARIANTS = {
     "allgather": ("allgather", False),
     "alltoall": ("alltoall", False),
@@ -131,18 +143,23 @@ def _moe_layer(model: ml.GPTModel, index: int = 0):
     return model.layers[str(index)].mlp
 
 
-def _time_interleaved(steps: dict, iters: int, warmup: int, barrier: bool) -> dict:
-    """Run each of ``steps`` (name -> callable) once per iteration, in turn; median ms over the timed ones."""
-    times: dict = {name: [] for name in steps}
+def _time_interleaved(steps: dict, iters: int, warmup: int, barrier: bool) -> tuple[dict, dict]:
+    """Run each of ``steps`` (name -> callable) once per iteration, in turn; the median wall and CPU (this
+    process's) milliseconds over the timed iterations. CPU time leaves out what other jobs on the machine take
+    from this process, and also the waits inside collectives."""
+    wall: dict = {name: [] for name in steps}
+    cpu: dict = {name: [] for name in steps}
     for it in range(warmup + iters):
         for name, step in steps.items():
             if barrier:
                 dist.barrier()  # the ranks start together: a collective's wait is not the previous step's lag
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             step()
             if it >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - cpu_start)
+    median = lambda times: {name: float(np.median(t)) * 1e3 for name, t in times.items()}  # noqa: E731
+    return median(wall), median(cpu)
 
 
 def _forward_backward(layer, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -156,6 +173,46 @@ def _forward_backward(layer, x: torch.Tensor, grad: torch.Tensor) -> Callable[[]
     return step
 
 
+# --- 1b: the same four runs step-interleaved on the training engine -----------------------------------------
+class _GPTObjective:
+    """GPTModule's objective (the next-token loss) for a bare engine."""
+
+    def forward_step(self, part, microbatch, input_tensor):
+        return gpt_forward_step(part, microbatch, input_tensor)
+
+    def loss(self, output, microbatch):
+        return masked_token_loss(output, microbatch)
+
+
+def _interleaved_rank(rank: int, world: int, args) -> dict:
+    layouts = {ep: ParallelLayout.build(ParallelConfig(expert_model_parallel_size=ep), "cpu") for ep in (1, world)}
+    gen = torch.Generator().manual_seed(rank)  # the same batches for every run: the losses must agree
+    shape = (args.micro_batch_size, args.seq_length + 1)
+    per_rank = args.global_batch_size // (args.micro_batch_size * world)
+    batches = [
+        [{"tokens": torch.randint(0, args.vocab_size, shape, generator=gen)} for _ in range(per_rank)]
+        for _ in range(args.steps)
+    ]
+    losses: dict = {name: [] for name in TRAINER_RUNS}
+
+    def runner(name: str, ep: int, dispatcher: str, grouped: bool) -> Callable[[], None]:
+        layout = layouts[ep]
+        model = ml.GPTModel(moe_config(args, dispatcher, grouped), layout, seed=overhead.MODEL_SEED).train()
+        engine = TrainingEngine(model, layout, _GPTObjective(), MegatronOptimizer(model, OPTIMIZER, layout))
+        steps = iter(batches)
+
+        def step() -> None:
+            losses[name].append(float(engine.train_step(next(steps))[0].loss))
+
+        return step
+
+    runners = {name: runner(name, *spec) for name, spec in TRAINER_RUNS.items()}
+    step_ms, step_cpu_ms = _time_interleaved(runners, args.steps - args.warmup, args.warmup, barrier=True)
+    for layout in layouts.values():
+        layout.destroy()
+    return dict(step_ms=step_ms, step_cpu_ms=step_cpu_ms, losses=losses)
+
+
 # --- 2 + 3: one layer's time, and the bytes of a step, on 2 ranks at EP2 ------------------------------------
 def _ep2_rank(rank: int, world: int, args) -> dict:
     layout = ParallelLayout.build(ParallelConfig(expert_model_parallel_size=world), device_type="cpu")
@@ -167,7 +224,7 @@ def _ep2_rank(rank: int, world: int, args) -> dict:
         for name, (dispatcher, grouped) in LAYER_VARIANTS.items()
     }
     steps = {name: _forward_backward(_moe_layer(model), x, grad) for name, model in models.items()}
-    layer_ms = _time_interleaved(steps, args.layer_iters, 3, barrier=True)
+    layer_ms, layer_cpu_ms = _time_interleaved(steps, args.layer_iters, 3, barrier=True)
 
     microbatches = [
         {"tokens": torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)}
@@ -175,7 +232,7 @@ def _ep2_rank(rank: int, world: int, args) -> dict:
     ]
     traffic = {name: _step_traffic(models[name], layout, microbatches, args) for name in ("allgather", "alltoall")}
     layout.destroy()
-    return dict(layer_ms=layer_ms, traffic=traffic)
+    return dict(layer_ms=layer_ms, layer_cpu_ms=layer_cpu_ms, traffic=traffic)
 
 
 def _step_traffic(model: ml.GPTModel, layout: ParallelLayout, microbatches: list, args) -> dict:
@@ -247,9 +304,9 @@ def _peer_rank(rank: int, world: int, args) -> dict:
             for name, layer in {"ours": ours, "ours grouped": grouped, "megatron-core": theirs}.items():
                 steps[f"{name}, {dispatcher}"] = _forward_backward(layer, x, grad)
             checks[dispatcher] = moe_peer.compare(ours, theirs, x, grad)
-        layer_ms = _time_interleaved(steps, args.layer_iters, 3, barrier=False)
+        layer_ms, layer_cpu_ms = _time_interleaved(steps, args.layer_iters, 3, barrier=False)
     parallel_state.destroy_model_parallel()
-    return dict(layer_ms=layer_ms, checks=checks)
+    return dict(layer_ms=layer_ms, layer_cpu_ms=layer_cpu_ms, checks=checks)
 
 
 # --- 5: memory ---------------------------------------------------------------------------------------
@@ -294,7 +351,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per Trainer run (warmup included)")
     p.add_argument("--warmup", type=int, default=3, help="first steps of every Trainer run left out")
-    p.add_argument("--repeats", type=int, default=2, help="repetitions of the Trainer runs, alternating their order")
+    p.add_argument("--repeats", type=int, default=1, help="repetitions of the Trainer runs, alternating their order")
     p.add_argument("--layer-iters", type=int, default=20, help="timed forward+backward passes per layer variant")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -306,7 +363,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
-    for part in ("trainer", "layers", "peer", "memory"):
+    for part in ("trainer", "interleaved", "layers", "peer", "memory"):
         p.add_argument(f"--skip-{part}", action="store_true", help=f"leave out the {part} comparison")
     p.add_argument(
         "--out",
@@ -324,12 +381,10 @@ def parse_args(argv=None):
 
 
 def trainer_section(args, result: dict) -> None:
-    opt_cfg = ml.OptimizerConfig(lr=3e-4, lr_decay_style="constant", clip_grad=1.0, weight_decay=0.01)
-
     def runner(ep: int, dispatcher: str, grouped: bool):
         return lambda: overhead.run_framework(
             moe_config(args, dispatcher, grouped),
-            opt_cfg,
+            OPTIMIZER,
             args,
             devices=WORLD,
             start_method="fork",
@@ -369,16 +424,60 @@ def trainer_section(args, result: dict) -> None:
     result["trainer"] = dict(runs=runs, ratios=ratios, max_loss_difference=losses)
 
 
+def interleaved_section(args, result: dict) -> None:
+    rank0 = on_ranks(_interleaved_rank, WORLD, args)[0]
+    ms, cpu, tokens = rank0["step_ms"], rank0["step_cpu_ms"], args.global_batch_size * args.seq_length
+    base = {"EP2 alltoall": "EP1 alltoall", "EP2 allgather": "EP2 alltoall", "EP2 alltoall grouped": "EP2 alltoall"}
+    print(
+        f"\n1b. the same, step-interleaved on the training engine (TrainingEngine.train_step, one step of each run "
+        f"in turn, {args.steps - args.warmup} timed), rank 0"
+    )
+    rows = [
+        (
+            name,
+            f"{v:.1f}",
+            f"{tokens / (v / 1e3):,.0f}",
+            f"{v / ms[base[name]]:.3f} x {base[name]}" if name in base else "baseline",
+            f"{cpu[name]:.1f}",
+            f"{cpu[name] / cpu[base[name]]:.3f}" if name in base else "baseline",
+        )
+        for name, v in ms.items()
+    ]
+    overhead._print_table(rows, ("run", "median ms/step", "tokens/s", "step ratio", "CPU ms/step", "CPU ratio"))
+    reference = rank0["losses"]["EP1 alltoall"]
+    losses = {k: max(abs(a - b) for a, b in zip(reference, v)) for k, v in rank0["losses"].items()}
+    print("max |loss difference| against EP1 alltoall: " + ", ".join(f"{k} {v:.1e}" for k, v in losses.items()))
+    ratios = dict(
+        ep2_vs_ep1_tokens_per_s=ms["EP1 alltoall"] / ms["EP2 alltoall"],
+        allgather_vs_alltoall_step=ms["EP2 allgather"] / ms["EP2 alltoall"],
+        grouped_vs_loop_step=ms["EP2 alltoall grouped"] / ms["EP2 alltoall"],
+        ep2_vs_ep1_cpu=cpu["EP2 alltoall"] / cpu["EP1 alltoall"],
+        allgather_vs_alltoall_cpu=cpu["EP2 allgather"] / cpu["EP2 alltoall"],
+        grouped_vs_loop_cpu=cpu["EP2 alltoall grouped"] / cpu["EP2 alltoall"],
+    )
+    print(
+        f"EP2 / EP1 tokens/s {ratios['ep2_vs_ep1_tokens_per_s']:.3f}; allgather / alltoall step time "
+        f"{ratios['allgather_vs_alltoall_step']:.3f}; grouped GEMM / loop step time "
+        f"{ratios['grouped_vs_loop_step']:.3f}"
+    )
+    result["interleaved"] = dict(
+        step_ms=ms, step_cpu_ms=cpu, ratios=ratios, losses=rank0["losses"], max_loss_difference=losses
+    )
+
+
 def layers_section(args, result: dict) -> None:
     ranks = on_ranks(_ep2_rank, WORLD, args)
-    ms = ranks[0]["layer_ms"]
+    ms, cpu = ranks[0]["layer_ms"], ranks[0]["layer_cpu_ms"]
     print(
         f"\n2. one MoE layer, forward + backward, EP2 on 2 ranks "
-        f"({args.seq_length}x{args.micro_batch_size} tokens per rank)"
+        f"({args.seq_length}x{args.micro_batch_size} tokens per rank), rank 0"
     )
     overhead._print_table(
-        [(name, f"{v:.2f}", f"{v / ms['alltoall']:.3f}") for name, v in ms.items()],
-        ("dispatcher", "median ms", "x alltoall"),
+        [
+            (name, f"{v:.2f}", f"{v / ms['alltoall']:.3f}", f"{cpu[name]:.2f}", f"{cpu[name] / cpu['alltoall']:.3f}")
+            for name, v in ms.items()
+        ],
+        ("dispatcher", "median ms", "x alltoall", "CPU ms", "CPU x alltoall"),
     )
     print(
         f"\n3. bytes each rank sends per step ({ranks[0]['traffic']['alltoall']['microbatches']} microbatches x "
@@ -425,7 +524,12 @@ def layers_section(args, result: dict) -> None:
         f"(token, expert) pairs went to the other rank (uniform routing: {(WORLD - 1) / WORLD:.3f}); other groups "
         f"(the loss's all-reduce): {ranks[0]['traffic']['alltoall']['other_groups_bytes']} B"
     )
-    result["layers"] = dict(layer_ms=ms, ratios={k: v / ms["alltoall"] for k, v in ms.items()})
+    result["layers"] = dict(
+        layer_ms=ms,
+        layer_cpu_ms=cpu,
+        ratios={k: v / ms["alltoall"] for k, v in ms.items()},
+        cpu_ratios={k: v / cpu["alltoall"] for k, v in cpu.items()},
+    )
     result["traffic"] = dict(per_rank=traffic, alltoall_remote_share=share)
 
 
@@ -439,14 +543,13 @@ def peer_section(args, result: dict) -> None:
     if "blocked" in peer:
         print(f"   not run: {peer['blocked']}")
         return
-    ms = peer["layer_ms"]
+    ms, cpu = peer["layer_ms"], peer["layer_cpu_ms"]
     rows = []
     for dispatcher in ("alltoall", "allgather"):
-        ref = ms[f"megatron-core, {dispatcher}"]
-        for name in ("ours", "ours grouped", "megatron-core"):
-            v = ms[f"{name}, {dispatcher}"]
-            rows.append((f"{name}, {dispatcher}", f"{v:.2f}", f"{v / ref:.3f}"))
-    overhead._print_table(rows, ("layer", "median ms", "x megatron-core"))
+        ref = f"megatron-core, {dispatcher}"
+        for name in (f"ours, {dispatcher}", f"ours grouped, {dispatcher}", ref):
+            rows.append((name, f"{ms[name]:.2f}", f"{ms[name] / ms[ref]:.3f}", f"{cpu[name] / cpu[ref]:.3f}"))
+    overhead._print_table(rows, ("layer", "median ms", "x megatron-core", "CPU x megatron-core"))
     for dispatcher, c in peer["checks"].items():
         print(
             f"max |ours - megatron-core|, {dispatcher}: output {c['output']:.1e} (of {c['output_scale']:.2f}), "
@@ -506,7 +609,13 @@ def main(argv=None) -> dict:
         flush=True,
     )
     result: dict = {"benchmark": "moe", "args": vars(args), "parameters": total, "active_parameters": active}
-    sections = dict(trainer=trainer_section, layers=layers_section, peer=peer_section, memory=memory_section)
+    sections = dict(
+        trainer=trainer_section,
+        interleaved=interleaved_section,
+        layers=layers_section,
+        peer=peer_section,
+        memory=memory_section,
+    )
     for name, section in sections.items():
         if not getattr(args, f"skip_{name}"):
             t = time.perf_counter()

@@ -60,27 +60,29 @@ def megatron_moe_layer(ours, args, dispatcher: str):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        ffn_hidden_size=args.moe_ffn_hidden_size,
-        gated_linear_unit=True,  # SwiGLU, fc1 = [gate; up] like ours
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        moe_token_dispatcher_type=dispatcher,
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2,
-        # our engine normalises the loss per token and so scales the aux loss's gradient by the layer's tokens:
-        # Megatron's calculate_per_token_loss does the same
-        calculate_per_token_loss=True,
-        use_cpu_initialization=True,
-    )
-    spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts)
-    theirs = build_module(spec, config=config, layer_number=1).train()
+    with warnings.catch_warnings():  # Apex's fused norm, CUDA-graph scopes: GPU options, not this comparison's
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            ffn_hidden_size=args.moe_ffn_hidden_size,
+            gated_linear_unit=True,  # SwiGLU, fc1 = [gate; up] like ours
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            moe_token_dispatcher_type=dispatcher,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-2,
+            # our engine normalises the loss per token and so scales the aux loss's gradient by the layer's tokens:
+            # Megatron's calculate_per_token_loss does the same
+            calculate_per_token_loss=True,
+            use_cpu_initialization=True,
+        )
+        spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts)
+        theirs = build_module(spec, config=config, layer_number=1).train()
     with torch.no_grad():
         theirs.router.weight.copy_(ours.router.weight)
         for i, expert in enumerate(theirs.experts.local_experts):
