@@ -56,12 +56,12 @@ def import_megatron():
 def megatron_moe_layer(ours, args, dispatcher: str):
     """megatron-core's ``MoELayer`` of our layer's shape (SwiGLU, no biases, aux loss 1e-2), our layer's router and
     expert weights copied in; build it inside :func:`megatron_on_cpu`."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     with warnings.catch_warnings():  # Apex's fused norm, CUDA-graph scopes: GPU options, not this comparison's
         warnings.simplefilter("ignore")
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
         config = TransformerConfig(
             num_layers=1,
             hidden_size=args.hidden_size,
