@@ -55,11 +55,10 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    layout = ParallelLayout.build(ParallelConfig(), device_type="cpu")
-    config = ml.GPTConfig(**MODEL)
+def measure_step_bytes(config: ml.GPTConfig, parallel: ParallelConfig, distributed: bool, rank: int) -> dict:
+    """One real optimizer step of ``config`` laid out by ``parallel`` (bf16 weights, fp32 masters, AdamW, one
+    microbatch of 2 sequences) on this rank of an initialised process group; the bytes this rank then holds."""
+    layout = ParallelLayout.build(parallel, device_type="cpu")
     model = ml.GPTModel(config, layout, seed=1).to(torch.bfloat16)
     cfg = ml.OptimizerConfig(lr=1e-4, lr_decay_style="constant", use_distributed_optimizer=distributed)
     opt = DistributedOptimizer(model, cfg, layout) if distributed else MegatronOptimizer(model, cfg, layout)
@@ -76,7 +75,6 @@ def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
     masters = _bytes(s.main_shard for s in opt.shards) if distributed else _bytes(opt.masters.values())
     state = _bytes(v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     row = dict(
-        dp=world,
         distributed_optimizer=distributed,
         params=params,
         weights_bytes=_bytes(model.parameters()),
@@ -85,7 +83,15 @@ def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
         optimizer_state_bytes=state,
     )
     row["total_bytes"] = row["weights_bytes"] + grads + masters + state
-    row["bytes_per_param"] = row["total_bytes"] / params
+    layout.destroy()
+    return row
+
+
+def _optimizer_rank(rank: int, world: int, distributed: bool, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    row = dict(dp=world, **measure_step_bytes(ml.GPTConfig(**MODEL), ParallelConfig(), distributed, rank))
+    row["bytes_per_param"] = row["total_bytes"] / row["params"]
     row["formula_bytes_per_param"] = 6 + 12 / world if distributed else 18.0
     row["ratio_to_formula"] = row["bytes_per_param"] / row["formula_bytes_per_param"]
     if rank == 0:

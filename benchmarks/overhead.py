@@ -247,10 +247,12 @@ def run_framework(
     start_method: str = "popen",
     steps: Optional[int] = None,
     interleave_plain: bool = False,
+    strategy_kwargs: Optional[dict] = None,
 ) -> dict:
     """A real Trainer + MegatronStrategy + GPTModule + MockGPTDataModule run; rank 0's measurements.
 
-    ``start_method="popen"`` with one device runs in this process (no child is started).
+    ``start_method="popen"`` with one device runs in this process (no child is started). ``strategy_kwargs``:
+    further ``MegatronStrategy`` arguments (e.g. ``expert_model_parallel_size``).
     """
     steps = steps or args.steps
     torch.set_num_threads(THREADS)
@@ -270,7 +272,9 @@ def run_framework(
             seed=DATA_SEED,
         )
         trainer = L.Trainer(
-            strategy=ml.MegatronStrategy(tensor_model_parallel_size=tp, start_method=start_method),
+            strategy=ml.MegatronStrategy(
+                tensor_model_parallel_size=tp, start_method=start_method, **(strategy_kwargs or {})
+            ),
             accelerator="cpu",
             devices=devices,
             max_steps=steps,

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from spawn_utils import run_ranks
 
 from megatron_lite.core.models.moe.token_dispatcher import build_dispatcher
+from megatron_lite.core.parallel.collective_bytes import CollectiveBytes
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 
 E, H, T, TOPK = 8, 6, 5, 2
@@ -44,15 +45,16 @@ def _on_ranks(rank, world, parallel, kind):
     cut = H // layout.etp_size
     local = local[:, layout.etp_rank * cut : (layout.etp_rank + 1) * cut].clone().requires_grad_()
     dispatcher = build_dispatcher(kind, E, layout)
-    expert_rows, counts = dispatcher.dispatch(x, probs, routing_map[rows])
-    pieces = expert_rows[:, layout.etp_rank * cut : (layout.etp_rank + 1) * cut].split(counts)
-    out = dispatcher.combine(torch.cat([piece @ local[i] for i, piece in enumerate(pieces)]))
+    with CollectiveBytes() as counted:  # what the collectives really took from this rank, forward only
+        expert_rows, counts = dispatcher.dispatch(x, probs, routing_map[rows])
+        pieces = expert_rows[:, layout.etp_rank * cut : (layout.etp_rank + 1) * cut].split(counts)
+        out = dispatcher.combine(torch.cat([piece @ local[i] for i, piece in enumerate(pieces)]))
     (out * grad_out[rows]).sum().backward()
     grad_w = local.grad.clone()
     if layout.group("edp") is not None:
         dist.all_reduce(grad_w, group=layout.group("edp"))  # the expert-DP reduction the optimizer does
     result = dict(out=out.detach(), x_grad=x.grad, probs_grad=probs.grad, w_grad=grad_w, ep=layout.ep_rank)
-    result.update(etp=layout.etp_rank, sent=dispatcher.sent_bytes)
+    result.update(etp=layout.etp_rank, sent=dispatcher.sent_bytes, counted=counted.total(), unknown=counted.unknown)
     layout.destroy()
     return result
 
@@ -87,3 +89,6 @@ def test_dispatch_and_combine_equal_one_process(name, kind):
         expected = w_grad[result["ep"] * per_rank : (result["ep"] + 1) * per_rank]
         expected = expected[:, result["etp"] * cut : (result["etp"] + 1) * cut]
         torch.testing.assert_close(result["w_grad"], expected, rtol=1e-5, atol=1e-5)
+        # the traffic the dispatcher reports (the MoE benchmark's table) is what this rank really sent
+        assert result["unknown"] == [] and result["counted"] > 0
+        assert result["sent"] == result["counted"], (rank, result["sent"], result["counted"])

@@ -62,7 +62,7 @@ class GroupedLinear(nn.Module):
         ``_LocalGemm.linear`` of the dense layers."""
         if offsets is None:
             pieces = tokens.split(tokens_per_expert)
-            return torch.cat([F.linear(piece, weight[i]) for i, piece in enumerate(pieces)])
+            return torch.cat([F.linear(piece, w) for w, piece in zip(weight.unbind(0), pieces)])
         # grouped_mm has no autocast rule: cast as F.linear would under autocast, or it mixes dtypes and fails
         dtype = _compute_dtype(tokens)
         out = F.grouped_mm(

@@ -7,9 +7,11 @@ its weights and compute a partial output for every token routed to it, which ``c
 
 - ``allgather``: every rank of the ETP x EP group gathers all their tokens, keeps those routed to its local experts,
   and a reduce-scatter returns each token's sum over experts (and ETP partials) to its rank. Simple; sends
-  (EP x ETP - 1) x T x H per rank per direction whatever the routing.
+  (EP x ETP - 1) x T x H per rank per direction whatever the routing (plus each token's routing, E wide).
 - ``alltoall``: each token goes only to the EP rank of its expert (an all-to-all over EP, then an all-gather over
-  ETP); the reverse on the way back. Sends top-k x T x H per rank, less than allgather once EP > top-k.
+  ETP); the reverse on the way back. Sends top-k x T x H x (EP - 1) / EP per rank and direction under uniform
+  routing (what a rank sends back is what it received: it differs from what it sent when the routing is not
+  balanced), less than allgather once EP > top-k.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class TokenDispatcher:
     """The interface: ``dispatch`` returns the local experts' input (rows sorted by local expert) and how many rows
     each local expert has; ``combine`` takes the experts' (partial) outputs and returns ``[T, H]`` for this rank's
     tokens, each the sum of its experts' outputs weighted by the routing probabilities. ``sent_bytes`` counts what
-    this rank sent in the last dispatch + combine (for the benchmark's traffic table)."""
+    this rank sent to other ranks in the last dispatch + combine, tokens and routing metadata (the forward's; the
+    backward sends the same token bytes again, and no routing map or counts), for the MoE benchmark's traffic table."""
 
     def __init__(self, num_experts: int, layout: ParallelLayout):
         self.num_experts = num_experts
@@ -85,12 +92,15 @@ class AllGatherDispatcher(TokenDispatcher):
         tokens, experts = sort_by_expert(local)
         self.token_index, self.num_tokens = tokens, all_hidden.shape[0]
         self.weights = all_probs[tokens, experts + self.local_start]
-        self.sent_bytes = 2 * (n - 1) * hidden.numel() * hidden.element_size() if n > 1 else 0
+        # to each of the n - 1 others: this rank's tokens and their routing (a bool map is sent as bytes)
+        self.sent_bytes = (n - 1) * (_nbytes(hidden) + _nbytes(probs) + routing_map.numel())
         counts = local.sum(0).tolist()  # host sync: the experts' GEMMs need their row counts
         return all_hidden[tokens], [int(c) for c in counts]
 
     def combine(self, expert_output):
         summed = weighted_sum_back(expert_output, self.weights, self.token_index, self.num_tokens)
+        n = _size(self.group)
+        self.sent_bytes += _nbytes(summed) * (n - 1) // n  # every rank's share but this rank's own
         return reduce_scatter_to_sequence_parallel_region(summed, self.group)
 
 
@@ -128,19 +138,25 @@ class AllToAllDispatcher(TokenDispatcher):
             rows = all_to_all(rows.repeat(self.etp, 1), self.etp_group, self.etp_sizes, [mine] * self.etp)
         # rows arrive ordered (ETP rank, EP rank, local expert): sort them by local expert
         self.order = order = _by_expert(matrix)
-        ep_rank = dist.get_rank(self.ep_group) if self.ep > 1 else 0
-        to_others = sum(self.input_splits) - self.input_splits[ep_rank] + mine * (self.etp - 1)
-        self.sent_bytes = 2 * to_others * hidden.shape[-1] * hidden.element_size()  # there and back
+        self.ep_rank = dist.get_rank(self.ep_group) if self.ep > 1 else 0
+        # the token counts (to the other EP ranks, then all of them to the other ETP ranks), then the rows
+        counts_bytes = counts.element_size() * self.num_local_experts * ((self.ep - 1) + self.ep * (self.etp - 1))
+        to_others = sum(self.input_splits) - self.input_splits[self.ep_rank] + mine * (self.etp - 1)
+        self.sent_bytes = counts_bytes + to_others * hidden.shape[-1] * hidden.element_size()
         return rows[order], [int(c) for c in matrix.sum((0, 1)).tolist()]
 
     def combine(self, expert_output):
         rows = torch.empty_like(expert_output).index_copy(0, self.order, expert_output)
+        # the way back sends what the way there received: per rank it differs from what dispatch sent
+        back = sum(self.output_splits) - self.output_splits[self.ep_rank]
         if self.etp > 1:
             # each ETP rank gets back its own rows, summed over the ETP partials
             rank = dist.get_rank(self.etp_group)
             mine = self.etp_sizes[rank]
             pieces = all_to_all(rows, self.etp_group, [mine] * self.etp, self.etp_sizes)
             rows = pieces.reshape(self.etp, mine, pieces.shape[-1]).sum(0)  # -1 is ambiguous for 0 rows
+            back += sum(self.etp_sizes) - mine
+        self.sent_bytes += back * expert_output.shape[-1] * expert_output.element_size()
         rows = all_to_all(rows, self.ep_group, self.input_splits, self.output_splits)
         return weighted_sum_back(rows, self.weights, self.token_index, self.num_tokens)
 
@@ -160,7 +176,7 @@ def _by_expert(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def build_dispatcher(kind: str, num_experts: int, layout: ParallelLayout) -> TokenDispatcher:
-    """The dispatcher ``moe_token_dispatcher_type`` names ('flex' is refused by the config checks without DeepEP)."""
+    """The dispatcher ``moe_token_dispatcher_type`` names ('flex', DeepEP's, is refused by the config checks)."""
     if kind == "allgather":
         return AllGatherDispatcher(num_experts, layout)
     if kind == "alltoall":
