@@ -6,7 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
-PYTEST_WORKERS ?= 2
+# 3 workers on 2 cores: much of a test's wall time is rendezvous, launches and waits for a peer, which a third
+# worker fills (whole suite 443 s instead of 482 s on a quiet 2-core machine, 2026-11-27; docs/test-budget.md)
+PYTEST_WORKERS ?= 3
 
 .PHONY: install demo lint test test-fast bench reliability docs clean
 
