@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.gpt import GPTModel
+from megatron_lite.core.models.moe_config import refuse_experts
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 LAYER_METRICS = ("cosine", "loss")
@@ -162,6 +163,7 @@ def _single_process_model(module: Any) -> GPTModel:
         )
     if not model.has_output_layer:
         raise ValueError("prune needs a language model with its output layer (the LM loss ranks layers)")
+    refuse_experts(model.config, "pruning")  # its width statistics know the dense MLP's neurons only
     return model
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core.checkpoint.resume.entries import QUANTIZATION_RECIPE
+from megatron_lite.core.models.moe_config import refuse_experts
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.utils.optional import require
@@ -215,10 +216,12 @@ def quantize(
     ``forward_loop(model)``. Weight-only configs need no data. Returns ``target``.
 
     Inside a Trainer every rank must call it (calibration synchronises amax over DP and TP)."""
+    model, layout, module = _target(target)
+    # ModelOpt's registry holds our dense linear layers, not the experts' grouped GEMMs
+    refuse_experts(getattr(model, "config", None), "quantization (ModelOpt)")
     mtq = _mtq()
     from megatron_lite.post_training import modelopt_registry as registry
 
-    model, layout, module = _target(target)
     if is_quantized(model):
         raise ValueError(
             f"the model is already quantized ({quantization_recipe(model)}); quantize the unquantized "

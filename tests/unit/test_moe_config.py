@@ -1,6 +1,7 @@
 """Every impossible or ineffective MoE option is refused when the GPTConfig is built, by name, with the fix."""
 
 import pytest
+import torch
 
 import megatron_lite as ml
 from megatron_lite.core.models.moe_config import check_moe_parallelism, moe_layer_pattern
@@ -87,3 +88,27 @@ def test_expert_sizes_must_divide_a_pipeline_stage():
     with pytest.raises(ValueError, match=r"1 x 4 = 4 must divide the ranks of a pipeline stage"):
         ml.ParallelConfig(expert_model_parallel_size=4).data_parallel_size(2)
     assert ml.ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2).data_parallel_size(4) == 2
+
+
+def test_post_training_tools_refuse_experts_by_name():
+    """Quantization, pruning and the quantized HF export know dense MLPs only: an MoE model is refused by name
+    before anything runs, rather than quantized or pruned with its experts silently left out."""
+    from megatron_lite.callbacks import Quantize
+    from megatron_lite.post_training import quantize
+    from megatron_lite.post_training.export import quantized_hf_state
+    from megatron_lite.post_training.pruning import PruneTarget, prune
+
+    config = ml.GPTConfig(**{**BASE, "num_layers": 2, "make_vocab_size_divisible_by": 8})
+    module = ml.GPTModule(config)
+    module.configure_model()
+    tokens = [{"tokens": torch.randint(0, 64, (2, 17))}]
+    for attempt in (
+        lambda: quantize(module, "INT8_SMOOTHQUANT_CFG", tokens),
+        lambda: prune(module, PruneTarget(num_layers=1), tokens),
+        lambda: quantized_hf_state(module.model),
+        lambda: Quantize("INT8_SMOOTHQUANT_CFG").check_before_launch(None, None, module, None),
+    ):
+        with pytest.raises(
+            ValueError, match=r"does not handle mixture-of-experts models yet \(this one has num_moe_experts=8\)"
+        ):
+            attempt()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import fields
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from megatron_lite.core.models.config import GPTConfig
@@ -123,6 +123,17 @@ def check_moe_parallelism(config: "GPTConfig", parallel, sequence_parallel: Opti
         _fail(
             f"an MoE model with tensor_model_parallel_size={tp} needs sequence_parallel=True in training (as in "
             f"Megatron: the experts then see each token once, not once per TP rank); set sequence_parallel=True."
+        )
+
+
+def refuse_experts(config: Any, feature: str) -> None:
+    """Refuse, naming it, a feature that does not handle a mixture-of-experts model yet (rather than leave its
+    experts silently out of it, or fail deep inside on their shapes)."""
+    experts = getattr(config, "num_moe_experts", None)
+    if experts is not None:
+        _fail(
+            f"{feature} does not handle mixture-of-experts models yet (this one has num_moe_experts={experts}): "
+            f"its experts would be left out; use a dense model for it."
         )
 
 
