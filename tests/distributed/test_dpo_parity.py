@@ -47,9 +47,11 @@ class RewardRecorder(L.Callback):
         torch.save(self.values, self.out / f"rewards_{trainer.global_rank}.pt")
 
 
-def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, cp=1, precompute=False) -> dict:
+def train(
+    out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, cp=1, ep=1, precompute=False, config=None
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config()
+    config = config or tiny_config()
     data = PreferenceDataModule(
         data_file,
         NullTokenizer(config.vocab_size),
@@ -68,6 +70,7 @@ def train(out: Path, data_file: str, *, devices=1, tp=1, sp=False, pp=1, cp=1, p
             sequence_parallel=sp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
+            expert_model_parallel_size=ep,
             start_method="fork",
         ),
         accelerator="cpu",
@@ -124,6 +127,20 @@ def test_dpo_layout_matches_single_process(name, reference, data_file, tmp_path)
     # per-token log-probs' fp32 rounding (summed in another order under TP and CP) leaves ~1e-6 absolute in it,
     # so the rewards are compared at 1e-5 of the log-prob sums' scale, not of their small difference.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dpo_with_an_moe_policy_at_ep2_matches_single_process(data_file, tmp_path):
+    """The policy and its frozen reference are MoE models with their experts split over 2 ranks (the reference's
+    forward-only MoE layers record nothing and add no auxiliary loss): losses, gradients, parameters and the
+    logged rewards equal one process's."""
+    config = tiny_config(num_moe_experts=4, moe_router_topk=2, ffn_hidden_size=64, moe_aux_loss_coeff=1e-2)
+    reference = train(tmp_path / "single", data_file, config=config)
+    result = train(tmp_path / "ep2", data_file, devices=2, ep=2, config=config)
+    assert len(set(reference["losses"])) == STEPS
+    assert_same_training(result, reference)
+    torch.testing.assert_close(
+        torch.tensor(result["rewards"][0]), torch.tensor(reference["rewards"][0]), rtol=1e-5, atol=1e-5
+    )
 
 
 class ValidationRecorder(L.Callback):
