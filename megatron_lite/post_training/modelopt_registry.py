@@ -1,8 +1,9 @@
 """Our tensor-parallel linears in nvidia-modelopt's quant-module registry.
 
 ModelOpt quantizes only module classes it knows (``QuantModuleRegistry``) and silently skips the others;
-its Megatron plugin registers Megatron-core's ``ColumnParallelLinear``/``RowParallelLinear`` but imports
-``megatron.core``, so it never loads for us. Here our two layers get their quantized counterparts: an
+its Megatron plugin registers Megatron-core's ``ColumnParallelLinear``/``RowParallelLinear`` (it loads only
+where ``megatron.core`` imports, as in the dev environment, where megatron-core is a test reference; it never
+touches our classes). Here our two layers get their quantized counterparts: an
 input, a weight and a (disabled) output quantizer around the rank-local GEMM (``_LocalGemm.linear``, which
 sees the input after the sequence-parallel all-gather and the weight as this rank holds it), and a
 ``ParallelState`` naming the data-parallel (dp x cp) and tensor-parallel groups. With it ModelOpt's own
