@@ -80,3 +80,31 @@ def test_pipeline_parallel_logits_distillation_equals_one_process(teacher, tmp_p
         torch.tensor(pp2["metrics"])[:, :2], torch.tensor(single["metrics"])[:, :2], rtol=1e-5, atol=0
     )
     assert_same_training(pp2, single)
+
+
+def test_an_moe_student_at_ep2_distils_like_one_process(teacher, tmp_path):
+    """A dense teacher, an MoE student with its experts over 2 ranks (the teacher is built for the student's layout,
+    where EP folds into DP): per-step losses, the logged lm/kd losses, gradients and parameters equal one process's."""
+    student = tiny_config(
+        num_layers=2,
+        seq_length=16,
+        vocab_size=300,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        ffn_hidden_size=64,
+        moe_aux_loss_coeff=1e-2,
+    )
+
+    def distil(out: Path, **layout) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        distill = Distill(teacher, temperature=2.0, kd_loss_scale=0.5)
+        result = run(out, config=student, steps=3, gbs=4, mbs=2, callbacks=[distill, Metrics(out)], **layout)
+        result["metrics"] = torch.load(out / "metrics.pt")
+        return result
+
+    single = distil(tmp_path / "one")
+    ep2 = distil(tmp_path / "ep2", devices=2, strategy_kwargs=dict(expert_model_parallel_size=2))
+    torch.testing.assert_close(
+        torch.tensor(ep2["metrics"])[:, :2], torch.tensor(single["metrics"])[:, :2], rtol=1e-5, atol=0
+    )
+    assert_same_training(ep2, single)

@@ -166,7 +166,8 @@ class GPTModel(nn.Module):
     ):
         super().__init__()
         layout = layout or ParallelLayout.single()
-        check_moe_parallelism(config, layout.config, sequence_parallel=True)  # SP is the training check's business
+        if config.num_moe_experts is not None:  # a dense model (a teacher, a reference) runs under any expert layout
+            check_moe_parallelism(config, layout.config, sequence_parallel=True)  # SP is the training check's business
         if layout.cp_size > 1 and config.attention_dropout > 0.0:
             raise ValueError(
                 f"attention_dropout={config.attention_dropout} with context_parallel_size={layout.cp_size}: the "
