@@ -42,6 +42,7 @@ from megatron_lite.core.parallel.schedules import (
     masked_token_loss,
     split_microbatches,
 )
+from megatron_lite.core.peft import carry_adapters, restore_lora
 from megatron_lite.core.timers import Timers
 from megatron_lite.module_inference import GPTInference
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
@@ -194,6 +195,7 @@ class GPTModule(GPTInference, pl.LightningModule):
         if previous is not None:
             # Built for another layout: the one-process model a forked fit handed back to the notebook, or
             # the previous run's in this process. Each rank cuts its shard of the weights out of it.
+            carry_adapters(previous, self.model, layout)
             carry_over_state(previous, self.model, vocab_size=self.config.vocab_size)
         self._attach_extensions()
 
@@ -212,6 +214,7 @@ class GPTModule(GPTInference, pl.LightningModule):
             from megatron_lite.post_training.quantization import restore_from_state
 
             restore_from_state(self.model, state, prefix="model.")
+        restore_lora(self.model, state, ParallelLayout.single(), prefix="model.")  # adapters the ranks trained
         from megatron_lite.post_training.speculative import restore_draft_head  # here: the package import stays light
 
         restore_draft_head(self.model, state, prefix="model.")

@@ -5,6 +5,7 @@ a straggler report) and post-training (Distill, Quantize, TrainDraftHead)."""
 from megatron_lite.callbacks.distill import Distill
 from megatron_lite.callbacks.draft_head import TrainDraftHead
 from megatron_lite.callbacks.graceful_exit import GracefulExit
+from megatron_lite.callbacks.lora import LoRA
 from megatron_lite.callbacks.metrics import MegatronMetrics
 from megatron_lite.callbacks.pipeline_timeline import PipelineTimeline
 from megatron_lite.callbacks.quantize import Quantize
@@ -16,6 +17,7 @@ __all__ = [
     "Distill",
     "GracefulExit",
     "HangWatchdog",
+    "LoRA",
     "MegatronMetrics",
     "PipelineTimeline",
     "Quantize",

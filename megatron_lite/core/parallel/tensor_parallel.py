@@ -220,31 +220,36 @@ def initialize_parameters(module: nn.Module, seed: int) -> None:
     the same at any EP and ETP size, and a rank draws only its own experts (all experts of a large MoE layer can
     be tens of GB)."""
     for name, param in module.named_parameters():
-        spec = getattr(param, "init_spec", None)
-        if spec is None:
-            raise ValueError(f"parameter {name} has no init_spec; build it with mark_parameter()")
-        shard: Optional[TPShard] = getattr(param, "tp_shard", None)
-        if spec[0] == "zeros":
-            param.zero_()
-            continue
-        if spec[0] == "ones":
-            if shard is not None and shard.unpadded_size is not None:
-                raise ValueError(f"parameter {name}: a vocabulary-padded tensor cannot be initialised to ones")
-            param.fill_(1.0)
-            continue
-        # Only the real rows of a vocabulary-padded tensor are drawn, exactly as an unpadded tensor would be
-        # (the same weights whatever the padding, hence whatever the TP size); the padding rows are zero.
-        shape = full_shape(param)
-        experts: Optional[ExpertShard] = getattr(param, "expert_shard", None)
-        if experts is None:
-            full = _normal(shape, spec[1], _seed_for(seed, name))
-        else:  # this rank's experts, each whole over ETP
-            local_experts = range(experts.local_start, experts.local_start + experts.num_local_experts)
-            full = torch.stack(
-                [_normal(shape[1:], spec[1], _seed_for(seed, f"{name}#expert{e}")) for e in local_experts]
-            )
-        local = shard.shard(full) if shard is not None else full
-        param.copy_(local.to(dtype=param.dtype, device=param.device))
+        initialize_parameter(name, param, seed)
+
+
+@torch.no_grad()
+def initialize_parameter(name: str, param: torch.Tensor, seed: int) -> None:
+    """Draw one parameter (marked by :func:`mark_parameter`) as :func:`initialize_parameters` does, from (seed,
+    ``name``): what a module added to a built model (an adapter) initialises its own parameters with."""
+    spec = getattr(param, "init_spec", None)
+    if spec is None:
+        raise ValueError(f"parameter {name} has no init_spec; build it with mark_parameter()")
+    shard: Optional[TPShard] = getattr(param, "tp_shard", None)
+    if spec[0] == "zeros":
+        param.zero_()
+        return
+    if spec[0] == "ones":
+        if shard is not None and shard.unpadded_size is not None:
+            raise ValueError(f"parameter {name}: a vocabulary-padded tensor cannot be initialised to ones")
+        param.fill_(1.0)
+        return
+    # Only the real rows of a vocabulary-padded tensor are drawn, exactly as an unpadded tensor would be
+    # (the same weights whatever the padding, hence whatever the TP size); the padding rows are zero.
+    shape = full_shape(param)
+    experts: Optional[ExpertShard] = getattr(param, "expert_shard", None)
+    if experts is None:
+        full = _normal(shape, spec[1], _seed_for(seed, name))
+    else:  # this rank's experts, each whole over ETP
+        local_experts = range(experts.local_start, experts.local_start + experts.num_local_experts)
+        full = torch.stack([_normal(shape[1:], spec[1], _seed_for(seed, f"{name}#expert{e}")) for e in local_experts])
+    local = shard.shard(full) if shard is not None else full
+    param.copy_(local.to(dtype=param.dtype, device=param.device))
 
 
 def _normal(shape: tuple, std: float, seed: int) -> torch.Tensor:
@@ -263,7 +268,24 @@ def _divide(n: int, d: int, what: str) -> int:
 class _LocalGemm(nn.Module):
     """The rank-local matrix product of a tensor-parallel linear, as a method of its own: the one place that
     sees this rank's input and weight after the collectives, where quantization wraps the layer
-    (``megatron_lite.post_training.modelopt_registry``)."""
+    (``megatron_lite.post_training.modelopt_registry``).
+
+    ``adapter``: a module whose output is added to the layer's (LoRA, ``megatron_lite.core.peft``), called with the
+    layer's own input (sharded as the layer receives it) and whether the layer runs sequence-parallel now; None (the
+    default) adds nothing. It sits beside the base weight, so the base's parameter names stay as they are."""
+
+    adapter: Optional[nn.Module]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_module("adapter", None)
+
+    def adapter_output(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The adapter's contribution for the layer's input ``x``, or None (no adapter, or one switched off)."""
+        adapter = self.adapter
+        if adapter is None or not getattr(adapter, "enabled", True):
+            return None
+        return adapter(x, self.sequence_parallel)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -323,11 +345,14 @@ class ColumnParallelLinear(_LocalGemm):
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
+        delta = self.adapter_output(x)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
         y = self.linear(x, weight, self.bias)
+        if delta is not None:
+            y = y + delta
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -374,6 +399,9 @@ class RowParallelLinear(_LocalGemm):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_parallel_region(y, self.tp_group)
+        delta = self.adapter_output(x)
+        if delta is not None:
+            y = y + delta
         return y + self.bias if self.bias is not None else y
 
 

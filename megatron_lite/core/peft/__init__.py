@@ -1,0 +1,33 @@
+"""Parameter-efficient fine-tuning: LoRA adapters on a built model (plain PyTorch; the callback is
+``megatron_lite.callbacks.LoRA``)."""
+
+from megatron_lite.core.peft.config import LINEAR_MODULES, LoRAConfig
+from megatron_lite.core.peft.lora import (
+    LORA_RECIPE,
+    LoRAAdapter,
+    adapters,
+    adapters_disabled,
+    apply_lora,
+    carry_adapters,
+    has_adapters,
+    is_adapter_parameter,
+    lora_recipe,
+    merge_lora,
+    restore_lora,
+)
+
+__all__ = [
+    "LORA_RECIPE",
+    "carry_adapters",
+    "lora_recipe",
+    "restore_lora",
+    "LINEAR_MODULES",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "adapters",
+    "adapters_disabled",
+    "apply_lora",
+    "has_adapters",
+    "is_adapter_parameter",
+    "merge_lora",
+]

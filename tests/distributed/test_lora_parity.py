@@ -1,0 +1,73 @@
+"""LoRA through a real Trainer is the same run at any layout: per-step losses, the first step's adapter gradients
+and the final adapters equal the one-process run's (rtol 1e-5) at TP2 (A replicated on column-parallel layers, split
+on row-parallel ones), TP2 with sequence parallelism (the adapters' small activations gathered and scattered along
+the sequence), PP2, CP2 and DP2 with the distributed optimizer; the base stays frozen (no gradient, unchanged)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from parity_utils import assert_same_training, run, tiny_config
+
+import megatron_lite as ml
+from megatron_lite.callbacks import LoRA
+
+CONFIG = tiny_config(num_layers=2, seq_length=16, vocab_size=300, activation="swiglu", normalization="RMSNorm")
+
+
+def _lora_run(out: Path, optimizer=None, **layout) -> dict:
+    lora = LoRA(dim=4, alpha=8, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # a high LR: the adapters (B starts at zero) move far enough in 3 steps for the comparison to mean something
+    optimizer = optimizer or ml.OptimizerConfig(lr=2e-2, lr_warmup_iters=0, lr_decay_iters=20, min_lr=1e-3)
+    return run(out, config=CONFIG, steps=3, gbs=4, mbs=2, optimizer=optimizer, callbacks=[lora], **layout)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _lora_run(tmp_path_factory.mktemp("lora_one"))
+
+
+def test_only_adapters_train_and_the_base_is_frozen(single):
+    base = ml.GPTModule(CONFIG, seed=1234)
+    base.configure_model()
+    trained = {name for name in single["grads"]}
+    assert trained == {name for name in single["params"] if ".adapter." in name}
+    assert len(trained) == 2 * 4 * CONFIG.num_layers  # A and B of 4 layers per transformer layer
+    frozen = 0
+    for name, value in base.model.named_parameters():
+        trained_value = single["params"][name]
+        real = value.detach().narrow(0, 0, trained_value.shape[0])  # the vocabulary padding is not recorded
+        torch.testing.assert_close(trained_value, real, rtol=0, atol=0, msg=f"{name} moved")
+        frozen += 1
+    assert frozen == len(single["params"]) - len(trained)
+    for name, value in single["params"].items():
+        if name.endswith("linear_out.weight"):
+            assert value.abs().max() > 1e-3, f"{name} did not train"
+    assert single["losses"][-1] < single["losses"][0]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(devices=2, tp=2),
+        dict(devices=2, tp=2, sp=True),
+        dict(devices=2, pp=2),
+        dict(devices=2, strategy_kwargs=dict(context_parallel_size=2)),
+        dict(devices=2, distributed_optimizer=True),
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-distributed-optimizer"],
+)
+def test_lora_equals_one_process(single, tmp_path, layout):
+    layout = dict(layout)
+    optimizer = None
+    distributed = layout.pop("distributed_optimizer", False)
+    if distributed:
+        optimizer = ml.OptimizerConfig(
+            lr=2e-2, lr_warmup_iters=0, lr_decay_iters=20, min_lr=1e-3, use_distributed_optimizer=True
+        )
+    result = _lora_run(tmp_path, optimizer=optimizer, **layout)
+    # the distributed optimizer moves the gradients into its shards: its losses, grad norms and params are compared
+    assert_same_training(result, single, grads=not distributed)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(single["grad_norms"]), rtol=1e-5, atol=0
+    )
