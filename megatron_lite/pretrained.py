@@ -42,6 +42,7 @@ from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import full_shape
+from megatron_lite.core.peft import restore_lora
 from megatron_lite.tokenizers.build import TOKENIZER_KEY, portable_tokenizer_spec, tokenizer_spec
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
@@ -76,6 +77,7 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
         from megatron_lite.post_training.quantization import restore_from_state
 
         restore_from_state(model, saved)
+    restore_lora(model, saved, ParallelLayout.single())  # a LoRA run's checkpoint: its adapters, then their values
     # parameters, and the persistent buffers a checkpoint holds too (a quantized model's amax and scales)
     params = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
     mismatch = compare_entries(params, saved)
