@@ -1,7 +1,8 @@
 """LoRA through a real Trainer is the same run at any layout: per-step losses, the first step's adapter gradients
 and the final adapters equal the one-process run's (rtol 1e-5) at TP2 (A replicated on column-parallel layers, split
 on row-parallel ones), TP2 with sequence parallelism (the adapters' small activations gathered and scattered along
-the sequence), PP2, CP2 and DP2 with the distributed optimizer; the base stays frozen (no gradient, unchanged)."""
+the sequence), PP2, CP2, DP2 with the gradient reduction overlapped in small buckets and DP2 with the distributed
+optimizer; the base stays frozen (no gradient, unchanged)."""
 
 from pathlib import Path
 
@@ -53,9 +54,10 @@ def test_only_adapters_train_and_the_base_is_frozen(single):
         dict(devices=2, tp=2, sp=True),
         dict(devices=2, pp=2),
         dict(devices=2, strategy_kwargs=dict(context_parallel_size=2)),
+        dict(devices=2, strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000)),
         dict(devices=2, distributed_optimizer=True),
     ],
-    ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-distributed-optimizer"],
+    ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-overlapped-buckets", "dp2-distributed-optimizer"],
 )
 def test_lora_equals_one_process(single, tmp_path, layout):
     layout = dict(layout)
@@ -66,6 +68,8 @@ def test_lora_equals_one_process(single, tmp_path, layout):
             lr=2e-2, lr_warmup_iters=0, lr_decay_iters=20, min_lr=1e-3, use_distributed_optimizer=True
         )
     result = _lora_run(tmp_path, optimizer=optimizer, **layout)
+    if layout.get("strategy_kwargs", {}).get("overlap_grad_reduce"):
+        assert result["overlapped_reductions"] > 0  # the adapters' buckets were reduced during the backward
     # the distributed optimizer moves the gradients into its shards: its losses, grad norms and params are compared
     assert_same_training(result, single, grads=not distributed)
     torch.testing.assert_close(
