@@ -1,9 +1,11 @@
 """LoRA through a real Trainer is the same run at any layout: per-step losses, the first step's adapter gradients
 and the final adapters equal the one-process run's (rtol 1e-5) at TP2 (A replicated on column-parallel layers, split
 on row-parallel ones), TP2 with sequence parallelism (the adapters' small activations gathered and scattered along
-the sequence), PP2, CP2, DP2 with the gradient reduction overlapped in small buckets and DP2 with the distributed
-optimizer; the base stays frozen (no gradient, unchanged)."""
+the sequence), PP2, CP2, DP2 with the gradient reduction overlapped in small buckets, DP2 with the distributed
+optimizer, and TP2 with SP and full recomputation (the adapters rerun in the recomputed forward); the base stays
+frozen (no gradient, unchanged)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,11 @@ from megatron_lite.callbacks import LoRA
 CONFIG = tiny_config(num_layers=2, seq_length=16, vocab_size=300, activation="swiglu", normalization="RMSNorm")
 
 
-def _lora_run(out: Path, optimizer=None, **layout) -> dict:
+def _lora_run(out: Path, optimizer=None, config=CONFIG, **layout) -> dict:
     lora = LoRA(dim=4, alpha=8, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     # a high LR: the adapters (B starts at zero) move far enough in 3 steps for the comparison to mean something
     optimizer = optimizer or ml.OptimizerConfig(lr=2e-2, lr_warmup_iters=0, lr_decay_iters=20, min_lr=1e-3)
-    return run(out, config=CONFIG, steps=3, gbs=4, mbs=2, optimizer=optimizer, callbacks=[lora], **layout)
+    return run(out, config=config, steps=3, gbs=4, mbs=2, optimizer=optimizer, callbacks=[lora], **layout)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,16 @@ def test_only_adapters_train_and_the_base_is_frozen(single):
         dict(devices=2, strategy_kwargs=dict(context_parallel_size=2)),
         dict(devices=2, strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000)),
         dict(devices=2, distributed_optimizer=True),
+        dict(
+            devices=2,
+            tp=2,
+            sp=True,
+            config=dataclasses.replace(
+                CONFIG, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            ),
+        ),
     ],
-    ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-overlapped-buckets", "dp2-distributed-optimizer"],
+    ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-overlapped-buckets", "dp2-distributed-optimizer", "tp2-sp-recompute"],
 )
 def test_lora_equals_one_process(single, tmp_path, layout):
     layout = dict(layout)
