@@ -109,6 +109,7 @@ class GPTModule(GPTInference, pl.LightningModule):
         optimizer: Optional[OptimizerConfig] = None,
         seed: Optional[int] = None,
         strict: bool = True,
+        adapter: Optional[str] = None,
         **config_overrides: Any,
     ) -> "GPTModule":
         """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2/Qwen3 directory
@@ -121,8 +122,15 @@ class GPTModule(GPTInference, pl.LightningModule):
         replace the saved ones (an HF model gets ``OptimizerConfig()`` and 1234). The checkpoint must hold exactly the
         model's tensors (missing and unexpected ones are refused by name) unless ``strict=False``, which loads the
         ones both have and leaves the others at their initial values.
+
+        ``adapter``: a Hugging Face PEFT LoRA adapter directory (``adapter_config.json`` +
+        ``adapter_model.safetensors``) trained on this base, put on the model exactly
+        (:mod:`megatron_lite.core.checkpoint.hf.peft`): the module computes PEFT's logits, and a ``fit`` trains the
+        adapters with the base frozen, as after the ``LoRA`` callback.
         """
-        return load_pretrained(cls, path, optimizer=optimizer, seed=seed, strict=strict, **config_overrides)
+        return load_pretrained(
+            cls, path, optimizer=optimizer, seed=seed, strict=strict, adapter=adapter, **config_overrides
+        )
 
     # --- layout and model -----------------------------------------------------------------
     def _attached_trainer(self) -> Optional["pl.Trainer"]:

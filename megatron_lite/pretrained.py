@@ -29,6 +29,7 @@ from megatron_lite.core.checkpoint.full.reader import (
 )
 from megatron_lite.core.checkpoint.full.state import load_full_state, persistent_buffers
 from megatron_lite.core.checkpoint.hf.directory import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
+from megatron_lite.core.checkpoint.hf.peft import load_peft_adapter, read_peft_config
 from megatron_lite.core.checkpoint.hf.weights import fit_vocab_rows, raise_shape_mismatch
 from megatron_lite.core.checkpoint.resume.entries import (
     QUANTIZATION_RECIPE,
@@ -111,10 +112,14 @@ def load_pretrained(
     optimizer: Optional[OptimizerConfig] = None,
     seed: Optional[int] = None,
     strict: bool = True,
+    adapter: Optional[str | os.PathLike] = None,
     **overrides: Any,
 ):
     """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
-    checkpoints) in a one-process model, in eval mode. See :meth:`GPTModule.from_pretrained`."""
+    checkpoints) in a one-process model, in eval mode, with the PEFT LoRA adapter directory ``adapter`` on it. See
+    :meth:`GPTModule.from_pretrained`."""
+    if adapter is not None:
+        read_peft_config(adapter)  # a directory that is no adapter ours can hold is refused before any weight is read
     path = Path(path)
     if is_checkpoint_directory(path):
         hparams = read_checkpoint_hparams(path)
@@ -145,6 +150,8 @@ def load_pretrained(
             f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
             f"megatron-lite checkpoint (DCP .metadata)"
         )
+    if adapter is not None:
+        load_peft_adapter(module.model, adapter, module.config, module.seed)
     module.model.eval()
     return module
 

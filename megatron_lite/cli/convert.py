@@ -3,6 +3,8 @@
     megatron-lite convert --from hf --input HF_DIR --output CKPT [--seq-length 4096]
     megatron-lite convert --to hf --input CKPT --output HF_DIR [--dtype bfloat16] [--tokenizer DIR]
     megatron-lite convert --to hf --input QUANTIZED_CKPT --output HF_DIR     (ModelOpt unified, for TRT-LLM/vLLM)
+    megatron-lite convert --to hf --merge-lora --input LORA_CKPT --output HF_DIR   (adapters folded in)
+    megatron-lite convert --to hf-peft --input LORA_CKPT --output ADAPTER_DIR [--base-model NAME]
 
 ``--from hf`` reads a local HF directory (config.json + safetensors, sharded or not; Llama 2/3, SmolLM, Mistral
 without sliding window, Qwen2, Qwen3, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and writes one of our checkpoints
@@ -18,6 +20,12 @@ weights with their scales and ``hf_quant_config.json``, for TensorRT-LLM and vLL
 :mod:`megatron_lite.post_training.export` (default dtype of its unquantized tensors: bfloat16). The tokenizer a
 checkpoint carries (``tokenizer/``: a SentencePiece ``tokenizer.model``, GPT-2's ``vocab.json``/``merges.txt`` or
 an HF ``tokenizer.json``) is written where transformers' ``AutoTokenizer`` reads it.
+
+A LoRA fine-tune's checkpoint (``GPTModule.from_pretrained`` gives the adapted model) is exported either merged
+(``--to hf --merge-lora``: ``W + (alpha / dim) B A``, a plain HF model) or as a Hugging Face PEFT adapter (``--to
+hf-peft``: ``adapter_config.json`` + ``adapter_model.safetensors`` for ``PeftModel.from_pretrained(base, DIR)``
+on the base exported with ``--to hf``; :mod:`megatron_lite.core.checkpoint.hf.peft` maps the fused adapters);
+``--to hf`` without ``--merge-lora`` refuses it rather than drop the adapters.
 
 The output is never an input, inside one or a directory holding one; ``--overwrite`` replaces only an earlier
 output of megatron-lite with nothing else in it (:mod:`megatron_lite.core.checkpoint.format.output_dir`). Nothing is
@@ -38,15 +46,20 @@ from megatron_lite.cli.command import run_verb
 from megatron_lite.core.checkpoint.format.output_dir import check_output, mark_output
 from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
 from megatron_lite.core.checkpoint.full.reader import read_checkpoint_hparams, read_model_tensors
+from megatron_lite.core.checkpoint.full.state import gather_full_state
 from megatron_lite.core.checkpoint.hf.directory import (
     CHECKPOINT_SIDE_DIR,
     CONFIG,
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
+    atomic_directory,
     copy_side_files,
     read_hf_config,
     save_hf,
 )
+from megatron_lite.core.checkpoint.hf.peft import save_peft_adapter
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.peft import LORA_RECIPE, has_adapters, is_adapter_parameter, lora_recipe, merge_lora
 from megatron_lite.post_training.export import has_quantizer_state
 from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
 
@@ -71,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="source", choices=["hf"], help="read an HF model directory")
-    direction.add_argument("--to", dest="target", choices=["hf"], help="write an HF model directory")
+    direction.add_argument(
+        "--to",
+        dest="target",
+        choices=["hf", "hf-peft"],
+        help="write an HF model directory (hf) or a LoRA checkpoint's adapters as a PEFT adapter directory (hf-peft)",
+    )
     parser.add_argument("--input", required=True, help="HF directory (--from hf) or our checkpoint (--to hf)")
     parser.add_argument("--output", required=True, help="our checkpoint (--from hf) or an HF directory (--to hf)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
@@ -98,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"--to hf: largest safetensors file; more files get an index (default "
         f"{DEFAULT_MAX_SHARD_BYTES // 1024**3}GiB)",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="--to hf of a LoRA checkpoint: fold the adapters into the weights (W + alpha/dim * B A)",
+    )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="--to hf-peft: the base_model_name_or_path adapter_config.json records (default: the name the "
+        "imported model's config.json carries, if any)",
     )
     return parser
 
@@ -164,9 +193,11 @@ def to_hf(
     tokenizer: Optional[str] = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    merge_lora: bool = False,
 ) -> str:
     """Our checkpoint -> HF directory (ModelOpt's unified quantized format for a quantized model), with the
-    tokenizer of ``tokenizer`` (a directory) or the one the checkpoint carries; returns a one-line summary."""
+    tokenizer of ``tokenizer`` (a directory) or the one the checkpoint carries; returns a one-line summary. A LoRA
+    checkpoint is refused unless ``merge_lora``, which folds its adapters into the weights."""
     config = read_checkpoint_hparams(checkpoint)["config"]
     source = resolve_checkpoint(checkpoint)
     side = source / CHECKPOINT_SIDE_DIR
@@ -177,6 +208,19 @@ def to_hf(
         )
     check_output(output, [checkpoint, source, tokenizer], overwrite)  # before reading any weights
     state = read_model_tensors(source)
+    if is_lora_state(state) and not merge_lora:
+        raise ValueError(
+            f"{checkpoint} holds LoRA adapters: pass --merge-lora to fold them into the exported weights, or "
+            f"export them as a PEFT adapter with --to hf-peft (and the base with --to hf of the base checkpoint)"
+        )
+    if merge_lora:
+        if not is_lora_state(state):
+            raise ValueError(f"--merge-lora: {checkpoint} holds no LoRA adapters; leave --merge-lora out")
+        if has_quantizer_state(state):
+            raise ValueError(
+                f"--merge-lora: {checkpoint} is quantized; merging adapters into quantized weights is not supported"
+            )
+        state = _merged_state(source)
     with tempfile.TemporaryDirectory(prefix="megatron-lite-side-") as gathered:
         side_files = tokenizer if tokenizer is not None else gather_side_files(source, Path(gathered))
         if has_quantizer_state(state):
@@ -199,6 +243,57 @@ def to_hf(
             )
     mark_output(output, "megatron-lite convert --to hf")
     return summary
+
+
+def is_lora_state(state: dict) -> bool:
+    """Whether a checkpoint's model tensors hold LoRA adapters (their recipe or their weights)."""
+    return any(name == LORA_RECIPE or is_adapter_parameter(name) for name in state)
+
+
+def _merged_state(checkpoint: Path) -> dict:
+    """The full state of a LoRA checkpoint's model with its adapters folded into the weights (one process)."""
+    from megatron_lite.module import GPTModule  # imports Lightning: only for this path
+
+    model = GPTModule.from_pretrained(checkpoint).model
+    merge_lora(model)
+    state = gather_full_state(model, ParallelLayout.single())
+    assert state is not None  # one process holds the whole model
+    return state
+
+
+def to_hf_peft(
+    checkpoint: str,
+    output: str,
+    dtype: Optional[str] = None,
+    base_model: Optional[str] = None,
+    overwrite: bool = False,
+) -> str:
+    """A LoRA checkpoint's adapters -> a Hugging Face PEFT adapter directory; returns a one-line summary."""
+    from megatron_lite.module import GPTModule  # imports Lightning: only for this direction
+
+    source = resolve_checkpoint(checkpoint)
+    check_output(output, [checkpoint, source], overwrite)  # before reading any weights
+    module = GPTModule.from_pretrained(source)
+    if not has_adapters(module.model):
+        raise ValueError(
+            f"{checkpoint} holds no LoRA adapters; export the model with --to hf (a LoRA run's checkpoints "
+            f"hold adapters)"
+        )
+    if base_model is None:
+        side = source / CHECKPOINT_SIDE_DIR
+        named = read_hf_config(side).get("_name_or_path") if (side / CONFIG).is_file() else None
+        base_model = named if isinstance(named, str) and named else None
+    with atomic_directory(output, overwrite=True) as tmp:
+        modules = save_peft_adapter(
+            tmp, module.model, module.config, dtype=DTYPES[dtype or "float32"], base_model_name_or_path=base_model
+        )
+    mark_output(output, "megatron-lite convert --to hf-peft")
+    recipe = lora_recipe(module.model)
+    assert recipe is not None  # has_adapters
+    return (
+        f"wrote {output}: {len(modules)} PEFT LoRA adapters (r={recipe[0].dim}, lora_alpha={recipe[0].alpha:g}), "
+        f"{dtype or 'float32'}"
+    )
 
 
 def _to_quantized_hf(
@@ -247,12 +342,27 @@ def _convert(args: argparse.Namespace) -> str:
             ("--dtype", args.dtype is not None),
             ("--tokenizer", args.tokenizer),
             ("--max-shard-size", args.max_shard_size),
+            ("--merge-lora", args.merge_lora),
+            ("--base-model", args.base_model),
         ):
             if value:
                 raise ValueError(f"{flag} applies to --to hf; our checkpoints hold fp32 weights")
         return from_hf(args.input, args.output, seq_length=args.seq_length, overwrite=args.overwrite)
     if args.seq_length is not None:
         raise ValueError("--seq-length applies to --from hf (an export keeps the checkpoint's config)")
+    if args.target == "hf-peft":
+        for flag, value in (
+            ("--merge-lora", args.merge_lora),
+            ("--tokenizer", args.tokenizer),
+            ("--max-shard-size", args.max_shard_size),
+        ):
+            if value:
+                raise ValueError(f"{flag} applies to --to hf; --to hf-peft writes the adapters alone")
+        return to_hf_peft(
+            args.input, args.output, dtype=args.dtype, base_model=args.base_model, overwrite=args.overwrite
+        )
+    if args.base_model is not None:
+        raise ValueError("--base-model applies to --to hf-peft")
     shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
     return to_hf(
         args.input,
@@ -261,4 +371,5 @@ def _convert(args: argparse.Namespace) -> str:
         tokenizer=args.tokenizer,
         max_shard_bytes=shard,
         overwrite=args.overwrite,
+        merge_lora=args.merge_lora,
     )
