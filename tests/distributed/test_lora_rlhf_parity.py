@@ -5,8 +5,9 @@ At one process the base-as-reference run equals, to the last bit, the run whose 
 of the base (DPO: a reference checkpoint of the base's weights, loaded as a second model; GRPO with beta > 0 on fixed
 rollouts: a frozen copy of the base built beside the policy): losses, the first step's adapter gradients, the final
 adapters and the logged rewards / KL. The base-as-reference run at PP2 (DPO: the reference's log-probs through the
-policy's own forward-only pipeline, broadcast from the last stage) and TP2 (GRPO) equals one process. Each rank built
-one model (the policy) and holds no reference model.
+policy's own forward-only pipeline, broadcast from the last stage) and TP2 (GRPO) equals one process; DPO's reference
+log-probs precomputed before training (adapters off) give the live run. Each rank built one model (the policy) and
+holds no reference model.
 """
 
 from pathlib import Path
@@ -105,7 +106,7 @@ def _results(out: Path, devices: int, recorded: str) -> dict:
 
 
 # --- DPO ---------------------------------------------------------------------------------------------------------
-def dpo(out: Path, data_file: str, *, devices=1, tp=1, pp=1, reference=None) -> dict:
+def dpo(out: Path, data_file: str, *, devices=1, tp=1, pp=1, reference=None, precompute=False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
     data = PreferenceDataModule(
@@ -119,7 +120,15 @@ def dpo(out: Path, data_file: str, *, devices=1, tp=1, pp=1, reference=None) -> 
     )
     # SGD at a high LR: the adapters (B starts at zero) move the policy off its reference in the first step
     optimizer = ml.OptimizerConfig(optimizer="sgd", lr=0.3, lr_decay_style="constant", clip_grad=0.0)
-    module = CountedDPO(config, optimizer=optimizer, seed=1234, beta=0.5, label_smoothing=0.1, reference=reference)
+    module = CountedDPO(
+        config,
+        optimizer=optimizer,
+        seed=1234,
+        beta=0.5,
+        label_smoothing=0.1,
+        reference=reference,
+        precompute_reference_log_probs=precompute,
+    )
     _trainer(out, DPO_STEPS, devices, tp, pp, [RewardRecorder(out)]).fit(module, data)
     return _results(out, devices, "rewards")
 
@@ -159,6 +168,14 @@ def test_dpo_with_lora_at_pp2_equals_one_process(dpo_single, data_file, tmp_path
     expected = torch.tensor(dpo_single["rewards"][0])
     for rank_values in result["rewards"]:  # every rank logs the global batch's values
         torch.testing.assert_close(torch.tensor(rank_values), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dpo_with_lora_precomputed_reference_equals_the_live_one(dpo_single, data_file, tmp_path):
+    """The base's log-probs computed once before training (adapters off) give the live run."""
+    result = dpo(tmp_path, data_file, precompute=True)
+    assert result["probes"] == [{"built": 1, "holds_reference": False}]
+    assert_same_training(result, dpo_single, rtol=0)
+    assert torch.equal(torch.tensor(result["rewards"][0]), torch.tensor(dpo_single["rewards"][0]))
 
 
 # --- GRPO --------------------------------------------------------------------------------------------------------
