@@ -13,6 +13,9 @@ and travel with each microbatch as ``reference_logps``. This keeps the policy's 
 concatenated activations, no second set of stage buffers) at the price of one extra forward-only pipeline
 pass per step — which is what a frozen model costs anyway. With ``precompute_reference_log_probs`` that
 pass runs once per pair before training (cached by the pair's ``index``) and the reference model is freed.
+With LoRA adapters on the policy (the ``LoRA`` callback) and ``reference=None`` no second model is built: the
+reference is the policy's frozen base, run through the same forward-only engine path with its adapters switched
+off (:func:`~megatron_lite.rl.reference.run_as_base`).
 
 **Packed rows** (``PreferenceDataModule(pack_sequences=True)``) hold several pairs per row, each sequence a
 document of ``cu_seqlens``; the model runs them on the packed-attention path and the last stage sums each
@@ -28,6 +31,7 @@ both the losses and the pair counts turns back into the per-pair mean.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Optional
 
@@ -46,7 +50,7 @@ from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
-from megatron_lite.rl.reference import frozen_reference
+from megatron_lite.rl.reference import base_is_reference, frozen_reference, run_as_base
 
 # GPTConfig fields that decide the weights' shapes: a reference must agree on all of them.
 SHAPE_FIELDS = (
@@ -173,8 +177,9 @@ class DPOModule(GPTModule):
         beta: β, the strength of the implicit KL to the reference (0.1 is usual).
         label_smoothing: ε of conservative DPO, the assumed share of flipped labels (sigmoid loss only).
         loss_type: ``"sigmoid"`` (DPO) or ``"ipo"``.
-        reference: None: a frozen copy of the policy's weights when its model is built (its initial weights);
-            or a path to one of our checkpoints or a local HF model directory of the same shape.
+        reference: None: a frozen copy of the policy's weights when its model is built (its initial weights) --
+            with LoRA adapters on the policy, its own base with the adapters off (no copy); or a path to one of our
+            checkpoints or a local HF model directory of the same shape (a second model, LoRA or not).
         precompute_reference_log_probs: run the reference once over every pair of the datamodule's splits
             before training, keep the log-probs in memory (keyed by pair index) and free the reference model.
 
@@ -264,18 +269,27 @@ class DPOModule(GPTModule):
         return ObjectiveCost(
             sequences_per_sample=1 if getattr(datamodule, "pack_sequences", False) else 2,
             forward_only_passes=live_reference,
-            frozen_models=live_reference,
+            frozen_models=live_reference if not self._base_is_reference() else 0,
         )
 
     # --- the reference model -------------------------------------------------------------
     @property
     def reference_model(self) -> Optional[nn.Module]:
-        """The frozen reference of this rank (its TP shards and pipeline stages), None once freed."""
+        """The frozen reference of this rank (its TP shards and pipeline stages), None once freed or when the
+        policy's own base is the reference (LoRA)."""
         return self.__dict__["_reference_model"]
 
+    def _base_is_reference(self) -> bool:
+        """The reference is the policy's base with its LoRA adapters off (no reference model is built)."""
+        return self.reference is None and base_is_reference(self.model)
+
     def configure_model(self) -> None:
-        super().configure_model()
+        super().configure_model()  # the LoRA callback's adapters are attached here
         if self._reference_done:
+            return
+        if self._base_is_reference():
+            self.__dict__["_reference_model"] = None  # a copy of a previous fit's, if any, is not needed
+            self._reference_engine = None
             return
         previous = self.reference_model
         reference = frozen_reference(self, previous, self._load_reference if self.reference is not None else None)
@@ -298,24 +312,25 @@ class DPOModule(GPTModule):
             cached = [self._cached(mb["index"]) for mb in microbatches]
             if all(c is not None for c in cached):
                 return cached
-        if self.reference_model is None:
+        base = self._base_is_reference()
+        reference = self.model if base else self.reference_model
+        if reference is None:
             raise RuntimeError(
                 "a batch holds pairs whose reference log-probs were not precomputed and the reference "
                 "model was freed; precompute covers the datamodule's splits at the start of fit: give "
                 "this data to that fit, or set precompute_reference_log_probs=False"
             )
-        reference = self.reference_model
         param = next(reference.parameters(), None)
-        if param is not None and param.device != self.device:
+        if not base and param is not None and param.device != self.device:
             # Lightning moves the module to its device after configure_model; the reference is not a sub-module.
             reference.to(self.device)
         engine = self._reference_engine
-        if engine is None or engine.model is not self.reference_model:
+        if engine is None or engine.model is not reference:
             engine = TrainingEngine(
-                self.reference_model, self.parallel_layout, _ReferenceObjective(self.parallel_layout.group("cp"))
+                reference, self.parallel_layout, _ReferenceObjective(self.parallel_layout.group("cp"))
             )
             self._reference_engine = engine
-        with torch.no_grad():
+        with torch.no_grad(), run_as_base(reference) if base else contextlib.nullcontext():
             return [out.detach().float() for out in engine.forward_outputs(microbatches)]
 
     def _cached(self, index: torch.Tensor) -> Optional[torch.Tensor]:

@@ -7,6 +7,10 @@ group-normalized advantages, recomputes the old log-probs with the trainer's for
 ``updates_per_batch`` engine train steps (the one training step every objective uses) over the rollout.
 A batch that already holds rollouts (``tokens``, ``loss_mask``, ``advantages``) skips the sampling: that is
 how an update on fixed rollouts is tested against one process.
+
+With ``beta > 0`` the KL term's frozen reference is a copy of the initial policy -- or, for a policy with LoRA
+adapters (the ``LoRA`` callback), no copy: the policy's own frozen base with its adapters switched off, run through
+the same forward-only engine path as the old log-probs.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from megatron_lite.rl.grpo_loss import (
     truncated_is_weights,
     vocab_parallel_entropy,
 )
-from megatron_lite.rl.reference import frozen_reference
+from megatron_lite.rl.reference import base_is_reference, frozen_reference, run_as_base
 from megatron_lite.rl.rewards import RewardFn, WeightedRewards, exact_match
 from megatron_lite.rl.rollout import group_rows, make_samples, pack_rows, rollout_seed, score_samples
 
@@ -119,7 +123,8 @@ class GRPOModule(GPTModule):
             hparams["reward_fn"] = reward_fn
         self.save_hyperparameters(hparams)
         self.reference_model: Optional[nn.Module] = None
-        """The frozen reference policy for the KL term (built only when ``grpo.beta > 0``)."""
+        """The frozen reference policy for the KL term (built only when ``grpo.beta > 0`` and the policy has no LoRA
+        adapters: then its base with the adapters off is the reference)."""
         self.rollout_step = 0
         """Rollouts run so far in this run (checkpointed): rollout n samples with ``rollout_seed(seed, n)``."""
         self._reference_engine: Optional[TrainingEngine] = None
@@ -145,8 +150,12 @@ class GRPOModule(GPTModule):
 
     # --- model, reference and checks ---------------------------------------------------------
     def configure_model(self) -> None:
-        super().configure_model()
+        super().configure_model()  # the LoRA callback's adapters are attached here
         if self.grpo.beta == 0.0:
+            return
+        if base_is_reference(self.model):
+            self.reference_model = None  # the base with the adapters off is the reference (see _reference_log_probs)
+            self._reference_engine = None
             return
         previous = self.reference_model
         reference = frozen_reference(self, previous)  # a resumed run then loads the saved reference over it
@@ -198,7 +207,7 @@ class GRPOModule(GPTModule):
             sequences_per_sample=g.group_size if prompts else 1,
             training_passes=g.updates_per_batch,
             forward_only_passes=1 + int(g.beta > 0),
-            frozen_models=int(g.beta > 0),
+            frozen_models=int(g.beta > 0 and not base_is_reference(self.model)),
         )
 
     def setup(self, stage: str) -> None:
@@ -297,6 +306,13 @@ class GRPOModule(GPTModule):
             self._reference_engine = TrainingEngine(self.reference_model, self.parallel_layout, self)
         return self._reference_engine
 
+    def _reference_log_probs(self, microbatches: list[dict]) -> list[torch.Tensor]:
+        """The reference's per-token log-probs: the reference model's, or (LoRA) the policy's with adapters off."""
+        if self.reference_model is None and base_is_reference(self.model):
+            with run_as_base(self.model):
+                return self._log_probs(self.engine, self.model, microbatches)
+        return self._log_probs(self._reference(), self.reference_model, microbatches)
+
     @torch.no_grad()
     def _log_probs(self, engine: TrainingEngine, model: nn.Module, microbatches: list[dict]) -> list[torch.Tensor]:
         was_training = model.training
@@ -313,11 +329,7 @@ class GRPOModule(GPTModule):
         g = self.grpo
         microbatches = split_microbatches(rollout, samples_per_microbatch)
         old = self._log_probs(self.engine, self.model, microbatches)
-        reference = (
-            self._log_probs(self._reference(), self.reference_model, microbatches)
-            if g.beta > 0
-            else [None] * len(microbatches)
-        )
+        reference = self._reference_log_probs(microbatches) if g.beta > 0 else [None] * len(microbatches)
         for mb, old_lp, ref_lp in zip(microbatches, old, reference):
             mb["old_log_probs"] = old_lp
             if ref_lp is not None:

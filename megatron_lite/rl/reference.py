@@ -1,12 +1,15 @@
-"""The frozen reference model of an RL objective (DPO, GRPO), built for the module's current layout."""
+"""The frozen reference model of an RL objective (DPO, GRPO), built for the module's current layout -- or, for a
+policy with LoRA adapters, the policy's own base with its adapters switched off (no second model in memory)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
 from megatron_lite.core.checkpoint.full.state import carry_over_state, same_layout
+from megatron_lite.core.peft import adapters_disabled, has_adapters
 
 
 def frozen_reference(
@@ -26,3 +29,22 @@ def frozen_reference(
     else:
         reference.load_state_dict(module.model.state_dict())
     return reference.requires_grad_(False).eval()
+
+
+def base_is_reference(model: Optional[nn.Module]) -> bool:
+    """Whether the policy ``model`` is its own reference: it carries LoRA adapters, so its frozen base (the adapters
+    switched off) is the policy before any step -- B starts at zero -- and stays it, as the base never trains."""
+    return has_adapters(model)
+
+
+@contextlib.contextmanager
+def run_as_base(model: nn.Module) -> Iterator[None]:
+    """Run the policy ``model`` as its frozen reference inside the block: adapters off and eval mode (as a built
+    reference is: no dropout), both restored after. Gradients are the caller's to turn off."""
+    was_training = model.training
+    model.eval()
+    try:
+        with adapters_disabled(model):
+            yield
+    finally:
+        model.train(was_training)
