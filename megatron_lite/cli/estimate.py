@@ -15,9 +15,10 @@ line per stage (``stages`` in the JSON). Under context parallelism (``context_pa
 ``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. For a
 Mixture-of-Experts model (``num_moe_experts``; the strategy's ``expert_model_parallel_size`` and
 ``expert_tensor_parallel_size``) each rank holds its experts split over EP x ETP, their optimizer state sharded over
-expert-DP, and the activations of balanced routing; FLOPs count the active (top-k) experts. With a LoRA callback in ``trainer.callbacks``
-(``megatron_lite.callbacks.LoRA``) the base is frozen: gradients and optimizer state are the adapters', and the FLOPs
-leave out the base's weight gradients. Exit code 2 on bad input, with one line that says what to change.
+expert-DP, and the activations of balanced routing; FLOPs count the active (top-k) experts. With a LoRA callback in
+``trainer.callbacks`` (``megatron_lite.callbacks.LoRA``) the base is frozen: gradients and optimizer state are the
+adapters', and the FLOPs leave out the base's weight gradients. Exit code 2 on bad input, with one line that says
+what to change.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ def _lora(trainer: dict) -> Optional[LoRAConfig]:
             try:
                 return cls(**_init_args(node)).config
             except TypeError as err:
-                raise EstimateError(f"{cls.__name__} does not take the init_args given ({err}); fix trainer.callbacks")
+                raise EstimateError(
+                    f"{cls.__name__} does not take the init_args given ({err}); fix trainer.callbacks"
+                ) from err
     return None
 
 
