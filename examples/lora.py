@@ -94,9 +94,9 @@ def sft_file(out: Path, count: int) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/lora", help="where the base model, data and tokenizer are kept")
-    p.add_argument("--base-steps", type=int, default=300, help="steps of the base model's pre-training")
-    p.add_argument("--steps", type=int, default=100, help="LoRA fine-tuning steps")
-    p.add_argument("--conversations", type=int, default=4000)
+    p.add_argument("--base-steps", type=int, default=150, help="steps of the base model's pre-training")
+    p.add_argument("--steps", type=int, default=60, help="LoRA fine-tuning steps")
+    p.add_argument("--conversations", type=int, default=2000)
     p.add_argument("--dim", type=int, default=8, help="LoRA rank")
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args()
