@@ -48,6 +48,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/post_training.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/moe.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/lora.py
 
 # The documentation site (mkdocs.yml) into build/site; --strict: a broken link or a page missing from the nav fails
 docs: $(STAMP)

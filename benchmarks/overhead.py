@@ -248,11 +248,13 @@ def run_framework(
     steps: Optional[int] = None,
     interleave_plain: bool = False,
     strategy_kwargs: Optional[dict] = None,
+    extra_callbacks: Optional[list] = None,
 ) -> dict:
     """A real Trainer + MegatronStrategy + GPTModule + MockGPTDataModule run; rank 0's measurements.
 
     ``start_method="popen"`` with one device runs in this process (no child is started). ``strategy_kwargs``:
-    further ``MegatronStrategy`` arguments (e.g. ``expert_model_parallel_size``).
+    further ``MegatronStrategy`` arguments (e.g. ``expert_model_parallel_size``); ``extra_callbacks``: more
+    Trainer callbacks, after the timer (e.g. ``LoRA``).
     """
     steps = steps or args.steps
     torch.set_num_threads(THREADS)
@@ -263,6 +265,7 @@ def run_framework(
         if interleave_plain:
             timer.paired = InterleavedPlainSteps(PlainLoop(config, opt_cfg, args, steps))
             callbacks.append(timer.paired)  # after the timer: its step runs outside the framework's window
+        callbacks += extra_callbacks or []
         _seed()
         data = MockGPTDataModule(
             seq_length=args.seq_length,

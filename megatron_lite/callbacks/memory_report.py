@@ -16,20 +16,22 @@ from megatron_lite.core.estimator.flops import training_flops_per_step
 from megatron_lite.core.estimator.memory import MemoryEstimate
 from megatron_lite.core.estimator.objective_cost import objective_cost
 from megatron_lite.core.estimator.report import format_table, memory_warning
-from megatron_lite.core.estimator.run import estimate_objective
+from megatron_lite.core.estimator.run import estimate_objective, trained_lora
 from megatron_lite.core.parallel.geometry import DataGeometry
 from megatron_lite.core.parallel.run_spec import RunSpec
 
 
 def flops_per_step(module: Any, datamodule: Any, geometry: DataGeometry, tensor_model_parallel_size: int) -> float:
     """Model FLOPs of one optimizer step of ``module`` (a GPTConfig ``config``) on a global batch of ``geometry``,
-    with what one sample costs its objective (``objective_cost``); an MoE's active experts only (the top-k)."""
+    with what one sample costs its objective (``objective_cost``); an MoE's active experts only (the top-k); a LoRA
+    fine-tune's frozen base without its weight gradients (:func:`trained_lora`)."""
     return training_flops_per_step(
         module.config,
         geometry.global_batch_size,
         geometry.seq_length,
         tensor_model_parallel_size=tensor_model_parallel_size,
         cost=objective_cost(module, datamodule),
+        lora=trained_lora(module),
     )
 
 

@@ -15,8 +15,10 @@ line per stage (``stages`` in the JSON). Under context parallelism (``context_pa
 ``cp_comm_type``) activations are those of ``seq_length / C`` tokens plus the keys/values in flight. For a
 Mixture-of-Experts model (``num_moe_experts``; the strategy's ``expert_model_parallel_size`` and
 ``expert_tensor_parallel_size``) each rank holds its experts split over EP x ETP, their optimizer state sharded over
-expert-DP, and the activations of balanced routing; FLOPs count the active (top-k) experts. Exit code 2 on bad
-input, with one line that says what to change.
+expert-DP, and the activations of balanced routing; FLOPs count the active (top-k) experts. With a LoRA callback in
+``trainer.callbacks`` (``megatron_lite.callbacks.LoRA``) the base is frozen: gradients and optimizer state are the
+adapters', and the FLOPs leave out the base's weight gradients. Exit code 2 on bad input, with one line that says
+what to change.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.geometry import DataGeometry, num_microbatches
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.run_spec import RunSpec
+from megatron_lite.core.peft.config import LoRAConfig
 
 GIB = 1024**3
 
@@ -76,6 +79,8 @@ class RunDescription:
     """What one sample costs the model's objective (sequences, extra forwards, frozen reference models)."""
     objective_name: str = "GPTModule"
     """The model's class (the objective)."""
+    lora: Optional[LoRAConfig] = None
+    """The adapters of a LoRA callback in ``trainer.callbacks`` (the base frozen); None: every parameter trains."""
 
 
 def _init_args(node: Any) -> dict:
@@ -155,6 +160,23 @@ def _objective(model: Any, config: GPTConfig, optimizer: OptimizerConfig) -> Any
         return cls(**arguments)
     except TypeError as err:
         raise EstimateError(f"{cls.__name__} does not take the arguments of model.init_args ({err}); fix them") from err
+
+
+def _lora(trainer: dict) -> Optional[LoRAConfig]:
+    """The configuration of the LoRA callback among ``trainer.callbacks`` (None without one)."""
+    from megatron_lite.callbacks.lora import LoRA
+
+    callbacks = trainer.get("callbacks") or []
+    for node in [callbacks] if isinstance(callbacks, dict) else callbacks:
+        cls = _import_class(node, "trainer.callbacks")
+        if isinstance(cls, type) and issubclass(cls, LoRA):
+            try:
+                return cls(**_init_args(node)).config
+            except TypeError as err:
+                raise EstimateError(
+                    f"{cls.__name__} does not take the init_args given ({err}); fix trainer.callbacks"
+                ) from err
+    return None
 
 
 def _vocab_size(data: dict, data_defaults: dict, model_config: dict, override: Optional[int]) -> tuple:
@@ -290,6 +312,7 @@ def describe_run(
         vocab_source=vocab_source,
         objective=cost,
         objective_name=type(objective).__name__,
+        lora=_lora(trainer),
     )
 
 
@@ -297,7 +320,9 @@ def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
     """(per-rank memory estimate, model FLOPs per step) of ``run``; ValueError naming the fix if invalid."""
     spec = run.spec
     check_run_fits_model(spec, run.config)
-    estimate = estimate_for_run(run.config, spec, run.optimizer, device_type=run.device_type, objective=run.objective)
+    estimate = estimate_for_run(
+        run.config, spec, run.optimizer, device_type=run.device_type, objective=run.objective, lora=run.lora
+    )
     assert spec.data is not None  # describe_run always reads the geometry
     flops = training_flops_per_step(
         run.config,
@@ -305,6 +330,7 @@ def estimate_run(run: RunDescription) -> tuple[MemoryEstimate, float]:
         spec.data.seq_length,
         tensor_model_parallel_size=spec.parallel.tensor_model_parallel_size,
         cost=run.objective,
+        lora=run.lora,
     )
     return estimate, flops
 

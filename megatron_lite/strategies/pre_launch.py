@@ -119,7 +119,8 @@ def _check_memory(
         else (strategy.parallel_devices[0].type if strategy.parallel_devices else "cpu")
     )
     try:
-        estimate = estimate_objective(module, run, datamodule, device_type)
+        # The Trainer's callbacks: a LoRA callback's adapters are not added to the module before its setup.
+        estimate = estimate_objective(module, run, datamodule, device_type, getattr(trainer, "callbacks", None) or ())
     except (ValueError, TypeError):
         return  # no estimate: nothing to compare (the start-up report says why)
     if estimate is not None:

@@ -40,3 +40,20 @@ def test_demo_trains_and_generates():
     assert last < first - 0.5, out
     assert "--- greedy continuation ---" in out and "ROMEO:" in out
     assert "--- sampled continuation (temperature 0.8, top-p 0.9, seed 1) ---" in out
+
+
+def test_lora_example_fine_tunes_an_imported_model_and_generates(tmp_path):
+    """examples/lora.py at small step counts: the imported base trains its adapters only, the held-out SFT loss
+    falls, and it replies with and without the adapters."""
+    out = _run(
+        "lora.py",
+        *("--out", str(tmp_path), "--base-steps", "20", "--steps", "10", "--conversations", "500"),
+        *("--new-tokens", "4"),
+    )
+    trainable, total = (
+        int(n.replace(",", "")) for n in re.search(r"trainable parameters: ([\d,]+) of ([\d,]+)", out).groups()
+    )
+    assert 0 < trainable < total / 10
+    before, after = map(float, re.search(r"held-out SFT loss: ([0-9.]+) \(base\) -> ([0-9.]+)", out).groups())
+    assert after < before
+    assert "--- with the adapters ---" in out and "--- the base alone ---" in out

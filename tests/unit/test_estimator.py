@@ -222,17 +222,27 @@ def test_weights_grads_and_optimizer_state_equal_the_bytes_after_one_step(optimi
 
 
 def _optimizer_bytes_after_a_step(
-    rank: int, world: int, shape: dict, precision: str, distributed: bool, parallel: Optional[dict] = None
+    rank: int,
+    world: int,
+    shape: dict,
+    precision: str,
+    distributed: bool,
+    parallel: Optional[dict] = None,
+    lora: Optional[dict] = None,
 ) -> dict:
     """Bytes of weights, gradients (as held at the end of a backward) and optimizer state of the real
     Megatron optimizer (masters, main-grad buffers, ZeRO-1 shards, torch optimizer state), on the layout of the
-    ParallelConfig options ``parallel`` (default: data parallelism)."""
+    ParallelConfig options ``parallel`` (default: data parallelism); with ``lora`` (LoRAConfig arguments) the model
+    gets adapters and a frozen base first, as the LoRA callback does before the optimizer exists."""
     from megatron_lite.core.optim.distributed import DistributedOptimizer
     from megatron_lite.core.optim.optimizer import MegatronOptimizer
+    from megatron_lite.core.peft import LoRAConfig, apply_lora
 
     config = GPTConfig(**shape)
     layout = ParallelLayout.build(ParallelConfig(**(parallel or {}))) if world > 1 else ParallelLayout.single()
     model = GPTModel(config, layout)
+    if lora is not None:
+        apply_lora(model, LoRAConfig(**lora), layout, seed=1)
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
     cls = DistributedOptimizer if distributed else MegatronOptimizer

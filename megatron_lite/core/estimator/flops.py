@@ -20,6 +20,10 @@ Conventions (those of Megatron-LM and of MFU):
   the reference model's forward over both, a GRPO prompt ``group_size`` sequences trained
   ``updates_per_batch`` times after the old-log-prob (and reference) forwards. GRPO's rollout generation is
   not counted (its length varies per rollout), so GRPO's MFU is a lower bound.
+* LoRA: the frozen base still runs its forward and the backward's input gradients, but no weight-gradient GEMM
+  (``4/6`` of its weight matmuls' training FLOPs; attention's backward is unchanged), and the adapters train in
+  full: ``6 x`` their parameters per token (``A [dim, in]`` and ``B [out, dim]`` of every adapted layer). That
+  autograd also skips the input gradients below the first adapter (nothing there trains) is not subtracted.
 * Activation recomputation does **not** change these numbers: model FLOPs count the work the model
   needs, not the work the hardware repeats, which is what makes MFU comparable across recompute
   settings (Megatron's "hardware FLOPs" would add one more forward of the recomputed part).
@@ -31,9 +35,11 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost
+from megatron_lite.core.estimator.parameters import parameter_shapes
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.models.moe_sizes import mlp_weights, moe_router_parameters
+from megatron_lite.core.peft.config import LoRAConfig
 
 
 @dataclass(frozen=True)
@@ -116,15 +122,30 @@ def training_flops_per_step(
     *,
     tensor_model_parallel_size: int = 1,
     cost: ObjectiveCost = ObjectiveCost(),
+    lora: Optional[LoRAConfig] = None,
 ) -> float:
     """Model FLOPs of one training step over ``global_batch_size`` samples, summed over every rank (divide
     by the number of devices for per-device FLOPs): each sample's ``cost.forwards_per_sample`` forwards of a
-    ``seq_length`` sequence (pre-training: ``3 x forward``). Recompute is not counted."""
+    ``seq_length`` sequence (pre-training: ``3 x forward``). Recompute is not counted. ``lora``: a LoRA fine-tune
+    of the frozen model (no weight gradients for the base; the adapters' FLOPs added)."""
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
     s = config.seq_length if seq_length is None else seq_length
-    per_token = forward_flops_per_token(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
-    return cost.forwards_per_sample * per_token * global_batch_size * s
+    if lora is None:
+        per_token = forward_flops_per_token(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
+        return cost.forwards_per_sample * per_token * global_batch_size * s
+    base = forward_flops_breakdown(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
+    adapters = 2.0 * lora_parameters(config, lora)  # forward, per token
+    forward = base.total + adapters
+    # backward: the attention's and the base's input gradients (2x and 1x their forward), the adapters' both
+    training = forward + 2 * base.attention + base.matmul_with_weights + 2 * adapters
+    per_sequence_token = cost.training_passes * training + cost.forward_only_passes * forward
+    return cost.sequences_per_sample * per_sequence_token * global_batch_size * s
+
+
+def lora_parameters(config: GPTConfig, lora: LoRAConfig) -> int:
+    """Parameters of the adapters ``lora`` adds to a model of ``config`` (``dim x (in + out)`` per adapted layer)."""
+    return sum(p.numel for p in parameter_shapes(config, lora=lora) if p.trainable)
 
 
 def megatron_formula_flops(

@@ -21,6 +21,10 @@ routing, since a dropless layer's expert inputs depend on the data.
 Under context parallelism every per-token tensor holds ``seq_length / C`` tokens, and the attention is the
 blockwise context-parallel kind (:mod:`megatron_lite.core.estimator.context_parallel`): what it keeps for
 backward, and the keys/values in flight and one block's scores while it runs (a transient of the forward).
+
+A LoRA fine-tune (``EstimateLayout.lora``) holds the frozen base and its adapters as weights, but gradients, gradient
+buffers, master weights and optimizer state only for the adapters (what the optimizer is built over). Activations
+are the base model's: the adapters' own (their input and ``dim``-wide hidden) are not counted.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from megatron_lite.core.estimator.precision_bytes import (
 )
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.layout import CP_COMM_TYPES, ParallelConfig
+from megatron_lite.core.peft.config import LoRAConfig
 from megatron_lite.core.precision import normalize_precision
 
 
@@ -96,6 +101,9 @@ class EstimateLayout:
     """Overrides ``KERNEL_SAVES[device_type]`` (other attention kernels, or Korthikanti's assumptions)."""
     frozen_models: int = 0
     """Frozen copies of the model's weights the objective holds while training (a DPO/GRPO reference model)."""
+    lora: Optional[LoRAConfig] = None
+    """The LoRA adapters the run trains on a frozen base (the LoRA callback's configuration); None: every
+    parameter trains."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -179,7 +187,7 @@ class EstimateLayout:
     def stage_parameter_shapes(self, config: GPTConfig, chunks: list) -> list:
         """The parameters one rank holding ``chunks`` has (TP shards, its experts split over ETP)."""
         return stage_parameter_shapes(
-            config, self.tensor_model_parallel_size, chunks, self.etp_size, self.expert_model_parallel_size
+            config, self.tensor_model_parallel_size, chunks, self.etp_size, self.expert_model_parallel_size, self.lora
         )
 
     def stage_chunks(self, config: GPTConfig, pipeline_stage: int) -> list:
@@ -194,6 +202,9 @@ class MemoryEstimate:
 
     params: int
     """Parameters of this rank's TP/PP shard of the model (before any DP sharding), its experts included."""
+    trainable_params: int
+    """Of ``params``, those that train (all but a LoRA fine-tune's frozen base): gradients and optimizer state
+    are theirs."""
     expert_params: int
     """Of ``params``, those of this rank's routed experts (``E / EP`` per MoE layer, split over ETP; 0 if dense)."""
     model_params: int
@@ -201,9 +212,9 @@ class MemoryEstimate:
     model_active_params: int
     """Parameters one token goes through (:meth:`GPTConfig.num_active_parameters`: top-k experts; FLOPs count these)."""
     weights_bytes: int
-    """Parameters as held (divided over DP under FSDP2)."""
+    """Parameters as held (divided over DP under FSDP2), frozen ones included."""
     grads_bytes: int
-    """Gradients."""
+    """Gradients (of the trainable parameters)."""
     optimizer_bytes: int
     """Optimizer state (moments and master weights) with the configured optimizer sharding."""
     optimizer_bytes_replicated: int
@@ -257,20 +268,29 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
     num_layers = sum(len(chunk.layers) for chunk in chunks)
     params = sum(p.numel for p in shapes)
     experts = sum(p.numel for p in shapes if p.is_expert)
+    # Gradients, their buffers and the optimizer's state exist for the trainable parameters only.
+    trained = [p for p in shapes if p.trainable]
+    trainable = sum(p.numel for p in trained)
+    trainable_experts = sum(p.numel for p in trained if p.is_expert)
     moments = (2 if layout.optimizer == "adam" else int(layout.sgd_momentum > 0)) * pb.moment
     # ZeRO-1 shards each flat buffer (padded to a multiple of its group) over the ranks that hold the same
     # parameters: DP x CP for the dense ones, expert-DP for the experts (their own buckets).
     dense_group, expert_group = dp * layout.context_parallel_size, layout.expert_data_parallel_size
-    shard = -(-(params - experts) // dense_group) + -(-experts // expert_group)
-    padded = -(-(params - experts) // dense_group) * dense_group + -(-experts // expert_group) * expert_group
+    dense = trainable - trainable_experts
+    shard = -(-dense // dense_group) + -(-trainable_experts // expert_group)
+    padded = -(-dense // dense_group) * dense_group + -(-trainable_experts // expert_group) * expert_group
     # ZeRO-1 keeps an fp32 master shard only beside half-precision weights (fp32 weights are their own main copy).
     main_bytes = DISTRIBUTED_MAIN_BYTES if pb.weight < 4 else 0
-    replicated, distributed = params * (pb.master + moments), shard * (main_bytes + moments)
+    replicated, distributed = trainable * (pb.master + moments), shard * (main_bytes + moments)
     unsharded = 0
     if layout.use_torch_fsdp2:  # every tensor split along dim 0 (rank 0 holds the rounded-up share)
-        held = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in shapes)
-        weights, grads = held * pb.weight, held * pb.grad
-        replicated = distributed = optimizer = held * (pb.master + moments)
+
+        def held_of(tensors: list) -> int:
+            return sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in tensors)
+
+        held, held_trained = held_of(shapes), held_of(trained)
+        weights, grads = held * pb.weight, held_trained * pb.grad
+        replicated = distributed = optimizer = held_trained * (pb.master + moments)
         if dp > 1:
             layer = sum(p.numel for p in shapes if p.name.startswith("layers.")) // max(num_layers, 1)
             root = params - layer * num_layers
@@ -278,14 +298,15 @@ def _stage_estimate(config: GPTConfig, layout: EstimateLayout, stage: int) -> Me
     elif layout.use_distributed_optimizer:
         weights, grads, optimizer = params * pb.weight, padded * DISTRIBUTED_GRAD_BYTES, distributed
     else:
-        weights, grads, optimizer = params * pb.weight, params * pb.grad, replicated
-    host = 4 * len(shapes) if layout.optimizer == "adam" else 0
+        weights, grads, optimizer = params * pb.weight, trainable * pb.grad, replicated
+    host = 4 * len(trained) if layout.optimizer == "adam" else 0
     acts = activation_breakdown(config, layout, stage)
     frozen = layout.frozen_models * params * pb.weight  # a plain copy of this rank's TP/PP shard, never DP-sharded
     total = weights + grads + optimizer + acts.peak + unsharded + frozen
     total += host if layout.device_type == "cpu" else 0
     return MemoryEstimate(
         params=params,
+        trainable_params=trainable,
         expert_params=experts,
         model_params=config.num_parameters(),
         model_active_params=config.num_active_parameters(),

@@ -1,10 +1,12 @@
 """The parameter tensors one rank holds, as ``GPTModel`` builds them: TP shards, the padded vocabulary, replicated
 norms and row-parallel biases, the layers of its pipeline stages, and in MoE layers the replicated router, this
 rank's ``E / EP`` experts split over ETP and the TP-split shared expert (what weights, gradients and optimizer state
-are counted from)."""
+are counted from). With a LoRA configuration, the adapters ``apply_lora`` adds (sharded like their layer) follow
+each adapted layer's own tensors, and every other tensor is frozen."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -12,6 +14,8 @@ from typing import Optional
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.peft.config import LoRAConfig
+from megatron_lite.core.peft.lora import is_adapter_parameter
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,8 @@ class ParamShape:
     router, which multiplies in fp32, nor the experts, cast per expert and forward: see the activations)."""
     is_expert: bool = False
     """A weight of the routed experts: replicated over expert-DP (not DP x CP), where ZeRO-1 shards its state."""
+    trainable: bool = True
+    """False for a frozen tensor (the base of a LoRA fine-tune): no gradient, no optimizer state."""
 
     @property
     def numel(self) -> int:
@@ -45,6 +51,7 @@ def parameter_shapes(
     num_layers_in_last_pipeline_stage: Optional[int] = None,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
+    lora: Optional[LoRAConfig] = None,
 ) -> list:
     """The :class:`ParamShape` of every parameter one rank of pipeline rank ``pipeline_stage`` holds, in the
     order of ``GPTModel.named_parameters()``.
@@ -53,7 +60,8 @@ def parameter_shapes(
     stages, ``V`` virtual stages per rank). The first stage holds the embedding, the last the final norm
     and the output layer; with tied embeddings the last stage keeps its own copy of the word embedding
     (Megatron's), which the output layer multiplies by. MoE layers hold ``num_moe_experts / EP`` experts, each
-    split over ``expert_tensor_parallel_size`` ranks (None: TP's).
+    split over ``expert_tensor_parallel_size`` ranks (None: TP's). ``lora``: the adapters a LoRA fine-tune adds,
+    the rest frozen.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     config.validate_parallelism(tp, pp)
@@ -69,12 +77,21 @@ def parameter_shapes(
         cut.stage_chunks(config.num_layers, pipeline_stage),
         etp=expert_tensor_parallel_size,
         ep=expert_model_parallel_size,
+        lora=lora,
     )
 
 
-def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Optional[int] = None, ep: int = 1) -> list:
+def stage_parameter_shapes(
+    config: GPTConfig,
+    tp: int,
+    chunks: list,
+    etp: Optional[int] = None,
+    ep: int = 1,
+    lora: Optional[LoRAConfig] = None,
+) -> list:
     """The parameters of the layers of ``chunks`` (and the embedding/output they carry) on one rank of TP ``tp``,
-    expert-parallel ``ep`` and expert tensor-parallel ``etp`` (None: ``tp``)."""
+    expert-parallel ``ep`` and expert tensor-parallel ``etp`` (None: ``tp``); with ``lora``, the adapters of the
+    layers it selects (trainable) and everything else frozen."""
     h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     assert (
         f is not None
@@ -98,6 +115,11 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Option
         out.append(ParamShape(f"{prefix}.weight", (rows, cols), True))
         if bias is not None:
             out.append(ParamShape(f"{prefix}.bias", bias, False))
+        if lora is not None and lora.selects(prefix):
+            # A [dim, in] and B [out, dim] of the local shard [rows, cols]: on a column layer A is whole and B split
+            # like the weight's rows; on a row layer A is split like the weight's columns and B whole.
+            out.append(ParamShape(f"{prefix}.adapter.linear_in.weight", (lora.dim, cols), True))
+            out.append(ParamShape(f"{prefix}.adapter.linear_out.weight", (rows, lora.dim), True))
 
     def mlp(prefix: str, width: int) -> None:
         # Column-parallel fc1 (SwiGLU: [gate; up]), row-parallel fc2 with a replicated bias.
@@ -147,4 +169,6 @@ def stage_parameter_shapes(config: GPTConfig, tp: int, chunks: list, etp: Option
         norm("final_layernorm")
         if not tied:
             out.append(ParamShape("output_layer.weight", (vocab // tp, h), True))
+    if lora is not None:
+        out = [dataclasses.replace(p, trainable=is_adapter_parameter(p.name)) for p in out]
     return out

@@ -75,6 +75,14 @@ def format_table(estimate: MemoryEstimate, flops_per_step: Optional[float] = Non
             if moe
             else ")"
         ),
+    ]
+    if lay.lora is not None:
+        rows.append(
+            f"  of which trainable       {estimate.trainable_params:>16,}   (LoRA dim {lay.lora.dim} on "
+            f"{', '.join(lay.lora.target_modules)}; the base is frozen: gradients and optimizer state are the "
+            f"adapters')"
+        )
+    rows += [
         f"  weights                  {format_bytes(estimate.weights_bytes):>16}",
         f"  gradients                {format_bytes(estimate.grads_bytes):>16}",
         f"  optimizer state          {format_bytes(estimate.optimizer_bytes):>16}   (without distributed optimizer "

@@ -1,15 +1,18 @@
 """The memory estimate of a run as the strategy and ``megatron-lite estimate`` describe it: a
 :class:`~megatron_lite.core.parallel.run_spec.RunSpec` (layout, data geometry, precision, FSDP2), the model, the
-optimizer settings and what a sample costs the objective."""
+optimizer settings, what a sample costs the objective and, for a LoRA fine-tune, the adapters it trains
+(:func:`trained_lora`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.estimator.memory import EstimateLayout, MemoryEstimate, estimate_memory
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.peft.config import LoRAConfig
+from megatron_lite.core.peft.lora import lora_recipe
 
 if TYPE_CHECKING:  # run_spec imports the estimator package (its precision names): only the type here
     from megatron_lite.core.parallel.run_spec import RunSpec
@@ -22,11 +25,13 @@ def estimate_for_run(
     *,
     device_type: str = "cuda",
     objective: ObjectiveCost = ObjectiveCost(),
+    lora: Optional[LoRAConfig] = None,
 ) -> MemoryEstimate:
     """Per-rank memory of training ``config`` as ``run`` lays it out (its data's geometry must be declared:
     ``run.data``). ``optimizer``: an ``OptimizerConfig`` (None: Adam without the distributed optimizer). Batch
     sizes count the data's samples; ``objective`` says how many sequences a sample is (a microbatch runs that many
-    times its samples as rows) and how many frozen copies of the model the objective holds."""
+    times its samples as rows) and how many frozen copies of the model the objective holds. ``lora``: the adapters a
+    LoRA fine-tune trains on the frozen base (gradients and optimizer state for them only)."""
     if run.data is None:
         raise ValueError(
             "the memory estimate needs the data's batch geometry (micro_batch_size, global_batch_size, "
@@ -57,17 +62,33 @@ def estimate_for_run(
         num_microbatches=run.data.num_microbatches(run.data_parallel_size),
         device_type=device_type,
         frozen_models=objective.frozen_models,
+        lora=lora,
     )
     return estimate_memory(config, layout)
 
 
+def trained_lora(module: Any, holders: Iterable[Any] = ()) -> Optional[LoRAConfig]:
+    """The LoRA configuration a run of ``module`` trains, None if it trains every parameter: the recipe its built
+    model carries, else the ``config`` of one of its objective extensions or of ``holders`` (the Trainer's
+    callbacks, before their ``setup`` added the extension) that is a :class:`LoRAConfig`."""
+    recipe = lora_recipe(getattr(module, "model", None))
+    if recipe is not None:
+        return recipe[0]
+    for holder in (*getattr(module, "objective_extensions", ()), *holders):
+        config = getattr(holder, "config", None)
+        if isinstance(config, LoRAConfig):
+            return config
+    return None
+
+
 def estimate_objective(
-    module: Any, run: "RunSpec", datamodule: Any = None, device_type: str = "cuda"
+    module: Any, run: "RunSpec", datamodule: Any = None, device_type: str = "cuda", holders: Iterable[Any] = ()
 ) -> Optional[MemoryEstimate]:
     """The estimate of training ``module`` (an :class:`EngineModule`: GPTModule and the objectives built on it) on
     ``datamodule`` as ``run`` describes it, every pipeline stage's in ``.stages``; None when they do not say
-    enough (another kind of module or model, data without a declared geometry). An estimate that cannot be made
-    raises ValueError/TypeError."""
+    enough (another kind of module or model, data without a declared geometry). A LoRA fine-tune is found by
+    :func:`trained_lora` (``holders``: the Trainer's callbacks). An estimate that cannot be made raises
+    ValueError/TypeError."""
     if not isinstance(module, EngineModule) or not isinstance(module.config, GPTConfig) or run.data is None:
         return None
     return estimate_for_run(
@@ -76,4 +97,5 @@ def estimate_objective(
         module.optimizer_config,
         device_type=device_type,
         objective=objective_cost(module, datamodule),
+        lora=trained_lora(module, holders),
     )
