@@ -78,9 +78,7 @@ def partial_grad_group(param: torch.Tensor, sequence_parallel: bool) -> Optional
     return "tp" if partial else None
 
 
-def reduce_partial_grads(
-    grads: Iterable[tuple[torch.Tensor, torch.Tensor]], layout: ParallelLayout
-) -> None:
+def reduce_partial_grads(grads: Iterable[tuple[torch.Tensor, torch.Tensor]], layout: ParallelLayout) -> None:
     """Sum each (parameter, gradient) pair's gradient over the group :func:`partial_grad_group` names (dense
     parameters over TP first, then experts' over ETP: every rank of a group issues its collectives in one order)."""
     by_group: dict[str, list[torch.Tensor]] = {"tp": [], "etp": []}

@@ -243,8 +243,8 @@ class GradBuffers:
 
     def _launch(self, bucket: Bucket, async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor]:
         """The bucket's gradients that are partial per TP rank summed over TP (an expert bucket's over ETP), then
-        its reduction over its group (DP x CP, or expert-DP); returns the launched reduction (its work when ``async_op``) and where its result
-        lands."""
+        its reduction over its group (DP x CP, or expert-DP); returns the launched reduction (its work when
+        ``async_op``) and where its result lands."""
         reduce_partial_grads(((p, bucket.view(i).view(-1)) for i, (_, p) in enumerate(bucket.params)), self.layout)
         group = bucket.group
         if self.reduction == "all_reduce":
