@@ -23,11 +23,9 @@ adapter's shapes, else one GEMM per expert).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.models.moe.experts import GroupedLinear, compute_dtype, grouped_linear, grouped_mm_refusal
@@ -35,6 +33,7 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.random import DATA_PARALLEL_RNG, RNGStatesTracker
 from megatron_lite.core.parallel.tensor_parallel import ExpertShard, TPShard, mark_parameter
 from megatron_lite.core.peft.config import LoRAConfig
+from megatron_lite.core.peft.parts import AdapterWeight, a_init_std, adapter_dropout
 
 EXPERT_RNG = "expert-lora-rng"
 """The dropout stream of expert adapters where the activation is the same on every ETP rank (fc1's input, fc2's
@@ -51,14 +50,6 @@ def add_expert_rng_streams(tracker: RNGStatesTracker, layout: ParallelLayout) ->
     seed = tracker.seeds[DATA_PARALLEL_RNG] + 1024 + 100 * layout.ep_rank
     tracker.add(EXPERT_RNG, seed)
     tracker.add(EXPERT_SPLIT_RNG, seed + 7919 * (1 + layout.etp_rank))
-
-
-class _Weight(nn.Module):
-    """Holds only ``weight`` (so the adapter's names are ``linear_in.weight``/``linear_out.weight``, NeMo's)."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
 
 
 class ExpertLoRAAdapter(nn.Module):
@@ -89,7 +80,7 @@ class ExpertLoRAAdapter(nn.Module):
         etp, rank = shard.size, shard.rank
         local, out_features, in_features = shard.global_shape
         dim, partial = config.dim, etp > 1
-        a_std = math.sqrt(2.0 / (in_features + dim)) if config.lora_A_init_method == "xavier" else 0.02
+        a_std = a_init_std(config, in_features)
         dtype, device = base.weight.dtype, base.weight.device
 
         def param(shape: tuple, init: tuple, split: Optional[TPShard], partial_grad: bool) -> nn.Parameter:
@@ -112,8 +103,8 @@ class ExpertLoRAAdapter(nn.Module):
                 False,
             )
             b = param((local, out_features, dim), ("zeros",), None, partial)
-        self.linear_in = _Weight(a)
-        self.linear_out = _Weight(b)
+        self.linear_in = AdapterWeight(a)
+        self.linear_out = AdapterWeight(b)
         self.scale = config.scale
         self.dropout = config.dropout
         self.dropout_position = config.dropout_position
@@ -140,12 +131,8 @@ class ExpertLoRAAdapter(nn.Module):
         return out
 
     def _dropout(self, x: torch.Tensor, same_on_etp_ranks: bool) -> torch.Tensor:
-        if not self.training or self.dropout == 0.0:
-            return x
-        if self.rng is None:
-            return F.dropout(x, self.dropout, training=True)
-        with self.rng.fork(EXPERT_RNG if same_on_etp_ranks else EXPERT_SPLIT_RNG, x.device):
-            return F.dropout(x, self.dropout, training=True)
+        stream = EXPERT_RNG if same_on_etp_ranks else EXPERT_SPLIT_RNG
+        return adapter_dropout(x, self.dropout, self.training, self.rng, stream)
 
     def _grouped_gemm_available(self, tokens: torch.Tensor) -> bool:
         key = (tokens.device.type, compute_dtype(tokens))

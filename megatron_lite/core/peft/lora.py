@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 from typing import Iterator, Optional
 
 import torch
@@ -53,6 +52,7 @@ from megatron_lite.core.parallel.tensor_parallel import (
 )
 from megatron_lite.core.peft.config import LINEAR_MODULES, LoRAConfig
 from megatron_lite.core.peft.expert_lora import ExpertLoRAAdapter, add_expert_rng_streams
+from megatron_lite.core.peft.parts import AdapterWeight, a_init_std, adapter_dropout
 
 ADAPTABLE = (ColumnParallelLinear, RowParallelLinear, GroupedLinear)
 """The layers LoRA adapts: the tensor-parallel linears and the MoE experts' grouped ones."""
@@ -63,14 +63,6 @@ ADAPTER = "adapter"
 LORA_RECIPE = "megatron_lite_lora"
 """The uint8 buffer on an adapted model's root holding its :class:`LoRAConfig` and seed as JSON bytes (the same on
 every rank of every layout): every state dict and checkpoint of the model carries how to rebuild its adapters."""
-
-
-class _Weight(nn.Module):
-    """A bias-free linear map holding only ``weight`` (so the adapter's names are ``linear_in.weight``, NeMo's)."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
 
 
 class LoRAAdapter(nn.Module):
@@ -97,7 +89,7 @@ class LoRAAdapter(nn.Module):
         weight_shard: Optional[TPShard] = getattr(base.weight, "tp_shard", None)
         tp, rank = layout.tp_size, layout.tp_rank
         dim, (out_features, in_features) = config.dim, (base.output_size, base.input_size)
-        a_std = math.sqrt(2.0 / (in_features + dim)) if config.lora_A_init_method == "xavier" else 0.02
+        a_std = a_init_std(config, in_features)
         dtype, device = base.weight.dtype, base.weight.device
         if self.column:
             stride = weight_shard.stride if weight_shard is not None else 1
@@ -124,8 +116,8 @@ class LoRAAdapter(nn.Module):
                 None,
                 sequence_parallel_grad=True,  # B sees this rank's tokens only under SP
             )
-        self.linear_in = _Weight(a)
-        self.linear_out = _Weight(b)
+        self.linear_in = AdapterWeight(a)
+        self.linear_out = AdapterWeight(b)
         self.scale = config.scale
         self.dropout = config.dropout
         self.dropout_position = config.dropout_position
@@ -155,12 +147,8 @@ class LoRAAdapter(nn.Module):
         return out
 
     def _dropout(self, x: torch.Tensor, replicated: bool) -> torch.Tensor:
-        if not self.training or self.dropout == 0.0:
-            return x
-        if self.rng is None:
-            return F.dropout(x, self.dropout, training=True)
-        with self.rng.fork(DATA_PARALLEL_RNG if replicated else MODEL_PARALLEL_RNG, x.device):
-            return F.dropout(x, self.dropout, training=True)
+        stream = DATA_PARALLEL_RNG if replicated else MODEL_PARALLEL_RNG
+        return adapter_dropout(x, self.dropout, self.training, self.rng, stream)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
