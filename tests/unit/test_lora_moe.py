@@ -12,9 +12,10 @@ import torch
 import megatron_lite as ml
 from megatron_lite.core.models.moe.experts import GroupedExperts
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
+from megatron_lite.core.parallel.random import model_parallel_rng_tracker
 from megatron_lite.core.parallel.tensor_parallel import full_shape, initialize_parameter, local_shard
 from megatron_lite.core.peft import LoRAConfig, adapters, adapters_disabled, apply_lora, merge_lora, restore_lora
-from megatron_lite.core.peft.expert_lora import ExpertLoRAAdapter
+from megatron_lite.core.peft.expert_lora import EXPERT_RNG, EXPERT_SPLIT_RNG, ExpertLoRAAdapter, add_expert_rng_streams
 from megatron_lite.core.peft.lora import adaptable_layer_names, adaptable_layers, check_targets
 
 
@@ -134,3 +135,19 @@ def test_a_state_dict_rebuilds_the_experts_adapters_from_its_recipe():
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval().full_logits(TOKENS), model.full_logits(TOKENS), rtol=0, atol=0)
     assert any(isinstance(adapter, ExpertLoRAAdapter) for _, adapter in adapters(fresh))
+
+
+def test_expert_dropout_streams_agree_over_etp_where_the_activation_is_replicated():
+    """fc1's input and fc2's partial output are the same on an expert's ETP ranks: their masks must be too (one
+    stream seeded alike), while slices (fc2's input, fc1's output) and other EP ranks' experts draw apart."""
+    seeds = {}
+    for ep_rank in range(2):
+        for etp_rank in range(2):
+            parallel = ParallelConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2)
+            layout = ParallelLayout(parallel, 4, ep_rank * 2 + etp_rank, coords={"ep": ep_rank, "etp": etp_rank})
+            tracker = model_parallel_rng_tracker(seed=9, tp_rank=etp_rank)
+            add_expert_rng_streams(tracker, layout)
+            seeds[ep_rank, etp_rank] = (tracker.seeds[EXPERT_RNG], tracker.seeds[EXPERT_SPLIT_RNG])
+    assert seeds[0, 0][0] == seeds[0, 1][0] and seeds[1, 0][0] == seeds[1, 1][0]
+    assert seeds[0, 0][0] != seeds[1, 0][0]
+    assert len({split for _, split in seeds.values()}) == 4
