@@ -12,7 +12,7 @@ from spawn_utils import run_ranks
 
 import megatron_lite as ml
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
-from megatron_lite.core.parallel.data_parallel import grad_is_partial_over_tp
+from megatron_lite.core.parallel.data_parallel import partial_grad_group
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.core.parallel.tensor_parallel import gather_full
@@ -73,7 +73,7 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
     for name, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g, group=layout.group("cp"))
-        if layout.tp_size > 1 and grad_is_partial_over_tp(p, sp):
+        if partial_grad_group(p, sp) == "tp":
             dist.all_reduce(g, group=layout.group("tp"))
         grads[name] = gather_full(g, getattr(p, "tp_shard", None), layout.group("tp"))
     logits = model.full_logits(mb["tokens"][:, :-1])

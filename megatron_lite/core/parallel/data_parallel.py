@@ -51,8 +51,8 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
     """Make every rank's gradients the gradients of the global-batch loss.
 
-    1. Replicated parameters whose gradient is partial per TP rank (see :func:`grad_is_partial_over_tp`)
-       get it summed over TP.
+    1. Replicated parameters whose gradient is partial per TP rank (see :func:`partial_grad_group`)
+       get it summed over TP (experts' over ETP).
     2. Dense gradients are summed over data (and context) parallel ranks, those of MoE experts over the
        expert-data-parallel ranks (the other copies of the same experts). The loss was already divided
        by the global token count, so the sum is the mean.
@@ -63,21 +63,35 @@ def finalize_model_grads(model: nn.Module, layout: ParallelLayout) -> None:
     all_reduce_coalesced(_grads(p for p in params if is_expert_parameter(p)), layout.group("edp"))
 
 
-def grad_is_partial_over_tp(param: torch.Tensor, sequence_parallel: bool) -> bool:
-    """Whether the gradient of replicated ``param`` on one TP rank is only its part, to be summed over TP:
-    under sequence parallelism for parameters that saw only this rank's slice of the sequence (norm
-    weights, row-parallel biases: ``sequence_parallel_grad``), always for weights every attention head
-    shares (this rank's heads only: ``tp_partial_grad``)."""
-    return getattr(param, "tp_partial_grad", False) or (
+def partial_grad_group(param: torch.Tensor, sequence_parallel: bool) -> Optional[str]:
+    """The layout group over which the gradient of ``param`` on one rank is only its part, to be summed: None when
+    it is whole. A replicated dense parameter's is partial over 'tp' under sequence parallelism when it saw only
+    this rank's slice of the sequence (norm weights, row-parallel biases: ``sequence_parallel_grad``), and always
+    for weights every attention head shares (this rank's heads only: ``tp_partial_grad``). An expert's replicated
+    parameter marked ``tp_partial_grad`` is partial over 'etp' (the experts' tensor-parallel group, which need not
+    be TP: fc2's bias, LoRA's adapters on the experts); the experts see whole tokens, so SP never splits theirs."""
+    if is_expert_parameter(param):
+        return "etp" if getattr(param, "tp_partial_grad", False) else None
+    partial = getattr(param, "tp_partial_grad", False) or (
         sequence_parallel and getattr(param, "sequence_parallel_grad", False)
     )
+    return "tp" if partial else None
+
+
+def reduce_partial_grads(grads: Iterable[tuple[torch.Tensor, torch.Tensor]], layout: ParallelLayout) -> None:
+    """Sum each (parameter, gradient) pair's gradient over the group :func:`partial_grad_group` names (dense
+    parameters over TP first, then experts' over ETP: every rank of a group issues its collectives in one order)."""
+    by_group: dict[str, list[torch.Tensor]] = {"tp": [], "etp": []}
+    for param, grad in grads:
+        group = partial_grad_group(param, layout.sequence_parallel)
+        if group is not None:
+            by_group[group].append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    for name, members in by_group.items():
+        all_reduce_coalesced(members, layout.group(name))
 
 
 @torch.no_grad()
 def reduce_tp_partial_grads(params: Iterable[torch.Tensor], layout: ParallelLayout) -> None:
-    """Sum over TP the gradients :func:`grad_is_partial_over_tp` names. Works on FSDP's sharded gradients
-    too: TP ranks at the same DP position hold the same shard, and the sums over TP and over DP commute."""
-    if layout.tp_size == 1:
-        return
-    grads = _grads(p for p in params if grad_is_partial_over_tp(p, layout.sequence_parallel))
-    all_reduce_coalesced([g.to_local() if hasattr(g, "to_local") else g for g in grads], layout.group("tp"))
+    """Sum over TP (an expert's over ETP) the gradients :func:`partial_grad_group` names. Works on FSDP's sharded
+    gradients too: TP ranks at the same DP position hold the same shard, and the sums over TP and over DP commute."""
+    reduce_partial_grads(((p, p.grad) for p in params if p.requires_grad and p.grad is not None), layout)

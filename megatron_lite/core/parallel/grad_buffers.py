@@ -26,7 +26,7 @@ from typing import Iterator, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.parallel.data_parallel import all_reduce_coalesced, grad_is_partial_over_tp
+from megatron_lite.core.parallel.data_parallel import reduce_partial_grads
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import _reduce_scatter_single
 from megatron_lite.core.parallel.tensor_parallel import is_expert_parameter
@@ -242,18 +242,10 @@ class GradBuffers:
         return bucket.pending[1]
 
     def _launch(self, bucket: Bucket, async_op: bool) -> tuple[Optional[dist.Work], torch.Tensor]:
-        """The bucket's gradients that are partial per TP rank summed over TP, then its reduction over its group
-        (DP x CP, or expert-DP); returns the launched reduction (its work when ``async_op``) and where its result
-        lands."""
-        if self.layout.tp_size > 1:
-            all_reduce_coalesced(
-                [
-                    bucket.view(i).view(-1)
-                    for i, (_, p) in enumerate(bucket.params)
-                    if grad_is_partial_over_tp(p, self.layout.sequence_parallel)
-                ],
-                self.layout.group("tp"),
-            )
+        """The bucket's gradients that are partial per TP rank summed over TP (an expert bucket's over ETP), then
+        its reduction over its group (DP x CP, or expert-DP); returns the launched reduction (its work when
+        ``async_op``) and where its result lands."""
+        reduce_partial_grads(((p, bucket.view(i).view(-1)) for i, (_, p) in enumerate(bucket.params)), self.layout)
         group = bucket.group
         if self.reduction == "all_reduce":
             work = None

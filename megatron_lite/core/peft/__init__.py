@@ -2,6 +2,7 @@
 ``megatron_lite.callbacks.LoRA``)."""
 
 from megatron_lite.core.peft.config import LINEAR_MODULES, LoRAConfig
+from megatron_lite.core.peft.expert_lora import ExpertLoRAAdapter
 from megatron_lite.core.peft.lora import (
     LORA_RECIPE,
     LoRAAdapter,
@@ -23,6 +24,7 @@ __all__ = [
     "restore_lora",
     "LINEAR_MODULES",
     "LoRAAdapter",
+    "ExpertLoRAAdapter",
     "LoRAConfig",
     "adapters",
     "adapters_disabled",

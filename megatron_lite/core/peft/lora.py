@@ -16,6 +16,9 @@ Only ``[tokens, dim]`` activations cross ranks. The base's parameter names do no
 layer's ``adapter`` sub-module: ``...linear_qkv.adapter.linear_in.weight`` is ``A``, ``.linear_out.weight`` ``B``,
 NeMo's names), so a base checkpoint still loads into an adapted model and the adapters' names do not depend on the
 layout. Adapters are drawn from (seed, name) like every parameter: the same at any layout.
+
+An MoE layer's experts (``...mlp.experts.linear_fc1``/``linear_fc2``, one weight per expert) get one adapter per
+expert, sharded over expert tensor parallelism: :mod:`megatron_lite.core.peft.expert_lora`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 from typing import Iterator, Optional
 
 import torch
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.moe.experts import GroupedLinear
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import (
@@ -48,6 +51,11 @@ from megatron_lite.core.parallel.tensor_parallel import (
     mark_parameter,
 )
 from megatron_lite.core.peft.config import LINEAR_MODULES, LoRAConfig
+from megatron_lite.core.peft.expert_lora import ExpertLoRAAdapter, add_expert_rng_streams
+from megatron_lite.core.peft.parts import AdapterWeight, a_init_std, adapter_dropout
+
+ADAPTABLE = (ColumnParallelLinear, RowParallelLinear, GroupedLinear)
+"""The layers LoRA adapts: the tensor-parallel linears and the MoE experts' grouped ones."""
 
 ADAPTER = "adapter"
 """The sub-module name of a layer's adapter (every adapter parameter's name holds ``.adapter.``)."""
@@ -55,14 +63,6 @@ ADAPTER = "adapter"
 LORA_RECIPE = "megatron_lite_lora"
 """The uint8 buffer on an adapted model's root holding its :class:`LoRAConfig` and seed as JSON bytes (the same on
 every rank of every layout): every state dict and checkpoint of the model carries how to rebuild its adapters."""
-
-
-class _Weight(nn.Module):
-    """A bias-free linear map holding only ``weight`` (so the adapter's names are ``linear_in.weight``, NeMo's)."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
 
 
 class LoRAAdapter(nn.Module):
@@ -89,7 +89,7 @@ class LoRAAdapter(nn.Module):
         weight_shard: Optional[TPShard] = getattr(base.weight, "tp_shard", None)
         tp, rank = layout.tp_size, layout.tp_rank
         dim, (out_features, in_features) = config.dim, (base.output_size, base.input_size)
-        a_std = math.sqrt(2.0 / (in_features + dim)) if config.lora_A_init_method == "xavier" else 0.02
+        a_std = a_init_std(config, in_features)
         dtype, device = base.weight.dtype, base.weight.device
         if self.column:
             stride = weight_shard.stride if weight_shard is not None else 1
@@ -116,8 +116,8 @@ class LoRAAdapter(nn.Module):
                 None,
                 sequence_parallel_grad=True,  # B sees this rank's tokens only under SP
             )
-        self.linear_in = _Weight(a)
-        self.linear_out = _Weight(b)
+        self.linear_in = AdapterWeight(a)
+        self.linear_out = AdapterWeight(b)
         self.scale = config.scale
         self.dropout = config.dropout
         self.dropout_position = config.dropout_position
@@ -147,12 +147,8 @@ class LoRAAdapter(nn.Module):
         return out
 
     def _dropout(self, x: torch.Tensor, replicated: bool) -> torch.Tensor:
-        if not self.training or self.dropout == 0.0:
-            return x
-        if self.rng is None:
-            return F.dropout(x, self.dropout, training=True)
-        with self.rng.fork(DATA_PARALLEL_RNG if replicated else MODEL_PARALLEL_RNG, x.device):
-            return F.dropout(x, self.dropout, training=True)
+        stream = DATA_PARALLEL_RNG if replicated else MODEL_PARALLEL_RNG
+        return adapter_dropout(x, self.dropout, self.training, self.rng, stream)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -160,10 +156,14 @@ class LoRAAdapter(nn.Module):
         return (self.linear_out.weight.float() @ self.linear_in.weight.float()) * self.scale
 
 
+Adapter = LoRAAdapter | ExpertLoRAAdapter
+"""An adapter of either kind: on a tensor-parallel linear, or on an MoE layer's experts."""
+
+
 def adaptable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(full name, layer) of every linear layer of ``model`` LoRA can adapt (by :data:`LINEAR_MODULES` name)."""
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in LINEAR_MODULES and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if name.rsplit(".", 1)[-1] in LINEAR_MODULES and isinstance(module, ADAPTABLE):
             yield name, module
 
 
@@ -175,7 +175,7 @@ def adaptable_layer_names(config: GPTConfig) -> list[str]:
     for index, is_moe in enumerate(pattern):
         layer = f"layers.{index}"
         names += [f"{layer}.self_attention.linear_qkv", f"{layer}.self_attention.linear_proj"]
-        mlps = [f"{layer}.mlp"] if not is_moe else []
+        mlps = [f"{layer}.mlp"] if not is_moe else [f"{layer}.mlp.experts"]
         if is_moe and config.moe_shared_expert_intermediate_size is not None:
             mlps.append(f"{layer}.mlp.shared_experts")
         names += [f"{mlp}.{fc}" for mlp in mlps for fc in ("linear_fc1", "linear_fc2")]
@@ -206,7 +206,12 @@ def apply_lora(model: nn.Module, config: LoRAConfig, layout: ParallelLayout, see
         names.append(name)
         if layer.adapter is not None:
             continue
-        layer.adapter = LoRAAdapter(layer, config, layout, rng)
+        if isinstance(layer, GroupedLinear):
+            if rng is not None and config.dropout > 0:
+                add_expert_rng_streams(rng, layout)
+            layer.adapter = ExpertLoRAAdapter(layer, config, layout, rng)
+        else:
+            layer.adapter = LoRAAdapter(layer, config, layout, rng)
         for param_name, param in layer.adapter.named_parameters():
             initialize_parameter(f"{name}.{ADAPTER}.{param_name}", param, seed)
     for param_name, param in model.named_parameters():
@@ -259,10 +264,10 @@ def is_adapter_parameter(name: str) -> bool:
     return f".{ADAPTER}." in f".{name}"
 
 
-def adapters(model: nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
-    """(layer name, adapter) of every adapted layer of ``model``."""
+def adapters(model: nn.Module) -> Iterator[tuple[str, Adapter]]:
+    """(layer name, adapter) of every adapted layer of ``model`` (the experts' included)."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRAAdapter):
+        if isinstance(module, (LoRAAdapter, ExpertLoRAAdapter)):
             yield name.rsplit(".", 1)[0], module
 
 
@@ -287,12 +292,13 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> list[str]:
-    """Fold every adapter into its layer's weight (``W += scale * B A``, shard by shard) and remove it: ``model`` is a
-    plain model computing what the adapted one did. Returns the merged layers' names."""
+    """Fold every adapter into its layer's weight (``W += scale * B A``, shard by shard; an MoE layer's experts'
+    ``W_e += scale * B_e A_e`` each) and remove it: ``model`` is a plain model computing what the adapted one did.
+    Returns the merged layers' names."""
     merged = []
     for name, module in list(model.named_modules()):
         adapter = getattr(module, ADAPTER, None)
-        if isinstance(adapter, LoRAAdapter):
+        if isinstance(adapter, (LoRAAdapter, ExpertLoRAAdapter)):
             weight = module.weight
             weight.add_(adapter.delta_weight().to(weight.dtype))
             module.adapter = None

@@ -32,13 +32,18 @@ if TYPE_CHECKING:  # config.py checks its MoE fields with this package: no impor
 class GroupedLinear(nn.Module):
     """One linear layer of every local expert: ``weight`` [experts, out, in], ``bias`` [experts, out] or None.
 
-    ``add_bias=False`` keeps the bias as a parameter without adding it (fc2's bias on ETP ranks other than 0)."""
+    ``add_bias=False`` keeps the bias as a parameter without adding it (fc2's bias on ETP ranks other than 0).
+    ``adapter``: a module whose output is added to the layer's (LoRA on the experts, ``megatron_lite.core.peft``),
+    called with the layer's tokens, ``tokens_per_expert`` and ``offsets``; None when the layer has none."""
+
+    adapter: Optional[nn.Module]
 
     def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], add_bias: bool = True):
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.add_bias = add_bias
+        self.register_module("adapter", None)
 
     def forward(
         self, tokens: torch.Tensor, tokens_per_expert: list[int], offsets: Optional[torch.Tensor] = None
@@ -46,6 +51,9 @@ class GroupedLinear(nn.Module):
         """``tokens`` [N, in] sorted by expert -> [N, out]; ``offsets`` (int32 cumulative token counts on the tokens'
         device) selects the grouped GEMM, None the loop."""
         out = self.linear(tokens, self.weight, tokens_per_expert, offsets)
+        adapter = self.adapter
+        if adapter is not None and getattr(adapter, "enabled", True):
+            out = out + adapter(tokens, tokens_per_expert, offsets)
         if self.bias is None or not self.add_bias:
             return out
         counts = torch.tensor(tokens_per_expert, device=tokens.device)
@@ -60,17 +68,26 @@ class GroupedLinear(nn.Module):
     ) -> torch.Tensor:
         """The rank-local GEMM of every expert (no bias): where quantization wraps the layer, as
         ``_LocalGemm.linear`` of the dense layers."""
-        if offsets is None:
-            pieces = tokens.split(tokens_per_expert)
-            return torch.cat([F.linear(piece, w) for w, piece in zip(weight.unbind(0), pieces)])
-        # grouped_mm has no autocast rule: cast as F.linear would under autocast, or it mixes dtypes and fails
-        dtype = _compute_dtype(tokens)
-        out = F.grouped_mm(
-            _aligned(tokens.to(dtype)), weight.to(dtype).transpose(-2, -1), offs=offsets
-        )  # weight [E, out, in] seen as [E, in, out]: 16-byte aligned when ``in`` is
-        if out.requires_grad:  # its backward takes the gradient only as it takes operands (an expanded one is not)
-            out.register_hook(_aligned)
-        return out
+        return grouped_linear(tokens, weight, tokens_per_expert, offsets)
+
+
+def grouped_linear(
+    tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int], offsets: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``tokens`` [N, in] sorted by expert times each expert's ``weight`` [experts, out, in] -> [N, out]: one
+    ``grouped_mm`` when ``offsets`` (int32 cumulative token counts on the tokens' device) is given, else one
+    ``F.linear`` per expert over its ``tokens_per_expert`` rows."""
+    if offsets is None:
+        pieces = tokens.split(tokens_per_expert)
+        return torch.cat([F.linear(piece, w) for w, piece in zip(weight.unbind(0), pieces)])
+    # grouped_mm has no autocast rule: cast as F.linear would under autocast, or it mixes dtypes and fails
+    dtype = compute_dtype(tokens)
+    out = F.grouped_mm(
+        _aligned(tokens.to(dtype)), weight.to(dtype).transpose(-2, -1), offs=offsets
+    )  # weight [E, out, in] seen as [E, in, out]: 16-byte aligned when ``in`` is
+    if out.requires_grad:  # its backward takes the gradient only as it takes operands (an expanded one is not)
+        out.register_hook(_aligned)
+    return out
 
 
 class GroupedExperts(nn.Module):
@@ -121,7 +138,7 @@ class GroupedExperts(nn.Module):
                 (local, hidden, ffn // etp), ("normal", output_init_std), etp_shard(2, 1, (local, hidden, ffn))
             ),
             # whole on every ETP rank but added on rank 0 only (the caller sums the partial outputs): its gradient
-            # is rank 0's, summed over the ETP group (= the TP group: ETP must equal TP for biases) by the reduction
+            # is rank 0's, summed over the ETP group by the reduction (``partial_grad_group``)
             expert_param((local, hidden), ("zeros",), None, partial=etp > 1) if bias else None,
             add_bias=layout.etp_rank == 0,
         )
@@ -149,7 +166,7 @@ class GroupedExperts(nn.Module):
         return self.linear_fc2(hidden, tokens_per_expert, offsets)
 
     def _grouped_gemm_available(self, tokens: torch.Tensor) -> bool:
-        key = (tokens.device.type, _compute_dtype(tokens))
+        key = (tokens.device.type, compute_dtype(tokens))
         if key not in self._grouped_gemm_runs:
             shapes = [tuple(self.linear_fc1.weight.shape[1:]), tuple(self.linear_fc2.weight.shape[1:])]
             refusal = grouped_mm_refusal(tokens.device, key[1], shapes)
@@ -183,7 +200,8 @@ def grouped_mm_refusal(device: torch.device, dtype: torch.dtype, weight_shapes: 
     return None
 
 
-def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+def compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' GEMMs of ``tokens`` run in: autocast's where it is on, else the tokens'."""
     device = tokens.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
 
