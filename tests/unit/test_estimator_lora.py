@@ -178,3 +178,20 @@ def test_estimate_command_reads_the_lora_callback_from_the_yaml(tmp_path, capsys
     path.write_text(yaml.safe_dump(raw))
     assert main(["--config", str(path)]) == 2
     assert "LoRA does not take the init_args given" in capsys.readouterr().err
+
+
+def test_an_moe_models_expert_adapters_are_estimated_as_built_and_counted_active_in_flops():
+    """The experts' adapters ([experts, dim, in] and [experts, out, dim]) are in the estimate as ``apply_lora`` builds
+    them (the shared expert's too); per token only the routed experts' adapters count in the FLOPs."""
+    config = GPTConfig(
+        **dict(SHAPE, num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=32, ffn_hidden_size=48)
+    )
+    cfg = LoRAConfig(**LORA)
+    model = GPTModel(config)
+    apply_lora(model, cfg, model.layout, seed=1)
+    expected = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    assert [(p.name, p.shape, p.trainable) for p in parameter_shapes(config, lora=cfg)] == expected
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts.linear_fc" in n and ".adapter." in n)
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert experts > 0 and lora_parameters(config, cfg) == total
+    assert lora_parameters(config, cfg, active=True) == total - experts + experts * 2 // 4

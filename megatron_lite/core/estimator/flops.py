@@ -135,7 +135,7 @@ def training_flops_per_step(
         per_token = forward_flops_per_token(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
         return cost.forwards_per_sample * per_token * global_batch_size * s
     base = forward_flops_breakdown(config, s, tensor_model_parallel_size=tensor_model_parallel_size)
-    adapters = 2.0 * lora_parameters(config, lora)  # forward, per token
+    adapters = 2.0 * lora_parameters(config, lora, active=True)  # forward, per token
     forward = base.total + adapters
     # backward: the attention's and the base's input gradients (2x and 1x their forward), the adapters' both
     training = forward + 2 * base.attention + base.matmul_with_weights + 2 * adapters
@@ -143,9 +143,15 @@ def training_flops_per_step(
     return cost.sequences_per_sample * per_sequence_token * global_batch_size * s
 
 
-def lora_parameters(config: GPTConfig, lora: LoRAConfig) -> int:
-    """Parameters of the adapters ``lora`` adds to a model of ``config`` (``dim x (in + out)`` per adapted layer)."""
-    return sum(p.numel for p in parameter_shapes(config, lora=lora) if p.trainable)
+def lora_parameters(config: GPTConfig, lora: LoRAConfig, active: bool = False) -> int:
+    """Parameters of the adapters ``lora`` adds to a model of ``config`` (``dim x (in + out)`` per adapted layer);
+    ``active``: those one token runs through (of an MoE layer's expert adapters, its ``moe_router_topk`` experts')."""
+    total = 0
+    for p in parameter_shapes(config, lora=lora):
+        if p.trainable:
+            experts = config.num_moe_experts if p.is_expert and active else None
+            total += p.numel * config.moe_router_topk // experts if experts else p.numel
+    return total
 
 
 def megatron_formula_flops(

@@ -139,6 +139,13 @@ def stage_parameter_shapes(
             out.append(ParamShape(f"{prefix}.experts.{name}.weight", shape, False, is_expert=True))
             if bias:
                 out.append(ParamShape(f"{prefix}.experts.{name}.bias", bias_shape, False, is_expert=True))
+            if lora is not None and lora.selects(f"{prefix}.experts.{name}"):
+                # per expert, as on a dense layer: A [E, dim, in] whole over ETP on fc1, split like fc2's columns; B
+                # [E, out, dim] split like fc1's rows, whole on fc2
+                experts, rows, cols = shape
+                adapter = f"{prefix}.experts.{name}.adapter"
+                out.append(ParamShape(f"{adapter}.linear_in.weight", (experts, lora.dim, cols), True, is_expert=True))
+                out.append(ParamShape(f"{adapter}.linear_out.weight", (experts, rows, lora.dim), True, is_expert=True))
         if config.moe_shared_expert_intermediate_size is not None:
             if config.moe_shared_expert_gate:  # the module's own parameter comes before its submodules'
                 out.append(ParamShape(f"{prefix}.shared_experts.gate_weight", (1, h), True))
