@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core.checkpoint.checkpointer import LAYOUT_RECORD, layout_record
+from megatron_lite.core.checkpoint.fingerprint import WeightsSource, changed_source, weights_source
 from megatron_lite.core.checkpoint.format.sharded import EMBEDDED_FILES, save_sharded
 from megatron_lite.core.checkpoint.full.reader import (
     is_checkpoint_directory,
@@ -43,6 +44,7 @@ from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import full_shape
 from megatron_lite.core.peft import restore_lora
+from megatron_lite.core.peft.adapter_checkpoint import recorded_base, without_base
 from megatron_lite.tokenizers.build import TOKENIZER_KEY, portable_tokenizer_spec, tokenizer_spec
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")
@@ -70,7 +72,10 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
     return dataclasses.replace(config, **overrides)
 
 
-def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, strict: bool, config: GPTConfig) -> None:
+def _load_checkpoint_weights(
+    model: nn.Module, path: Path, vocab_size: int, strict: bool, config: GPTConfig, base_loaded: bool = False
+) -> None:
+    # base_loaded: ``model`` holds the base an adapter-only checkpoint leaves out (its parameters are not missing)
     # A speculative-decoding draft head trained with the model is no part of it (load_draft_head reads it)
     saved = {n: t for n, t in read_model_tensors(path).items() if not n.startswith(DRAFT_HEAD_ATTRIBUTE + ".")}
     if QUANTIZATION_RECIPE in saved:  # a quantized model's checkpoint: its quantizers first, then their tensors
@@ -81,6 +86,8 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
     # parameters, and the persistent buffers a checkpoint holds too (a quantized model's amax and scales)
     params = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
     mismatch = compare_entries(params, saved)
+    if base_loaded:
+        mismatch = without_base(mismatch, model)
     if mismatch and strict:
         differ = config_difference(read_meta_plain(path), config)
         raise ValueError(
@@ -102,7 +109,27 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
         shape = full_shape(params[name], padded=True)
         # A fused block seen as its own dimension ([2, ffn, h]) is the flat parameter's memory: reshape it back.
         full[name] = tensor.reshape(shape) if tensor.numel() == torch.Size(shape).numel() else tensor
-    load_full_state(model, full, vocab_size=vocab_size, strict=strict)
+    load_full_state(model, full, vocab_size=vocab_size, strict=strict and not base_loaded)
+
+
+def _load_adapted(cls: type, path: Path, recorded: WeightsSource, base: Optional[str | os.PathLike], **kwargs: Any):
+    """The module of an adapter-only LoRA checkpoint: its base (``base``, else where the checkpoint records it),
+    checked against the recorded hash, with the checkpoint's adapters on it."""
+    where = Path(base) if base is not None else Path(recorded.path)
+    reason = changed_source(recorded, where)
+    if reason:
+        raise ValueError(
+            f"{path} holds LoRA adapters only, trained on the base {recorded.path}, but {reason}: pass the base "
+            f"they were trained on as GPTModule.from_pretrained({str(path)!r}, base=<that model's directory>)"
+        )
+    hparams = read_checkpoint_hparams(path)
+    config = _config_with(hparams["config"], kwargs.pop("overrides"))
+    kwargs["optimizer"] = kwargs["optimizer"] or hparams.get("optimizer")
+    kwargs["seed"] = kwargs["seed"] if kwargs["seed"] is not None else hparams.get("seed", 1234)
+    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(GPTConfig)}
+    module = load_pretrained(cls, where, **kwargs, **fields)  # the base, in the configuration the adapters trained in
+    _load_checkpoint_weights(module.model, path, config.vocab_size, kwargs["strict"], config, base_loaded=True)
+    return module
 
 
 def load_pretrained(
@@ -111,11 +138,18 @@ def load_pretrained(
     optimizer: Optional[OptimizerConfig] = None,
     seed: Optional[int] = None,
     strict: bool = True,
+    base: Optional[str | os.PathLike] = None,
     **overrides: Any,
 ):
     """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
     checkpoints) in a one-process model, in eval mode. See :meth:`GPTModule.from_pretrained`."""
     path = Path(path)
+    recorded = recorded_base(read_meta_plain(path)) if is_checkpoint_directory(path) else None
+    if recorded is not None:
+        kwargs = dict(optimizer=optimizer, seed=seed, strict=strict, overrides=overrides)
+        return _load_adapted(cls, path, recorded, base, **kwargs)
+    if base is not None:
+        raise ValueError(f"base= names the base of an adapter-only LoRA checkpoint; {path} is not one")
     if is_checkpoint_directory(path):
         hparams = read_checkpoint_hparams(path)
         config = _config_with(hparams["config"], overrides)
@@ -145,6 +179,7 @@ def load_pretrained(
             f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
             f"megatron-lite checkpoint (DCP .metadata)"
         )
+    module.pretrained_source = weights_source(path)  # a LoRA run on this base then saves only its adapters
     module.model.eval()
     return module
 
