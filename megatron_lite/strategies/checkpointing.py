@@ -192,10 +192,10 @@ class StrategyCheckpoints:
         meta = read_meta_plain(path)
         if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
             raise ValueError(weights_only_message(path))
+        self._restore_adapters(module, path, fitting)
         base = recorded_base(meta)
         if base is not None:
             check_base(base, getattr(module, "pretrained_source", None), path)
-        self._restore_adapters(module, path, fitting)
         try:
             loaded = self.checkpointer().load(
                 path,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from parity_utils import run, tiny_config
 
 import megatron_lite as ml
 from megatron_lite.callbacks import LoRA
+from megatron_lite.cli.convert import to_hf
+from megatron_lite.core.checkpoint.fingerprint import WeightsSource, weights_hash
 from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys, read_checkpoint_meta
 from megatron_lite.core.checkpoint.full.state import load_full_state
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -34,7 +37,9 @@ from megatron_lite.core.peft.lora import LORA_RECIPE
 from megatron_lite.data import MockGPTDataModule
 from megatron_lite.pretrained import save_weights_checkpoint
 
-CONFIG = tiny_config(num_layers=2, hidden_size=128, seq_length=16, vocab_size=1000, activation="swiglu")
+CONFIG = tiny_config(
+    num_layers=2, hidden_size=128, seq_length=16, vocab_size=1000, activation="swiglu", normalization="RMSNorm"
+)
 SAVE_AT, STEPS = 2, 4
 
 pytestmark = pytest.mark.xdist_group("lora_checkpoint")
@@ -113,7 +118,16 @@ def test_adapter_only_checkpoint_holds_the_adapters_and_names_the_base(base, one
     assert meta[BASE_RECORD]["path"] == str(base.absolute()) and len(meta[BASE_RECORD]["sha256"]) == 64
 
     # The same run on a base of unknown origin (built in this process): a full checkpoint, said once, still resumed
-    full = _fit(tmp_path / "full", ml.GPTModule(CONFIG, optimizer=_optimizer(), seed=5))
+    handler = logging.FileHandler(tmp_path / "log.txt")  # the forked ranks inherit it
+    logger = logging.getLogger("lightning.pytorch")  # where rank_zero_info logs (it does not propagate further)
+    logger.addHandler(handler)
+    try:
+        full = _fit(tmp_path / "full", ml.GPTModule(CONFIG, optimizer=_optimizer(), seed=5))
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    notes = [line for line in (tmp_path / "log.txt").read_text().splitlines() if "has no recorded source" in line]
+    assert len(notes) == 1 and "full checkpoints" in notes[0], notes  # one line, once per run (two saves)
     full_meta = read_checkpoint_meta(full["checkpoint"])
     assert BASE_RECORD not in full_meta
     assert "model.model.embedding.weight" in checkpoint_keys(full["checkpoint"])
@@ -136,6 +150,58 @@ def test_resume_at_tp2_is_exact_and_continues_in_one_process(base, tmp_path):
     other = _fit(tmp_path / "one_resumed", _from_base(base), ckpt_path=tp2["checkpoint"])
     assert other["global_step"] == STEPS
     torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(tp2["losses"][SAVE_AT:]), rtol=0.05, atol=0)
+
+
+def test_resume_is_refused_without_the_same_adapters(base, one_process, tmp_path):
+    # other targets: the base's entries come from the module, but the adapters must be exactly the checkpoint's
+    lora = LoRA(dim=2, alpha=4, dropout=0.1, target_modules=["linear_qkv"])
+    with pytest.raises(
+        ValueError, match=r"does not fit GPTModule's model: unexpected 12 entries \(.*linear_fc1\.adapter"
+    ):
+        run(
+            tmp_path / "other",
+            module=_from_base(base),
+            config=CONFIG,
+            steps=STEPS,
+            gbs=4,
+            mbs=2,
+            optimizer=_optimizer(),
+            callbacks=[lora],
+            ckpt_path=str(one_process["checkpoint"]),
+        )
+    with pytest.raises(ValueError, match="is a LoRA run's checkpoint, but the module's model has no adapters"):
+        run(
+            tmp_path / "none",
+            module=_from_base(base),
+            config=CONFIG,
+            steps=STEPS,
+            gbs=4,
+            mbs=2,
+            optimizer=_optimizer(),
+            ckpt_path=str(one_process["checkpoint"]),
+        )
+
+
+def test_a_hugging_face_base_is_fingerprinted_by_its_weight_files(base, one_process, tmp_path):
+    hf = Path(to_hf(str(base), str(tmp_path / "hf")).split(":")[0].removeprefix("wrote "))
+    module = ml.GPTModule.from_pretrained(hf, optimizer=_optimizer(), seed=5)  # the seed of `base`'s runs
+    assert module.pretrained_source == WeightsSource(str(hf.absolute()), weights_hash(hf))
+    # the same weights as `base`: the same training, its checkpoint naming the HF directory
+    last = _fit(tmp_path / "run", module)["checkpoint"].parent / f"epoch=0-step={STEPS}.ckpt"
+    assert read_checkpoint_meta(last)[BASE_RECORD]["path"] == str(hf.absolute())
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_length), generator=torch.Generator().manual_seed(0))
+    expected = ml.GPTModule.from_pretrained(one_process["checkpoint"].parent / f"epoch=0-step={STEPS}.ckpt")
+    torch.testing.assert_close(
+        ml.GPTModule.from_pretrained(last).full_logits(tokens), expected.full_logits(tokens), rtol=1e-5, atol=1e-6
+    )
+    (hf / "config.json").write_text((hf / "config.json").read_text() + " ")  # not a weight: the same base
+    assert weights_hash(hf) == module.pretrained_source.sha256
+    weights = next(hf.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="are not the ones recorded"):
+        ml.GPTModule.from_pretrained(last)
 
 
 def test_a_different_base_is_refused(base, tmp_path):
