@@ -20,6 +20,7 @@ import lightning
 import torch
 from torch import nn
 
+from megatron_lite.core.checkpoint.adapter_only import recorded_base, without_base
 from megatron_lite.core.checkpoint.checkpointer import LAYOUT_RECORD, layout_record
 from megatron_lite.core.checkpoint.fingerprint import WeightsSource, changed_source, weights_source
 from megatron_lite.core.checkpoint.format.sharded import EMBEDDED_FILES, save_sharded
@@ -44,7 +45,6 @@ from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import full_shape
 from megatron_lite.core.peft import restore_lora
-from megatron_lite.core.peft.adapter_checkpoint import recorded_base, without_base
 from megatron_lite.tokenizers.build import TOKENIZER_KEY, portable_tokenizer_spec, tokenizer_spec
 
 _VOCAB_PARAMS = ("embedding.weight", "output_layer.weight")

@@ -19,6 +19,13 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from megatron_lite.core.checkpoint.adapter_only import (
+    BASE_RECORD,
+    adapter_only_state,
+    base_entries,
+    check_base,
+    recorded_base,
+)
 from megatron_lite.core.checkpoint.checkpointer import Checkpointer
 from megatron_lite.core.checkpoint.errors import EntryMismatchError
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
@@ -28,13 +35,6 @@ from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, read_model_t
 from megatron_lite.core.checkpoint.resume.entries import MODEL_STATE, holds_training_state, read_meta_plain
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.peft.adapter_checkpoint import (
-    BASE_RECORD,
-    adapter_only_state,
-    base_entries,
-    check_base,
-    recorded_base,
-)
 from megatron_lite.core.peft.lora import LORA_RECIPE, has_adapters, lora_recipe, restore_lora
 from megatron_lite.strategies._lightning_private import _distributed_is_initialized, attached_trainer
 from megatron_lite.strategies.auto_resume import AutoResume, resume_checkpoint

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from megatron_lite.core.checkpoint.adapter_only import check_base, recorded_base, without_base
 from megatron_lite.core.checkpoint.resume.entries import (
     EntryMismatch,
     certain_mismatch,
@@ -23,7 +24,6 @@ from megatron_lite.core.checkpoint.resume.entries import (
     read_meta_plain,
 )
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.peft.adapter_checkpoint import check_base, recorded_base, without_base
 
 # ckpt_path values that Lightning resolves itself (a checkpoint callback's file, the HPC path, a model registry)
 _SYMBOLIC = ("last", "best", "hpc")

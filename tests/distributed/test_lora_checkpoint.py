@@ -27,12 +27,12 @@ from parity_utils import run, tiny_config
 import megatron_lite as ml
 from megatron_lite.callbacks import LoRA
 from megatron_lite.cli.convert import to_hf
+from megatron_lite.core.checkpoint.adapter_only import BASE_RECORD
 from megatron_lite.core.checkpoint.fingerprint import WeightsSource, weights_hash
 from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys, read_checkpoint_meta
 from megatron_lite.core.checkpoint.full.state import load_full_state
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft import adapters_disabled, apply_lora
-from megatron_lite.core.peft.adapter_checkpoint import BASE_RECORD
 from megatron_lite.core.peft.lora import LORA_RECIPE
 from megatron_lite.data import MockGPTDataModule
 from megatron_lite.pretrained import save_weights_checkpoint

@@ -1,7 +1,7 @@
 """Where a model's weights came from: a directory's path and a hash of its contents.
 
 ``GPTModule.from_pretrained(path)`` records the :class:`WeightsSource` of what it loaded, and a LoRA run's
-checkpoint records it instead of the frozen base it did not save (:mod:`megatron_lite.core.peft.adapter_checkpoint`):
+checkpoint records it instead of the frozen base it did not save (:mod:`megatron_lite.core.checkpoint.adapter_only`):
 whoever loads that checkpoint finds the base again and can tell whether it is still the same.
 
 The hash is cheap and deterministic: for one of our checkpoints, SHA-256 over its ``manifest.json``'s records (every
