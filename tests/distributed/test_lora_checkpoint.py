@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -59,7 +60,8 @@ def _write_base(path: Path, seed: int) -> Path:
     return save_weights_checkpoint(module, path)
 
 
-def _fit(out: Path, module: ml.GPTModule, ckpt_path=None, **layout) -> dict:
+def _fit(out: Path, module: ml.GPTModule, ckpt_path=None, adapters: Optional[list] = None, **layout) -> dict:
+    """Train ``module`` with ``adapters`` (default: :func:`_lora`'s), saving every SAVE_AT steps."""
     L.seed_everything(42)
     checkpoints = ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=SAVE_AT, save_top_k=-1)
     result = run(
@@ -70,12 +72,16 @@ def _fit(out: Path, module: ml.GPTModule, ckpt_path=None, **layout) -> dict:
         gbs=4,
         mbs=2,
         optimizer=_optimizer(),
-        callbacks=[_lora(), checkpoints],
+        callbacks=[*(adapters if adapters is not None else [_lora()]), checkpoints],
         ckpt_path=ckpt_path,
         **layout,
     )
     result["checkpoint"] = out / "ckpts" / f"epoch=0-step={SAVE_AT}.ckpt"
     return result
+
+
+def _data() -> MockGPTDataModule:
+    return MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=1000, seed=7)
 
 
 def _from_base(base: Path) -> ml.GPTModule:
@@ -154,32 +160,12 @@ def test_resume_at_tp2_is_exact_and_continues_in_one_process(base, tmp_path):
 
 def test_resume_is_refused_without_the_same_adapters(base, one_process, tmp_path):
     # other targets: the base's entries come from the module, but the adapters must be exactly the checkpoint's
-    lora = LoRA(dim=2, alpha=4, dropout=0.1, target_modules=["linear_qkv"])
-    with pytest.raises(
-        ValueError, match=r"does not fit GPTModule's model: unexpected 12 entries \(.*linear_fc1\.adapter"
-    ):
-        run(
-            tmp_path / "other",
-            module=_from_base(base),
-            config=CONFIG,
-            steps=STEPS,
-            gbs=4,
-            mbs=2,
-            optimizer=_optimizer(),
-            callbacks=[lora],
-            ckpt_path=str(one_process["checkpoint"]),
-        )
+    other = LoRA(dim=2, alpha=4, dropout=0.1, target_modules=["linear_qkv"])
+    checkpoint = one_process["checkpoint"]
+    with pytest.raises(ValueError, match=r"does not fit GPTModule's model: unexpected 12 entries \(.*fc1\.adapter"):
+        _fit(tmp_path / "other", _from_base(base), ckpt_path=checkpoint, adapters=[other])
     with pytest.raises(ValueError, match="is a LoRA run's checkpoint, but the module's model has no adapters"):
-        run(
-            tmp_path / "none",
-            module=_from_base(base),
-            config=CONFIG,
-            steps=STEPS,
-            gbs=4,
-            mbs=2,
-            optimizer=_optimizer(),
-            ckpt_path=str(one_process["checkpoint"]),
-        )
+        _fit(tmp_path / "none", _from_base(base), ckpt_path=checkpoint, adapters=[])
 
 
 def test_a_hugging_face_base_is_fingerprinted_by_its_weight_files(base, one_process, tmp_path):
@@ -220,9 +206,8 @@ def test_a_different_base_is_refused(base, tmp_path):
         logger=False,
         enable_checkpointing=False,
     )
-    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=1000, seed=7)
     with pytest.raises(ValueError, match="a different base") as refused:
-        trainer.fit(_from_base(trained_on), data, ckpt_path=str(lora))  # in this process: before any rank starts
+        trainer.fit(_from_base(trained_on), _data(), ckpt_path=str(lora))  # in this process: before any rank starts
     message = str(refused.value)
     assert f"from_pretrained({str(trained_on.absolute())!r})" in message and "\n" not in message
 
@@ -252,13 +237,11 @@ def test_from_pretrained_and_validate_give_the_trained_model(base, one_process):
     with adapters_disabled(adapted.model):
         assert not torch.allclose(adapted.full_logits(tokens), expected)  # the adapters matter
 
-    data = MockGPTDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=1000, seed=7)
-
     def validate(module, ckpt_path=None) -> float:
         trainer = L.Trainer(
             strategy=ml.MegatronStrategy(), accelerator="cpu", devices=1, limit_val_batches=2, logger=False
         )
-        return trainer.validate(module, data, ckpt_path=ckpt_path, verbose=False)[0]["val/loss"]
+        return trainer.validate(module, _data(), ckpt_path=ckpt_path, verbose=False)[0]["val/loss"]
 
     # a module of the same base without the LoRA callback: the adapters are rebuilt from the checkpoint's recipe
     assert validate(_from_base(base), ckpt_path=str(last)) == validate(adapted)
