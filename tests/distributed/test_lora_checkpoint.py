@@ -54,6 +54,16 @@ def _lora() -> LoRA:
     return LoRA(dim=2, alpha=4, dropout=0.1, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
+class _Started(L.Callback):
+    """Leaves a file when a rank sets up."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.marker.touch()
+
+
 def _write_base(path: Path, seed: int) -> Path:
     module = ml.GPTModule(CONFIG, seed=seed)
     module.configure_model()
@@ -202,12 +212,13 @@ def test_a_different_base_is_refused(base, tmp_path):
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        callbacks=[_lora()],
+        callbacks=[_lora(), _Started(tmp_path / "started")],
         logger=False,
         enable_checkpointing=False,
     )
     with pytest.raises(ValueError, match="a different base") as refused:
-        trainer.fit(_from_base(trained_on), _data(), ckpt_path=str(lora))  # in this process: before any rank starts
+        trainer.fit(_from_base(trained_on), _data(), ckpt_path=str(lora))
+    assert not (tmp_path / "started").exists()  # refused in this process, before any rank started
     message = str(refused.value)
     assert f"from_pretrained({str(trained_on.absolute())!r})" in message and "\n" not in message
 
