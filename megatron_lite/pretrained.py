@@ -112,7 +112,16 @@ def _load_checkpoint_weights(
     load_full_state(model, full, vocab_size=vocab_size, strict=strict and not base_loaded)
 
 
-def _load_adapted(cls: type, path: Path, recorded: WeightsSource, base: Optional[str | os.PathLike], **kwargs: Any):
+def _load_adapted(
+    cls: type,
+    path: Path,
+    recorded: WeightsSource,
+    base: Optional[str | os.PathLike],
+    optimizer: Optional[OptimizerConfig],
+    seed: Optional[int],
+    strict: bool,
+    overrides: dict[str, Any],
+):
     """The module of an adapter-only LoRA checkpoint: its base (``base``, else where the checkpoint records it),
     checked against the recorded hash, with the checkpoint's adapters on it."""
     where = Path(base) if base is not None else Path(recorded.path)
@@ -123,12 +132,17 @@ def _load_adapted(cls: type, path: Path, recorded: WeightsSource, base: Optional
             f"they were trained on as GPTModule.from_pretrained({str(path)!r}, base=<that model's directory>)"
         )
     hparams = read_checkpoint_hparams(path)
-    config = _config_with(hparams["config"], kwargs.pop("overrides"))
-    kwargs["optimizer"] = kwargs["optimizer"] or hparams.get("optimizer")
-    kwargs["seed"] = kwargs["seed"] if kwargs["seed"] is not None else hparams.get("seed", 1234)
+    config = _config_with(hparams["config"], overrides)
     fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(GPTConfig)}
-    module = load_pretrained(cls, where, **kwargs, **fields)  # the base, in the configuration the adapters trained in
-    _load_checkpoint_weights(module.model, path, config.vocab_size, kwargs["strict"], config, base_loaded=True)
+    module = load_pretrained(  # the base, in the configuration the adapters were trained in
+        cls,
+        where,
+        optimizer=optimizer or hparams.get("optimizer"),
+        seed=seed if seed is not None else hparams.get("seed", 1234),
+        strict=strict,
+        **fields,
+    )
+    _load_checkpoint_weights(module.model, path, config.vocab_size, strict, config, base_loaded=True)
     return module
 
 
@@ -146,8 +160,7 @@ def load_pretrained(
     path = Path(path)
     recorded = recorded_base(read_meta_plain(path)) if is_checkpoint_directory(path) else None
     if recorded is not None:
-        kwargs = dict(optimizer=optimizer, seed=seed, strict=strict, overrides=overrides)
-        return _load_adapted(cls, path, recorded, base, **kwargs)
+        return _load_adapted(cls, path, recorded, base, optimizer, seed, strict, overrides)
     if base is not None:
         raise ValueError(f"base= names the base of an adapter-only LoRA checkpoint; {path} is not one")
     if is_checkpoint_directory(path):

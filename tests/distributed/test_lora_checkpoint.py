@@ -176,6 +176,9 @@ def test_resume_is_refused_without_the_same_adapters(base, one_process, tmp_path
         _fit(tmp_path / "other", _from_base(base), ckpt_path=checkpoint, adapters=[other])
     with pytest.raises(ValueError, match="is a LoRA run's checkpoint, but the module's model has no adapters"):
         _fit(tmp_path / "none", _from_base(base), ckpt_path=checkpoint, adapters=[])
+    # a module whose base is of unknown origin cannot be the recorded base
+    with pytest.raises(ValueError, match=r"the module's base has no recorded source .*from_pretrained\("):
+        _fit(tmp_path / "unknown", ml.GPTModule(CONFIG, optimizer=_optimizer(), seed=5), ckpt_path=checkpoint)
 
 
 def test_a_hugging_face_base_is_fingerprinted_by_its_weight_files(base, one_process, tmp_path):
