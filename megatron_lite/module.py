@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
+from megatron_lite.core.checkpoint.fingerprint import WeightsSource
 from megatron_lite.core.checkpoint.full.state import carry_over_state, load_full_state, same_layout
 from megatron_lite.core.checkpoint.resume.entries import QUANTIZATION_RECIPE
 from megatron_lite.core.engine import TrainingEngine
@@ -42,7 +43,7 @@ from megatron_lite.core.parallel.schedules import (
     masked_token_loss,
     split_microbatches,
 )
-from megatron_lite.core.peft import carry_adapters, restore_lora
+from megatron_lite.core.peft import carry_adapters, has_adapters, restore_lora
 from megatron_lite.core.timers import Timers
 from megatron_lite.module_inference import GPTInference
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
@@ -93,6 +94,9 @@ class GPTModule(GPTInference, pl.LightningModule):
         self.model: Optional[nn.Module] = None
         self.megatron_optimizer: Optional[MegatronOptimizer] = None
         self._engine: Optional[TrainingEngine] = None
+        self.pretrained_source: Optional[WeightsSource] = None
+        """Where the model's weights came from (``from_pretrained``: the path and a content hash), while its base
+        has not been trained since: a LoRA run's checkpoints then hold only the adapters and name this base."""
         self.objective_extensions: list[ObjectiveExtension] = []
         """Changes to the objective (distillation, draft heads, ...), see :meth:`add_objective_extension`."""
         self._attached: list[tuple[ObjectiveExtension, int]] = []  # (extension, id of the model it attached to)
@@ -110,6 +114,7 @@ class GPTModule(GPTInference, pl.LightningModule):
         seed: Optional[int] = None,
         strict: bool = True,
         adapter: Optional[str] = None,
+        base: Optional[str] = None,
         **config_overrides: Any,
     ) -> "GPTModule":
         """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2/Qwen3 directory
@@ -127,9 +132,12 @@ class GPTModule(GPTInference, pl.LightningModule):
         ``adapter_model.safetensors``) trained on this base, put on the model exactly
         (:mod:`megatron_lite.core.checkpoint.hf.peft`): the module computes PEFT's logits, and a ``fit`` trains the
         adapters with the base frozen, as after the ``LoRA`` callback.
+
+        A LoRA run's adapter-only checkpoint gives the adapted model: its base is loaded from where the checkpoint
+        records it (or from ``base``, if it moved), checked against the recorded content hash, then the adapters.
         """
         return load_pretrained(
-            cls, path, optimizer=optimizer, seed=seed, strict=strict, adapter=adapter, **config_overrides
+            cls, path, optimizer=optimizer, seed=seed, strict=strict, adapter=adapter, base=base, **config_overrides
         )
 
     # --- layout and model -----------------------------------------------------------------
@@ -222,7 +230,10 @@ class GPTModule(GPTInference, pl.LightningModule):
             from megatron_lite.post_training.quantization import restore_from_state
 
             restore_from_state(self.model, state, prefix="model.")
-        restore_lora(self.model, state, ParallelLayout.single(), prefix="model.")  # adapters the ranks trained
+        if not restore_lora(self.model, state, ParallelLayout.single(), prefix="model.") and not has_adapters(
+            self.model
+        ):
+            self.pretrained_source = None  # the ranks trained the base itself: it is no longer the recorded one
         from megatron_lite.post_training.speculative import restore_draft_head  # here: the package import stays light
 
         restore_draft_head(self.model, state, prefix="model.")
@@ -486,6 +497,8 @@ class GPTModule(GPTInference, pl.LightningModule):
         trainer = self._attached_trainer()
         layout = self.parallel_layout
         fp16 = self._precision().startswith("16")
+        if not has_adapters(self.model):
+            self.pretrained_source = None  # this fit trains the base itself: it will no longer be the recorded one
         if self.megatron_optimizer is not None:  # a second fit on this module: detach the previous one
             self.megatron_optimizer.remove_hooks()
         run = self._run_spec()

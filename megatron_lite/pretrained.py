@@ -20,7 +20,9 @@ import lightning
 import torch
 from torch import nn
 
+from megatron_lite.core.checkpoint.adapter_only import recorded_base, without_base
 from megatron_lite.core.checkpoint.checkpointer import LAYOUT_RECORD, layout_record
+from megatron_lite.core.checkpoint.fingerprint import WeightsSource, changed_source, weights_source
 from megatron_lite.core.checkpoint.format.sharded import EMBEDDED_FILES, save_sharded
 from megatron_lite.core.checkpoint.full.reader import (
     is_checkpoint_directory,
@@ -71,7 +73,10 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
     return dataclasses.replace(config, **overrides)
 
 
-def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, strict: bool, config: GPTConfig) -> None:
+def _load_checkpoint_weights(
+    model: nn.Module, path: Path, vocab_size: int, strict: bool, config: GPTConfig, base_loaded: bool = False
+) -> None:
+    # base_loaded: ``model`` holds the base an adapter-only checkpoint leaves out (its parameters are not missing)
     # A speculative-decoding draft head trained with the model is no part of it (load_draft_head reads it)
     saved = {n: t for n, t in read_model_tensors(path).items() if not n.startswith(DRAFT_HEAD_ATTRIBUTE + ".")}
     if QUANTIZATION_RECIPE in saved:  # a quantized model's checkpoint: its quantizers first, then their tensors
@@ -82,6 +87,8 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
     # parameters, and the persistent buffers a checkpoint holds too (a quantized model's amax and scales)
     params = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
     mismatch = compare_entries(params, saved)
+    if base_loaded:
+        mismatch = without_base(mismatch, model)
     if mismatch and strict:
         differ = config_difference(read_meta_plain(path), config)
         raise ValueError(
@@ -103,7 +110,41 @@ def _load_checkpoint_weights(model: nn.Module, path: Path, vocab_size: int, stri
         shape = full_shape(params[name], padded=True)
         # A fused block seen as its own dimension ([2, ffn, h]) is the flat parameter's memory: reshape it back.
         full[name] = tensor.reshape(shape) if tensor.numel() == torch.Size(shape).numel() else tensor
-    load_full_state(model, full, vocab_size=vocab_size, strict=strict)
+    load_full_state(model, full, vocab_size=vocab_size, strict=strict and not base_loaded)
+
+
+def _load_adapted(
+    cls: type,
+    path: Path,
+    recorded: WeightsSource,
+    base: Optional[str | os.PathLike],
+    optimizer: Optional[OptimizerConfig],
+    seed: Optional[int],
+    strict: bool,
+    overrides: dict[str, Any],
+):
+    """The module of an adapter-only LoRA checkpoint: its base (``base``, else where the checkpoint records it),
+    checked against the recorded hash, with the checkpoint's adapters on it."""
+    where = Path(base) if base is not None else Path(recorded.path)
+    reason = changed_source(recorded, where)
+    if reason:
+        raise ValueError(
+            f"{path} holds LoRA adapters only, trained on the base {recorded.path}, but {reason}: pass the base "
+            f"they were trained on as GPTModule.from_pretrained({str(path)!r}, base=<that model's directory>)"
+        )
+    hparams = read_checkpoint_hparams(path)
+    config = _config_with(hparams["config"], overrides)
+    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(GPTConfig)}
+    module = load_pretrained(  # the base, in the configuration the adapters were trained in
+        cls,
+        where,
+        optimizer=optimizer or hparams.get("optimizer"),
+        seed=seed if seed is not None else hparams.get("seed", 1234),
+        strict=strict,
+        **fields,
+    )
+    _load_checkpoint_weights(module.model, path, config.vocab_size, strict, config, base_loaded=True)
+    return module
 
 
 def load_pretrained(
@@ -113,6 +154,7 @@ def load_pretrained(
     seed: Optional[int] = None,
     strict: bool = True,
     adapter: Optional[str | os.PathLike] = None,
+    base: Optional[str | os.PathLike] = None,
     **overrides: Any,
 ):
     """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
@@ -121,6 +163,16 @@ def load_pretrained(
     if adapter is not None:
         read_peft_config(adapter)  # a directory that is no adapter ours can hold is refused before any weight is read
     path = Path(path)
+    recorded = recorded_base(read_meta_plain(path)) if is_checkpoint_directory(path) else None
+    if recorded is not None:
+        if adapter is not None:
+            raise ValueError(
+                f"{path} is a LoRA run's checkpoint, which holds its adapters already: load it without adapter=, or "
+                f"pass its base with the PEFT adapter instead"
+            )
+        return _load_adapted(cls, path, recorded, base, optimizer, seed, strict, overrides)
+    if base is not None:
+        raise ValueError(f"base= names the base of an adapter-only LoRA checkpoint; {path} is not one")
     if is_checkpoint_directory(path):
         hparams = read_checkpoint_hparams(path)
         config = _config_with(hparams["config"], overrides)
@@ -150,6 +202,7 @@ def load_pretrained(
             f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
             f"megatron-lite checkpoint (DCP .metadata)"
         )
+    module.pretrained_source = weights_source(path)  # a LoRA run on this base then saves only its adapters
     if adapter is not None:
         load_peft_adapter(module.model, adapter, module.config, module.seed)
     module.model.eval()

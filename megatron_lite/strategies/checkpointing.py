@@ -19,14 +19,23 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from megatron_lite.core.checkpoint.adapter_only import (
+    BASE_RECORD,
+    adapter_only_state,
+    base_entries,
+    check_base,
+    recorded_base,
+)
 from megatron_lite.core.checkpoint.checkpointer import Checkpointer
 from megatron_lite.core.checkpoint.errors import EntryMismatchError
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.format.meta_json import dataclass_types
-from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
-from megatron_lite.core.checkpoint.resume.entries import holds_training_state, read_meta_plain
+from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys, resolve_checkpoint
+from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, read_model_tensors
+from megatron_lite.core.checkpoint.resume.entries import MODEL_STATE, holds_training_state, read_meta_plain
 from megatron_lite.core.engine.contract import EngineModule
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.peft.lora import LORA_RECIPE, has_adapters, lora_recipe, restore_lora
 from megatron_lite.strategies._lightning_private import _distributed_is_initialized, attached_trainer
 from megatron_lite.strategies.auto_resume import AutoResume, resume_checkpoint
 from megatron_lite.strategies.launch_checks import mismatch_message, weights_only_message
@@ -112,6 +121,7 @@ class StrategyCheckpoints:
         self._sources: tuple = ()  # what `in_use` was made over (see checkpointer)
         # The global CPU generator's state to set before the first step after a load.
         self._pending_cpu_rng: Optional[Tensor] = None
+        self._told_full_lora = False  # the note that a LoRA run saves its base too, once
 
     def live_layout(self) -> Optional[ParallelLayout]:
         """This rank's layout while its process groups exist (None in the launching process, or after the run)."""
@@ -158,6 +168,7 @@ class StrategyCheckpoints:
         refuse_without_weights(module)
         path = Path(strategy.broadcast(str(filepath)))
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        model_state = self._adapters_only(module, model_state, checkpoint)
         if not live and not optimizer_states:
             # The launching process of a forked fit (a notebook): it holds the trained weights, the ranks
             # held the optimizer.
@@ -181,9 +192,19 @@ class StrategyCheckpoints:
         meta = read_meta_plain(path)
         if fitting and not holds_training_state(meta):  # every rank reads the same file: all raise together
             raise ValueError(weights_only_message(path))
+        self._restore_adapters(module, path, fitting)
+        base = recorded_base(meta)
+        if base is not None:
+            check_base(base, getattr(module, "pretrained_source", None), path)
         try:
             loaded = self.checkpointer().load(
-                path, optimizers=fitting, rng=fitting, strict=module.strict_loading, verify=False, restore_cpu_rng=False
+                path,
+                optimizers=fitting,
+                rng=fitting,
+                strict=module.strict_loading,
+                verify=False,
+                restore_cpu_rng=False,
+                provided=base_entries(module) if base is not None else (),
             )
         except EntryMismatchError as error:
             raise ValueError(mismatch_message(path, module, error.mismatch, meta)) from None
@@ -201,6 +222,43 @@ class StrategyCheckpoints:
                 f"megatron-lite: ckpt_path='last' resumed {path} (global step {loaded.meta.get('global_step')})"
             )
         return loaded.meta
+
+    def _adapters_only(self, module: Any, model_state: dict[str, Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """A LoRA run's entries to save: without its frozen base when the module records where that came from (the
+        base's path and hash go into ``checkpoint``'s metadata), else all of them (said once per run)."""
+        model = getattr(module, "model", None)
+        if not has_adapters(model):
+            return model_state
+        source = getattr(module, "pretrained_source", None)
+        if source is None:
+            if not self._told_full_lora:
+                rank_zero_info(
+                    "megatron-lite: this LoRA run's base has no recorded source (it was not loaded with "
+                    "GPTModule.from_pretrained, or was trained in this process), so its checkpoints hold the base "
+                    "too (full checkpoints, resumable as any)."
+                )
+                self._told_full_lora = True
+            return model_state
+        checkpoint[BASE_RECORD] = source.to_json()
+        return adapter_only_state(model_state, module)
+
+    def _restore_adapters(self, module: Any, path: Path, fitting: bool) -> None:
+        """A LoRA run's checkpoint loaded into a model without adapters: outside fit (validate/test/predict) the
+        adapters are rebuilt from the checkpoint's recipe before their values load; fit is refused (its optimizer
+        exists already, over the base)."""
+        model = getattr(module, "model", None)
+        if model is None or lora_recipe(model) is not None:
+            return
+        key = f"{MODEL_STATE}.{MODEL_PREFIX}{LORA_RECIPE}"
+        if key not in checkpoint_keys(path):
+            return
+        if fitting:
+            raise ValueError(
+                f"ckpt_path={str(path)!r} is a LoRA run's checkpoint, but the module's model has no adapters: add "
+                f"megatron_lite.callbacks.LoRA with the run's settings to the Trainer to resume it"
+            )
+        recipe = read_model_tensors(path, prefix=MODEL_PREFIX + LORA_RECIPE)[""]
+        restore_lora(model, {LORA_RECIPE: recipe}, self.live_layout() or ParallelLayout.single())
 
     def _checkpoint_to_load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> Path:
         """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked

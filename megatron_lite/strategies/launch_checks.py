@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from megatron_lite.core.checkpoint.adapter_only import check_base, recorded_base, without_base
 from megatron_lite.core.checkpoint.resume.entries import (
     EntryMismatch,
     certain_mismatch,
@@ -64,7 +65,8 @@ def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool) -> N
     """What the checkpoint's metadata tells without reading a tensor: ``fit`` cannot resume a checkpoint of weights
     alone, and (unless ``module.strict_loading`` is False) the checkpoint's model entries must be the module's, as
     its model is built for one process -- on the meta device when it is not built yet -- where no objective
-    extension can explain the difference (see :func:`~megatron_lite.core.checkpoint.resume.entries.certain_mismatch`;
+    extension can explain the difference (an adapter-only LoRA checkpoint lacks the base, which the module must hold:
+    the one its metadata names) (see :func:`~megatron_lite.core.checkpoint.resume.entries.certain_mismatch`;
     the ranks check the rest). Call after :func:`check_ckpt_path`."""
     if _resolved_by_lightning(value):
         return
@@ -72,12 +74,17 @@ def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool) -> N
     meta = read_meta_plain(path)
     if fitting and not holds_training_state(meta):
         raise ValueError(weights_only_message(path))
+    base = recorded_base(meta)  # an adapter-only LoRA checkpoint: the module must hold the base it names
+    if base is not None and module is not None:
+        check_base(base, getattr(module, "pretrained_source", None), path)
     if module is None or not getattr(module, "strict_loading", True):
         return
     with _with_model(module) as built:
         if built is None:
             return
         mismatch = certain_mismatch(built, compare_entries(module_entries(built), checkpoint_model_entries(path)))
+        if base is not None:
+            mismatch = without_base(mismatch, built)
     if mismatch:
         raise ValueError(mismatch_message(path, module, mismatch, meta))
 

@@ -135,9 +135,11 @@ def run(
     accelerator: str = "cpu",
     start_method: str = "fork",
     strategy_kwargs: Optional[dict] = None,
+    module: Optional[ml.GPTModule] = None,
     **trainer_kwargs,
 ) -> dict:
-    """Train ``steps`` steps and return the recorded results of global rank 0."""
+    """Train ``steps`` steps (of ``module``, default a fresh GPTModule of ``config``) and return the recorded
+    results of global rank 0."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = config or tiny_config()
@@ -178,7 +180,7 @@ def run(
         callbacks=callbacks,
         **settings,
     )
-    module = ml.GPTModule(config, optimizer=optimizer, seed=1234)
+    module = module or ml.GPTModule(config, optimizer=optimizer, seed=1234)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return torch.load(out / "result.pt", weights_only=False)
 

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -243,6 +243,7 @@ class Checkpointer:
         strict: bool = True,
         verify: bool = True,
         restore_cpu_rng: bool = True,
+        provided: Collection[str] = (),
     ) -> Loaded:
         """Load the checkpoint ``path`` into the module (and, with ``optimizers``, the optimizers; with ``rng``, the
         RNG states) in place.
@@ -253,7 +254,9 @@ class Checkpointer:
         (a directory of checkpoints: its latest) and check every file against its checksum first (False: the
         caller did both). The RNG states are restored where the checkpoint was written at this very layout, else
         re-derived from the seeds for ``meta["global_step"]``; ``restore_cpu_rng=False`` leaves the global CPU
-        generator to the caller (:attr:`Loaded.cpu_rng_state`).
+        generator to the caller (:attr:`Loaded.cpu_rng_state`). ``provided``: the module's entries the checkpoint may
+        lack because the module holds them already (the frozen base under an adapter-only LoRA checkpoint); those
+        it lacks are neither loaded nor missing.
         """
         path = Path(path)
         if verify:
@@ -262,7 +265,7 @@ class Checkpointer:
         keys = checkpoint_keys(path)
         refuse_quantized_into_plain(self.module, path, keys)
         writebacks: WriteBacks = []
-        model_state, mismatch = self._entries_to_load(path, keys, strict, writebacks)
+        model_state, mismatch = self._entries_to_load(path, keys, strict, writebacks, provided)
         state: dict[str, Any] = {MODEL_STATE: model_state}
         finish: Optional[Callable[[dict[str, Any]], None]] = None
         for index, optimizer in enumerate(self.optimizers if optimizers else []):
@@ -310,13 +313,14 @@ class Checkpointer:
         return ""
 
     def _entries_to_load(
-        self, path: Path, keys: set[str], strict: bool, writebacks: WriteBacks
+        self, path: Path, keys: set[str], strict: bool, writebacks: WriteBacks, provided: Collection[str] = ()
     ) -> tuple[dict[str, Any], EntryMismatch]:
         """This rank's model entries to load from ``path``. Their names on every rank together (a pipeline stage holds
-        only its layers) must be the checkpoint's: otherwise, with ``strict``, one error on every rank; without, the
-        entries both have."""
-        model_state = self.model_state(writebacks)
+        only its layers), less the ``provided`` ones the checkpoint lacks, must be the checkpoint's: otherwise, with
+        ``strict``, one error on every rank; without, the entries both have."""
         saved = checkpoint_model_entries(path, keys)
+        provided = set(provided) - saved
+        model_state = {name: value for name, value in self.model_state(writebacks).items() if name not in provided}
         ours = set().union(*gather_to_all(sorted(model_state)))
         mismatch = compare_entries(ours, saved)
         if not mismatch:

@@ -1,0 +1,87 @@
+"""Where a model's weights came from: a directory's path and a hash of its contents.
+
+``GPTModule.from_pretrained(path)`` records the :class:`WeightsSource` of what it loaded, and a LoRA run's
+checkpoint records it instead of the frozen base it did not save (:mod:`megatron_lite.core.checkpoint.adapter_only`):
+whoever loads that checkpoint finds the base again and can tell whether it is still the same.
+
+The hash is cheap and deterministic: for one of our checkpoints, SHA-256 over its ``manifest.json``'s records (every
+file's name, size and CRC-32, which the save computed while writing: nothing is re-read); for a Hugging Face
+directory (or a checkpoint without a manifest), SHA-256 over its weight files' names and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_lite.core.checkpoint.format.integrity import MANIFEST
+
+_CHUNK = 8 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".distcp")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsSource:
+    """A directory of weights and its content hash (see the module docstring)."""
+
+    path: str
+    """The directory as it was given (absolute)."""
+    sha256: str
+    """The hash of its contents (:func:`weights_hash`)."""
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, record: Any) -> "WeightsSource":
+        if not isinstance(record, dict) or not isinstance(record.get("path"), str) or "sha256" not in record:
+            raise ValueError(f"not a weights source record: {record!r}")
+        return cls(record["path"], str(record["sha256"]))
+
+
+def weights_hash(path: str | os.PathLike) -> str:
+    """The content hash of the weights directory ``path`` (see the module docstring)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        files = json.loads(manifest.read_text()).get("files", {})
+        for name in sorted(files):
+            record = files[name]
+            digest.update(f"{name}\0{record.get('bytes')}\0{record.get('crc32')}\n".encode())
+        return digest.hexdigest()
+    weights = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    if not weights:
+        raise ValueError(f"{path} holds no weight files to fingerprint")
+    for file in weights:
+        digest.update(f"{file.name}\0".encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_source(path: str | os.PathLike) -> WeightsSource:
+    """The :class:`WeightsSource` of the weights directory ``path`` as it is now."""
+    return WeightsSource(str(Path(path).absolute()), weights_hash(path))
+
+
+def changed_source(recorded: WeightsSource, path: Optional[str | os.PathLike] = None) -> str:
+    """Why the weights at ``path`` (default: the recorded path) are not ``recorded``'s: "" when they are the same,
+    else a short reason ("... does not exist", "... changed since")."""
+    where = Path(path if path is not None else recorded.path)
+    if not where.is_dir():
+        return f"{where} does not exist"
+    try:
+        actual = weights_hash(where)
+    except (OSError, ValueError) as error:
+        return f"{where} cannot be read ({error})"
+    if actual != recorded.sha256:
+        return (
+            f"the weights in {where} are not the ones recorded (sha256 {actual[:12]}, recorded {recorded.sha256[:12]})"
+        )
+    return ""
