@@ -231,3 +231,36 @@ def test_exports_of_a_checkpoint_without_adapters_are_refused(base, tmp_path, ca
     )
     assert code == 2 and "leave --merge-lora out" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "m").exists()
+
+
+def test_a_lora_fine_tune_of_an_moe_model_merges_into_an_hf_moe_model(tmp_path):
+    """The case merges fail on elsewhere: a Qwen2-MoE base (a gated shared expert, a dense layer) fine-tuned with LoRA
+    on every linear layer -- its experts' too -- with the experts over 2 ranks, saved adapter-only, then exported with
+    ``--merge-lora``: transformers loads a plain Qwen2-MoE model computing our adapted logits."""
+    model = _random_hf_model("qwen2_moe_shared_expert", seed=3)
+    directory = _save(model, tmp_path / "base")
+    module = ml.GPTModule.from_pretrained(
+        directory, seq_length=32, optimizer=ml.OptimizerConfig(lr=3e-2, lr_warmup_iters=0, lr_decay_style="constant")
+    )
+    data = MockGPTDataModule(seq_length=32, micro_batch_size=2, global_batch_size=4, vocab_size=VOCAB, seed=5)
+    lora = LoRA(dim=4, alpha=8, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "run", every_n_train_steps=2, save_top_k=-1)
+    _trainer(
+        1,
+        2,
+        parallel=dict(expert_model_parallel_size=2),
+        max_steps=2,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[lora, checkpoints],
+    ).fit(module, data)
+    checkpoint = tmp_path / "run" / "epoch=0-step=2.ckpt"
+    tokens = _tokens()
+    ours = _ours(checkpoint, tokens)
+    adapted = ml.GPTModule.from_pretrained(checkpoint)
+    assert any(".experts.linear_fc1.adapter." in name for name, _ in adapted.model.named_parameters())
+    _assert_adapted(ours, _hf_logits(model, tokens))
+    _convert("--to", "hf", "--merge-lora", "--input", checkpoint, "--output", tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert type(merged) is type(model)
+    _assert_close(ours, _hf_logits(merged, tokens))
