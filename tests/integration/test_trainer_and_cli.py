@@ -184,10 +184,8 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
     nodes = [
         subprocess.Popen(
             [
-                sys.executable,
-                str(
-                    REPO / "tests/integration/preloaded_torchrun.py"
-                ),  # torchrun, its workers forked with Lightning imported
+                sys.executable,  # torchrun, its workers forked with Lightning imported
+                str(REPO / "tests/integration/preloaded_torchrun.py"),
                 "--nnodes",
                 "2",
                 "--node-rank",
