@@ -4,6 +4,9 @@ each of its first attempts, each time at another point, for fault 1 of issue 13:
     KILLS=mid-step:1:5,mid-save:0:6,after-save:3:6 \\
         python -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 3 restart_script.py OUT
 
+(the test runs it as ``python preloaded_torchrun.py ... /abs/path/restart_script.py OUT``: the same torchrun, its
+workers forked from the agent with Lightning imported)
+
 KILLS holds one ``point:rank:step`` per attempt: attempt k (torchrun's TORCHELASTIC_RESTART_COUNT) kills
 global rank ``rank`` at ``point`` after ``step`` steps; the attempts past the list train to the end.
 

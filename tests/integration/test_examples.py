@@ -35,7 +35,8 @@ def test_extension_examples_train(script):
 
 @pytest.mark.slow
 def test_demo_trains_and_generates():
-    out = _run("demo.py", "--max-steps", "40", "--new-tokens", "8")
+    # 25 steps: the mean loss of steps 16-25 is ~1.4 below that of steps 1-10 (40 steps: ~1.7); the warmup is 20
+    out = _run("demo.py", "--max-steps", "25", "--new-tokens", "8")
     first, last = map(float, re.search(r"train loss: ([0-9.]+) .* -> ([0-9.]+)", out).groups())
     assert last < first - 0.5, out
     assert "--- greedy continuation ---" in out and "ROMEO:" in out

@@ -5,16 +5,16 @@ uninterrupted run from there, and the final parameters equal the uninterrupted r
 processes (torchrun, gloo), a real Trainer with Lightning's ModelCheckpoint; the kill is the script killing
 its own rank (tests/integration/restart_script.py).
 
-The three kills are three attempts of one ``torchrun --max-restarts 3`` job (each restart starts 4 fresh
-interpreters: ~25 s of CPU apiece, so one job instead of three saves two launches and a third of the
-steps): attempt 0 is killed mid-step, attempt 1 mid-save, attempt 2 right after a save, attempt 3 finishes.
-Each resume is checked on its own (its start step and the losses of the steps it trained), the final
-parameters for all of them together.
+The three kills are three attempts of one ``torchrun --max-restarts 3`` job (one job instead of three saves two
+launches and a third of the steps): attempt 0 is killed mid-step, attempt 1 mid-save, attempt 2 right after a
+save, attempt 3 finishes. Each resume is checked on its own (its start step and the losses of the steps it
+trained), the final parameters for all of them together. torchrun runs as preloaded_torchrun.py: its workers are
+forked from the agent with Lightning imported (``--run-path --start-method fork``), not 16 fresh interpreters
+that spent ~5 s of CPU each importing it (~20 s of wall time for the job instead of ~70 s on 2 cores).
 
 torchrun is run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch 2.13's default shares the launcher's store
 across restarts without separating the attempts, so the restarted ranks read the killed attempt's addresses
 and hang or fail in init_process_group (pytorch/pytorch#135712; a plain gloo script restarts in ~1 of 7 tries).
-~60 s on 2 cores: slow.
 """
 
 import json
@@ -60,8 +60,7 @@ def test_killed_ranks_restart_the_job_which_resumes_bit_for_bit(tmp_path, refere
     env.pop("MASTER_PORT", None)
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        str(HERE / "preloaded_torchrun.py"),  # torchrun, its workers forked with Lightning imported
         "--standalone",
         "--nproc-per-node",
         "4",

@@ -71,10 +71,12 @@ def test_cli_reports_missing_corpus_before_training(tmp_path, monkeypatch, capsy
     assert "Traceback" not in err
 
 
-def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path):
+def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path, monkeypatch, capsys):
     """`megatron-lite validate --config gpt_tiny.yaml --model.config.num_layers 2 --ckpt_path <a 4-layer checkpoint>`
     used to print "Restored all states" and score layers 0-1 alone (issue 21, item 1): now one line naming the
-    entries and the config field that differ, and the switch, before any rank starts."""
+    entries and the config field that differ, and the switch, before any rank starts (the CLI's entry in this
+    process, as for the missing corpus above; the ranks would be forked from it, not re-run pytest, were the refusal
+    to come after the launch: the launching process checks the same way for every start method)."""
     from megatron_lite.pretrained import save_weights_checkpoint
 
     # the example config's model (vocab_size and seq_length come from its data section)
@@ -93,28 +95,31 @@ def test_cli_refuses_a_checkpoint_of_another_model_before_launch(tmp_path):
     module = ml.GPTModule(config)
     module.model = module.build_model(ml.ParallelLayout.single())
     save_weights_checkpoint(module, tmp_path / "four_layers")
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_lite",
-        "validate",
-        "--config",
-        str(REPO / "examples/configs/gpt_tiny.yaml"),
-        "--model.config.num_layers",
-        "2",
-        "--ckpt_path",
-        str(tmp_path / "four_layers"),
-        "--trainer.default_root_dir",
-        str(tmp_path / "run"),
-        "--data.init_args.cache_dir",
-        str(tmp_path / "cache"),
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "megatron-lite: error: ckpt_path=" in proc.stderr and "Traceback" not in proc.stderr
-    assert "unexpected 12 entries (model.layers.2.input_layernorm.weight, " in proc.stderr
-    assert "num_layers=4 (this module's: 2)" in proc.stderr and "--model.strict_loading false" in proc.stderr
-    assert "Restored all states" not in proc.stdout + proc.stderr and not (tmp_path / "cache").exists()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(
+            [
+                "validate",
+                "--config",
+                str(REPO / "examples/configs/gpt_tiny.yaml"),
+                "--model.config.num_layers",
+                "2",
+                "--ckpt_path",
+                str(tmp_path / "four_layers"),
+                "--trainer.default_root_dir",
+                str(tmp_path / "run"),
+                "--trainer.strategy.init_args.start_method",
+                "fork",
+                "--data.init_args.cache_dir",
+                str(tmp_path / "cache"),
+            ]
+        )
+    out, err = capsys.readouterr()
+    assert exit_code.value.code == 2, err[-3000:]
+    assert "megatron-lite: error: ckpt_path=" in err and "Traceback" not in err
+    assert "unexpected 12 entries (model.layers.2.input_layernorm.weight, " in err
+    assert "num_layers=4 (this module's: 2)" in err and "--model.strict_loading false" in err
+    assert "Restored all states" not in out + err and not (tmp_path / "cache").exists()
 
 
 def test_checkpoint_resume_gives_the_same_next_losses(tmp_path):
@@ -175,11 +180,12 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
     Trainer(num_nodes=2, devices=2) with TP2: tensor parallelism inside a node, data parallelism across the
     nodes, and the same losses, first-step gradients and final parameters as one process (fp32 tolerance)."""
     run_args = dict(devices=2, num_nodes=2, tp=2, steps=3)
-    torchrun, port = Path(sys.executable).with_name("torchrun"), str(_free_port())
+    port = str(_free_port())
     nodes = [
         subprocess.Popen(
             [
-                str(torchrun),
+                sys.executable,  # torchrun, its workers forked with Lightning imported
+                str(REPO / "tests/integration/preloaded_torchrun.py"),
                 "--nnodes",
                 "2",
                 "--node-rank",
