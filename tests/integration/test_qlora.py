@@ -20,7 +20,7 @@ pytest.importorskip("modelopt.torch.quantization")
 
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.callbacks import LoRA, Quantize  # noqa: E402
-from megatron_lite.core.peft import is_adapter_parameter, lora_recipe  # noqa: E402
+from megatron_lite.core.peft import adapters_disabled, is_adapter_parameter, lora_recipe  # noqa: E402
 from megatron_lite.core.peft.lora import LoRAAdapter  # noqa: E402
 from megatron_lite.post_training import quantization_recipe  # noqa: E402
 from megatron_lite.post_training.modelopt_registry import quantizer_buffers  # noqa: E402
@@ -206,4 +206,11 @@ def test_a_forked_tp2_qlora_fit_hands_back_quantizers_and_adapters(tmp_path):
     assert ranks["adapters"]["layers.0.mlp.linear_fc2.adapter.linear_out.weight"].abs().max() > 1e-3  # trained
     module.model.eval()
     logits = module.full_logits(BATCHES[0]["tokens"][:, :-1])
-    torch.testing.assert_close(logits, ranks["logits"], rtol=1e-5, atol=1e-5)
+    # One process sums in another order than TP2, and a fake-quantized activation that lands on a rounding boundary
+    # then moves by one INT8 step: a handful of the 32768 logits differ by ~1e-5 (seen in 1 run in 3). A lost
+    # quantizer or adapter changes the logits far beyond that bound (checked for the adapters just below).
+    error = (logits - ranks["logits"]).abs()
+    assert error.max() < 1e-3 and (error > 1e-5).float().mean() < 1e-3, (error.max(), (error > 1e-5).sum())
+    with adapters_disabled(module.model):
+        without = (module.full_logits(BATCHES[0]["tokens"][:, :-1]) - ranks["logits"]).abs()
+    assert without.max() > 1e-2 and (without > 1e-5).float().mean() > 0.5
