@@ -38,7 +38,7 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft.lora import LORA_RECIPE, has_adapters, lora_recipe, restore_lora
 from megatron_lite.strategies._lightning_private import _distributed_is_initialized, attached_trainer
 from megatron_lite.strategies.auto_resume import AutoResume, resume_checkpoint
-from megatron_lite.strategies.launch_checks import mismatch_message, weights_only_message
+from megatron_lite.strategies.launch_checks import lora_resume_message, mismatch_message, weights_only_message
 
 if TYPE_CHECKING:
     from megatron_lite.strategies.megatron import MegatronStrategy
@@ -253,10 +253,7 @@ class StrategyCheckpoints:
         if key not in checkpoint_keys(path):
             return
         if fitting:
-            raise ValueError(
-                f"ckpt_path={str(path)!r} is a LoRA run's checkpoint, but the module's model has no adapters: add "
-                f"megatron_lite.callbacks.LoRA with the run's settings to the Trainer to resume it"
-            )
+            raise ValueError(lora_resume_message(path))
         recipe = read_model_tensors(path, prefix=MODEL_PREFIX + LORA_RECIPE)[""]
         restore_lora(model, {LORA_RECIPE: recipe}, self.live_layout() or ParallelLayout.single())
 

@@ -80,7 +80,8 @@ class StrategyLaunch:
         refuse_without_weights(module)
         ckpt_path = ckpt_path_of(args)
         check_ckpt_path(ckpt_path)
-        check_checkpoint_fits(ckpt_path, module, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        check_checkpoint_fits(ckpt_path, module, fitting, list(getattr(trainer, "callbacks", None) or []))
         self.run_spec = check_run(strategy, module, datamodule, trainer, strategy.num_nodes * strategy.num_processes)
         recover_interrupted_saves(trainer)
         return self._prepare_args(args, kwargs, trainer)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from megatron_lite.core.checkpoint.adapter_only import check_base, recorded_base, without_base
+from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys
+from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX
 from megatron_lite.core.checkpoint.resume.entries import (
+    MODEL_STATE,
     EntryMismatch,
     certain_mismatch,
     checkpoint_model_entries,
@@ -23,7 +26,9 @@ from megatron_lite.core.checkpoint.resume.entries import (
     module_entries,
     read_meta_plain,
 )
+from megatron_lite.core.estimator.run import trained_lora
 from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.peft.lora import LORA_RECIPE
 
 # ckpt_path values that Lightning resolves itself (a checkpoint callback's file, the HPC path, a model registry)
 _SYMBOLIC = ("last", "best", "hpc")
@@ -61,19 +66,31 @@ def _resolved_by_lightning(value: Optional[str]) -> bool:
     return value is None or value in _SYMBOLIC or value.startswith("registry")
 
 
-def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool) -> None:
+def lora_resume_message(path: Path) -> str:
+    """The refusal of ``fit(ckpt_path=<a LoRA run's checkpoint>)`` for a module that will have no adapters."""
+    return (
+        f"ckpt_path={str(path)!r} is a LoRA run's checkpoint, but the module's model has no adapters: add "
+        f"megatron_lite.callbacks.LoRA with the run's settings to the Trainer to resume it"
+    )
+
+
+def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool, callbacks: Sequence[Any] = ()) -> None:
     """What the checkpoint's metadata tells without reading a tensor: ``fit`` cannot resume a checkpoint of weights
     alone, and (unless ``module.strict_loading`` is False) the checkpoint's model entries must be the module's, as
     its model is built for one process -- on the meta device when it is not built yet -- where no objective
     extension can explain the difference (an adapter-only LoRA checkpoint lacks the base, which the module must hold:
     the one its metadata names) (see :func:`~megatron_lite.core.checkpoint.resume.entries.certain_mismatch`;
-    the ranks check the rest). Call after :func:`check_ckpt_path`."""
+    the ranks check the rest). ``fit`` of a LoRA run's checkpoint needs the adapters: the module's model carries them,
+    or a LoRA callback among ``callbacks`` (the Trainer's) will add them. Call after :func:`check_ckpt_path`."""
     if _resolved_by_lightning(value):
         return
     path = Path(value)
     meta = read_meta_plain(path)
     if fitting and not holds_training_state(meta):
         raise ValueError(weights_only_message(path))
+    if fitting and module is not None and trained_lora(module, callbacks) is None:
+        if f"{MODEL_STATE}.{MODEL_PREFIX}{LORA_RECIPE}" in checkpoint_keys(path):
+            raise ValueError(lora_resume_message(path))
     base = recorded_base(meta)  # an adapter-only LoRA checkpoint: the module must hold the base it names
     if base is not None and module is not None:
         check_base(base, getattr(module, "pretrained_source", None), path)

@@ -174,8 +174,10 @@ def test_resume_is_refused_without_the_same_adapters(base, one_process, tmp_path
     checkpoint = one_process["checkpoint"]
     with pytest.raises(ValueError, match=r"does not fit GPTModule's model: unexpected 12 entries \(.*fc1\.adapter"):
         _fit(tmp_path / "other", _from_base(base), ckpt_path=checkpoint, adapters=[other])
+    # no LoRA callback: refused before any rank starts
     with pytest.raises(ValueError, match="is a LoRA run's checkpoint, but the module's model has no adapters"):
-        _fit(tmp_path / "none", _from_base(base), ckpt_path=checkpoint, adapters=[])
+        _fit(tmp_path / "none", _from_base(base), ckpt_path=checkpoint, adapters=[_Started(tmp_path / "started")])
+    assert not (tmp_path / "started").exists()
     # a module whose base is of unknown origin cannot be the recorded base
     with pytest.raises(ValueError, match=r"the module's base has no recorded source .*from_pretrained\("):
         _fit(tmp_path / "unknown", ml.GPTModule(CONFIG, optimizer=_optimizer(), seed=5), ckpt_path=checkpoint)
