@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from megatron_lite.core.checkpoint.fingerprint import WeightsSource
+from megatron_lite.core.checkpoint.fingerprint import LoadedWeights
 from megatron_lite.core.checkpoint.full.state import carry_over_state, load_full_state, same_layout
 from megatron_lite.core.checkpoint.resume.entries import QUANTIZATION_RECIPE
 from megatron_lite.core.engine import TrainingEngine
@@ -94,9 +94,10 @@ class GPTModule(GPTInference, pl.LightningModule):
         self.model: Optional[nn.Module] = None
         self.megatron_optimizer: Optional[MegatronOptimizer] = None
         self._engine: Optional[TrainingEngine] = None
-        self.pretrained_source: Optional[WeightsSource] = None
-        """Where the model's weights came from (``from_pretrained``: the path and a content hash), while its base
-        has not been trained since: a LoRA run's checkpoints then hold only the adapters and name this base."""
+        self.pretrained_source: Optional[LoadedWeights] = None
+        """Where the model's weights came from (``from_pretrained``: the path, hashed when a LoRA run first needs it),
+        while its base has not been trained since: a LoRA run's checkpoints then hold only the adapters and name this
+        base."""
         self.objective_extensions: list[ObjectiveExtension] = []
         """Changes to the objective (distillation, draft heads, ...), see :meth:`add_objective_extension`."""
         self._attached: list[tuple[ObjectiveExtension, int]] = []  # (extension, id of the model it attached to)

@@ -22,7 +22,7 @@ from torch import nn
 
 from megatron_lite.core.checkpoint.adapter_only import recorded_base, without_base
 from megatron_lite.core.checkpoint.checkpointer import LAYOUT_RECORD, layout_record
-from megatron_lite.core.checkpoint.fingerprint import WeightsSource, changed_source, weights_source
+from megatron_lite.core.checkpoint.fingerprint import LoadedWeights, WeightsSource, changed_source
 from megatron_lite.core.checkpoint.format.sharded import EMBEDDED_FILES, save_sharded
 from megatron_lite.core.checkpoint.full.reader import (
     is_checkpoint_directory,
@@ -143,6 +143,7 @@ def _load_adapted(
         strict=strict,
         **fields,
     )
+    module.pretrained_source = LoadedWeights(where, sha256=recorded.sha256)  # hashed just above: it is the recorded
     _load_checkpoint_weights(module.model, path, config.vocab_size, strict, config, base_loaded=True)
     return module
 
@@ -202,7 +203,7 @@ def load_pretrained(
             f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
             f"megatron-lite checkpoint (DCP .metadata)"
         )
-    module.pretrained_source = weights_source(path)  # a LoRA run on this base then saves only its adapters
+    module.pretrained_source = LoadedWeights(path)  # a LoRA run on this base then saves only its adapters
     if adapter is not None:
         load_peft_adapter(module.model, adapter, module.config, module.seed)
     module.model.eval()

@@ -72,6 +72,9 @@ class LoRA(pl.Callback):
                 "gradients or optimizer state to shard anyway: use the distributed optimizer "
                 "(OptimizerConfig(use_distributed_optimizer=True)) for the adapters' state instead"
             )
+        source = getattr(module, "pretrained_source", None)
+        if source is not None:
+            source.source()  # hashed here, once: ranks forked or spawned from this process inherit the hash
         existing = lora_recipe(getattr(module, "model", None))
         if existing is not None and existing[0] != self.config:
             raise ValueError(

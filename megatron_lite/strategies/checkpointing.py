@@ -25,6 +25,7 @@ from megatron_lite.core.checkpoint.adapter_only import (
     base_entries,
     check_base,
     recorded_base,
+    source_of,
 )
 from megatron_lite.core.checkpoint.checkpointer import Checkpointer
 from megatron_lite.core.checkpoint.errors import EntryMismatchError
@@ -195,7 +196,7 @@ class StrategyCheckpoints:
         self._restore_adapters(module, path, fitting)
         base = recorded_base(meta)
         if base is not None:
-            check_base(base, getattr(module, "pretrained_source", None), path)
+            check_base(base, source_of(module), path)
         try:
             loaded = self.checkpointer().load(
                 path,
@@ -229,13 +230,13 @@ class StrategyCheckpoints:
         model = getattr(module, "model", None)
         if not has_adapters(model):
             return model_state
-        source = getattr(module, "pretrained_source", None)
+        source = source_of(module)
         if source is None:
             if not self._told_full_lora:
                 rank_zero_info(
                     "megatron-lite: this LoRA run's base has no recorded source (it was not loaded with "
-                    "GPTModule.from_pretrained, or was trained in this process), so its checkpoints hold the base "
-                    "too (full checkpoints, resumable as any)."
+                    "GPTModule.from_pretrained, was trained in this process, or its files changed since they were "
+                    "loaded), so its checkpoints hold the base too (full checkpoints, resumable as any)."
                 )
                 self._told_full_lora = True
             return model_state

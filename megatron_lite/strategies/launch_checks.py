@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from megatron_lite.core.checkpoint.adapter_only import check_base, recorded_base, without_base
+from megatron_lite.core.checkpoint.adapter_only import check_base, recorded_base, source_of, without_base
 from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys
 from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX
 from megatron_lite.core.checkpoint.resume.entries import (
@@ -93,7 +93,7 @@ def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool, call
             raise ValueError(lora_resume_message(path))
     base = recorded_base(meta)  # an adapter-only LoRA checkpoint: the module must hold the base it names
     if base is not None and module is not None:
-        check_base(base, getattr(module, "pretrained_source", None), path)
+        check_base(base, source_of(module), path)
     if module is None or not getattr(module, "strict_loading", True):
         return
     with _with_model(module) as built:

@@ -41,6 +41,13 @@ def recorded_base(meta: Optional[dict]) -> Optional[WeightsSource]:
     return WeightsSource.from_json(record) if record is not None else None
 
 
+def source_of(module: Any) -> Optional[WeightsSource]:
+    """The :class:`WeightsSource` of ``module``'s base (its ``pretrained_source``, hashed at the first call), or None:
+    not loaded with ``from_pretrained``, trained since, or its files changed since they were loaded."""
+    loaded = getattr(module, "pretrained_source", None)
+    return loaded.source() if loaded is not None else None
+
+
 def check_base(recorded: WeightsSource, source: Optional[WeightsSource], checkpoint: Any) -> None:
     """Refuse to load the adapter-only ``checkpoint`` (trained on ``recorded``) into a module whose base is ``source``
     (None: a base of unknown origin) unless the two hold the same weights (the same content hash, wherever they are)."""

@@ -1,8 +1,9 @@
 """Where a model's weights came from: a directory's path and a hash of its contents.
 
-``GPTModule.from_pretrained(path)`` records the :class:`WeightsSource` of what it loaded, and a LoRA run's
-checkpoint records it instead of the frozen base it did not save (:mod:`megatron_lite.core.checkpoint.adapter_only`):
-whoever loads that checkpoint finds the base again and can tell whether it is still the same.
+``GPTModule.from_pretrained(path)`` records what it loaded (:class:`LoadedWeights`, hashed when first needed), and a
+LoRA run's checkpoint records its :class:`WeightsSource` instead of the frozen base it did not save
+(:mod:`megatron_lite.core.checkpoint.adapter_only`): whoever loads that checkpoint finds the base again and can tell
+whether it is still the same.
 
 The hash is cheap and deterministic: for one of our checkpoints, SHA-256 over its ``manifest.json``'s records (every
 file's name, size and CRC-32, which the save computed while writing: nothing is re-read); for a Hugging Face
@@ -68,6 +69,44 @@ def weights_hash(path: str | os.PathLike) -> str:
 def weights_source(path: str | os.PathLike) -> WeightsSource:
     """The :class:`WeightsSource` of the weights directory ``path`` as it is now."""
     return WeightsSource(str(Path(path).absolute()), weights_hash(path))
+
+
+class LoadedWeights:
+    """The directory a module's weights were loaded from, hashed only when a LoRA run first needs its
+    :class:`WeightsSource` (hashing a Hugging Face directory reads every weight file: seconds per GB, which a plain
+    ``from_pretrained`` for generation or full fine-tuning should not pay).
+
+    The weight files' names, sizes and modification times are noted at load; if they differ when the hash is asked
+    for, the files are no longer what was loaded and there is no source (:meth:`source` returns None)."""
+
+    def __init__(self, path: str | os.PathLike, sha256: Optional[str] = None) -> None:
+        """``sha256``: the directory's hash if the caller has just computed it (not computed again)."""
+        self.path = str(Path(path).absolute())
+        self._stamp = _stamp(self.path)
+        self._source: Optional[WeightsSource] = WeightsSource(self.path, sha256) if sha256 is not None else None
+
+    def source(self) -> Optional[WeightsSource]:
+        """The loaded directory's :class:`WeightsSource` (hashed at the first call), or None if its files changed
+        since they were loaded."""
+        if self._source is None:
+            if _stamp(self.path) != self._stamp:
+                return None
+            self._source = WeightsSource(self.path, weights_hash(self.path))
+        return self._source
+
+
+def _stamp(path: str) -> tuple:
+    """(name, size, mtime) of the files :func:`weights_hash` reads in ``path`` (its manifest, or its weight files)."""
+    directory = Path(path)
+    try:
+        files = [directory / MANIFEST] if (directory / MANIFEST).is_file() else sorted(directory.iterdir())
+        return tuple(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in files
+            if f.is_file() and (f.name == MANIFEST or f.name.endswith(_WEIGHT_SUFFIXES))
+        )
+    except OSError:
+        return ()
 
 
 def changed_source(recorded: WeightsSource, path: Optional[str | os.PathLike] = None) -> str:
