@@ -193,8 +193,12 @@ class GPTModule(GPTInference, pl.LightningModule):
         if self.model is not None:
             self._attach_extensions()
 
-    def _attach_extensions(self) -> None:
+    def _attach_extensions(self, before_sharding: bool = False) -> None:
+        """Attach every extension not attached to the current model yet (``before_sharding``: only those whose
+        ``attach_before_sharding`` says they add parameters FSDP2 must shard with the model's)."""
         for extension in self.objective_extensions:
+            if before_sharding and not extension.attach_before_sharding:
+                continue
             if (extension, id(self.model)) not in self._attached:
                 extension.attach(self, self.model, self.parallel_layout)
                 self._attached.append((extension, id(self.model)))
@@ -207,12 +211,15 @@ class GPTModule(GPTInference, pl.LightningModule):
             return
         self._check_vocab(getattr(self._attached_trainer(), "datamodule", None))
         previous, self.model = self.model, self.build_model(layout)
+        if previous is not None:
+            carry_adapters(previous, self.model, layout)
         if self._fsdp():
+            # parameters added by extensions (LoRA's adapters) must exist before FSDP2 takes the model's in
+            self._attach_extensions(before_sharding=True)
             apply_fsdp2(self.model, layout)
         if previous is not None:
             # Built for another layout: the one-process model a forked fit handed back to the notebook, or
             # the previous run's in this process. Each rank cuts its shard of the weights out of it.
-            carry_adapters(previous, self.model, layout)
             carry_over_state(previous, self.model, vocab_size=self.config.vocab_size)
         self._attach_extensions()
 

@@ -65,13 +65,6 @@ class LoRA(pl.Callback):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"LoRA adapts a megatron_lite.GPTModule's model, got {type(module).__name__}")
         check_targets(self.config, config)
-        if run.use_torch_fsdp2:
-            raise ValueError(
-                "LoRA with use_torch_fsdp2=True: the adapters are added once the model is built, after FSDP2 has "
-                "sharded it, and FSDP2 does not take new parameters into a sharded module; the frozen base has no "
-                "gradients or optimizer state to shard anyway: use the distributed optimizer "
-                "(OptimizerConfig(use_distributed_optimizer=True)) for the adapters' state instead"
-            )
         source = getattr(module, "pretrained_source", None)
         if source is not None:
             source.source()  # hashed here, once: ranks forked or spawned from this process inherit the hash
@@ -94,7 +87,10 @@ class LoRA(pl.Callback):
 
 
 class LoRAExtension(ObjectiveExtension):
-    """Adds the adapters to each built model (before its optimizer) and freezes the rest; the objective is unchanged."""
+    """Adds the adapters to each built model (before its optimizer, and before FSDP2 shards it) and freezes the rest;
+    the objective is unchanged."""
+
+    attach_before_sharding = True
 
     def __init__(self, config: LoRAConfig, seed: Optional[int] = None) -> None:
         self.config, self.seed = config, seed

@@ -2,27 +2,42 @@
 and the final adapters equal the one-process run's (rtol 1e-5) at TP2 (A replicated on column-parallel layers, split
 on row-parallel ones), TP2 with sequence parallelism (the adapters' small activations gathered and scattered along
 the sequence), PP2, CP2, DP2 with the gradient reduction overlapped in small buckets, DP2 with the distributed
-optimizer, and TP2 with SP and full recomputation (the adapters rerun in the recomputed forward); the base stays
-frozen (no gradient, unchanged)."""
+optimizer, DP2 under FSDP2 (the frozen base sharded with the adapters) and TP2 with SP and full recomputation (the
+adapters rerun in the recomputed forward); the base stays frozen (no gradient, unchanged)."""
 
 import dataclasses
+import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from parity_utils import assert_same_training, run, tiny_config
 
 import megatron_lite as ml
 from megatron_lite.callbacks import LoRA
+from megatron_lite.core.parallel.fsdp import is_dtensor
 
 CONFIG = tiny_config(num_layers=2, seq_length=16, vocab_size=300, activation="swiglu", normalization="RMSNorm")
 
 
-def _lora_run(out: Path, optimizer=None, config=CONFIG, **layout) -> dict:
+class _ShardedBy(L.Callback):
+    """Writes, from rank 0, which of the trained model's parameters FSDP2 holds as DTensors."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            names = [n for n, p in pl_module.model.named_parameters() if is_dtensor(p)]
+            (self.out / "sharded.json").write_text(json.dumps(names))
+
+
+def _lora_run(out: Path, optimizer=None, config=CONFIG, callbacks=(), **layout) -> dict:
     lora = LoRA(dim=4, alpha=8, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     # a high LR: the adapters (B starts at zero) move far enough in 3 steps for the comparison to mean something
     optimizer = optimizer or ml.OptimizerConfig(lr=2e-2, lr_warmup_iters=0, lr_decay_iters=20, min_lr=1e-3)
-    return run(out, config=config, steps=3, gbs=4, mbs=2, optimizer=optimizer, callbacks=[lora], **layout)
+    return run(out, config=config, steps=3, gbs=4, mbs=2, optimizer=optimizer, callbacks=[lora, *callbacks], **layout)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +73,7 @@ def test_only_adapters_train_and_the_base_is_frozen(single):
         dict(devices=2, strategy_kwargs=dict(context_parallel_size=2)),
         dict(devices=2, strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000)),
         dict(devices=2, distributed_optimizer=True),
+        dict(devices=2, strategy_kwargs=dict(use_torch_fsdp2=True)),
         dict(
             devices=2,
             tp=2,
@@ -67,7 +83,16 @@ def test_only_adapters_train_and_the_base_is_frozen(single):
             ),
         ),
     ],
-    ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-overlapped-buckets", "dp2-distributed-optimizer", "tp2-sp-recompute"],
+    ids=[
+        "tp2",
+        "tp2-sp",
+        "pp2",
+        "cp2",
+        "dp2-overlapped-buckets",
+        "dp2-distributed-optimizer",
+        "dp2-fsdp2",
+        "tp2-sp-recompute",
+    ],
 )
 def test_lora_equals_one_process(single, tmp_path, layout):
     layout = dict(layout)
@@ -77,7 +102,14 @@ def test_lora_equals_one_process(single, tmp_path, layout):
         optimizer = ml.OptimizerConfig(
             lr=2e-2, lr_warmup_iters=0, lr_decay_iters=20, min_lr=1e-3, use_distributed_optimizer=True
         )
+    fsdp = layout.get("strategy_kwargs", {}).get("use_torch_fsdp2", False)
+    if fsdp:
+        layout["callbacks"] = [_ShardedBy(tmp_path)]
     result = _lora_run(tmp_path, optimizer=optimizer, **layout)
+    if fsdp:  # the frozen base and the adapters both sharded over DP
+        sharded = json.loads((tmp_path / "sharded.json").read_text())
+        assert "layers.0.mlp.linear_fc1.weight" in sharded and "embedding.weight" in sharded
+        assert "layers.0.mlp.linear_fc1.adapter.linear_out.weight" in sharded
     if layout.get("strategy_kwargs", {}).get("overlap_grad_reduce"):
         assert result["overlapped_reductions"] > 0  # the adapters' buckets were reduced during the backward
     # the distributed optimizer moves the gradients into its shards: its losses, grad norms and params are compared

@@ -2,7 +2,7 @@
 megatron_lite.callbacks.LoRA --trainer.callbacks.dim 4`` fine-tunes only adapters through the CLI at TP2 (its
 checkpoint loads back as the adapted model); and every bad input is refused before any rank starts, in one line
 naming the fix: an unknown target name (listing the valid ones), a non-positive rank, a target that is not a linear
-layer, a pattern matching no layer, LoRA with FSDP2."""
+layer, a pattern matching no layer."""
 
 from __future__ import annotations
 
@@ -123,9 +123,8 @@ def _fit(callback: LoRA, **strategy) -> None:
             "'*.layers.7.*.linear_qkv' selects none of this model's linear layers",
         ),
         (LoRA(target_modules=["*.input_layernorm"]), {}, "'*.input_layernorm' selects none of this model's linear"),
-        (LoRA(), dict(use_torch_fsdp2=True), "LoRA with use_torch_fsdp2=True"),
     ],
-    ids=["pattern-beyond-the-layers", "pattern-on-a-norm", "fsdp2"],
+    ids=["pattern-beyond-the-layers", "pattern-on-a-norm"],
 )
 def test_a_lora_run_that_cannot_work_is_refused_before_launch(callback, strategy, message):
     with pytest.raises(ValueError, match=re.escape(message)):

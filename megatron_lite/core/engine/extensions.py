@@ -26,6 +26,10 @@ LossFn = Callable[[Any, dict], tuple]
 class ObjectiveExtension:
     """A change to a module's objective. Every hook defaults to "no change"; override what you need."""
 
+    attach_before_sharding: bool = False
+    """Attach before FSDP2 shards the model (an extension adding parameters the model trains, e.g. LoRA's adapters:
+    FSDP2 takes no parameter into a module it has sharded); others attach to the sharded model."""
+
     def attach(self, module: Any, model: nn.Module, layout: ParallelLayout) -> None:
         """Called once per built model, after the module built ``model`` for ``layout`` and before the
         optimizer is made: add trainable sub-modules to ``model``, freeze parameters, build a teacher..."""
