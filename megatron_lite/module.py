@@ -30,7 +30,6 @@ from megatron_lite.core.models import GPTConfig, GPTModel
 from megatron_lite.core.optim import MegatronLRScheduler, OptimizerConfig
 from megatron_lite.core.optim.distributed import DistributedOptimizer
 from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
-from megatron_lite.core.optim.scheduler import schedule_lengths
 from megatron_lite.core.parallel.context_parallel import context_parallel_microbatch
 from megatron_lite.core.parallel.fsdp import apply_fsdp2
 from megatron_lite.core.parallel.geometry import declared_geometry
@@ -45,6 +44,7 @@ from megatron_lite.core.parallel.schedules import (
 )
 from megatron_lite.core.peft import carry_adapters, has_adapters, restore_lora
 from megatron_lite.core.timers import Timers
+from megatron_lite.module_checks import check_module_run
 from megatron_lite.module_inference import GPTInference
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
 from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
@@ -446,59 +446,8 @@ class GPTModule(GPTInference, pl.LightningModule):
         datamodule: Optional["pl.LightningDataModule"],
     ) -> None:
         """Checks that need the Trainer, the run or the data (MegatronStrategy's pre-launch check: before it
-        starts any process, and again in every rank)."""
-        if trainer.state.fn == "fit":
-            schedule_lengths(self.optimizer_config, trainer.max_steps)  # every schedule check, in its unit
-            cfg = self.optimizer_config
-            if (
-                run.data is not None
-                and run.data.rampup_batch_size
-                and not cfg.sample_based
-                and (cfg.lr_decay_style != "constant" or cfg.lr_warmup_iters > 0)
-            ):
-                # Megatron refuses iteration-based schedules with ramp-up: steps of different sizes.
-                raise ValueError(
-                    "rampup_batch_size with an iteration-based LR schedule: steps consume different numbers of "
-                    "samples during the ramp, so set the schedule in samples (lr_warmup_samples, lr_decay_samples, "
-                    "lr_wsd_decay_samples) or use lr_decay_style='constant' without warmup."
-                )
-            if trainer.accumulate_grad_batches != 1:
-                raise ValueError(
-                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}: GPTModule accumulates gradients "
-                    f"over microbatches itself; raise the datamodule's global_batch_size instead (it is split into "
-                    f"global_batch_size / (micro_batch_size x dp) microbatches per step)."
-                )
-            self._check_pipeline(run)
-            if trainer.gradient_clip_val:
-                raise ValueError(
-                    f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): GPTModule clips the global gradient "
-                    f"norm across every parallel rank itself; set OptimizerConfig(clip_grad=...) instead."
-                )
-        if trainer.state.fn != "predict" and run.parallel.context_parallel_size > 1 and self._overrides_loss_fn():
-            # predict runs whole sequences on every CP rank
-            raise ValueError(
-                f"{type(self).__name__} overrides loss_fn, which is given whole {{'tokens': [b, s+1]}} microbatches; "
-                f"under context parallelism each rank holds a share of every sequence ('tokens' and 'labels' "
-                f"[b, s/C]): override forward_step(part, microbatch, input_tensor) and loss(output, microbatch) "
-                f"instead, or set context_parallel_size=1."
-            )
-        self._check_vocab(datamodule)
-
-    def _check_pipeline(self, run: RunSpec) -> None:
-        if run.parallel.pipeline_model_parallel_size == 1:
-            return
-        if self._overrides_loss_fn():
-            raise ValueError(
-                f"{type(self).__name__} overrides loss_fn, which runs the whole model in one call; under pipeline "
-                f"parallelism each stage runs only its layers: override forward_step(part, microbatch, input_tensor) "
-                f"and loss(output, microbatch) instead, or set pipeline_model_parallel_size=1."
-            )
-        if self.config.share_embeddings_and_output_weights and run.overlap_grad_reduce:
-            raise ValueError(
-                "overlap_grad_reduce=True with tied embeddings under pipeline parallelism: the embedding's gradient "
-                "must be summed over the first and last stage before its bucket is reduced; set "
-                "share_embeddings_and_output_weights=False or overlap_grad_reduce=False."
-            )
+        starts any process, and again in every rank): :func:`~megatron_lite.module_checks.check_module_run`."""
+        check_module_run(self, run, trainer, datamodule)
 
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
