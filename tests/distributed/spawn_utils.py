@@ -27,6 +27,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        # Rank 0 hosts the store: leaving while a peer still reads from it (gloo connects a new group's pairs through
+        # it) resets that peer's connection. (A rank that raised leaves at once: the launcher stops the others.)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
