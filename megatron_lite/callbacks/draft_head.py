@@ -16,6 +16,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
+from megatron_lite.core.engine.extensions import add_extension
 from megatron_lite.post_training.speculative import (
     DraftHeadConfig,
     DraftHeadExtension,
@@ -55,13 +56,7 @@ class TrainDraftHead(pl.Callback):
         self.extension = DraftHeadExtension(self.config, base=base)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        add = getattr(pl_module, "add_objective_extension", None)
-        if add is None:
-            raise TypeError(
-                f"TrainDraftHead needs a megatron_lite.GPTModule (one with add_objective_extension), got "
-                f"{type(pl_module).__name__}"
-            )
-        add(self.extension)
+        add_extension(pl_module, self.extension, "TrainDraftHead")
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         head = draft_head_of(pl_module.model)

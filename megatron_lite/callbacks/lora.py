@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Sequence
 
 import lightning.pytorch as pl
 
-from megatron_lite.core.engine.extensions import ObjectiveExtension
+from megatron_lite.core.engine.extensions import ObjectiveExtension, add_extension
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.peft import LINEAR_MODULES, LoRAConfig, apply_lora, lora_recipe
 from megatron_lite.core.peft.lora import check_targets
@@ -77,13 +77,7 @@ class LoRA(pl.Callback):
             )
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        add = getattr(pl_module, "add_objective_extension", None)
-        if add is None:
-            raise TypeError(
-                f"LoRA needs a megatron_lite.GPTModule (one with add_objective_extension), "
-                f"got {type(pl_module).__name__}"
-            )
-        add(self.extension)
+        add_extension(pl_module, self.extension, "LoRA")
 
 
 class LoRAExtension(ObjectiveExtension):

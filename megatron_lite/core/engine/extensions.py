@@ -53,6 +53,17 @@ class ObjectiveExtension:
         return {}
 
 
+def add_extension(module: Any, extension: ObjectiveExtension, who: str) -> None:
+    """Add ``extension`` to ``module`` (a GPTModule: ``add_objective_extension``), or refuse a module that takes none,
+    naming ``who`` asked (a callback's name)."""
+    add = getattr(module, "add_objective_extension", None)
+    if add is None:
+        raise TypeError(
+            f"{who} needs a megatron_lite.GPTModule (one with add_objective_extension), got {type(module).__name__}"
+        )
+    add(extension)
+
+
 class ExtendedObjective:
     """``base`` (an engine Objective) wrapped by ``extensions``, the first one outermost."""
 
