@@ -5,7 +5,8 @@ At one process the base-as-reference run equals, to the last bit, the run whose 
 of the base (DPO: a reference checkpoint of the base's weights, loaded as a second model; GRPO with beta > 0 on fixed
 rollouts: a frozen copy of the base built beside the policy): losses, the first step's adapter gradients, the final
 adapters and the logged rewards / KL. The base-as-reference run at PP2 (DPO: the reference's log-probs through the
-policy's own forward-only pipeline, broadcast from the last stage) and TP2 (GRPO) equals one process; DPO's reference
+policy's own forward-only pipeline, broadcast from the last stage), CP2 (DPO: each rank's share of the sequences,
+the partial log-probs summed) and TP2 (GRPO) equals one process; DPO's reference
 log-probs precomputed before training (adapters off) give the live run. Each rank built one model (the policy) and
 holds no reference model.
 """
@@ -75,10 +76,13 @@ class ReferenceProbe(L.Callback):
         torch.save(probe, self.out / f"probe_{trainer.global_rank}.pt")
 
 
-def _trainer(out: Path, steps: int, devices: int, tp: int, pp: int, callbacks: list) -> L.Trainer:
+def _trainer(out: Path, steps: int, devices: int, tp: int, pp: int, callbacks: list, cp: int = 1) -> L.Trainer:
     return L.Trainer(
         strategy=ml.MegatronStrategy(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, start_method="fork"
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            start_method="fork",
         ),
         accelerator="cpu",
         devices=devices,
@@ -106,7 +110,7 @@ def _results(out: Path, devices: int, recorded: str) -> dict:
 
 
 # --- DPO ---------------------------------------------------------------------------------------------------------
-def dpo(out: Path, data_file: str, *, devices=1, tp=1, pp=1, reference=None, precompute=False) -> dict:
+def dpo(out: Path, data_file: str, *, devices=1, tp=1, pp=1, cp=1, reference=None, precompute=False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
     data = PreferenceDataModule(
@@ -129,7 +133,7 @@ def dpo(out: Path, data_file: str, *, devices=1, tp=1, pp=1, reference=None, pre
         reference=reference,
         precompute_reference_log_probs=precompute,
     )
-    _trainer(out, DPO_STEPS, devices, tp, pp, [RewardRecorder(out)]).fit(module, data)
+    _trainer(out, DPO_STEPS, devices, tp, pp, [RewardRecorder(out)], cp=cp).fit(module, data)
     return _results(out, devices, "rewards")
 
 
@@ -161,8 +165,9 @@ def test_dpo_with_lora_uses_the_base_as_reference_and_equals_the_two_model_run(d
     assert torch.equal(rewards, torch.tensor(two_models["rewards"][0]))
 
 
-def test_dpo_with_lora_at_pp2_equals_one_process(dpo_single, data_file, tmp_path):
-    result = dpo(tmp_path, data_file, devices=2, pp=2)
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(cp=2)], ids=["pp2", "cp2"])
+def test_dpo_with_lora_at_pp2_and_cp2_equals_one_process(dpo_single, data_file, tmp_path, layout):
+    result = dpo(tmp_path, data_file, devices=2, **layout)
     assert result["probes"] == [{"built": 1, "holds_reference": False}] * 2
     assert_same_training(result, dpo_single)
     expected = torch.tensor(dpo_single["rewards"][0])
