@@ -55,6 +55,11 @@ _POST_STEP_CHECKPOINT_WARNING = (
 )
 
 
+def _host_value(value: float) -> torch.Tensor:
+    """A host number to log, as a host tensor: Lightning would copy a Python number to the module's device."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
 class GPTModule(GPTInference, pl.LightningModule):
     """Train a :class:`GPTModel` under any layout of :class:`MegatronStrategy` (or alone).
 
@@ -349,17 +354,26 @@ class GPTModule(GPTInference, pl.LightningModule):
         """Log a training step: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/skipped_steps``
         (``train/loss_scale`` with fp16), every metric the loss reported as ``train/<name>`` (its global mean)
         and the objective extensions' ``step_metrics``."""
-        self.log("train/loss", step.loss, prog_bar=True)
-        self.log("train/lr", lr, prog_bar=True)
+        # No host sync per step on a GPU: Lightning turns every progress-bar value into a Python number after each
+        # batch (a device sync each), so values go to the bar only when one is shown; and it copies a logged Python
+        # number to the module's device (a blocking copy each), so host values are logged as host tensors. The
+        # logger reads the device values (loss, grad norm) once per logged step.
+        bar = self._shows_progress_bar()
+        self.log("train/loss", step.loss, prog_bar=bar)
+        self.log("train/lr", _host_value(lr), prog_bar=bar)
         self.log("train/grad_norm", result.grad_norm)
-        self.log("train/skipped_steps", float(self.megatron_optimizer.skipped_steps))
+        self.log("train/skipped_steps", _host_value(self.megatron_optimizer.skipped_steps))
         if result.loss_scale is not None:
-            self.log("train/loss_scale", result.loss_scale)
+            self.log("train/loss_scale", _host_value(result.loss_scale))
         for name, value in step.report_means().items():
-            self.log(f"train/{name}", value, prog_bar=name in self.progress_bar_metrics)
+            self.log(f"train/{name}", value, prog_bar=bar and name in self.progress_bar_metrics)
         for extension in self.objective_extensions:
             for name, value in extension.step_metrics().items():
                 self.log(name, value)
+
+    def _shows_progress_bar(self) -> bool:
+        trainer = self._attached_trainer()
+        return trainer is None or trainer.progress_bar_callback is not None
 
     def on_train_start(self) -> None:
         # Lightning (>= 2.2) keeps whatever mode a module is in at fit, and from_pretrained hands the model back in

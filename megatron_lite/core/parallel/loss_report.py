@@ -27,11 +27,19 @@ REDUCTION_GROUPS = ("pp", "dp_cp")
 """The groups a step's loss totals and report are summed over, in this order."""
 
 
+def device_scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """``value`` (a number or a one-element tensor) as a detached 0-d float64 tensor on ``device``. A Python number
+    is filled in on the device: made on the host and copied, it would cost a blocking copy (a GPU sync) per call."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
 def report_entry(total: Any, count: Any) -> torch.Tensor:
-    """One report value: ``[total, count]`` as a detached float64 tensor (the metric is ``total / count``)."""
-    total = torch.as_tensor(total).detach()
-    count = torch.as_tensor(count, device=total.device).detach()
-    return torch.stack([total.reshape(()).to(torch.float64), count.reshape(()).to(torch.float64)])
+    """One report value: ``[total, count]`` as a detached float64 tensor (the metric is ``total / count``), on the
+    device of whichever is a tensor (the host if neither is)."""
+    device = next((v.device for v in (total, count) if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    return torch.stack([device_scalar(total, device), device_scalar(count, device)])
 
 
 def split_loss(returned: Any) -> tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]:

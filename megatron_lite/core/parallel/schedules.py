@@ -20,7 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.core.parallel.layout import ParallelLayout
-from megatron_lite.core.parallel.loss_report import REDUCTION_GROUPS, ReportNames, ReportSums, report_means, split_loss
+from megatron_lite.core.parallel.loss_report import (
+    REDUCTION_GROUPS,
+    ReportNames,
+    ReportSums,
+    device_scalar,
+    report_means,
+    split_loss,
+)
 
 # (model, microbatch) -> (sum of per-token losses, number of loss tokens[, report of named [sum, count]])
 LossFn = Callable[[nn.Module, dict], tuple]
@@ -130,7 +137,7 @@ def forward_backward_no_pipelining(
                 mb_loss, mb_tokens, mb_report = split_loss(loss_fn(model, microbatch))
                 (mb_loss * backward_scale if backward_scale != 1.0 else mb_loss).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
-        num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
+        num_tokens += device_scalar(mb_tokens, device)
         report.add(mb_report)
     report.add(take_model_report(model))
     names = report_names.agree(report.names(), layout, forward_only) if report_names is not None else report.names()

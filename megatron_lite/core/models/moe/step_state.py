@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_lite.core.parallel.loss_report import LossReport
+from megatron_lite.core.parallel.loss_report import LossReport, report_entry
 
 
 class MoEStepState:
@@ -20,8 +20,7 @@ class MoEStepState:
 
     def record(self, name: str, value: torch.Tensor, count: Union[float, torch.Tensor] = 1.0) -> None:
         """Add ``value`` (detached, 0-d) to metric ``name`` with weight ``count`` (its mean is sum / count)."""
-        total = value.detach().reshape(()).to(torch.float64)
-        entry = torch.stack([total, torch.as_tensor(count, dtype=torch.float64, device=total.device).reshape(())])
+        entry = report_entry(value, count)
         previous: Optional[torch.Tensor] = self._sums.get(name)
         self._sums[name] = entry if previous is None else previous + entry.to(previous.device)
 

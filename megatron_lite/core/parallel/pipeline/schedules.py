@@ -24,7 +24,7 @@ from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
 
-from megatron_lite.core.parallel.loss_report import ReportSums, split_loss
+from megatron_lite.core.parallel.loss_report import ReportSums, device_scalar, split_loss
 from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P, PostedRecv
 
 Action = tuple[str, int, int]
@@ -216,7 +216,7 @@ def run_pipeline(
                     if loss_step is not None:
                         mb_loss, mb_tokens, mb_report = split_loss(loss_step(out, microbatches[mb]))
                         loss_sum += mb_loss.detach().to(torch.float64)
-                        num_tokens += torch.as_tensor(mb_tokens, device=device).detach().to(torch.float64)
+                        num_tokens += device_scalar(mb_tokens, device)
                         assert result.report is not None  # made for the last chunk (parts[-1]), this one
                         result.report.add(mb_report)
                         if keep_outputs:
