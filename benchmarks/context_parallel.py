@@ -25,6 +25,11 @@ against the dense-mask path.
    ``[1, 1, s, s]`` causal-and-same-document mask (what the model did before packed attention): forward +
    backward time (median of ``--repeats``) and the step's memory as in 1.
 
+5. **Fused blocks** at the longest length: one process, CP2 with the fused blocks (the default) and CP2 with the
+   math path (``cp_fused_blocks=False``), fits run in alternation for ``--rounds`` rounds, and each one's step
+   peak per rank as in 1. Goals (issue 27): CP2 <= 1.1x one process's step time, <= 0.6x its peak per rank.
+   ``--quick`` runs only this, one round (~80 s at s = 8192).
+
 Every rank runs one torch thread; C = 4 on a 2-core machine shares the cores (memory does not care; the
 timings of 2. run one rank at a time). Nothing is asserted: targets are printed as met or missed.
 
@@ -106,12 +111,14 @@ def _free_port() -> int:
 
 
 # --- 1. activation memory per rank --------------------------------------------------------------------
-def _memory_rank(rank: int, world: int, args, seq_length: int, out_dir: str) -> None:
+def _memory_rank(rank: int, world: int, args, seq_length: int, out_dir: str, fused: bool = True) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         layout = (
-            ParallelLayout.build(ParallelConfig(context_parallel_size=world)) if world > 1 else ParallelLayout.single()
+            ParallelLayout.build(ParallelConfig(context_parallel_size=world, cp_fused_blocks=fused))
+            if world > 1
+            else ParallelLayout.single()
         )
         model = ml.GPTModel(_config(args, seq_length), layout, seed=overhead.MODEL_SEED).train()
         tokens = torch.randint(0, args.vocab_size, (1, seq_length + 1), generator=torch.Generator().manual_seed(0))
@@ -127,10 +134,10 @@ def _memory_rank(rank: int, world: int, args, seq_length: int, out_dir: str) -> 
         dist.destroy_process_group()
 
 
-def _measure_ranks(args, seq_length: int, world: int) -> list[dict]:
+def _measure_ranks(args, seq_length: int, world: int, fused: bool = True) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ml_cp_memory_") as tmp, overhead._restore_environ():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        mp.start_processes(_memory_rank, args=(world, args, seq_length, tmp), nprocs=world, start_method="fork")
+        mp.start_processes(_memory_rank, args=(world, args, seq_length, tmp, fused), nprocs=world, start_method="fork")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -214,13 +221,13 @@ def _time_rank_blocks(args, seq_length: int, cp: int, rank: int, split: str) -> 
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"))
         for k, v, blocks in sources:
-            cp_attention._attend_forward(q, k, v, blocks, out, lse, scale)
+            cp_attention._attend_forward(q, k, v, blocks, out, lse, scale, True)
         dout = torch.ones_like(out)
         delta = (dout * out).sum(dim=-1)
         dq = torch.zeros_like(q)
         for k, v, blocks in sources:
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-            cp_attention._attend_backward(q, k, v, dout, delta, lse, blocks, dq, dk, dv, scale)
+            cp_attention._attend_backward(q, k, v, dout, out, delta, lse, blocks, dq, dk, dv, scale, True)
         times.append(time.process_time() - start)
     return statistics.median(times)
 
@@ -252,7 +259,7 @@ def attention_balance(args) -> list[dict]:
 
 
 # --- 3. step time CP2 against one process -------------------------------------------------------------
-def run_fit(args, *, cp: int, comm_type: str = "p2p") -> dict:
+def run_fit(args, *, cp: int, comm_type: str = "p2p", fused: bool = True) -> dict:
     seq_length = max(args.seq_lengths)
     with tempfile.TemporaryDirectory(prefix="ml_cp_step_") as tmp, overhead._restore_environ():
         out_file = Path(tmp) / "rank0.json"
@@ -267,6 +274,7 @@ def run_fit(args, *, cp: int, comm_type: str = "p2p") -> dict:
         strategy = ml.MegatronStrategy(
             context_parallel_size=cp,
             cp_comm_type=comm_type,
+            cp_fused_blocks=fused,
             log_metrics=False,
             start_method="fork" if cp > 1 else "popen",
         )
@@ -295,6 +303,7 @@ def run_fit(args, *, cp: int, comm_type: str = "p2p") -> dict:
     return {
         "cp": cp,
         "cp_comm_type": comm_type if cp > 1 else None,
+        "cp_fused_blocks": fused if cp > 1 else None,
         "median_ms": statistics.median(steps) * 1e3,
         "step_ms": [s * 1e3 for s in result["step_s"]],
         "losses": result["losses"],
@@ -312,6 +321,49 @@ def step_times(args) -> list[dict]:
             f"({time.perf_counter() - t:.1f} s)",
             flush=True,
         )
+    return rows
+
+
+# --- 5. fused blocks against the math path, CP2 against one process -------------------------------------
+FUSED_VARIANTS = (("one process", 1, True), ("CP2 fused", 2, True), ("CP2 math", 2, False))
+TIME_GOAL, MEMORY_GOAL = 1.1, 0.6  # issue 27: CP2 step time <= 1.1x one process's, peak per rank <= 0.6x
+
+
+def fused_blocks(args) -> list[dict]:
+    """At the longest length: the step time of one process, CP2 with the fused blocks and CP2 with the math path,
+    run in alternation (A B C A B C ...: a shared machine's load moves all three alike), medians over the rounds
+    of each fit's median step; and each one's step peak activation bytes per rank (as in 1., largest rank)."""
+    seq_length = max(args.seq_lengths)
+    times: dict = {name: [] for name, _, _ in FUSED_VARIANTS}
+    losses: dict = {}
+    for round_ in range(args.rounds):
+        for name, cp, fused in FUSED_VARIANTS:
+            fit = run_fit(args, cp=cp, fused=fused)
+            times[name].append(fit["median_ms"])
+            losses[name] = fit["losses"]
+            print(f"  round {round_ + 1}: {name:12s} {fit['median_ms']:8.0f} ms/step", flush=True)
+    rows = []
+    for name, cp, fused in FUSED_VARIANTS:
+        ranks = _measure_ranks(args, seq_length, cp, fused)
+        rows.append(
+            {
+                "run": name,
+                "seq_length": seq_length,
+                "cp": cp,
+                "cp_fused_blocks": fused if cp > 1 else None,
+                "median_ms": statistics.median(times[name]),
+                "round_ms": times[name],
+                "step_peak_bytes": max(r["step_peak_bytes"] for r in ranks),
+                "forward_peak_bytes": max(r["forward_peak_bytes"] for r in ranks),
+                "held_bytes": max(r["held_bytes"] for r in ranks),
+                "losses": losses[name],
+            }
+        )
+    base = rows[0]
+    for row in rows:
+        row["time_over_one_process"] = row["median_ms"] / base["median_ms"]
+        row["step_peak_over_one_process"] = row["step_peak_bytes"] / base["step_peak_bytes"]
+        row["max_loss_difference"] = max(abs(a - b) for a, b in zip(row["losses"], base["losses"]))
     return rows
 
 
@@ -392,6 +444,36 @@ def packed_rows(args) -> list[dict]:
 # --- report -------------------------------------------------------------------------------------------
 def _mark(ok) -> str:
     return "-" if ok is None else ("met" if ok else "MISSED")
+
+
+def report_fused(rows: list[dict]) -> dict:
+    print()
+    overhead._print_table(
+        [
+            (
+                r["run"],
+                f"{r['median_ms']:.0f}",
+                f"{r['time_over_one_process']:.2f}",
+                f"{r['step_peak_bytes'] / MIB:.1f}",
+                f"{r['step_peak_over_one_process']:.2f}",
+                f"{r['max_loss_difference']:.1e}",
+            )
+            for r in rows
+        ],
+        ("run", "ms/step", "time / one process", "step peak MiB per rank", "peak / one process", "max |dloss|"),
+    )
+    fused = rows[1]
+    targets = {
+        "cp2_time_within_1.1x_one_process": fused["time_over_one_process"] <= TIME_GOAL,
+        "cp2_peak_within_0.6x_one_process": fused["step_peak_over_one_process"] <= MEMORY_GOAL,
+    }
+    print(
+        f"goals (CP2 fused): time <= {TIME_GOAL}x one process {_mark(targets['cp2_time_within_1.1x_one_process'])}, "
+        f"peak per rank <= {MEMORY_GOAL}x {_mark(targets['cp2_peak_within_0.6x_one_process'])}; fused vs math: "
+        f"{rows[2]['median_ms'] / fused['median_ms']:.2f}x faster, "
+        f"{rows[2]['step_peak_bytes'] / fused['step_peak_bytes']:.2f}x less peak"
+    )
+    return targets
 
 
 def report(memory: list[dict], balance: list[dict], steps: list[dict], packed: list[dict]) -> dict:
@@ -506,6 +588,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions in 4.")
     p.add_argument("--balance-repeats", type=int, default=1, help="timed repetitions of each rank's blocks in 2.")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the fused-blocks comparison (5.)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="only 5. (fused blocks vs math vs one process at the longest length), one round",
+    )
     p.add_argument("--packed-length", type=int, default=8192)
     p.add_argument("--documents", type=int, default=16)
     p.add_argument(
@@ -519,6 +607,8 @@ def parse_args(argv=None):
     for s in args.seq_lengths:
         if any(s % (2 * c) for c in args.cp_sizes):
             p.error(f"every --seq-lengths value must be divisible by 2 x every --cp-sizes value (got {s})")
+    if args.quick:
+        args.rounds = 1
     if args.steps <= args.warmup:
         p.error(f"--steps must exceed --warmup ({args.warmup})")
     return args
@@ -539,15 +629,25 @@ def main(argv=None) -> dict:
         f"thread per rank, load average {load_before[0]:.2f}",
         flush=True,
     )
-    print("1. activation memory per rank (one training step on real CP ranks)", flush=True)
-    memory = memory_sweep(args)
-    print(f"2. attention work per rank at s={max(args.seq_lengths)}", flush=True)
-    balance = attention_balance(args)
-    print(f"3. step time at s={max(args.seq_lengths)}", flush=True)
-    steps = step_times(args)
-    print(f"4. packed attention, one row of {args.packed_length} tokens, {args.documents} documents", flush=True)
-    packed = packed_rows(args)
-    targets = report(memory, balance, steps, packed)
+    memory: list = []
+    balance: list = []
+    steps: list = []
+    packed: list = []
+    targets: dict = {}
+    if not args.quick:
+        print("1. activation memory per rank (one training step on real CP ranks)", flush=True)
+        memory = memory_sweep(args)
+        print(f"2. attention work per rank at s={max(args.seq_lengths)}", flush=True)
+        balance = attention_balance(args)
+        print(f"3. step time at s={max(args.seq_lengths)}", flush=True)
+        steps = step_times(args)
+        print(f"4. packed attention, one row of {args.packed_length} tokens, {args.documents} documents", flush=True)
+        packed = packed_rows(args)
+    print(f"5. fused blocks vs math vs one process at s={max(args.seq_lengths)}, {args.rounds} round(s)", flush=True)
+    fused = fused_blocks(args)
+    if not args.quick:
+        targets = report(memory, balance, steps, packed)
+    targets.update(report_fused(fused))
     load_after = list(os.getloadavg())
     print(
         f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
@@ -569,6 +669,7 @@ def main(argv=None) -> dict:
         "attention_balance": balance,
         "step_times": steps,
         "packed": packed,
+        "fused_blocks": fused,
         "targets": targets,
     }
     overhead.write_result(result, args.out, DEFAULT_OUT)

@@ -283,6 +283,7 @@ def describe_run(
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         context_parallel_size=int(strategy.get("context_parallel_size", 1)),
         cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),
+        cp_fused_blocks=bool(strategy.get("cp_fused_blocks", True)),
         expert_model_parallel_size=int(strategy.get("expert_model_parallel_size", 1)),
         expert_tensor_parallel_size=_optional_int(strategy.get("expert_tensor_parallel_size")),
     )

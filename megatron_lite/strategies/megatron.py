@@ -56,6 +56,9 @@ class MegatronStrategy(ParallelStrategy):
             ``seq_length`` divisible by ``2 x C`` (``2 x C x TP`` with sequence parallelism), ``attention_dropout=0``.
         cp_comm_type: how CP attention gets the other ranks' keys and values: ``"p2p"`` (around the ring, one block in
             flight) or ``"all_gather"`` (the whole sequence's at once).
+        cp_fused_blocks: CP attention computes its blocks with a fused kernel that returns the log-sum-exp (CPU: torch's
+            flash kernel; CUDA: the memory-efficient SDPA kernel); ``False`` runs the math path that holds each block's
+            scores (slower, more memory; for debugging).
         expert_model_parallel_size: ranks that split the experts of an MoE model (EP), folded into TP x CP x DP: the
             experts of a stage run on ETP x EP x EDP of the same ranks (Megatron's MoE parallel folding).
         expert_tensor_parallel_size: ranks that split each expert's weights (ETP); None means
@@ -94,6 +97,7 @@ class MegatronStrategy(ParallelStrategy):
         num_layers_in_last_pipeline_stage: Optional[int] = None,
         context_parallel_size: int = 1,
         cp_comm_type: str = "p2p",
+        cp_fused_blocks: bool = True,
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: Optional[int] = None,
         use_torch_fsdp2: bool = False,
@@ -131,6 +135,7 @@ class MegatronStrategy(ParallelStrategy):
                 num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
                 context_parallel_size=context_parallel_size,
                 cp_comm_type=cp_comm_type,
+                cp_fused_blocks=cp_fused_blocks,
                 expert_model_parallel_size=expert_model_parallel_size,
                 expert_tensor_parallel_size=expert_tensor_parallel_size,
             ),

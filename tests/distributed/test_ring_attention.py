@@ -82,7 +82,7 @@ def test_context_parallel_attention_equals_full_attention(cp, comm_type, packed)
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_fused_cpu_blocks_equal_full_attention(packed):
-    """The opt-in fused CPU flash blocks, through the ring at CP2."""
+    """The fused CPU flash blocks (the default; the test above runs the math path), through the ring at CP2."""
     q, k, v, dout = _inputs()
     ref = _reference(q, k, v, dout, CU_SEQLENS if packed else None)
     for index, *local in run_ranks(_cp_rank, 2, "p2p", packed, True):

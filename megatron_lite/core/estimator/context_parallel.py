@@ -7,9 +7,11 @@ projection keeps its own input. While it runs (a transient of the forward) it al
 16-bit queries, the stacked local keys/values, the blocks in flight -- ``p2p``: the next block received while
 the current one is computed (two blocks of ``s/C`` tokens with C = 2, three from C = 3 on, the rank's own
 block staying referenced) or ``all_gather``: every rank's block, the whole sequence's keys and values --,
-an fp32 copy of a 16-bit block it computes on, and the scores of one query chunk against one key chunk
-(``s/(2C)`` x ``s/(2C)`` per head and sample). Checked against the probe on CP ranks
-(``tests/distributed/test_context_parallel_estimate.py``).
+an fp32 copy of a 16-bit block it computes on, and what one block (one query chunk against one key chunk of
+``s/(2C)`` tokens each) holds: through the fused kernels (the default, ``cp_fused_blocks``) its keys and values
+copied out per query head and its own output and log-sum-exp; through the math path its scores (``s/(2C)`` x
+``s/(2C)`` per head and sample). Checked against the probe on CP ranks, both paths
+(``tests/unit/test_estimator.py``, ``test_context_parallel_activations_match_the_probe_on_cp_ranks``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from megatron_lite.core.models.config import GPTConfig
 
-# Score-sized tensors one block computation holds at once (the scores, their scaled and masked copies;
+# Score-sized tensors one math-path block computation holds at once (the scores, their scaled and masked copies;
 # measured with the probe's forward peak on torch 2.13 CPU).
 SCORE_TENSORS_IN_FLIGHT = 3
 
@@ -31,6 +33,7 @@ class ContextParallelLayout(Protocol):
     tensor_model_parallel_size: int
     context_parallel_size: int
     cp_comm_type: str
+    cp_fused_blocks: bool
 
     @property
     def local_seq_length(self) -> int:
@@ -80,13 +83,20 @@ def context_parallel_attention_transient(
     # The blocks are computed in fp32: 16-bit queries and keys/values are copied, fp32 ones only viewed.
     fp32_queries = 0 if c == 4 else tokens * heads * d * 4
     fp32_block = 0 if c == 4 else 2 * tokens * groups * d * 4
-    chunk = layout.local_seq_length // 2
-    # The blocks run in fp32 whatever autocast says (the attention switches it off); the causal mask of a
-    # chunk is one byte per score.
-    b = layout.micro_batch_size
-    scores = SCORE_TENSORS_IN_FLIGHT * b * heads * chunk * chunk * 4 + chunk * chunk
     unkept = tokens * heads * (d + 1) * 4 if selective else 0
-    return fp32_queries + block * (1 + blocks) + fp32_block + scores + unkept
+    return fp32_queries + block * (1 + blocks) + fp32_block + block_transient(config, layout) + unkept
+
+
+def block_transient(config: GPTConfig, layout: ContextParallelLayout) -> int:
+    """Bytes one block computation holds (one query chunk against one key chunk, ``s/(2C)`` tokens each, in
+    fp32 whatever autocast says: the attention switches it off). A fused block hands the kernel its keys and
+    values copied out per query head (contiguous, GQA expanded) and gets back its output and log-sum-exp; a
+    math block holds score-sized tensors and the causal mask (one byte per score)."""
+    _, heads, _, d = _sizes(config, layout)
+    chunk, b = layout.local_seq_length // 2, layout.micro_batch_size
+    if layout.cp_fused_blocks:
+        return b * heads * chunk * (3 * d + 1) * 4
+    return SCORE_TENSORS_IN_FLIGHT * b * heads * chunk * chunk * 4 + chunk * chunk
 
 
 def layer_bytes_until_attention(parts: dict, recomputed: bool = False) -> int:

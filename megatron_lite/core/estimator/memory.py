@@ -82,6 +82,8 @@ class EstimateLayout:
     """ETP size: ranks that split each expert's weights; None means tensor_model_parallel_size."""
     cp_comm_type: str = "p2p"
     """How CP attention gets the other ranks' keys/values: 'p2p' (blocks passed around the ring) or 'all_gather'."""
+    cp_fused_blocks: bool = True
+    """CP attention's blocks run through a fused kernel (no score matrix held); False: the math path."""
     precision: str = "32-true"
     """Lightning precision string (see :data:`PRECISION_BYTES`)."""
     use_distributed_optimizer: bool = False
@@ -155,6 +157,7 @@ class EstimateLayout:
             num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage,
             context_parallel_size=self.context_parallel_size,
             cp_comm_type=self.cp_comm_type,
+            cp_fused_blocks=self.cp_fused_blocks,
             expert_model_parallel_size=self.expert_model_parallel_size,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
         )

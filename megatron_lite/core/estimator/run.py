@@ -52,6 +52,7 @@ def estimate_for_run(
         num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
         context_parallel_size=parallel.context_parallel_size,
         cp_comm_type=parallel.cp_comm_type,
+        cp_fused_blocks=parallel.cp_fused_blocks,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         precision=run.precision,

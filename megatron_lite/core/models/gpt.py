@@ -311,6 +311,7 @@ class GPTModel(nn.Module):
             cp_rank=layout.cp_rank,
             cp_group=layout.group("cp"),
             comm_type=layout.config.cp_comm_type,
+            fused=layout.config.cp_fused_blocks,
         )
 
     def _embed(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:

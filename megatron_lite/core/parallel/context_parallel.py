@@ -177,11 +177,12 @@ class AttentionContext:
     """The CP process group (None when cp_size is 1)."""
     comm_type: str = "p2p"
     """'p2p' (ring) or 'all_gather'."""
-    fused: bool = False
-    """Blocks through torch's fused CPU flash kernel where it exists (about 5x faster on CPU and no
-    score matrix held per block; exact, tested) instead of the portable math path. Off by default
-    until the memory estimator models its per-block buffers (core/estimator/context_parallel.py
-    accounts for the math path, checked against the probe)."""
+    fused: bool = True
+    """Blocks through a fused kernel that returns the log-sum-exp the merge needs and never holds a block's
+    score matrix (CPU: torch's flash kernel, about 5x faster per block; CUDA: the memory-efficient SDPA kernel,
+    which takes fp32); False: the portable math path (scores materialized per block; for debugging or a
+    device without such a kernel, where it also runs). Both are exact (tests/distributed/test_ring_attention.py)
+    and modelled by the memory estimator (core/estimator/context_parallel.py)."""
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -245,10 +246,70 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return scores
 
 
-def _fused_cpu(q: torch.Tensor, fused: bool) -> bool:
-    """Whether a block runs through torch's fused CPU flash kernel, which returns the log-sum-exp the
-    merge needs and never holds a block's score matrix (on other devices the portable math path runs)."""
-    return fused and q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+def _kernel(q: torch.Tensor, fused: bool) -> str:
+    """Which kernel computes a block: 'cpu_flash' (torch's fused CPU flash kernel), 'cuda_efficient' (the
+    memory-efficient CUDA kernel: flash proper takes only 16-bit inputs, and the blocks run in fp32) or 'math'.
+    Decided by the tensor's device type alone: no CUDA call happens off a GPU."""
+    if not fused:
+        return "math"
+    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "cpu_flash"
+    if q.device.type == "cuda" and hasattr(torch.ops.aten, "_efficient_attention_forward"):
+        return "cuda_efficient"
+    return "math"
+
+
+# custom_mask_type of the memory-efficient kernel: 0 no mask, 1 causal from the top-left corner (a causal
+# block is always square here -- the same run of tokens -- so top-left and bottom-right agree).
+_NO_MASK, _CAUSAL = 0, 1
+
+
+def _cuda_forward(qh, kh, vh, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, heads, l, d] blocks through the memory-efficient kernel (which takes [n, l, heads, d]); returns
+    out [n, heads, lq, d] and lse [n, heads, lq] (the kernel pads the lse to a multiple of 32 rows)."""
+    out, lse, *_ = torch.ops.aten._efficient_attention_forward(
+        qh.transpose(1, 2),
+        kh.transpose(1, 2),
+        vh.transpose(1, 2),
+        None,
+        None,
+        None,
+        None,
+        None,
+        0.0,
+        _CAUSAL if causal else _NO_MASK,
+        True,
+        scale=scale,
+    )
+    return out.transpose(1, 2), lse[..., : qh.shape[2]]
+
+
+def _cuda_backward(d_out, qh, kh, vh, out, lse, causal: bool, scale: float):
+    """Gradients of [n, heads, l, d] blocks through the memory-efficient kernel's backward, given the merged
+    output and log-sum-exp (laid out as the forward returns it: padded to a multiple of 32 rows)."""
+    lq, lk = qh.shape[2], kh.shape[2]
+    padded = F.pad(lse, (0, -lq % 32))
+    unused = torch.empty((), dtype=torch.int64, device=qh.device)  # philox seed and offset: no dropout
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        d_out.transpose(1, 2),
+        qh.transpose(1, 2),
+        kh.transpose(1, 2),
+        vh.transpose(1, 2),
+        None,
+        out.transpose(1, 2),
+        None,
+        None,
+        lq,
+        lk,
+        padded.contiguous(),
+        0.0,
+        unused,
+        unused,
+        _CAUSAL if causal else _NO_MASK,
+        False,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -260,10 +321,14 @@ def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _block_forward(q, k, v, causal: bool, scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: (out [n, g, qpg, lq, d], lse [n, g, qpg, lq]) in fp32."""
-    if _fused_cpu(q, fused):
+    kernel = _kernel(q, fused)
+    if kernel != "math":
         qh, kh, vh = _heads(q, k, v)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
-        return out.view(q.shape), lse.view(q.shape[:-1])
+        if kernel == "cpu_flash":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal, scale=scale)
+        else:
+            out, lse = _cuda_forward(qh, kh, vh, causal, scale)
+        return out.reshape(q.shape), lse.reshape(q.shape[:-1])
     scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
@@ -273,25 +338,31 @@ def _block_backward(q, k, v, d_out, out, lse, delta, causal: bool, scale: float,
     """Gradients (dq, dk, dv) of one block given the merged output ``out`` and log-sum-exp ``lse`` of
     its queries over every block: the probabilities are rebuilt from the final lse, so the block's
     share of the gradient is exact (flash attention's backward, block by block)."""
-    if _fused_cpu(q, fused):
+    kernel = _kernel(q, fused)
+    if kernel != "math":
         qh, kh, vh = _heads(q, k, v)
         n, g, qpg, lq, d = q.shape
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out.reshape(qh.shape),
-            qh,
-            kh,
-            vh,
-            out.reshape(qh.shape),
-            lse.reshape(qh.shape[:-1]),
-            0.0,
-            causal,
-            scale=scale,
-        )
+        if kernel == "cpu_flash":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                d_out.reshape(qh.shape),
+                qh,
+                kh,
+                vh,
+                out.reshape(qh.shape),
+                lse.reshape(qh.shape[:-1]),
+                0.0,
+                causal,
+                scale=scale,
+            )
+        else:
+            dq, dk, dv = _cuda_backward(
+                d_out.reshape(qh.shape), qh, kh, vh, out.reshape(qh.shape), lse.reshape(qh.shape[:-1]), causal, scale
+            )
         lk = k.shape[3]
         return (
-            dq.view(q.shape),
-            dk.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
-            dv.view(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
+            dq.reshape(q.shape),
+            dk.reshape(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
+            dv.reshape(n, g, qpg, lk, d).sum(dim=2, keepdim=True),
         )
     probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), d_out).sum(dim=2, keepdim=True)

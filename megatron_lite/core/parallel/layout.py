@@ -59,6 +59,9 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"
     """How context-parallel attention gets the other ranks' keys/values: 'p2p' (passed around the CP
     ring, the next block in flight while the current one is computed) or 'all_gather' (all at once)."""
+    cp_fused_blocks: bool = True
+    """Context-parallel attention computes its blocks with a fused kernel returning the log-sum-exp (CPU flash,
+    CUDA memory-efficient SDPA); False: the math path that materializes each block's scores (for debugging)."""
 
     def __post_init__(self) -> None:
         for name in (
