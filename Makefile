@@ -50,11 +50,11 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/moe.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/lora.py
 
-# The one-GPU check (benchmarks/gpu_check.py; docs/benchmarks.md#one-gpu-check) on a borrowed GPU machine that has torch,
-# lightning and transformers but no network: `make gpu-wheels` here (network) puts the pure-Python rest into
-# build/gpu-wheels; copy the checkout over; `make gpu-check` there installs them from that folder (no index) into
-# build/gpu-deps, beside the machine's own packages, and runs the check (~8 minutes on one H100/H200). Without CUDA it
-# runs the CPU smoke mode. GPU_PYTHON: the interpreter that has torch there; GPU_CHECK_ARGS: e.g. --skip-tests.
+# The one-GPU check (benchmarks/gpu_check.py; docs/benchmarks.md#one-gpu-check-make-gpu-check) on a borrowed GPU
+# machine that has torch, lightning and transformers but no network: `make gpu-wheels` here (network) puts the
+# pure-Python rest into build/gpu-wheels; copy the checkout over; `make gpu-check` there installs them from that folder
+# (no index) into build/gpu-deps, beside the machine's own packages, and runs the check (~8 minutes on one H100/H200).
+# Without CUDA it runs the CPU smoke mode. GPU_PYTHON: the interpreter that has torch there; GPU_CHECK_ARGS: e.g. --skip-tests.
 GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
 GPU_WHEELS ?= build/gpu-wheels
 GPU_DEPS := build/gpu-deps
