@@ -108,6 +108,20 @@ def build_weights(
     return module, hf
 
 
+def hf_greedy(hf, input_ids: torch.Tensor, new: int) -> torch.Tensor:
+    """``transformers``' greedy ``generate`` of exactly ``new`` tokens per row (no EOS stop), without gradients."""
+    with torch.no_grad():
+        return hf.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+
+
 def full_logits_loop(model, prompt: list[int], n: int) -> list[int]:
     """Greedy generation as it was before the KV cache: full logits of the whole sequence per token."""
     seq = torch.tensor([prompt])
@@ -240,16 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ids = torch.tensor([prompt])
 
         def hf_generate(input_ids: torch.Tensor, new: int):
-            with torch.no_grad():
-                return hf.generate(
-                    input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )
+            return hf_greedy(hf, input_ids, new)
 
         decode_rows["transformers"] = lambda: hf_generate(ids, n)
         prefill_rows["transformers prefill"] = lambda: hf_generate(torch.tensor(prefill), 1)
