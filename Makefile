@@ -10,7 +10,7 @@ CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constra
 # worker fills (whole suite 443 s instead of 482 s on a quiet 2-core machine, 2026-11-27; docs/test-budget.md)
 PYTEST_WORKERS ?= 3
 
-.PHONY: install demo lint test test-fast bench reliability docs clean
+.PHONY: install demo lint test test-fast bench reliability docs clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,24 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/post_training.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/moe.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/lora.py
+
+# The one-GPU check (benchmarks/gpu_check.py; docs/benchmarks.md#one-gpu-check-make-gpu-check) on a borrowed GPU
+# machine that has torch, lightning and transformers but no network: `make gpu-wheels` here (network) puts the
+# pure-Python rest into build/gpu-wheels; copy the checkout over; `make gpu-check` there installs them from that folder
+# (no index) into build/gpu-deps, beside the machine's own packages, and runs the check (~8 minutes on one H100/H200).
+# Without CUDA it runs the CPU smoke mode. GPU_PYTHON: the interpreter that has torch there; GPU_CHECK_ARGS: e.g. --skip-tests.
+GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+GPU_WHEELS ?= build/gpu-wheels
+GPU_DEPS := build/gpu-deps
+GPU_REQUIREMENTS := benchmarks/gpu-check-requirements.txt
+gpu-wheels:
+	$(GPU_PYTHON) -m pip download -q --no-deps --only-binary=:all: --platform any --implementation py --abi none \
+		--python-version 3.10 -d $(GPU_WHEELS) -r $(GPU_REQUIREMENTS)
+
+gpu-check:
+	test ! -d $(GPU_WHEELS) || $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --no-deps \
+		--upgrade --target $(GPU_DEPS) -r $(GPU_REQUIREMENTS)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GPU_DEPS) $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The documentation site (mkdocs.yml) into build/site; --strict: a broken link or a page missing from the nav fails
 docs: $(STAMP)

@@ -172,11 +172,13 @@ def time_load_at_tp1(args, checkpoint: Path, step: int) -> float:
     return strategy.load_seconds[0]
 
 
-def bandwidth(args, directory: Path) -> dict:
-    """save_sharded/load_sharded against torch.save/torch.load of the same tensors, in this process."""
+def bandwidth(args, directory: Path, device: str = "cpu") -> dict:
+    """save_sharded/load_sharded against torch.save/torch.load of the same tensors, in this process; the model
+    and its AdamW state on ``device`` (on a GPU the saves include the copies to the host)."""
     torch.manual_seed(0)
     module = ml.GPTModule(_config(args), seed=overhead.MODEL_SEED)
-    module.configure_model()
+    with torch.device(device):
+        module.configure_model()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     for p in module.parameters():
         p.grad = torch.randn_like(p)

@@ -69,31 +69,57 @@ SHAPE = dict(
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1)
 
 
-def build_weights(directory: Path, context: int, use_hf: bool):
-    """(our GPTModule, the transformers model or None) holding the same random weights."""
+def build_weights(
+    directory: Path,
+    context: int,
+    use_hf: bool,
+    shape: Optional[dict] = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """(our GPTModule, the transformers model or None) holding the same random weights, of ``shape`` (default
+    ``SHAPE``), on ``device`` in ``dtype`` (the transformers model is drawn there and saved in that dtype)."""
+    shape = SHAPE if shape is None else shape
     if not use_hf:
-        config = ml.GPTConfig(**SHAPE, seq_length=context)
+        config = ml.GPTConfig(**shape, seq_length=context)
         module = ml.GPTModule(config, seed=1234)
         module.configure_model()
-        module.model.eval()
+        module.model.to(device, dtype).eval()
         return module, None
     import transformers
 
     torch.manual_seed(1234)
     hf_config = transformers.LlamaConfig(
-        vocab_size=SHAPE["vocab_size"],
-        hidden_size=SHAPE["hidden_size"],
-        intermediate_size=SHAPE["ffn_hidden_size"],
-        num_hidden_layers=SHAPE["num_layers"],
-        num_attention_heads=SHAPE["num_attention_heads"],
-        num_key_value_heads=SHAPE["num_query_groups"],
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["ffn_hidden_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_query_groups"],
         max_position_embeddings=context,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )
-    transformers.LlamaForCausalLM(hf_config).save_pretrained(directory)
-    hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
-    return ml.GPTModule.from_pretrained(directory), hf
+    with torch.device(device):  # drawn where it runs: a 1B model's init on one CPU thread takes a while
+        hf = transformers.LlamaForCausalLM(hf_config).to(dtype).eval()
+    hf.save_pretrained(directory)
+    module = ml.GPTModule.from_pretrained(directory)
+    module.model.to(device, dtype)
+    return module, hf
+
+
+def hf_greedy(hf, input_ids: torch.Tensor, new: int) -> torch.Tensor:
+    """``transformers``' greedy ``generate`` of exactly ``new`` tokens per row (no EOS stop), without gradients."""
+    with torch.no_grad():
+        return hf.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
 
 
 def full_logits_loop(model, prompt: list[int], n: int) -> list[int]:
@@ -228,16 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ids = torch.tensor([prompt])
 
         def hf_generate(input_ids: torch.Tensor, new: int):
-            with torch.no_grad():
-                return hf.generate(
-                    input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )
+            return hf_greedy(hf, input_ids, new)
 
         decode_rows["transformers"] = lambda: hf_generate(ids, n)
         prefill_rows["transformers prefill"] = lambda: hf_generate(torch.tensor(prefill), 1)

@@ -75,6 +75,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.core.optim import build_optimizer  # noqa: E402
 from megatron_lite.data import MockGPTDataModule, MockGPTDataset  # noqa: E402
+from megatron_lite.strategies.precision import MegatronPrecision  # noqa: E402
 
 MODEL_SEED = 1234
 DATA_SEED = 1234
@@ -88,13 +89,32 @@ def _seed() -> None:
     np.random.seed(MODEL_SEED)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA step is only over when its kernels are); nothing on a CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # --- the hand-written loop -----------------------------------------------------------------------
 class PlainLoop:
-    """What a user would hand-write around the same model, optimizer and batches."""
+    """What a user would hand-write around the same model, optimizer and batches; on ``device`` (built under it,
+    as Lightning builds the framework's) in ``precision`` (a Lightning precision string: the framework's
+    ``MegatronPrecision`` decides the parameter dtype and the autocast, so both run the same arithmetic)."""
 
-    def __init__(self, config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args, num_steps: int):
+    def __init__(
+        self,
+        config: ml.GPTConfig,
+        opt_cfg: ml.OptimizerConfig,
+        args,
+        num_steps: int,
+        device: str = "cpu",
+        precision: str = "32-true",
+    ):
         _seed()
-        self.model = ml.GPTModel(config, seed=MODEL_SEED)  # layout=None: one process
+        self.device = torch.device(device)
+        self.precision = MegatronPrecision(precision, self.device.type)
+        with self.device:
+            self.model = self.precision.convert_module(ml.GPTModel(config, seed=MODEL_SEED))  # layout=None: 1 process
         self.model.train()
         self.optimizer = build_optimizer(self.model, opt_cfg)
         self.clip_grad = opt_cfg.clip_grad
@@ -107,9 +127,11 @@ class PlainLoop:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One optimizer step on one global batch; returns the (detached) loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        tokens = tokens.to(self.device)
+        total = torch.zeros((), device=self.device)
         for mb in tokens.split(self.micro_batch_size):
-            loss = self.model(mb[:, :-1], mb[:, 1:]).mean() / self.num_microbatches
+            with self.precision.forward_context():
+                loss = self.model(mb[:, :-1], mb[:, 1:]).mean() / self.num_microbatches
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
@@ -117,10 +139,12 @@ class PlainLoop:
         return total
 
 
-def run_plain(config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args) -> dict:
+def run_plain(
+    config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args, device: str = "cpu", precision: str = "32-true"
+) -> dict:
     """``args.steps`` steps of the plain loop, timed like :class:`StepTimer` times the Trainer."""
     torch.set_num_threads(THREADS)
-    loop = PlainLoop(config, opt_cfg, args, args.steps)
+    loop = PlainLoop(config, opt_cfg, args, args.steps, device, precision)
     step_s, cpu_s, interval_s, losses = [], [], [], []
     start = None
     for batch in loop.loader:
@@ -129,6 +153,7 @@ def run_plain(config: ml.GPTConfig, opt_cfg: ml.OptimizerConfig, args) -> dict:
             interval_s.append(now - start)
         start, cpu_start = now, time.process_time()
         loss = loop.step(batch["tokens"])
+        sync(loop.device)
         step_s.append(time.perf_counter() - start)
         cpu_s.append(time.process_time() - cpu_start)
         losses.append(float(loss))
@@ -172,6 +197,7 @@ class StepTimer(L.Callback):
         self._start, self._cpu_start = now, time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sync(pl_module.device)
         self.step_s.append(time.perf_counter() - self._start)
         self.cpu_s.append(time.process_time() - self._cpu_start)
         self.losses.append(float(outputs["loss"]))
@@ -209,6 +235,7 @@ class InterleavedPlainSteps(L.Callback):
         tokens = next(self.batches)["tokens"]
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = self.loop.step(tokens)
+        sync(self.loop.device)
         self.step_s.append(time.perf_counter() - start)
         self.cpu_s.append(time.process_time() - cpu_start)
         self.losses.append(float(loss))
@@ -249,12 +276,14 @@ def run_framework(
     interleave_plain: bool = False,
     strategy_kwargs: Optional[dict] = None,
     extra_callbacks: Optional[list] = None,
+    accelerator: str = "cpu",
+    precision: str = "32-true",
 ) -> dict:
     """A real Trainer + MegatronStrategy + GPTModule + MockGPTDataModule run; rank 0's measurements.
 
     ``start_method="popen"`` with one device runs in this process (no child is started). ``strategy_kwargs``:
     further ``MegatronStrategy`` arguments (e.g. ``expert_model_parallel_size``); ``extra_callbacks``: more
-    Trainer callbacks, after the timer (e.g. ``LoRA``).
+    Trainer callbacks, after the timer (e.g. ``LoRA``); ``accelerator`` and ``precision``: the Trainer's.
     """
     steps = steps or args.steps
     torch.set_num_threads(THREADS)
@@ -263,7 +292,9 @@ def run_framework(
         timer = StepTimer(out_file)
         callbacks: list[L.Callback] = [timer]
         if interleave_plain:
-            timer.paired = InterleavedPlainSteps(PlainLoop(config, opt_cfg, args, steps))
+            timer.paired = InterleavedPlainSteps(
+                PlainLoop(config, opt_cfg, args, steps, "cuda" if accelerator == "gpu" else "cpu", precision)
+            )
             callbacks.append(timer.paired)  # after the timer: its step runs outside the framework's window
         callbacks += extra_callbacks or []
         _seed()
@@ -278,7 +309,8 @@ def run_framework(
             strategy=ml.MegatronStrategy(
                 tensor_model_parallel_size=tp, start_method=start_method, **(strategy_kwargs or {})
             ),
-            accelerator="cpu",
+            accelerator=accelerator,
+            precision=precision,
             devices=devices,
             max_steps=steps,
             logger=False,
