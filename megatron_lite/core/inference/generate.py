@@ -196,11 +196,9 @@ def _decode(
     finally:
         if cache is not None:
             cache.free()
-    new_tokens, lengths = new_tokens.cpu(), lengths.tolist()
-    tokens = [new_tokens[i, : lengths[i]].tolist() for i in range(b)]
-    if log_probs is not None:
-        log_probs = log_probs.cpu()
-    row_log_probs = [log_probs[i, : lengths[i]].tolist() for i in range(b)] if log_probs is not None else None
+    ends = lengths.tolist()
+    tokens = [row[:end] for row, end in zip(new_tokens.tolist(), ends)]
+    row_log_probs = [row[:end] for row, end in zip(log_probs.tolist(), ends)] if log_probs is not None else None
     return GenerationResult(tokens, row_log_probs, [bool(row) and row[-1] in stops for row in tokens])
 
 
