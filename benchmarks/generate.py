@@ -23,13 +23,19 @@ libraries run the same weights; without it, a ``GPTModel`` of the same shape. Ro
   one gloo all-reduce of a decode step's activation [1, 1, 128] measured in the same ranks (a greedy TP2
   decode step waits on 2 per layer and one all-gather that chooses the token).
 
+* **TP decode** (``--tp-decode-only``, alone; ``--quick`` for 64 tokens and 3 repeats): TP1, TP2 and TP2 with every
+  sum of a decode step a gloo all-reduce (the code before the one-round sums), greedy with log-probs at batch 1
+  and 16, in rotation on two forked ranks (TP1 on rank 0 alone), and the latency of one tiny all-reduce,
+  all-gather and broadcast: the floor a TP2 decode step's ``2 x layers + 1`` collectives put under it.
+
 Every process and rank uses one torch thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). Rows are
 run ``--repeats`` times in rotation so slow drifts of a shared machine hit them all; medians are reported,
 with the load average, and for the decode rows also the process CPU time per token (which other jobs on
 the cores move much less than wall time). Nothing is asserted; targets are printed as met or missed: cached >= 5x
 recompute at 256 new tokens, cached >= 1.0x transformers.
 
-Run from the repository root: ``python benchmarks/generate.py [--repeats 5] [--skip-tp] [--skip-hf]``.
+Run from the repository root: ``python benchmarks/generate.py [--repeats 5] [--skip-tp] [--skip-hf]`` or
+``python benchmarks/generate.py --tp-decode-only [--quick]``.
 """
 
 from __future__ import annotations
@@ -207,6 +213,133 @@ def run_layout(world: int, parallel: dict, source, prompt: list[int], n: int, re
         return torch.load(out, weights_only=False)
 
 
+# --- TP decode: TP2 against TP1, one-round sums against the ring all-reduce ----------------------------------
+def _median_latency(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median wall seconds of ``fn()`` over ``calls`` calls (the first 30 dropped: warm-up)."""
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[30:])
+
+
+def _tp_decode_worker(
+    rank: int, world: int, port: int, out: str, source, prompt, n: int, repeats: int, batches: tuple[int, ...]
+) -> None:
+    """Rows in rotation on two forked ranks: TP1 (rank 0 alone, on the one-process model, while rank 1 waits in the
+    next barrier), TP2, and TP2 "ring" (every sum of a decode step a gloo all-reduce, as before the one-round sums:
+    ``ONE_ROUND_SUM_BYTES = 0``); then the latency of one tiny collective of each kind (the floor)."""
+    from megatron_lite.core.parallel import mappings
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2))
+    model = GPTModel(source.config, layout, seed=source.seed)
+    carry_over_state(source.model, model, vocab_size=source.config.vocab_size)
+    model.eval()
+    one_round = mappings.ONE_ROUND_SUM_BYTES
+
+    def tp2(prompts: list, ring: bool):
+        mappings.ONE_ROUND_SUM_BYTES = 0 if ring else one_round
+        try:
+            return generate(model, prompts, n, return_log_probs=True)
+        finally:
+            mappings.ONE_ROUND_SUM_BYTES = one_round
+
+    rows: dict[tuple[str, int], Callable[[], object]] = {}
+    for b in batches:
+        prompts = [prompt] * b
+        rows[("TP1", b)] = lambda p=prompts: generate(source.model, p, n, return_log_probs=True) if rank == 0 else None
+        rows[("TP2", b)] = lambda p=prompts: tp2(p, ring=False)
+        rows[("TP2 ring", b)] = lambda p=prompts: tp2(p, ring=True)
+    outputs = {key: fn() for key, fn in rows.items()}  # warm-up, and the tokens compared
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
+    cpu: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
+    for _ in range(repeats):
+        for key, fn in rows.items():
+            dist.barrier()
+            times[key].append(timed(fn, cpu[key]))
+    x = torch.randn(1, 1, SHAPE["hidden_size"])
+    gathered = torch.empty(2, 1, SHAPE["hidden_size"])
+    floor = {
+        "all_reduce": _median_latency(lambda: dist.all_reduce(x)),
+        "all_gather": _median_latency(lambda: mappings.all_gather_into_tensor(gathered, x)),
+        "broadcast": _median_latency(lambda: dist.broadcast(x, 0)),
+    }
+    if rank == 0:
+        same = {
+            b: outputs[("TP2", b)] == outputs[("TP2 ring", b)]
+            and outputs[("TP2", b)].tokens == outputs[("TP1", b)].tokens  # type: ignore[union-attr]
+            for b in batches
+        }
+        torch.save({"times": times, "cpu": cpu, "floor_s": floor, "same_tokens": same}, out)
+    layout.destroy()
+    dist.destroy_process_group()
+
+
+def run_tp_decode(source, prompt: list[int], n: int, repeats: int, batches: tuple[int, ...]) -> dict:
+    """Rank 0's TP decode timings (see :func:`_tp_decode_worker`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.pt")
+        mp.start_processes(
+            _tp_decode_worker,
+            args=(2, _free_port(), out, source, prompt, n, repeats, batches),
+            nprocs=2,
+            start_method="fork",
+        )
+        return torch.load(out, weights_only=False)
+
+
+def report_tp_decode(result: dict, n: int, repeats: int) -> dict:
+    """Print the TP decode table and the floor; returns the JSON section."""
+    times, floor = result["times"], result["floor_s"]
+    batches = sorted({b for _, b in times})
+    rate = {key: b * n / statistics.median(t) for key, t in times.items() for b in [key[1]]}
+    print(
+        f"\nTP decode, {n} new tokens per row, greedy with log-probs (2 forked gloo ranks, median of {repeats}; "
+        "tokens/s of all rows)"
+    )
+    print(
+        f"{'batch':<7}{'TP1':>9}{'TP2':>9}{'TP2 ring':>10}{'TP2/TP1':>9}{'ring/TP1':>10}{'TP2/ring':>10}  same tokens"
+    )
+    ratios = {}
+    for b in batches:
+        tp1, tp2, ring = rate[("TP1", b)], rate[("TP2", b)], rate[("TP2 ring", b)]
+        print(
+            f"{b:<7}{tp1:>9.0f}{tp2:>9.0f}{ring:>10.0f}{tp2 / tp1:>9.2f}{ring / tp1:>10.2f}{tp2 / ring:>10.2f}"
+            f"  {result['same_tokens'][b]}"
+        )
+        ratios[f"tp2_vs_tp1_batch{b}"] = tp2 / tp1
+        ratios[f"tp2_ring_vs_tp1_batch{b}"] = ring / tp1
+        ratios[f"tp2_vs_tp2_ring_batch{b}"] = tp2 / ring
+    cpu_ms = {key: 1e3 * statistics.median(t) / n for key, t in result["cpu"].items()}
+    print(
+        "rank 0's CPU ms per decode step (its own work; the rest of the wall time it waits): "
+        + ", ".join(f"{name} b{b} {ms:.2f}" for (name, b), ms in cpu_ms.items())
+    )
+    collectives = 2 * SHAPE["num_layers"] + 1
+    tp1_step = 1 / rate[("TP1", 1)]
+    wait = collectives * floor["all_gather"]
+    print(
+        "one collective of [1, 1, 128] between the 2 ranks, tight loop: "
+        + ", ".join(f"{name} {seconds * 1e6:.0f} us" for name, seconds in floor.items())
+    )
+    print(
+        f"floor: a greedy TP2 decode step waits on {collectives} one-round collectives = {wait * 1e3:.2f} ms, against "
+        f"TP1's whole step of {tp1_step * 1e3:.2f} ms: even with no compute TP2/TP1 <= {tp1_step / wait:.2f} at batch 1"
+    )
+    ratios["floor_tp2_vs_tp1_batch1"] = tp1_step / wait
+    return {
+        "times_s": {f"{name} b{b}": t for (name, b), t in times.items()},
+        "cpu_ms_per_step": {f"{name} b{b}": ms for (name, b), ms in cpu_ms.items()},
+        "floor_s": floor,
+        "same_tokens": result["same_tokens"],
+        "ratios": ratios,
+    }
+
+
 # --- report ---------------------------------------------------------------------------------------------
 def median_rate(times: list[float], units: int) -> float:
     return units / statistics.median(times)
@@ -222,9 +355,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-hf", action="store_true", help="no transformers rows (and a GPTModel's weights)")
     parser.add_argument("--skip-tp", action="store_true")
+    parser.add_argument(
+        "--tp-decode-only",
+        action="store_true",
+        help="only the TP decode rows (TP2 against TP1 at batch 1 and 16, one-round sums against the ring), the floor",
+    )
+    parser.add_argument("--quick", action="store_true", help="with --tp-decode-only: 64 new tokens, 3 repeats")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.tp_decode_only:
+        return tp_decode_main(args)
     use_hf = not args.skip_hf
     if use_hf:
         try:
@@ -366,6 +507,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
+    return 0
+
+
+def tp_decode_main(args: argparse.Namespace) -> int:
+    """``--tp-decode-only``: the TP decode rows alone (about a minute with ``--quick``)."""
+    n, repeats = (64, 3) if args.quick else (args.tp_new_tokens, args.repeats)
+    context = max(args.prompt_length + n, 512)
+    prompt = [(7 * i + 3) % SHAPE["vocab_size"] for i in range(args.prompt_length)]
+    load_before = os.getloadavg()
+    module, _ = build_weights(Path(), context, use_hf=False)
+    section = report_tp_decode(run_tp_decode(module, prompt, n, repeats, (1, 16)), n, repeats)
+    load_after = os.getloadavg()
+    print(f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores: above 2 means contention)")
+    out = Path(args.out).with_name("generate_tp_decode.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"torch": torch.__version__, "cpus": os.cpu_count(), "load_before": load_before, "load_after": load_after}
+    out.write_text(
+        json.dumps(
+            {
+                "config": {**vars(args), "new_tokens": n, "repeats": repeats, "shape": SHAPE},
+                "machine": machine,
+                "tp_decode": section,
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    print(f"wrote {out}")
     return 0
 
 

@@ -2,6 +2,8 @@
 a one-process reference that never touches the inference code: an argmax loop over the training
 forward's full logits (``GPTModel.full_logits``) and a teacher-forced forward for the log-probs."""
 
+from collections import Counter
+
 import pytest
 import torch
 from spawn_utils import run_ranks
@@ -127,6 +129,41 @@ def test_two_ranks_equal_reference(reference, parallel):
 
 def test_tp2_pp2_equals_reference(reference):
     _check(run_ranks(_on_layout, 4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), {}), reference)
+
+
+def _collectives_per_decode_step(model: GPTModel, **kwargs) -> dict[str, float]:
+    """gloo collectives this rank issues per decode step (as torch's profiler records them): a generation of
+    3 tokens less one of 1 (the same prefill), over the 2 extra steps."""
+    from torch.profiler import profile
+
+    def count(n: int) -> Counter:
+        with profile() as prof:
+            generate(model, PROMPTS, n, **kwargs)
+        return Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
+
+    one, three = count(1), count(3)
+    return {name: (three[name] - one[name]) / 2 for name in three}
+
+
+def _decode_collectives(rank, world_size):
+    layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=2))
+    model = GPTModel(_config(), layout, seed=3)
+    out = {
+        "greedy": _collectives_per_decode_step(model, return_log_probs=True),
+        "sampled": _collectives_per_decode_step(model, sampling=SAMPLING),
+    }
+    layout.destroy()
+    return out
+
+
+def test_tp2_decode_step_collectives():
+    """A greedy TP2 decode step waits on Megatron's two sums per layer and one all-gather that chooses the token
+    (2 x 4 + 1), a sampled one on the two sums, the embedding's sum, the logits' gather to the sampler and its
+    broadcast; every sum of a decode step's few rows is one all-gather round, never gloo's two-round all-reduce."""
+    layers = CONFIG["num_layers"]
+    for counts in run_ranks(_decode_collectives, 2):
+        assert counts["greedy"] == {"gloo:all_gather": 2 * layers + 1}
+        assert counts["sampled"] == {"gloo:all_gather": 2 * layers + 1, "gloo:gather": 1, "gloo:broadcast": 1}
 
 
 def _tied(rank, world_size):

@@ -150,9 +150,10 @@ def _decode(
     sampler = TokenSampler(sampling, row_ids, runner.device) if runner.is_sampler else None
     cache = KVCache.for_model(model, b, width + max_new_tokens) if use_cache and runner.computes else None
     stop_tensor = torch.tensor(stops, dtype=torch.int64, device=runner.device)
-    new_tokens = torch.empty(b, max_new_tokens, dtype=torch.int64)
-    log_probs = torch.empty(b, max_new_tokens, dtype=torch.float64) if return_log_probs else None
-    lengths = torch.full((b,), max_new_tokens, dtype=torch.int64)
+    # On the device, copied to the host once at the end: a per-token copy would sync a GPU every step.
+    new_tokens = torch.empty(b, max_new_tokens, dtype=torch.int64, device=runner.device)
+    log_probs = torch.empty(b, max_new_tokens, dtype=torch.float64, device=runner.device) if return_log_probs else None
+    lengths = torch.full((b,), max_new_tokens, dtype=torch.int64, device=runner.device)
     finished = torch.zeros(b, dtype=torch.bool, device=runner.device)
     payload = torch.empty(b * (2 if return_log_probs else 1), dtype=torch.float64, device=runner.device)
     inputs, sequence, embeddings = batch.tokens, batch.tokens, None
@@ -173,15 +174,15 @@ def _decode(
                         payload[b:] = token_log_probs(logits, chosen)
                 runner.share(payload)  # token ids < 2**53 are exact in float64
                 chosen, lps = payload[:b].to(torch.int64), payload[b:]
-            new_tokens[:, t] = chosen.cpu()
+            new_tokens[:, t] = chosen
             if log_probs is not None:
                 assert lps is not None  # asked for (return_log_probs): both branches give them
-                log_probs[:, t] = lps.cpu()
+                log_probs[:, t] = lps
             if stops:
                 ended = torch.isin(chosen, stop_tensor) & ~finished
-                lengths[ended.cpu()] = t + 1
+                lengths.masked_fill_(ended, t + 1)
                 finished |= ended
-                if bool(finished.all()):
+                if bool(finished.all()):  # the one host sync per step, and only with stop ids: when to stop
                     break
             if t + 1 == max_new_tokens:
                 break
@@ -195,8 +196,9 @@ def _decode(
     finally:
         if cache is not None:
             cache.free()
-    tokens = [new_tokens[i, : lengths[i]].tolist() for i in range(b)]
-    row_log_probs = [log_probs[i, : lengths[i]].tolist() for i in range(b)] if log_probs is not None else None
+    ends = lengths.tolist()
+    tokens = [row[:end] for row, end in zip(new_tokens.tolist(), ends)]
+    row_log_probs = [row[:end] for row, end in zip(log_probs.tolist(), ends)] if log_probs is not None else None
     return GenerationResult(tokens, row_log_probs, [bool(row) and row[-1] in stops for row in tokens])
 
 

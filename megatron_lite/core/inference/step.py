@@ -20,7 +20,9 @@ Greedy decoding under tensor parallelism alone needs neither: every TP rank take
 vocabulary slice, and one all-gather of (best logit, its id, its word-embedding row, the slice's
 log-sum-exp) gives every rank the winner — a choice made by exact comparisons of bit-identical copies,
 so it cannot diverge — and the next step's embedding, so the lookup's all-reduce goes too: a decode step
-waits on ``2 x layers + 1`` collectives instead of ``2 x layers + 3``.
+waits on ``2 x layers + 1`` collectives instead of ``2 x layers + 3``. On CPU each of a decode step's sums
+is one gloo all-gather round, not an all-reduce's two (``mappings.sum_in_one_round``); below that the floor is
+gloo's latency, a round trip per collective (``benchmarks/generate.py --tp-decode-only``).
 
 Generation runs whole rows: context-parallel ranks other than 0 (which hold the same weights)
 compute nothing and only receive the broadcast tokens — unless the experts are folded over them (the ETP x EP
