@@ -13,7 +13,9 @@ size 1 for both, as speculative decoding runs):
   cache (what a verify pass costs against a decode step) and of one draft-head step;
 * **side by side**: ``--repeats`` rounds, each timing plain ``generate`` then speculative decoding at every
   ``--k`` in turn (A B A B ...: the machine's load hits both), reporting median tokens/s, acceptance length
-  (generated tokens per base forward), the per-round ratio's median, and whether the tokens equal greedy's.
+  (generated tokens per base forward), the per-round ratio's median, and whether the tokens equal greedy's;
+* **break-even**: the acceptance length at which a round (a verify forward over k+1 tokens and k draft steps,
+  from the forward costs) costs what its tokens cost as plain decode steps, and the one for 1.3x.
 
 Every process uses one torch thread. Nothing is asserted: the table reports.
 Run from the repository root: ``python benchmarks/speculative.py [--quick]``.
@@ -94,6 +96,7 @@ def trained_pair(args, data: TextCorpusDataModule, config: ml.GPTConfig):
     return module, load_draft_head(head_path, module.model), spent
 
 
+@torch.no_grad()
 def forward_costs(model, draft, prompt: list[int], max_tokens: int, repeats: int) -> dict:
     """Median ms of one base forward over n new tokens (n = 1..max_tokens) after the prompt's cache, each with
     its greedy tokens read back on the host as a verify pass does, and of one draft step (one token); the
@@ -124,15 +127,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--base-steps", type=int, default=None, help="default 600 (--quick: 120)")
-    parser.add_argument("--draft-steps", type=int, default=None, help="default 400 (--quick: 80)")
+    parser.add_argument("--base-steps", type=int, default=None, help="default 600 (--quick: 300)")
+    parser.add_argument("--draft-steps", type=int, default=None, help="default 400 (--quick: 200)")
     parser.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 8, --quick: 4)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, nargs="*", default=[1, 2, 3, 4], help="draft lengths to measure")
     parser.add_argument("--repeats", type=int, default=None, help="side-by-side rounds (default 5, --quick: 3)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "speculative.json"))
     args = parser.parse_args(argv)
-    for name, full, quick in (("base_steps", 600, 120), ("draft_steps", 400, 80), ("prompts", 8, 4), ("repeats", 5, 3)):
+    for name, full, quick in (
+        ("base_steps", 600, 300),
+        ("draft_steps", 400, 200),
+        ("prompts", 8, 4),
+        ("repeats", 5, 3),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     torch.set_num_threads(1)
@@ -202,8 +210,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"\nplain greedy: {total} tokens, {total / plain_s:.0f} tokens/s (median of {args.repeats}); "
         f"load average {os.getloadavg()[0]:.2f}"
     )
-    print(f"{'k':>3}{'equal':>7}{'acceptance':>12}{'tokens/s':>10}{'vs plain':>10}{'per-round':>11}")
+    plain_token_ms = plain_s / total * 1e3
+    print(
+        f"{'k':>3}{'equal':>7}{'acceptance':>12}{'tokens/s':>10}{'vs plain':>10}{'per-round':>11}"
+        f"{'break-even':>12}{'a for 1.3x':>12}"
+    )
     for k, row in rows.items():
+        # A round costs about one verify forward over k+1 tokens and k draft steps; it pays once its accepted
+        # tokens would have cost more as plain decode steps.
+        round_ms = base_ms[k + 1] + k * costs["draft_step_ms"]
+        row["break_even_acceptance"] = round_ms / plain_token_ms
+
         seconds = statistics.median(times[f"k{k}"])
         row["tokens_per_s"] = total / seconds
         row["speedup"] = plain_s / seconds
@@ -212,6 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(
             f"{k:>3}{str(row['equal_to_greedy']):>7}{row['acceptance_length']:>12.2f}{row['tokens_per_s']:>10.0f}"
             f"{row['speedup']:>9.2f}x{row['speedup_per_round_median']:>10.2f}x"
+            f"{row['break_even_acceptance']:>12.2f}{1.3 * row['break_even_acceptance']:>12.2f}"
         )
     result = {
         "config": {**vars(args), "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab_size}},
@@ -224,7 +242,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             "load_after": os.getloadavg(),
         },
         "forward_costs": costs,
-        "plain": {"tokens": total, "tokens_per_s": total / plain_s, "seconds": times["plain"]},
+        "plain": {
+            "tokens": total,
+            "tokens_per_s": total / plain_s,
+            "ms_per_token": plain_token_ms,
+            "seconds": times["plain"],
+        },
         "speculative": rows,
     }
     out = Path(args.out)
