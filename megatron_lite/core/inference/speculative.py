@@ -31,7 +31,7 @@ import torch
 from megatron_lite.core.inference.expert_rounds import ExpertRounds
 from megatron_lite.core.inference.generate import generation_mode, model_context
 from megatron_lite.core.inference.kv_cache import InferenceStep, KVCache
-from megatron_lite.core.inference.prompts import attention_mask, check_prompts, check_stop_ids
+from megatron_lite.core.inference.prompts import check_prompts, check_stop_ids
 from megatron_lite.core.models.attention import rotary_tables
 from megatron_lite.core.models.draft_head import EagleDraftHead, base_fingerprint
 from megatron_lite.core.models.gpt import GPTModel
@@ -145,7 +145,12 @@ def speculative_generate(
 
 
 class _Speculator:
-    """The state of one prompt's speculative decoding: the base's and the draft head's KV caches."""
+    """The state of one prompt's speculative decoding: the base's and the draft head's KV caches, and the
+    per-position tables every step slices (positions, RoPE, causal mask: built once, not per forward).
+
+    Tokens stay on the device from the draft head's argmax to the verify pass: a round reads the host once
+    (its proposals and the base's choices together, to count what is accepted), so drafting never waits on
+    the device."""
 
     def __init__(self, model: GPTModel, draft: EagleDraftHead, max_len: int):
         self.model, self.draft = model, draft
@@ -174,6 +179,12 @@ class _Speculator:
         )
         self.output_weight = model._output_weight()
         self.base_forwards = self.draft_steps = 0
+        # Every slot's tables, sliced per step: RoPE is elementwise in the position, so a slice holds the bits
+        # a per-step computation would give.
+        self.positions = torch.arange(max_len, device=self.device).unsqueeze(0)  # [1, max_len]
+        rotary = model.rotary
+        self.rope = rotary_tables(*(t.unsqueeze(3) for t in rotary(self.positions))) if rotary is not None else None
+        self.causal = torch.ones(max_len, max_len, dtype=torch.bool, device=self.device).tril()
 
     def run(self, row: list[int], max_new_tokens: int, k: int, stops: tuple[int, ...]) -> tuple[list[int], int, int]:
         try:
@@ -185,76 +196,77 @@ class _Speculator:
     def _run(self, row: list[int], max_new_tokens: int, k: int, stops: tuple[int, ...]) -> list[int]:
         if max_new_tokens == 0:
             return []
-        features, greedy = self._base(row, 0)  # the prefill
-        out = [greedy[-1]]
+        prompt = torch.tensor(row, dtype=torch.int64, device=self.device)
+        features, greedy = self._base(prompt, 0)  # the prefill
+        out = [int(greedy[-1])]
         # The draft head's inputs at slot p are (feature of base slot p, token of base slot p+1).
-        pending_features, pending_tokens, draft_start = features, row[1:] + out, 0
+        pending_features, pending_tokens, draft_start = features, torch.cat([prompt[1:], greedy[-1:]]), 0
         position = len(row)  # base-cache slot of the newest token (not yet run through the base)
+        newest = greedy[-1:]
         while len(out) < max_new_tokens and out[-1] not in stops:
-            proposals = self._propose(
-                pending_features, pending_tokens, draft_start, min(k, max_new_tokens - len(out) - 1)
-            )
-            features, greedy = self._base([out[-1]] + proposals, position)
+            count = min(k, max_new_tokens - len(out) - 1)
+            proposals = self._propose(pending_features, pending_tokens, draft_start, count)
+            features, greedy = self._base(torch.cat([newest, proposals]), position)
+            # The round's one read of the host: the proposals and the base's choice after each.
+            chosen = torch.cat([proposals, greedy]).tolist()
+            drafted, verified = chosen[:count], chosen[count:]
             accepted = 0
-            while accepted < len(proposals) and proposals[accepted] == greedy[accepted]:
+            while accepted < count and drafted[accepted] == verified[accepted]:
                 accepted += 1
-            new = proposals[:accepted] + [greedy[accepted]]
-            pending_features, pending_tokens, draft_start = features[: accepted + 1], new, position
+            # accepted proposals equal the base's choices, so the new tokens are the base's first accepted + 1
+            pending_features, pending_tokens, draft_start = features[: accepted + 1], greedy[: accepted + 1], position
+            newest = greedy[accepted : accepted + 1]
             position += accepted + 1
-            for token in new:
+            for token in verified[: accepted + 1]:
                 out.append(token)
                 if token in stops:
                     break
         return out
 
     def _step(self, start: int, length: int, cache: Optional[KVCache]) -> InferenceStep:
-        positions = torch.arange(start, start + length, device=self.device).unsqueeze(0)
+        end = start + length
         # One query sees every cached slot; several after cached slots need the causal mask offset by `start`.
-        mask = (
-            attention_mask(torch.zeros(1, dtype=torch.int64, device=self.device), start, length)
-            if length > 1 and start > 0
-            else None
-        )
-        return InferenceStep(start=start, positions=positions, mask=mask, cache=cache)
+        mask = self.causal[start:end, :end].view(1, 1, length, end) if length > 1 and start > 0 else None
+        return InferenceStep(start=start, positions=self.positions[:, start:end], mask=mask, cache=cache)
 
     def _rope(self, step: InferenceStep):
-        rotary = self.model.rotary
-        return rotary_tables(*(t.unsqueeze(3) for t in rotary(step.positions))) if rotary is not None else None
+        if self.rope is None:
+            return None
+        start, length = step.start, step.positions.shape[1]
+        return tuple(t.narrow(0, start, length) for t in self.rope)
 
-    def _logits_argmax(self, features: torch.Tensor) -> list[int]:
-        """The base's greedy token after each of ``features`` [s, 1, h] (the output layer's input)."""
+    def _greedy(self, features: torch.Tensor) -> torch.Tensor:
+        """The base's greedy token [s] after each of ``features`` [s, 1, h] (the output layer's input)."""
         local = self.output_layer(features, self.output_weight)[:, 0].float()  # [s, V_padded/tp]
-        return gather_real_vocab(local, self.tp_group, self.model.config.vocab_size).argmax(dim=-1).tolist()
+        return gather_real_vocab(local, self.tp_group, self.model.config.vocab_size).argmax(dim=-1)
 
-    def _base(self, tokens: list[int], start: int) -> tuple[torch.Tensor, list[int]]:
-        """Run ``tokens`` through the base at cache slots ``start..``: (their features [s, 1, h], the greedy
-        token after each)."""
+    def _base(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` [s] through the base at cache slots ``start..``: (their features [s, 1, h], the greedy
+        token after each [s])."""
         model = self.model
-        ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
-        step = self._step(start, len(tokens), self.cache)
+        step = self._step(start, tokens.shape[0], self.cache)
         rope = self._rope(step)
-        x = model._embed(ids, step.positions)  # the model's own embedding (word + learned positions)
+        x = model._embed(tokens.unsqueeze(0), step.positions)  # the model's own embedding (word + learned positions)
         for i in model.chunks[0].stage.layers:
             x = model.layer(i).inference_forward(x, rope, step.kv(i), step)
         features = self.final_layernorm(x)
         self.base_forwards += 1
-        return features, self._logits_argmax(features)
+        return features, self._greedy(features)
 
-    def _propose(self, features: torch.Tensor, tokens: list[int], start: int, count: int) -> list[int]:
-        """``count`` draft tokens: the head first reads the pending (true) features at slots ``start..``, then
-        its own predictions, one slot at a time."""
-        proposals: list[int] = []
+    def _propose(self, features: torch.Tensor, tokens: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """``count`` draft tokens [count]: the head first reads the pending (true) features at slots ``start..``
+        (``tokens`` [n] the tokens after them), then its own predictions, one slot at a time."""
+        proposals = []
         slot = start
-        while len(proposals) < count:
-            ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
-            step = self._step(slot, len(tokens), None)
-            embeddings = self.embedding(ids.t())
+        for _ in range(count):
+            step = self._step(slot, tokens.shape[0], None)
+            embeddings = self.embedding(tokens.unsqueeze(1))  # [n, 1, h]
             predicted = self.draft.inference_forward(
                 features, embeddings, self._rope(step), self.draft_cache.layers[0], step
             )[-1:]
             self.draft_steps += 1
-            slot += len(tokens)
-            token = self._logits_argmax(predicted)[0]
-            proposals.append(token)
-            features, tokens = predicted, [token]
-        return proposals
+            slot += tokens.shape[0]
+            tokens = self._greedy(predicted)
+            proposals.append(tokens)
+            features = predicted
+        return torch.cat(proposals) if proposals else torch.empty(0, dtype=torch.int64, device=self.device)
