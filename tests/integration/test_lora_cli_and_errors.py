@@ -29,6 +29,7 @@ trainer:
   num_sanity_val_steps: 0
   limit_val_batches: 0
   logger: false
+  default_root_dir: {root}
   strategy:
     class_path: megatron_lite.MegatronStrategy
     init_args: {{tensor_model_parallel_size: 2, start_method: fork}}
@@ -51,7 +52,7 @@ def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_cli_fine_tunes_adapters_only(tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
-    config.write_text(YAML.format(dirpath=tmp_path / "ckpt"))
+    config.write_text(YAML.format(dirpath=tmp_path / "ckpt", root=tmp_path))  # the CLI writes its config.yaml there
     main(
         [
             "fit",
