@@ -48,6 +48,7 @@ from megatron_lite.module_checks import check_module_run
 from megatron_lite.module_inference import GPTInference
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
 from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
+from megatron_lite.utils.local_path import require_local_path
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _POST_STEP_CHECKPOINT_WARNING = (
@@ -142,6 +143,9 @@ class GPTModule(GPTInference, pl.LightningModule):
         A LoRA run's adapter-only checkpoint gives the adapted model: its base is loaded from where the checkpoint
         records it (or from ``base``, if it moved), checked against the recorded content hash, then the adapters.
         """
+        require_local_path(path, "GPTModule.from_pretrained path")
+        require_local_path(adapter, "adapter")
+        require_local_path(base, "base")
         return load_pretrained(
             cls, path, optimizer=optimizer, seed=seed, strict=strict, adapter=adapter, base=base, **config_overrides
         )

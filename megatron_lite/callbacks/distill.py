@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.module import GPTModule
 from megatron_lite.post_training.distillation import Distillation, DistillationConfig
+from megatron_lite.utils.local_path import require_local_path
 
 TeacherSource = Union[str, Path, Any]  # a checkpoint or HF directory, a GPTModule, or "self"
 
@@ -34,6 +35,7 @@ def load_teacher(teacher: TeacherSource) -> Any:
             )
         return teacher
     if isinstance(teacher, (str, Path)):
+        require_local_path(teacher, "Distill(teacher=...)")
         if not Path(teacher).exists():
             raise FileNotFoundError(
                 f"teacher {str(teacher)!r} does not exist: pass one of our checkpoints, a "

@@ -23,6 +23,7 @@ from megatron_lite.post_training.speculative import (
     draft_head_of,
     save_draft_head,
 )
+from megatron_lite.utils.local_path import require_local_path
 
 
 class TrainDraftHead(pl.Callback):
@@ -50,6 +51,8 @@ class TrainDraftHead(pl.Callback):
         self.config = DraftHeadConfig(
             kind=kind, regression_weight=regression_weight, classification_weight=classification_weight, seed=seed
         )
+        require_local_path(save_path, "TrainDraftHead(save_path=...)")
+        require_local_path(base, "TrainDraftHead(base=...)")
         if base is not None and not os.path.exists(base):
             raise FileNotFoundError(f"TrainDraftHead(base={str(base)!r}): no such checkpoint or Hugging Face directory")
         self.save_path = save_path

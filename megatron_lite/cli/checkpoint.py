@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_lite.cli.command import EXIT_FAILED, EXIT_OK, print_result, run_verb
 from megatron_lite.core.checkpoint.format.inspect import describe_checkpoint, is_healthy
+from megatron_lite.utils.local_path import local_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = verbs.add_parser("inspect", help="step, consumed samples, layout, configs, size, checksum verdict")
     inspect.add_argument(
         "path",
+        type=local_path_argument,
         help="a checkpoint directory (e.g. runs/ckpts/last.ckpt), or a directory of "
         "checkpoints (its latest_checkpoint.json is followed)",
     )

@@ -62,6 +62,7 @@ from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft import LORA_RECIPE, has_adapters, is_adapter_parameter, lora_recipe, merge_lora
 from megatron_lite.post_training.export import has_quantizer_state
 from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
+from megatron_lite.utils.local_path import local_path_argument
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -90,8 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["hf", "hf-peft"],
         help="write an HF model directory (hf) or a LoRA checkpoint's adapters as a PEFT adapter directory (hf-peft)",
     )
-    parser.add_argument("--input", required=True, help="HF directory (--from hf) or our checkpoint (--to hf)")
-    parser.add_argument("--output", required=True, help="our checkpoint (--from hf) or an HF directory (--to hf)")
+    parser.add_argument(
+        "--input", type=local_path_argument, required=True, help="HF directory (--from hf) or our checkpoint (--to hf)"
+    )
+    parser.add_argument(
+        "--output",
+        type=local_path_argument,
+        required=True,
+        help="our checkpoint (--from hf) or an HF directory (--to hf)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     parser.add_argument(
         "--seq-length",
@@ -108,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tokenizer",
+        type=local_path_argument,
         default=None,
         help="--to hf: copy the tokenizer files of this directory (default: the checkpoint's hf/)",
     )

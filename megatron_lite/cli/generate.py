@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.inference.sampling import SamplingParams
+from megatron_lite.utils.local_path import local_path_argument
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -33,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-lite generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
+    p.add_argument(
+        "--ckpt",
+        type=local_path_argument,
+        required=True,
+        help="one of our checkpoints, or a Hugging Face Llama directory",
+    )
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
@@ -56,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
     p.add_argument(
         "--draft",
+        type=local_path_argument,
         default=None,
         help="speculative decoding with this draft head (a file or checkpoint "
         "of TrainDraftHead; greedy, one process): the same text, fewer base-model forwards",

@@ -17,6 +17,7 @@ from typing import Optional
 
 from megatron_lite.cli.command import run_verb
 from megatron_lite.data.preprocess import PreprocessResult, merge, preprocess
+from megatron_lite.utils.local_path import local_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--input",
         nargs="+",
+        type=local_path_argument,
         required=True,
         help="files or globs: .jsonl[.gz], .json, .parquet, or datasets save_to_disk directories",
     )
@@ -41,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="json_keys",
         help="keys (columns) holding the text; one output pair per key",
     )
-    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    p.add_argument(
+        "--output-prefix", type=local_path_argument, required=True, help="writes {prefix}_{key}_document.bin/.idx"
+    )
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOD id to every document")
     p.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (regex splitter)")
@@ -50,9 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="SentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer or NullTokenizer",
     )
-    p.add_argument("--tokenizer-model", help="SentencePiece .model, HF tokenizer dir/json, or tiktoken file")
-    p.add_argument("--vocab-file", help="GPT-2 vocab.json")
-    p.add_argument("--merge-file", help="GPT-2 merges.txt")
+    p.add_argument(
+        "--tokenizer-model",
+        type=local_path_argument,
+        help="SentencePiece .model, HF tokenizer dir/json, or tiktoken file",
+    )
+    p.add_argument("--vocab-file", type=local_path_argument, help="GPT-2 vocab.json")
+    p.add_argument("--merge-file", type=local_path_argument, help="GPT-2 merges.txt")
     p.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, TikTokenizer)")
     p.add_argument("--log-interval", type=int, default=1000, help="documents between log lines without a tty")
     p.add_argument("--chunk-size", type=int, default=256, help="documents per task sent to a worker")
@@ -121,11 +129,12 @@ def merge_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--input",
         nargs="+",
+        type=local_path_argument,
         required=True,
         help="prefixes (path without .bin/.idx), .idx/.bin files or globs of them, or a directory "
         "(all its pairs, sorted by name)",
     )
-    p.add_argument("--output-prefix", required=True, help="writes OUT.bin and OUT.idx")
+    p.add_argument("--output-prefix", type=local_path_argument, required=True, help="writes OUT.bin and OUT.idx")
     args = p.parse_args(argv)
     return run_verb(
         "megatron-lite preprocess",

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 from megatron_lite.cli.command import print_result, run_verb
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
+from megatron_lite.utils.local_path import local_path_argument
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 
@@ -34,13 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-lite prune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
+    p.add_argument(
+        "--ckpt",
+        type=local_path_argument,
+        required=True,
+        help="one of our checkpoints, or a Hugging Face Llama directory",
+    )
     p.add_argument(
         "--data",
+        type=local_path_argument,
         required=True,
         help="calibration text: a .jsonl[.gz] file, a bundled corpus name, or an indexed dataset prefix",
     )
-    p.add_argument("--output", required=True, help="the pruned checkpoint to write")
+    p.add_argument("--output", type=local_path_argument, required=True, help="the pruned checkpoint to write")
     for name in _SHAPE_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"pruned {name} (default: keep)")
     p.add_argument(

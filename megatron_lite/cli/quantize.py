@@ -30,13 +30,19 @@ from typing import Optional, Sequence
 from megatron_lite.cli.command import print_result, run_verb
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.checkpoint.format.output_dir import check_output
+from megatron_lite.utils.local_path import local_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-lite quantize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ckpt", required=True, help="one of our checkpoints, or a Hugging Face Llama directory")
+    p.add_argument(
+        "--ckpt",
+        type=local_path_argument,
+        required=True,
+        help="one of our checkpoints, or a Hugging Face Llama directory",
+    )
     p.add_argument(
         "--config",
         default="INT8_SMOOTHQUANT_CFG",
@@ -44,10 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-cache", default=None, help="ModelOpt KV-cache preset, e.g. FP8_KV_CFG")
     p.add_argument(
-        "--data", required=True, help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix"
+        "--data",
+        type=local_path_argument,
+        required=True,
+        help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix",
     )
     p.add_argument("--json-key", default="text", help="the corpus's text field (default text)")
-    p.add_argument("--output", required=True, help="directory for the quantized checkpoint")
+    p.add_argument("--output", type=local_path_argument, required=True, help="directory for the quantized checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches (default 8)")
     p.add_argument("--eval-batches", type=int, default=8, help="perplexity batches before/after (default 8; 0: none)")

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lite.utils.local_path import local_path_argument
+
 
 def add_tokenizer_options(parser: argparse.ArgumentParser) -> None:
     """``--tokenizer-type`` and its files, overriding the tokenizer the model brings."""
     parser.add_argument(
         "--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)"
     )
-    parser.add_argument("--tokenizer-model", default=None)
-    parser.add_argument("--vocab-file", default=None)
-    parser.add_argument("--merge-file", default=None)
+    parser.add_argument("--tokenizer-model", type=local_path_argument, default=None)
+    parser.add_argument("--vocab-file", type=local_path_argument, default=None)
+    parser.add_argument("--merge-file", type=local_path_argument, default=None)
 
 
 def tokenizer_options(args: argparse.Namespace) -> dict:

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from megatron_lite.core.parallel.packing import cu_seqlens_from_eod, position_ids_from_cu_seqlens
 from megatron_lite.data._index_cache import array_digest, describe, load_or_build
+from megatron_lite.utils.local_path import require_local_path
 
 if TYPE_CHECKING:
     from megatron_lite.data.indexed_dataset import IndexedDataset
@@ -161,7 +162,8 @@ class GPTDataset(Dataset):
         ):
             raise ValueError(f"num_samples must be None (one epoch) or an integer >= 1, got {num_samples!r}")
         self.dataset = indexed_dataset
-        self.path_prefix = os.path.abspath(dataset_path_prefix)
+        self.path_prefix = os.path.abspath(require_local_path(dataset_path_prefix, "dataset_path_prefix"))
+        require_local_path(cache_dir, "cache_dir")
         self.indices = np.asarray(indexed_indices, dtype=np.int64)
         self.seq_length = seq_length
         self.seed = seed

@@ -52,6 +52,7 @@ from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import parse_object_line, read_lines
+from megatron_lite.utils.local_path import require_local_path
 
 FIELDS = ("prompt", "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
@@ -359,6 +360,7 @@ class PreferenceDataModule(PretrainingDataModule):
         if not self.paths:
             raise ValueError("PreferenceDataModule needs at least one path (a .jsonl or .jsonl.gz file)")
         for p in self.paths:
+            require_local_path(p, "data.path")
             if not os.path.isfile(p):
                 raise FileNotFoundError(
                     f"preference data {p} does not exist; pass data.path=<a .jsonl(.gz) file of "

@@ -34,6 +34,7 @@ import numpy as np
 from megatron_lite.data.corpus_readers import PreprocessError, chunk_items, input_kind, read_items, resolve_inputs
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
 from megatron_lite.utils.jsonl import parse_object_line, require_object
+from megatron_lite.utils.local_path import require_local_path
 from megatron_lite.utils.optional import require
 
 
@@ -218,6 +219,9 @@ def preprocess(
         raise PreprocessError(
             f"--workers ({workers}), --chunk-size ({chunk_size}) and --log-interval ({log_interval}) must be >= 1"
         )
+    for pattern in inputs:
+        require_local_path(pattern, "--input")
+    require_local_path(output_prefix, "--output-prefix")
     paths = resolve_inputs(inputs)
     for path in paths:
         input_kind(path)  # fail on an unsupported file before any work
@@ -344,6 +348,9 @@ def merge(inputs: Sequence[str], output_prefix: str) -> list[str]:
     """Concatenate the ``.bin``/``.idx`` pairs ``inputs`` name, in order, into ``output_prefix``: prefixes (path
     without ``.bin``/``.idx``), ``.idx``/``.bin`` files or globs of them, or directories (all their pairs, sorted by
     name). Returns the prefixes merged; PreprocessError naming the input that matches nothing."""
+    for pattern in inputs:
+        require_local_path(pattern, "--input")
+    require_local_path(output_prefix, "--output-prefix")
     prefixes: list[str] = []
     for pattern in inputs:
         if os.path.isdir(pattern):

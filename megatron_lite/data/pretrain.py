@@ -21,6 +21,7 @@ from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import GlobalBatchSampler, ramp_position
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
+from megatron_lite.utils.local_path import require_local_path
 
 _SPLIT_NAMES = ("train", "validation", "test")
 _SAMPLERS = ("sequential", "cyclic")
@@ -62,6 +63,7 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], list[flo
 
 def _check_prefix(path: str) -> str:
     """The absolute prefix of an existing ``.bin``/``.idx`` pair (a ``.bin``/``.idx`` suffix is dropped)."""
+    require_local_path(path, "data path")
     prefix = os.path.abspath(path[:-4] if path.endswith((".bin", ".idx")) else path)
     for suffix in (".idx", ".bin"):
         if not os.path.isfile(prefix + suffix):
@@ -163,7 +165,7 @@ class PretrainDataModule(PretrainingDataModule):
         self.eod_mask_loss = eod_mask_loss
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
-        self.cache_dir = os.path.abspath(cache_dir) if cache_dir is not None else None
+        self.cache_dir = os.path.abspath(require_local_path(cache_dir, "cache_dir")) if cache_dir is not None else None
         self.tokenizer = tokenizer
 
         tokens, max_ids = [], []

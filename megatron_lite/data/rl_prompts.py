@@ -30,6 +30,7 @@ from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingS
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import parse_object_line, read_lines
+from megatron_lite.utils.local_path import require_local_path
 
 
 def read_prompt_rows(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict[str, str]]:
@@ -122,6 +123,7 @@ class RLPromptDataModule(PretrainingDataModule):
                 "give the prompts as rows=[{'prompt': ..., 'answer': ...}, ...] or path=<a .jsonl file>, "
                 "exactly one of them"
             )
+        require_local_path(path, "path")
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(
                 f"prompt data {path} does not exist; pass path=<a .jsonl(.gz) file of "

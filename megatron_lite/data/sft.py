@@ -29,6 +29,7 @@ from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import read_lines
+from megatron_lite.utils.local_path import require_local_path
 
 Render = Callable[[Sequence[dict], bool], str]
 ROLES = ("system", "user", "assistant", "tool")
@@ -231,6 +232,7 @@ class SFTDataModule(PretrainingDataModule):
         rampup_batch_size: Optional[list[int]] = None,
     ) -> None:
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
+        require_local_path(path, "data.path")
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"SFT data {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file "

@@ -20,6 +20,7 @@ from megatron_lite.tokenizers import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.sentencepiece_tokenizer import MIN_BYTE_FALLBACK_VOCAB
 from megatron_lite.utils.files import locked, write_atomic
 from megatron_lite.utils.jsonl import iter_jsonl_texts
+from megatron_lite.utils.local_path import require_local_path
 from megatron_lite.utils.optional import require
 
 # bump when the tokenizer settings or the array layout change, so old caches are not reused
@@ -121,6 +122,9 @@ class TextCorpusDataModule(PretrainingDataModule):
         """Validate paths, corpus, split and sizes now, before any process is spawned; ``rampup_batch_size``
         ramps the training batch up (see :class:`PretrainingDataModule`)."""
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
+        require_local_path(path, "path")
+        require_local_path(cache_dir, "cache_dir")
+        require_local_path(tokenizer_model, "tokenizer_model")
         path = resolve_corpus(path)  # a file, or a bundled corpus name ("shakespeare") that works from any cwd
         require("sentencepiece", "TextCorpusDataModule")  # here, before launch, not in every rank's prepare_data
         _check_corpus(path, json_key)

@@ -40,6 +40,7 @@ from megatron_lite.core.peft.lora import LORA_RECIPE, has_adapters, lora_recipe,
 from megatron_lite.strategies._lightning_private import _distributed_is_initialized, attached_trainer
 from megatron_lite.strategies.auto_resume import AutoResume, resume_checkpoint
 from megatron_lite.strategies.launch_checks import lora_resume_message, mismatch_message, weights_only_message
+from megatron_lite.utils.local_path import require_local_path
 
 if TYPE_CHECKING:
     from megatron_lite.strategies.megatron import MegatronStrategy
@@ -160,6 +161,7 @@ class StrategyCheckpoints:
         """Write ``checkpoint`` (Lightning's dict): its tensors' entries as DCP shards, the rest as ``meta.json``. In
         the background for ModelCheckpoint's saves with ``async_save=True`` (or ``storage_options={"async_save":
         True}``)."""
+        require_local_path(filepath, "the checkpoint path")
         strategy = self._strategy
         live = self.live_layout() is not None
         module = strategy.lightning_module

@@ -24,7 +24,12 @@ from megatron_lite.strategies.auto_resume import AutoResume, recover_interrupted
 from megatron_lite.strategies.checkpointing import refuse_without_weights
 from megatron_lite.strategies.default_callbacks import add_default_callbacks
 from megatron_lite.strategies.hand_back import receive_results
-from megatron_lite.strategies.launch_checks import check_checkpoint_fits, check_ckpt_path, ckpt_path_of
+from megatron_lite.strategies.launch_checks import (
+    check_checkpoint_dirs,
+    check_checkpoint_fits,
+    check_ckpt_path,
+    ckpt_path_of,
+)
 from megatron_lite.strategies.pre_launch import check_run
 from megatron_lite.strategies.rank_failure import RUN_DIR_ENV, failure_file, next_run_number
 
@@ -80,6 +85,7 @@ class StrategyLaunch:
         refuse_without_weights(module)
         ckpt_path = ckpt_path_of(args)
         check_ckpt_path(ckpt_path)
+        check_checkpoint_dirs(trainer)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         check_checkpoint_fits(ckpt_path, module, fitting, list(getattr(trainer, "callbacks", None) or []))
         self.run_spec = check_run(strategy, module, datamodule, trainer, strategy.num_nodes * strategy.num_processes)
@@ -99,6 +105,7 @@ class StrategyLaunch:
         SLURM no launcher ran them), the strategy's default callbacks, and in a rank re-running the user's script
         the run's directory that rank 0 made."""
         strategy = self._strategy
+        check_checkpoint_dirs(trainer)
         self.run_spec = check_run(
             strategy,
             strategy.lightning_module,

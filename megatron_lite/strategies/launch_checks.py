@@ -29,6 +29,8 @@ from megatron_lite.core.checkpoint.resume.entries import (
 from megatron_lite.core.estimator.run import trained_lora
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft.lora import LORA_RECIPE
+from megatron_lite.strategies._lightning_private import checkpoint_callback_dir
+from megatron_lite.utils.local_path import require_local_path
 
 # ckpt_path values that Lightning resolves itself (a checkpoint callback's file, the HPC path, a model registry)
 _SYMBOLIC = ("last", "best", "hpc")
@@ -44,6 +46,7 @@ def check_ckpt_path(value: Optional[str]) -> None:
     """A path that Lightning does not resolve itself must be a megatron-lite checkpoint directory."""
     if _resolved_by_lightning(value):
         return
+    require_local_path(value, "ckpt_path")
     path = Path(value)
     fix = (
         "pass the directory that trainer.save_checkpoint() or ModelCheckpoint wrote, or ckpt_path='last' to "
@@ -60,6 +63,13 @@ def check_ckpt_path(value: Optional[str]) -> None:
         raise ValueError(
             f"ckpt_path={value!r} is not a megatron-lite checkpoint directory (no DCP .metadata inside); {fix}"
         )
+
+
+def check_checkpoint_dirs(trainer: Any) -> None:
+    """The directories the Trainer's checkpoint callbacks save into are local (a URL would be written as a local
+    folder named after its scheme)."""
+    for callback in getattr(trainer, "callbacks", None) or []:
+        require_local_path(checkpoint_callback_dir(callback, trainer), f"{type(callback).__name__}'s directory")
 
 
 def _resolved_by_lightning(value: Optional[str]) -> bool:

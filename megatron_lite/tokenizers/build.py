@@ -13,6 +13,7 @@ from megatron_lite.tokenizers.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.tiktoken_tokenizer import TikTokenizer
 from megatron_lite.utils.jsonl import iter_jsonl_texts
+from megatron_lite.utils.local_path import require_local_path
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -130,6 +131,14 @@ def build_tokenizer(
     ``vocab_size`` is ignored by the types whose files fix it (SentencePiece loading, GPT-2, HF). Missing
     arguments raise ValueError naming them, missing files FileNotFoundError naming the file.
     """
+    for value, what in (
+        (tokenizer_model, "tokenizer_model"),
+        (vocab_file, "vocab_file"),
+        (merge_file, "merge_file"),
+        (train_corpus, "train_corpus"),
+        (output_prefix, "output_prefix"),
+    ):
+        require_local_path(value, what)
     kind = canonical_tokenizer_type(tokenizer_type)
     tokenizer: Tokenizer
     if kind == "SentencePieceTokenizer":

@@ -1,0 +1,41 @@
+"""Paths are local: a URL (``s3://``, ``gs://``, ``hf://``, ``https://``, ...) is refused by name until object storage
+is supported, instead of being taken for a relative path (``s3://data/shk`` once wrote a local folder ``s3:``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Optional, TypeVar
+
+P = TypeVar("P", str, "os.PathLike[str]")
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_FIX = (
+    "object storage is not supported yet: copy the data to a local or network file system path and give that "
+    "path (write outputs there and copy them to the store afterwards)"
+)
+
+
+class ObjectStorageURLError(ValueError):
+    """A URL given where a local (or mounted network file system) path is needed."""
+
+
+def is_url(value: str | os.PathLike[str]) -> bool:
+    """Whether ``value`` is a ``scheme://...`` URL (a Windows drive letter, ``C:\\``, is not)."""
+    return bool(_URL.match(os.fspath(value)))
+
+
+def require_local_path(value: Optional[P], what: str) -> Optional[P]:
+    """``value`` itself when it is None or not a URL; else :class:`ObjectStorageURLError` naming ``what`` (the
+    option or argument, e.g. ``--output-prefix``) and the URL, before anything is read or written."""
+    if value is not None and is_url(value):
+        raise ObjectStorageURLError(f"{what} {os.fspath(value)!r} is a URL; {_FIX}")
+    return value
+
+
+def local_path_argument(value: str) -> str:
+    """``type=`` of an argparse option that takes a path: a URL is a usage error (argparse names the option)."""
+    if is_url(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a URL; {_FIX}")
+    return value
