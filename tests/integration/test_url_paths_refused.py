@@ -1,0 +1,158 @@
+"""A URL is never taken for a local path (issue 28, until object storage is supported): every entry point that takes
+a path refuses ``s3://...`` in one line naming the option, the URL and the fix, before anything is read, written or
+spawned. ``--output-prefix s3://data/shk`` once wrote a local folder ``s3:`` in the working directory."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+
+import megatron_lite as ml
+from megatron_lite.callbacks import Distill, TrainDraftHead
+from megatron_lite.cli import main as cli
+from megatron_lite.data import MockGPTDataModule, PretrainDataModule, TextCorpusDataModule
+from megatron_lite.data.preference import PreferenceDataModule
+from megatron_lite.data.preprocess import preprocess
+from megatron_lite.data.rl_prompts import RLPromptDataModule
+from megatron_lite.data.sft import SFTDataModule
+from megatron_lite.tokenizers import build_tokenizer
+
+URL = "s3://data/shk"
+FIX = "is a URL; object storage is not supported yet: copy the data to a local or network file system path"
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """The working directory, where a URL taken for a relative path would have created ``s3:``."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"text": "1 2 3"}) + "\n")
+    yield tmp_path
+    assert not (tmp_path / "s3:").exists(), "a URL was taken for a local path"
+
+
+@pytest.mark.parametrize(
+    "option, argv",
+    [
+        (
+            "--output-prefix",
+            [
+                "preprocess",
+                "--input",
+                "corpus.jsonl",
+                "--output-prefix",
+                URL,
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "100",
+            ],
+        ),
+        (
+            "--input",
+            [
+                "preprocess",
+                "--input",
+                URL,
+                "--output-prefix",
+                "out/x",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "100",
+            ],
+        ),
+        (
+            "--tokenizer-model",
+            [
+                "preprocess",
+                "--input",
+                "corpus.jsonl",
+                "--output-prefix",
+                "out/x",
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                URL,
+            ],
+        ),
+        ("--output-prefix", ["preprocess", "merge", "--input", "corpus", "--output-prefix", URL]),
+        ("--input", ["convert", "--from", "hf", "--input", URL, "--output", "out"]),
+        ("--output", ["convert", "--to", "hf", "--input", "ckpt", "--output", URL]),
+        ("--ckpt", ["quantize", "--ckpt", URL, "--data", "corpus.jsonl", "--output", "out"]),
+        ("--output", ["quantize", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", URL]),
+        ("--data", ["prune", "--ckpt", "ckpt", "--data", URL, "--output", "out", "--num-layers", "1"]),
+        ("--output", ["prune", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", URL]),
+        ("--ckpt", ["generate", "--ckpt", URL, "--prompt", "hi"]),
+        ("--vocab-file", ["generate", "--ckpt", "ckpt", "--prompt", "hi", "--vocab-file", URL]),
+        ("path", ["checkpoint", "inspect", URL]),
+    ],
+)
+def test_the_cli_refuses_a_url_by_option(workdir, capsys, option, argv):  # noqa: ARG001 (the fixture checks)
+    with pytest.raises(SystemExit) as done:
+        cli(argv)
+    assert done.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {option}: {URL!r} {FIX}" in error
+
+
+def _refused(what: str):
+    return pytest.raises(ValueError, match=f"^{what} '{URL}' is a URL; object storage is not supported yet")
+
+
+def test_the_library_refuses_a_url_for_data_and_tokenizers(workdir):
+    corpus = str(workdir / "corpus.jsonl")
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
+    with _refused("--output-prefix"):
+        preprocess([corpus], URL, tokenizer)
+    with _refused("data path"):
+        PretrainDataModule(["0.5", URL, "0.5", "local"], seq_length=8, micro_batch_size=1, global_batch_size=1)
+    with _refused("path"):
+        TextCorpusDataModule(URL)
+    with _refused("data.path"):
+        SFTDataModule(URL, tokenizer)
+    with _refused("data.path"):
+        PreferenceDataModule([corpus, URL], tokenizer)
+    with _refused("path"):
+        RLPromptDataModule(tokenizer, path=URL)
+    with _refused("tokenizer_model"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=URL)
+
+
+def test_the_library_refuses_a_url_for_checkpoints(workdir):
+    with _refused("GPTModule.from_pretrained path"):
+        ml.GPTModule.from_pretrained(URL)
+    with _refused("adapter"):
+        ml.GPTModule.from_pretrained("ckpt", adapter=URL)
+    with _refused(r"Distill\(teacher=...\)"):
+        Distill(teacher=URL)
+    with _refused(r"TrainDraftHead\(save_path=...\)"):
+        TrainDraftHead(save_path=URL)
+
+
+def _fit(**trainer_options) -> L.Trainer:
+    return L.Trainer(
+        strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False),
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_options,
+    )
+
+
+def _module_and_data():
+    config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
+    return ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=1, global_batch_size=2)
+
+
+def test_fit_refuses_a_url_checkpoint_before_any_rank_starts(workdir):
+    with _refused("ckpt_path"):
+        _fit(enable_checkpointing=False).fit(*_module_and_data(), ckpt_path=URL)
+    # ModelCheckpoint without a dirpath saves under default_root_dir/checkpoints: a URL there is refused too
+    with pytest.raises(ValueError, match=f"^ModelCheckpoint's directory '{URL}/checkpoints' {FIX}"):
+        _fit(default_root_dir=URL).fit(*_module_and_data())
