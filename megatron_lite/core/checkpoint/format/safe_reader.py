@@ -144,7 +144,7 @@ def storage_files(metadata: dcp_metadata.Metadata) -> set[str]:
 
 def _why(error: Exception) -> str:
     """What went wrong reading an entry, in words that never pass on torch's advice to retry with
-    ``weights_only=False`` (what its weights-only unpickler says about a file it refuses)."""
+    ``weights_only`` off (what its weights-only unpickler says about a file it refuses)."""
     if isinstance(error, pickle.UnpicklingError):
         return "its bytes are not a plain torch.save'd tensor"
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
