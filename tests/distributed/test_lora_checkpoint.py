@@ -136,10 +136,13 @@ def test_adapter_only_checkpoint_holds_the_adapters_and_names_the_base(base, one
     # The same run on a base of unknown origin (built in this process): a full checkpoint, said once, still resumed
     handler = logging.FileHandler(tmp_path / "log.txt")  # the forked ranks inherit it
     logger = logging.getLogger("lightning.pytorch")  # where rank_zero_info logs (it does not propagate further)
+    level = logger.level  # at INFO whatever an earlier test in this process left it at
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         full = _fit(tmp_path / "full", ml.GPTModule(CONFIG, optimizer=_optimizer(), seed=5))
     finally:
+        logger.setLevel(level)
         logger.removeHandler(handler)
         handler.close()
     notes = [line for line in (tmp_path / "log.txt").read_text().splitlines() if "has no recorded source" in line]
