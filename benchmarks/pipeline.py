@@ -8,8 +8,10 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
    Per recorded step after ``--warmup``: the measured bubble (``megatron_lite.core.parallel.pipeline.timeline``: per
    stage ``1 - busy / span``, span from the first forward's start to the last backward's end, mean over stages);
    the median over those steps is reported beside the theory, 1F1B ``(P-1)/(M+P-1)``. The same at P=2 with
-   the interleaved schedule, V=2 (``(P-1)/(V·M+P-1)``). The last recorded step of every run is drawn to
-   ``--png-dir`` (``pp<P>_m<M>[_v2].png``), and its events are kept in ``pp<P>_m<M>[_v2]/pipeline_events``.
+   the interleaved schedule, V=2 (``(P-1)/(V·M+P-1)``), and at every P and M with the zero-bubble ZB-H1 schedule
+   ``zb1p`` (``(P-1)/(3M+P-1)`` when forward, input-gradient and weight-gradient passes take equal time; printed
+   as its bubble and tokens/s over 1F1B's at the same P and M). The last recorded step of every run is drawn to
+   ``--png-dir`` (``pp<P>_m<M>[_v2|_zb1p].png``), and its events are kept in ``pp<P>_m<M>[...]/pipeline_events``.
    Targets at P=2: within 10 % (relative) of theory for M >= 2P; interleaved at most 0.6x
    the 1F1B bubble at the same M.
 2. **Throughput at P=2, M=``--throughput-microbatches``** (8). tokens/s of
@@ -20,6 +22,8 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
      norm + output layer), ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` with a mean
      cross-entropy ``loss_fn``, AdamW from ``build_optimizer``, the global gradient norm clipped at 1.0 (one
      all-reduce of the squared norm), ``optimizer.step()``.
+   * *PP2 zb1p* and *plain pipelining ZB-H1* (``ScheduleInterleavedZeroBubble`` with one stage per rank): the same
+     pair with the zero-bubble schedule (``--skip-zero-bubble`` leaves them and the sweep's zb1p rows out).
    Targets: PP2 >= 1.5x one process; framework overhead ``plain / PP2 - 1`` <= 5 %.
    Each runner ``--repeats`` times in alternating (ABBA) order; tokens/s from the median step time of
    rank 0 after ``--warmup`` steps (window as in ``overhead.py``: batch in hand -> optimizer step returned).
@@ -69,7 +73,7 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import lightning as L  # noqa: E402
 import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_environ, _summary, write_result)
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
@@ -111,7 +115,14 @@ def _optimizer() -> ml.OptimizerConfig:
 
 # --- the framework ---------------------------------------------------------------------------------
 def run_framework(
-    args, *, pp: int, num_microbatches: int, vpp: int = 1, steps: int, events_dir: Optional[Path] = None
+    args,
+    *,
+    pp: int,
+    num_microbatches: int,
+    vpp: int = 1,
+    steps: int,
+    events_dir: Optional[Path] = None,
+    schedule: Optional[str] = None,
 ) -> dict:
     """One ``Trainer.fit`` of ``GPTModule``; rank 0's step times (``overhead.StepTimer``) and, with
     ``events_dir``, the pipeline events of every step after the warm-up."""
@@ -132,6 +143,7 @@ def run_framework(
         strategy = ml.MegatronStrategy(
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            pipeline_schedule=schedule,
             start_method="fork" if pp > 1 else "popen",
             log_metrics=False,
         )
@@ -185,7 +197,9 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
 
-def _plain_pipeline_rank(rank: int, world: int, args, num_microbatches: int, steps: int, out_dir: str) -> None:
+def _plain_pipeline_rank(
+    rank: int, world: int, args, num_microbatches: int, steps: int, out_dir: str, zero_bubble: bool = False
+) -> None:
     torch.set_num_threads(overhead.THREADS)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     config = _config(args)
@@ -195,7 +209,10 @@ def _plain_pipeline_rank(rank: int, world: int, args, num_microbatches: int, ste
     del full
     module.train()
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=num_microbatches, loss_fn=_cross_entropy)  # grads / M
+    if zero_bubble:  # pipelining's ZB-H1: its interleaved zero-bubble schedule with one stage per rank
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=num_microbatches, loss_fn=_cross_entropy)
+    else:
+        schedule = Schedule1F1B(stage, n_microbatches=num_microbatches, loss_fn=_cross_entropy)  # grads / M
     optimizer = build_optimizer(module, _optimizer())
     clip = _optimizer().clip_grad
     gbs = num_microbatches * args.micro_batch_size
@@ -257,12 +274,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_plain_pipeline(args, *, pp: int, num_microbatches: int, steps: int) -> dict:
+def run_plain_pipeline(args, *, pp: int, num_microbatches: int, steps: int, zero_bubble: bool = False) -> dict:
     """The hand-written pipelining loop on ``pp`` forked ranks; rank 0's times, the last rank's losses."""
     with tempfile.TemporaryDirectory(prefix="ml_plain_pp_") as tmp, overhead._restore_environ():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         mp.start_processes(
-            _plain_pipeline_rank, args=(pp, args, num_microbatches, steps, tmp), nprocs=pp, start_method="fork"
+            _plain_pipeline_rank,
+            args=(pp, args, num_microbatches, steps, tmp, zero_bubble),
+            nprocs=pp,
+            start_method="fork",
         )
         result = json.loads(Path(tmp, "times.json").read_text())
         result["losses"] = json.loads(Path(tmp, "losses.json").read_text())
@@ -272,17 +292,20 @@ def run_plain_pipeline(args, *, pp: int, num_microbatches: int, steps: int) -> d
 # --- 1. the bubble sweep --------------------------------------------------------------------------
 def bubble_sweep(args, png_dir: Path, cores: int) -> list[dict]:
     rows = []
-    configs = [(p, p * k, 1) for p in args.pp for k in args.m_multipliers]
+    configs = [(p, p * k, 1, "1f1b") for p in args.pp for k in args.m_multipliers]
+    if not args.skip_zero_bubble:
+        configs += [(p, p * k, 1, "zb1p") for p in args.pp for k in args.m_multipliers]
     if 2 in args.pp and not args.skip_interleaved:
-        configs += [(2, 2 * k, 2) for k in args.m_multipliers]
-    for pp, m, vpp in configs:
-        schedule = "1f1b" if vpp == 1 else "interleaved_1f1b"
+        configs += [(2, 2 * k, 2, "interleaved_1f1b") for k in args.m_multipliers]
+    for pp, m, vpp, schedule in configs:
         t = time.perf_counter()
         # kept beside the picture, so `megatron-lite pipeline-timeline <png-dir>/<name> --step N` redraws any step
-        name = f"pp{pp}_m{m}{f'_v{vpp}' if vpp > 1 else ''}"
+        name = f"pp{pp}_m{m}{f'_v{vpp}' if vpp > 1 else ''}{'_zb1p' if schedule == 'zb1p' else ''}"
         events_dir = png_dir / name
         shutil.rmtree(events_dir, ignore_errors=True)  # the callback appends: a rerun must not add to old steps
-        run = run_framework(args, pp=pp, num_microbatches=m, vpp=vpp, steps=args.steps, events_dir=events_dir)
+        run = run_framework(
+            args, pp=pp, num_microbatches=m, vpp=vpp, steps=args.steps, events_dir=events_dir, schedule=schedule
+        )
         steps = load_steps(events_dir / "pipeline_events")
         timelines = [steps[key] for key in sorted(steps)]
         bubbles = [measured_bubble(tl.stages) for tl in timelines]
@@ -329,7 +352,17 @@ def bubble_targets(rows: list[dict]) -> dict:
         for r in rows
         if r["pp"] == 2 and r["num_microbatches"] >= 4
     }
-    one_f_one_b = {r["num_microbatches"]: r["measured"] for r in rows if r["pp"] == 2 and r["vpp"] == 1}
+    one_f_one_b = {r["num_microbatches"]: r["measured"] for r in rows if r["pp"] == 2 and r["schedule"] == "1f1b"}
+    plain_1f1b = {(r["pp"], r["num_microbatches"]): r for r in rows if r["schedule"] == "1f1b"}
+    zero_bubble = {
+        f"pp{r['pp']}_m{r['num_microbatches']}": {
+            "bubble_over_1f1b": r["measured"] / plain_1f1b[(r["pp"], r["num_microbatches"])]["measured"],
+            "theory_over_1f1b": r["theory"] / plain_1f1b[(r["pp"], r["num_microbatches"])]["theory"],
+            "tokens_per_s_over_1f1b": r["tokens_per_s"] / plain_1f1b[(r["pp"], r["num_microbatches"])]["tokens_per_s"],
+        }
+        for r in rows
+        if r["schedule"] == "zb1p" and (r["pp"], r["num_microbatches"]) in plain_1f1b
+    }
     interleaved = {
         f"pp2_m{r['num_microbatches']}": r["measured"] / one_f_one_b[r["num_microbatches"]]
         for r in rows
@@ -339,6 +372,7 @@ def bubble_targets(rows: list[dict]) -> dict:
         "bubble_within_10pct_of_theory": within,
         "interleaved_over_1f1b": interleaved,
         "interleaved_at_most_0.6x": {k: v <= INTERLEAVED_TARGET for k, v in interleaved.items()},
+        "zb1p_vs_1f1b": zero_bubble,
     }
 
 
@@ -362,6 +396,17 @@ def throughput(args) -> tuple[dict, dict]:
             lambda: run_plain_pipeline(args, pp=2, num_microbatches=m, steps=steps),
         ),
     }
+    if not args.skip_zero_bubble:
+        runners["megatron_pp2_zb1p"] = (
+            "GPTModule + MegatronStrategy PP2 (zb1p)",
+            2,
+            lambda: run_framework(args, pp=2, num_microbatches=m, steps=steps, schedule="zb1p"),
+        )
+        runners["plain_pipelining_pp2_zb1p"] = (
+            "plain torch.distributed.pipelining ZB-H1",
+            2,
+            lambda: run_plain_pipeline(args, pp=2, num_microbatches=m, steps=steps, zero_bubble=True),
+        )
     raw: dict[str, list[dict]] = {name: [] for name in runners}
     for rep in range(args.repeats):
         for name in list(runners) if rep % 2 == 0 else list(runners)[::-1]:  # ABBA
@@ -482,6 +527,11 @@ def main(argv=None) -> dict:
         f"per stage: the last recorded step's bubble of each stage. target (P=2, M >= 2P): within "
         f"{BUBBLE_TOLERANCE:.0%} of theory. contended: more ranks than the {cores} cores."
     )
+    for key, value in targets["zb1p_vs_1f1b"].items():
+        print(
+            f"zb1p / 1F1B at {key}: bubble {value['bubble_over_1f1b']:.2f} (theory {value['theory_over_1f1b']:.2f}, "
+            f"forward = input-gradient = weight-gradient time), tokens/s {value['tokens_per_s_over_1f1b']:.3f}"
+        )
     for key, value in targets["interleaved_over_1f1b"].items():
         print(
             f"interleaved V=2 / 1F1B bubble at {key}: {value:.2f} (target <= {INTERLEAVED_TARGET}: "
@@ -521,9 +571,32 @@ def main(argv=None) -> dict:
                 f"{plain['tokens_per_s']:,.0f}",
                 f"{pp2['tokens_per_s'] / plain['tokens_per_s']:.3f} PP2/plain",
             ),
+            *[
+                (
+                    runs[name]["description"],
+                    "2",
+                    f"{runs[name]['median_ms']:.0f}",
+                    f"{runs[name]['p10_ms']:.0f}",
+                    f"{runs[name]['p90_ms']:.0f}",
+                    f"{runs[name]['cpu_median_ms']:.0f}",
+                    f"{runs[name]['tokens_per_s']:,.0f}",
+                    f"{runs[name]['tokens_per_s'] / pp2['tokens_per_s']:.3f} vs PP2 1F1B",
+                )
+                for name in ("megatron_pp2_zb1p", "plain_pipelining_pp2_zb1p")
+                if name in runs
+            ],
         ],
         headers,
     )
+    if "megatron_pp2_zb1p" in runs:
+        zb, plain_zb = runs["megatron_pp2_zb1p"], runs["plain_pipelining_pp2_zb1p"]
+        ratios["zb1p_over_1f1b"] = zb["tokens_per_s"] / pp2["tokens_per_s"]
+        ratios["zb1p_overhead_vs_plain_pipelining_zb1p"] = plain_zb["tokens_per_s"] / zb["tokens_per_s"] - 1
+        checks["max_loss_difference_zb1p_vs_one_process"] = _loss_difference(zb, one)
+        print(
+            f"zb1p / 1F1B (ours): {ratios['zb1p_over_1f1b']:.3f}x tokens/s; our zb1p vs pipelining's ZB-H1: "
+            f"{ratios['zb1p_overhead_vs_plain_pipelining_zb1p'] * 100:+.1f}% overhead"
+        )
     print(
         f"PP2 / one process: {ratios['pp2_over_one_process']:.2f}x (target >= {SPEEDUP_TARGET}: "
         f"{_mark(targets['pp2_at_least_1.5x_one_process'])}); framework overhead vs plain pipelining "
@@ -536,8 +609,8 @@ def main(argv=None) -> dict:
         + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items())
     )
     print(
-        f"timelines (the last recorded step): {png_dir}/pp<P>_m<M>[_v2].png; every recorded step: megatron-lite "
-        f"pipeline-timeline {png_dir}/pp<P>_m<M>[_v2] --step N"
+        f"timelines (the last recorded step): {png_dir}/pp<P>_m<M>[_v2|_zb1p].png; every recorded step: megatron-lite "
+        f"pipeline-timeline {png_dir}/pp<P>_m<M>[_v2|_zb1p] --step N"
     )
     print(
         f"total wall time {time.perf_counter() - started:.0f} s; load average {load_before[0]:.2f} before, "
@@ -582,6 +655,7 @@ def parse_args(argv=None):
         help="microbatch counts M = P x these in the bubble sweep",
     )
     p.add_argument("--skip-interleaved", action="store_true", help="no interleaved (V=2) rows at P=2")
+    p.add_argument("--skip-zero-bubble", action="store_true", help="no zb1p (ZB-H1) rows or throughput runs")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per bubble-sweep run (warm-up included)")
     p.add_argument("--warmup", type=int, default=1, help="first steps of every run left out of the statistics")
     p.add_argument("--throughput-microbatches", type=int, default=8, help="M of the throughput comparison")

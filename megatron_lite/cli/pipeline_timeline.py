@@ -33,6 +33,7 @@ LOGGING_EXTRA = 'pip install "megatron-lite[logging]"'
 # --- the picture ---------------------------------------------------------------------------------
 DPI = 100
 _FORWARD_TEXT = "#333333"  # labels on the light forward blocks (on the dark backwards: white)
+_HATCH = {"F": None, "B": "//", "W": ".."}  # a split backward's weight pass dotted beside its input pass
 
 
 _AXES_SHARE = 0.8  # of the figure's width that the time axis gets (the rest: stage labels, legend)
@@ -60,7 +61,8 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
         raise TimelineError(f"drawing the timeline needs matplotlib: {LOGGING_EXTRA}") from exc
     bubble = measured_bubble(timeline.stages)
     P, V, M = timeline.pp_size, timeline.virtual_pipeline_size, timeline.num_microbatches
-    blocks = M * V * 2  # per row
+    split = any(e.kind == "W" for events in timeline.stages.values() for e in events)
+    blocks = M * V * (3 if split else 2)  # per row
     width = min(max(10.0, 4.0 + 0.4 * blocks), 24.0)  # beyond ~60 blocks a row, labels give way to colour
     figure = Figure(figsize=(width, 1.4 + 0.8 * P), layout="constrained")
     FigureCanvasAgg(figure)  # headless: savefig renders with Agg, no pyplot state
@@ -81,7 +83,7 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
                 facecolors=palette[2 * hue + (1 if forward else 0)],
                 edgecolors="white" if forward else "black",
                 linewidth=0.6,
-                hatch=None if forward else "//",
+                hatch=_HATCH[e.kind],
             )
             label = str(e.microbatch) if V == 1 else f"{e.microbatch}.{e.chunk}"
             size = _label_size(label, w / span_ms * width * DPI * _AXES_SHARE)
@@ -121,7 +123,12 @@ def plot_timeline(timeline: StepTimeline, out: Path, title: Optional[str] = None
     axes.legend(
         handles=[
             Patch(facecolor=palette[1], edgecolor="white", label="forward"),
-            Patch(facecolor=palette[0], edgecolor="black", hatch="//", label="backward"),
+            Patch(facecolor=palette[0], edgecolor="black", hatch="//", label="input gradient" if split else "backward"),
+            *(
+                [Patch(facecolor=palette[0], edgecolor="black", hatch=_HATCH["W"], label="weight gradient")]
+                if split
+                else []
+            ),
         ],
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),

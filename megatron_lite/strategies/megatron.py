@@ -49,7 +49,8 @@ class MegatronStrategy(ParallelStrategy):
         sequence_parallel: shard LayerNorm/dropout activations along the sequence inside TP groups.
         pipeline_model_parallel_size: ranks that split the layers into consecutive stages.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (interleaved schedule).
-        pipeline_schedule: ``"1f1b"`` (default), ``"interleaved_1f1b"`` (default with virtual stages) or ``"gpipe"``.
+        pipeline_schedule: ``"1f1b"`` (default), ``"interleaved_1f1b"`` (default with virtual stages), ``"gpipe"`` or
+            ``"zb1p"`` (zero-bubble ZB-H1: split backward, a third of 1F1B's bubble at 1F1B's peak memory).
         num_layers_in_first_pipeline_stage: layers of the first stage for an uneven cut.
         num_layers_in_last_pipeline_stage: layers of the last stage for an uneven cut.
         context_parallel_size: ranks that split every sequence into ``2 x C`` chunks (exact attention); needs

@@ -20,6 +20,15 @@ LAYOUTS = {
     "tp2_pp2_sp": dict(devices=4, pp=2, tp=2, sp=True),
     "pp2_dp2": dict(devices=4, pp=2, mbs=1),
     "pp2_distopt": dict(devices=2, pp=2, distributed_optimizer=True),
+    "pp2_zb1p": dict(devices=2, pp=2, strategy_kwargs=dict(pipeline_schedule="zb1p")),
+    "tp2_pp2_sp_zb1p": dict(devices=4, pp=2, tp=2, sp=True, strategy_kwargs=dict(pipeline_schedule="zb1p")),
+    "pp2_dp2_distopt_overlap_zb1p": dict(
+        devices=4,
+        pp=2,
+        mbs=1,
+        distributed_optimizer=True,
+        strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000, pipeline_schedule="zb1p"),
+    ),
     "pp2_dp2_distopt_overlap": dict(
         devices=4,
         pp=2,

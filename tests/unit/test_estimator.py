@@ -554,8 +554,9 @@ def test_stage_parameters_are_the_real_stage_models(cut):
 def _alive_per_chunk(order: list, chunks: int) -> tuple:
     """(most chunk-microbatches alive at once, most alive per chunk), counted on the order itself."""
     alive, most, per, most_per = 0, 0, [0] * chunks, [0] * chunks
+    split = any(kind == "W" for kind, _, _ in order)  # a zero-bubble schedule: alive until the weight pass
     for kind, chunk, _ in order:
-        step = 1 if kind == "F" else -1
+        step = {"F": 1, "B": 0 if split else -1, "W": -1}[kind]
         alive, per[chunk] = alive + step, per[chunk] + step
         most, most_per[chunk] = max(most, alive), max(most_per[chunk], per[chunk])
     return most, tuple(most_per)
@@ -570,6 +571,7 @@ def _alive_per_chunk(order: list, chunks: int) -> tuple:
         ("interleaved_1f1b", 4, 2, 8),
         ("interleaved_1f1b", 2, 2, 2),
         ("interleaved_1f1b", 2, 3, 8),
+        ("zb1p", 4, 1, 8),
     ],
 )
 def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m):
@@ -596,6 +598,8 @@ def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m)
         assert counts == [min(pp - stage, m) for stage in range(pp)]
     elif schedule == "gpipe":
         assert counts == [m] * pp
+    elif schedule == "zb1p":  # every stage holds P: the W's of the later stages wait for the cool-down
+        assert counts == [pp] * pp
     elif m == pp:  # one group of microbatches: Megatron runs every forward first
         assert counts == [m * vpp] * pp
     else:

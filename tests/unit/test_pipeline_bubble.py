@@ -40,6 +40,7 @@ def test_theory():
     assert theoretical_bubble("1f1b", 4, 8) == 3 / 11
     assert theoretical_bubble("gpipe", 2, 2) == 1 / 3
     assert theoretical_bubble("interleaved_1f1b", 2, 4, 2) == 1 / 9  # (P-1)/(V*M+P-1)
+    assert theoretical_bubble("zb1p", 4, 8) == 3 / 27  # (P-1)/(3M+P-1): 1F1B's 3/11 over (nearly) three
     with pytest.raises(ValueError, match="no bubble formula"):
         theoretical_bubble("zbv", 2, 4)
 
@@ -54,6 +55,7 @@ def _simulate(schedule: str, P: int, M: int, V: int, forward: float = 1.0, backw
     and its input exists (the previous virtual stage's forward, the next one's backward), and lasts
     ``forward / V`` or ``backward / V``: equal stages, free communication."""
     orders = {r: schedule_order(schedule, M, P, r, V) for r in range(P)}
+    split = any(kind == "W" for order in orders.values() for kind, _, _ in order)
     done, position, free = {}, dict.fromkeys(range(P), 0), dict.fromkeys(range(P), T0)
     events = {r: [] for r in range(P)}
     last = P * V - 1
@@ -65,12 +67,16 @@ def _simulate(schedule: str, P: int, M: int, V: int, forward: float = 1.0, backw
                 stage = chunk * P + r
                 if kind == "F":
                     needs = ("F", stage - 1, mb) if stage > 0 else None
+                elif kind == "W":
+                    needs = ("B", stage, mb)
                 else:
                     needs = ("B", stage + 1, mb) if stage < last else ("F", stage, mb)
                 if needs is not None and needs not in done:
                     break
                 start = max(free[r], done[needs] if needs else T0)
-                free[r] = done[(kind, stage, mb)] = start + (forward if kind == "F" else backward) / V
+                # a split backward: its input-gradient and weight-gradient passes take half the whole's time each
+                duration = forward if kind == "F" else backward / 2 if split else backward
+                free[r] = done[(kind, stage, mb)] = start + duration / V
                 events[r].append(PipelineEvent(kind, chunk, stage, mb, start, free[r]))
                 position[r] += 1
                 moved = True
@@ -89,6 +95,9 @@ def _simulate(schedule: str, P: int, M: int, V: int, forward: float = 1.0, backw
         ("interleaved_1f1b", 2, 8, 2),
         ("interleaved_1f1b", 4, 16, 2),
         ("interleaved_1f1b", 2, 6, 3),
+        ("zb1p", 2, 4, 1),
+        ("zb1p", 4, 8, 1),
+        ("zb1p", 4, 16, 1),
     ],
 )
 def test_the_engine_schedules_reach_the_theory_with_equal_stages(schedule, P, M, V):

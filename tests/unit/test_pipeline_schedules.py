@@ -24,6 +24,8 @@ def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:
             vs = chunk * pp + r
             if kind == "F":
                 ready = vs == 0 or ("F", vs - 1, mb) in done
+            elif kind == "W":
+                ready = ("B", vs, mb) in done
             else:
                 ready = ("F", vs, mb) in done and (vs == stages - 1 or ("B", vs + 1, mb) in done)
             if ready:
@@ -47,15 +49,22 @@ def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:
         ("interleaved_1f1b", 2, 2, 8),
         ("interleaved_1f1b", 4, 2, 8),
         ("interleaved_1f1b", 2, 3, 4),
+        ("zb1p", 2, 1, 1),
+        ("zb1p", 2, 1, 8),
+        ("zb1p", 4, 1, 3),
+        ("zb1p", 4, 1, 16),
     ],
 )
 def test_orders_are_complete_and_run_without_deadlock(schedule, pp, vpp, m):
     orders = [schedule_order(schedule, m, pp, r, vpp) for r in range(pp)]
+    kinds = "FBW" if schedule == "zb1p" else "FB"
     for order in orders:
-        assert sorted(order) == sorted([(k, c, i) for k in "FB" for c in range(vpp) for i in range(m)])
+        assert sorted(order) == sorted([(k, c, i) for k in kinds for c in range(vpp) for i in range(m)])
         for kind, chunk, mb in order:
             if kind == "B":
                 assert order.index(("F", chunk, mb)) < order.index(("B", chunk, mb))
+            if kind == "W":
+                assert order.index(("B", chunk, mb)) < order.index(("W", chunk, mb))
     _simulate(orders, pp, vpp)
     forward_only = [schedule_order(schedule, m, pp, r, vpp, forward_only=True) for r in range(pp)]
     assert all(len(o) == m * vpp and all(k == "F" for k, _, _ in o) for o in forward_only)
@@ -71,6 +80,39 @@ def test_one_f_one_b_keeps_at_most_p_minus_rank_microbatches_alive():
         assert peak == pp - rank
     # GPipe keeps every microbatch
     assert max(sum(1 for k, _, _ in schedule_order("gpipe", m, pp, 0, 1)[:i] if k == "F") for i in range(2 * m)) == m
+
+
+def test_zb1p_holds_at_most_the_first_stages_1f1b_microbatches_on_every_rank():
+    """ZB-H1's memory bound (Qi et al. 2024, section 3): a microbatch is alive from its forward to its weight pass;
+    no rank holds more than P, what 1F1B holds on its first stage, and the first stage holds exactly that."""
+    for pp, m in ((2, 8), (4, 12), (4, 3)):
+        for rank in range(pp):
+            alive, peak = 0, 0
+            for kind, _, _ in schedule_order("zb1p", m, pp, rank, 1):
+                alive += {"F": 1, "B": 0, "W": -1}[kind]
+                peak = max(peak, alive)
+            assert peak <= min(pp, m) and (rank > 0 or peak == min(pp, m)), (pp, m, rank, peak)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 3), (3, 7)])
+def test_zb1p_orders_equal_torch_pipelinings_zero_bubble_schedule(pp, m):
+    """torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1: its per-rank
+    action lists (idle slots dropped; its "I" is our "B") are our orders."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (
+        BACKWARD_INPUT,
+        BACKWARD_WEIGHT,
+        FORWARD,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    kinds = {FORWARD: "F", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
+    state = SimpleNamespace(n_local_stages=1, microbatches_per_round=pp, pp_group_size=pp, _n_microbatches=m)
+    for rank in range(pp):
+        theirs = ScheduleInterleavedZeroBubble._calculate_single_rank_operations(state, rank)  # type: ignore[arg-type]
+        theirs = [(kinds[a.computation_type], 0, a.microbatch_index) for a in theirs if a is not None]
+        assert schedule_order("zb1p", m, pp, rank, 1) == theirs
 
 
 def test_interleaving_shrinks_the_simulated_bubble():
@@ -96,6 +138,11 @@ def test_interleaving_shrinks_the_simulated_bubble():
         ),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="zbv"), "not offered yet"),
         (dict(pipeline_schedule="gpipe"), "needs pipeline_model_parallel_size > 1"),
+        (dict(pipeline_schedule="zb1p"), "needs pipeline_model_parallel_size > 1"),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="zb1p"),
+            "runs one model chunk per rank",
+        ),
     ],
 )
 def test_pipeline_config_errors_name_the_fix(kwargs, fix):

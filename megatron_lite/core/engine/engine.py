@@ -3,7 +3,7 @@
 An objective (GPT pretraining, a reward model, DPO, ...) supplies the model of this rank, a stage
 forward and a last-stage loss (:class:`Objective`). The engine owns the rest: the model chunks this
 rank holds (one per virtual pipeline stage, one without pipelining), the schedule (no pipelining,
-GPipe, 1F1B, interleaved 1F1B), the reduction of the loss, its count and the metrics the loss reports
+GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1), the reduction of the loss, its count and the metrics the loss reports
 (summed on the last stage, over the pipeline and over DP x CP, in one collective per group and step, no
 host sync; see ``core/parallel/loss_report.py``), the shared-embedding gradient sum between the first and
 last stage, and the optimizer step (gradient reduction, loss scaling, clipping).
@@ -21,7 +21,7 @@ from megatron_lite.core.optim.optimizer import MegatronOptimizer, StepResult
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.loss_report import ReportNames, ReportSums
 from megatron_lite.core.parallel.pipeline.p2p import DTYPES, PipelineP2P
-from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, run_pipeline, schedule_order
+from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, run_pipeline, schedule_order, splits_backward
 from megatron_lite.core.parallel.schedules import (
     StepLoss,
     backward_scale_for,
@@ -31,6 +31,8 @@ from megatron_lite.core.parallel.schedules import (
     share_backward_scale,
     take_model_report,
 )
+from megatron_lite.core.parallel.tensor_parallel import defer_weight_grads
+from megatron_lite.core.parallel.weight_grad import WeightGradStore
 from megatron_lite.core.rerun import RerunStateMachine
 from megatron_lite.core.timers import Timers, timed
 
@@ -110,6 +112,7 @@ class TrainingEngine:
         """Events of the last step run (with ``record_events``)."""
         self.parts = model_parts(model)
         self._p2p: Optional[PipelineP2P] = None
+        self._weight_grads: Optional[WeightGradStore] = None  # a zero-bubble schedule's deferred weight gradients
         self._shared = [(name, p) for name, p in model.named_parameters() if getattr(p, "shared_embedding", False)]
         self.rerun: Optional[RerunStateMachine] = None
         """Validates every training step and replays rejected ones (see ``megatron_lite.core.rerun``)."""
@@ -193,6 +196,9 @@ class TrainingEngine:
             len(self.parts),
             forward_only,
         )
+        if splits_backward(order) and self._weight_grads is None:
+            self._weight_grads = WeightGradStore()
+            defer_weight_grads(self.model, self._weight_grads)
         result = run_pipeline(
             order,
             self.parts,
@@ -206,6 +212,7 @@ class TrainingEngine:
             no_sync=no_sync,
             keep_outputs=keep_outputs,
             record_events=self.record_events,
+            weight_grads=self._weight_grads,
         )
         self.events = result.events
         return result

@@ -28,7 +28,7 @@ from megatron_lite.core.estimator.schedule_memory import ChunkActivations, sched
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.models.recompute import full_recompute_groups
-from megatron_lite.core.parallel.pipeline.schedules import schedule_order
+from megatron_lite.core.parallel.pipeline.schedules import schedule_order, splits_backward
 
 if TYPE_CHECKING:  # memory.py imports this module: the type only
     from megatron_lite.core.estimator.memory import EstimateLayout
@@ -308,13 +308,19 @@ def _training_order(layout: EstimateLayout, pipeline_stage: int) -> list:
     parallel = layout.parallel_config()
     if parallel.pipeline_model_parallel_size == 1:
         return [("F", 0, 0), ("B", 0, 0)]
-    return schedule_order(
+    order = schedule_order(
         parallel.schedule,
         layout.num_microbatches,
         parallel.pipeline_model_parallel_size,
         pipeline_stage,
         parallel.virtual_pipeline_model_parallel_size,
     )
+    if splits_backward(order):
+        # A zero-bubble schedule's microbatch is counted alive until its weight pass, as if its whole backward ran
+        # there: an upper bound (the input-gradient pass already frees all but the linear layers' inputs and output
+        # gradients, which the weight pass needs).
+        order = [(kind if kind == "F" else "B", chunk, mb) for kind, chunk, mb in order if kind != "B"]
+    return order
 
 
 def korthikanti_activation_bytes_per_layer(

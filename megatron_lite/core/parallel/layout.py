@@ -105,16 +105,16 @@ class ParallelConfig:
             )
         if schedule in ("zbv", "dualpipev"):
             raise ValueError(
-                f"pipeline_schedule={schedule!r} is not offered yet: the zero-bubble schedules split every backward "
-                f"into an input-gradient and a weight-gradient pass, which our gradient hooks (fp32 main_grad "
-                f"buffers, ZeRO-1 buckets) do not support yet; use '1f1b' or 'interleaved_1f1b'."
+                f"pipeline_schedule={schedule!r} is not offered yet: its V placement (two chunks per rank, the "
+                f"last stage's chunk beside the first's) is not built; use 'zb1p' (zero-bubble ZB-H1, one chunk per "
+                f"rank), '1f1b' or 'interleaved_1f1b'."
             )
         if schedule == "interleaved_1f1b" and vpp == 1:
             raise ValueError(
                 "pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_model_parallel_size > 1; "
                 "set it (e.g. 2) or use pipeline_schedule='1f1b'."
             )
-        if schedule in ("1f1b", "gpipe") and vpp > 1:
+        if schedule in ("1f1b", "gpipe", "zb1p") and vpp > 1:
             raise ValueError(
                 f"pipeline_schedule={schedule!r} runs one model chunk per rank, but "
                 f"virtual_pipeline_model_parallel_size={vpp}; use pipeline_schedule='interleaved_1f1b' or drop the "

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb1p", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from megatron_lite.core.parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron_lite.core.parallel.weight_grad import WeightGradStore, deferrable_linear
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,9 @@ class _LocalGemm(nn.Module):
     default) adds nothing. It sits beside the base weight, so the base's parameter names stay as they are."""
 
     adapter: Optional[nn.Module]
+    weight_grad_store: Optional[WeightGradStore] = None
+    """Set by a zero-bubble pipeline schedule (:func:`defer_weight_grads`): the backward passes it captures leave
+    this layer's weight gradient to its weight pass."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -288,6 +292,11 @@ class _LocalGemm(nn.Module):
         return adapter(x, self.sequence_parallel)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        store = self.weight_grad_store
+        # Only the layer's own weight: a weight passed in (the output layer's tied embedding) also gets gradients
+        # elsewhere in the same backward, which a deferred share would split over two accumulations.
+        if store is not None and weight is self.weight and weight.requires_grad:
+            return deferrable_linear(x, weight, bias, store)
         return F.linear(x, weight, bias)
 
 
@@ -489,3 +498,12 @@ def gather_full_tensor(local: torch.Tensor, tensor: torch.Tensor, layout: Parall
     pieces = [torch.empty_like(full) for _ in range(experts.size)]
     dist.all_gather(pieces, full.contiguous(), group=layout.group("ep"))
     return torch.cat(pieces, dim=0)
+
+
+def defer_weight_grads(model: nn.Module, store: Optional[WeightGradStore]) -> int:
+    """Give every tensor-parallel linear layer of ``model`` the weight-gradient ``store`` of a zero-bubble schedule
+    (None takes it away); returns how many layers hold it."""
+    layers = [module for module in model.modules() if isinstance(module, _LocalGemm)]
+    for layer in layers:
+        layer.weight_grad_store = store
+    return len(layers)

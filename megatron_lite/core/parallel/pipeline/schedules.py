@@ -26,9 +26,17 @@ import torch
 
 from megatron_lite.core.parallel.loss_report import ReportSums, device_scalar, split_loss
 from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P, PostedRecv
+from megatron_lite.core.parallel.weight_grad import WeightGradStore
 
 Action = tuple[str, int, int]
-"""("F" or "B", model chunk index on this rank, microbatch index)."""
+"""(kind, model chunk index on this rank, microbatch index). Kind "F": forward; "B": backward (the whole
+backward, or under a zero-bubble schedule the input-gradient pass only); "W": the weight-gradient pass of a
+backward that a "B" split (zero-bubble schedules)."""
+
+
+def splits_backward(order: Sequence[Action]) -> bool:
+    """Whether ``order`` runs weight-gradient passes apart from its backwards (a zero-bubble schedule)."""
+    return any(kind == "W" for kind, _, _ in order)
 
 
 def gpipe_order(num_microbatches: int) -> list[Action]:
@@ -44,6 +52,36 @@ def one_f_one_b_order(num_microbatches: int, pp_size: int, pp_rank: int) -> list
     for i in range(num_microbatches - warmup):
         order += [("F", 0, warmup + i), ("B", 0, i)]
     order += [("B", 0, m) for m in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def zero_bubble_h1_order(num_microbatches: int, pp_size: int, pp_rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al., *Zero Bubble Pipeline Parallelism*, 2024): 1F1B's forwards and input-gradient
+    backwards (B), each microbatch's weight-gradient pass (W) ``pp_rank`` backwards after its B.
+
+    Rank ``r`` waits ``r`` fewer warm-up forwards than rank 0 and would idle as long in the cool-down; the W's
+    it holds back fill exactly that idle time. With forward, B and W of equal duration the bubble is
+    ``(P-1)/(3M+P-1)``, a third of 1F1B's, and no rank holds more than ``P`` microbatches' activations
+    (forward done, W not yet), 1F1B's peak on its first stage.
+    """
+    M, P = num_microbatches, pp_size
+    warmup = min(P - pp_rank - 1, M)
+    order: list[Action] = [("F", 0, m) for m in range(warmup)]
+    weights_done = 0
+
+    def backward(m: int) -> None:
+        nonlocal weights_done
+        order.append(("B", 0, m))
+        if m >= pp_rank:
+            order.append(("W", 0, weights_done))
+            weights_done += 1
+
+    for i in range(M - warmup):
+        order.append(("F", 0, warmup + i))
+        backward(i)
+    for m in range(M - warmup, M):
+        backward(m)
+    order += [("W", 0, m) for m in range(weights_done, M)]
     return order
 
 
@@ -89,6 +127,8 @@ def schedule_order(
         order = gpipe_order(num_microbatches)
     elif schedule == "1f1b":
         order = one_f_one_b_order(num_microbatches, pp_size, pp_rank)
+    elif schedule == "zb1p":
+        order = zero_bubble_h1_order(num_microbatches, pp_size, pp_rank)
     elif schedule == "interleaved_1f1b":
         order = interleaved_order(num_microbatches, pp_size, pp_rank, num_chunks)
     else:
@@ -161,21 +201,32 @@ def run_pipeline(
     no_sync: Optional[Callable[[], ContextManager]] = None,
     keep_outputs: bool = False,
     record_events: bool = False,
+    weight_grads: Optional[WeightGradStore] = None,
 ) -> PipelineResult:
     """Run ``order`` on this rank.
 
     The last stage turns each microbatch's output into (summed loss, token count[, report]) with
     ``loss_step`` and back-propagates ``summed loss x backward_scale``; other stages back-propagate the gradient
     received from the next stage. ``no_sync`` wraps every backward but the last one of each chunk,
-    so that reductions hooked into the backward run once per chunk and step.
+    so that reductions hooked into the backward run once per chunk and step; an order with weight passes ("W":
+    a zero-bubble schedule) defers the linear layers' weight gradients of each "B" to ``weight_grads`` (the store
+    the model's layers hold, :func:`~megatron_lite.core.parallel.tensor_parallel.defer_weight_grads`), and its
+    "W" computes them; both the last "B" and the last "W" of a chunk run outside ``no_sync``.
     """
+    split = splits_backward(order)
+    if split and weight_grads is None:
+        raise ValueError("this schedule splits the backward: run_pipeline needs the model's weight_grads store")
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
     result = PipelineResult(loss_sum, num_tokens, ReportSums(device) if parts[-1].post_process else None)
-    last_backward = {}
+    last_of_kind = {}  # (kind, chunk) -> the microbatch of the chunk's last backward / weight pass
     for kind, chunk, mb in order:
-        if kind == "B":
-            last_backward[chunk] = mb
+        last_of_kind[(kind, chunk)] = mb
+
+    def synced(kind: str, chunk: int, mb: int) -> ContextManager:
+        last = last_of_kind[(kind, chunk)] == mb
+        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+
     saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
     # Receives posted ahead: the next forward's and the next backward's input, each posted as soon as it
@@ -229,13 +280,18 @@ def run_pipeline(
             if not forward_only:
                 saved[(chunk, mb)] = (x, out)
                 post_ahead(index + 1)  # the next backward may be this microbatch's
+        elif kind == "W":
+            assert weight_grads is not None
+            start = time.time() if record_events else 0.0
+            with synced(kind, chunk, mb):
+                weight_grads.apply((chunk, mb))
         else:
             x, out = saved.pop((chunk, mb))
             grad = None if part.post_process else p2p.recv_backward(stage, out, mine)
             post_ahead(index + 1)
             start = time.time() if record_events else 0.0
-            last_of_chunk = last_backward[chunk] == mb
-            with no_sync() if no_sync is not None and not last_of_chunk else contextlib.nullcontext():
+            deferring = weight_grads.capture((chunk, mb)) if split and weight_grads else contextlib.nullcontext()
+            with synced(kind, chunk, mb), deferring:
                 torch.autograd.backward(out, grad_tensors=grad)
             if not part.pre_process:
                 # received activations (requires_grad) that the backward just reached

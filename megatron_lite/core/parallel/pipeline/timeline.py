@@ -1,16 +1,17 @@
 """The pipeline events of recorded training steps, read back, and their bubble beside the schedule's theory.
 
 :class:`megatron_lite.callbacks.PipelineTimeline` writes ``RUN_DIR/pipeline_events/rank<R>.jsonl``: one line per
-recorded step and rank, holding that rank's events (:class:`PipelineEvent`: kind ``F``/``B``, model chunk,
+recorded step and rank, holding that rank's events (:class:`PipelineEvent`: kind ``F``/``B``/``W``, model chunk,
 virtual stage, microbatch, wall-clock ``start``/``end`` in ``time.time()`` seconds, ``start`` taken once the
 input had arrived). ``megatron-lite pipeline-timeline`` (:mod:`megatron_lite.cli.pipeline_timeline`) prints and
 draws what is read here; ``benchmarks/pipeline.py`` checks the bubble against the theory.
 
-**Measured bubble** of one step: its span runs from the first forward's start to the last backward's end
-across the pipeline; a stage's bubble is ``1 - busy / span`` (busy: the sum of its events' durations), and
+**Measured bubble** of one step: its span runs from the first forward's start to the last backward's (or weight
+pass's) end across the pipeline; a stage's bubble is ``1 - busy / span`` (busy: the sum of its events' durations), and
 the step's bubble is the mean over the stages. **Theory** (equal stage times, no communication cost):
 1F1B and GPipe ``(P - 1) / (M + P - 1)``, interleaved 1F1B ``(P - 1) / (V·M + P - 1)`` for P stages,
-M microbatches and V model chunks per stage.
+M microbatches and V model chunks per stage; ZB-H1 ``(P - 1) / (3M + P - 1)`` when forward, input-gradient
+backward and weight-gradient pass take equal time (a third of 1F1B's for M >> P: Qi et al. 2024).
 
 Every rank's events are in one picture only when the ranks share a clock (one machine, or clocks kept in
 sync by NTP to well under a microbatch). With several pipelines (data, tensor or context parallel
@@ -176,7 +177,7 @@ def measured_bubble(stages: Mapping[int, Sequence[PipelineEvent]]) -> Bubble:
     """The bubble of one training step from every stage's events (see the module docstring)."""
     events = [e for stage_events in stages.values() for e in stage_events]
     forwards = [e for e in events if e.kind == "F"]
-    backwards = [e for e in events if e.kind == "B"]
+    backwards = [e for e in events if e.kind in ("B", "W")]
     if not forwards or not backwards:
         raise TimelineError(
             "a training step's events need forwards and backwards (a forward-only step has no 1F1B bubble to measure)"
@@ -192,14 +193,19 @@ def measured_bubble(stages: Mapping[int, Sequence[PipelineEvent]]) -> Bubble:
 
 def theoretical_bubble(schedule: str, pp_size: int, num_microbatches: int, virtual_pipeline_size: int = 1) -> float:
     """The idle fraction of a step with equal stage times and free communication (Narayanan et al. 2021):
-    ``(P - 1) / (M + P - 1)`` for 1F1B and GPipe, ``(P - 1) / (V·M + P - 1)`` interleaved."""
+    ``(P - 1) / (M + P - 1)`` for 1F1B and GPipe, ``(P - 1) / (V·M + P - 1)`` interleaved; ZB-H1 (Qi et al. 2024,
+    forward, input-gradient and weight-gradient passes of equal time) ``(P - 1) / (3M + P - 1)``."""
     P, M, V = pp_size, num_microbatches, virtual_pipeline_size
     if schedule in ("1f1b", "gpipe"):
         return (P - 1) / (M + P - 1)
+    if schedule == "zb1p":
+        return (P - 1) / (3 * M + P - 1)
     if schedule == "interleaved_1f1b":
         return (P - 1) / (V * M + P - 1)
     raise ValueError(f"no bubble formula for schedule {schedule!r}")
 
 
 def theory_formula(schedule: str) -> str:
+    if schedule == "zb1p":
+        return "(P-1)/(3M+P-1)"
     return "(P-1)/(V*M+P-1)" if schedule == "interleaved_1f1b" else "(P-1)/(M+P-1)"
