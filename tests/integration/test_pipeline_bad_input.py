@@ -62,7 +62,19 @@ def _fit(devices=2, layers=4, gbs=8, mbs=2, module_cls=ml.GPTModule, tied=False,
         ),
         (dict(devices=1, virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="1F1B"), "pipeline_schedule must be one of"),
-        (dict(pipeline_model_parallel_size=2, pipeline_schedule="dualpipev"), "not offered yet"),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_schedule="dualpipev"),
+            "set virtual_pipeline_model_parallel_size=2",
+        ),
+        (
+            dict(
+                gbs=6,
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_schedule="dualpipev",
+            ),
+            r"at least 2 x pipeline_model_parallel_size \(4\) microbatches per step, got 3 .*at least 8",
+        ),
         (dict(devices=3, pipeline_model_parallel_size=2), r"world size \(3 processes\) must be divisible"),
         (
             dict(devices=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=4),

@@ -572,6 +572,7 @@ def _alive_per_chunk(order: list, chunks: int) -> tuple:
         ("interleaved_1f1b", 2, 2, 2),
         ("interleaved_1f1b", 2, 3, 8),
         ("zb1p", 4, 1, 8),
+        ("zbv", 4, 2, 8),
     ],
 )
 def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m):
@@ -600,6 +601,8 @@ def test_microbatches_in_flight_follow_the_schedule_orders(schedule, pp, vpp, m)
         assert counts == [m] * pp
     elif schedule == "zb1p":  # every stage holds P: the W's of the later stages wait for the cool-down
         assert counts == [pp] * pp
+    elif schedule == "zbv":  # 2P chunk-microbatches of half a stage each, on every rank
+        assert counts == [2 * pp] * pp
     elif m == pp:  # one group of microbatches: Megatron runs every forward first
         assert counts == [m * vpp] * pp
     else:

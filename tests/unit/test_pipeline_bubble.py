@@ -4,6 +4,7 @@ import pytest
 
 from megatron_lite.core.parallel.pipeline.schedules import PipelineEvent, schedule_order
 from megatron_lite.core.parallel.pipeline.timeline import TimelineError, measured_bubble, theoretical_bubble
+from megatron_lite.core.parallel.pipeline_stages import V_SHAPED_SCHEDULES, virtual_stage_of
 
 T0 = 1_700_000_000.0  # wall-clock seconds, as time.time() gives them: the arithmetic must not depend on the origin
 
@@ -41,8 +42,9 @@ def test_theory():
     assert theoretical_bubble("gpipe", 2, 2) == 1 / 3
     assert theoretical_bubble("interleaved_1f1b", 2, 4, 2) == 1 / 9  # (P-1)/(V*M+P-1)
     assert theoretical_bubble("zb1p", 4, 8) == 3 / 27  # (P-1)/(3M+P-1): 1F1B's 3/11 over (nearly) three
+    assert theoretical_bubble("zbv", 4, 16, 2) == 3 / 99  # (P-1)/(6M+P-1): the warm-up's first chunk-forwards
     with pytest.raises(ValueError, match="no bubble formula"):
-        theoretical_bubble("zbv", 2, 4)
+        theoretical_bubble("bogus", 2, 4)
 
 
 def test_a_step_without_backwards_is_refused():
@@ -64,7 +66,7 @@ def _simulate(schedule: str, P: int, M: int, V: int, forward: float = 1.0, backw
         for r in range(P):
             while position[r] < len(orders[r]):
                 kind, chunk, mb = orders[r][position[r]]
-                stage = chunk * P + r
+                stage = virtual_stage_of(chunk, r, P, schedule in V_SHAPED_SCHEDULES)
                 if kind == "F":
                     needs = ("F", stage - 1, mb) if stage > 0 else None
                 elif kind == "W":
@@ -98,6 +100,10 @@ def _simulate(schedule: str, P: int, M: int, V: int, forward: float = 1.0, backw
         ("zb1p", 2, 4, 1),
         ("zb1p", 4, 8, 1),
         ("zb1p", 4, 16, 1),
+        ("zbv", 2, 4, 2),
+        ("zbv", 4, 16, 2),
+        ("dualpipev", 2, 8, 2),
+        ("dualpipev", 4, 8, 2),
     ],
 )
 def test_the_engine_schedules_reach_the_theory_with_equal_stages(schedule, P, M, V):

@@ -5,10 +5,16 @@ import pytest
 
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order
-from megatron_lite.core.parallel.pipeline_stages import layers_per_virtual_stage
+from megatron_lite.core.parallel.pipeline_stages import (
+    V_SHAPED_SCHEDULES,
+    layers_per_virtual_stage,
+    stage_chunks,
+    stage_pp_rank,
+    virtual_stage_of,
+)
 
 
-def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:
+def _simulate(orders: list[list[tuple]], pp: int, vpp: int, v_shape: bool = False) -> int:
     """Run every rank's order with blocking receives and non-blocking sends; returns the number of
     rounds (fails on a deadlock)."""
     done: set = set()  # (kind, virtual stage, microbatch)
@@ -21,7 +27,7 @@ def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:
             if pos[r] == len(orders[r]):
                 continue
             kind, chunk, mb = orders[r][pos[r]]
-            vs = chunk * pp + r
+            vs = virtual_stage_of(chunk, r, pp, v_shape)
             if kind == "F":
                 ready = vs == 0 or ("F", vs - 1, mb) in done
             elif kind == "W":
@@ -53,11 +59,18 @@ def _simulate(orders: list[list[tuple]], pp: int, vpp: int) -> int:
         ("zb1p", 2, 1, 8),
         ("zb1p", 4, 1, 3),
         ("zb1p", 4, 1, 16),
+        ("zbv", 2, 2, 1),
+        ("zbv", 2, 2, 8),
+        ("zbv", 4, 2, 5),
+        ("zbv", 4, 2, 16),
+        ("dualpipev", 2, 2, 4),
+        ("dualpipev", 4, 2, 8),
+        ("dualpipev", 3, 2, 11),
     ],
 )
 def test_orders_are_complete_and_run_without_deadlock(schedule, pp, vpp, m):
     orders = [schedule_order(schedule, m, pp, r, vpp) for r in range(pp)]
-    kinds = "FBW" if schedule == "zb1p" else "FB"
+    kinds = "FBW" if schedule in ("zb1p", *V_SHAPED_SCHEDULES) else "FB"
     for order in orders:
         assert sorted(order) == sorted([(k, c, i) for k in kinds for c in range(vpp) for i in range(m)])
         for kind, chunk, mb in order:
@@ -65,7 +78,7 @@ def test_orders_are_complete_and_run_without_deadlock(schedule, pp, vpp, m):
                 assert order.index(("F", chunk, mb)) < order.index(("B", chunk, mb))
             if kind == "W":
                 assert order.index(("B", chunk, mb)) < order.index(("W", chunk, mb))
-    _simulate(orders, pp, vpp)
+    _simulate(orders, pp, vpp, schedule in V_SHAPED_SCHEDULES)
     forward_only = [schedule_order(schedule, m, pp, r, vpp, forward_only=True) for r in range(pp)]
     assert all(len(o) == m * vpp and all(k == "F" for k, _, _ in o) for o in forward_only)
 
@@ -115,6 +128,73 @@ def test_zb1p_orders_equal_torch_pipelinings_zero_bubble_schedule(pp, m):
         assert schedule_order("zb1p", m, pp, rank, 1) == theirs
 
 
+def _torch_orders(schedule: str, pp: int, m: int) -> list[list[tuple]]:
+    """torch.distributed.pipelining's per-rank action lists for its ZBV / DualPipeV schedules, idle slots dropped, in
+    our terms: its stage index turned into our chunk (V placement), "I" into "B", a full backward into "B" then "W",
+    an overlapped forward-and-backward pair into the forward then the backward."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = {"zbv": torch_schedules.ScheduleZBVZeroBubble, "dualpipev": torch_schedules.ScheduleDualPipeV}[schedule]
+    kinds = {torch_schedules.FORWARD: "F", torch_schedules.BACKWARD_INPUT: "B", torch_schedules.BACKWARD_WEIGHT: "W"}
+    state = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+    orders = []
+    for rank in range(pp):
+        order = []
+        for action in cls._calculate_single_rank_operations(state, rank):  # type: ignore[arg-type]
+            if action is None:
+                continue
+            overlapped = action.computation_type == torch_schedules.OVERLAP_F_B
+            for sub in action.sub_actions if overlapped else [action]:
+                chunk = 0 if sub.stage_index == rank else 1
+                if sub.computation_type == torch_schedules.FULL_BACKWARD:
+                    order += [("B", chunk, sub.microbatch_index), ("W", chunk, sub.microbatch_index)]
+                else:
+                    order.append((kinds[sub.computation_type], chunk, sub.microbatch_index))
+        orders.append(order)
+    return orders
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, m",
+    [("zbv", 2, 2), ("zbv", 2, 8), ("zbv", 4, 5), ("zbv", 4, 16), ("dualpipev", 2, 4), ("dualpipev", 4, 9)],
+)
+def test_v_shaped_orders_equal_torch_pipelinings(schedule, pp, m):
+    assert [schedule_order(schedule, m, pp, rank, 2) for rank in range(pp)] == _torch_orders(schedule, pp, m)
+
+
+def test_v_placement_puts_the_first_and_last_stage_on_rank_zero():
+    """Chunk 0 of rank r is stage r, chunk 1 is stage 2P-1-r (torch's 'v' style); the layers follow the stages."""
+    pp = 4
+    for rank in range(pp):
+        chunks = stage_chunks(16, pp, rank, 2, v_shape=True)
+        assert [c.virtual_stage for c in chunks] == [rank, 2 * pp - 1 - rank]
+        assert [list(c.layers) for c in chunks] == [[2 * rank, 2 * rank + 1], [14 - 2 * rank, 15 - 2 * rank]]
+        assert all(stage_pp_rank(c.virtual_stage, pp, v_shape=True) == rank for c in chunks)
+    first, last = stage_chunks(16, pp, 0, 2, v_shape=True)
+    assert first.pre_process and last.post_process
+    assert (
+        ParallelConfig(
+            pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, pipeline_schedule="zbv"
+        ).last_stage_pp_rank
+        == 0
+    )
+
+
+@pytest.mark.parametrize("schedule, extra", [("zbv", 0), ("dualpipev", 1)])
+def test_v_shaped_schedules_hold_one_f_one_b_first_stage_memory(schedule, extra):
+    """ZB-V's bound (Qi et al. 2024, section 6): 2P chunk-microbatches of half the layers alive (forward done, W not
+    yet) on every rank, the activations of P whole microbatches: 1F1B's first stage. DualPipeV holds one more."""
+    for pp, m in ((2, 8), (4, 8), (4, 16), (3, 12)):
+        for rank in range(pp):
+            alive, peak = 0, 0
+            for kind, _, _ in schedule_order(schedule, m, pp, rank, 2):
+                alive += {"F": 1, "B": 0, "W": -1}[kind]
+                peak = max(peak, alive)
+            assert peak == 2 * pp + extra, (pp, m, rank, peak)
+
+
 def test_interleaving_shrinks_the_simulated_bubble():
     pp, m = 2, 8
     plain = _simulate([schedule_order("1f1b", m, pp, r, 1) for r in range(pp)], pp, 1)
@@ -136,7 +216,11 @@ def test_interleaving_shrinks_the_simulated_bubble():
             dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="1f1b"),
             "use pipeline_schedule='interleaved_1f1b'",
         ),
-        (dict(pipeline_model_parallel_size=2, pipeline_schedule="zbv"), "not offered yet"),
+        (dict(pipeline_model_parallel_size=2, pipeline_schedule="zbv"), "set virtual_pipeline_model_parallel_size=2"),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3, pipeline_schedule="dualpipev"),
+            "two model chunks per rank in a V",
+        ),
         (dict(pipeline_schedule="gpipe"), "needs pipeline_model_parallel_size > 1"),
         (dict(pipeline_schedule="zb1p"), "needs pipeline_model_parallel_size > 1"),
         (

@@ -309,7 +309,7 @@ class TrainingEngine:
         result = self._run(microbatches, forward_only=True, loss=False, keep_outputs=True, forward_step=step)
         group = self.layout.group("pp")
         assert group is not None  # pipelined: pp_size > 1
-        last = dist.get_global_rank(group, self.layout.pp_size - 1)
+        last = dist.get_global_rank(group, self.layout.config.last_stage_pp_rank)
         outputs = []
         for index in range(len(microbatches)):
             if self.layout.is_last_pipeline_stage:

@@ -74,16 +74,14 @@ class StepRunner:
         self.computes = layout.cp_rank == 0 or self.rounds.active
         """Whether this rank runs the model (context-parallel ranks > 0 only follow the tokens, unless their
         experts serve the others)."""
-        self.sampler_rank = _mesh_rank(layout, pp=layout.pp_size - 1, cp=0, tp=0) if distributed else 0
+        self.sampler_rank = _mesh_rank(layout, pp=layout.config.last_stage_pp_rank, cp=0, tp=0) if distributed else 0
         self.is_sampler = layout.rank == self.sampler_rank
         """Whether this rank chooses the tokens."""
         self.mp_group = _group(layout, "mp")
         self.tp_group = _group(layout, "tp")
         self.tp_root = _mesh_rank(layout, tp=0) if distributed else 0
         self.pp_group = _group(layout, "pp")
-        if self.pp_group is not None:
-            self.prev_rank = _mesh_rank(layout, pp=(layout.pp_rank - 1) % layout.pp_size)
-            self.next_rank = _mesh_rank(layout, pp=(layout.pp_rank + 1) % layout.pp_size)
+        self.layout = layout
         self.chunks = list(getattr(model, "chunks", None) or [])
         self.exchanges_greedy = layout.tp_size > 1 and layout.pp_size == 1 and layout.cp_size == 1
         """Whether greedy tokens come from one all-gather over TP (see the module docstring)."""
@@ -97,17 +95,23 @@ class StepRunner:
         b, s = tokens.shape
         sends, logits = [], None
         x: Optional[torch.Tensor] = None
+        held = {chunk.stage.virtual_stage for chunk in self.chunks}
         for index, chunk in enumerate(self.chunks):
             stage = chunk.stage
-            if not stage.pre_process:
+            if not stage.pre_process and stage.virtual_stage - 1 not in held:
                 x = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=self.device)
-                dist.recv(x, self.prev_rank, group=self.pp_group, tag=stage.virtual_stage)
+                source = _mesh_rank(self.layout, pp=self.layout.config.stage_pp_rank(stage.virtual_stage - 1))
+                dist.recv(x, source, group=self.pp_group, tag=stage.virtual_stage)
+            # else: the first stage, or (V placement) the previous stage is this rank's other chunk: x is its output
             out = self.model.inference_forward(tokens, step, hidden_states=x, chunk=index)
             if stage.post_process:
                 logits = out
+            elif stage.virtual_stage + 1 in held:
+                x = out
             else:
                 out = out.contiguous()
-                sends.append((dist.isend(out, self.next_rank, group=self.pp_group, tag=stage.virtual_stage + 1), out))
+                target = _mesh_rank(self.layout, pp=self.layout.config.stage_pp_rank(stage.virtual_stage + 1))
+                sends.append((dist.isend(out, target, group=self.pp_group, tag=stage.virtual_stage + 1), out))
         for work, _ in sends:
             if work is not None:  # None: this rank is not in the group, nothing was sent
                 work.wait()

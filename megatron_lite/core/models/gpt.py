@@ -196,7 +196,8 @@ class GPTModel(nn.Module):
                 init_std=config.init_method_std,
                 vocab_size=config.vocab_size,
             )
-            if tied and layout.pp_size > 1:
+            if tied and layout.pp_size > 1 and not (self.pre_process and self.post_process):
+                # (a V placement holds the first and the last stage on one rank: one embedding serves both)
                 # read with getattr by the engine (gradient sum) and gradient clipping (counted once)
                 setattr(self.embedding.weight, "shared_embedding", True)
                 setattr(self.embedding.weight, "pipeline_duplicate", not self.pre_process)

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
-from megatron_lite.core.parallel.pipeline_stages import PIPELINE_SCHEDULES, StageChunk, stage_chunks
+from megatron_lite.core.parallel.pipeline_stages import (
+    PIPELINE_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    StageChunk,
+    stage_chunks,
+    stage_pp_rank,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,11 +109,10 @@ class ParallelConfig:
             raise ValueError(
                 f"pipeline_schedule must be one of {PIPELINE_SCHEDULES} (or None for the default), got {schedule!r}."
             )
-        if schedule in ("zbv", "dualpipev"):
+        if schedule in V_SHAPED_SCHEDULES and vpp != 2:
             raise ValueError(
-                f"pipeline_schedule={schedule!r} is not offered yet: its V placement (two chunks per rank, the "
-                f"last stage's chunk beside the first's) is not built; use 'zb1p' (zero-bubble ZB-H1, one chunk per "
-                f"rank), '1f1b' or 'interleaved_1f1b'."
+                f"pipeline_schedule={schedule!r} runs two model chunks per rank in a V; set "
+                f"virtual_pipeline_model_parallel_size=2 (got {vpp}), or use 'zb1p' with one chunk per rank."
             )
         if schedule == "interleaved_1f1b" and vpp == 1:
             raise ValueError(
@@ -141,7 +146,23 @@ class ParallelConfig:
             self.virtual_pipeline_model_parallel_size,
             self.num_layers_in_first_pipeline_stage,
             self.num_layers_in_last_pipeline_stage,
+            v_shape=self.v_shaped,
         )
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether the schedule places each rank's two chunks in a V (zbv, dualpipev)."""
+        return self.schedule in V_SHAPED_SCHEDULES
+
+    def stage_pp_rank(self, virtual_stage: int) -> int:
+        """The pipeline rank that holds ``virtual_stage``."""
+        return stage_pp_rank(virtual_stage, self.pipeline_model_parallel_size, self.v_shaped)
+
+    @property
+    def last_stage_pp_rank(self) -> int:
+        """The pipeline rank that holds the output layer and the loss (P - 1; rank 0 in a V placement)."""
+        stages = self.pipeline_model_parallel_size * self.virtual_pipeline_model_parallel_size
+        return self.stage_pp_rank(stages - 1)
 
     @property
     def model_parallel_size(self) -> int:
@@ -378,7 +399,7 @@ class ParallelLayout:
     @property
     def is_last_pipeline_stage(self) -> bool:
         """Whether this rank holds the output layer and computes the loss."""
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == self.config.last_stage_pp_rank
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of dimension ``name``; None when that dimension has size 1."""

@@ -2,7 +2,8 @@
 
 Virtual stage ``s = v * P + p`` is chunk ``v`` of pipeline rank ``p`` (Megatron's interleaved
 order): the layers are dealt out in that order, so consecutive virtual stages live on consecutive
-ranks and activations travel around the pipeline ring V times. The first virtual stage holds the
+ranks and activations travel around the pipeline ring V times. The V-shaped zero-bubble schedules place a rank's
+two chunks in a V instead (:data:`V_SHAPED_SCHEDULES`). The first virtual stage holds the
 embedding, the last the final norm, the output layer and the loss.
 
 The cut and the schedule names are part of the parallel configuration (``ParallelConfig`` validates and cuts
@@ -16,6 +17,23 @@ from dataclasses import dataclass
 from typing import Optional
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb1p", "zbv", "dualpipev")
+V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules that place a rank's two chunks in a V: chunk 0 of rank ``p`` is virtual stage ``p``, chunk 1 is
+``2P - 1 - p`` (the first and last stage on rank 0, the turn on rank ``P - 1``)."""
+
+
+def virtual_stage_of(chunk: int, pp_rank: int, pp: int, v_shape: bool = False) -> int:
+    """The virtual stage of model chunk ``chunk`` of pipeline rank ``pp_rank``."""
+    if v_shape:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
+    return chunk * pp + pp_rank
+
+
+def stage_pp_rank(virtual_stage: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank that holds ``virtual_stage``."""
+    if v_shape:
+        return virtual_stage if virtual_stage < pp else 2 * pp - 1 - virtual_stage
+    return virtual_stage % pp
 
 
 @dataclass(frozen=True)
@@ -89,13 +107,20 @@ def layers_per_virtual_stage(
 
 
 def stage_chunks(
-    num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first: Optional[int] = None, last: Optional[int] = None
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    vpp: int = 1,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
+    v_shape: bool = False,
 ) -> list[StageChunk]:
-    """The chunks (virtual stages) pipeline rank ``pp_rank`` holds, in chunk order ``v = 0 .. V-1``."""
+    """The chunks (virtual stages) pipeline rank ``pp_rank`` holds, in chunk order ``v = 0 .. V-1`` (placed in a V
+    with ``v_shape``: :data:`V_SHAPED_SCHEDULES`)."""
     counts = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     chunks = []
     for v in range(vpp):
-        s = v * pp + pp_rank
+        s = virtual_stage_of(v, pp_rank, pp, v_shape)
         chunks.append(StageChunk(s, pp * vpp, range(starts[s], starts[s] + counts[s])))
     return chunks

@@ -128,12 +128,12 @@ class RunSpec:
     # --- batches ----------------------------------------------------------------------------
     def _check_batches(self, data: DataGeometry) -> None:
         """Every batch (each of a ramp-up included) in whole microbatches on every data-parallel rank, and in
-        groups of the pipeline size under the interleaved schedule."""
+        groups of the pipeline size under the interleaved schedule, at least two per stage under DualPipeV."""
         dp = self.data_parallel_size
         data.num_microbatches(dp)
         if data.rampup_batch_size is not None:
             data.num_microbatches_calculator(dp)
-        if self.parallel.schedule != "interleaved_1f1b":
+        if self.parallel.schedule not in ("interleaved_1f1b", "dualpipev"):
             return
         pp, mbs, gbs = self.parallel.pipeline_model_parallel_size, data.micro_batch_size, data.global_batch_size
         sizes = [gbs]
@@ -142,7 +142,16 @@ class RunSpec:
             sizes = list(range(start, gbs + 1, increment)) + [gbs]
         for size in sizes:
             microbatches = size // (mbs * dp)
-            if microbatches % pp:  # Megatron's interleaved schedule runs microbatches in groups of pp
+            if self.parallel.schedule == "dualpipev" and microbatches < 2 * pp:
+                raise ValueError(
+                    f"pipeline_schedule='dualpipev' needs at least 2 x pipeline_model_parallel_size ({2 * pp}) "
+                    f"microbatches per step, got {microbatches} (global batch {size} / (micro_batch_size {mbs} x dp "
+                    f"{dp})); raise global_batch_size to at least {2 * pp * mbs * dp} (and so every ramp-up size) or "
+                    f"use pipeline_schedule='zbv'."
+                )
+            if (
+                self.parallel.schedule == "interleaved_1f1b" and microbatches % pp
+            ):  # Megatron's interleaved schedule runs microbatches in groups of pp
                 raise ValueError(
                     f"the interleaved pipeline schedule needs the number of microbatches per step to be a multiple of "
                     f"pipeline_model_parallel_size ({pp}), got {microbatches} (global batch {size} / (micro_batch_size "

@@ -1,7 +1,10 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
-Activations go to the next rank of the pipeline ring and gradients to the previous one, each on its
-own process group, tagged with the receiving virtual stage. Sends are asynchronous (waited for at
+Activations go to the rank of the next virtual stage and gradients to the rank of the previous one, each on
+its own process group, tagged with the receiving virtual stage: the next rank of the pipeline ring (the
+previous one for gradients) in Megatron's interleaved placement; in the V placement of the zero-bubble
+schedules the second chunk's activations flow back towards rank 0, and the turn between the two chunks of
+rank ``P - 1`` is handed over in memory, without a transfer. Sends are asynchronous (waited for at
 the end of the step); a receive can be posted ahead (:meth:`PipelineP2P.post_forward`,
 :meth:`PipelineP2P.post_backward`) so that the transfer runs while this rank computes, and is waited
 for only when its data is needed: any valid schedule order runs without deadlock. The first forward
@@ -31,10 +34,12 @@ class PipelineP2P:
     def __init__(self, layout: ParallelLayout, device: torch.device, timers: Optional[Timers] = None):
         self.forward_group = layout.group("pp")
         self.backward_group = layout.group("pp_backward")
-        size, rank = layout.pp_size, layout.pp_rank
         assert self.forward_group is not None  # built only under pipeline parallelism (pp_size > 1)
-        self.next_rank = dist.get_global_rank(self.forward_group, (rank + 1) % size)
-        self.prev_rank = dist.get_global_rank(self.forward_group, (rank - 1) % size)
+        self._stage_pp_rank = layout.config.stage_pp_rank
+        self._pp_rank = layout.pp_rank
+        group = self.forward_group
+        self._global_ranks = [dist.get_global_rank(group, pp_rank) for pp_rank in range(layout.pp_size)]
+        self._local: dict[tuple[str, int], list[torch.Tensor]] = {}  # ("F"/"B", receiving stage) -> in order
         self.device = device
         self.timers = timers
         if timers is not None:  # every stage has every timer, so their cross-rank report lines up
@@ -44,8 +49,19 @@ class PipelineP2P:
         self._sent_shapes: dict[int, tuple] = {}  # virtual stage -> (shape, dtype) sent this step
         self._recv_shapes: dict[int, tuple] = {}  # virtual stage -> (shape, dtype) received this step
 
+    def _rank(self, virtual_stage: int) -> int:
+        """The global rank that holds ``virtual_stage``."""
+        return self._global_ranks[self._stage_pp_rank(virtual_stage)]
+
+    def is_local(self, virtual_stage: int) -> bool:
+        """Whether ``virtual_stage`` is held by this rank (a hand-over in memory, no transfer)."""
+        return self._stage_pp_rank(virtual_stage) == self._pp_rank
+
     def send_forward(self, tensor: torch.Tensor, to_virtual_stage: int) -> None:
-        """Activations for ``to_virtual_stage`` (held by the next rank of the ring)."""
+        """Activations for ``to_virtual_stage`` (held by the rank of the next virtual stage)."""
+        if self.is_local(to_virtual_stage):
+            self._local.setdefault(("F", to_virtual_stage), []).append(tensor.detach())
+            return
         with timed(self.timers, "forward-send", log_level=2):
             tensor = tensor.detach().contiguous()
             meta = (tuple(tensor.shape), tensor.dtype)
@@ -54,52 +70,67 @@ class PipelineP2P:
                 header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
                 header[0], header[1] = tensor.ndim, DTYPES.index(tensor.dtype)
                 header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-                self._isend(header.to(self.device), self.next_rank, self.forward_group, to_virtual_stage)
+                self._isend(header.to(self.device), self._rank(to_virtual_stage), self.forward_group, to_virtual_stage)
                 self._sent_shapes[to_virtual_stage] = meta
             elif known != meta:
                 raise ValueError(
                     f"pipeline activations changed shape within a step ({known} then {meta}): every "
                     f"microbatch of a step must have the same shape"
                 )
-            self._isend(tensor, self.next_rank, self.forward_group, to_virtual_stage)
+            self._isend(tensor, self._rank(to_virtual_stage), self.forward_group, to_virtual_stage)
 
     def forward_shape_known(self, virtual_stage: int) -> bool:
-        """Whether this step's activations for ``virtual_stage`` have a known shape (can be posted ahead)."""
-        return virtual_stage in self._recv_shapes
+        """Whether this step's activations for ``virtual_stage`` come by a transfer of known shape (can be posted
+        ahead)."""
+        return virtual_stage in self._recv_shapes and not self.is_local(virtual_stage - 1)
 
     def post_forward(self, virtual_stage: int) -> "PostedRecv":
         """Start receiving the previous stage's next activations for ``virtual_stage`` (shape known)."""
         shape, dtype = self._recv_shapes[virtual_stage]
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        return PostedRecv(dist.irecv(out, self.prev_rank, group=self.forward_group, tag=virtual_stage), out)
+        source = self._rank(virtual_stage - 1)
+        return PostedRecv(dist.irecv(out, source, group=self.forward_group, tag=virtual_stage), out)
 
     def recv_forward(self, virtual_stage: int, posted: Optional["PostedRecv"] = None) -> torch.Tensor:
         """The previous stage's activations for this rank's ``virtual_stage`` (blocks until they arrive)."""
+        if self.is_local(virtual_stage - 1):
+            return self._local[("F", virtual_stage)].pop(0)
         with timed(self.timers, "forward-recv", log_level=2):
             if posted is not None:
                 return posted.wait()
             if virtual_stage not in self._recv_shapes:
                 header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
-                dist.recv(header, self.prev_rank, group=self.forward_group, tag=virtual_stage)
+                dist.recv(header, self._rank(virtual_stage - 1), group=self.forward_group, tag=virtual_stage)
                 header = header.cpu()
                 ndim = int(header[0])
                 self._recv_shapes[virtual_stage] = (tuple(header[2 : 2 + ndim].tolist()), DTYPES[int(header[1])])
             return self.post_forward(virtual_stage).wait()
 
     def send_backward(self, grad: torch.Tensor, to_virtual_stage: int) -> None:
-        """The gradient of this stage's input, for ``to_virtual_stage`` (held by the previous rank)."""
+        """The gradient of this stage's input, for ``to_virtual_stage`` (held by the rank of the previous stage)."""
+        if self.is_local(to_virtual_stage):
+            self._local.setdefault(("B", to_virtual_stage), []).append(grad.detach())
+            return
         with timed(self.timers, "backward-send", log_level=2):
-            self._isend(grad.detach().contiguous(), self.prev_rank, self.backward_group, to_virtual_stage)
+            grad = grad.detach().contiguous()
+            self._isend(grad, self._rank(to_virtual_stage), self.backward_group, to_virtual_stage)
+
+    def backward_by_transfer(self, virtual_stage: int) -> bool:
+        """Whether the gradient of ``virtual_stage``'s output comes by a transfer (can be posted ahead)."""
+        return not self.is_local(virtual_stage + 1)
 
     def post_backward(self, virtual_stage: int, like: torch.Tensor) -> "PostedRecv":
         """Start receiving the gradient of ``like`` (this stage's output) from the next stage."""
         out = torch.empty_like(like, memory_format=torch.contiguous_format)
-        return PostedRecv(dist.irecv(out, self.next_rank, group=self.backward_group, tag=virtual_stage), out)
+        source = self._rank(virtual_stage + 1)
+        return PostedRecv(dist.irecv(out, source, group=self.backward_group, tag=virtual_stage), out)
 
     def recv_backward(
         self, virtual_stage: int, like: torch.Tensor, posted: Optional["PostedRecv"] = None
     ) -> torch.Tensor:
         """The gradient of ``like`` (this stage's output) from the next stage (blocks)."""
+        if not self.backward_by_transfer(virtual_stage):
+            return self._local[("B", virtual_stage)].pop(0)
         with timed(self.timers, "backward-recv", log_level=2):
             return (posted or self.post_backward(virtual_stage, like)).wait()
 
@@ -114,6 +145,7 @@ class PipelineP2P:
         self._pending.clear()
         self._sent_shapes.clear()
         self._recv_shapes.clear()
+        self._local.clear()
 
 
 class PostedRecv:

@@ -26,6 +26,11 @@ import torch
 
 from megatron_lite.core.parallel.loss_report import ReportSums, device_scalar, split_loss
 from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P, PostedRecv
+from megatron_lite.core.parallel.pipeline.zero_bubble import (
+    dual_pipe_v_order,
+    zero_bubble_h1_order,
+    zero_bubble_v_order,
+)
 from megatron_lite.core.parallel.weight_grad import WeightGradStore
 
 Action = tuple[str, int, int]
@@ -52,36 +57,6 @@ def one_f_one_b_order(num_microbatches: int, pp_size: int, pp_rank: int) -> list
     for i in range(num_microbatches - warmup):
         order += [("F", 0, warmup + i), ("B", 0, i)]
     order += [("B", 0, m) for m in range(num_microbatches - warmup, num_microbatches)]
-    return order
-
-
-def zero_bubble_h1_order(num_microbatches: int, pp_size: int, pp_rank: int) -> list[Action]:
-    """ZB-H1 (Qi et al., *Zero Bubble Pipeline Parallelism*, 2024): 1F1B's forwards and input-gradient
-    backwards (B), each microbatch's weight-gradient pass (W) ``pp_rank`` backwards after its B.
-
-    Rank ``r`` waits ``r`` fewer warm-up forwards than rank 0 and would idle as long in the cool-down; the W's
-    it holds back fill exactly that idle time. With forward, B and W of equal duration the bubble is
-    ``(P-1)/(3M+P-1)``, a third of 1F1B's, and no rank holds more than ``P`` microbatches' activations
-    (forward done, W not yet), 1F1B's peak on its first stage.
-    """
-    M, P = num_microbatches, pp_size
-    warmup = min(P - pp_rank - 1, M)
-    order: list[Action] = [("F", 0, m) for m in range(warmup)]
-    weights_done = 0
-
-    def backward(m: int) -> None:
-        nonlocal weights_done
-        order.append(("B", 0, m))
-        if m >= pp_rank:
-            order.append(("W", 0, weights_done))
-            weights_done += 1
-
-    for i in range(M - warmup):
-        order.append(("F", 0, warmup + i))
-        backward(i)
-    for m in range(M - warmup, M):
-        backward(m)
-    order += [("W", 0, m) for m in range(weights_done, M)]
     return order
 
 
@@ -129,6 +104,10 @@ def schedule_order(
         order = one_f_one_b_order(num_microbatches, pp_size, pp_rank)
     elif schedule == "zb1p":
         order = zero_bubble_h1_order(num_microbatches, pp_size, pp_rank)
+    elif schedule == "zbv":
+        order = zero_bubble_v_order(num_microbatches, pp_size, pp_rank)
+    elif schedule == "dualpipev":
+        order = dual_pipe_v_order(num_microbatches, pp_size, pp_rank)
     elif schedule == "interleaved_1f1b":
         order = interleaved_order(num_microbatches, pp_size, pp_rank, num_chunks)
     else:
@@ -248,7 +227,7 @@ def run_pipeline(
             stage = part.stage.virtual_stage
             if k == "F" and not part.pre_process and p2p.forward_shape_known(stage):
                 posted[index] = p2p.post_forward(stage)
-            elif k == "B" and not part.post_process and (chunk, mb) in saved:
+            elif k == "B" and not part.post_process and (chunk, mb) in saved and p2p.backward_by_transfer(stage):
                 posted[index] = p2p.post_backward(stage, saved[(chunk, mb)][1])
 
     for index, (kind, chunk, mb) in enumerate(order):

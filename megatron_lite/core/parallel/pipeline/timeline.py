@@ -11,7 +11,8 @@ pass's) end across the pipeline; a stage's bubble is ``1 - busy / span`` (busy: 
 the step's bubble is the mean over the stages. **Theory** (equal stage times, no communication cost):
 1F1B and GPipe ``(P - 1) / (M + P - 1)``, interleaved 1F1B ``(P - 1) / (V·M + P - 1)`` for P stages,
 M microbatches and V model chunks per stage; ZB-H1 ``(P - 1) / (3M + P - 1)`` when forward, input-gradient
-backward and weight-gradient pass take equal time (a third of 1F1B's for M >> P: Qi et al. 2024).
+backward and weight-gradient pass take equal time (a third of 1F1B's for M >> P: Qi et al. 2024), ZB-V and DualPipeV
+``(P - 1) / (6M + P - 1)``.
 
 Every rank's events are in one picture only when the ranks share a clock (one machine, or clocks kept in
 sync by NTP to well under a microbatch). With several pipelines (data, tensor or context parallel
@@ -194,12 +195,16 @@ def measured_bubble(stages: Mapping[int, Sequence[PipelineEvent]]) -> Bubble:
 def theoretical_bubble(schedule: str, pp_size: int, num_microbatches: int, virtual_pipeline_size: int = 1) -> float:
     """The idle fraction of a step with equal stage times and free communication (Narayanan et al. 2021):
     ``(P - 1) / (M + P - 1)`` for 1F1B and GPipe, ``(P - 1) / (V·M + P - 1)`` interleaved; ZB-H1 (Qi et al. 2024,
-    forward, input-gradient and weight-gradient passes of equal time) ``(P - 1) / (3M + P - 1)``."""
+    forward, input-gradient and weight-gradient passes of equal time) ``(P - 1) / (3M + P - 1)``; ZB-V and DualPipeV
+    (two chunks per rank, each pass of a chunk half a stage's) ``(P - 1) / (6M + P - 1)``: only the warm-up's first
+    chunk-forwards are left idle."""
     P, M, V = pp_size, num_microbatches, virtual_pipeline_size
     if schedule in ("1f1b", "gpipe"):
         return (P - 1) / (M + P - 1)
     if schedule == "zb1p":
         return (P - 1) / (3 * M + P - 1)
+    if schedule in ("zbv", "dualpipev"):
+        return (P - 1) / (6 * M + P - 1)
     if schedule == "interleaved_1f1b":
         return (P - 1) / (V * M + P - 1)
     raise ValueError(f"no bubble formula for schedule {schedule!r}")
@@ -208,4 +213,6 @@ def theoretical_bubble(schedule: str, pp_size: int, num_microbatches: int, virtu
 def theory_formula(schedule: str) -> str:
     if schedule == "zb1p":
         return "(P-1)/(3M+P-1)"
+    if schedule in ("zbv", "dualpipev"):
+        return "(P-1)/(6M+P-1)"
     return "(P-1)/(V*M+P-1)" if schedule == "interleaved_1f1b" else "(P-1)/(M+P-1)"
