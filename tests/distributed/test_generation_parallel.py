@@ -119,6 +119,10 @@ def test_one_process_equals_reference(reference):
         pytest.param(dict(tensor_model_parallel_size=2, sequence_parallel=True), id="tp2-sp"),
         pytest.param(dict(pipeline_model_parallel_size=2), id="pp2"),
         pytest.param(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), id="pp2-vpp2"),
+        pytest.param(
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="zbv"),
+            id="pp2-v-placement",  # the first and last stage on rank 0, the turn on rank 1
+        ),
         pytest.param(dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=0), id="pp2-empty-first"),
         pytest.param(dict(context_parallel_size=2), id="cp2"),
     ],
