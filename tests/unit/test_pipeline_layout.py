@@ -17,16 +17,12 @@ from megatron_lite.core.parallel.layout import ParallelConfig
 
 
 @pytest.fixture(scope="module")
-def megatron():
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core import parallel_state
-            from megatron.core.transformer.enums import LayerType
-            from megatron.core.transformer.transformer_config import TransformerConfig
-    except Exception as error:  # any failure to import the reference skips its comparisons, with the reason
-        pytest.skip(f"megatron-core is not importable here ({type(error).__name__}: {error})")
-    return parallel_state, LayerType, TransformerConfig
+def megatron(megatron_core):
+    return (
+        megatron_core("megatron.core.parallel_state"),
+        megatron_core("megatron.core.transformer.enums").LayerType,
+        megatron_core("megatron.core.transformer.transformer_config").TransformerConfig,
+    )
 
 
 def _megatron_config(megatron, layout, pp: int, num_layers: int):
