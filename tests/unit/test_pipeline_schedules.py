@@ -96,6 +96,32 @@ def test_interleaving_shrinks_the_simulated_bubble():
         ),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="zbv"), "not offered yet"),
         (dict(pipeline_schedule="gpipe"), "needs pipeline_model_parallel_size > 1"),
+    ],
+)
+def test_pipeline_config_errors_name_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix):
+        ParallelConfig(**kwargs)
+
+
+def test_layer_cuts():
+    assert layers_per_virtual_stage(8, 2) == [4, 4]
+    assert layers_per_virtual_stage(8, 2, 2) == [2, 2, 2, 2]
+    assert layers_per_virtual_stage(8, 4, first=1, last=1) == [1, 3, 3, 1]
+    assert layers_per_virtual_stage(5, 2, first=2) == [2, 3]
+    with pytest.raises(ValueError, match="must be divisible by pipeline_model_parallel_size x virtual"):
+        layers_per_virtual_stage(6, 2, 2)
+    with pytest.raises(ValueError, match="must split evenly over the 2 other pipeline stage"):
+        layers_per_virtual_stage(8, 4, first=1, last=2)
+    with pytest.raises(ValueError, match="without virtual pipeline stages only"):
+        layers_per_virtual_stage(8, 2, 2, first=1)
+    assert layers_per_virtual_stage(4, 2, 2, layout_counts=(0, 2, 2, 0)) == [0, 2, 2, 0]
+    with pytest.raises(ValueError, match=r"holds 4 transformer layers \('t'\), but num_layers is 5; make them equal"):
+        layers_per_virtual_stage(5, 2, 2, layout_counts=(0, 2, 2, 0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
         (dict(pipeline_model_parallel_layout="Et|tL"), "layout needs pipeline_model_parallel_size > 1"),
         (
             dict(
@@ -125,22 +151,6 @@ def test_interleaving_shrinks_the_simulated_bubble():
         (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|LtL"), "'L' must close the last"),
     ],
 )
-def test_pipeline_config_errors_name_the_fix(kwargs, fix):
+def test_pipeline_layout_errors_name_the_fix(kwargs, fix):
     with pytest.raises(ValueError, match=fix):
         ParallelConfig(**kwargs)
-
-
-def test_layer_cuts():
-    assert layers_per_virtual_stage(8, 2) == [4, 4]
-    assert layers_per_virtual_stage(8, 2, 2) == [2, 2, 2, 2]
-    assert layers_per_virtual_stage(8, 4, first=1, last=1) == [1, 3, 3, 1]
-    assert layers_per_virtual_stage(5, 2, first=2) == [2, 3]
-    with pytest.raises(ValueError, match="must be divisible by pipeline_model_parallel_size x virtual"):
-        layers_per_virtual_stage(6, 2, 2)
-    with pytest.raises(ValueError, match="must split evenly over the 2 other pipeline stage"):
-        layers_per_virtual_stage(8, 4, first=1, last=2)
-    with pytest.raises(ValueError, match="without virtual pipeline stages only"):
-        layers_per_virtual_stage(8, 2, 2, first=1)
-    assert layers_per_virtual_stage(4, 2, 2, layout_counts=(0, 2, 2, 0)) == [0, 2, 2, 0]
-    with pytest.raises(ValueError, match=r"holds 4 transformer layers \('t'\), but num_layers is 5; make them equal"):
-        layers_per_virtual_stage(5, 2, 2, layout_counts=(0, 2, 2, 0))
