@@ -3,7 +3,9 @@ compiled once for the processes the tests start, and under xdist whole modules p
 first (see docs/test-budget.md)."""
 
 import compileall
+import importlib
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,23 @@ def pytest_configure(config) -> None:
     torchrun and script ranks) would compile the package again: ~0.35 s of CPU apiece."""
     if not hasattr(config, "workerinput"):
         compileall.compile_dir(Path(__file__).resolve().parents[1] / "megatron_lite", quiet=1)
+
+
+@pytest.fixture(scope="session")
+def megatron_core():
+    """Imports a module of megatron-core, the reference some tests compare against (a dev dependency): call it with
+    the module's name. Any failure to import it skips the test, with the reason; its warnings about a missing
+    Transformer Engine or Apex are silenced."""
+
+    def load(name: str):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return importlib.import_module(name)
+        except Exception as error:
+            pytest.skip(f"megatron-core is not importable here ({type(error).__name__}: {error})")
+
+    return load
 
 
 def _module_rank(items) -> int:

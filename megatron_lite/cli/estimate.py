@@ -280,6 +280,7 @@ def describe_run(
         pipeline_schedule=strategy.get("pipeline_schedule"),
         num_layers_in_first_pipeline_stage=_optional_int(strategy.get("num_layers_in_first_pipeline_stage")),
         num_layers_in_last_pipeline_stage=_optional_int(strategy.get("num_layers_in_last_pipeline_stage")),
+        pipeline_model_parallel_layout=strategy.get("pipeline_model_parallel_layout"),
         sequence_parallel=bool(strategy.get("sequence_parallel", False)),
         context_parallel_size=int(strategy.get("context_parallel_size", 1)),
         cp_comm_type=str(strategy.get("cp_comm_type", "p2p")),

@@ -53,6 +53,9 @@ class MegatronStrategy(ParallelStrategy):
             ``"zb1p"`` (zero-bubble ZB-H1: split backward, a third of 1F1B's bubble at 1F1B's peak memory).
         num_layers_in_first_pipeline_stage: layers of the first stage for an uneven cut.
         num_layers_in_last_pipeline_stage: layers of the last stage for an uneven cut.
+        pipeline_model_parallel_layout: Megatron's layout of the layers over the ``P x V`` virtual stages instead of
+            a cut, e.g. ``"E|tt|tt|L"`` (the embedding and the loss alone on the end stages) or one list of layer
+            names per stage; see docs/pipelines.md.
         context_parallel_size: ranks that split every sequence into ``2 x C`` chunks (exact attention); needs
             ``seq_length`` divisible by ``2 x C`` (``2 x C x TP`` with sequence parallelism), ``attention_dropout=0``.
         cp_comm_type: how CP attention gets the other ranks' keys and values: ``"p2p"`` (around the ring, one block in
@@ -96,6 +99,7 @@ class MegatronStrategy(ParallelStrategy):
         pipeline_schedule: Optional[str] = None,
         num_layers_in_first_pipeline_stage: Optional[int] = None,
         num_layers_in_last_pipeline_stage: Optional[int] = None,
+        pipeline_model_parallel_layout: Optional[Union[str, list[list[str]]]] = None,
         context_parallel_size: int = 1,
         cp_comm_type: str = "p2p",
         cp_fused_blocks: bool = True,
@@ -134,6 +138,7 @@ class MegatronStrategy(ParallelStrategy):
                 pipeline_schedule=pipeline_schedule,
                 num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
                 num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                pipeline_model_parallel_layout=pipeline_model_parallel_layout,
                 context_parallel_size=context_parallel_size,
                 cp_comm_type=cp_comm_type,
                 cp_fused_blocks=cp_fused_blocks,

@@ -4,6 +4,9 @@ Same seed, same mock data, same global batch: the 10 per-step losses, the first 
 gradients (gathered from every stage) and the final parameters match to fp32 tolerance (rtol 1e-5).
 """
 
+import json
+
+import lightning as L
 import pytest
 import torch
 from parity_utils import assert_same_training, run, tiny_config
@@ -17,6 +20,15 @@ LAYOUTS = {
     "pp2_vpp2": dict(devices=2, pp=2, vpp=2),
     "pp2_gpipe": dict(devices=2, pp=2, strategy_kwargs=dict(pipeline_schedule="gpipe")),
     "pp2_uneven": dict(devices=2, pp=2, strategy_kwargs=dict(num_layers_in_first_pipeline_stage=1)),
+    # Megatron's asymmetric layout: the embedding alone on virtual stage 0 and the loss alone on the last (3), so
+    # rank 0 holds no layer in its first chunk and layers 2, 3 in its second
+    "pp2_vpp2_layout": dict(
+        devices=2,
+        pp=2,
+        vpp=2,
+        strategy_kwargs=dict(pipeline_model_parallel_layout="E|tt|tt|L"),
+        rank0_layers=[[], [2, 3]],
+    ),
     "tp2_pp2_sp": dict(devices=4, pp=2, tp=2, sp=True),
     "pp2_dp2": dict(devices=4, pp=2, mbs=1),
     "pp2_distopt": dict(devices=2, pp=2, distributed_optimizer=True),
@@ -51,6 +63,18 @@ def _run(path, distributed_optimizer=False, tied=False, **kwargs):
     return run(path, config=config, optimizer=optimizer, **kwargs)
 
 
+class Rank0Layers(L.Callback):
+    """Global rank 0 (the first pipeline rank) writes the global indices of the layers of each of its chunks."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            chunks = [list(chunk.stage.layers) for chunk in pl_module.model.chunks]
+            (self.out / "rank0_layers.json").write_text(json.dumps(chunks))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single"), devices=1)
@@ -58,9 +82,12 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
-    kwargs = LAYOUTS[name]
-    result = _run(tmp_path, **kwargs)
+    kwargs = dict(LAYOUTS[name])
+    rank0_layers = kwargs.pop("rank0_layers", None)
+    result = _run(tmp_path, callbacks=[Rank0Layers(tmp_path)], **kwargs)
     assert result["global_step"] == 10
+    if rank0_layers is not None:  # the cut asked for is the one that ran
+        assert json.loads((tmp_path / "rank0_layers.json").read_text()) == rank0_layers
     # The distributed optimizer moves gradients into its DP shards: compared through the norm and the step.
     assert_same_training(result, reference, grads=not kwargs.get("distributed_optimizer"))
     # train/grad_norm is one norm over every stage's gradients (what clipping uses).

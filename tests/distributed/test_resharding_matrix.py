@@ -9,8 +9,8 @@ layout through a real Trainer and must give
 The vocabulary (1001 tokens padded to a multiple of 100 x TP) pads to 1100 rows at TP1 and 1200 at TP2 and
 TP4, split unevenly, so every TP change also changes the padding.
 
-Sources: TP2 x PP2, DP4 with the distributed optimizer, PP2 with two virtual stages per rank, and CP2
-(skipped until MegatronStrategy has ``context_parallel_size``). Targets: TP1, TP4, TP2 (PP1), DP2,
+Sources: TP2 x PP2, DP4 with the distributed optimizer, PP2 with two virtual stages per rank (cut evenly, and by
+the asymmetric layout ``E|tt|tt|L``), and CP2. Targets: TP1, TP4, TP2 (PP1), DP2,
 TP2 x DP2 with the distributed optimizer, and FSDP2 over DP2. Each source is loaded at two targets in the
 fast set (every target at least once); the rest of the matrix is marked slow.
 """
@@ -46,6 +46,7 @@ SOURCES = {
     "tp2pp2": dict(devices=4, tp=2, pp=2),
     "dp4_distopt": dict(devices=4, optimizer=optimizer(distributed=True)),
     "pp2_vpp2": dict(devices=2, pp=2, vpp=2),
+    "pp2_vpp2_layout": dict(devices=2, pp=2, vpp=2, strategy_kwargs={"pipeline_model_parallel_layout": "E|tt|tt|L"}),
     "cp2": dict(devices=2, strategy_kwargs={"context_parallel_size": 2}),
 }
 TARGETS = {
@@ -63,6 +64,7 @@ FAST = {
     ("dp4_distopt", "tp2_pp1"),
     ("pp2_vpp2", "tp2dp2_distopt"),
     ("pp2_vpp2", "dp2"),
+    ("pp2_vpp2_layout", "tp2_pp1"),
     ("cp2", "tp1"),
     ("cp2", "dp2"),
 }
@@ -93,9 +95,16 @@ def saved(tmp_path_factory):
     return get
 
 
+# Sources loaded at their fast targets only: the rest of their row would prove nothing new (the asymmetric layout's
+# checkpoint holds what pp2_vpp2's does; only the cut that wrote it differs) and `make test` runs slow cases too.
+FAST_ONLY = {"pp2_vpp2_layout"}
+
+
 def _cases():
     for source in SOURCES:
         for target in TARGETS:
+            if source in FAST_ONLY and (source, target) not in FAST:
+                continue
             marks = [] if (source, target) in FAST else [pytest.mark.slow]
             yield pytest.param(source, target, marks=marks, id=f"{source}-to-{target}")
 

@@ -202,6 +202,14 @@ def _pipeline(raw: dict, **options) -> None:
         (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1), [[0], [1, 2, 3]]),
         (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), [[0, 2], [1, 3]]),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="gpipe"), [[0, 1], [2, 3]]),
+        (  # rank 0: the embedding alone, then layers 2-3; rank 1: layers 0-1, then the loss alone
+            dict(
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_model_parallel_layout="E|tt|tt|L",
+            ),
+            [[2, 3], [0, 1]],
+        ),
     ],
 )
 def test_pipeline_options_from_the_yaml_give_one_estimate_per_stage(capsys, tmp_path, options, stage_layers):
@@ -241,6 +249,10 @@ def test_pipeline_options_from_the_yaml_give_one_estimate_per_stage(capsys, tmp_
         ),
         (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=5), "must split evenly"),
         (dict(pipeline_model_parallel_size=3), "num_layers (4) must be divisible by pipeline_model_parallel_size (3)"),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tL"),
+            "holds 2 transformer layers ('t'), but num_layers is 4",
+        ),
     ],
 )
 def test_bad_pipeline_options_exit_2_with_one_line(capsys, tmp_path, options, message):

@@ -61,6 +61,14 @@ def _fit(devices=2, layers=4, gbs=8, mbs=2, module_cls=ml.GPTModule, tied=False,
             r"multiple of pipeline_model_parallel_size \(2\), got 3 .*set global_batch_size to a multiple of 4",
         ),
         (dict(devices=1, virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tL"),
+            r"layout holds 2 transformer layers \('t'\), but num_layers is 4; make them equal",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|tt|tt|L"),
+            "set virtual_pipeline_model_parallel_size=2",
+        ),
         (dict(pipeline_model_parallel_size=2, pipeline_schedule="1F1B"), "pipeline_schedule must be one of"),
         (
             dict(pipeline_model_parallel_size=2, pipeline_schedule="dualpipev"),

@@ -3,8 +3,6 @@ semantics) on random inputs for every option, and to the formulas of the papers 
 out here. The router module built on them is tested in test_moe_router.py.
 """
 
-import warnings
-
 import pytest
 import torch
 
@@ -46,14 +44,8 @@ def routing_options():
 
 
 @pytest.fixture(scope="module")
-def megatron():
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.transformer.moe import moe_utils
-    except Exception as error:  # any failure to import the reference skips its comparisons, with the reason
-        pytest.skip(f"megatron-core is not importable here ({type(error).__name__}: {error})")
-    return moe_utils
+def megatron(megatron_core):
+    return megatron_core("megatron.core.transformer.moe.moe_utils")
 
 
 # --- equal to megatron-core ------------------------------------------------------------------------------------

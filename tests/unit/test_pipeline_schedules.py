@@ -245,3 +245,43 @@ def test_layer_cuts():
         layers_per_virtual_stage(8, 4, first=1, last=2)
     with pytest.raises(ValueError, match="without virtual pipeline stages only"):
         layers_per_virtual_stage(8, 2, 2, first=1)
+    assert layers_per_virtual_stage(4, 2, 2, layout_counts=(0, 2, 2, 0)) == [0, 2, 2, 0]
+    with pytest.raises(ValueError, match=r"holds 4 transformer layers \('t'\), but num_layers is 5; make them equal"):
+        layers_per_virtual_stage(5, 2, 2, layout_counts=(0, 2, 2, 0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (dict(pipeline_model_parallel_layout="Et|tL"), "layout needs pipeline_model_parallel_size > 1"),
+        (
+            dict(
+                pipeline_model_parallel_size=2,
+                pipeline_model_parallel_layout="Et|tL",
+                num_layers_in_first_pipeline_stage=1,
+            ),
+            "replaces num_layers_in_first/last_pipeline_stage",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|tt|tt|L"),
+            r"has 4 virtual stage\(s\).* 2 x 1 = 2; set virtual_pipeline_model_parallel_size=2",
+        ),
+        (
+            dict(pipeline_model_parallel_size=3, pipeline_model_parallel_layout="Et|tL"),
+            r"give it a multiple of pipeline_model_parallel_size \(3\) stages",
+        ),
+        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tmL"), "multi-token prediction"),
+        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tx"), "'x' is not part of the"),
+        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="(Et|)tL"), "'\\(' is not part of"),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout=[["embedding", "t"], ["loss"]]),
+            "'t' is not a layer name",
+        ),
+        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout=4), "must be a string such as"),
+        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tE|tL"), "'E' must open the first"),
+        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|LtL"), "'L' must close the last"),
+    ],
+)
+def test_pipeline_layout_errors_name_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix):
+        ParallelConfig(**kwargs)

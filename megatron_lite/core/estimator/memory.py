@@ -6,7 +6,7 @@ parameter of the precision (:data:`~megatron_lite.core.estimator.precision_bytes
 edit when precision handling changes); activations are :mod:`~megatron_lite.core.estimator.activations`'.
 
 Under pipeline parallelism every stage gets its own estimate (:func:`estimate_stages`): the parameters of the
-layers ``ParallelConfig.stage_chunks`` gives it (uneven cuts, virtual stages, the embedding on the first
+layers ``ParallelConfig.stage_chunks`` gives it (uneven cuts or a layout, virtual stages, the embedding on the first
 stage, the output layer and a tied embedding's copy on the last), and activations per model chunk times
 the chunk-microbatches its schedule keeps alive, found by walking the order the executor runs
 (:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`: 1F1B keeps ``min(P - stage, M)``,
@@ -45,6 +45,7 @@ from megatron_lite.core.estimator.precision_bytes import (
 )
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.layout import CP_COMM_TYPES, ParallelConfig
+from megatron_lite.core.parallel.pipeline_stages import PipelineLayout
 from megatron_lite.core.peft.config import LoRAConfig
 from megatron_lite.core.precision import normalize_precision
 
@@ -72,6 +73,8 @@ class EstimateLayout:
     """Layers of the first pipeline stage for an uneven cut (None: an even cut)."""
     num_layers_in_last_pipeline_stage: Optional[int] = None
     """Layers of the last pipeline stage for an uneven cut (None: an even cut)."""
+    pipeline_model_parallel_layout: Optional[PipelineLayout] = None
+    """Megatron's layout of the layers over the virtual stages (e.g. ``"E|tt|tt|L"``), instead of a cut."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence inside TP groups."""
     context_parallel_size: int = 1
@@ -155,6 +158,7 @@ class EstimateLayout:
             pipeline_schedule=self.pipeline_schedule,
             num_layers_in_first_pipeline_stage=self.num_layers_in_first_pipeline_stage,
             num_layers_in_last_pipeline_stage=self.num_layers_in_last_pipeline_stage,
+            pipeline_model_parallel_layout=self.pipeline_model_parallel_layout,
             context_parallel_size=self.context_parallel_size,
             cp_comm_type=self.cp_comm_type,
             cp_fused_blocks=self.cp_fused_blocks,

@@ -14,6 +14,7 @@ from typing import Optional
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.pipeline_stages import PipelineLayout
 from megatron_lite.core.peft.config import LoRAConfig
 from megatron_lite.core.peft.lora import is_adapter_parameter
 
@@ -49,6 +50,7 @@ def parameter_shapes(
     virtual_pipeline_model_parallel_size: int = 1,
     num_layers_in_first_pipeline_stage: Optional[int] = None,
     num_layers_in_last_pipeline_stage: Optional[int] = None,
+    pipeline_model_parallel_layout: Optional[PipelineLayout] = None,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     lora: Optional[LoRAConfig] = None,
@@ -57,11 +59,11 @@ def parameter_shapes(
     order of ``GPTModel.named_parameters()``.
 
     The layers are cut as ``GPTModel`` cuts them (:meth:`ParallelConfig.stage_chunks`: uneven first/last
-    stages, ``V`` virtual stages per rank). The first stage holds the embedding, the last the final norm
-    and the output layer; with tied embeddings the last stage keeps its own copy of the word embedding
-    (Megatron's), which the output layer multiplies by. MoE layers hold ``num_moe_experts / EP`` experts, each
-    split over ``expert_tensor_parallel_size`` ranks (None: TP's). ``lora``: the adapters a LoRA fine-tune adds,
-    the rest frozen.
+    stages or a ``pipeline_model_parallel_layout``, ``V`` virtual stages per rank). The first stage holds the
+    embedding, the last the final norm and the output layer; with tied embeddings the last stage keeps its own
+    copy of the word embedding (Megatron's), which the output layer multiplies by. MoE layers hold
+    ``num_moe_experts / EP`` experts, each split over ``expert_tensor_parallel_size`` ranks (None: TP's).
+    ``lora``: the adapters a LoRA fine-tune adds, the rest frozen.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     config.validate_parallelism(tp, pp)
@@ -70,6 +72,7 @@ def parameter_shapes(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+        pipeline_model_parallel_layout=pipeline_model_parallel_layout,
     )
     return stage_parameter_shapes(
         config,

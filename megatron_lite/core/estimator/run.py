@@ -50,6 +50,7 @@ def estimate_for_run(
         pipeline_schedule=parallel.pipeline_schedule,
         num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+        pipeline_model_parallel_layout=parallel.pipeline_model_parallel_layout,
         context_parallel_size=parallel.context_parallel_size,
         cp_comm_type=parallel.cp_comm_type,
         cp_fused_blocks=parallel.cp_fused_blocks,

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from megatron_lite.core.parallel.pipeline_stages import (
     PIPELINE_SCHEDULES,
     V_SHAPED_SCHEDULES,
+    PipelineLayout,
     StageChunk,
+    pipeline_layout_counts,
     stage_chunks,
     stage_pp_rank,
 )
@@ -62,6 +64,11 @@ class ParallelConfig:
     """Layers of the first pipeline stage for an uneven cut (the others share the rest evenly)."""
     num_layers_in_last_pipeline_stage: Optional[int] = None
     """Layers of the last pipeline stage for an uneven cut."""
+    pipeline_model_parallel_layout: Optional[PipelineLayout] = None
+    """Megatron's layout of the layers over the P x V virtual stages, e.g. ``"E|tt|tt|L"`` (a list of lists is kept
+    as a tuple of tuples); replaces the even/uneven cut."""
+    layout_layer_counts: Optional[tuple[int, ...]] = field(default=None, init=False, repr=False, compare=False)
+    """Transformer layers of each virtual stage, parsed once from ``pipeline_model_parallel_layout`` (None without)."""
     cp_comm_type: str = "p2p"
     """How context-parallel attention gets the other ranks' keys/values: 'p2p' (passed around the CP
     ring, the next block in flight while the current one is computed) or 'all_gather' (all at once)."""
@@ -127,6 +134,28 @@ class ParallelConfig:
             )
         if schedule is not None and pp == 1:
             raise ValueError(f"pipeline_schedule={schedule!r} needs pipeline_model_parallel_size > 1.")
+        self._parse_pipeline_layout()
+
+    def _parse_pipeline_layout(self) -> None:
+        layout = self.pipeline_model_parallel_layout
+        if layout is None:
+            return
+        if self.pipeline_model_parallel_size == 1:
+            raise ValueError(
+                "pipeline_model_parallel_layout needs pipeline_model_parallel_size > 1 (it places the layers on "
+                "pipeline stages); raise pipeline_model_parallel_size or drop the layout."
+            )
+        if self.num_layers_in_first_pipeline_stage is not None or self.num_layers_in_last_pipeline_stage is not None:
+            raise ValueError(
+                "pipeline_model_parallel_layout replaces num_layers_in_first/last_pipeline_stage (the layout gives "
+                "every stage's layers); drop one or the other."
+            )
+        counts = pipeline_layout_counts(
+            layout, self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        )
+        if not isinstance(layout, str):  # immutable and hashable, as the rest of this frozen config
+            object.__setattr__(self, "pipeline_model_parallel_layout", tuple(tuple(stage) for stage in layout))
+        object.__setattr__(self, "layout_layer_counts", counts)
 
     @property
     def schedule(self) -> str:
@@ -146,6 +175,7 @@ class ParallelConfig:
             self.virtual_pipeline_model_parallel_size,
             self.num_layers_in_first_pipeline_stage,
             self.num_layers_in_last_pipeline_stage,
+            self.layout_layer_counts,
             v_shape=self.v_shaped,
         )
 

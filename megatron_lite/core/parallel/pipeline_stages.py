@@ -6,6 +6,9 @@ ranks and activations travel around the pipeline ring V times. The V-shaped zero
 two chunks in a V instead (:data:`V_SHAPED_SCHEDULES`). The first virtual stage holds the
 embedding, the last the final norm, the output layer and the loss.
 
+The layer counts of the virtual stages come from one of three cuts: even, uneven (fixed first/last stage counts) or
+Megatron's ``pipeline_model_parallel_layout`` (each stage's layers spelled out), parsed here once into counts.
+
 The cut and the schedule names are part of the parallel configuration (``ParallelConfig`` validates and cuts
 with them), so they live below ``layout``, outside ``pipeline/``: the pipeline's runtime (transfers, schedules)
 is built on the layout.
@@ -13,8 +16,10 @@ is built on the layout.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb1p", "zbv", "dualpipev")
 V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
@@ -34,6 +39,20 @@ def stage_pp_rank(virtual_stage: int, pp: int, v_shape: bool = False) -> int:
     if v_shape:
         return virtual_stage if virtual_stage < pp else 2 * pp - 1 - virtual_stage
     return virtual_stage % pp
+
+
+PipelineLayout = Union[str, Sequence[Sequence[str]]]
+"""Megatron's ``pipeline_model_parallel_layout``: a string such as ``"Et*3|(tt|)*2,L"`` or one list of layer names
+(``"embedding"``, ``"decoder"``, ``"loss"``) per virtual stage."""
+
+# Megatron's letters in a layout string, and the LayerType names they stand for (the names of the list form).
+_LAYOUT_LETTERS = {"E": "embedding", "t": "decoder", "L": "loss", "m": "mtp"}
+# megatron-core's parse_str_to_list, in its order: a group ``(...)*N`` is unrolled first, then a letter's ``x*N``.
+_LAYOUT_REPEATS = (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)")
+_LAYOUT_GRAMMAR = (
+    "E (embedding), t (transformer layer), L (loss), '|' between virtual stages, x*N or (...)*N to repeat, "
+    "commas ignored"
+)
 
 
 @dataclass(frozen=True)
@@ -58,15 +77,105 @@ class StageChunk:
         return self.virtual_stage == self.num_virtual_stages - 1
 
 
+def parse_pipeline_layout(layout: PipelineLayout) -> list[list[str]]:
+    """The layer names of each virtual stage of ``layout``, in pipeline order, read as megatron-core reads it
+    (``PipelineParallelLayerLayout``); a ValueError names the fix. Multi-token prediction ('m') is refused by name."""
+    if isinstance(layout, str):
+        text = layout.replace(",", "")
+        for pattern in _LAYOUT_REPEATS:
+            text = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), text)
+        stages = []
+        for letters in text.split("|"):
+            unknown = [letter for letter in letters if letter not in _LAYOUT_LETTERS]
+            if unknown:
+                raise ValueError(
+                    f"pipeline_model_parallel_layout {layout!r}: {unknown[0]!r} is not part of the layout grammar "
+                    f"(a group in parentheses needs *N and groups do not nest); use {_LAYOUT_GRAMMAR}."
+                )
+            stages.append([_LAYOUT_LETTERS[letter] for letter in letters])
+    elif isinstance(layout, Sequence) and all(
+        isinstance(stage, Sequence) and not isinstance(stage, str) for stage in layout
+    ):
+        stages = []
+        for stage in layout:
+            found = [name.strip().lower() if isinstance(name, str) else name for name in stage]
+            unknown = [name for name in found if name not in _LAYOUT_LETTERS.values()]
+            if unknown:
+                raise ValueError(
+                    f"pipeline_model_parallel_layout: {unknown[0]!r} is not a layer name; use 'embedding', 'decoder' "
+                    f"(a transformer layer) and 'loss' in each virtual stage's list."
+                )
+            stages.append(found)
+    else:
+        raise ValueError(
+            f"pipeline_model_parallel_layout must be a string such as 'E|tt|tt|L' or a list of lists of layer "
+            f"names (one list per virtual stage), got {layout!r}."
+        )
+    if any("mtp" in stage for stage in stages):
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r} places multi-token prediction layers ('m'), which "
+            f"megatron-lite does not have yet; remove them from the layout."
+        )
+    return stages
+
+
+def pipeline_layout_counts(layout: PipelineLayout, pp: int, vpp: int) -> tuple[int, ...]:
+    """Transformer layers of each of the ``pp * vpp`` virtual stages of ``layout`` (in pipeline order, ``v * P + p``),
+    or a ValueError naming the fix: the embedding opens the first virtual stage and the loss closes the last, each
+    once (as megatron-core requires); the other stages may hold any number of layers, none included."""
+    stages = parse_pipeline_layout(layout)
+    if len(stages) != pp * vpp:
+        fix = (
+            f"set virtual_pipeline_model_parallel_size={len(stages) // pp}"
+            if len(stages) % pp == 0
+            else f"give it a multiple of pipeline_model_parallel_size ({pp}) stages"
+        )
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r} has {len(stages)} virtual stage(s), but "
+            f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vpp} = {pp * vpp}; "
+            f"{fix} or change the layout's '|'-separated stages."
+        )
+    flat = [name for stage in stages for name in stage]
+    if flat.count("embedding") != 1 or stages[0][:1] != ["embedding"]:
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r}: the embedding 'E' must open the first virtual stage and "
+            f"appear nowhere else (e.g. 'Et|tt|tL')."
+        )
+    if flat.count("loss") != 1 or stages[-1][-1:] != ["loss"]:
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r}: the loss 'L' must close the last virtual stage and appear "
+            f"nowhere else (e.g. 'Et|tt|tL')."
+        )
+    return tuple(stage.count("decoder") for stage in stages)
+
+
 def layers_per_virtual_stage(
-    num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None, last: Optional[int] = None
+    num_layers: int,
+    pp: int,
+    vpp: int = 1,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
+    layout_counts: Optional[Sequence[int]] = None,
 ) -> list[int]:
     """Layer counts of the ``pp * vpp`` virtual stages, in pipeline order; a ValueError names the fix.
 
     ``first``/``last`` (Megatron's ``num_layers_in_first/last_pipeline_stage``) fix the first and last
-    stage's layer counts; the others share the rest evenly.
+    stage's layer counts; the others share the rest evenly. ``layout_counts`` (a layout's
+    :func:`pipeline_layout_counts`) gives every stage's count instead.
     """
     stages = pp * vpp
+    if layout_counts is not None:
+        if first is not None or last is not None or len(layout_counts) != stages:
+            raise ValueError(
+                "a pipeline_model_parallel_layout replaces num_layers_in_first/last_pipeline_stage and must have "
+                "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size stages; set one cut only."
+            )
+        if sum(layout_counts) != num_layers:
+            raise ValueError(
+                f"pipeline_model_parallel_layout holds {sum(layout_counts)} transformer layers ('t'), but num_layers "
+                f"is {num_layers}; make them equal."
+            )
+        return list(layout_counts)
     if (first is not None or last is not None) and vpp > 1:
         raise ValueError(
             "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage are supported without "
@@ -113,11 +222,12 @@ def stage_chunks(
     vpp: int = 1,
     first: Optional[int] = None,
     last: Optional[int] = None,
+    layout_counts: Optional[Sequence[int]] = None,
     v_shape: bool = False,
 ) -> list[StageChunk]:
     """The chunks (virtual stages) pipeline rank ``pp_rank`` holds, in chunk order ``v = 0 .. V-1`` (placed in a V
     with ``v_shape``: :data:`V_SHAPED_SCHEDULES`)."""
-    counts = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
+    counts = layers_per_virtual_stage(num_layers, pp, vpp, first, last, layout_counts)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     chunks = []
     for v in range(vpp):
