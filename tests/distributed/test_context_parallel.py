@@ -31,6 +31,7 @@ LAYOUTS = {
     "tp2_cp2_sp": dict(devices=4, cp=2, tp=2, sp=True),
     "cp2_dp2": dict(devices=4, cp=2),
     "cp2_pp2": dict(devices=4, cp=2, pp=2),
+    "cp2_pp2_zb1p": dict(devices=4, cp=2, pp=2, pipeline_schedule="zb1p"),
     "cp2_distopt": dict(devices=2, cp=2, distributed_optimizer=True),
     "cp2_all_gather": dict(devices=2, cp=2, cp_comm_type="all_gather"),
     "cp2_selective_recompute": dict(devices=2, cp=2, recompute="selective"),
@@ -61,14 +62,16 @@ class ShareRecorder(L.Callback):
             torch.save(self.seen, self.out / "share.pt")
 
 
-def _run(path, *, cp=1, cp_comm_type="p2p", distributed_optimizer=False, recompute=None, **kwargs):
+def _run(
+    path, *, cp=1, cp_comm_type="p2p", distributed_optimizer=False, recompute=None, pipeline_schedule=None, **kwargs
+):
     config = tiny_config(seq_length=SEQ, **({"recompute_granularity": recompute} if recompute else {}))
     optimizer = None
     if distributed_optimizer:
         optimizer = ml.OptimizerConfig(
             lr=1e-3, lr_warmup_iters=2, lr_decay_iters=20, min_lr=1e-4, use_distributed_optimizer=True
         )
-    strategy = dict(context_parallel_size=cp, cp_comm_type=cp_comm_type)
+    strategy = dict(context_parallel_size=cp, cp_comm_type=cp_comm_type, pipeline_schedule=pipeline_schedule)
     return run(path, config=config, optimizer=optimizer, strategy_kwargs=strategy, **kwargs)
 
 

@@ -108,6 +108,11 @@ VARIANTS = {
         dict(num_layers=4),
         dict(devices=4, pp=2, vpp=2, strategy_kwargs=dict(expert_model_parallel_size=2)),
     ),
+    # the zero-bubble split on MoE layers: the experts' and router's gradients in B, the dense GEMMs' in W
+    "ep2-pp2-zb1p": (
+        dict(num_layers=4),
+        dict(devices=4, pp=2, strategy_kwargs=dict(expert_model_parallel_size=2, pipeline_schedule="zb1p")),
+    ),
 }
 
 

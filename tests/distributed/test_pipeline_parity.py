@@ -119,10 +119,16 @@ def test_tp2_pp2_dp2_on_eight_ranks(reference, tmp_path):
     assert_same_training(result, reference)
 
 
-def test_recompute_composes_with_pipeline(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_recompute_composes_with_pipeline(schedule, tmp_path):
+    """Full recomputation under the zero-bubble split too: the input-gradient pass recomputes the layer and defers
+    its weight GEMMs like any backward."""
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     reference = run(tmp_path / "single", devices=1, config=tiny_config(**CONFIG), steps=4)
-    result = run(tmp_path / "pp2", devices=2, pp=2, config=tiny_config(**CONFIG, **recompute), steps=4)
+    vpp = 2 if schedule == "zbv" else 1
+    config = tiny_config(**CONFIG, **recompute)
+    kwargs = dict(devices=2, pp=2, vpp=vpp, strategy_kwargs=dict(pipeline_schedule=schedule))
+    result = run(tmp_path / "pp2", config=config, steps=4, **kwargs)
     assert_same_training(result, reference)
 
 
@@ -148,20 +154,26 @@ def test_rampup_composes_with_pipeline(tmp_path):
     assert_same_training(result, reference)
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_bf16_under_pipeline_tracks_fp32(precision, reference, tmp_path):
-    """bf16 is not bit-exact: it must run through the stages and track fp32 to bf16 tolerance."""
-    result = _run(tmp_path, devices=2, pp=2, precision=precision)
+@pytest.mark.parametrize("precision, schedule", [("bf16-true", "zb1p"), ("bf16-mixed", "1f1b")])
+def test_bf16_under_pipeline_tracks_fp32(precision, schedule, reference, tmp_path):
+    """bf16 is not bit-exact: it must run through the stages and track fp32 to bf16 tolerance (bf16 parameters with the
+    zero-bubble split: its weight pass computes their gradients in bf16, as autograd does)."""
+    strategy = dict(pipeline_schedule=schedule)
+    result = _run(tmp_path, devices=2, pp=2, precision=precision, strategy_kwargs=strategy)
     losses, ref = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
     assert torch.isfinite(losses).all()
     torch.testing.assert_close(losses, ref, rtol=2e-2, atol=0)
 
 
-def test_fp16_loss_scaling_under_pipeline(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
+def test_fp16_loss_scaling_under_pipeline(schedule, tmp_path):
     """16-true on a tiny model: Megatron's 2**32 initial scale overflows, steps are skipped on every
     stage together and the scale backs off until training proceeds."""
     config = tiny_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
-    result = run(tmp_path, devices=2, pp=2, config=config, precision="16-true", steps=6, gbs=4)
+    strategy = dict(pipeline_schedule=schedule)
+    result = run(
+        tmp_path, devices=2, pp=2, config=config, precision="16-true", steps=6, gbs=4, strategy_kwargs=strategy
+    )
     assert result["skipped_steps"] >= 1
     assert result["loss_scale"] < 2.0**32
     assert all(torch.isfinite(torch.tensor(result["losses"])))
