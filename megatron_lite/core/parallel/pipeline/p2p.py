@@ -1,8 +1,10 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
 Activations go to the next rank of the pipeline ring and gradients to the previous one, each on its
-own process group, tagged with the receiving virtual stage. Sends are asynchronous (waited for at
-the end of the step); a receive can be posted ahead (:meth:`PipelineP2P.post_forward`,
+own process group, tagged with the receiving virtual stage. Sends are asynchronous: each keeps its
+tensor until it completes, and completed sends are let go whenever this rank posts or receives a
+transfer (all are waited for at the end of the step), so a sent tensor's memory lives as long as its
+transfer, not the whole step. A receive can be posted ahead (:meth:`PipelineP2P.post_forward`,
 :meth:`PipelineP2P.post_backward`) so that the transfer runs while this rank computes, and is waited
 for only when its data is needed: any valid schedule order runs without deadlock. The first forward
 transfer to each virtual stage in a step is preceded by a small header (shape and dtype), so stages
@@ -13,6 +15,8 @@ shape of the activation it answers, which the receiver holds.
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Optional
 
 import torch
@@ -41,6 +45,9 @@ class PipelineP2P:
             for name in ("forward-send", "forward-recv", "backward-send", "backward-recv"):
                 timers(name, log_level=2)
         self._pending: list = []  # (work, tensor kept alive until the send completes)
+        # NCCL's works report completion by themselves; gloo's only once waited for: a thread waits for them.
+        self._waits_to_complete = not (device.type == "cuda" and "nccl" in str(dist.get_backend(self.forward_group)))
+        self._waiters: dict[tuple[str, int], _SendWaiter] = {}  # (direction, tag) -> its sends' waiter this step
         self._sent_shapes: dict[int, tuple] = {}  # virtual stage -> (shape, dtype) sent this step
         self._recv_shapes: dict[int, tuple] = {}  # virtual stage -> (shape, dtype) received this step
 
@@ -54,14 +61,14 @@ class PipelineP2P:
                 header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
                 header[0], header[1] = tensor.ndim, DTYPES.index(tensor.dtype)
                 header[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-                self._isend(header.to(self.device), self.next_rank, self.forward_group, to_virtual_stage)
+                self._isend(header.to(self.device), self.next_rank, "forward", to_virtual_stage)
                 self._sent_shapes[to_virtual_stage] = meta
             elif known != meta:
                 raise ValueError(
                     f"pipeline activations changed shape within a step ({known} then {meta}): every "
                     f"microbatch of a step must have the same shape"
                 )
-            self._isend(tensor, self.next_rank, self.forward_group, to_virtual_stage)
+            self._isend(tensor, self.next_rank, "forward", to_virtual_stage)
 
     def forward_shape_known(self, virtual_stage: int) -> bool:
         """Whether this step's activations for ``virtual_stage`` have a known shape (can be posted ahead)."""
@@ -77,19 +84,19 @@ class PipelineP2P:
         """The previous stage's activations for this rank's ``virtual_stage`` (blocks until they arrive)."""
         with timed(self.timers, "forward-recv", log_level=2):
             if posted is not None:
-                return posted.wait()
+                return self._received(posted.wait())
             if virtual_stage not in self._recv_shapes:
                 header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
                 dist.recv(header, self.prev_rank, group=self.forward_group, tag=virtual_stage)
                 header = header.cpu()
                 ndim = int(header[0])
                 self._recv_shapes[virtual_stage] = (tuple(header[2 : 2 + ndim].tolist()), DTYPES[int(header[1])])
-            return self.post_forward(virtual_stage).wait()
+            return self._received(self.post_forward(virtual_stage).wait())
 
     def send_backward(self, grad: torch.Tensor, to_virtual_stage: int) -> None:
         """The gradient of this stage's input, for ``to_virtual_stage`` (held by the previous rank)."""
         with timed(self.timers, "backward-send", log_level=2):
-            self._isend(grad.detach().contiguous(), self.prev_rank, self.backward_group, to_virtual_stage)
+            self._isend(grad.detach().contiguous(), self.prev_rank, "backward", to_virtual_stage)
 
     def post_backward(self, virtual_stage: int, like: torch.Tensor) -> "PostedRecv":
         """Start receiving the gradient of ``like`` (this stage's output) from the next stage."""
@@ -101,19 +108,76 @@ class PipelineP2P:
     ) -> torch.Tensor:
         """The gradient of ``like`` (this stage's output) from the next stage (blocks)."""
         with timed(self.timers, "backward-recv", log_level=2):
-            return (posted or self.post_backward(virtual_stage, like)).wait()
+            return self._received((posted or self.post_backward(virtual_stage, like)).wait())
 
-    def _isend(self, tensor: torch.Tensor, dst: int, group, tag: int) -> None:
-        self._pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
+    def _isend(self, tensor: torch.Tensor, dst: int, direction: str, tag: int) -> None:
+        group = self.forward_group if direction == "forward" else self.backward_group
+        work = dist.isend(tensor, dst, group=group, tag=tag)
+        if self._waits_to_complete:
+            # Sends to one (rank, tag) are received, and so complete, in the order they are posted; across
+            # tags and directions they need not: one waiter per (direction, tag) sees each as it completes.
+            waiter = self._waiters.get((direction, tag))
+            if waiter is None:
+                waiter = self._waiters[(direction, tag)] = _SendWaiter()
+            waiter.add(work)
+        self._pending.append((work, tensor))
+        self.release_completed()
+
+    def _received(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.release_completed()  # while this rank waited, its own sends may have completed
+        return tensor
+
+    def release_completed(self) -> None:
+        """Let go of the sends that have completed, and so of their tensors (a stage output that was
+        deallocated after its send is freed here)."""
+        self._pending = [(work, tensor) for work, tensor in self._pending if not work.is_completed()]
 
     def wait(self) -> None:
         """Complete every send of this step (before its buffers may be reused); the next step starts
         with fresh shape headers."""
-        for work, _ in self._pending:
-            work.wait()
+        if self._waits_to_complete:
+            waiters, self._waiters = list(self._waiters.values()), {}
+            for waiter in waiters:  # every send waited for by its waiter (a gloo send must not be waited for twice)
+                waiter.close()
+        else:
+            for work, _ in self._pending:
+                work.wait()
         self._pending.clear()
         self._sent_shapes.clear()
         self._recv_shapes.clear()
+
+
+class _SendWaiter:
+    """Waits for sends, in the order they were posted, on a thread of its own (for one step): on a backend
+    whose works report completion only once waited for (gloo), each then reports it as soon as the
+    transfer is done, and :meth:`PipelineP2P.release_completed` can let its tensor go."""
+
+    def __init__(self) -> None:
+        self._works: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="pipeline-send-waiter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            work = self._works.get()
+            if work is None:
+                return
+            try:
+                work.wait()
+            except BaseException as exc:  # re-raised on the training thread by close()
+                self._error = self._error or exc
+            del work  # a work holds its tensor: kept here, the last one would outlive its transfer
+
+    def add(self, work) -> None:
+        self._works.put(work)
+
+    def close(self) -> None:
+        """Return once every added send has completed; raise the first send's error if one failed."""
+        self._works.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class PostedRecv:
