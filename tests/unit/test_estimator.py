@@ -616,15 +616,15 @@ def test_first_stage_holds_most_activations_under_one_f_one_b_and_the_report_mar
     est = estimate_for_run(config, _run(config, 2, 32, pipeline_model_parallel_size=4), device_type="cpu")
     held = [stage.activations.held_after_forward for stage in est.stages]
     assert held == sorted(held, reverse=True) and est.pipeline_stage == 0
-    # 1F1B: stage p keeps P - p microbatches; every stage but the last keeps its 16 sent outputs until the step ends
+    # 1F1B: stage p keeps P - p microbatches; a sent tensor lives only while it is in transfer (this action's and
+    # the previous action's sends), not until the step ends (issue 25)
     for p, stage in enumerate(est.stages):
         chunk = stage.activations.chunks[0]
-        lingering = chunk.sent_grad  # the last backward's input, until the next forward returns
-        # the most is held at the end of the last forward: P - p microbatches, 16 outputs sent, 16 - (P - p)
-        # gradients sent back
-        assert (
-            stage.activations.held_after_forward
-            == (4 - p) * chunk.per_microbatch + 16 * chunk.sent_output + (16 - (4 - p)) * chunk.sent_grad + lingering
+        # the most is held at the end of a forward with P - p microbatches in flight: its output about to be sent,
+        # the previous action's send (a warm-up forward's output, or a backward's gradient and that backward's
+        # input, still referenced until this forward returns)
+        assert stage.activations.held_after_forward == (4 - p) * chunk.per_microbatch + max(
+            2 * chunk.sent_output, chunk.sent_output + 2 * chunk.sent_grad
         )
     table = format_table(est)
     rows = [line for line in table.splitlines() if line.lstrip().startswith(("0 ", "1 ", "2 ", "3 "))]
@@ -728,23 +728,36 @@ PIPELINE_RUNS = {  # strategy options, model options, precision, global batch (2
 def test_per_stage_activations_match_a_measured_pipeline_fit(tmp_path, run):
     """PP2 through a real Trainer: what each stage's forwards hold for the backwards across a training step
     (the probe wraps every stage forward: activations, what was received and sent, the gradients sent back)
-    is the per-stage estimate (measured: exact up to a few hundred bytes). The step's peak adds the loss
-    computation on the last stage; the estimate models no other transient of a forward, and the probe sees
-    one more: a residual branch's output beside the layer's output (one s b h fp32 tensor at most)."""
+    is the per-stage estimate (measured: exact up to a few hundred bytes; under the interleaved schedule the
+    last stage holds up to two more send buffers still in transfer, see schedule_memory). The step's peak adds
+    the loss computation on the last stage; the estimate models no other transient of a forward, and the probe
+    sees one more: a residual branch's output beside the layer's output (one s b h fp32 tensor at most).
+
+    Sent tensors are freed as their transfers complete, the stage outputs deallocated once sent (issue 25): under
+    1F1B at most two sent tensors are alive at the worst moment, where before every output and gradient sent
+    stayed alive until the step's end (8 microbatches: 8 outputs on stage 0, 7 gradients on stage 1)."""
     strategy, model, precision, gbs = PIPELINE_RUNS[run]
     config = GPTConfig(**dict(TINY, num_layers=4, **model))
     strategy = dict(pipeline_model_parallel_size=2, **strategy)
     measured = _fit_and_measure(tmp_path, config, strategy, precision, gbs)
     est = estimate_for_run(config, _run(config, 2, gbs, precision=precision, **strategy), device_type="cpu")
     branch_output = 2 * config.seq_length * config.hidden_size * 4
+    boundary = 2 * config.seq_length * config.hidden_size * 4  # one s b h fp32 tensor: what crosses between stages
+    late = 2 * boundary if "virtual_pipeline_model_parallel_size" in strategy else 0
     for stage, held, peak in measured:
         acts = est.stages[stage].activations
-        assert acts.held_after_forward == pytest.approx(held, rel=0.002), stage
-        assert acts.peak <= peak <= acts.peak * 1.01 + branch_output, stage
+        assert acts.held_after_forward * 0.998 <= held <= acts.held_after_forward * 1.002 + late, stage
+        assert acts.peak <= peak <= acts.peak * 1.01 + branch_output + late, stage
     if run.startswith("1f1b"):  # under 1F1B stage 0 holds P = 2 microbatches, the last stage 1
         assert measured[0][1] > measured[1][1]
         assert est.stages[0].activations.microbatches_in_flight == 2
         assert est.stages[1].activations.microbatches_in_flight == 1
+        for stage, held, _ in measured:
+            acts = est.stages[stage].activations
+            chunk = acts.chunks[0]
+            lingering = chunk.sent_grad  # the last backward's input (stage 1)
+            in_flight = chunk.in_flight * chunk.per_microbatch + acts.autocast_weight_copies + lingering
+            assert held - in_flight < 3 * boundary, stage  # the sent tensors alive: 2 at most (+ a few hundred bytes)
 
 
 # --- context parallelism ----------------------------------------------------------------------------

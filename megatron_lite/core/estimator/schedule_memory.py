@@ -20,11 +20,12 @@ class ChunkActivations:
     """Bytes one microbatch's forward of this chunk keeps until its backward (embedding and output parts
     on the first and last chunk, recompute applied)."""
     sent_output: int = 0
-    """Bytes of the activations handed to the next stage (0 on the last chunk): kept by the schedule for the
-    backward and, as a posted send, until the step ends (``PipelineP2P.wait``)."""
+    """Bytes of the activations handed to the next stage (0 on the last chunk): alive at the end of the forward
+    and then held by the send until it completes (the schedule keeps only a storage-less stand-in for the
+    backward, ``core/parallel/pipeline/deallocate.py``)."""
     sent_grad: int = 0
-    """Bytes of the input gradient each backward sends to the previous stage (0 on the first chunk), kept
-    by the posted send until the step ends."""
+    """Bytes of the input gradient each backward sends to the previous stage (0 on the first chunk), held by
+    the send until it completes."""
     loss_transient: int = 0
     """Extra bytes while this chunk's forward computes the loss (the last chunk only)."""
     attention_peak: int = 0
@@ -48,7 +49,7 @@ class ScheduleMemory:
     peak: int
     """``held`` at the worst moment plus that moment's transient (a loss computation, a rebuilt recompute group)."""
     buffers_when_held: int
-    """Pipeline send buffers alive when ``held`` is reached."""
+    """Pipeline send buffers alive when ``held`` is reached (the last action's sends and the current one's)."""
     in_flight: int
     """Most chunk-microbatches alive at once."""
     in_flight_per_chunk: tuple
@@ -60,19 +61,28 @@ def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
     (:class:`ChunkActivations`); sets each chunk's ``in_flight``.
 
     A forward adds its chunk's per-microbatch bytes, freed by the matching backward. Two things of
-    ``run_pipeline`` (core/parallel/pipeline/schedules.py) are counted as they are: sends are posted
-    asynchronously and their tensors kept until the step's end (``PipelineP2P.wait``), so every output
-    sent forward and every gradient sent backward stays alive for the rest of the step; and the output
-    a backward started from stays referenced until the next forward returns, its graph holding that
-    backward's input activations (``lingering``; measured: one ``s b h`` tensor on non-first stages).
+    ``run_pipeline`` (core/parallel/pipeline/schedules.py) are counted as they are measured:
+
+    * sends are posted asynchronously, each holding its tensor (an output sent forward, a gradient sent
+      back) until the transfer completes (``PipelineP2P.release_completed``); a transfer completes once
+      the neighbour has posted its receive, which the executor posts ahead, at the start of the action
+      before the one that needs it. Counted: what this action sends and what the previous action sent
+      (its transfer may still run while this one computes); older sends are done. Measured exact under
+      1F1B and GPipe; the interleaved schedule's neighbours can post later (its warm-up runs more
+      forwards), leaving a few more ``s b h`` send buffers alive than counted (measured on PP2, V2: two
+      more on the last rank).
+    * the output a backward started from stays referenced until the next forward returns, its graph
+      holding that backward's input activations (``lingering``; measured: one ``s b h`` tensor on
+      non-first stages).
     """
-    alive = buffers = lingering = held = peak = held_buffers = count = most = 0
+    alive = lingering = held = peak = held_buffers = count = most = 0
+    sent_before = 0  # bytes the previous action sent, possibly still in transfer
     per_chunk, most_per_chunk = [0] * len(chunks), [0] * len(chunks)
     for kind, index, _ in order:
         chunk: ChunkActivations = chunks[index]
         if kind == "F":
             alive += chunk.per_microbatch
-            buffers += chunk.sent_output
+            buffers = sent_before + chunk.sent_output
             count, per_chunk[index] = count + 1, per_chunk[index] + 1
             most, most_per_chunk[index] = max(most, count), max(most_per_chunk[index], per_chunk[index])
             peak = max(
@@ -82,15 +92,16 @@ def schedule_memory(order: list, chunks: list) -> ScheduleMemory:
                 alive - chunk.per_microbatch + buffers + lingering + chunk.dispatch_peak,
             )
             now = alive + buffers + lingering  # at the end of the forward, before the last backward's output is let go
-            lingering = 0
+            lingering, sent_before = 0, chunk.sent_output
         else:
             lingering = 0  # the schedule takes this backward's input and output in place of the last ones
-            peak = max(peak, alive + buffers + chunk.recompute_working_set)
+            peak = max(peak, alive + sent_before + chunk.recompute_working_set)
             alive -= chunk.per_microbatch
-            buffers += chunk.sent_grad
+            buffers = sent_before + chunk.sent_grad
             lingering = chunk.sent_grad  # the input: same bytes as its gradient, 0 on the first chunk
             count, per_chunk[index] = count - 1, per_chunk[index] - 1
             now = alive + buffers + lingering
+            sent_before = chunk.sent_grad
         if now > held:
             held, held_buffers = now, buffers
     for chunk, n in zip(chunks, most_per_chunk):

@@ -25,6 +25,7 @@ from typing import Callable, ContextManager, Optional, Protocol, Sequence
 import torch
 
 from megatron_lite.core.parallel.loss_report import ReportSums, device_scalar, split_loss
+from megatron_lite.core.parallel.pipeline.deallocate import deallocate_output
 from megatron_lite.core.parallel.pipeline.p2p import PipelineP2P, PostedRecv
 from megatron_lite.core.parallel.pipeline.zero_bubble import (
     dual_pipe_v_order,
@@ -256,6 +257,7 @@ def run_pipeline(
                         result.outputs.append(out.detach())
             if not part.post_process:
                 p2p.send_forward(out, stage + 1)
+                deallocate_output(out)  # the send holds the bytes until it completes; the backward needs none
             if not forward_only:
                 saved[(chunk, mb)] = (x, out)
                 post_ahead(index + 1)  # the next backward may be this microbatch's
