@@ -80,10 +80,11 @@ def test_script_rank_failure_ends_with_that_ranks_error(failing_rank, tmp_path):
 
 @pytest.mark.slow
 def test_script_fits_twice_and_exits_cleanly(tmp_path):
-    """Fit, generate, fit again (continuing), generate, exit -- three times: every run exits 0 with no
-    abort at exit (once ~1 run in 5 printed "terminate called without an active exception")."""
+    """Fit, generate, fit again (continuing), generate, exit -- twice: every run exits 0 with no
+    abort at exit (once ~1 run in 5 printed "terminate called without an active exception"; each run's two
+    ranks exit, and every other script-launcher test checks its exit too)."""
     outputs = []
-    for run in range(3):
+    for run in range(2):
         cwd = tmp_path / str(run)
         cwd.mkdir()
         proc = subprocess.run(
@@ -96,7 +97,7 @@ def test_script_fits_twice_and_exits_cleanly(tmp_path):
         outputs.append(ranks[0])
     first, second = outputs[0]
     assert first.split(" tokens ")[0] != second.split(" tokens ")[0]  # the second fit went on training
-    assert outputs[0] == outputs[1] == outputs[2]  # and the runs are deterministic
+    assert outputs[0] == outputs[1]  # and the runs are deterministic
 
 
 def test_a_one_process_run_leaves_nothing_behind_for_the_next_launch():
