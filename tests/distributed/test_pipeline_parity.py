@@ -42,6 +42,14 @@ LAYOUTS = {
         strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000, pipeline_schedule="zb1p"),
     ),
     "pp2_zbv": dict(devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_schedule="zbv")),
+    "pp2_dp2_distopt_overlap_zbv": dict(  # two chunks per rank, each reducing after its own last W
+        devices=4,
+        pp=2,
+        vpp=2,
+        mbs=1,
+        distributed_optimizer=True,
+        strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000, pipeline_schedule="zbv"),
+    ),
     "pp2_dualpipev": dict(devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_schedule="dualpipev")),
     "pp2_dp2_distopt_overlap": dict(
         devices=4,
@@ -96,7 +104,7 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
     )
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp4", "pp2_zbv"])
+@pytest.mark.parametrize("layout", ["pp2", "pp4", "pp2_zb1p", "pp2_zbv"])
 def test_tied_embeddings_match_single_process(layout, tmp_path):
     """The tied embedding lives on the first and last stage; its gradient is summed over both (in a V placement both
     stages are on rank 0, which holds one embedding for both)."""
