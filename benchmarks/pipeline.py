@@ -22,8 +22,10 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
      norm + output layer), ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` with a mean
      cross-entropy ``loss_fn``, AdamW from ``build_optimizer``, the global gradient norm clipped at 1.0 (one
      all-reduce of the squared norm), ``optimizer.step()``.
-   * *PP2 zb1p* and *plain pipelining ZB-H1* (``ScheduleInterleavedZeroBubble`` with one stage per rank): the same
-     pair with the zero-bubble schedule (``--skip-zero-bubble`` leaves them and the sweep's zb1p rows out).
+   * *PP2 zb1p / zbv / dualpipev* against *plain pipelining* ZB-H1 (``ScheduleInterleavedZeroBubble`` with one stage
+     per rank), ZB-V (``ScheduleZBVZeroBubble``) and DualPipeV (``ScheduleDualPipeV``; two plain stages per rank,
+     placed in a V): each zero-bubble schedule against pipelining's of the same kind on the same layers
+     (``--skip-zero-bubble`` leaves them and the sweep's zero-bubble rows out).
    Targets: PP2 >= 1.5x one process; framework overhead ``plain / PP2 - 1`` <= 5 %.
    Each runner ``--repeats`` times in alternating (ABBA) order; tokens/s from the median step time of
    rank 0 after ``--warmup`` steps (window as in ``overhead.py``: batch in hand -> optimizer step returned).
@@ -56,6 +58,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import asdict  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -73,7 +76,8 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 
 import lightning as L  # noqa: E402
 import overhead  # noqa: E402  (benchmarks/overhead.py: StepTimer, _restore_environ, _summary, write_result)
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble  # noqa: E402
+from torch.distributed.pipelining import PipelineStage  # noqa: E402
+from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
@@ -197,22 +201,38 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
 
+PLAIN_SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "zb1p": "ScheduleInterleavedZeroBubble",  # with one stage per rank: ZB-H1
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""Our schedule names -> ``torch.distributed.pipelining``'s schedule of the same kind."""
+
+
 def _plain_pipeline_rank(
-    rank: int, world: int, args, num_microbatches: int, steps: int, out_dir: str, zero_bubble: bool = False
+    rank: int, world: int, args, num_microbatches: int, steps: int, out_dir: str, schedule_name: str = "1f1b"
 ) -> None:
     torch.set_num_threads(overhead.THREADS)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     config = _config(args)
     full = ml.GPTModel(config, seed=overhead.MODEL_SEED)  # the framework's weights (init is layout-independent)
-    per_stage = config.num_layers // world
-    module = PlainStage(full, range(rank * per_stage, (rank + 1) * per_stage), rank == 0, rank == world - 1)
+    v_shape = schedule_name in ("zbv", "dualpipev")  # two stages per rank: r and 2P-1-r (pipelining's "v" style)
+    stage_indices = [rank, 2 * world - 1 - rank] if v_shape else [rank]
+    num_stages = len(stage_indices) * world
+    per_stage = config.num_layers // num_stages
+    modules = [
+        PlainStage(full, range(i * per_stage, (i + 1) * per_stage), i == 0, i == num_stages - 1) for i in stage_indices
+    ]
     del full
-    module.train()
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    if zero_bubble:  # pipelining's ZB-H1: its interleaved zero-bubble schedule with one stage per rank
-        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=num_microbatches, loss_fn=_cross_entropy)
+    module = nn.ModuleList(modules).train()
+    stages = [PipelineStage(m, i, num_stages, torch.device("cpu")) for m, i in zip(modules, stage_indices)]
+    holds_first, holds_last = 0 in stage_indices, num_stages - 1 in stage_indices
+    schedule_cls = getattr(torch_schedules, PLAIN_SCHEDULES[schedule_name])
+    if schedule_name == "1f1b":
+        schedule = schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=_cross_entropy)  # grads / M
     else:
-        schedule = Schedule1F1B(stage, n_microbatches=num_microbatches, loss_fn=_cross_entropy)  # grads / M
+        schedule = schedule_cls(stages, n_microbatches=num_microbatches, loss_fn=_cross_entropy)
     optimizer = build_optimizer(module, _optimizer())
     clip = _optimizer().clip_grad
     gbs = num_microbatches * args.micro_batch_size
@@ -232,12 +252,9 @@ def _plain_pipeline_rank(
         start, cpu_start = now, time.process_time()
         optimizer.zero_grad(set_to_none=True)
         mb_losses: list = []
-        if rank == 0:
-            schedule.step(tokens[:, :-1], return_outputs=False)
-        elif rank == world - 1:
-            schedule.step(target=tokens[:, 1:], losses=mb_losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        inputs = (tokens[:, :-1],) if holds_first else ()
+        targets = dict(target=tokens[:, 1:], losses=mb_losses) if holds_last else {}
+        schedule.step(*inputs, **targets, return_outputs=False)
         # the global norm over both stages, as a user would clip across a pipeline
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         sq = torch.stack([g.pow(2).sum() for g in grads]).sum()
@@ -248,7 +265,7 @@ def _plain_pipeline_rank(
         optimizer.step()
         step_s.append(time.perf_counter() - start)
         cpu_s.append(time.process_time() - cpu_start)
-        if rank == world - 1:
+        if holds_last:
             losses.append(float(torch.stack(mb_losses).detach().mean()))
     if rank == 0:
         Path(out_dir, "times.json").write_text(
@@ -263,7 +280,7 @@ def _plain_pipeline_rank(
                 }
             )
         )
-    if rank == world - 1:
+    if holds_last:
         Path(out_dir, "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
 
@@ -274,13 +291,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_plain_pipeline(args, *, pp: int, num_microbatches: int, steps: int, zero_bubble: bool = False) -> dict:
+def run_plain_pipeline(args, *, pp: int, num_microbatches: int, steps: int, schedule: str = "1f1b") -> dict:
     """The hand-written pipelining loop on ``pp`` forked ranks; rank 0's times, the last rank's losses."""
     with tempfile.TemporaryDirectory(prefix="ml_plain_pp_") as tmp, overhead._restore_environ():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         mp.start_processes(
             _plain_pipeline_rank,
-            args=(pp, args, num_microbatches, steps, tmp, zero_bubble),
+            args=(pp, args, num_microbatches, steps, tmp, schedule),
             nprocs=pp,
             start_method="fork",
         )
@@ -402,16 +419,19 @@ def throughput(args) -> tuple[dict, dict]:
         ),
     }
     if not args.skip_zero_bubble:
-        runners["megatron_pp2_zb1p"] = (
-            "GPTModule + MegatronStrategy PP2 (zb1p)",
-            2,
-            lambda: run_framework(args, pp=2, num_microbatches=m, steps=steps, schedule="zb1p"),
-        )
-        runners["plain_pipelining_pp2_zb1p"] = (
-            "plain torch.distributed.pipelining ZB-H1",
-            2,
-            lambda: run_plain_pipeline(args, pp=2, num_microbatches=m, steps=steps, zero_bubble=True),
-        )
+        for schedule, vpp, kind in (("zb1p", 1, "ZB-H1"), ("zbv", 2, "ZB-V"), ("dualpipev", 2, "DualPipeV")):
+            if schedule == "dualpipev" and m < 4:
+                continue  # DualPipeV needs M >= 2P
+            runners[f"megatron_pp2_{schedule}"] = (
+                f"GPTModule + MegatronStrategy PP2 ({schedule})",
+                2,
+                partial(run_framework, args, pp=2, num_microbatches=m, steps=steps, vpp=vpp, schedule=schedule),
+            )
+            runners[f"plain_pipelining_pp2_{schedule}"] = (
+                f"plain torch.distributed.pipelining {kind}",
+                2,
+                partial(run_plain_pipeline, args, pp=2, num_microbatches=m, steps=steps, schedule=schedule),
+            )
     raw: dict[str, list[dict]] = {name: [] for name in runners}
     for rep in range(args.repeats):
         for name in list(runners) if rep % 2 == 0 else list(runners)[::-1]:  # ABBA
@@ -589,20 +609,23 @@ def main(argv=None) -> dict:
                     f"{runs[name]['tokens_per_s']:,.0f}",
                     f"{runs[name]['tokens_per_s'] / pp2['tokens_per_s']:.3f} vs PP2 1F1B",
                 )
-                for name in ("megatron_pp2_zb1p", "plain_pipelining_pp2_zb1p")
-                if name in runs
+                for name in runs
+                if name.startswith(("megatron_pp2_", "plain_pipelining_pp2_"))
             ],
         ],
         headers,
     )
-    if "megatron_pp2_zb1p" in runs:
-        zb, plain_zb = runs["megatron_pp2_zb1p"], runs["plain_pipelining_pp2_zb1p"]
-        ratios["zb1p_over_1f1b"] = zb["tokens_per_s"] / pp2["tokens_per_s"]
-        ratios["zb1p_overhead_vs_plain_pipelining_zb1p"] = plain_zb["tokens_per_s"] / zb["tokens_per_s"] - 1
-        checks["max_loss_difference_zb1p_vs_one_process"] = _loss_difference(zb, one)
+    for schedule in ("zb1p", "zbv", "dualpipev"):
+        ours, peer = runs.get(f"megatron_pp2_{schedule}"), runs.get(f"plain_pipelining_pp2_{schedule}")
+        if ours is None or peer is None:
+            continue
+        ratios[f"{schedule}_over_1f1b"] = ours["tokens_per_s"] / pp2["tokens_per_s"]
+        ratios[f"{schedule}_overhead_vs_plain_pipelining"] = peer["tokens_per_s"] / ours["tokens_per_s"] - 1
+        checks[f"max_loss_difference_{schedule}_vs_one_process"] = _loss_difference(ours, one)
+        checks[f"max_loss_difference_plain_pipelining_{schedule}_vs_one_process"] = _loss_difference(peer, one)
         print(
-            f"zb1p / 1F1B (ours): {ratios['zb1p_over_1f1b']:.3f}x tokens/s; our zb1p vs pipelining's ZB-H1: "
-            f"{ratios['zb1p_overhead_vs_plain_pipelining_zb1p'] * 100:+.1f}% overhead"
+            f"{schedule} / 1F1B (ours): {ratios[f'{schedule}_over_1f1b']:.3f}x tokens/s; against pipelining's "
+            f"schedule of the same kind: {ratios[f'{schedule}_overhead_vs_plain_pipelining'] * 100:+.1f}% overhead"
         )
     print(
         f"PP2 / one process: {ratios['pp2_over_one_process']:.2f}x (target >= {SPEEDUP_TARGET}: "
