@@ -31,6 +31,11 @@ process and against a hand-written ``torch.distributed.pipelining`` loop over th
    rank 0 after ``--warmup`` steps (window as in ``overhead.py``: batch in hand -> optimizer step returned).
    The first-steps' losses of the three runners are compared as a check that they train the same model.
 
+3. **Activation memory per stage at P=2, M=``--memory-microbatches``** (8): each schedule's second training step on
+   a real fit, every stage forward under the estimator's ``ScheduleActivationProbe``: the most activation bytes a
+   rank holds for its backwards, beside the start-up estimate and the microbatches in flight from the order
+   (``--skip-memory`` leaves it out).
+
 Every rank runs one torch thread. With more ranks than cores (P=4 on a 2-core machine) the ranks take turns
 on the cores: those rows are marked *contended* and measure the machine's scheduler as much as the pipeline.
 On a shared machine other jobs do the same to every row: read the load average printed with the results.
@@ -83,12 +88,18 @@ from torch.utils.data import DataLoader  # noqa: E402
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.callbacks import PipelineTimeline  # noqa: E402
 from megatron_lite.cli.pipeline_timeline import plot_timeline  # noqa: E402
+from megatron_lite.core.estimator import estimate_for_run  # noqa: E402
+from megatron_lite.core.estimator.probe import ScheduleActivationProbe  # noqa: E402
 from megatron_lite.core.optim import build_optimizer  # noqa: E402
+from megatron_lite.core.parallel.geometry import DataGeometry  # noqa: E402
+from megatron_lite.core.parallel.layout import ParallelConfig  # noqa: E402
+from megatron_lite.core.parallel.pipeline.schedules import schedule_order  # noqa: E402
 from megatron_lite.core.parallel.pipeline.timeline import (  # noqa: E402
     load_steps,
     measured_bubble,
     theoretical_bubble,
 )
+from megatron_lite.core.parallel.run_spec import RunSpec  # noqa: E402
 from megatron_lite.data import MockGPTDataModule, MockGPTDataset  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "pipeline.json"
@@ -398,6 +409,126 @@ def bubble_targets(rows: list[dict]) -> dict:
     }
 
 
+# --- 3. activation memory per stage -----------------------------------------------------------------
+class _ProbedGPT(ml.GPTModule):
+    """GPTModule whose stage forwards run under a ``ScheduleActivationProbe`` during the recorded training step."""
+
+    probe: Optional[ScheduleActivationProbe] = None
+
+    def forward_step(self, part, microbatch, input_tensor):
+        step = super().forward_step
+        if self.probe is None:
+            return step(part, microbatch, input_tensor)
+        return self.probe.forward(lambda: step(part, microbatch, input_tensor), microbatch, input_tensor)
+
+
+class _MeasureActivations(L.Callback):
+    """Probes the second training step on every rank; writes (stage, held bytes, peak bytes) of it."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.probe = ScheduleActivationProbe(pl_module.model) if batch_idx == 1 else None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.probe is not None:
+            probe, pl_module.probe = pl_module.probe, None
+            record = [pl_module.parallel_layout.pp_rank, probe.held_bytes, probe.peak_bytes]
+            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def measured_activations(args, *, schedule: str, vpp: int, num_microbatches: int) -> list[dict]:
+    """Per stage: the activation bytes held for the backwards at the worst moment of a PP2 step (measured by the
+    estimator's probe on a real fit, 2 steps), the estimator's figure, and the microbatches the schedule keeps in
+    flight (forward done, backward -- or W -- not yet), from its order."""
+    config = _config(args)
+    with tempfile.TemporaryDirectory(prefix="ml_pipeline_memory_") as tmp, overhead._restore_environ():
+        strategy = dict(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp, pipeline_schedule=schedule
+        )
+        trainer = L.Trainer(
+            strategy=ml.MegatronStrategy(start_method="fork", log_metrics=False, **strategy),
+            accelerator="cpu",
+            devices=2,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[_MeasureActivations(Path(tmp))],
+        )
+        gbs = num_microbatches * args.micro_batch_size
+        data = MockGPTDataModule(
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=gbs,
+            vocab_size=args.vocab_size,
+            seed=overhead.DATA_SEED,
+        )
+        trainer.fit(_ProbedGPT(config, optimizer=_optimizer(), seed=overhead.MODEL_SEED), data)
+        measured = sorted(json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2))
+    parallel = ParallelConfig(**strategy)
+    run = RunSpec(parallel, world_size=2, data=DataGeometry(args.micro_batch_size, gbs, args.seq_length))
+    estimate = estimate_for_run(config, run, device_type="cpu")
+    rows = []
+    for stage, held, peak in measured:
+        order = schedule_order(parallel.schedule, num_microbatches, 2, stage, vpp)
+        split = any(kind == "W" for kind, _, _ in order)
+        alive = most = 0
+        for kind, _, _ in order:
+            alive += {"F": 1, "B": 0 if split else -1, "W": -1}[kind]
+            most = max(most, alive)
+        acts = estimate.stages[stage].activations
+        rows.append(
+            {
+                "stage": stage,
+                "measured_held_bytes": held,
+                "measured_peak_bytes": peak,
+                "estimated_held_bytes": acts.held_after_forward,
+                "in_flight": most / vpp,  # in whole microbatches (a chunk holds 1/V of the stage's layers)
+            }
+        )
+    return rows
+
+
+def memory_table(args, num_microbatches: int) -> dict:
+    table = {}
+    for schedule, vpp in (("1f1b", 1), ("interleaved_1f1b", 2), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2)):
+        if args.skip_zero_bubble and schedule in ("zb1p", "zbv", "dualpipev"):
+            continue
+        t = time.perf_counter()
+        table[schedule] = measured_activations(args, schedule=schedule, vpp=vpp, num_microbatches=num_microbatches)
+        print(
+            f"  {schedule:17s} held per stage (MiB): "
+            + ", ".join(f"{r['measured_held_bytes'] / 2**20:.1f}" for r in table[schedule])
+            + f"  ({time.perf_counter() - t:.1f} s)",
+            flush=True,
+        )
+    return table
+
+
+def print_memory_table(table: dict) -> None:
+    headers = ("schedule", "stage", "in flight", "held MiB (measured)", "estimate MiB", "peak MiB", "vs 1F1B stage 0")
+    base = table["1f1b"][0]["measured_held_bytes"]
+    rows = [
+        (
+            schedule,
+            str(r["stage"]),
+            f"{r['in_flight']:g}",
+            f"{r['measured_held_bytes'] / 2**20:.1f}",
+            f"{r['estimated_held_bytes'] / 2**20:.1f}",
+            f"{r['measured_peak_bytes'] / 2**20:.1f}",
+            f"{r['measured_held_bytes'] / base:.2f}",
+        )
+        for schedule, rows_ in table.items()
+        for r in rows_
+    ]
+    overhead._print_table(rows, headers)
+
+
 # --- 2. throughput ----------------------------------------------------------------------------------
 def throughput(args) -> tuple[dict, dict]:
     m, steps = args.throughput_microbatches, args.throughput_steps
@@ -544,6 +675,10 @@ def main(argv=None) -> dict:
             <= OVERHEAD_TARGET,
         }
     )
+    memory: dict = {}
+    if not args.skip_memory:
+        print(f"3. activation memory per stage at P=2, M={args.memory_microbatches} (probed second step)", flush=True)
+        memory = memory_table(args, args.memory_microbatches)
     load_after = list(os.getloadavg())
 
     print()
@@ -638,6 +773,16 @@ def main(argv=None) -> dict:
         "max |loss difference| over the first steps (same weights and data; fp32 rounding only): "
         + ", ".join(f"{k.removeprefix('max_loss_difference_')} {v:.1e}" for k, v in checks.items())
     )
+    if memory:
+        print()
+        print_memory_table(memory)
+        print(
+            "held: the most activation bytes alive at the end of a forward during the step (the estimator's probe: "
+            "what the forwards keep for the backwards, tensors in transfer included; a zero-bubble schedule's output "
+            "gradients kept for W are made in the backward and not counted); in flight: microbatches whose "
+            "forward ran and whose backward (W) has not, from the order; estimate: the start-up report's figure "
+            "(zero-bubble: a microbatch counted whole until its W, an upper bound)."
+        )
     print(
         f"timelines (the last recorded step): {png_dir}/pp<P>_m<M>[_v2|_zb1p].png; every recorded step: megatron-lite "
         f"pipeline-timeline {png_dir}/pp<P>_m<M>[_v2|_zb1p] --step N"
@@ -663,6 +808,7 @@ def main(argv=None) -> dict:
         "config": {"args": vars(args), "model": asdict(config), "optimizer": asdict(_optimizer())},
         "bubble": rows,
         "throughput": runs,
+        "activation_memory": memory,
         "ratios": ratios,
         "checks": checks,
         "targets": targets,
@@ -685,7 +831,9 @@ def parse_args(argv=None):
         help="microbatch counts M = P x these in the bubble sweep",
     )
     p.add_argument("--skip-interleaved", action="store_true", help="no interleaved (V=2) rows at P=2")
-    p.add_argument("--skip-zero-bubble", action="store_true", help="no zb1p (ZB-H1) rows or throughput runs")
+    p.add_argument("--skip-zero-bubble", action="store_true", help="no zero-bubble rows, throughput or memory runs")
+    p.add_argument("--skip-memory", action="store_true", help="no activation-memory runs")
+    p.add_argument("--memory-microbatches", type=int, default=8, help="M of the activation-memory runs")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per bubble-sweep run (warm-up included)")
     p.add_argument("--warmup", type=int, default=1, help="first steps of every run left out of the statistics")
     p.add_argument("--throughput-microbatches", type=int, default=8, help="M of the throughput comparison")
