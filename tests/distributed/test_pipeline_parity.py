@@ -29,6 +29,13 @@ LAYOUTS = {
         strategy_kwargs=dict(pipeline_model_parallel_layout="E|tt|tt|L"),
         rank0_layers=[[], [2, 3]],
     ),
+    "pp2_zbv_layout": dict(  # the V placement takes the layout's stages in pipeline order: stages 0 and 3 on rank 0
+        devices=2,
+        pp=2,
+        vpp=2,
+        strategy_kwargs=dict(pipeline_model_parallel_layout="Et|t|t|tL", pipeline_schedule="zbv"),
+        rank0_layers=[[0], [3]],
+    ),
     "tp2_pp2_sp": dict(devices=4, pp=2, tp=2, sp=True),
     "pp2_dp2": dict(devices=4, pp=2, mbs=1),
     "pp2_distopt": dict(devices=2, pp=2, distributed_optimizer=True),
