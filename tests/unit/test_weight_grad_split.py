@@ -96,3 +96,7 @@ def test_captures_are_keyed_once():
         with store.capture(1):
             with store.capture(2):
                 pass
+    store.clear()  # what a step that raised between a B and its W left: the next step starts clean
+    with store.capture(0):
+        pass
+    assert store.pending == 1

@@ -63,6 +63,11 @@ class WeightGradStore:
         assert self._capturing is not None
         self._capturing.append((weight, inputs, grad_output))
 
+    def clear(self) -> None:
+        """Drop whatever a step that ended early (an exception between a B and its W) left captured."""
+        self._deferred.clear()
+        self._capturing = None
+
     @property
     def pending(self) -> int:
         """Captured backwards whose weight gradients are not applied yet."""

@@ -196,6 +196,8 @@ def run_pipeline(
     split = splits_backward(order)
     if split and weight_grads is None:
         raise ValueError("this schedule splits the backward: run_pipeline needs the model's weight_grads store")
+    if weight_grads is not None:
+        weight_grads.clear()  # a step that raised between a B and its W (caught in a notebook) left them behind
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=device)
     result = PipelineResult(loss_sum, num_tokens, ReportSums(device) if parts[-1].post_process else None)
