@@ -123,8 +123,10 @@ def test_tied_embeddings_match_single_process(layout, tmp_path):
     )
 
 
-def test_overlapped_reduce_scatter_ran_during_the_pipeline(tmp_path):
-    result = _run(tmp_path, steps=2, **LAYOUTS["pp2_dp2_distopt_overlap"])
+@pytest.mark.parametrize("layout", ["pp2_dp2_distopt_overlap", "pp2_dp2_distopt_overlap_zbv"])
+def test_overlapped_reduce_scatter_ran_during_the_pipeline(layout, tmp_path):
+    """Under a zero-bubble schedule a bucket's reduction starts from the hooks of the chunk's last W."""
+    result = _run(tmp_path, steps=2, **LAYOUTS[layout])
     assert result["overlapped_reductions"] > 0
 
 
