@@ -524,6 +524,10 @@ PIPELINE_CUTS = {  # strategy options, model options
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
         dict(share_embeddings_and_output_weights=True, **VARIANTS["gpt2_dropout"]),
     ),
+    "pp2_v_placement_tied": (  # both ends on rank 0: one embedding, no copy
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="zbv"),
+        dict(share_embeddings_and_output_weights=True),
+    ),
 }
 
 
@@ -547,7 +551,9 @@ def test_stage_parameters_are_the_real_stage_models(cut):
         assert (stages[p].params, stages[p].weights_bytes, stages[p].grads_bytes) == (numel, 4 * numel, 4 * numel)
         assert stages[p].layers == [int(i) for i in real.layers]  # in chunk order
         total += numel
-    tied_copy = config.padded_vocab_size() * config.hidden_size if config.share_embeddings_and_output_weights else 0
+    # a tied embedding's copy on the last stage, unless the first stage's rank holds the last stage too (a V)
+    copy = config.share_embeddings_and_output_weights and parallel.last_stage_pp_rank != 0
+    tied_copy = config.padded_vocab_size() * config.hidden_size if copy else 0
     assert total == config.num_parameters() + tied_copy
 
 

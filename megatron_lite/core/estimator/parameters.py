@@ -51,6 +51,7 @@ def parameter_shapes(
     num_layers_in_first_pipeline_stage: Optional[int] = None,
     num_layers_in_last_pipeline_stage: Optional[int] = None,
     pipeline_model_parallel_layout: Optional[PipelineLayout] = None,
+    pipeline_schedule: Optional[str] = None,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     lora: Optional[LoRAConfig] = None,
@@ -59,9 +60,10 @@ def parameter_shapes(
     order of ``GPTModel.named_parameters()``.
 
     The layers are cut as ``GPTModel`` cuts them (:meth:`ParallelConfig.stage_chunks`: uneven first/last
-    stages or a ``pipeline_model_parallel_layout``, ``V`` virtual stages per rank). The first stage holds the
-    embedding, the last the final norm and the output layer; with tied embeddings the last stage keeps its own
-    copy of the word embedding (Megatron's), which the output layer multiplies by. MoE layers hold
+    stages or a ``pipeline_model_parallel_layout``, ``V`` virtual stages per rank, placed in a V under
+    ``pipeline_schedule`` 'zbv'/'dualpipev'). The first stage holds the embedding, the last the final norm and the
+    output layer; with tied embeddings the last stage keeps its own copy of the word embedding (Megatron's), which the
+    output layer multiplies by, unless one rank holds both (the V placement). MoE layers hold
     ``num_moe_experts / EP`` experts, each split over ``expert_tensor_parallel_size`` ranks (None: TP's).
     ``lora``: the adapters a LoRA fine-tune adds, the rest frozen.
     """
@@ -73,6 +75,7 @@ def parameter_shapes(
         num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
         pipeline_model_parallel_layout=pipeline_model_parallel_layout,
+        pipeline_schedule=pipeline_schedule,
     )
     return stage_parameter_shapes(
         config,
