@@ -221,15 +221,27 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")  # num_workers=0 is deliberate
-    warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")  # Lightning 2.6 against torch 2.13
-    warnings.filterwarnings("ignore", ".*energy_per_step_j.*")  # MegatronMetrics: no NVML on a CPU
+    """The check; the warning filters and Lightning's log levels it quiets are put back afterwards (a test runs it in
+    its own process: left at WARNING, Lightning's INFO lines vanished from every later test of that worker)."""
     import logging
 
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet = ("lightning.pytorch", "lightning.fabric")
+    levels = {name: logging.getLogger(name).level for name in quiet}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")  # num_workers=0 is deliberate
+        warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")  # Lightning 2.6 against torch 2.13
+        warnings.filterwarnings("ignore", ".*energy_per_step_j.*")  # MegatronMetrics: no NVML on a CPU
+        for name in quiet:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        try:
+            return _check(parse_args(argv))
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+def _check(args) -> dict:
+    started = time.perf_counter()
     cuda = torch.cuda.is_available()
     smoke = args.cpu_smoke or not cuda
     device = torch.device("cpu" if smoke else "cuda", None if smoke else 0)

@@ -3,6 +3,7 @@ section end to end at tiny shapes, in this process (no GPU here; what the check 
 "One-GPU check"). tests/gpu itself is left out here: without CUDA all it does is skip."""
 
 import json
+import logging
 from pathlib import Path
 
 from megatron_lite import GPTConfig
@@ -15,7 +16,11 @@ def test_cpu_smoke_run_measures_every_section_or_says_why(tmp_path, monkeypatch,
     import gpu_check
 
     out = tmp_path / "gpu_check.json"
+    levels = {name: logging.getLogger(name).level for name in ("lightning.pytorch", "lightning.fabric")}
     result = gpu_check.main(["--cpu-smoke", "--skip-tests", "--out", str(out)])
+    # it quiets Lightning while it runs and puts the levels back: left at WARNING, the INFO lines later tests of this
+    # worker read were gone (CI once failed so)
+    assert {name: logging.getLogger(name).level for name in levels} == levels
     assert json.loads(out.read_text())["mode"] == "cpu-smoke"
     sections = result["sections"]
     assert sections["tests_gpu"]["status"] == "skipped" and sections["tests_gpu"]["reason"] == "--skip-tests"
