@@ -184,10 +184,13 @@ class CoreAttention(nn.Module):
     unexpanded tensors.
     """
 
-    def __init__(self, attention_dropout: float, queries_per_group: int):
+    def __init__(self, attention_dropout: float, queries_per_group: int, softmax_scale: Optional[float] = None):
         super().__init__()
         self.attention_dropout = attention_dropout
         self.q_per_group = queries_per_group
+        self.softmax_scale = softmax_scale
+        """None: 1/sqrt(d) of the queries' width d (multi-latent attention sets its own, and its values may be of
+        another width than its queries and keys: only the plain causal path takes it)."""
 
     def forward(
         self,
@@ -198,6 +201,11 @@ class CoreAttention(nn.Module):
         context: Optional[AttentionContext] = None,
     ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
+        if context is not None and self.softmax_scale is not None:
+            raise ValueError(
+                "multi_latent_attention does not take packed sequences or context parallelism yet: use unpacked "
+                "rows (no cu_seqlens) and context_parallel_size=1."
+            )
         if context is not None and context.cp_size > 1:
             if dropout > 0.0:
                 raise ValueError(
@@ -216,7 +224,7 @@ class CoreAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
