@@ -21,10 +21,10 @@ transformers = pytest.importorskip(
 )
 transformers.utils.logging.disable_progress_bar()
 
-import megatron_lite as ml  # noqa: E402
-from megatron_lite.cli import main as cli_main  # noqa: E402
+from test_hf_interop import VOCAB, _assert_close, _convert, _hf_logits  # noqa: E402  (the Llama interop test's)
 
-VOCAB, TOL = 200, 1e-5
+import megatron_lite as ml  # noqa: E402
+
 SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -77,23 +77,6 @@ def _random_deepseek(case: str, seed: int):
             if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model.eval()
-
-
-@torch.no_grad()
-def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    return model(tokens).logits.float()
-
-
-def _assert_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    assert ours.shape == reference.shape
-    error = float((ours.float() - reference).norm() / reference.norm())
-    assert error <= TOL, f"relative L2 error {error:.2e} > {TOL}"
-
-
-def _convert(*args) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["convert", *map(str, args)])
-    assert exit_info.value.code == 0
 
 
 @pytest.mark.parametrize("case", list(CASES))

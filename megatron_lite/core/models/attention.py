@@ -91,11 +91,7 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k, v = self.cached_kv(k, v)
-        if self.recompute_core_attention and recompute_active(self):
-            out = checkpoint(self.core_attention, q, k, v, rng, context, rng_tracker=rng)
-        else:
-            out = self.core_attention(q, k, v, rng, context)
-        return self.linear_proj(out)
+        return self.linear_proj(self.core_attention.run(q, k, v, rng, context, self.recompute_core_attention))
 
     def cached_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (after RoPE) and values as a KV cache holds them; the identity here. Training and
@@ -191,6 +187,20 @@ class CoreAttention(nn.Module):
         self.softmax_scale = softmax_scale
         """None: 1/sqrt(d) of the queries' width d (multi-latent attention sets its own, and its values may be of
         another width than its queries and keys: only the plain causal path takes it)."""
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rng: RNGStatesTracker,
+        context: Optional[AttentionContext],
+        recompute: bool,
+    ) -> torch.Tensor:
+        """This attention, checkpointed when ``recompute`` ('selective' recompute) and a backward follows."""
+        if recompute and recompute_active(self):
+            return checkpoint(self, q, k, v, rng, context, rng_tracker=rng)
+        return self(q, k, v, rng, context)
 
     def forward(
         self,

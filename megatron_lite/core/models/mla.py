@@ -27,7 +27,6 @@ from torch import nn
 from megatron_lite.core.models.attention import CoreAttention
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.norms import Norm
-from megatron_lite.core.models.recompute import checkpoint, recompute_active
 from megatron_lite.core.models.rope import apply_rotary
 from megatron_lite.core.parallel.context_parallel import AttentionContext
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -126,11 +125,7 @@ class MultiLatentAttention(nn.Module):
         context: Optional[AttentionContext] = None,
     ) -> torch.Tensor:
         q, k, v = self.queries_keys_values(x, rope)
-        if self.recompute_core_attention and recompute_active(self):
-            out = checkpoint(self.core_attention, q, k, v, rng, context, rng_tracker=rng)
-        else:
-            out = self.core_attention(q, k, v, rng, context)
-        return self.linear_proj(out)
+        return self.linear_proj(self.core_attention.run(q, k, v, rng, context, self.recompute_core_attention))
 
     def inference_forward(self, x, rope, kv, step) -> torch.Tensor:
         raise ValueError(
