@@ -2,7 +2,8 @@
 8 routed experts in 4 groups with sigmoid scores, a non-zero ``e_score_correction_bias``, two shared experts, the
 routed scaling factor) with query compression, YaRN (mscale != mscale_all_dim) and DeepSeek's interleaved RoPE
 layout, or without query compression, plain RoPE and the non-interleaved layout. Imported in one process, their
-logits are transformers' (fp32, relative L2 error 1e-5); converted to our checkpoint and back with the CLI, the
+logits are transformers' (fp32, relative L2 error 1e-5) and greedy generation through our latent KV cache gives
+transformers' tokens; converted to our checkpoint and back with the CLI, the
 export loads in transformers with the same logits. Nothing is downloaded."""
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def test_deepseek_v3_import_gives_transformers_logits_and_exports_back(case, tmp
     module = ml.GPTModule.from_pretrained(tmp_path / "hf")
     assert module.config.multi_latent_attention and module.config.moe_router_enable_expert_bias
     _assert_close(module.full_logits(tokens), reference)
+    # greedy generation through the latent cache continues the prompt as transformers does
+    prompt = tokens[:1, :8]
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert module.generate(prompt.tolist(), max_new_tokens=6).tokens == expected[:, 8:].tolist()
 
     _convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
     _convert("--to", "hf", "--input", tmp_path / "ckpt", "--output", tmp_path / "exported")

@@ -12,7 +12,10 @@ from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.checkpoint.hf import deepseek
 from megatron_lite.core.checkpoint.hf.config import gpt_config_from_hf, hf_config_from_gpt
 from megatron_lite.core.inference.generate import generate
+from megatron_lite.core.inference.kv_cache import KVCache
+from megatron_lite.core.inference.sampling import SamplingParams
 from megatron_lite.core.models import GPTConfig
+from megatron_lite.core.models.draft_head import EagleDraftHead
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies, yarn_mscale
 from megatron_lite.core.models.run_checks import check_context_parallel
@@ -48,13 +51,42 @@ def test_bad_mla_configs_are_refused_naming_the_fix(fields, message):
         GPTConfig(**fields)
 
 
-def test_context_parallelism_and_generation_are_refused_by_name():
+def test_context_parallelism_and_draft_heads_are_refused_by_name():
     config = GPTConfig(**MLA)
     assert (config.kv_channels, config.num_query_groups) == (12, 4)  # a query/key head; one key per head
     with pytest.raises(ValueError, match="context-parallel MLA is not supported yet; set context_parallel_size=1"):
         check_context_parallel(ParallelConfig(context_parallel_size=2), config)
-    with pytest.raises(ValueError, match="generation does not handle multi-latent attention yet"):
-        generate(GPTModel(config), [[1, 2, 3]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="an EAGLE draft head does not handle multi-latent attention yet"):
+        EagleDraftHead(config)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_generation_through_the_latent_cache_equals_recomputing_every_token(q_lora_rank):
+    """Left-padded prompts of different lengths, sampled: the cache holds each token's latent and RoPE key only
+    (kv_lora_rank + qk_pos_emb_head_dim per layer), and the tokens and log-probs are those of recomputing the
+    whole sequence at every step without a cache."""
+    config = GPTConfig(
+        **{**MLA, "q_lora_rank": q_lora_rank},
+        rope_scaling_type="yarn",
+        rope_scaling_factor=4.0,
+        rope_original_max_position_embeddings=16,
+        rope_mscale_all_dim=1.0,
+    )
+    model = GPTModel(config)
+    prompts, sampling = [[5, 6, 7, 8, 9], [3, 4]], SamplingParams(temperature=1.0, top_k=20, seed=3)
+    cached = generate(model, prompts, max_new_tokens=6, sampling=sampling, return_log_probs=True)
+    recomputed = generate(model, prompts, 6, sampling, return_log_probs=True, use_cache=False)
+    assert cached.tokens == recomputed.tokens and all(len(t) == 6 for t in cached.tokens)
+    torch.testing.assert_close(torch.tensor(cached.log_probs), torch.tensor(recomputed.log_probs))
+    # and the log-probs of greedy decoding are those of the training forward's logits, token by token
+    greedy = generate(model, [[5, 6, 7, 8, 9]], max_new_tokens=4, return_log_probs=True)
+    tokens = torch.tensor([[5, 6, 7, 8, 9, *greedy.tokens[0]]])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model.eval()(tokens)[0, 4:-1].float(), dim=-1)
+    expected = log_probs.gather(1, tokens[0, 5:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(greedy.log_probs[0]), expected, rtol=0, atol=1e-6)
+    cache = KVCache.for_model(model, 2, 11)
+    assert cache.nbytes == config.num_layers * 2 * 11 * (16 + 4) * 4  # layers x rows x slots x (latent + key) x fp32
 
 
 def test_yarn_frequencies_and_scales_by_hand():

@@ -29,7 +29,6 @@ from megatron_lite.core.inference.kv_cache import InferenceStep, KVCache
 from megatron_lite.core.inference.prompts import PromptBatch, attention_mask, check_prompts, check_stop_ids, left_pad
 from megatron_lite.core.inference.sampling import SamplingParams, TokenSampler, token_log_probs
 from megatron_lite.core.inference.step import StepRunner
-from megatron_lite.core.models.config import refuse_mla
 from megatron_lite.core.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -110,7 +109,6 @@ def generate(
     """
     sampling = sampling if sampling is not None else SamplingParams()
     config = model.config
-    refuse_mla(config, "generation")
     rows = check_prompts(prompts, max_new_tokens, config.vocab_size, model_context(config))
     stops = check_stop_ids(stop_ids, config.vocab_size)
     if row_ids is not None and len(row_ids) != len(rows):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.core.models.attention import CoreAttention
+from megatron_lite.core.models.attention import CoreAttention, rotate
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.rope import apply_rotary
@@ -89,11 +89,9 @@ class MultiLatentAttention(nn.Module):
         self.core_attention = CoreAttention(config.attention_dropout, 1, softmax_scale)
         self.recompute_core_attention = config.recomputes("core_attn")
 
-    def queries_keys_values(
-        self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` [s(/tp), b, h] -> q, k [s, b, heads, qk_head_dim + qk_pos_emb_head_dim] and v [s, b, heads,
-        v_head_dim] of this rank's heads, RoPE applied to the positional parts."""
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [s(/tp), b, h] -> this rank's heads' queries [s, b, heads, qk_head_dim] and [.., qk_pos_emb_head_dim]
+        (not yet rotated)."""
         if self.linear_q_proj is not None:
             q = self.linear_q_proj(x)
         else:
@@ -102,9 +100,30 @@ class MultiLatentAttention(nn.Module):
             q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
         s, b = q.shape[:2]
         q_nope, q_pos = q.view(s, b, self.heads, self.nope + self.pos).split([self.nope, self.pos], dim=-1)
+        return q_nope, q_pos
+
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [s(/tp), b, h] -> the normalized latent [s(/tp), b, kv_lora_rank] and the RoPE key [s(/tp), b,
+        qk_pos_emb_head_dim] (not yet rotated): what a generation's KV cache holds."""
         latent, k_pos = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pos], dim=-1)
-        kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(s, b, self.heads, self.nope + self.v)
-        k_nope, v = kv.split([self.nope, self.v], dim=-1)
+        return self.kv_layernorm(latent), k_pos
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latent [..., kv_lora_rank] -> this rank's heads' positionless keys [..., heads, qk_head_dim] and
+        values [..., heads, v_head_dim]."""
+        kv = self.linear_kv_up_proj(latent)
+        k_nope, v = kv.view(*kv.shape[:-1], self.heads, self.nope + self.v).split([self.nope, self.v], dim=-1)
+        return k_nope, v
+
+    def queries_keys_values(
+        self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [s(/tp), b, h] -> q, k [s, b, heads, qk_head_dim + qk_pos_emb_head_dim] and v [s, b, heads,
+        v_head_dim] of this rank's heads, RoPE applied to the positional parts."""
+        q_nope, q_pos = self.queries(x)
+        latent, k_pos = self.latent(x)
+        k_nope, v = self.expand(latent)
+        s, b = q_nope.shape[:2]
         # The RoPE key is every head's: its gradient is partial over the TP ranks' heads, summed on the way back.
         if self.sequence_parallel:
             k_pos = gather_from_sequence_parallel_region(k_pos, self.tp_group)
@@ -127,8 +146,35 @@ class MultiLatentAttention(nn.Module):
         q, k, v = self.queries_keys_values(x, rope)
         return self.linear_proj(self.core_attention.run(q, k, v, rng, context, self.recompute_core_attention))
 
-    def inference_forward(self, x, rope, kv, step) -> torch.Tensor:
-        raise ValueError(
-            "generation with multi_latent_attention is not supported yet (its KV cache would hold the latent); "
-            "evaluate with full forwards (GPTModule.full_logits) or use a model without MLA."
-        )
+    # --- generation: beside the training path -----------------------------------------------
+    def inference_forward(self, x: torch.Tensor, rope, kv: Optional[tuple[torch.Tensor, torch.Tensor]], step):
+        """Attention of this step's tokens ``x`` [s, b, h] through a latent cache (``kv``: this layer's latent
+        [b, 1, max_len, kv_lora_rank] and rotated RoPE key [b, 1, max_len, qk_pos_emb_head_dim] buffers, see
+        :class:`~megatron_lite.core.inference.kv_cache.KVCache`; None: this step's tokens only). ``rope`` is
+        (cos, signed_sin) [s, b, 1, 1, dim] of :func:`~megatron_lite.core.models.attention.rotary_tables`.
+
+        The cached latents are expanded to keys and values at every step (the plain form; absorbing
+        ``linear_kv_up_proj`` into the queries and the output projection would skip that work)."""
+        q_nope, q_pos = self.queries(x)
+        latent, k_pos = self.latent(x)
+        s, b = q_nope.shape[:2]
+        k_pos = k_pos.unsqueeze(2)  # [s, b, 1, pos]
+        if rope is not None:
+            cos, signed_sin = (t.squeeze(3) for t in rope)  # [s, b, 1, dim]
+            q_pos, k_pos = rotate(q_pos, cos, signed_sin), rotate(k_pos, cos, signed_sin)
+        latent, k_pos = latent.transpose(0, 1).unsqueeze(1), k_pos.permute(1, 2, 0, 3)  # [b, 1, s, r], [b, 1, s, pos]
+        if kv is not None:
+            end = step.start + s
+            kv[0].narrow(2, step.start, s).copy_(latent)
+            kv[1].narrow(2, step.start, s).copy_(k_pos)
+            latent, k_pos = kv[0].narrow(2, 0, end), kv[1].narrow(2, 0, end)
+        k_nope, v = self.expand(latent[:, 0])  # [b, L, heads, nope], [b, L, heads, v]
+        length = k_nope.shape[1]
+        k = torch.cat([k_nope, k_pos.transpose(1, 2).expand(b, length, self.heads, self.pos)], dim=-1)
+        q = torch.cat([q_nope, q_pos], dim=-1).permute(1, 2, 0, 3)  # [b, heads, s, d]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, L, d]
+        # one query per row (a decode step) sees every cached slot; a prefill is causal unless a mask says more
+        causal = s > 1 and step.mask is None
+        scale = self.core_attention.softmax_scale
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=causal, scale=scale)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
