@@ -186,7 +186,7 @@ class CoreAttention(nn.Module):
         self.q_per_group = queries_per_group
         self.softmax_scale = softmax_scale
         """None: 1/sqrt(d) of the queries' width d (multi-latent attention sets its own, and its values may be of
-        another width than its queries and keys: only the plain causal path takes it)."""
+        another width than its queries and keys: the causal and packed paths take it, context parallelism not)."""
 
     def run(
         self,
@@ -211,12 +211,9 @@ class CoreAttention(nn.Module):
         context: Optional[AttentionContext] = None,
     ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
-        if context is not None and self.softmax_scale is not None:
-            raise ValueError(
-                "multi_latent_attention does not take packed sequences or context parallelism yet: use unpacked "
-                "rows (no cu_seqlens) and context_parallel_size=1."
-            )
         if context is not None and context.cp_size > 1:
+            if self.softmax_scale is not None:  # refused before launch (run_checks.check_context_parallel)
+                raise ValueError("multi_latent_attention does not take context parallelism yet: set it to 1.")
             if dropout > 0.0:
                 raise ValueError(
                     "attention_dropout > 0 with context parallelism: the context-parallel attention has "
@@ -226,7 +223,7 @@ class CoreAttention(nn.Module):
         if context is not None and context.packed:
             # Heads are split over TP: each rank needs its own dropout stream.
             with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():
-                return packed_attention(q, k, v, context, dropout)
+                return packed_attention(q, k, v, context, dropout, self.softmax_scale)
         s, b = q.shape[:2]
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=2)
