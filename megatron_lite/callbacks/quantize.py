@@ -26,6 +26,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from megatron_lite.core.engine.extensions import ObjectiveExtension
+from megatron_lite.core.models.config import refuse_mla
 from megatron_lite.core.models.moe_config import refuse_experts
 
 _WHEN = ("fit_end", "fit_start")
@@ -78,6 +79,7 @@ class Quantize(pl.Callback):
     def check_before_launch(self, run: Any, trainer: pl.Trainer, module: Any, datamodule: Any) -> None:
         """Refuse, before any rank starts, a model quantization cannot cover (an MoE's experts)."""
         refuse_experts(getattr(module, "config", None), "Quantize (ModelOpt quantization)")
+        refuse_mla(getattr(module, "config", None), "Quantize (ModelOpt quantization)")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer

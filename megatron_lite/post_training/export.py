@@ -43,7 +43,7 @@ from megatron_lite.core.checkpoint.hf.directory import (
     write_weights,
 )
 from megatron_lite.core.checkpoint.hf.weights import _split_qkv, state_to_hf
-from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.config import GPTConfig, refuse_mla
 from megatron_lite.core.models.moe_config import refuse_experts
 from megatron_lite.utils.optional import require
 
@@ -152,6 +152,7 @@ def _check_exportable(model: nn.Module) -> GPTConfig:
     if not isinstance(config, GPTConfig) or layout is None:
         raise TypeError(f"export_quantized_hf takes a GPTModel (GPTModule.model), got {type(model).__name__}")
     refuse_experts(config, "the quantized Hugging Face export")
+    refuse_mla(config, "the quantized Hugging Face export")
     if layout.tp_size > 1 or layout.pp_size > 1 or layout.cp_size > 1:
         raise ValueError(
             f"quantized HF export needs the whole model in one process (this one is {layout.describe()}); "

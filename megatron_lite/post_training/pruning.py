@@ -33,7 +33,7 @@ from typing import Any, Iterable, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.config import GPTConfig, refuse_mla
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.moe_config import refuse_experts
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -164,6 +164,7 @@ def _single_process_model(module: Any) -> GPTModel:
     if not model.has_output_layer:
         raise ValueError("prune needs a language model with its output layer (the LM loss ranks layers)")
     refuse_experts(model.config, "pruning")  # its width statistics know the dense MLP's neurons only
+    refuse_mla(model.config, "pruning")
     return model
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core.checkpoint.resume.entries import QUANTIZATION_RECIPE
+from megatron_lite.core.models.config import refuse_mla
 from megatron_lite.core.models.moe_config import refuse_experts
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
@@ -219,6 +220,7 @@ def quantize(
     model, layout, module = _target(target)
     # ModelOpt's registry holds our dense linear layers, not the experts' grouped GEMMs
     refuse_experts(getattr(model, "config", None), "quantization (ModelOpt)")
+    refuse_mla(getattr(model, "config", None), "quantization (ModelOpt)")
     mtq = _mtq()
     from megatron_lite.post_training import modelopt_registry as registry
 

@@ -241,6 +241,23 @@ def test_moe_tp2_sp_equals_reference(moe_reference):
     )
 
 
+MLA = dict(
+    num_query_groups=None,
+    multi_latent_attention=True,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+)
+
+
+def test_mla_tp2_sp_equals_reference():
+    """Multi-latent attention: each TP rank caches every token's latent and RoPE key and expands its own heads."""
+    reference = _expected(GPTModel(_config(**MLA), seed=3).eval())
+    _check(run_ranks(_on_layout, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True), MLA), reference, True)
+
+
 def _moe_replicas(rank, world_size, parallel: dict):
     """Each data-parallel replica makes its own calls (CALLS), then waits for the others' (finish_generation)."""
     from megatron_lite.core.inference.expert_rounds import finish_generation

@@ -43,6 +43,7 @@ def _steps(logs: Path, metric: str) -> list[int]:
 def test_the_headers_hold_the_commands_they_should() -> None:
     found = {config.name: [args[0] for args in header_commands(config)] for config in CONFIGS}
     assert found == {
+        "deepseek_tiny.yaml": ["fit"],
         "dpo.yaml": ["fit"],
         "gpt_pretrain_bin.yaml": ["preprocess", "fit"],
         "gpt_tiny.yaml": ["fit", "fit", "estimate"],

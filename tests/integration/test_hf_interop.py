@@ -446,7 +446,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(
         UnsupportedHFModel,
         match=r"model_type 'gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not "
-        r"supported .*\['llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\]",
+        r"supported .*\['deepseek_v3', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\]",
     ):
         ml.GPTModule.from_pretrained(gpt2)
     window = tmp_path / "mistral"

@@ -122,9 +122,9 @@ def test_llama2_flops_are_six_n_per_token_plus_causal_attention(shape, published
     assert training_flops_per_step(config, gbs) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "gpt2_dropout"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "gpt2_dropout", "mla_q_lora"])
 def test_flop_counter_agrees_on_one_forward_and_backward(variant):
-    config = GPTConfig(**TINY, **VARIANTS[variant])
+    config = GPTConfig(**TINY, **SHAPE_VARIANTS[variant])
     model = GPTModel(config).train()
     tokens = torch.randint(0, config.vocab_size, (2, 32))
     with FlopCounterMode(display=False) as counter:
@@ -161,6 +161,18 @@ def _tp_layout(tp: int, rank: int) -> ParallelLayout:
 SHAPE_VARIANTS = {
     **VARIANTS,
     "qk_layernorm_layernorm": dict(num_query_groups=2, normalization="LayerNorm", qk_layernorm=True),
+    # multi-latent attention: replicated down-projections and latent norms, heads split over the up-projections
+    "mla_q_lora": dict(
+        multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6
+    ),
+    "mla_layernorm": dict(
+        multi_latent_attention=True,
+        normalization="LayerNorm",
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=10,
+    ),
 }
 
 

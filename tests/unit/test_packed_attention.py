@@ -16,8 +16,25 @@ def test_document_ranges():
     assert document_ranges([0, 4, 9], 8) == [(0, 4), (4, 8)]
 
 
+MLA = dict(  # values narrower than queries/keys, and YaRN's softmax scale
+    multi_latent_attention=True,
+    q_lora_rank=12,
+    kv_lora_rank=8,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    rope_scaling_type="yarn",
+    rope_scaling_factor=2.0,
+    rope_original_max_position_embeddings=8,
+    rope_mscale_all_dim=1.0,
+    init_method_std=0.3,  # attention far from uniform, so a wrong softmax scale shows
+)
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{}, dict(position_embedding_type="learned_absolute", normalization="LayerNorm", activation="gelu")]
+    "kwargs",
+    [{}, dict(position_embedding_type="learned_absolute", normalization="LayerNorm", activation="gelu"), MLA],
+    ids=["rope", "learned", "mla"],
 )
 def test_packed_loss_equals_separate_losses(kwargs):
     config = ml.GPTConfig(

@@ -88,6 +88,12 @@ def forward_flops_breakdown(
     kv_width = 2 * config.num_query_groups * d
     vocab = config.padded_vocab_size(tensor_model_parallel_size)
     attention_square = 2 * (2 * s * q_width)  # QK^T and AV over all s keys, per query token
+    qkv_weights, out_width = h * (q_width + kv_width), q_width
+    if config.multi_latent_attention:  # latent projections; values of their own width
+        assert config.v_head_dim is not None  # resolved with MLA
+        out_width = config.num_attention_heads * config.v_head_dim
+        qkv_weights = config.mla_parameters(norms=False) - out_width * h
+        attention_square = 2 * s * (q_width + out_width)
     moe = sum(moe_layer_pattern(config))
     mlp = (layers - moe) * mlp_weights(config, config.ffn_hidden_size)
     if moe:  # per token: its top-k experts, the shared expert and the shared expert's [1, H] gate
@@ -99,9 +105,9 @@ def forward_flops_breakdown(
             + (h if config.moe_shared_expert_gate else 0)
         )
     return FlopsBreakdown(
-        qkv=layers * 2.0 * h * (q_width + kv_width),
+        qkv=layers * 2.0 * qkv_weights,
         attention=layers * float(attention_square) / (2 if causal else 1),
-        projection=layers * 2.0 * q_width * h,
+        projection=layers * 2.0 * out_width * h,
         mlp=2.0 * mlp,
         logits=2.0 * h * vocab,
         router=2.0 * moe * moe_router_parameters(config),

@@ -157,6 +157,24 @@ def stage_parameter_shapes(
                 out.append(ParamShape(f"{prefix}.shared_experts.gate_weight", (1, h), True))
             mlp(f"{prefix}.shared_experts", config.moe_shared_expert_intermediate_size)
 
+    def mla(prefix: str) -> None:
+        # Multi-latent attention: the down-projections and latent norms replicated, the up-projections
+        # column-parallel (heads split), the output projection row-parallel; no biases (refused with MLA).
+        assert config.kv_lora_rank and config.qk_head_dim and config.qk_pos_emb_head_dim and config.v_head_dim
+        heads = config.num_attention_heads // tp
+        q_head = config.qk_head_dim + config.qk_pos_emb_head_dim
+        if config.q_lora_rank is None:
+            linear(f"{prefix}.linear_q_proj", heads * q_head, h, None)
+        else:
+            out.append(ParamShape(f"{prefix}.linear_q_down_proj.weight", (config.q_lora_rank, h), True))
+            norm(f"{prefix}.q_layernorm", config.q_lora_rank)
+            linear(f"{prefix}.linear_q_up_proj", heads * q_head, config.q_lora_rank, None)
+        latent = config.kv_lora_rank
+        out.append(ParamShape(f"{prefix}.linear_kv_down_proj.weight", (latent + config.qk_pos_emb_head_dim, h), True))
+        norm(f"{prefix}.kv_layernorm", latent)
+        linear(f"{prefix}.linear_kv_up_proj", heads * (config.qk_head_dim + config.v_head_dim), latent, None)
+        linear(f"{prefix}.linear_proj", h, heads * config.v_head_dim, None)
+
     bias = config.add_bias_linear
     if first or (last and tied):
         # A lookup on the first stage; on the last stage of tied embeddings the output layer's matrix.
@@ -167,9 +185,14 @@ def stage_parameter_shapes(
     for i in (i for chunk in chunks for i in chunk.layers):
         p = f"layers.{i}"
         norm(f"{p}.input_layernorm")
-        # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
-        linear(f"{p}.self_attention.linear_qkv", qkv // tp, h, (qkv // tp,) if bias or config.add_qkv_bias else None)
-        linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, (h,) if bias else None)
+        if config.multi_latent_attention:
+            mla(f"{p}.self_attention")
+        else:
+            # Column-parallel: output rows (and bias) split; row-parallel: input columns split, bias replicated.
+            linear(
+                f"{p}.self_attention.linear_qkv", qkv // tp, h, (qkv // tp,) if bias or config.add_qkv_bias else None
+            )
+            linear(f"{p}.self_attention.linear_proj", h, config.num_attention_heads * d // tp, (h,) if bias else None)
         if config.qk_layernorm:  # one head's width, shared by every head: replicated
             norm(f"{p}.self_attention.q_layernorm", d)
             norm(f"{p}.self_attention.k_layernorm", d)

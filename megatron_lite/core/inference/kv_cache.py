@@ -20,7 +20,11 @@ if TYPE_CHECKING:
 
 
 class KVCache:
-    """Keys and values of every cached position, per layer: ``[b, groups_per_rank, max_len, head_dim]``."""
+    """Keys and values of every cached position, per layer: ``[b, groups_per_rank, max_len, head_dim]``.
+
+    A multi-latent-attention model caches what its keys and values are expanded from instead: per token the
+    normalized latent (``kv_lora_rank``, in the keys' buffer) and the rotated RoPE key (``qk_pos_emb_head_dim``, in
+    the values' buffer), one "group" replicated over TP -- ``value_dim`` gives the second buffer its own width."""
 
     def __init__(
         self,
@@ -31,14 +35,21 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        value_dim: Optional[int] = None,
     ):
         # torch.empty: a slot is always written before it is read (prefill writes every prompt slot, padding
         # included; a decode step writes its slot first), so zero-filling would be wasted work.
-        self._storage: Optional[torch.Tensor] = torch.empty(
-            len(layer_ids), 2, batch_size, groups, max_len, head_dim, dtype=dtype, device=device
-        )
+        n = len(layer_ids)
+        if value_dim is None or value_dim == head_dim:
+            storage = torch.empty(n, 2, batch_size, groups, max_len, head_dim, dtype=dtype, device=device)
+            keys, values = storage[:, 0], storage[:, 1]
+            self._storages: list[torch.Tensor] = [storage]
+        else:
+            keys = torch.empty(n, batch_size, groups, max_len, head_dim, dtype=dtype, device=device)
+            values = torch.empty(n, batch_size, groups, max_len, value_dim, dtype=dtype, device=device)
+            self._storages = [keys, values]
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            layer: (self._storage[n, 0], self._storage[n, 1]) for n, layer in enumerate(layer_ids)
+            layer: (keys[i], values[i]) for i, layer in enumerate(layer_ids)
         }
         """Global layer index -> (keys, values) buffers."""
         self.max_len = max_len
@@ -48,27 +59,26 @@ class KVCache:
         """A cache for the layers ``model`` (this rank's pipeline stages) holds."""
         param = next(model.parameters())
         config = model.config
+        layers = [int(i) for i in model.layers.keys()]
+        if config.multi_latent_attention:
+            assert config.kv_lora_rank is not None and config.qk_pos_emb_head_dim is not None  # resolved with MLA
+            return cls(
+                layers, batch_size, max_len, 1, config.kv_lora_rank, param.dtype, param.device,
+                value_dim=config.qk_pos_emb_head_dim,
+            )  # fmt: skip
         # resolved by GPTConfig.__post_init__
         assert config.num_query_groups is not None and config.kv_channels is not None
         groups = config.num_query_groups // model.layout.tp_size  # this rank's key/value heads
-        return cls(
-            [int(i) for i in model.layers.keys()],
-            batch_size,
-            max_len,
-            groups,
-            config.kv_channels,
-            param.dtype,
-            param.device,
-        )
+        return cls(layers, batch_size, max_len, groups, config.kv_channels, param.dtype, param.device)
 
     @property
     def nbytes(self) -> int:
         """Bytes held (0 once freed)."""
-        return 0 if self._storage is None else self._storage.numel() * self._storage.element_size()
+        return sum(storage.numel() * storage.element_size() for storage in self._storages)
 
     def free(self) -> None:
         """Release the buffers (the cache cannot be used afterwards)."""
-        self._storage = None
+        self._storages = []
         self.layers = {}
 
 

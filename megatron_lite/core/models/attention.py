@@ -91,11 +91,7 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k, v = self.cached_kv(k, v)
-        if self.recompute_core_attention and recompute_active(self):
-            out = checkpoint(self.core_attention, q, k, v, rng, context, rng_tracker=rng)
-        else:
-            out = self.core_attention(q, k, v, rng, context)
-        return self.linear_proj(out)
+        return self.linear_proj(self.core_attention.run(q, k, v, rng, context, self.recompute_core_attention))
 
     def cached_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (after RoPE) and values as a KV cache holds them; the identity here. Training and
@@ -184,10 +180,27 @@ class CoreAttention(nn.Module):
     unexpanded tensors.
     """
 
-    def __init__(self, attention_dropout: float, queries_per_group: int):
+    def __init__(self, attention_dropout: float, queries_per_group: int, softmax_scale: Optional[float] = None):
         super().__init__()
         self.attention_dropout = attention_dropout
         self.q_per_group = queries_per_group
+        self.softmax_scale = softmax_scale
+        """None: 1/sqrt(d) of the queries' width d (multi-latent attention sets its own, and its values may be of
+        another width than its queries and keys: the causal and packed paths take it, context parallelism not)."""
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rng: RNGStatesTracker,
+        context: Optional[AttentionContext],
+        recompute: bool,
+    ) -> torch.Tensor:
+        """This attention, checkpointed when ``recompute`` ('selective' recompute) and a backward follows."""
+        if recompute and recompute_active(self):
+            return checkpoint(self, q, k, v, rng, context, rng_tracker=rng)
+        return self(q, k, v, rng, context)
 
     def forward(
         self,
@@ -199,6 +212,8 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         if context is not None and context.cp_size > 1:
+            if self.softmax_scale is not None:  # refused before launch (run_checks.check_context_parallel)
+                raise ValueError("multi_latent_attention does not take context parallelism yet: set it to 1.")
             if dropout > 0.0:
                 raise ValueError(
                     "attention_dropout > 0 with context parallelism: the context-parallel attention has "
@@ -208,7 +223,7 @@ class CoreAttention(nn.Module):
         if context is not None and context.packed:
             # Heads are split over TP: each rank needs its own dropout stream.
             with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():
-                return packed_attention(q, k, v, context, dropout)
+                return packed_attention(q, k, v, context, dropout, self.softmax_scale)
         s, b = q.shape[:2]
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=2)
@@ -216,7 +231,7 @@ class CoreAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

@@ -14,7 +14,7 @@ POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "moe")
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
 # Llama 3.1's published values (also Megatron-LM's defaults for --use-rope-scaling).
 LLAMA3_ROPE_DEFAULTS = {
     "rope_scaling_factor": 8.0,
@@ -22,6 +22,10 @@ LLAMA3_ROPE_DEFAULTS = {
     "rope_high_freq_factor": 4.0,
     "rope_original_max_position_embeddings": 8192,
 }
+# YaRN's published defaults (Peng et al. 2023; transformers' and Megatron's): the ramp's bounds in rotations and
+# the log-factor multipliers of the attention scale (mscale_all_dim 0: no softmax rescaling).
+YARN_ROPE_DEFAULTS = {"rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_mscale": 1.0, "rope_mscale_all_dim": 0.0}
+MLA_SHAPE_FIELDS = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 @dataclass
@@ -61,9 +65,10 @@ class GPTConfig:
     """RoPE base frequency (theta: 10000 for Llama 2, 500000 for Llama 3)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates."""
-    rope_scaling_type: Optional[Literal["linear", "llama3"]] = None
+    rope_scaling_type: Optional[Literal["linear", "llama3", "yarn"]] = None
     """RoPE frequency scaling for contexts past pre-training's: 'linear' (every frequency / factor), 'llama3'
-    (Llama 3.1: long wavelengths / factor, short ones kept, a smooth blend between), or None."""
+    (Llama 3.1: long wavelengths / factor, short ones kept, a smooth blend between), 'yarn' (DeepSeek's YaRN,
+    with multi_latent_attention), or None."""
     rope_scaling_factor: Optional[float] = None
     """How much the context is stretched (with rope_scaling_type; 'llama3' defaults to Llama 3.1's 8)."""
     rope_low_freq_factor: Optional[float] = None
@@ -71,7 +76,15 @@ class GPTConfig:
     rope_high_freq_factor: Optional[float] = None
     """'llama3': wavelengths shorter than original_max_position_embeddings / this are kept (default 4)."""
     rope_original_max_position_embeddings: Optional[int] = None
-    """'llama3': the context length of pre-training the scaling starts from (default 8192)."""
+    """'llama3'/'yarn': the context length of pre-training the scaling starts from (default 8192 for 'llama3')."""
+    rope_beta_fast: Optional[float] = None
+    """'yarn': frequencies turning more than this many times over the original context are kept (default 32)."""
+    rope_beta_slow: Optional[float] = None
+    """'yarn': frequencies turning fewer than this many times are divided by the factor (default 1)."""
+    rope_mscale: Optional[float] = None
+    """'yarn': cos/sin are scaled by mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim) (default 1)."""
+    rope_mscale_all_dim: Optional[float] = None
+    """'yarn': the softmax scale is multiplied by mscale(factor, this)^2 (DeepSeek-V3: 1; default 0: unchanged)."""
     share_embeddings_and_output_weights: bool = False
     """Tie the output layer to the word embedding."""
     add_bias_linear: bool = False
@@ -80,6 +93,19 @@ class GPTConfig:
     """Bias in the QKV projection only (Qwen style)."""
     qk_layernorm: bool = False
     """Normalize each query and key head (over kv_channels, with the model's normalization) before RoPE (Qwen3)."""
+    # --- Multi-latent attention (DeepSeek-V2/V3; Megatron's names; checked in _validate_mla) ---
+    multi_latent_attention: bool = False
+    """Multi-latent attention: keys and values from a compressed latent, RoPE on a decoupled part of each head."""
+    q_lora_rank: Optional[int] = None
+    """MLA: width of the compressed query latent; None projects the queries straight from the hidden state."""
+    kv_lora_rank: Optional[int] = None
+    """MLA: width of the compressed key/value latent (needed with multi_latent_attention)."""
+    qk_head_dim: Optional[int] = None
+    """MLA: channels of a query/key head without position (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: Optional[int] = None
+    """MLA: channels of a query/key head RoPE rotates; the key's are shared by every head (qk_rope_head_dim)."""
+    v_head_dim: Optional[int] = None
+    """MLA: channels of a value head."""
     hidden_dropout: float = 0.0
     """Dropout on the residual branches and the embedding."""
     attention_dropout: float = 0.0
@@ -160,6 +186,7 @@ class GPTConfig:
         for name in ("num_query_groups", "ffn_hidden_size", "kv_channels", "max_position_embeddings"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        self._validate_mla()
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -190,7 +217,7 @@ class GPTConfig:
             raise ValueError(
                 f"max_position_embeddings ({self.max_position_embeddings}) must be >= seq_length ({self.seq_length})."
             )
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention and self.kv_channels % 2:
             raise ValueError(f"RoPE needs an even head width, got kv_channels={self.kv_channels}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -211,12 +238,61 @@ class GPTConfig:
 
         check_moe_fields(self)
 
+    def _validate_mla(self) -> None:
+        """MLA's shape fields come together (and only with it); what MLA does not support yet is refused by name.
+        Resolves kv_channels to a query/key head's width and num_query_groups to one per head."""
+        if not self.multi_latent_attention:
+            given = [name for name in ("q_lora_rank", *MLA_SHAPE_FIELDS) if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given} only apply to multi-latent attention; set multi_latent_attention=True.")
+            return
+        missing = [name for name in MLA_SHAPE_FIELDS if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"multi_latent_attention=True needs {missing}: set them (DeepSeek-V3: 512, 128, 64, 128).")
+        for name in ("q_lora_rank", *MLA_SHAPE_FIELDS):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        assert self.qk_head_dim is not None and self.qk_pos_emb_head_dim is not None  # checked just above
+        width = self.qk_head_dim + self.qk_pos_emb_head_dim
+        if self.kv_channels not in (None, width):
+            raise ValueError(
+                f"kv_channels={self.kv_channels} with multi_latent_attention: a query/key head is qk_head_dim + "
+                f"qk_pos_emb_head_dim = {width} wide; leave kv_channels unset."
+            )
+        if self.num_query_groups not in (None, self.num_attention_heads):
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups} with multi_latent_attention: MLA expands one key and value "
+                f"per query head from the latent; leave num_query_groups unset."
+            )
+        if self.position_embedding_type != "rope":
+            raise ValueError("multi_latent_attention needs position_embedding_type='rope' (its decoupled RoPE part).")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"RoPE needs an even width, got qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}.")
+        unsupported = [
+            (self.rotary_percent != 1.0, f"rotary_percent={self.rotary_percent} (MLA rotates its whole RoPE part)"),
+            (self.qk_layernorm, "qk_layernorm=True (MLA normalizes its latents instead)"),
+            (self.add_qkv_bias, "add_qkv_bias=True"),
+            (self.add_bias_linear, "add_bias_linear=True"),
+        ]
+        refused = [why for bad, why in unsupported if bad]
+        if refused:
+            raise ValueError(f"multi_latent_attention does not support {'; '.join(refused)}: turn it off.")
+        self.kv_channels = width
+        self.num_query_groups = self.num_attention_heads
+
     def _validate_rope_scaling(self) -> None:
-        """The scaling fields belong to one scaling type each; 'llama3' fills in Llama 3.1's values."""
+        """The scaling fields belong to one scaling type each; 'llama3' and 'yarn' fill in their published values."""
         kind = self.rope_scaling_type
-        llama3_only = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
+        llama3_only = ("rope_low_freq_factor", "rope_high_freq_factor")
+        yarn_only = tuple(YARN_ROPE_DEFAULTS)
+        if kind != "yarn":
+            for name in yarn_only:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} only applies to rope_scaling_type='yarn'; leave it unset."
+                    )
         if kind is None:
-            for name in ("rope_scaling_factor", *llama3_only):
+            for name in ("rope_scaling_factor", *llama3_only, "rope_original_max_position_embeddings"):
                 if getattr(self, name) is not None:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} needs rope_scaling_type ('linear' or 'llama3'); "
@@ -227,8 +303,32 @@ class GPTConfig:
             raise ValueError(f"rope_scaling_type must be None or one of {ROPE_SCALING_TYPES}, got {kind!r}")
         if self.position_embedding_type != "rope":
             raise ValueError(f"rope_scaling_type={kind!r} needs position_embedding_type='rope'.")
-        if kind == "linear":
+        if kind == "yarn":
+            if not self.multi_latent_attention:
+                raise ValueError(
+                    "rope_scaling_type='yarn' is implemented for multi_latent_attention models (DeepSeek's YaRN, "
+                    "with its softmax rescaling); use 'linear' or 'llama3', or set multi_latent_attention=True."
+                )
             for name in llama3_only:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} only applies to rope_scaling_type='llama3' (got 'yarn'); leave it unset.")
+            if self.rope_scaling_factor is None or self.rope_original_max_position_embeddings is None:
+                raise ValueError(
+                    "rope_scaling_type='yarn' needs rope_scaling_factor and rope_original_max_position_embeddings "
+                    "(DeepSeek-V3: 40 and 4096)."
+                )
+            _positive_int("rope_original_max_position_embeddings", self.rope_original_max_position_embeddings)
+            for name, default in YARN_ROPE_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
+            assert self.rope_beta_fast is not None and self.rope_beta_slow is not None  # just filled in
+            if not 0 < self.rope_beta_slow < self.rope_beta_fast:
+                raise ValueError(
+                    f"rope_beta_slow ({self.rope_beta_slow}) must be positive and below rope_beta_fast "
+                    f"({self.rope_beta_fast})."
+                )
+        elif kind == "linear":
+            for name in (*llama3_only, "rope_original_max_position_embeddings"):
                 if getattr(self, name) is not None:
                     raise ValueError(
                         f"{name} only applies to rope_scaling_type='llama3' (got 'linear'); leave it unset."
@@ -271,6 +371,10 @@ class GPTConfig:
             low_freq_factor=float(self.rope_low_freq_factor or 1.0),
             high_freq_factor=float(self.rope_high_freq_factor or 4.0),
             original_max_position_embeddings=self.rope_original_max_position_embeddings or 8192,
+            beta_fast=float(self.rope_beta_fast or 32.0),
+            beta_slow=float(self.rope_beta_slow or 1.0),
+            mscale=float(self.rope_mscale if self.rope_mscale is not None else 1.0),
+            mscale_all_dim=float(self.rope_mscale_all_dim or 0.0),
         )
 
     def _validate_recompute(self) -> None:
@@ -388,10 +492,36 @@ class GPTConfig:
             biases = q + kv
         # qk_layernorm: one norm of a head's width for the queries, one for the keys (shared by every head)
         qk_norms = 2 * self.kv_channels * (2 if self.normalization == "LayerNorm" else 1) if self.qk_layernorm else 0
+        if self.multi_latent_attention:
+            attn, biases, qk_norms = self.mla_parameters(), 0, 0
         per_layer = attn + biases + 2 * norm + qk_norms
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
         return L * per_layer + mlp_side_parameters(self, active) + emb + out + norm
+
+    def mla_parameters(self, norms: bool = True) -> int:
+        """One multi-latent attention's parameters: projections and (with ``norms``) latent norms (no biases)."""
+        assert self.kv_lora_rank and self.qk_head_dim and self.qk_pos_emb_head_dim and self.v_head_dim  # MLA's
+        h, heads = self.hidden_size, self.num_attention_heads
+        per_norm = (2 if self.normalization == "LayerNorm" else 1) if norms else 0
+        q_width = heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
+        if self.q_lora_rank is None:
+            q = h * q_width
+        else:
+            q = h * self.q_lora_rank + per_norm * self.q_lora_rank + self.q_lora_rank * q_width
+        kv = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + per_norm * self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
+
+
+def refuse_mla(config: object, feature: str) -> None:
+    """Refuse, naming it, a feature that does not handle multi-latent attention yet (rather than fail deep inside on
+    the attention's layers, which are not the fused QKV it expects)."""
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError(
+            f"{feature} does not handle multi-latent attention yet (this model has multi_latent_attention=True); "
+            f"use a model without MLA for it."
+        )
 
 
 def _positive_int(name: str, value) -> None:

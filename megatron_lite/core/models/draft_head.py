@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.config import GPTConfig, refuse_mla
 from megatron_lite.core.models.gpt import GPTModel, TransformerLayer
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import gather_full, initialize_parameters, mark_parameter
@@ -110,6 +110,7 @@ class EagleDraftHead(nn.Module):
     def __init__(self, config: GPTConfig, layout: Optional[ParallelLayout] = None, seed: int = 1234):
         super().__init__()
         layout = layout or ParallelLayout.single()
+        refuse_mla(config, "an EAGLE draft head")  # its speculative decoding caches full keys and values
         if layout.sequence_parallel or layout.cp_size > 1 or layout.pp_size > 1:
             raise ValueError(
                 f"an EAGLE draft head runs on whole rows of one pipeline stage: build it with sequence_parallel=False, "

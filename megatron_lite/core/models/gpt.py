@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron_lite.core.models.attention import SelfAttention, rotary_tables, scaled_init_std
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.mla import MultiLatentAttention
 from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.moe.step_state import MoEStepState
 from megatron_lite.core.models.moe_config import check_moe_parallelism, moe_layer_pattern
@@ -72,7 +73,11 @@ class TransformerLayer(nn.Module):
         sp = layout.sequence_parallel
         out_std = scaled_init_std(config)
         self.input_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
-        self.self_attention = SelfAttention(config, layout, out_std)
+        self.self_attention: SelfAttention | MultiLatentAttention
+        if config.multi_latent_attention:
+            self.self_attention = MultiLatentAttention(config, layout, out_std)
+        else:
+            self.self_attention = SelfAttention(config, layout, out_std)
         self.pre_mlp_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
         self.mlp: nn.Module
         if moe_state is not None and moe_layer_pattern(config)[layer_number]:
@@ -173,6 +178,10 @@ class GPTModel(nn.Module):
                 f"attention_dropout={config.attention_dropout} with context_parallel_size={layout.cp_size}: the "
                 f"context-parallel attention has no dropout; set attention_dropout=0.0 or context_parallel_size=1"
             )
+        if layout.cp_size > 1:
+            from megatron_lite.core.models.run_checks import check_context_parallel
+
+            check_context_parallel(layout.config, config)
         config.validate_parallelism(layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
         self.config, self.layout, self.seed = config, layout, seed
         self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)
@@ -210,8 +219,11 @@ class GPTModel(nn.Module):
                 mark_parameter(self.position_embeddings.weight, ("normal", config.init_method_std))
         else:
             assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
+            # MLA rotates only the decoupled positional part of each head
+            rotated = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.kv_channels
+            assert rotated is not None  # checked by GPTConfig.__post_init__
             self.rotary = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base, scaling=config.rope_scaling()
+                rotated, config.rotary_percent, config.rotary_base, scaling=config.rope_scaling()
             )
         self.moe_state: Optional[MoEStepState] = MoEStepState() if config.num_moe_experts is not None else None
         """Shared by the MoE layers: the engine's backward multiplier for their auxiliary losses, their metrics."""

@@ -580,12 +580,19 @@ def context_parallel_attention(
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: AttentionContext,
+    dropout: float = 0.0,
+    scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of packed rows without context parallelism: each document on its own (fused
     SDPA per document), so nothing is computed or stored across documents. ``q`` [s, b, heads, d],
-    ``k``/``v`` [s, b, groups, d] -> [s, b, heads·d]."""
-    s, b, hq, d = q.shape
+    ``k`` [s, b, groups, d], ``v`` [s, b, groups, dv] -> [s, b, heads·dv]; ``scale``: the softmax scale (None:
+    1/sqrt(d))."""
+    s, b, hq, _ = q.shape
+    d = v.shape[-1]
     repeat = hq // k.shape[2]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
@@ -594,6 +601,6 @@ def packed_attention(
         parts = []
         for start, end in docs:
             qd, kd, vd = (t[start:end, row].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, d]
-            parts.append(F.scaled_dot_product_attention(qd, kd, vd, dropout_p=dropout, is_causal=True))
+            parts.append(F.scaled_dot_product_attention(qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scale))
         rows.append(torch.cat(parts, dim=2))  # [1, heads, s, d]
     return torch.cat(rows, dim=0).permute(2, 0, 1, 3).reshape(s, b, hq * d)

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
-from megatron_lite.core.checkpoint.hf import moe
+from megatron_lite.core.checkpoint.hf import deepseek, moe
 from megatron_lite.core.models.config import GPTConfig
 
 CAUSAL_LM = {
@@ -26,6 +26,7 @@ CAUSAL_LM = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     **moe.CAUSAL_LM,
+    **deepseek.CAUSAL_LM,
 }
 
 # transformers' Qwen defaults: the vocabulary and context of every Qwen (Qwen3's head width is its own)
@@ -97,6 +98,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=768,
         num_experts_per_tok=8,
     ),
+    deepseek.MODEL_TYPE: deepseek.DEFAULTS,
 }
 _COMMON_DEFAULTS = dict(
     hidden_act="silu",
@@ -135,6 +137,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
             raise UnsupportedHFModel(f"HF config: rope scaling {kind!r} without {key!r}; add it to config.json.")
         return value
 
+    if kind == "yarn" and hf.get("model_type") == deepseek.MODEL_TYPE:
+        return float(theta), deepseek.yarn_fields(hf, scaling)
     if kind == "linear":
         return float(theta), dict(rope_scaling_type="linear", rope_scaling_factor=float(need("factor")))
     if kind == "llama3":
@@ -147,7 +151,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
                 need("original_max_position_embeddings", hf.get("max_position_embeddings"))
             ),
         )
-    raise _refuse(f"rope scaling type {kind!r}", "supported: default, 'linear' and 'llama3'")
+    raise _refuse(f"rope scaling type {kind!r}", "supported: default, 'linear', 'llama3' and DeepSeek-V3's 'yarn'")
 
 
 def _check_architecture(hf: dict[str, Any]) -> str:
@@ -168,7 +172,7 @@ def _check_architecture(hf: dict[str, Any]) -> str:
         raise _refuse(
             f"quantization_config (quant_method {method!r})", "only unquantized bf16/fp16/fp32 weights are read"
         )
-    for key in _MOE_KEYS if model_type not in moe.CAUSAL_LM else ():
+    for key in _MOE_KEYS if model_type not in (*moe.CAUSAL_LM, *deepseek.CAUSAL_LM) else ():
         if hf.get(key):
             raise _refuse(
                 f"{key}={hf[key]} (mixture of experts) in a {model_type} model",
@@ -208,6 +212,7 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     _check_attention_window(model_type, hf)
     # A null means "the default" (num_key_value_heads: one per head, head_dim: hidden / heads).
     # pretraining_tp is not read: it only slices the same matmuls inside transformers.
+    given = hf
     hf = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
     if hf["hidden_act"] not in ("silu", "swish"):
         raise _refuse(f"hidden_act={hf['hidden_act']!r}", "the MLP here is SwiGLU (gate: silu)")
@@ -258,6 +263,10 @@ def gpt_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     )
     if model_type in moe.CAUSAL_LM:
         fields.update(moe.moe_fields_from_hf(model_type, hf))
+    if model_type == deepseek.MODEL_TYPE:
+        del fields["kv_channels"], fields["num_query_groups"]  # MLA's own head widths
+        # (DeepSeek's null q_lora_rank means no query compression, not the default)
+        fields.update(deepseek.gpt_fields_from_hf({**hf, "q_lora_rank": given.get("q_lora_rank", hf["q_lora_rank"])}))
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -292,7 +301,9 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
     from, if any: its token ids and model type are kept."""
     check_exportable(config)
     source = source or {}
-    if config.num_moe_experts is not None:
+    if config.multi_latent_attention:
+        model_type = deepseek.MODEL_TYPE
+    elif config.num_moe_experts is not None:
         model_type = moe.moe_model_type(config)
     elif config.qk_layernorm:
         model_type = "qwen3"  # per-head norms of queries and keys: Qwen3's attention
@@ -330,6 +341,8 @@ def hf_config_from_gpt(config: GPTConfig, dtype: str, source: Optional[dict[str,
         hf.update(sliding_window=None)
     if model_type in moe.CAUSAL_LM:
         hf.update(moe.moe_hf_fields(config, model_type))
+    if model_type == deepseek.MODEL_TYPE:
+        hf.update(deepseek.hf_fields(config), num_key_value_heads=config.num_attention_heads)
     if model_type == "llama":
         hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
     elif config.add_bias_linear:
@@ -347,6 +360,8 @@ def _rope_scaling_dict(config: GPTConfig) -> Optional[dict[str, Any]]:
     scaling = config.rope_scaling()
     if scaling is None:
         return None
+    if scaling.kind == "yarn":
+        return deepseek.yarn_hf_dict(config)
     if scaling.kind == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
     return {

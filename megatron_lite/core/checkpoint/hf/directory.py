@@ -186,14 +186,16 @@ def read_hf_model_config(directory: str | os.PathLike, **overrides: Any) -> GPTC
 def load_hf(directory: str | os.PathLike, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """(config, full state) of an HF Llama directory: GPTModel names, exactly ``vocab_size`` vocabulary rows,
     the saved dtype. ``overrides`` replace GPTConfig fields (a field that changes a shape is caught here)."""
-    config = gpt_config_from_hf(read_hf_config(directory), **overrides)
+    hf_config = read_hf_config(directory)
+    config = gpt_config_from_hf(hf_config, **overrides)
     shapes = read_hf_shapes(directory)
     check_hf_shapes(shapes, config)  # every shape, before any tensor is read
     tensors = read_hf_tensors(directory)
     untied = _tie_rule(config, directory, overrides, tensors)
     if untied is not config:
         check_hf_shapes(shapes, untied)  # lm_head.weight's shape, now that it is read
-    return untied, hf_to_state(tensors, untied)
+    interleaved = config.multi_latent_attention and hf_config.get("rope_interleave", True) is not False
+    return untied, hf_to_state(tensors, untied, interleaved_rope=interleaved)
 
 
 def copy_side_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:

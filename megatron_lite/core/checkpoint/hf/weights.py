@@ -27,6 +27,7 @@ from typing import Mapping
 
 import torch
 
+from megatron_lite.core.checkpoint.hf import deepseek
 from megatron_lite.core.checkpoint.hf.moe import moe_model_type
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
@@ -46,6 +47,7 @@ class _MoENames:
     p: str
     mixtral: bool
     fused: bool
+    deepseek: bool = False
 
     @property
     def block(self) -> str:
@@ -72,7 +74,12 @@ class _MoENames:
 
     @property
     def shared(self) -> str:
-        return self.block + "shared_expert."
+        return self.block + ("shared_experts." if self.deepseek else "shared_expert.")
+
+    @property
+    def expert_bias(self) -> str:
+        """DeepSeek's ``e_score_correction_bias`` (our router's ``expert_bias``)."""
+        return self.block + "gate.e_score_correction_bias"
 
     @property
     def shared_gate(self) -> str:
@@ -86,9 +93,10 @@ def is_fused_expert_layout(names) -> bool:
 
 def _moe_names(config: GPTConfig, fused: bool) -> list[_MoENames | None]:
     """Per layer, the HF names of its MoE tensors (None for a dense layer)."""
-    mixtral = config.num_moe_experts is not None and moe_model_type(config) == "mixtral"
+    mla = config.multi_latent_attention  # an MLA model is a DeepSeek-V3
+    mixtral = config.num_moe_experts is not None and not mla and moe_model_type(config) == "mixtral"
     return [
-        _MoENames(f"model.layers.{i}.", mixtral, fused) if is_moe else None
+        _MoENames(f"model.layers.{i}.", mixtral, fused, mla) if is_moe else None
         for i, is_moe in enumerate(moe_layer_pattern(config))
     ]
 
@@ -97,6 +105,8 @@ def _moe_shapes(names: _MoENames, config: GPTConfig) -> dict[str, tuple[int, ...
     e, h, f = config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size
     assert e is not None and f is not None  # an MoE config, resolved by GPTConfig.__post_init__
     shapes: dict[str, tuple[int, ...]] = {names.router: (e, h)}
+    if names.deepseek:
+        shapes[names.expert_bias] = (e,)
     if names.fused:
         shapes.update({names.gate_up: (e, 2 * f, h), names.down: (e, h, f)})
     else:
@@ -132,14 +142,21 @@ def _layer_names(i: int, config: GPTConfig, moe: _MoENames | None) -> dict[str, 
     assert f is not None  # resolved by GPTConfig.__post_init__
     q, kv = config.num_attention_heads * d, groups * d
     p = f"model.layers.{i}."
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         p + "input_layernorm.weight": (h,),
         p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (q, h),
-        p + "self_attn.k_proj.weight": (kv, h),
-        p + "self_attn.v_proj.weight": (kv, h),
-        p + "self_attn.o_proj.weight": (h, q),
     }
+    if config.multi_latent_attention:
+        shapes.update(deepseek.attention_shapes(p + "self_attn.", config))
+    else:
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+            }
+        )
     if moe is not None:
         shapes.update(_moe_shapes(moe, config))
     else:
@@ -273,6 +290,8 @@ def _gate_up(fc1: torch.Tensor, width: int, hidden: tuple[int, ...]) -> tuple[to
 def _moe_to_state(source: _Tensors, names: _MoENames, config: GPTConfig, ours: str) -> dict[str, torch.Tensor]:
     """Our tensors (under ``ours``, the layer's ``mlp.``) of one HF MoE layer."""
     state = {ours + "router.weight": source[names.router]}
+    if names.deepseek:
+        state[ours + "router.expert_bias"] = source[names.expert_bias]
     if names.fused:
         fc1, fc2 = source[names.gate_up], source[names.down]
     else:
@@ -295,6 +314,9 @@ def _moe_to_hf(source: _Tensors, names: _MoENames, config: GPTConfig, ours: str)
     e, h, f = config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size
     assert e is not None and f is not None  # an MoE config, resolved by GPTConfig.__post_init__
     out = {names.router: source[ours + "router.weight"]}
+    if names.deepseek:  # a model trained without aux-loss-free balancing has no bias: DeepSeek's is then zero
+        bias = source.tensors.get(ours + "router.expert_bias")
+        out[names.expert_bias] = bias if bias is not None else torch.zeros(e)
     fc1 = source[ours + "experts.linear_fc1.weight"].reshape(e, 2, f, h)
     fc2 = source[ours + "experts.linear_fc2.weight"]
     for j in range(e):
@@ -312,9 +334,12 @@ def _moe_to_hf(source: _Tensors, names: _MoENames, config: GPTConfig, ours: str)
     return out
 
 
-def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+def hf_to_state(
+    tensors: Mapping[str, torch.Tensor], config: GPTConfig, interleaved_rope: bool = False
+) -> dict[str, torch.Tensor]:
     """Our full state (GPTModel names, exactly ``vocab_size`` vocabulary rows, the HF dtype) from HF tensors
-    whose shapes :func:`check_hf_shapes` accepted."""
+    whose shapes :func:`check_hf_shapes` accepted; ``interleaved_rope``: an MLA checkpoint rotating interleaved
+    channel pairs (DeepSeek's ``rope_interleave``)."""
     source = _Tensors(tensors, "the HF checkpoint")
     state = {
         "embedding.weight": source["model.embed_tokens.weight"],
@@ -330,6 +355,9 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
         for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
             state[f"{ours}self_attention.{our_norm}.weight"] = source[f"{attn}{hf_norm}.weight"]
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
+        if config.multi_latent_attention:
+            state.update(deepseek.attention_to_state(source, attn, ours + "self_attention.", config, interleaved_rope))
+            kinds = []
         for kind in kinds:
             state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
                 source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"], config
@@ -337,7 +365,8 @@ def hf_to_state(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[
         if moe is not None:
             state.update(_moe_to_state(source, moe, config, ours + "mlp."))
         for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
-            state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
+            if not config.multi_latent_attention:
+                state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
             if moe is None:
                 state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
                     [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0
@@ -366,13 +395,17 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
         for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
             out[f"{attn}{hf_norm}.weight"] = source[f"{ours}self_attention.{our_norm}.weight"]
         kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
+        if config.multi_latent_attention:
+            out.update(deepseek.attention_to_hf(source, attn, ours + "self_attention.", config))
+            kinds = []
         for kind in kinds:
             q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)
             out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
         if moe is not None:
             out.update(_moe_to_hf(source, moe, config, ours + "mlp."))
         for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
-            out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
+            if not config.multi_latent_attention:
+                out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
             if moe is None:
                 rest = (config.hidden_size,) if kind == "weight" else ()
                 gate_up = _gate_up(source[f"{ours}mlp.linear_fc1.{kind}"], config.ffn_hidden_size, rest)

@@ -1,0 +1,104 @@
+"""DeepSeek-V3 interop against transformers itself: tiny random ``DeepseekV3ForCausalLM`` models (a dense first layer,
+8 routed experts in 4 groups with sigmoid scores, a non-zero ``e_score_correction_bias``, two shared experts, the
+routed scaling factor) with query compression, YaRN (mscale != mscale_all_dim) and DeepSeek's interleaved RoPE
+layout, or without query compression, plain RoPE and the non-interleaved layout. Imported in one process, their
+logits are transformers' (fp32, relative L2 error 1e-5) and greedy generation through our latent KV cache gives
+transformers' tokens; converted to our checkpoint and back with the CLI, the
+export loads in transformers with the same logits. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[dev]'): these tests build DeepSeek-V3"
+)
+transformers.utils.logging.disable_progress_bar()
+
+from test_hf_interop import VOCAB, _assert_close, _convert, _hf_logits  # noqa: E402  (the Llama interop test's)
+
+import megatron_lite as ml  # noqa: E402
+
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=2,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=4,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    qk_nope_head_dim=16,
+    max_position_embeddings=128,
+)
+CASES = {
+    "q_lora_yarn_interleaved": dict(
+        q_lora_rank=24,
+        rope_interleave=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.8,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    "no_q_lora_plain_rope": dict(
+        q_lora_rank=None, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}
+    ),
+}
+
+
+def _random_deepseek(case: str, seed: int):
+    """A transformers DeepSeek-V3 of ``case`` with every parameter drawn, and the expert-choice bias too."""
+    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**SHAPE, **CASES[case]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepseek_v3_import_gives_transformers_logits_and_exports_back(case, tmp_path):
+    seed = list(CASES).index(case)
+    model = _random_deepseek(case, seed)
+    model.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    reference = _hf_logits(model, tokens)
+    module = ml.GPTModule.from_pretrained(tmp_path / "hf")
+    assert module.config.multi_latent_attention and module.config.moe_router_enable_expert_bias
+    _assert_close(module.full_logits(tokens), reference)
+    # greedy generation through the latent cache continues the prompt as transformers does
+    prompt = tokens[:1, :8]
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert module.generate(prompt.tolist(), max_new_tokens=6).tokens == expected[:, 8:].tolist()
+
+    _convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
+    _convert("--to", "hf", "--input", tmp_path / "ckpt", "--output", tmp_path / "exported")
+    written = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v3" and written["rope_interleave"] is True
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert type(loaded) is type(model)
+    _assert_close(_hf_logits(loaded, tokens), reference)
