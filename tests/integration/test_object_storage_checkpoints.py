@@ -59,7 +59,10 @@ def test_a_tp2_fit_checkpoints_to_s3_and_resumes_from_last_like_an_uninterrupted
     def checkpoints():
         return ModelCheckpoint(dirpath=run_url, every_n_train_steps=2, save_top_k=-1)
 
-    first = run(tmp_path / "first", devices=2, tp=2, steps=4, callbacks=[checkpoints()])
+    # written in the background (async_save): the same writer and commit, from the writer's thread
+    first = run(
+        tmp_path / "first", devices=2, tp=2, steps=4, callbacks=[checkpoints()], strategy_kwargs={"async_save": True}
+    )
     assert first["losses"] == reference["losses"][:4]
     fs = _fs()
     step4 = f"{run_url}/epoch=0-step=4.ckpt"
