@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
@@ -36,6 +35,7 @@ from megatron_lite.core.checkpoint.resume.auto_resume import (
     newest_valid_checkpoint,
     unfinished_checkpoints,
 )
+from megatron_lite.core.object_store import Location, is_remote
 from megatron_lite.strategies._lightning_private import checkpoint_callback_dir
 
 LAST = "last"
@@ -69,7 +69,7 @@ def checkpoint_directories(trainer: Any) -> list[str]:
     for callback in callbacks:
         directory = checkpoint_callback_dir(callback, trainer)
         if directory is not None:
-            found.setdefault(os.path.abspath(directory), str(directory))
+            found.setdefault(str(directory) if is_remote(directory) else os.path.abspath(directory), str(directory))
     return list(found.values())
 
 
@@ -109,7 +109,7 @@ def replace_last(args: tuple, trainer: Any, fitting: bool) -> tuple[tuple, Optio
     return (*args[:index], None, *args[index + 1 :]), None
 
 
-def resume_checkpoint(resume: AutoResume) -> Path:
+def resume_checkpoint(resume: AutoResume) -> Location:
     """The checkpoint to load for ``resume``: the newest one whose files all pass their checks, the others
     named in a warning with what is wrong with them. Collective; raises one clear error on every rank when
     every checkpoint there is damaged (the fit was about to resume, so it never trains from step 0 silently)."""

@@ -10,7 +10,6 @@ call it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -35,12 +34,13 @@ from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys, resolv
 from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX, read_model_tensors
 from megatron_lite.core.checkpoint.resume.entries import MODEL_STATE, holds_training_state, read_meta_plain
 from megatron_lite.core.engine.contract import EngineModule
+from megatron_lite.core.object_store import Location, location
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft.lora import LORA_RECIPE, has_adapters, lora_recipe, restore_lora
 from megatron_lite.strategies._lightning_private import _distributed_is_initialized, attached_trainer
 from megatron_lite.strategies.auto_resume import AutoResume, resume_checkpoint
 from megatron_lite.strategies.launch_checks import lora_resume_message, mismatch_message, weights_only_message
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 if TYPE_CHECKING:
     from megatron_lite.strategies.megatron import MegatronStrategy
@@ -161,7 +161,7 @@ class StrategyCheckpoints:
         """Write ``checkpoint`` (Lightning's dict): its tensors' entries as DCP shards, the rest as ``meta.json``. In
         the background for ModelCheckpoint's saves with ``async_save=True`` (or ``storage_options={"async_save":
         True}``)."""
-        require_local_path(filepath, "the checkpoint path")
+        require_local_or_object_path(filepath, "the checkpoint path")
         strategy = self._strategy
         live = self.live_layout() is not None
         module = strategy.lightning_module
@@ -169,7 +169,7 @@ class StrategyCheckpoints:
             strategy.options.async_save, storage_options, live, module, attached_trainer(module)
         )
         refuse_without_weights(module)
-        path = Path(strategy.broadcast(str(filepath)))
+        path = location(strategy.broadcast(str(filepath)))
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         model_state = self._adapters_only(module, model_state, checkpoint)
         if not live and not optimizer_states:
@@ -245,7 +245,7 @@ class StrategyCheckpoints:
         checkpoint[BASE_RECORD] = source.to_json()
         return adapter_only_state(model_state, module)
 
-    def _restore_adapters(self, module: Any, path: Path, fitting: bool) -> None:
+    def _restore_adapters(self, module: Any, path: Location, fitting: bool) -> None:
         """A LoRA run's checkpoint loaded into a model without adapters: outside fit (validate/test/predict) the
         adapters are rebuilt from the checkpoint's recipe before their values load; fit is refused (its optimizer
         exists already, over the base)."""
@@ -260,7 +260,7 @@ class StrategyCheckpoints:
         recipe = read_model_tensors(path, prefix=MODEL_PREFIX + LORA_RECIPE)[""]
         restore_lora(model, {LORA_RECIPE: recipe}, self.live_layout() or ParallelLayout.single())
 
-    def _checkpoint_to_load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> Path:
+    def _checkpoint_to_load(self, checkpoint_path: Any, auto_resume: Optional[AutoResume]) -> Location:
         """Before anything reads it: the path resolved (an interrupted replace recovered) and every file checked
         against the checksums written with it, on all ranks together. For ``ckpt_path="last"``: the newest
         checkpoint of the run's directories that passes, the newer ones skipped with a warning."""

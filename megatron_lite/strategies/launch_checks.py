@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core.checkpoint.adapter_only import check_base, recorded_base, source_of, without_base
+from megatron_lite.core.checkpoint.format import object_commit
 from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys
 from megatron_lite.core.checkpoint.full.reader import MODEL_PREFIX
 from megatron_lite.core.checkpoint.resume.entries import (
@@ -27,10 +28,11 @@ from megatron_lite.core.checkpoint.resume.entries import (
     read_meta_plain,
 )
 from megatron_lite.core.estimator.run import trained_lora
+from megatron_lite.core.object_store import Location, check_bucket, is_remote, location
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft.lora import LORA_RECIPE
 from megatron_lite.strategies._lightning_private import checkpoint_callback_dir
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 # ckpt_path values that Lightning resolves itself (a checkpoint callback's file, the HPC path, a model registry)
 _SYMBOLIC = ("last", "best", "hpc")
@@ -46,7 +48,11 @@ def check_ckpt_path(value: Optional[str]) -> None:
     """A path that Lightning does not resolve itself must be a megatron-lite checkpoint directory."""
     if _resolved_by_lightning(value):
         return
-    require_local_path(value, "ckpt_path")
+    require_local_or_object_path(value, "ckpt_path")
+    if is_remote(value):  # the bucket reachable, the checkpoint committed (object_commit.resolve explains what is not)
+        check_bucket(value)
+        object_commit.resolve(str(location(value)))
+        return
     path = Path(value)
     fix = (
         "pass the directory that trainer.save_checkpoint() or ModelCheckpoint wrote, or ckpt_path='last' to "
@@ -66,10 +72,14 @@ def check_ckpt_path(value: Optional[str]) -> None:
 
 
 def check_checkpoint_dirs(trainer: Any) -> None:
-    """The directories the Trainer's checkpoint callbacks save into are local (a URL would be written as a local
-    folder named after its scheme)."""
+    """The directories the Trainer's checkpoint callbacks save into are local or in a supported object store whose
+    bucket exists and may be listed with the credentials found (another URL would be written as a local folder named
+    after its scheme)."""
     for callback in getattr(trainer, "callbacks", None) or []:
-        require_local_path(checkpoint_callback_dir(callback, trainer), f"{type(callback).__name__}'s directory")
+        directory = checkpoint_callback_dir(callback, trainer)
+        require_local_or_object_path(directory, f"{type(callback).__name__}'s directory")
+        if directory is not None and is_remote(directory):
+            check_bucket(directory)
 
 
 def _resolved_by_lightning(value: Optional[str]) -> bool:
@@ -94,7 +104,7 @@ def check_checkpoint_fits(value: Optional[str], module: Any, fitting: bool, call
     or a LoRA callback among ``callbacks`` (the Trainer's) will add them. Call after :func:`check_ckpt_path`."""
     if _resolved_by_lightning(value):
         return
-    path = Path(value)
+    path: Location = object_commit.resolve(str(location(value))) if is_remote(value) else Path(value)
     meta = read_meta_plain(path)
     if fitting and not holds_training_state(meta):
         raise ValueError(weights_only_message(path))

@@ -1,6 +1,7 @@
-"""A URL is never taken for a local path (issue 28, until object storage is supported): every entry point that takes
-a path refuses ``s3://...`` in one line naming the option, the URL and the fix, before anything is read, written or
-spawned. ``--output-prefix s3://data/shk`` once wrote a local folder ``s3:`` in the working directory."""
+"""A URL is never taken for a local path (issue 28): every entry point that takes a path refuses ``s3://...`` where
+object storage is not supported yet (and every other scheme everywhere) in one line naming the option, the URL and the
+fix, before anything is read, written or spawned. ``--output-prefix s3://data/shk`` once wrote a local folder ``s3:``
+in the working directory."""
 
 from __future__ import annotations
 
@@ -150,9 +151,14 @@ def _module_and_data():
     return ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=1, global_batch_size=2)
 
 
-def test_fit_refuses_a_url_checkpoint_before_any_rank_starts(workdir):
-    with _refused("ckpt_path"):
-        _fit(enable_checkpointing=False).fit(*_module_and_data(), ckpt_path=URL)
+# Checkpoints may be at s3:// URLs (tests/integration/test_object_storage_checkpoints.py); other schemes are refused.
+OTHER = "gs://data/shk"
+OTHER_FIX = "is a URL of an unsupported scheme; only s3:// object storage is supported"
+
+
+def test_fit_refuses_a_checkpoint_url_of_another_scheme_before_any_rank_starts(workdir):
+    with pytest.raises(ValueError, match=f"^ckpt_path '{OTHER}' {OTHER_FIX}"):
+        _fit(enable_checkpointing=False).fit(*_module_and_data(), ckpt_path=OTHER)
     # ModelCheckpoint without a dirpath saves under default_root_dir/checkpoints: a URL there is refused too
-    with pytest.raises(ValueError, match=f"^ModelCheckpoint's directory '{URL}/checkpoints' {FIX}"):
-        _fit(default_root_dir=URL).fit(*_module_and_data())
+    with pytest.raises(ValueError, match=f"^ModelCheckpoint's directory '{OTHER}/checkpoints' {OTHER_FIX}"):
+        _fit(default_root_dir=OTHER).fit(*_module_and_data())

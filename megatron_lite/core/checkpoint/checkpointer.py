@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
@@ -33,12 +32,12 @@ from torch.optim import Optimizer
 
 from megatron_lite.core.checkpoint.errors import EntryMismatchError
 from megatron_lite.core.checkpoint.format.async_save import AsyncCheckpointWriter
-from megatron_lite.core.checkpoint.format.commit import remove_checkpoint
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
 from megatron_lite.core.checkpoint.format.rank_zero import gather_to_all
 from megatron_lite.core.checkpoint.format.sharded import (
     checkpoint_keys,
     load_sharded,
+    remove_checkpoint,
     resolve_checkpoint,
     save_sharded,
 )
@@ -68,6 +67,7 @@ from megatron_lite.core.checkpoint.state import (
     sharded_optimizer_state,
     write_back,
 )
+from megatron_lite.core.object_store import Location, location
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.timers import Timers, timed
 
@@ -103,8 +103,8 @@ def _optimizer_key(index: int) -> str:
 class Loaded:
     """What :meth:`Checkpointer.load` read besides the tensors it loaded in place."""
 
-    path: Path
-    """The checkpoint directory that was loaded."""
+    path: Location
+    """The checkpoint directory that was loaded (in an object store: the prefix of its files)."""
     meta: dict[str, Any]
     """The save's ``meta`` (with Lightning: its checkpoint dict without the tensors), with the param groups and the
     layout record the Checkpointer added."""
@@ -151,7 +151,7 @@ class Checkpointer:
         self._writer: Optional[AsyncCheckpointWriter] = None
 
     @property
-    def pending(self) -> Optional[Path]:
+    def pending(self) -> Optional[Location]:
         """The checkpoint being written in the background, if one is (until :meth:`wait` returned)."""
         return self._writer.pending if self._writer is not None else None
 
@@ -177,8 +177,9 @@ class Checkpointer:
         optimizer_states: Optional[Sequence[dict]] = None,
         asynchronous: bool = False,
         latest: bool = True,
-    ) -> Path:
-        """Save the run's state and ``meta`` as the checkpoint ``path``; returns ``path`` (as a Path).
+    ) -> Location:
+        """Save the run's state and ``meta`` as the checkpoint ``path`` (a directory, or an object store's URL); returns
+        ``path`` (as a :data:`~megatron_lite.core.object_store.Location`).
 
         ``model_state`` / ``optimizer_states``: the entries to save instead of :meth:`model_state` and every
         optimizer's :meth:`optimizer_state` (what Lightning's checkpoint dict holds; ``[]``: no optimizer state).
@@ -186,7 +187,7 @@ class Checkpointer:
         the background (:meth:`wait`). ``latest``: record it as its directory's latest checkpoint, which loading the
         directory takes. ``meta["global_step"]``, when there, is recorded with it.
         """
-        path = Path(path)
+        path = location(path)
         meta = dict(meta) if meta is not None else {}
         state: dict[str, Any] = {MODEL_STATE: model_state if model_state is not None else self.model_state()}
         if optimizer_states is None:
@@ -258,7 +259,7 @@ class Checkpointer:
         lack because the module holds them already (the frozen base under an adapter-only LoRA checkpoint); those
         it lacks are neither loaded nor missing.
         """
-        path = Path(path)
+        path = location(path)
         if verify:
             path = resolve_checkpoint(path)
             verify_checkpoint(path)
@@ -313,7 +314,7 @@ class Checkpointer:
         return ""
 
     def _entries_to_load(
-        self, path: Path, keys: set[str], strict: bool, writebacks: WriteBacks, provided: Collection[str] = ()
+        self, path: Location, keys: set[str], strict: bool, writebacks: WriteBacks, provided: Collection[str] = ()
     ) -> tuple[dict[str, Any], EntryMismatch]:
         """This rank's model entries to load from ``path``. Their names on every rank together (a pipeline stage holds
         only its layers), less the ``provided`` ones the checkpoint lacks, must be the checkpoint's: otherwise, with

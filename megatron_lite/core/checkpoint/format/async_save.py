@@ -53,11 +53,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from megatron_lite.core.checkpoint.errors import AsyncCheckpointError
-from megatron_lite.core.checkpoint.format.commit import remove_checkpoint
 from megatron_lite.core.checkpoint.format.disk_space import disk_full_cause, disk_full_error, tensor_bytes
-from megatron_lite.core.checkpoint.format.integrity import ChecksummingFileSystemWriter
+from megatron_lite.core.checkpoint.format.integrity import ChecksummingWriter, checksumming_writer
 from megatron_lite.core.checkpoint.format.rank_zero import distributed, gather_to_all, is_rank0
-from megatron_lite.core.checkpoint.format.sharded import SaveTarget, begin_save, dcp_error, finish_save
+from megatron_lite.core.checkpoint.format.sharded import (
+    SaveTarget,
+    begin_save,
+    dcp_error,
+    finish_save,
+    remove_checkpoint,
+)
+from megatron_lite.core.object_store import Location, location
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +120,7 @@ class _Job:
     """Bytes of this rank's tensors by key (what a full disk's error reports as needed)."""
     future: Optional[Future] = None
     """The background commit (set right after the job is submitted, before anything else reads it)."""
-    removals: list[Path] = dataclasses.field(default_factory=list)
+    removals: list[Location] = dataclasses.field(default_factory=list)
     outcome: str = "writing"
     """"writing", then "committed" or "failed" (set under the writer's lock with the removals taken)."""
 
@@ -130,7 +136,7 @@ class AsyncCheckpointWriter:
         self._lock = threading.Lock()
 
     @property
-    def pending(self) -> Optional[Path]:
+    def pending(self) -> Optional[Location]:
         """The checkpoint being written, if one is (until :meth:`wait` returned)."""
         return self._job.target.path if self._job is not None else None
 
@@ -141,7 +147,7 @@ class AsyncCheckpointWriter:
         extra: Optional[dict] = None,
         allowed: Sequence[type] = (),
         latest: bool = False,
-    ) -> Path:
+    ) -> Location:
         """Wait for the previous save (raising its error), then start writing ``state`` and ``extra`` to
         ``path`` as :func:`~megatron_lite.core.checkpoint.format.sharded.save_sharded` would (``latest`` as
         there); returns once the tensors are staged."""
@@ -149,7 +155,7 @@ class AsyncCheckpointWriter:
         target = begin_save(path, extra, allowed, latest=latest)
         staged = stage(state)
         group = self._checkpoint_group()
-        writer = ChecksummingFileSystemWriter(target.tmp)
+        writer = checksumming_writer(target.tmp)
         written = dcp.async_save(staged, storage_writer=writer, process_group=group, async_stager=_StagedAlready())
         assert isinstance(written, Future)  # a stager that returns the state dict itself: the upload's future
         if self._executor is None:
@@ -166,7 +172,7 @@ class AsyncCheckpointWriter:
             job = self._job
             outcome = job.outcome if job is not None else "committed"
             if job is not None and outcome == "writing":
-                job.removals.append(Path(path))
+                job.removals.append(location(path))
                 return
         if outcome == "failed":
             log.warning("megatron-lite: kept %s: the save meant to replace it failed", path)
@@ -204,7 +210,7 @@ class AsyncCheckpointWriter:
         return self._group
 
     def _finish(
-        self, job: _Job, written: Future, writer: ChecksummingFileSystemWriter, group: Optional[dist.ProcessGroup]
+        self, job: _Job, written: Future, writer: ChecksummingWriter, group: Optional[dist.ProcessGroup]
     ) -> None:
         """In the background thread: every rank's outcome, then the commit only if all wrote their files."""
         path = job.target.path
@@ -227,7 +233,8 @@ class AsyncCheckpointWriter:
         if failed:
             self._drop_removals(job)
             disk_full = [o[1] for _, o in failed if o[1] is not None]
-            if disk_full:  # every rank sees the same outcomes, so all of them make this collective call
+            # every rank sees the same outcomes, so all of them make this collective call (a store is never full)
+            if disk_full and isinstance(path, Path) and isinstance(job.target.tmp, Path):
                 full_error = disk_full_error(path, job.target.tmp, OSError(*disk_full[0]), job.tensor_bytes, group)
                 raise AsyncCheckpointError(
                     f"the checkpoint {path} could not be written in the background: {full_error}"

@@ -254,12 +254,17 @@ def clean_up(directory: str | os.PathLike, in_flight: Collection[str | os.PathLi
 
 
 # --- latest ----------------------------------------------------------------------------------
+def latest_bytes(name: str, global_step: Optional[int]) -> bytes:
+    """The content of ``latest_checkpoint.json`` naming the checkpoint ``name`` of its directory."""
+    document = {"format": LATEST_FORMAT, "name": name, "global_step": global_step, "written_at": time.time()}
+    return json.dumps(document, indent=1).encode("utf-8")
+
+
 def record_latest(path: Path, global_step: Optional[int]) -> None:
     """Record ``path`` as the latest checkpoint of its directory (``latest_checkpoint.json``, replaced atomically)."""
     record = path.parent / LATEST
     tmp = path.parent / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-    document = {"format": LATEST_FORMAT, "name": path.name, "global_step": global_step, "written_at": time.time()}
-    write_file_durably(tmp, json.dumps(document, indent=1).encode("utf-8"))
+    write_file_durably(tmp, latest_bytes(path.name, global_step))
     os.replace(tmp, record)
     fsync_dir(path.parent)
 
@@ -268,9 +273,16 @@ def read_latest(directory: str | os.PathLike) -> Optional[str]:
     """The name recorded in ``directory/latest_checkpoint.json``, or None if there is none."""
     record = Path(directory) / LATEST
     try:
-        document = json.loads(record.read_text())
+        raw = record.read_bytes()
     except FileNotFoundError:
         return None
+    return parse_latest(raw, str(record), str(directory))
+
+
+def parse_latest(raw: bytes, record: str, directory: str) -> str:
+    """The checkpoint name in the content ``raw`` of the record ``record`` of ``directory``, checked."""
+    try:
+        document = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"{record} is damaged ({error}); pass the checkpoint's own directory instead") from None
     name = document.get("name") if isinstance(document, dict) else None

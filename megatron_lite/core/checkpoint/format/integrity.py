@@ -30,16 +30,27 @@ import os
 import threading
 import time
 import zlib
-from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
 from megatron_lite.core.checkpoint.format.rank_zero import distributed, gather_to_all
 from megatron_lite.core.checkpoint.format.safe_reader import is_inner_path
+from megatron_lite.core.object_store import (
+    Location,
+    file_size,
+    is_file,
+    is_remote,
+    join,
+    location,
+    open_read,
+    read_bytes,
+)
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron-lite-manifest/1"
@@ -66,10 +77,10 @@ def record_bytes(data: bytes) -> FileRecord:
     return FileRecord(len(data), zlib.crc32(data))
 
 
-def record_file(path: str | os.PathLike) -> FileRecord:
-    """Size and CRC-32 of the file as it is on disk now."""
+def record_file(path: Location) -> FileRecord:
+    """Size and CRC-32 of the file (or object) as it is stored now."""
     crc, size = 0, 0
-    with open(path, "rb") as file:
+    with open_read(path) as file:
         while chunk := file.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
@@ -121,8 +132,8 @@ class _ChecksummingStream:
         return True
 
 
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording (size, CRC-32) of every file written through it, by file name."""
+class _Checksumming:
+    """Mixed into one of DCP's file systems: records (size, CRC-32) of every file written through it, by file name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -131,16 +142,16 @@ class _ChecksummingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        opened = super().create_stream(path, mode)  # type: ignore[misc]
         if "r" in mode and "+" not in mode:
-            with super().create_stream(path, mode) as reader:
+            with opened as reader:
                 yield reader
             return
         if mode not in ("wb", "xb"):
             raise ValueError(f"checksummed checkpoint files are written whole, not opened with mode {mode!r}")
-        path = Path(path)
         stream: Optional[_ChecksummingStream] = None
         try:
-            with path.open(mode) as raw:
+            with opened as raw:
                 stream = _ChecksummingStream(raw)
                 yield stream
         except Exception as error:
@@ -148,22 +159,34 @@ class _ChecksummingFileSystem(FileSystem):
             cause = error if isinstance(error, OSError) else getattr(stream, "error", None)
             if cause is None or cause.errno is None:
                 raise
-            raise OSError(cause.errno, cause.strerror, str(path)) from error
+            raise OSError(cause.errno, cause.strerror, os.fspath(path)) from error
         assert stream is not None  # reached only when the body finished without an exception
         with self._lock:
-            self.records[path.name] = FileRecord(stream.size, stream.crc)
+            self.records[_name(path)] = FileRecord(stream.size, stream.crc)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
+        super().rename(path, new_path)  # type: ignore[misc]
         with self._lock:
-            record = self.records.pop(Path(path).name, None)
+            record = self.records.pop(_name(path), None)
             if record is not None:
-                self.records[Path(new_path).name] = record
+                self.records[_name(new_path)] = record
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        super().rm_file(path)
+        super().rm_file(path)  # type: ignore[misc]
         with self._lock:
-            self.records.pop(Path(path).name, None)
+            self.records.pop(_name(path), None)
+
+
+def _name(path: str | os.PathLike) -> str:
+    return os.path.basename(os.fspath(path).rstrip("/"))
+
+
+class _ChecksummingFileSystem(_Checksumming, FileSystem):
+    """DCP's local file system, checksumming what it writes."""
+
+
+class _ChecksummingFsspecFileSystem(_Checksumming, FsspecFileSystem):
+    """DCP's fsspec file system (object stores), checksumming what it writes."""
 
 
 class ChecksummingFileSystemWriter(FileSystemWriter):
@@ -178,6 +201,32 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
     def records(self) -> dict[str, FileRecord]:
         """File name -> what this rank wrote to it."""
         return dict(self.fs.records)
+
+
+class ChecksummingFsspecWriter(FsspecWriter):
+    """DCP's ``FsspecWriter`` (one object per rank, written to an object store) that records what it wrote."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        # an object is durable once its upload returned: nothing to fsync (DCP would fall back to os.sync())
+        super().__init__(url, sync_files=False, **kwargs)
+        # torch's base class declares its local file system; the fsspec writer replaces it, as FsspecWriter does
+        self.fs: _ChecksummingFsspecFileSystem = _ChecksummingFsspecFileSystem()  # type: ignore[assignment]
+        self.path = self.fs.init_path(url)
+
+    @property
+    def records(self) -> dict[str, FileRecord]:
+        """File name -> what this rank wrote to it."""
+        return dict(self.fs.records)
+
+
+ChecksummingWriter = Union[ChecksummingFileSystemWriter, ChecksummingFsspecWriter]
+
+
+def checksumming_writer(path: Location, **kwargs: Any) -> ChecksummingWriter:
+    """The checksumming DCP writer for a local directory or an object-store prefix."""
+    if isinstance(path, str) and is_remote(path):
+        return ChecksummingFsspecWriter(path, **kwargs)
+    return ChecksummingFileSystemWriter(path, **kwargs)
 
 
 def manifest_bytes(records: dict[str, FileRecord]) -> bytes:
@@ -203,10 +252,10 @@ class Manifest:
 
 
 def read_manifest(directory: str | os.PathLike) -> Optional[Manifest]:
-    """The manifest of the checkpoint in ``directory``, or None if it has none."""
-    path = Path(directory) / MANIFEST
+    """The manifest of the checkpoint in ``directory`` (a local path or a URL), or None if it has none."""
+    path = join(location(directory), MANIFEST)
     try:
-        raw = path.read_bytes()
+        raw = read_bytes(path)
     except FileNotFoundError:
         return None
     try:
@@ -224,11 +273,11 @@ def read_manifest(directory: str | os.PathLike) -> Optional[Manifest]:
         raise CorruptCheckpointError(f"{path} is damaged ({error}); the checkpoint cannot be verified") from None
 
 
-def check_file(directory: Path, name: str, record: FileRecord, *, checksum: bool = True) -> Optional[str]:
+def check_file(directory: Location, name: str, record: FileRecord, *, checksum: bool = True) -> Optional[str]:
     """What is wrong with file ``name`` against its record (None if nothing)."""
-    path = directory / name
+    path = join(directory, name)
     try:
-        size = path.stat().st_size
+        size = file_size(path)
         if size != record.size:
             return f"{name}: {size} bytes on disk, {record.size} were written (truncated or overwritten)"
         if checksum:
@@ -248,7 +297,7 @@ def check_file(directory: Path, name: str, record: FileRecord, *, checksum: bool
 def is_complete(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a finished save: a manifest whose files all exist with their sizes
     (no checksums: cheap enough for recovery and clean-up decisions)."""
-    directory = Path(directory)
+    directory = location(directory)
     try:
         manifest = read_manifest(directory)
     except CorruptCheckpointError:
@@ -282,13 +331,13 @@ def _share(files: dict[str, FileRecord], world_size: int, rank: int) -> list[str
     return mine
 
 
-def _local_findings(directory: Path, rank: int, world_size: int) -> tuple[list[str], Optional[Manifest]]:
+def _local_findings(directory: Location, rank: int, world_size: int) -> tuple[list[str], Optional[Manifest]]:
     try:
         manifest = read_manifest(directory)
     except CorruptCheckpointError as error:
         return [str(error)], None
     if manifest is None:
-        if (directory / META).exists():
+        if is_file(join(directory, META)):
             return [
                 f"{directory} has no {MANIFEST}: the save did not finish (or the file was removed), so the "
                 f"checkpoint is incomplete"
@@ -308,7 +357,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> Verdict:
     Collective over the default process group when one exists (every rank must call it); raises
     :class:`CorruptCheckpointError` naming each bad file on every rank.
     """
-    directory = Path(directory)
+    directory = location(directory)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
     try:
         problems, manifest = _local_findings(directory, rank, world_size)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from megatron_lite.core.checkpoint.errors import UnsafeCheckpointError
+from megatron_lite.core.object_store import Location, is_remote, location, open_read
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
@@ -101,10 +103,10 @@ def is_inner_path(name: Any) -> bool:
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
-    """The DCP ``Metadata`` in the file ``path``, unpickled through the allow-list and checked."""
+    """The DCP ``Metadata`` in the file (or object) ``path``, unpickled through the allow-list and checked."""
     source = str(path)
     try:
-        with open(path, "rb") as file:
+        with open_read(location(path)) as file:
             metadata = _MetadataUnpickler(file, source).load()
     except UnsafeCheckpointError:
         raise
@@ -153,12 +155,16 @@ def _why(error: Exception) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is read through the allow-list unpickler, and whose failure to
+class _SafeReading:
+    """Mixed into one of DCP's readers: ``.metadata`` is read through the allow-list unpickler, and a failure to
     read an entry is one :class:`UnsafeCheckpointError` naming the file and the entry."""
 
+    path: Any
+    storage_data: Any
+    load_id: Any
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))  # type: ignore[attr-defined]
         if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -167,9 +173,9 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # One entry at a time (torch's reader reads them synchronously too), so a failure knows its entry.
         for item in plan.items:
-            file = pathlib.Path(self.path) / self.storage_data[item.storage_index].relative_path
+            file = f"{str(self.path).rstrip('/')}/{self.storage_data[item.storage_index].relative_path}"
             try:
-                super().read_data(dataclasses.replace(plan, items=[item]), planner)
+                super().read_data(dataclasses.replace(plan, items=[item]), planner)  # type: ignore[misc]
             except UnsafeCheckpointError as error:
                 raise UnsafeCheckpointError(f"{file}: {error}") from None
             except Exception as error:  # a crafted or garbled entry: torch.load raises many types
@@ -180,6 +186,21 @@ class SafeFileSystemReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+class SafeFileSystemReader(_SafeReading, FileSystemReader):
+    """DCP's reader of a local checkpoint directory, reading safely (see :class:`_SafeReading`)."""
+
+
+class SafeFsspecReader(_SafeReading, FsspecReader):
+    """DCP's reader of a checkpoint in an object store (a URL prefix), reading safely (see :class:`_SafeReading`)."""
+
+
+def safe_reader(path: Location) -> SafeFileSystemReader | SafeFsspecReader:
+    """The safe DCP reader of the checkpoint at ``path`` (a local directory or a URL)."""
+    if isinstance(path, str) and is_remote(path):
+        return SafeFsspecReader(path)
+    return SafeFileSystemReader(str(path))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

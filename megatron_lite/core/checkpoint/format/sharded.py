@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lite.core.checkpoint.errors import CheckpointMetaError, CorruptCheckpointError, UnsafeCheckpointError
-from megatron_lite.core.checkpoint.format import meta_json
+from megatron_lite.core.checkpoint.format import meta_json, object_commit
 from megatron_lite.core.checkpoint.format.commit import (
     clean_up,
     commit,
@@ -33,19 +33,23 @@ from megatron_lite.core.checkpoint.format.commit import (
     sibling,
     write_file_durably,
 )
+from megatron_lite.core.checkpoint.format.commit import (
+    remove_checkpoint as remove_local_checkpoint,
+)
 from megatron_lite.core.checkpoint.format.disk_space import disk_full_cause, disk_full_error, tensor_bytes
 from megatron_lite.core.checkpoint.format.integrity import (
     LEGACY_META,
     MANIFEST,
     META,
-    ChecksummingFileSystemWriter,
     FileRecord,
+    checksumming_writer,
     manifest_bytes,
     record_bytes,
     verify_checkpoint,
 )
 from megatron_lite.core.checkpoint.format.rank_zero import gather_to_all, on_rank0
-from megatron_lite.core.checkpoint.format.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from megatron_lite.core.checkpoint.format.safe_reader import SafeLoadPlanner, read_dcp_metadata, safe_reader
+from megatron_lite.core.object_store import Location, is_remote, join, location, read_bytes, write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +60,17 @@ when the save begins, checksummed in the manifest like its other files, never st
 path is ``<folder>/<file>``: a folder of its own, so it never collides with the checkpoint's own files."""
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
+def resolve_checkpoint(path: str | os.PathLike) -> Location:
     """The checkpoint directory to load for ``path`` (collective when a process group exists).
 
     ``path`` itself if it is a checkpoint; the one named by ``latest_checkpoint.json`` if ``path`` is a
     directory of checkpoints; if ``path`` is missing because a save was killed while replacing it, the
     complete sibling left behind is put back first (logged). Anything else raises one clear error, on
-    every rank.
+    every rank. For a URL: the prefix of the files its commit marker names
+    (:mod:`~megatron_lite.core.checkpoint.format.object_commit`).
     """
+    if is_remote(path):
+        return on_rank0(lambda: object_commit.resolve(str(location(path))))
     return Path(on_rank0(lambda: str(_resolve(Path(path)))))
 
 
@@ -93,9 +100,19 @@ def _resolve(path: Path) -> Path:
     )
 
 
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Remove the checkpoint at ``path`` so that a kill mid-removal never leaves half of one under its name: on disk
+    renamed away first (:func:`~megatron_lite.core.checkpoint.format.commit.remove_checkpoint`), in an object store
+    its commit marker deleted first (:func:`~megatron_lite.core.checkpoint.format.object_commit.remove`)."""
+    if is_remote(path):
+        object_commit.remove(str(location(path)))
+    else:
+        remove_local_checkpoint(path)
+
+
 def checkpoint_keys(path: str | os.PathLike) -> set[str]:
     """Flattened keys stored in a DCP checkpoint (to load only what it has)."""
-    return set(read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata.keys())
+    return set(read_dcp_metadata(join(location(path), ".metadata")).state_dict_metadata.keys())
 
 
 def save_sharded(
@@ -105,7 +122,7 @@ def save_sharded(
     allowed: Sequence[type] = (),
     in_flight: Sequence[str | os.PathLike] = (),
     latest: bool = False,
-) -> Path:
+) -> Location:
     """Write ``state`` with DCP and ``extra`` (the non-tensor part: loops, schedulers, hyperparameters) as
     ``meta.json`` under ``path``, atomically; collective when a process group exists.
 
@@ -125,13 +142,13 @@ def save_sharded(
     last two in the background, see :mod:`~megatron_lite.core.checkpoint.format.async_save`).
     """
     target = begin_save(path, extra, allowed, in_flight, latest)
-    writer = ChecksummingFileSystemWriter(target.tmp)
+    writer = checksumming_writer(target.tmp)
     try:
         dcp.save(state, storage_writer=writer)
     except CheckpointException as error:
         # DCP raised the same failures on every rank: a full disk is found (and reported) by all of them.
         full = disk_full_cause(error)
-        if full is not None:
+        if full is not None and isinstance(target.path, Path) and isinstance(target.tmp, Path):
             raise disk_full_error(target.path, target.tmp, full, tensor_bytes(state)) from None
         raise dcp_error(error, f"writing {target.path}") from None
     finish_save(target, writer.records)
@@ -142,10 +159,10 @@ def save_sharded(
 class SaveTarget:
     """A save under way: where its files go and what rank 0 writes beside them when they are all there."""
 
-    path: Path
+    path: Location
     """The checkpoint's final name."""
-    tmp: Path
-    """The hidden temporary sibling the files are written into."""
+    tmp: Location
+    """The hidden temporary sibling the files are written into (in an object store: the prefix under it)."""
     meta: Optional[bytes]
     """``meta.json``'s content on rank 0 (None on the other ranks)."""
     latest: bool
@@ -165,13 +182,13 @@ def begin_save(
 ) -> SaveTarget:
     """Encode ``extra`` (refused before a byte is written), clean up leftovers and create the temporary
     directory (rank 0); collective. ``latest``: record the checkpoint as its directory's latest once committed."""
-    path = Path(path)
+    path = location(path)
     extra = dict(extra) if extra is not None else {}
     files = _embedded_names(extra.pop(EMBEDDED_FILES, None))
     meta = on_rank0(lambda: meta_json.dumps(extra, allowed), share=False)
     tmp, embedded = on_rank0(lambda: _begin_save(path, in_flight, files))
     step = extra.get("global_step")
-    return SaveTarget(path, Path(tmp), meta, latest, step if isinstance(step, int) else None, embedded)
+    return SaveTarget(path, location(tmp), meta, latest, step if isinstance(step, int) else None, embedded)
 
 
 def finish_save(target: SaveTarget, records: dict[str, FileRecord], group=None) -> None:
@@ -199,11 +216,19 @@ def _embedded_names(files: Any) -> dict[str, str]:
 
 
 def _begin_save(
-    path: Path, in_flight: Sequence[str | os.PathLike], files: dict[str, str]
+    path: Location, in_flight: Sequence[str | os.PathLike], files: dict[str, str]
 ) -> tuple[str, dict[str, FileRecord]]:
     missing = [source for source in files.values() if not os.path.isfile(source)]
     if missing:  # before a byte is written
         raise FileNotFoundError(f"{missing[0]}, a file the checkpoint {path} is to carry, does not exist")
+    if isinstance(path, str):
+        prefix = object_commit.begin(path, [str(p) for p in in_flight])
+        uploaded = {}
+        for name, source in files.items():
+            content = Path(source).read_bytes()
+            write_bytes(str(join(prefix, name)), content)
+            uploaded[name] = record_bytes(content)
+        return prefix, uploaded
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_up(path.parent, in_flight)
     tmp = sibling(path, "tmp")
@@ -222,6 +247,11 @@ def _begin_save(
 def _finish_save(target: SaveTarget, records: dict[str, FileRecord]) -> None:
     tmp, meta = target.tmp, target.meta
     assert meta is not None  # rank 0 (this function's only caller) encoded it in begin_save
+    if isinstance(tmp, str) or isinstance(target.path, str):
+        write_bytes(str(join(tmp, META)), meta)
+        write_bytes(str(join(tmp, MANIFEST)), manifest_bytes({**records, META: record_bytes(meta)}))
+        object_commit.commit(str(target.path), str(tmp), target.step, target.latest)
+        return
     write_file_durably(tmp / META, meta)
     records = {**records, META: record_bytes(meta)}
     missing = [n for n in records if not (tmp / n).is_file()]
@@ -245,9 +275,11 @@ def load_sharded(
     path = resolve_checkpoint(path)
     if verify:
         verify_checkpoint(path)
-    read_dcp_metadata(path / ".metadata")  # a refusal raised here keeps its message (DCP would fold it into another)
+    read_dcp_metadata(
+        join(path, ".metadata")
+    )  # a refusal raised here keeps its message (DCP would fold it into another)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=safe_reader(path), planner=SafeLoadPlanner())
     except CheckpointException as error:
         raise dcp_error(error, f"loading {path}") from None
     return read_checkpoint_meta(path, allowed)
@@ -269,6 +301,9 @@ def read_checkpoint_meta(path: str | os.PathLike, allowed: Sequence[type] = ()) 
     dataclasses rebuilt only from the default config classes and ``allowed``), or for checkpoints written
     before it, ``meta.pt`` read with ``weights_only=True`` and the same classes; ``{}`` if neither is there.
     Nothing in either file can run code on load."""
+    if is_remote(path):
+        meta = join(location(path), META)
+        return meta_json.loads(read_bytes(meta), allowed, source=str(meta))
     path = Path(path)
     if (path / META).is_file():
         return meta_json.loads((path / META).read_bytes(), allowed, source=str(path / META))

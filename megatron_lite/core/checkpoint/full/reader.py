@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -19,9 +18,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.core.checkpoint.format.integrity import verify_checkpoint
-from megatron_lite.core.checkpoint.format.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from megatron_lite.core.checkpoint.format.safe_reader import SafeLoadPlanner, read_dcp_metadata, safe_reader
 from megatron_lite.core.checkpoint.format.sharded import dcp_error, read_checkpoint_meta, resolve_checkpoint
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.object_store import Location, is_file, join, location
 from megatron_lite.core.optim.config import OptimizerConfig
 
 # The Lightning module's state dict lives under "model" in the DCP state; GPTModule's own model is "model." in it.
@@ -31,10 +31,10 @@ HYPER_PARAMETERS = "hyper_parameters"
 
 def is_checkpoint_directory(path: str | os.PathLike) -> bool:
     """Whether ``path`` is one of our (DCP) checkpoints."""
-    return (Path(path) / ".metadata").is_file()
+    return is_file(join(location(path), ".metadata"))
 
 
-def _require(path: Path) -> None:
+def _require(path: Location) -> None:
     if not is_checkpoint_directory(path):
         raise FileNotFoundError(
             f"{path} is not a megatron-lite checkpoint directory (no DCP .metadata inside); pass "
@@ -65,7 +65,7 @@ def read_model_tensors(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> d
     path = resolve_checkpoint(path)
     _require(path)
     verify_checkpoint(path)  # every file against its checksum before anything is read
-    metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
+    metadata = read_dcp_metadata(join(path, ".metadata")).state_dict_metadata
     key_prefix = "model." + prefix  # the DCP state's "model" entry, then the parameter names
     state = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -77,7 +77,7 @@ def read_model_tensors(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> d
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=safe_reader(path), planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as error:
             raise dcp_error(error, f"reading {path}") from None
     return {key[len(key_prefix) :]: tensor for key, tensor in state.items()}

@@ -18,6 +18,9 @@ any process group exists:
   interrupted, removes the leftovers of killed saves and lists the finished checkpoints, newest first;
   the ranks then check them together (:func:`verify_checkpoint` shares the files out), and the first
   that passes is the choice on every rank.
+
+A directory that is an object store's URL is surveyed by its commit markers instead
+(:mod:`~megatron_lite.core.checkpoint.format.object_commit`): a checkpoint without one is never resumed.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
+from megatron_lite.core.checkpoint.format import object_commit
 from megatron_lite.core.checkpoint.format.commit import clean_up, finished, siblings_in, written_at
 from megatron_lite.core.checkpoint.format.integrity import MANIFEST, check_file, read_manifest, verify_checkpoint
 from megatron_lite.core.checkpoint.format.rank_zero import on_rank0
+from megatron_lite.core.object_store import Location, is_remote, location
 
 # A directory holding any of these (or a *.distcp shard) is, or was meant to be, a checkpoint.
 _CHECKPOINT_MARKS = (".metadata", "meta.json", MANIFEST, "meta.pt")
@@ -50,8 +55,9 @@ class Skipped:
 class ResumeChoice:
     """The outcome of :func:`newest_valid_checkpoint`."""
 
-    checkpoint: Optional[Path]
-    """The newest checkpoint whose files all passed their checks; None when there is none."""
+    checkpoint: Optional[Location]
+    """The newest checkpoint whose files all passed their checks (in an object store: the prefix of its files); None
+    when there is none."""
     verified: bool
     """False when the chosen checkpoint has no manifest (written before checksums): loaded unchecked."""
     skipped: list[Skipped]
@@ -72,15 +78,20 @@ def _looks_like_checkpoint(path: Path) -> bool:
     return any(e.name in _CHECKPOINT_MARKS or e.name.endswith(".distcp") for e in _entries(path))
 
 
-def finished_checkpoints(directories: Iterable[str | os.PathLike]) -> list[Path]:
-    """The finished checkpoints directly inside ``directories`` (by manifest and sizes), newest first.
-    Links (ModelCheckpoint's ``save_last="link"``) are left out: what they point to is listed itself."""
-    found: dict[Path, Path] = {}
+def finished_checkpoints(directories: Iterable[str | os.PathLike]) -> list[Location]:
+    """The finished checkpoints directly inside ``directories`` (by manifest and sizes; in an object store, committed
+    ones), newest first. Links (ModelCheckpoint's ``save_last="link"``) are left out: what they point to is listed
+    itself."""
+    found: dict[str, tuple[float, Location]] = {}
     for directory in directories:
+        if is_remote(directory):
+            for url, when in object_commit.committed(str(location(directory))):
+                found.setdefault(url, (when, url))
+            continue
         for path in _entries(Path(directory)):
             if not path.name.startswith(".") and not path.is_symlink() and path.is_dir() and finished(path):
-                found.setdefault(path.resolve(), path)
-    return sorted(found.values(), key=lambda p: (written_at(p), str(p)), reverse=True)
+                found.setdefault(str(path.resolve()), (written_at(path), path))
+    return [p for _, p in sorted(found.values(), key=lambda item: (item[0], str(item[1])), reverse=True)]
 
 
 def has_finished_checkpoint(directories: Iterable[str | os.PathLike]) -> bool:
@@ -88,9 +99,11 @@ def has_finished_checkpoint(directories: Iterable[str | os.PathLike]) -> bool:
     replace that was interrupted, which :func:`newest_valid_checkpoint` puts back first. File system only:
     no process group needed."""
     for directory in directories:
-        directory = Path(directory)
         if finished_checkpoints([directory]):
             return True
+        if is_remote(directory):
+            continue
+        directory = Path(directory)
         for path, match in siblings_in(directory):
             if match["kind"] in ("tmp", "old") and not os.path.lexists(directory / match["name"]) and finished(path):
                 return True
@@ -113,6 +126,9 @@ def unfinished_checkpoints(directories: Iterable[str | os.PathLike]) -> list[Ski
     and the hidden directories of saves killed before they committed (which the next save removes)."""
     skipped = []
     for directory in directories:
+        if is_remote(directory):
+            skipped += [Skipped(url, why) for url, why in object_commit.uncommitted(str(location(directory)))]
+            continue
         directory = Path(directory)
         for path in _entries(directory):
             if not path.name.startswith(".") and _looks_like_checkpoint(path) and not finished(path):
@@ -132,9 +148,13 @@ def unfinished_checkpoints(directories: Iterable[str | os.PathLike]) -> list[Ski
 def _survey(directories: list[str]) -> tuple[list[str], list[Skipped]]:
     skipped = unfinished_checkpoints(directories)  # before the clean-up removes the leftovers it names
     for directory in directories:
-        if os.path.isdir(directory):
+        if is_remote(directory):
+            object_commit.clean_up(str(location(directory)))
+        elif os.path.isdir(directory):
             clean_up(directory)
-    return [str(p) for p in finished_checkpoints(directories)], skipped
+    # what is loaded: a directory on disk, the prefix its commit marker names in an object store
+    found = [p if isinstance(p, Path) else object_commit.data_of(p) for p in finished_checkpoints(directories)]
+    return [str(p) for p in found if p is not None], skipped
 
 
 def newest_valid_checkpoint(directories: Iterable[str | os.PathLike]) -> ResumeChoice:
@@ -148,5 +168,5 @@ def newest_valid_checkpoint(directories: Iterable[str | os.PathLike]) -> ResumeC
             reason = "; ".join(error.problems) if error.problems else str(error)
             skipped.append(Skipped(candidate, reason))
             continue
-        return ResumeChoice(Path(candidate), verdict.status == "ok", skipped)
+        return ResumeChoice(location(candidate), verdict.status == "ok", skipped)
     return ResumeChoice(None, False, skipped)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from torch import nn
@@ -25,6 +24,7 @@ from torch import nn
 from megatron_lite.core.checkpoint.format import meta_json
 from megatron_lite.core.checkpoint.format.integrity import META
 from megatron_lite.core.checkpoint.format.sharded import checkpoint_keys
+from megatron_lite.core.object_store import join, location, read_bytes
 
 MODEL_STATE = "model"
 """The DCP state's entry holding the LightningModule's tensors (its keys are ``model.<tensor name>``)."""
@@ -117,10 +117,12 @@ def certain_mismatch(module: nn.Module, mismatch: EntryMismatch) -> EntryMismatc
 
 def read_meta_plain(path: str | os.PathLike) -> Optional[dict]:
     """A checkpoint's ``meta.json`` with every config as a plain dict (nothing built), or None without one."""
-    file = Path(path) / META
-    if not file.is_file():
+    file = join(location(path), META)
+    try:
+        raw = read_bytes(file)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    meta = meta_json.loads(file.read_bytes(), allowed=None, unknown_classes="dict", source=str(file))
+    meta = meta_json.loads(raw, allowed=None, unknown_classes="dict", source=str(file))
     return meta if isinstance(meta, dict) else None
 
 

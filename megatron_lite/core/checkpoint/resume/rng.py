@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
+from megatron_lite.core.object_store import join, location
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.random import model_rng_state, restore_model_rng_state, rng_trackers
 
@@ -81,7 +82,7 @@ def rng_state(module: nn.Module, rank: int, layout: Optional[ParallelLayout] = N
 
 def rng_placeholders(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
     """Empty tensors for every RNG entry this rank saved in the checkpoint at ``path`` (to load into)."""
-    metadata = read_dcp_metadata(Path(path) / ".metadata").state_dict_metadata
+    metadata = read_dcp_metadata(join(location(path), ".metadata")).state_dict_metadata
     prefix = f"{_PREFIX}{rank}."
     return {
         k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
