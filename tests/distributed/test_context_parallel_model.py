@@ -1,6 +1,7 @@
 """A GPTModel under context parallelism (core, no Lightning) computes the single-process model's loss
 and gradients: each CP rank runs its zigzag share of the rows, the loss sums and the gradients are
-summed over CP; with TP and sequence parallelism too, with packed rows, with recompute, with qk_layernorm; full_logits
+summed over CP; with TP and sequence parallelism too, with packed rows, with recompute, with qk_layernorm, with
+multi-latent attention; full_logits
 and generation run the whole rows on every CP rank."""
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ from megatron_lite.core.parallel.data_parallel import partial_grad_group
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.core.parallel.tensor_parallel import gather_full
+
+# Multi-latent attention with values narrower than its queries/keys and YaRN's softmax scale
+MLA = dict(
+    num_query_groups=None,
+    multi_latent_attention=True,
+    q_lora_rank=12,
+    kv_lora_rank=8,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    rope_scaling_type="yarn",
+    rope_scaling_factor=2.0,
+    rope_original_max_position_embeddings=8,
+    rope_mscale_all_dim=1.0,
+    init_method_std=0.05,  # attention far enough from uniform that a wrong softmax scale shows
+)
 
 
 def _config(**overrides) -> ml.GPTConfig:
@@ -95,8 +112,16 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
             {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "activation": "gelu"},
             "p2p",
         ),
+        (4, 2, True, True, MLA, "p2p"),
     ],
-    ids=["cp2", "cp2-packed-allgather-qknorm", "cp4-packed", "tp2-cp2-sp-recompute-qknorm", "cp2-learned-pos"],
+    ids=[
+        "cp2",
+        "cp2-packed-allgather-qknorm",
+        "cp4-packed",
+        "tp2-cp2-sp-recompute-qknorm",
+        "cp2-learned-pos",
+        "tp2-cp2-sp-packed-mla",
+    ],
 )
 def test_context_parallel_model_equals_single_process(world, tp, sp, packed, overrides, comm_type):
     torch.set_num_threads(1)

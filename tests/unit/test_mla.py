@@ -18,8 +18,6 @@ from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.draft_head import EagleDraftHead
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies, yarn_mscale
-from megatron_lite.core.models.run_checks import check_context_parallel
-from megatron_lite.core.parallel.layout import ParallelConfig
 
 MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
 
@@ -51,11 +49,9 @@ def test_bad_mla_configs_are_refused_naming_the_fix(fields, message):
         GPTConfig(**fields)
 
 
-def test_context_parallelism_and_draft_heads_are_refused_by_name():
+def test_draft_heads_are_refused_by_name():
     config = GPTConfig(**MLA)
     assert (config.kv_channels, config.num_query_groups) == (12, 4)  # a query/key head; one key per head
-    with pytest.raises(ValueError, match="context-parallel MLA is not supported yet; set context_parallel_size=1"):
-        check_context_parallel(ParallelConfig(context_parallel_size=2), config)
     with pytest.raises(ValueError, match="an EAGLE draft head does not handle multi-latent attention yet"):
         EagleDraftHead(config)
 
