@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from mla_utils import TINY_MLA, TINY_YARN
 from spawn_utils import run_ranks
 
 import megatron_lite as ml
@@ -18,21 +19,9 @@ from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.core.parallel.tensor_parallel import gather_full
 
-# Multi-latent attention with values narrower than its queries/keys and YaRN's softmax scale
-MLA = dict(
-    num_query_groups=None,
-    multi_latent_attention=True,
-    q_lora_rank=12,
-    kv_lora_rank=8,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    rope_scaling_type="yarn",
-    rope_scaling_factor=2.0,
-    rope_original_max_position_embeddings=8,
-    rope_mscale_all_dim=1.0,
-    init_method_std=0.05,  # attention far enough from uniform that a wrong softmax scale shows
-)
+# Multi-latent attention with values narrower than its queries/keys and YaRN's softmax scale; attention far enough
+# from uniform that a wrong scale shows
+MLA = dict(TINY_MLA, **TINY_YARN, q_lora_rank=12, init_method_std=0.05)
 
 
 def _config(**overrides) -> ml.GPTConfig:

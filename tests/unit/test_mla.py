@@ -4,6 +4,8 @@ DeepSeek-V3 config.json mapping and its refusals, and the interleaved-RoPE row p
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,10 @@ from megatron_lite.core.models.draft_head import EagleDraftHead
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies, yarn_mscale
 
-MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from mla_utils import DEEPSEEK_V3_TINY, TINY_MLA  # noqa: E402
+
+MLA = TINY_MLA
 
 
 @pytest.mark.parametrize(
@@ -109,28 +114,10 @@ def test_yarn_frequencies_and_scales_by_hand():
 
 
 DEEPSEEK = dict(
+    DEEPSEEK_V3_TINY,
     model_type="deepseek_v3",
     architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=200,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=2,
-    n_routed_experts=8,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=4,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=16,
     q_lora_rank=None,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    qk_nope_head_dim=16,
-    max_position_embeddings=128,
     rope_parameters={
         "rope_type": "yarn",
         "rope_theta": 5000.0,
