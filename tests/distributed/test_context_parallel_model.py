@@ -1,6 +1,7 @@
 """A GPTModel under context parallelism (core, no Lightning) computes the single-process model's loss
 and gradients: each CP rank runs its zigzag share of the rows, the loss sums and the gradients are
-summed over CP; with TP and sequence parallelism too, with packed rows, with recompute, with qk_layernorm; full_logits
+summed over CP; with TP and sequence parallelism too, with packed rows, with recompute, with qk_layernorm, with
+multi-latent attention; full_logits
 and generation run the whole rows on every CP rank."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from mla_utils import TINY_MLA, TINY_YARN
 from spawn_utils import run_ranks
 
 import megatron_lite as ml
@@ -16,6 +18,10 @@ from megatron_lite.core.parallel.data_parallel import partial_grad_group
 from megatron_lite.core.parallel.layout import ParallelConfig, ParallelLayout
 from megatron_lite.core.parallel.schedules import gpt_loss
 from megatron_lite.core.parallel.tensor_parallel import gather_full
+
+# Multi-latent attention with values narrower than its queries/keys and YaRN's softmax scale; attention far enough
+# from uniform that a wrong scale shows
+MLA = dict(TINY_MLA, **TINY_YARN, q_lora_rank=12, init_method_std=0.05)
 
 
 def _config(**overrides) -> ml.GPTConfig:
@@ -95,8 +101,16 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
             {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "activation": "gelu"},
             "p2p",
         ),
+        (4, 2, True, True, MLA, "p2p"),
     ],
-    ids=["cp2", "cp2-packed-allgather-qknorm", "cp4-packed", "tp2-cp2-sp-recompute-qknorm", "cp2-learned-pos"],
+    ids=[
+        "cp2",
+        "cp2-packed-allgather-qknorm",
+        "cp4-packed",
+        "tp2-cp2-sp-recompute-qknorm",
+        "cp2-learned-pos",
+        "tp2-cp2-sp-packed-mla",
+    ],
 )
 def test_context_parallel_model_equals_single_process(world, tp, sp, packed, overrides, comm_type):
     torch.set_num_threads(1)

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from mla_utils import TINY_MLA
 from spawn_utils import run_ranks
 
 from megatron_lite import GPTConfig, GPTModel, ParallelConfig, ParallelLayout
@@ -241,15 +242,7 @@ def test_moe_tp2_sp_equals_reference(moe_reference):
     )
 
 
-MLA = dict(
-    num_query_groups=None,
-    multi_latent_attention=True,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-)
+MLA = dict(TINY_MLA, q_lora_rank=24)
 
 
 def test_mla_tp2_sp_equals_reference():

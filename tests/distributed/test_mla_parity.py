@@ -6,17 +6,10 @@ it on a dense model (the RoPE key's gradient summed over the ranks' heads) with 
 
 import pytest
 import torch
+from mla_utils import TINY_MLA
 from parity_utils import assert_same_training, run, tiny_config
 
-MLA = dict(
-    num_query_groups=None,  # MLA has one key and value per head
-    multi_latent_attention=True,
-    kv_lora_rank=16,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    layernorm_epsilon=1e-6,
-)
+MLA = dict(TINY_MLA, layernorm_epsilon=1e-6)
 DEEPSEEK_MOE = dict(
     q_lora_rank=24,
     rope_scaling_type="yarn",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,29 +26,12 @@ transformers.utils.logging.disable_progress_bar()
 
 from test_hf_interop import VOCAB, _assert_close, _convert, _hf_logits  # noqa: E402  (the Llama interop test's)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from mla_utils import DEEPSEEK_V3_TINY  # noqa: E402
+
 import megatron_lite as ml  # noqa: E402
 
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=2,
-    n_routed_experts=8,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=4,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    qk_nope_head_dim=16,
-    max_position_embeddings=128,
-)
+SHAPE = dict(DEEPSEEK_V3_TINY, vocab_size=VOCAB)
 CASES = {
     "q_lora_yarn_interleaved": dict(
         q_lora_rank=24,

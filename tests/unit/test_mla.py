@@ -4,6 +4,8 @@ DeepSeek-V3 config.json mapping and its refusals, and the interleaved-RoPE row p
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +20,11 @@ from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.draft_head import EagleDraftHead
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies, yarn_mscale
-from megatron_lite.core.models.run_checks import check_context_parallel
-from megatron_lite.core.parallel.layout import ParallelConfig
 
-MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from mla_utils import DEEPSEEK_V3_TINY, TINY_MLA  # noqa: E402
+
+MLA = TINY_MLA
 
 
 @pytest.mark.parametrize(
@@ -51,11 +54,9 @@ def test_bad_mla_configs_are_refused_naming_the_fix(fields, message):
         GPTConfig(**fields)
 
 
-def test_context_parallelism_and_draft_heads_are_refused_by_name():
+def test_draft_heads_are_refused_by_name():
     config = GPTConfig(**MLA)
     assert (config.kv_channels, config.num_query_groups) == (12, 4)  # a query/key head; one key per head
-    with pytest.raises(ValueError, match="context-parallel MLA is not supported yet; set context_parallel_size=1"):
-        check_context_parallel(ParallelConfig(context_parallel_size=2), config)
     with pytest.raises(ValueError, match="an EAGLE draft head does not handle multi-latent attention yet"):
         EagleDraftHead(config)
 
@@ -113,28 +114,10 @@ def test_yarn_frequencies_and_scales_by_hand():
 
 
 DEEPSEEK = dict(
+    DEEPSEEK_V3_TINY,
     model_type="deepseek_v3",
     architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=200,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=2,
-    n_routed_experts=8,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=4,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=16,
     q_lora_rank=None,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    qk_nope_head_dim=16,
-    max_position_embeddings=128,
     rope_parameters={
         "rope_type": "yarn",
         "rope_theta": 5000.0,

@@ -1,9 +1,16 @@
 """Packed samples: a sequence's loss inside a packed sample equals its loss on its own."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import megatron_lite as ml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from mla_utils import TINY_MLA, TINY_YARN  # noqa: E402
+
 from megatron_lite.core.parallel.context_parallel import document_ranges
 from megatron_lite.core.parallel.schedules import gpt_loss
 
@@ -16,19 +23,7 @@ def test_document_ranges():
     assert document_ranges([0, 4, 9], 8) == [(0, 4), (4, 8)]
 
 
-MLA = dict(  # values narrower than queries/keys, and YaRN's softmax scale
-    multi_latent_attention=True,
-    q_lora_rank=12,
-    kv_lora_rank=8,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-    rope_scaling_type="yarn",
-    rope_scaling_factor=2.0,
-    rope_original_max_position_embeddings=8,
-    rope_mscale_all_dim=1.0,
-    init_method_std=0.3,  # attention far from uniform, so a wrong softmax scale shows
-)
+MLA = dict(TINY_MLA, **TINY_YARN, q_lora_rank=12, init_method_std=0.3)  # far from uniform: a wrong scale shows
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,7 @@ class CoreAttention(nn.Module):
         self.q_per_group = queries_per_group
         self.softmax_scale = softmax_scale
         """None: 1/sqrt(d) of the queries' width d (multi-latent attention sets its own, and its values may be of
-        another width than its queries and keys: the causal and packed paths take it, context parallelism not)."""
+        another width than its queries and keys)."""
 
     def run(
         self,
@@ -212,14 +212,22 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         if context is not None and context.cp_size > 1:
-            if self.softmax_scale is not None:  # refused before launch (run_checks.check_context_parallel)
-                raise ValueError("multi_latent_attention does not take context parallelism yet: set it to 1.")
             if dropout > 0.0:
                 raise ValueError(
                     "attention_dropout > 0 with context parallelism: the context-parallel attention has "
                     "no dropout; set attention_dropout=0.0 or context_parallel_size=1"
                 )
-            return context_parallel_attention(q, k, v, context)
+            dq, dv = q.shape[-1], v.shape[-1]
+            if dv == dq:
+                return context_parallel_attention(q, k, v, context, self.softmax_scale)
+            # Values of another width than queries and keys (MLA): the blockwise kernels are written for one head
+            # width, so all three are zero-padded to the wider one -- zero channels add nothing to a score (the
+            # scale stays the queries') and give zero outputs, cut off afterwards.
+            width, scale = max(dq, dv), self.softmax_scale or 1.0 / math.sqrt(dq)
+            q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+            out = context_parallel_attention(q, k, v, context, scale)
+            s, b, heads = q.shape[:3]
+            return out.view(s, b, heads, width)[..., :dv].reshape(s, b, heads * dv)
         if context is not None and context.packed:
             # Heads are split over TP: each rank needs its own dropout stream.
             with rng.fork(MODEL_PARALLEL_RNG, q.device) if dropout > 0.0 else contextlib.nullcontext():

@@ -178,10 +178,6 @@ class GPTModel(nn.Module):
                 f"attention_dropout={config.attention_dropout} with context_parallel_size={layout.cp_size}: the "
                 f"context-parallel attention has no dropout; set attention_dropout=0.0 or context_parallel_size=1"
             )
-        if layout.cp_size > 1:
-            from megatron_lite.core.models.run_checks import check_context_parallel
-
-            check_context_parallel(layout.config, config)
         config.validate_parallelism(layout.tp_size, layout.pp_size, layout.cp_size, layout.sequence_parallel)
         self.config, self.layout, self.seed = config, layout, seed
         self.padded_vocab_size = config.padded_vocab_size(layout.tp_size)

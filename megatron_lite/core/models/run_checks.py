@@ -79,11 +79,6 @@ def check_context_parallel(
                 f"multiple of 2 x context_parallel_size x tensor_model_parallel_size = {multiple} (e.g. "
                 f"{max(multiple, length // multiple * multiple)}) or set sequence_parallel=False."
             )
-    if model_config is not None and getattr(model_config, "multi_latent_attention", False):
-        raise ValueError(
-            f"context_parallel_size={cp} with multi_latent_attention: context-parallel MLA is not supported yet; "
-            f"set context_parallel_size=1 (tensor, pipeline and data parallelism work)."
-        )
     if model_config is not None and getattr(model_config, "attention_dropout", 0.0) > 0:
         raise ValueError(
             f"attention_dropout={model_config.attention_dropout} with context_parallel_size={cp}: context-parallel "
