@@ -188,6 +188,8 @@ class GPTDataset(Dataset):
         """The EOD id that ends a document (for the ``reset_*`` options)."""
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
+        self.read_ahead = READ_AHEAD
+        """Samples after the one asked for whose reads start in the background (a dataset in an object store)."""
         # Every input token can be an EOD (documents of a lone EOD are common with `preprocess --append-eod`),
         # so a row holds up to seq_length + 1 document starts (0, then one after each of the seq_length
         # inputs) plus its end: seq_length + 2 entries is the smallest fixed length no row can overflow.
@@ -263,10 +265,10 @@ class GPTDataset(Dataset):
 
     def tokens(self, index: int) -> np.ndarray:
         """The ``seq_length + 1`` tokens of sample ``index`` (after the shuffle) as an int64 array. From an object
-        store, the reads of the next :data:`READ_AHEAD` samples are started in the background first."""
+        store, the reads of the next :attr:`read_ahead` samples are started in the background first."""
         reads = self.reads(index)
         if self.dataset.remote is not None:
-            ahead = range(index + 1, min(index + 1 + READ_AHEAD, len(self)))
+            ahead = range(index + 1, min(index + 1 + self.read_ahead, len(self)))
             self.dataset.prefetch(read for i in ahead for read in self.reads(i))
         parts = [self.dataset.get(sequence, offset=offset, length=length) for sequence, offset, length in reads]
         return np.concatenate(parts).astype(np.int64, copy=False)

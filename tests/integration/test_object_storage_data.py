@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
 sys.path.insert(0, str(HERE))
 from parity_utils import run, tiny_config  # noqa: E402
-from s3_server import make_bucket, s3_environment, s3_server  # noqa: E402
+from s3_server import make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
 
 BUCKET = "data"
 VOCAB = 1000
@@ -37,6 +37,7 @@ def corpus(tmp_path_factory):
     documents = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(80)]
     lines = [json.dumps({"text": " ".join(map(str, tokens))}) for tokens in documents]
     (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    skip_without_s3_tools()
     with s3_server() as endpoint, s3_environment(endpoint):
         make_bucket(BUCKET)
         for prefix in (str(root / "shk"), f"s3://{BUCKET}/shk"):
