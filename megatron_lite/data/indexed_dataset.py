@@ -229,8 +229,6 @@ class IndexedDataset(torch.utils.data.Dataset):
     def __del__(self) -> None:
         if getattr(self, "_bin_file", None) is not None:
             self._bin_file.close()
-        if getattr(self, "_remote", None) is not None:
-            self._remote.close()
 
     @property
     def remote(self) -> Optional[RemoteFile]:

@@ -67,7 +67,8 @@ def cached_copy(url: str, cache_dir: Optional[str] = None) -> str:
 class RemoteFile:
     """A read-only object read by ranged GETs: :meth:`read` ``(offset, length)`` returns exactly those bytes, from the
     cache when a read-ahead (:meth:`prefetch`) or an earlier read fetched them. Counts what it fetched
-    (:attr:`bytes_fetched`, :attr:`requests`). A fresh one is made in each process (it is never pickled)."""
+    (:attr:`bytes_fetched`, :attr:`requests`). A forked process (a DataLoader worker) starts with its own
+    connections, cache and thread: the parent's are not usable there."""
 
     def __init__(self, url: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.url = url
@@ -77,7 +78,12 @@ class RemoteFile:
         """Bytes received from the store."""
         self.requests = 0
         """Ranged GETs sent."""
-        self._fs = filesystem(url)
+        self._start()
+
+    def _start(self) -> None:
+        """This process's connections (fsspec makes new ones in a new process), cache, lock and read-ahead thread."""
+        self._pid = os.getpid()
+        self._fs = filesystem(self.url)
         self._cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self._cached = 0
         self._pending: dict[tuple[int, int], Future[bytes]] = {}
@@ -86,6 +92,8 @@ class RemoteFile:
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes ``offset : offset + length`` of the object."""
+        if self._pid != os.getpid():
+            self._start()
         key = (offset, length)
         with self._lock:
             data = self._cache.get(key)
@@ -97,6 +105,8 @@ class RemoteFile:
 
     def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Fetch the ``(offset, length)`` ranges in the background (those not cached or on their way already)."""
+        if self._pid != os.getpid():
+            self._start()
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-lite-read-ahead")

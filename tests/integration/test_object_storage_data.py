@@ -4,6 +4,7 @@ the URL gives the local dataset's samples, fetching exactly their bytes by range
 locally by ETag and size); a TP2 fit reading from the bucket has the local fit's losses; a truncated object is one
 error naming it."""
 
+import contextlib
 import json
 import random
 import sys
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_lite.cli import main as cli
+from megatron_lite.core.object_store import ObjectStoreError
 from megatron_lite.data import PretrainDataModule
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
@@ -63,12 +66,7 @@ def test_preprocess_uploads_the_pair_it_writes_locally(corpus):
 def test_a_dataset_in_the_bucket_gives_the_local_samples_fetching_exactly_their_bytes(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     local, url = corpus
-    datasets = []
-    for prefix in (local, url):
-        data = IndexedDataset(prefix)
-        docs = np.arange(len(data), dtype=np.int64)
-        datasets.append(GPTDataset(data, prefix, docs, None, SEQ, 1234, "train", cache_dir=str(tmp_path / prefix[-5:])))
-    on_disk, in_bucket = datasets
+    on_disk, in_bucket = _datasets(local, url, tmp_path)
     assert len(in_bucket) == len(on_disk) > 8
     for index in range(len(on_disk)):
         np.testing.assert_array_equal(in_bucket.tokens(index), on_disk.tokens(index))
@@ -80,6 +78,44 @@ def test_a_dataset_in_the_bucket_gives_the_local_samples_fetching_exactly_their_
     assert copy.read_bytes() == Path(local + ".idx").read_bytes()
     IndexedDataset(url)
     assert len(list(copy.parent.glob("*.idx"))) == 1
+
+
+def _datasets(local: str, url: str, cache: Path) -> list[GPTDataset]:
+    datasets = []
+    for prefix in (local, url):
+        data = IndexedDataset(prefix)
+        docs = np.arange(len(data), dtype=np.int64)
+        datasets.append(GPTDataset(data, prefix, docs, None, SEQ, 1234, "train", cache_dir=str(cache / prefix[-5:])))
+    return datasets
+
+
+def test_dataloader_workers_forked_after_a_read_read_the_bucket_too(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    on_disk, in_bucket = _datasets(*corpus, tmp_path)
+    in_bucket.tokens(0)  # this process's connections and read-ahead thread exist when the workers fork
+    loader = torch.utils.data.DataLoader(
+        in_bucket, batch_size=len(in_bucket), num_workers=1, multiprocessing_context="fork", timeout=60
+    )
+    (batch,) = list(loader)
+    expected = np.stack([on_disk.tokens(i) for i in range(len(on_disk))])
+    np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+
+
+def test_a_server_that_stopped_is_one_error_naming_the_object_after_bounded_retries(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    local, _ = corpus
+    with contextlib.ExitStack() as stack:
+        endpoint = stack.enter_context(s3_server())
+        stack.enter_context(s3_environment(endpoint))
+        make_bucket("other")
+        for suffix in (".bin", ".idx"):
+            _fs().put_file(local + suffix, f"s3://other/shk{suffix}")
+        dataset = IndexedDataset("s3://other/shk")
+        np.testing.assert_array_equal(dataset[0], IndexedDataset(local)[0])
+        stack.pop_all().close()  # the server stops; the environment still points at it
+        with pytest.raises(ObjectStoreError, match=r"s3://other/shk.bin: the object store at .* cannot be reached"):
+            dataset[1]
 
 
 def test_a_truncated_object_is_one_error_naming_it(corpus, tmp_path, monkeypatch):
