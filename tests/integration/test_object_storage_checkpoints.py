@@ -14,14 +14,17 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import megatron_lite as ml
+from megatron_lite.core.checkpoint import Checkpointer
 from megatron_lite.core.checkpoint.format import object_commit
 from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded
 from megatron_lite.core.object_store import ObjectStoreError
+from megatron_lite.core.parallel.layout import ParallelLayout
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
 sys.path.insert(0, str(HERE))
-from parity_utils import run  # noqa: E402
+from parity_utils import run, tiny_config  # noqa: E402
 from s3_server import free_port, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
 
 BUCKET = "ckpt"
@@ -87,6 +90,16 @@ def test_a_tp2_fit_checkpoints_to_s3_and_resumes_from_last_like_an_uninterrupted
     fs.invalidate_cache()
     assert not fs.exists(killed)  # the uncommitted save was deleted; step 4 was saved again and committed
     assert object_commit.data_of(step4) is not None
+
+    # loaded at another layout as on disk: the TP2 shards of step 6 into one process's model
+    module = ml.GPTModule(tiny_config())
+    module.model = module.build_model(ParallelLayout.single())
+    Checkpointer(module).load(f"{run_url}/epoch=0-step=6.ckpt", optimizers=False, rng=False)
+    loaded = dict(module.model.named_parameters())
+    assert loaded.keys() == resumed["params"].keys()
+    for name, reference in resumed["params"].items():  # the recorded vocabulary rows are the unpadded ones
+        got = loaded[name].detach()[tuple(slice(0, n) for n in reference.shape)]
+        torch.testing.assert_close(got, reference, rtol=0, atol=0, msg=name)
 
 
 def test_a_resave_keeps_the_previous_checkpoint_until_the_new_marker_replaces_it(s3):
