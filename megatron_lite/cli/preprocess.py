@@ -17,7 +17,7 @@ from typing import Optional
 
 from megatron_lite.cli.command import run_verb
 from megatron_lite.data.preprocess import PreprocessResult, merge, preprocess
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="keys (columns) holding the text; one output pair per key",
     )
     p.add_argument(
-        "--output-prefix", type=local_path_argument, required=True, help="writes {prefix}_{key}_document.bin/.idx"
+        "--output-prefix",
+        type=local_or_object_path_argument,
+        required=True,
+        help="writes {prefix}_{key}_document.bin/.idx (a local path or s3://bucket/prefix)",
     )
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOD id to every document")

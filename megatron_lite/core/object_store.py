@@ -153,6 +153,12 @@ def write_bytes(path: Location, data: bytes) -> None:
         filesystem(path).pipe_file(path, data)
 
 
+def upload(local: str, url: str) -> None:
+    """Copy the local file ``local`` to the object ``url`` (a multipart upload when large)."""
+    with errors_named(url):
+        filesystem(url).put_file(local, url)
+
+
 def file_size(path: Location) -> int:
     if isinstance(path, Path):
         return path.stat().st_size

@@ -24,9 +24,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from megatron_lite.core.object_store import is_remote
 from megatron_lite.core.parallel.packing import cu_seqlens_from_eod, position_ids_from_cu_seqlens
 from megatron_lite.data._index_cache import array_digest, describe, load_or_build
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.data.remote_file import object_cache_dir, url_digest
+from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
 
 if TYPE_CHECKING:
     from megatron_lite.data.indexed_dataset import IndexedDataset
@@ -108,6 +110,16 @@ def build_gpt_indices(
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
+READ_AHEAD = 8
+"""Samples whose reads a dataset in an object store starts ahead of the one asked for (the sampler's next ones)."""
+
+
+def local_home(path_prefix: str) -> str:
+    """Where a dataset's local caches go by default: beside a local prefix, under :func:`object_cache_dir` for a
+    URL."""
+    return os.path.join(object_cache_dir(), url_digest(path_prefix)) if is_remote(path_prefix) else path_prefix
+
+
 class GPTDataset(Dataset):
     """Sample ``i`` is ``{"tokens": LongTensor[seq_length + 1]}`` from the split ``indexed_indices``.
 
@@ -162,7 +174,10 @@ class GPTDataset(Dataset):
         ):
             raise ValueError(f"num_samples must be None (one epoch) or an integer >= 1, got {num_samples!r}")
         self.dataset = indexed_dataset
-        self.path_prefix = os.path.abspath(require_local_path(dataset_path_prefix, "dataset_path_prefix"))
+        require_local_or_object_path(dataset_path_prefix, "dataset_path_prefix")
+        self.path_prefix = (
+            dataset_path_prefix if is_remote(dataset_path_prefix) else os.path.abspath(dataset_path_prefix)
+        )
         require_local_path(cache_dir, "cache_dir")
         self.indices = np.asarray(indexed_indices, dtype=np.int64)
         self.seq_length = seq_length
@@ -173,6 +188,8 @@ class GPTDataset(Dataset):
         """The EOD id that ends a document (for the ``reset_*`` options)."""
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
+        self.read_ahead = READ_AHEAD
+        """Samples after the one asked for whose reads start in the background (a dataset in an object store)."""
         # Every input token can be an EOD (documents of a lone EOD are common with `preprocess --append-eod`),
         # so a row holds up to seq_length + 1 document starts (0, then one after each of the seq_length
         # inputs) plus its end: seq_length + 2 entries is the smallest fixed length no row can overflow.
@@ -209,7 +226,9 @@ class GPTDataset(Dataset):
                 "add_extra_token_to_sequence": True,
             }
         )
-        self.cache_dir = cache_dir or os.path.join(self.path_prefix, "cache", f"{type(self).__name__}_indices")
+        self.cache_dir = cache_dir or os.path.join(
+            local_home(self.path_prefix), "cache", f"{type(self).__name__}_indices"
+        )
         arrays = load_or_build(
             self.cache_dir,
             f"{type(self).__name__}-{split}",
@@ -226,23 +245,32 @@ class GPTDataset(Dataset):
         """Samples available (whole epochs, so possibly more than ``num_samples``)."""
         return int(self.sample_index.shape[0]) - 1
 
-    def tokens(self, index: int) -> np.ndarray:
-        """The ``seq_length + 1`` tokens of sample ``index`` (after the shuffle) as an int64 array."""
+    def reads(self, index: int) -> list[tuple[int, int, int]]:
+        """The ``(sequence, offset, length)`` reads of the indexed dataset that make sample ``index``."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples of {self.path_prefix}")
         j = int(self.shuffle_index[index])
         first_doc, first_offset = (int(x) for x in self.sample_index[j])
         last_doc, last_offset = (int(x) for x in self.sample_index[j + 1])
         if first_doc == last_doc:
-            parts = [
-                self.dataset.get(
-                    int(self.document_index[first_doc]), offset=first_offset, length=last_offset - first_offset + 1
-                )
-            ]
-        else:
-            parts = [self.dataset.get(int(self.document_index[first_doc]), offset=first_offset)]
-            parts += [self.dataset.get(int(self.document_index[d])) for d in range(first_doc + 1, last_doc)]
-            parts.append(self.dataset.get(int(self.document_index[last_doc]), offset=0, length=last_offset + 1))
+            return [(int(self.document_index[first_doc]), first_offset, last_offset - first_offset + 1)]
+        lengths = self.dataset.sequence_lengths
+        first = int(self.document_index[first_doc])
+        reads = [(first, first_offset, int(lengths[first]) - first_offset)]
+        for d in range(first_doc + 1, last_doc):
+            sequence = int(self.document_index[d])
+            reads.append((sequence, 0, int(lengths[sequence])))
+        reads.append((int(self.document_index[last_doc]), 0, last_offset + 1))
+        return reads
+
+    def tokens(self, index: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of sample ``index`` (after the shuffle) as an int64 array. From an object
+        store, the reads of the next :attr:`read_ahead` samples are started in the background first."""
+        reads = self.reads(index)
+        if self.dataset.remote is not None:
+            ahead = range(index + 1, min(index + 1 + self.read_ahead, len(self)))
+            self.dataset.prefetch(read for i in ahead for read in self.reads(i))
+        parts = [self.dataset.get(sequence, offset=offset, length=length) for sequence, offset, length in reads]
         return np.concatenate(parts).astype(np.int64, copy=False)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:

@@ -15,8 +15,10 @@ load in Megatron-LM and the reverse. ``.idx``, little-endian::
 
 ``.bin`` holds the tokens of every sequence back to back in the index's dtype. Both files are
 memory-mapped; reading a sequence, or a slice of one with :meth:`IndexedDataset.get`, touches only its
-bytes. Opening validates the header and both file sizes, so a truncated or foreign pair fails at once
-with a message naming the file, never later with a wrong sample.
+bytes. A prefix in an object store (``s3://bucket/shk``) is read without copying the ``.bin``: the ``.idx`` is
+cached locally, each read of the ``.bin`` is a ranged GET of its bytes (:mod:`~megatron_lite.data.remote_file`).
+Opening validates the header and both file sizes, so a truncated or foreign pair fails at once with a message naming
+the file, never later with a wrong sample.
 
 One file for the reader and the writer (past the usual ~500 lines, on purpose): they are the two halves of one
 byte format and must change together, as in Megatron-LM's own ``indexed_dataset.py``.
@@ -33,6 +35,9 @@ from typing import Any, BinaryIO, Optional, Union
 
 import numpy as np
 import torch
+
+from megatron_lite.core.object_store import errors_named, filesystem, is_remote
+from megatron_lite.data.remote_file import RemoteFile, cached_copy
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -84,7 +89,8 @@ def get_bin_path(path_prefix: str) -> str:
 
 def _missing_files_error(path_prefix: str) -> FileNotFoundError:
     """The error for a prefix whose .bin and/or .idx is absent, naming exactly which."""
-    missing = [p for p in (get_bin_path(path_prefix), get_idx_path(path_prefix)) if not os.path.isfile(p)]
+    present = filesystem(path_prefix).isfile if is_remote(path_prefix) else os.path.isfile
+    missing = [p for p in (get_bin_path(path_prefix), get_idx_path(path_prefix)) if not present(p)]
     hint = "; create the pair with `megatron-lite preprocess --output-prefix ...`"
     if path_prefix.endswith((".bin", ".idx")):
         hint = f"; pass the prefix without the extension ({path_prefix[:-4]!r}, not {path_prefix!r})"
@@ -96,30 +102,31 @@ def _missing_files_error(path_prefix: str) -> FileNotFoundError:
 class _Index:
     """The parsed ``.idx`` file: header fields and memory-mapped arrays, validated against the ``.bin``."""
 
-    def __init__(self, idx_path: str, bin_size: Optional[int], multimodal: bool) -> None:
-        """Read and validate ``idx_path``; ``bin_size`` (bytes of the ``.bin``) is checked when given."""
+    def __init__(self, idx_path: str, bin_size: Optional[int], multimodal: bool, source: Optional[str] = None) -> None:
+        """Read and validate ``idx_path``; ``bin_size`` (bytes of the ``.bin``) is checked when given. ``source``: the
+        name errors give the index (the URL whose local copy ``idx_path`` is)."""
+        shown = source or idx_path
         size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as stream:
             header = stream.read(_HEADER_SIZE)
         if header[:9] != _INDEX_HEADER:
             raise ValueError(
-                f"{idx_path} is not a Megatron indexed dataset index (bad magic {header[:9]!r}, "
+                f"{shown} is not a Megatron indexed dataset index (bad magic {header[:9]!r}, "
                 f"expected {_INDEX_HEADER!r}); {_REBUILD}"
             )
         if len(header) < _HEADER_SIZE:
             raise ValueError(
-                f"{idx_path} is truncated: {size} bytes, shorter than the {_HEADER_SIZE}-byte header; {_REBUILD}"
+                f"{shown} is truncated: {size} bytes, shorter than the {_HEADER_SIZE}-byte header; {_REBUILD}"
             )
         version, code, count, doc_count = struct.unpack("<QBQQ", header[9:])
         if version != _VERSION:
             raise ValueError(
-                f"{idx_path} has index version {version}; only version {_VERSION} (Megatron-LM's) "
-                f"can be read; {_REBUILD}"
+                f"{shown} has index version {version}; only version {_VERSION} (Megatron-LM's) can be read; {_REBUILD}"
             )
         if code not in DTYPE_CODES:
             known = ", ".join(f"{c} {np.dtype(d).name}" for c, d in DTYPE_CODES.items())
             raise ValueError(
-                f"{idx_path} has unknown dtype code {code} (known: {known}); the file is corrupt "
+                f"{shown} has unknown dtype code {code} (known: {known}); the file is corrupt "
                 f"or from another tool; {_REBUILD}"
             )
         self.dtype: type[np.number] = DTYPE_CODES[code]
@@ -133,11 +140,11 @@ class _Index:
             if not multimodal and size - expected == count > 0:
                 hint = " It looks like a multimodal index: open it with multimodal=True."
             raise ValueError(
-                f"{idx_path} is {what}: its header promises {count} sequences and {doc_count} "
+                f"{shown} is {what}: its header promises {count} sequences and {doc_count} "
                 f"document indices ({expected} bytes) but the file has {size} bytes.{hint} {_REBUILD}"
             )
         if doc_count < 1:
-            raise ValueError(f"{idx_path} has no document indices (Megatron-LM writes at least [0]); {_REBUILD}")
+            raise ValueError(f"{shown} has no document indices (Megatron-LM writes at least [0]); {_REBUILD}")
 
         # numpy cannot map an empty file, and the index is never empty: map it whole, view the arrays
         self._mmap = np.memmap(idx_path, mode="r", dtype=np.uint8)
@@ -157,16 +164,16 @@ class _Index:
         first, last = int(self.document_indices[0]), int(self.document_indices[-1])
         if first != 0 or last != count:
             raise ValueError(
-                f"{idx_path} has inconsistent document indices (first {first}, last {last}; "
+                f"{shown} has inconsistent document indices (first {first}, last {last}; "
                 f"expected 0 and the sequence count {count}); {_REBUILD}"
             )
         if bin_size is not None:
             end = 0 if count == 0 else int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.itemsize
             start = 0 if count == 0 else int(self.sequence_pointers[0])
             if start != 0 or end != bin_size:
-                bin_path = idx_path[:-4] + ".bin"
+                bin_path = shown[:-4] + ".bin"
                 raise ValueError(
-                    f"{bin_path} has {bin_size} bytes but {idx_path} describes {end} bytes of "
+                    f"{bin_path} has {bin_size} bytes but {shown} describes {end} bytes of "
                     f"{np.dtype(self.dtype).name} tokens in {count} sequences (first pointer {start}); "
                     f"the .bin and .idx do not belong together or one of them is truncated; "
                     f"rebuild both with `megatron-lite preprocess`"
@@ -188,9 +195,16 @@ class IndexedDataset(torch.utils.data.Dataset):
         self._open()
 
     def _open(self) -> None:
+        self._remote: Optional[RemoteFile] = None
         if not IndexedDataset.exists(self.path_prefix):
             raise _missing_files_error(self.path_prefix)
         bin_path = get_bin_path(self.path_prefix)
+        if is_remote(self.path_prefix):
+            self._remote = RemoteFile(bin_path)
+            idx_path = get_idx_path(self.path_prefix)
+            self.index = _Index(cached_copy(idx_path), self._remote.size, self.multimodal, source=idx_path)
+            self._bin_file, self._bin = None, None
+            return
         bin_size = os.path.getsize(bin_path)
         self.index = _Index(get_idx_path(self.path_prefix), bin_size, self.multimodal)
         self._bin_file: Optional[BinaryIO] = None
@@ -216,8 +230,24 @@ class IndexedDataset(torch.utils.data.Dataset):
         if getattr(self, "_bin_file", None) is not None:
             self._bin_file.close()
 
+    @property
+    def remote(self) -> Optional[RemoteFile]:
+        """The ``.bin`` in an object store (its reads and what they fetched), or None for a local one."""
+        return self._remote
+
+    def prefetch(self, reads: Iterable[tuple[int, int, int]]) -> None:
+        """Start fetching the ``(sequence, offset, length)`` reads (tokens, as :meth:`get` takes them) of an object
+        store's ``.bin`` in the background; nothing for a local one."""
+        if self._remote is None:
+            return
+        pointers, itemsize = self.index.sequence_pointers, self.index.itemsize
+        self._remote.prefetch((int(pointers[i]) + offset * itemsize, length * itemsize) for i, offset, length in reads)
+
     def _read(self, pointer: int, count: int) -> np.ndarray:
         """``count`` tokens starting at byte ``pointer`` of the ``.bin``."""
+        if self._remote is not None:
+            data = self._remote.read(pointer, count * self.index.itemsize)
+            return np.frombuffer(data, dtype=self.index.dtype, count=count)
         if self._bin_file is not None:
             out = np.empty(count, dtype=self.index.dtype)
             view, done = memoryview(out).cast("B"), 0
@@ -352,7 +382,12 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
-        """Whether both ``path_prefix``.bin and ``path_prefix``.idx exist."""
+        """Whether both ``path_prefix``.bin and ``path_prefix``.idx exist (as files, or as objects of a store)."""
+        if is_remote(path_prefix):
+            fs = filesystem(path_prefix)
+            with errors_named(path_prefix):
+                fs.invalidate_cache()
+                return bool(fs.isfile(get_idx_path(path_prefix)) and fs.isfile(get_bin_path(path_prefix)))
         return os.path.isfile(get_idx_path(path_prefix)) and os.path.isfile(get_bin_path(path_prefix))
 
 

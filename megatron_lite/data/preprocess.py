@@ -21,7 +21,9 @@ import glob
 import multiprocessing as mp
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -30,11 +32,13 @@ from typing import Any, Optional
 
 import numpy as np
 
+from megatron_lite.core.object_store import check_bucket, is_remote, upload
+
 # PreprocessError and resolve_inputs are part of this module's interface; they live with the input readers
 from megatron_lite.data.corpus_readers import PreprocessError, chunk_items, input_kind, read_items, resolve_inputs
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
 from megatron_lite.utils.jsonl import parse_object_line, require_object
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
 from megatron_lite.utils.optional import require
 
 
@@ -221,11 +225,15 @@ def preprocess(
         )
     for pattern in inputs:
         require_local_path(pattern, "--input")
-    require_local_path(output_prefix, "--output-prefix")
+    require_local_or_object_path(output_prefix, "--output-prefix")
     paths = resolve_inputs(inputs)
     for path in paths:
         input_kind(path)  # fail on an unsupported file before any work
-    _check_output(output_prefix)
+    remote = is_remote(output_prefix)
+    if remote:
+        check_bucket(output_prefix)  # a missing bucket or refused credentials before any work
+    else:
+        _check_output(output_prefix)
     vocab_size = int(tokenizer.vocab_size)
     eod = int(tokenizer.eod) if append_eod else -1
     if append_eod and not 0 <= eod < vocab_size:
@@ -233,7 +241,11 @@ def preprocess(
     dtype = optimal_dtype(vocab_size)
     level = "sentence" if split_sentences else "document"
     finals = {k: f"{output_prefix}_{k}_{level}" for k in json_keys}
-    temps = {k: f"{p}.tmp{os.getpid()}" for k, p in finals.items()}
+    # an object store's pair is written locally first, then uploaded
+    staging = tempfile.mkdtemp(prefix="megatron-lite-preprocess-") if remote else None
+    temps = {
+        k: os.path.join(staging, f"{k}_{level}") if staging else f"{p}.tmp{os.getpid()}" for k, p in finals.items()
+    }
     state = {
         "tokenizer": tokenizer,
         "keys": list(json_keys),
@@ -266,16 +278,23 @@ def preprocess(
                     f"{', '.join(paths)} are empty; check --json-keys and the input"
                 )
             builders[key].finalize(temps[key] + ".idx")
-        # .bin first: a crash between the renames leaves a pair that fails the size check, never a wrong sample
+        # .bin first: a crash between the renames (uploads) leaves a pair that fails the size check, never a wrong
+        # sample
         for key in json_keys:
-            os.replace(temps[key] + ".bin", finals[key] + ".bin")
-            os.replace(temps[key] + ".idx", finals[key] + ".idx")
+            for suffix in (".bin", ".idx"):
+                if remote:
+                    upload(temps[key] + suffix, finals[key] + suffix)
+                else:
+                    os.replace(temps[key] + suffix, finals[key] + suffix)
     except BaseException:
         for key, builder in builders.items():
             builder.abort()
             if os.path.exists(temps[key] + ".idx"):
                 os.remove(temps[key] + ".idx")
         raise
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     result.seconds = time.perf_counter() - start
     return result
 

@@ -11,17 +11,18 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.object_store import filesystem, is_remote
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator
 from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.data.blended import BlendedDataset, normalize_weights, samples_needed
 from megatron_lite.data.datamodule import PretrainingDataModule, eval_skip_hint
-from megatron_lite.data.gpt_dataset import GPTDataset
+from megatron_lite.data.gpt_dataset import GPTDataset, local_home
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
 from megatron_lite.data.samplers import GlobalBatchSampler, ramp_position
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
 
 _SPLIT_NAMES = ("train", "validation", "test")
 _SAMPLERS = ("sequential", "cyclic")
@@ -63,10 +64,12 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], list[flo
 
 def _check_prefix(path: str) -> str:
     """The absolute prefix of an existing ``.bin``/``.idx`` pair (a ``.bin``/``.idx`` suffix is dropped)."""
-    require_local_path(path, "data path")
-    prefix = os.path.abspath(path[:-4] if path.endswith((".bin", ".idx")) else path)
+    require_local_or_object_path(path, "data path")
+    prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
+    prefix = prefix if is_remote(prefix) else os.path.abspath(prefix)
+    present = filesystem(prefix).isfile if is_remote(prefix) else os.path.isfile
     for suffix in (".idx", ".bin"):
-        if not os.path.isfile(prefix + suffix):
+        if not present(prefix + suffix):
             raise FileNotFoundError(
                 f"{prefix + suffix} does not exist: data paths are prefixes of .bin/.idx pairs; create them with "
                 f"`megatron-lite preprocess --output-prefix {prefix} ...` or fix the path"
@@ -76,6 +79,11 @@ def _check_prefix(path: str) -> str:
 
 def _max_token_id(prefix: str, dtype: Any) -> int:
     """Largest token id in ``{prefix}.bin`` (-1 if empty), scanned in chunks."""
+    if is_remote(prefix):
+        raise ValueError(
+            f"the vocabulary size of {prefix} would be found by reading its whole .bin from the object store; pass "
+            f"vocab_size= (or a tokenizer) instead"
+        )
     size = os.path.getsize(prefix + ".bin") // np.dtype(dtype).itemsize
     if size == 0:
         return -1
@@ -275,7 +283,7 @@ class PretrainDataModule(PretrainingDataModule):
                 target -= 1  # only float rounding of len / w can get here
         else:
             datasets = [gpt(*item, max(1, n)) for item, n in zip(per_file, samples_needed(self.weights, target))]
-        blend_cache = self.cache_dir or os.path.join(self.prefixes[0], "cache", "BlendedDataset_indices")
+        blend_cache = self.cache_dir or os.path.join(local_home(self.prefixes[0]), "cache", "BlendedDataset_indices")
         return BlendedDataset(
             datasets,
             self.weights,

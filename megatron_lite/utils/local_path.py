@@ -50,6 +50,13 @@ def require_local_or_object_path(value: Optional[P], what: str) -> Optional[P]:
     return value
 
 
+def local_or_object_path_argument(value: str) -> str:
+    """``type=`` of an argparse option that takes a local path or a URL of a supported object store (``s3://``)."""
+    if is_url(value) and scheme_of(value) not in SUPPORTED_SCHEMES:
+        raise argparse.ArgumentTypeError(f"{value!r} is a URL of an unsupported scheme; {_FIX_SCHEME}")
+    return value
+
+
 def local_path_argument(value: str) -> str:
     """``type=`` of an argparse option that takes a path: a URL is a usage error (argparse names the option)."""
     if is_url(value):

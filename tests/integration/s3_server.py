@@ -11,8 +11,6 @@ import sys
 import time
 from typing import Iterator
 
-import pytest
-
 ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -38,8 +36,6 @@ def s3_server(port: int | None = None, check_credentials: bool = False) -> Itera
     """Start the server (``port``: a free one when None); yields its endpoint URL; stops it at the end.
     ``check_credentials``: the server authenticates every request against the keys its IAM issued (none: every
     key is refused, as AWS refuses a key it does not know)."""
-    pytest.importorskip("moto.server", reason="the object-storage tests need moto[s3,server] (a dev dependency)")
-    pytest.importorskip("s3fs", reason="the object-storage tests need s3fs (megatron-lite[s3])")
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -55,15 +51,31 @@ def s3_server(port: int | None = None, check_credentials: bool = False) -> Itera
         process.wait(timeout=10)
 
 
+def skip_without_s3_tools() -> None:
+    """Skip the calling test unless moto's server and s3fs are installed (dev dependencies)."""
+    import pytest
+
+    pytest.importorskip("moto.server", reason="the object-storage tests need moto[s3,server] (a dev dependency)")
+    pytest.importorskip("s3fs", reason="the object-storage tests need s3fs (megatron-lite[s3])")
+
+
 @contextlib.contextmanager
 def s3_environment(endpoint: str) -> Iterator[None]:
-    """The AWS variables botocore reads, pointed at ``endpoint`` (forked ranks inherit them)."""
+    """The AWS variables botocore reads, pointed at ``endpoint`` (forked ranks inherit them). fsspec keeps one S3 file
+    system per process and settings, made when the environment was another one: dropped on the way in and out."""
+    import pytest
+    import s3fs
+
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {**ENVIRONMENT, "AWS_ENDPOINT_URL": endpoint}.items():
             patch.setenv(name, value)
         for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
             patch.delenv(name, raising=False)
-        yield
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            yield
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
 
 
 def make_bucket(name: str) -> None:

@@ -9,19 +9,23 @@ import logging
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import megatron_lite as ml
+from megatron_lite.core.checkpoint import Checkpointer
 from megatron_lite.core.checkpoint.format import object_commit
 from megatron_lite.core.checkpoint.format.sharded import load_sharded, save_sharded
 from megatron_lite.core.object_store import ObjectStoreError
+from megatron_lite.core.parallel.layout import ParallelLayout
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
 sys.path.insert(0, str(HERE))
-from parity_utils import run  # noqa: E402
-from s3_server import free_port, make_bucket, s3_environment, s3_server  # noqa: E402
+from parity_utils import run, tiny_config  # noqa: E402
+from s3_server import free_port, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
 
 BUCKET = "ckpt"
 
@@ -29,6 +33,7 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3():
     """One server for the module, the AWS environment pointed at it, and a bucket."""
+    skip_without_s3_tools()
     with s3_server() as endpoint, s3_environment(endpoint):
         make_bucket(BUCKET)
         yield endpoint
@@ -86,6 +91,16 @@ def test_a_tp2_fit_checkpoints_to_s3_and_resumes_from_last_like_an_uninterrupted
     assert not fs.exists(killed)  # the uncommitted save was deleted; step 4 was saved again and committed
     assert object_commit.data_of(step4) is not None
 
+    # loaded at another layout as on disk: the TP2 shards of step 6 into one process's model
+    module = ml.GPTModule(tiny_config())
+    module.model = module.build_model(ParallelLayout.single())
+    Checkpointer(module).load(f"{run_url}/epoch=0-step=6.ckpt", optimizers=False, rng=False)
+    loaded = dict(module.model.named_parameters())
+    assert loaded.keys() == resumed["params"].keys()
+    for name, reference in resumed["params"].items():  # the recorded vocabulary rows are the unpadded ones
+        got = loaded[name].detach()[tuple(slice(0, n) for n in reference.shape)]
+        torch.testing.assert_close(got, reference, rtol=0, atol=0, msg=name)
+
 
 def test_a_resave_keeps_the_previous_checkpoint_until_the_new_marker_replaces_it(s3):
     url = f"s3://{BUCKET}/resave/last.ckpt"
@@ -103,26 +118,37 @@ def test_a_resave_keeps_the_previous_checkpoint_until_the_new_marker_replaces_it
     assert first not in versions
 
 
-def _fit_to(dirpath: str, tmp_path: Path):
-    return run(tmp_path, devices=2, tp=2, steps=1, callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1)])
+class Started(L.Callback):
+    """Each rank marks that it started (its setup ran)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage):
+        (self.out / f"started-{trainer.global_rank}").touch()
+
+
+def _refused_before_launch(dirpath: str, tmp_path: Path, error: str) -> None:
+    """A fit checkpointing to ``dirpath`` raises ``error`` (a regex) in the launching process: no rank started."""
+    callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1), Started(tmp_path)]
+    with pytest.raises(ObjectStoreError, match=error):
+        run(tmp_path, devices=2, tp=2, steps=1, callbacks=callbacks)
+    assert not list(tmp_path.glob("started-*"))
 
 
 def test_a_missing_bucket_is_named_before_launch(s3, tmp_path):
-    with pytest.raises(ObjectStoreError, match=r"s3://no-such-bucket/run: the bucket 'no-such-bucket' does not exist"):
-        _fit_to("s3://no-such-bucket/run", tmp_path)
+    error = r"s3://no-such-bucket/run: the bucket 'no-such-bucket' does not exist at the endpoint .*; create it"
+    _refused_before_launch("s3://no-such-bucket/run", tmp_path, error)
 
 
 def test_refused_credentials_are_named_before_launch(s3, tmp_path):
-    with (
-        s3_server(check_credentials=True) as endpoint,
-        s3_environment(endpoint),
-    ):  # it issued no key: "testing" is refused
-        with pytest.raises(ObjectStoreError, match=r"s3://ckpt/run: access denied .*; check the credentials botocore"):
-            _fit_to(f"s3://{BUCKET}/run", tmp_path)
+    with s3_server(check_credentials=True) as endpoint, s3_environment(endpoint):  # it issued no key: ours is refused
+        error = r"s3://ckpt/run: access denied .*; check the credentials botocore finds \(AWS_ACCESS_KEY_ID"
+        _refused_before_launch(f"s3://{BUCKET}/run", tmp_path, error)
 
 
-def test_a_server_that_is_down_is_named_after_bounded_retries(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+def test_a_server_that_is_down_is_named_before_launch_after_bounded_retries(s3, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    with pytest.raises(ObjectStoreError, match=r"s3://ckpt/run: the object store at http://127.0.0.1:\d+ cannot be"):
-        _fit_to(f"s3://{BUCKET}/run", tmp_path)
+    with s3_environment(f"http://127.0.0.1:{free_port()}"):  # nothing listens there
+        error = r"s3://ckpt/run: the object store at http://127.0.0.1:\d+ cannot be reached .* after botocore's retries"
+        _refused_before_launch(f"s3://{BUCKET}/run", tmp_path, error)

@@ -21,6 +21,10 @@ from megatron_lite.data.sft import SFTDataModule
 from megatron_lite.tokenizers import build_tokenizer
 
 URL = "s3://data/shk"
+# Checkpoints and indexed datasets may be at s3:// URLs (tests/integration/test_object_storage_*.py); other schemes are
+# refused there.
+OTHER = "gs://data/shk"
+OTHER_FIX = "is a URL of an unsupported scheme; only s3:// object storage is supported"
 FIX = "is a URL; object storage is not supported yet: copy the data to a local or network file system path"
 
 
@@ -36,20 +40,6 @@ def workdir(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "option, argv",
     [
-        (
-            "--output-prefix",
-            [
-                "preprocess",
-                "--input",
-                "corpus.jsonl",
-                "--output-prefix",
-                URL,
-                "--tokenizer-type",
-                "NullTokenizer",
-                "--vocab-size",
-                "100",
-            ],
-        ),
         (
             "--input",
             [
@@ -79,6 +69,20 @@ def workdir(tmp_path, monkeypatch):
             ],
         ),
         ("--output-prefix", ["preprocess", "merge", "--input", "corpus", "--output-prefix", URL]),
+        (
+            "--output-prefix",
+            [
+                "preprocess",
+                "--input",
+                "corpus.jsonl",
+                "--output-prefix",
+                OTHER,
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "100",
+            ],
+        ),
         ("--input", ["convert", "--from", "hf", "--input", URL, "--output", "out"]),
         ("--output", ["convert", "--to", "hf", "--input", "ckpt", "--output", URL]),
         ("--ckpt", ["quantize", "--ckpt", URL, "--data", "corpus.jsonl", "--output", "out"]),
@@ -95,7 +99,8 @@ def test_the_cli_refuses_a_url_by_option(workdir, capsys, option, argv):  # noqa
         cli(argv)
     assert done.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"argument {option}: {URL!r} {FIX}" in error
+    url, fix = (URL, FIX) if URL in argv else (OTHER, OTHER_FIX)
+    assert f"argument {option}: {url!r} {fix}" in error
 
 
 def _refused(what: str):
@@ -105,10 +110,11 @@ def _refused(what: str):
 def test_the_library_refuses_a_url_for_data_and_tokenizers(workdir):
     corpus = str(workdir / "corpus.jsonl")
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
-    with _refused("--output-prefix"):
-        preprocess([corpus], URL, tokenizer)
-    with _refused("data path"):
-        PretrainDataModule(["0.5", URL, "0.5", "local"], seq_length=8, micro_batch_size=1, global_batch_size=1)
+    # indexed datasets (preprocess's output, PretrainDataModule's paths) may be at s3:// URLs, not at other schemes
+    with pytest.raises(ValueError, match=f"^--output-prefix '{OTHER}' {OTHER_FIX}"):
+        preprocess([corpus], OTHER, tokenizer)
+    with pytest.raises(ValueError, match=f"^data path '{OTHER}' {OTHER_FIX}"):
+        PretrainDataModule(["0.5", OTHER, "0.5", "local"], seq_length=8, micro_batch_size=1, global_batch_size=1)
     with _refused("path"):
         TextCorpusDataModule(URL)
     with _refused("data.path"):
@@ -149,11 +155,6 @@ def _fit(**trainer_options) -> L.Trainer:
 def _module_and_data():
     config = ml.GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=16)
     return ml.GPTModule(config), MockGPTDataModule(seq_length=16, micro_batch_size=1, global_batch_size=2)
-
-
-# Checkpoints may be at s3:// URLs (tests/integration/test_object_storage_checkpoints.py); other schemes are refused.
-OTHER = "gs://data/shk"
-OTHER_FIX = "is a URL of an unsupported scheme; only s3:// object storage is supported"
 
 
 def test_fit_refuses_a_checkpoint_url_of_another_scheme_before_any_rank_starts(workdir):

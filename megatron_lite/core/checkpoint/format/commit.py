@@ -226,6 +226,17 @@ def _checkpoint_entry(entry: Path) -> bool:
     return entry.is_file() and bool(_CHECKPOINT_FILE.match(entry.name))
 
 
+def log_removed(directory: str | os.PathLike, names: list[str]) -> None:
+    """Say which leftovers of interrupted saves a clean-up of ``directory`` removed (nothing when none)."""
+    if names:
+        log.info(
+            "megatron-lite: removed %d leftover(s) of interrupted checkpoint saves in %s: %s",
+            len(names),
+            directory,
+            ", ".join(names),
+        )
+
+
 def clean_up(directory: str | os.PathLike, in_flight: Collection[str | os.PathLike] = ()) -> list[Path]:
     """Recover interrupted swaps in ``directory`` and remove the leftovers of killed saves (see the module
     docstring); returns what was removed. Never raises: a clean-up that fails is logged."""
@@ -243,13 +254,7 @@ def clean_up(directory: str | os.PathLike, in_flight: Collection[str | os.PathLi
             removed.append(path)
     except OSError as error:
         log.warning("megatron-lite: could not clean up interrupted saves in %s: %s", directory, error)
-    if removed:
-        log.info(
-            "megatron-lite: removed %d leftover(s) of interrupted checkpoint saves in %s: %s",
-            len(removed),
-            directory,
-            ", ".join(p.name for p in removed),
-        )
+    log_removed(directory, [p.name for p in removed])
     return removed
 
 

@@ -27,7 +27,7 @@ import uuid
 from typing import Any, Collection, Optional
 
 from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
-from megatron_lite.core.checkpoint.format.commit import LATEST, latest_bytes, parse_latest
+from megatron_lite.core.checkpoint.format.commit import LATEST, latest_bytes, log_removed, parse_latest
 from megatron_lite.core.checkpoint.format.integrity import MANIFEST, check_file, read_manifest
 from megatron_lite.core.object_store import errors_named, filesystem, join, name_of, parent_of, read_bytes, write_bytes
 
@@ -241,11 +241,5 @@ def clean_up(directory: str, in_flight: Collection[str] = ()) -> list[str]:
                     removed.append(prefix)
     except OSError as error:
         log.warning("megatron-lite: could not clean up interrupted saves in %s: %s", directory, error)
-    if removed:
-        log.info(
-            "megatron-lite: removed %d leftover(s) of interrupted checkpoint saves in %s: %s",
-            len(removed),
-            directory,
-            ", ".join(removed),
-        )
+    log_removed(directory, removed)
     return removed

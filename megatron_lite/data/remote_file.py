@@ -1,0 +1,149 @@
+"""Indexed datasets read from an object store (``s3://bucket/prefix``) without copying the corpus.
+
+- The ``.idx`` is read once and kept in a local cache, named by the object's URL, ETag and size
+  (:func:`cached_copy`): a changed object is downloaded again, an unchanged one never.
+- The ``.bin`` is a :class:`RemoteFile`: each read is one ranged GET of exactly the bytes asked for (a sample's
+  tokens), kept in a bounded in-memory cache, and the reads a dataset announces (:meth:`RemoteFile.prefetch`: the
+  next samples of this rank) are fetched ahead in a background thread, so a step does not wait on the network once
+  the read-ahead keeps up.
+
+Where the local copies go: ``$XDG_CACHE_HOME/megatron-lite/object-store`` (``~/.cache/...``), see
+:func:`object_cache_dir`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable, Optional
+
+from megatron_lite.core.object_store import errors_named, filesystem
+from megatron_lite.utils.files import write_atomic
+
+DEFAULT_CACHE_BYTES = 64 << 20
+"""Bytes of ``.bin`` ranges a :class:`RemoteFile` keeps in memory (fetched ahead or read recently)."""
+
+
+def object_cache_dir() -> str:
+    """Where local copies of objects (``.idx`` files, dataset index caches) are kept."""
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(user_cache, "megatron-lite", "object-store")
+
+
+def url_digest(url: str) -> str:
+    """A short name for ``url`` in local cache paths."""
+    return hashlib.md5(url.encode()).hexdigest()[:16]
+
+
+def _identity(url: str) -> tuple[int, str]:
+    """(size, ETag) of the object at ``url``; ``FileNotFoundError`` naming it when there is none."""
+    fs = filesystem(url)
+    with errors_named(url):
+        fs.invalidate_cache(url)
+        info = fs.info(url)
+    return int(info["size"]), str(info.get("ETag") or info.get("etag") or "").strip('"')
+
+
+def cached_copy(url: str, cache_dir: Optional[str] = None) -> str:
+    """A local copy of the object ``url``, downloaded once per ETag and size into ``cache_dir`` (default
+    :func:`object_cache_dir`); written atomically, so concurrent ranks at worst download it twice."""
+    size, etag = _identity(url)
+    directory = cache_dir or object_cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    path = os.path.join(directory, f"{url_digest(url)}-{etag or 'no-etag'}-{size}-{name}")
+    if not os.path.isfile(path) or os.path.getsize(path) != size:
+        with errors_named(url):
+            data = filesystem(url).cat_file(url)
+        if len(data) != size:
+            raise ValueError(f"{url}: read {len(data)} bytes, but the object has {size}: it changed while it was read")
+        write_atomic(path, lambda f: f.write(data))
+    return path
+
+
+class RemoteFile:
+    """A read-only object read by ranged GETs: :meth:`read` ``(offset, length)`` returns exactly those bytes, from the
+    cache when a read-ahead (:meth:`prefetch`) or an earlier read fetched them. Counts what it fetched
+    (:attr:`bytes_fetched`, :attr:`requests`). A forked process (a DataLoader worker) starts with its own
+    connections, cache and thread: the parent's are not usable there."""
+
+    def __init__(self, url: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.url = url
+        self.size, self.etag = _identity(url)
+        self.cache_bytes = cache_bytes
+        self.bytes_fetched = 0
+        """Bytes received from the store."""
+        self.requests = 0
+        """Ranged GETs sent."""
+        self._start()
+
+    def _start(self) -> None:
+        """This process's connections (fsspec makes new ones in a new process), cache, lock and read-ahead thread."""
+        self._pid = os.getpid()
+        self._fs = filesystem(self.url)
+        self._cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._cached = 0
+        self._pending: dict[tuple[int, int], Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``offset : offset + length`` of the object."""
+        if self._pid != os.getpid():
+            self._start()
+        key = (offset, length)
+        with self._lock:
+            data = self._cache.get(key)
+            if data is not None:
+                self._cache.move_to_end(key)
+                return data
+            pending = self._pending.get(key)
+        return pending.result() if pending is not None else self._fetch(key)
+
+    def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Fetch the ``(offset, length)`` ranges in the background (those not cached or on their way already)."""
+        if self._pid != os.getpid():
+            self._start()
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-lite-read-ahead")
+            for key in ranges:
+                if key not in self._cache and key not in self._pending and key[1] > 0:
+                    self._pending[key] = self._executor.submit(self._fetch, key)
+
+    def _fetch(self, key: tuple[int, int]) -> bytes:
+        offset, length = key
+        try:
+            if offset < 0 or offset + length > self.size:
+                raise ValueError(
+                    f"{self.url}: bytes {offset}..{offset + length} asked for, but the object has {self.size} bytes"
+                )
+            with errors_named(self.url):
+                data = bytes(self._fs.cat_file(self.url, start=offset, end=offset + length)) if length else b""
+            if len(data) != length:
+                raise ValueError(
+                    f"{self.url}: a read of {length} bytes at {offset} returned {len(data)}: the object is truncated "
+                    f"or was replaced while it was read (rebuild it with `megatron-lite preprocess`)"
+                )
+            with self._lock:
+                self.bytes_fetched += len(data)
+                self.requests += 1
+                self._cache[key] = data
+                self._cached += len(data)
+                while self._cached > self.cache_bytes and len(self._cache) > 1:
+                    _, dropped = self._cache.popitem(last=False)
+                    self._cached -= len(dropped)
+            return data
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (reads still work: they fetch in the caller's thread)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
