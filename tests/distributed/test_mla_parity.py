@@ -1,4 +1,4 @@
-"""Multi-latent attention through a real Trainer at TP2 equals the single-process run, per step (losses, the first
+"""Multi-latent attention through a real Trainer at TP2, EP2 and PP2 equals the single-process run, per step (losses, the first
 step's full gradients, the final parameters, the gradient norm): heads split over the up-projections, the replicated
 down-projections and latent norms summed over TP -- under sequence parallelism with DeepSeek's MoE (query
 compression, YaRN, grouped sigmoid routing with the expert bias, a shared expert, a dense first layer), and without
@@ -31,15 +31,19 @@ DEEPSEEK_MOE = dict(
 CASES = {
     "tp2-sp-deepseek-moe": (DEEPSEEK_MOE, dict(tp=2, sp=True)),
     "tp2-dense-no-q-lora-recompute": (dict(recompute_granularity="selective"), dict(tp=2)),
+    # DeepSeek's MoE with its experts split over two ranks, and cut into two pipeline stages (the dense first layer on
+    # one, the MoE layer on the other; the zero-bubble split defers the MLA projections' weight GEMMs)
+    "ep2-deepseek-moe": (DEEPSEEK_MOE, dict(strategy_kwargs=dict(expert_model_parallel_size=2))),
+    "pp2-zb1p-deepseek-moe": (DEEPSEEK_MOE, dict(pp=2, strategy_kwargs=dict(pipeline_schedule="zb1p"))),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_mla_at_tp2_matches_single_process(name, tmp_path):
+def test_mla_layout_matches_single_process(name, tmp_path):
     overrides, layout = CASES[name]
     config = tiny_config(**MLA, **overrides)
     reference = run(tmp_path / "single", devices=1, config=config, steps=2)
-    result = run(tmp_path / "tp2", devices=2, config=config, steps=2, **layout)
+    result = run(tmp_path / "parallel", devices=2, config=config, steps=2, **layout)
     assert_same_training(result, reference)
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
