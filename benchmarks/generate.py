@@ -66,6 +66,7 @@ if str(REPO_ROOT) not in sys.path:
 import megatron_lite as ml  # noqa: E402
 from megatron_lite import ParallelConfig, ParallelLayout  # noqa: E402
 from megatron_lite.core.checkpoint.full.state import carry_over_state  # noqa: E402
+from megatron_lite.core.estimator import kv_cache_bytes, kv_cache_values_per_token_and_layer  # noqa: E402
 from megatron_lite.core.inference import SamplingParams, generate  # noqa: E402
 from megatron_lite.core.models import GPTModel  # noqa: E402
 
@@ -341,6 +342,43 @@ def report_tp_decode(result: dict, n: int, repeats: int) -> dict:
 
 
 # --- report ---------------------------------------------------------------------------------------------
+def kv_cache_sizes(max_len: int = 4096) -> dict:
+    """Cache bytes per token and layer, and per sequence of ``max_len`` tokens over all layers, for DeepSeek-V3's
+    multi-latent attention and for attentions of the same size that cache full keys and values (its 128 heads as
+    MHA; GQA with 8 key/value heads of 128, Llama-3-70B's grouping), bf16 (2 bytes), one rank (no TP):
+    ``megatron_lite.core.estimator.kv_cache_bytes``, exact against the allocated cache (tests/unit/test_estimator)."""
+    common = dict(num_layers=61, hidden_size=7168, num_attention_heads=128, vocab_size=129280, seq_length=max_len)
+    mla = dict(
+        multi_latent_attention=True, num_query_groups=None, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128,
+    )  # fmt: skip
+    configs = {
+        "MLA (DeepSeek-V3)": ml.GPTConfig(**common, **mla),
+        "MHA, 128 heads x 128": ml.GPTConfig(**common, kv_channels=128),
+        "GQA, 8 groups x 128": ml.GPTConfig(**common, kv_channels=128, num_query_groups=8),
+    }
+    rows = {}
+    for name, config in configs.items():
+        values = kv_cache_values_per_token_and_layer(config)
+        rows[name] = {
+            "values_per_token_and_layer": values,
+            "bytes_per_token_and_layer": 2 * values,
+            f"gib_per_{max_len}_token_sequence": kv_cache_bytes(config, 1, max_len) / 2**30,
+        }
+    return rows
+
+
+def report_kv_cache_sizes(rows: dict, max_len: int = 4096) -> None:
+    base = rows["MLA (DeepSeek-V3)"]["values_per_token_and_layer"]
+    print(f"\nKV cache, bf16, one rank: per token and layer, and one {max_len}-token sequence over 61 layers")
+    for name, row in rows.items():
+        values, gib = row["values_per_token_and_layer"], row[f"gib_per_{max_len}_token_sequence"]
+        print(
+            f"  {name:24s} {values:>7,} values  {row['bytes_per_token_and_layer']:>7,} B  {gib:7.2f} GiB  "
+            f"({values / base:.1f}x MLA)"
+        )
+
+
 def median_rate(times: list[float], units: int) -> float:
     return units / statistics.median(times)
 
@@ -485,7 +523,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"({'met' if ratios['cached_vs_transformers'] >= 1.0 else 'missed'}), "
             f"{ratios['cached_vs_transformers_cpu']:.2f}x CPU time"
         )
+    kv_sizes = kv_cache_sizes()
+    report_kv_cache_sizes(kv_sizes)
     result = {
+        "kv_cache_sizes": kv_sizes,
         "config": {**vars(args), "shape": SHAPE, "context": context},
         "machine": {
             "torch": torch.__version__,

@@ -1,6 +1,6 @@
-"""Multi-latent attention through a real Trainer at TP2, EP2 and PP2 equals the single-process run, per step (losses, the first
-step's full gradients, the final parameters, the gradient norm): heads split over the up-projections, the replicated
-down-projections and latent norms summed over TP -- under sequence parallelism with DeepSeek's MoE (query
+"""Multi-latent attention through a real Trainer at TP2, EP2 and PP2 equals the single-process run, per step (losses,
+the first step's full gradients, the final parameters, the gradient norm): heads split over the up-projections, the
+replicated down-projections and latent norms summed over TP -- under sequence parallelism with DeepSeek's MoE (query
 compression, YaRN, grouped sigmoid routing with the expert bias, a shared expert, a dense first layer), and without
 it on a dense model (the RoPE key's gradient summed over the ranks' heads) with core-attention recompute."""
 

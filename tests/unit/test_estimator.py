@@ -956,3 +956,28 @@ def test_step_measurement_holds_what_the_forward_probe_holds_and_leaves_the_grad
     assert step.held_bytes == forward.total_bytes and step.forward_peak_bytes == forward.peak_bytes
     assert step.step_peak_bytes >= step.forward_peak_bytes
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_cache_bytes_are_what_generation_allocates(mla, tp):
+    """The estimate equals KVCache.for_model on the real model of each TP rank (GQA: key/value heads split over TP;
+    multi-latent attention: the latent and the RoPE key, replicated), and MLA's cache is the smaller."""
+    from mla_utils import TINY_MLA
+
+    from megatron_lite.core.estimator import kv_cache_bytes, kv_cache_values_per_token_and_layer
+    from megatron_lite.core.inference.kv_cache import KVCache
+
+    config = GPTConfig(**dict(TINY, **(TINY_MLA if mla else {})))
+    for rank in range(tp):
+        model = GPTModel(config, _tp_layout(tp, rank))
+        cache = KVCache.for_model(model, batch_size=3, max_len=20)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp)
+        assert kv_cache_bytes(config, 3, 20, bytes_per_value=4, parallel=parallel) == cache.nbytes
+    gqa = GPTConfig(**TINY)
+    if mla:
+        assert kv_cache_values_per_token_and_layer(config) < kv_cache_values_per_token_and_layer(gqa)
+    uneven = ParallelConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=0)
+    for stage in range(2):  # a pipeline stage caches its own layers (none on an empty first stage)
+        cache = KVCache.for_model(GPTModel(config, _stage_layout(uneven, stage)), batch_size=3, max_len=20)
+        assert kv_cache_bytes(config, 3, 20, 4, uneven, pipeline_stage=stage) == cache.nbytes

@@ -2,7 +2,8 @@
 
 Plain PyTorch (no Lightning): :mod:`flops` counts model FLOPs per step, :mod:`memory` estimates
 per-rank bytes for a parallel layout (:mod:`parameters` and :mod:`activations` the parts, :mod:`run` for a run
-as the strategy describes it), :mod:`probe` measures activation bytes of a real forward.
+as the strategy describes it), :mod:`kv_cache` a generation's key/value cache, :mod:`probe` measures activation
+bytes of a real forward.
 """
 
 from megatron_lite.core.estimator.activations import (
@@ -18,6 +19,7 @@ from megatron_lite.core.estimator.flops import (
     megatron_formula_flops,
     training_flops_per_step,
 )
+from megatron_lite.core.estimator.kv_cache import kv_cache_bytes, kv_cache_values_per_token_and_layer
 from megatron_lite.core.estimator.memory import EstimateLayout, MemoryEstimate, estimate_memory, estimate_stages
 from megatron_lite.core.estimator.objective_cost import ObjectiveCost, objective_cost
 from megatron_lite.core.estimator.parameters import ParamShape, parameter_shapes
@@ -36,6 +38,8 @@ from megatron_lite.core.estimator.schedule_memory import ChunkActivations, Sched
 from megatron_lite.core.precision import normalize_precision
 
 __all__ = [
+    "kv_cache_bytes",
+    "kv_cache_values_per_token_and_layer",
     "FlopsBreakdown",
     "attention_flops_per_cp_rank",
     "forward_flops_breakdown",
