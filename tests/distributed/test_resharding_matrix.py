@@ -9,8 +9,8 @@ layout through a real Trainer and must give
 The vocabulary (1001 tokens padded to a multiple of 100 x TP) pads to 1100 rows at TP1 and 1200 at TP2 and
 TP4, split unevenly, so every TP change also changes the padding.
 
-Sources: TP2 x PP2, DP4 with the distributed optimizer, PP2 with two virtual stages per rank (cut evenly, and by
-the asymmetric layout ``E|tt|tt|L``), and CP2. Targets: TP1, TP4, TP2 (PP1), DP2,
+Sources: TP2 x PP2, DP4 with the distributed optimizer, PP2 with two virtual stages per rank (cut evenly, by
+the asymmetric layout ``E|tt|tt|L``, and placed in a V by the zero-bubble ZB-V), and CP2. Targets: TP1, TP4, TP2 (PP1), DP2,
 TP2 x DP2 with the distributed optimizer, and FSDP2 over DP2. Each source is loaded at two targets in the
 fast set (every target at least once); the rest of the matrix is marked slow.
 """
@@ -48,6 +48,7 @@ SOURCES = {
     "pp2_vpp2": dict(devices=2, pp=2, vpp=2),
     "pp2_vpp2_layout": dict(devices=2, pp=2, vpp=2, strategy_kwargs={"pipeline_model_parallel_layout": "E|tt|tt|L"}),
     "cp2": dict(devices=2, strategy_kwargs={"context_parallel_size": 2}),
+    "pp2_zbv": dict(devices=2, pp=2, vpp=2, strategy_kwargs={"pipeline_schedule": "zbv"}),  # the V placement
 }
 TARGETS = {
     "tp1": dict(devices=1),
@@ -67,6 +68,7 @@ FAST = {
     ("pp2_vpp2_layout", "tp2_pp1"),
     ("cp2", "tp1"),
     ("cp2", "dp2"),
+    ("pp2_zbv", "tp1"),
 }
 
 
@@ -96,8 +98,9 @@ def saved(tmp_path_factory):
 
 
 # Sources loaded at their fast targets only: the rest of their row would prove nothing new (the asymmetric layout's
-# checkpoint holds what pp2_vpp2's does; only the cut that wrote it differs) and `make test` runs slow cases too.
-FAST_ONLY = {"pp2_vpp2_layout"}
+# and the V placement's checkpoints hold what pp2_vpp2's does; only the cut or the placement that wrote them differs)
+# and `make test` runs slow cases too.
+FAST_ONLY = {"pp2_vpp2_layout", "pp2_zbv"}
 
 
 def _cases():
