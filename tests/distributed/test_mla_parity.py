@@ -7,7 +7,8 @@ it on a dense model (the RoPE key's gradient summed over the ranks' heads) with 
 import pytest
 import torch
 from mla_utils import TINY_MLA
-from parity_utils import assert_same_training, run, tiny_config
+from lightning.pytorch.callbacks import ModelCheckpoint
+from parity_utils import assert_same_params, assert_same_training, run, tiny_config
 
 MLA = dict(TINY_MLA, layernorm_epsilon=1e-6)
 DEEPSEEK_MOE = dict(
@@ -48,3 +49,16 @@ def test_mla_layout_matches_single_process(name, tmp_path):
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
     )
+
+
+def test_an_mla_checkpoint_saved_at_tp2_sp_continues_in_one_process(tmp_path):
+    """Resharding: the heads' up-projections split over TP, the replicated down-projections and latent norms, the
+    experts and Adam's moments saved at TP2+SP load whole in one process, which continues the run exactly."""
+    config = tiny_config(**MLA, **DEEPSEEK_MOE)
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    source = run(tmp_path / "tp2", devices=2, tp=2, sp=True, config=config, steps=4, callbacks=[saving])
+    checkpoint = str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
+    resumed = run(tmp_path / "one", devices=1, config=config, steps=4, ckpt_path=checkpoint)
+    assert resumed["global_step"] == 4
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(source["losses"][2:]), rtol=1e-5, atol=0)
+    assert_same_params(resumed, source, rtol=1e-5)
