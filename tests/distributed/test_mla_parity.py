@@ -36,6 +36,11 @@ CASES = {
     # one, the MoE layer on the other; the zero-bubble split defers the MLA projections' weight GEMMs)
     "ep2-deepseek-moe": (DEEPSEEK_MOE, dict(strategy_kwargs=dict(expert_model_parallel_size=2))),
     "pp2-zb1p-deepseek-moe": (DEEPSEEK_MOE, dict(pp=2, strategy_kwargs=dict(pipeline_schedule="zb1p"))),
+    # the issue's combined layout: 8 ranks, the MoE layer's experts over EP2 x ETP2 inside its pipeline stage
+    "tp2-sp-ep2-pp2-deepseek-moe": (
+        DEEPSEEK_MOE,
+        dict(devices=8, tp=2, sp=True, pp=2, mbs=1, strategy_kwargs=dict(expert_model_parallel_size=2)),
+    ),
 }
 
 
@@ -43,8 +48,8 @@ CASES = {
 def test_mla_layout_matches_single_process(name, tmp_path):
     overrides, layout = CASES[name]
     config = tiny_config(**MLA, **overrides)
-    reference = run(tmp_path / "single", devices=1, config=config, steps=2)
-    result = run(tmp_path / "parallel", devices=2, config=config, steps=2, **layout)
+    reference = run(tmp_path / "single", devices=1, config=config, steps=2, mbs=layout.get("mbs", 2))
+    result = run(tmp_path / "parallel", config=config, steps=2, **{"devices": 2, **layout})
     assert_same_training(result, reference)
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
