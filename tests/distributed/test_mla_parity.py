@@ -6,8 +6,8 @@ it on a dense model (the RoPE key's gradient summed over the ranks' heads) with 
 
 import pytest
 import torch
-from mla_utils import TINY_MLA
 from lightning.pytorch.callbacks import ModelCheckpoint
+from mla_utils import TINY_MLA
 from parity_utils import assert_same_params, assert_same_training, run, tiny_config
 
 MLA = dict(TINY_MLA, layernorm_epsilon=1e-6)
