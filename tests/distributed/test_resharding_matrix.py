@@ -11,8 +11,8 @@ TP4, split unevenly, so every TP change also changes the padding.
 
 Sources: TP2 x PP2, DP4 with the distributed optimizer, PP2 with two virtual stages per rank (cut evenly, by
 the asymmetric layout ``E|tt|tt|L``, and placed in a V by the zero-bubble ZB-V), and CP2. Targets: TP1, TP4,
-TP2 (PP1), DP2, TP2 x DP2 with the distributed optimizer, and FSDP2 over DP2. Each source is loaded at two targets in the
-fast set (every target at least once); the rest of the matrix is marked slow.
+TP2 (PP1), DP2, TP2 x DP2 with the distributed optimizer, and FSDP2 over DP2. Each source is loaded at two targets
+in the fast set (every target at least once); the rest of the matrix is marked slow.
 """
 
 from __future__ import annotations
