@@ -171,6 +171,11 @@ class GPTConfig:
     """Run the local experts as one grouped GEMM (torch._grouped_mm) where it runs, else one GEMM per expert."""
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
     """How tokens reach their experts' ranks: all-gather, all-to-all, or DeepEP ('flex', needs deep_ep)."""
+    # --- Multi-token prediction (DeepSeek-V3; Megatron's names; see core/models/mtp.py) ---
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths on the last stage, each predicting one token further ahead (None or 0: off)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss: this / mtp_num_layers x the sum of the depths' losses is added to the main loss."""
 
     def __post_init__(self) -> None:
         _refuse_non_finite(self)
@@ -237,6 +242,9 @@ class GPTConfig:
         from megatron_lite.core.models.moe_config import check_moe_fields
 
         check_moe_fields(self)
+        from megatron_lite.core.models.mtp import check_mtp_fields
+
+        check_mtp_fields(self)
 
     def _validate_mla(self) -> None:
         """MLA's shape fields come together (and only with it); what MLA does not support yet is refused by name.
@@ -445,6 +453,9 @@ class GPTConfig:
                     f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
                     f"choose a tensor_model_parallel_size that divides {value} or change {name}."
                 )
+        from megatron_lite.core.models.mtp import check_mtp_parallelism
+
+        check_mtp_parallelism(self, context_parallel_size)
         # How the layers split over pipeline stages (even, uneven, virtual) is checked by
         # ParallelConfig.stage_chunks, which knows the cut.
         if sequence_parallel and self.seq_length % tp != 0:
