@@ -101,3 +101,34 @@ def test_layouts_that_cannot_hold_mtp_are_refused_by_name():
         config.validate_parallelism(context_parallel_size=2)
     with pytest.raises(ValueError, match="always sits on the last pipeline stage"):
         parse_pipeline_layout("Et|tmL")
+
+
+def test_deepseek_v3_export_keeps_the_mtp_layer_and_reimports_it(tmp_path):
+    from megatron_lite.core.checkpoint.hf.directory import read_hf_shapes, save_hf
+
+    config = ml.GPTConfig(
+        **CONFIG,
+        **dict(multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8),
+        **dict(qk_pos_emb_head_dim=4, v_head_dim=8, layernorm_epsilon=1e-6, num_moe_experts=4, moe_ffn_hidden_size=16),
+        **dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_layer_freq=[0, 1]),
+        mtp_num_layers=1,
+    )
+    model = GPTModel(config, seed=3)
+    save_hf(tmp_path / "hf", config, model.state_dict())
+    written = read_hf_shapes(tmp_path / "hf")
+    # DeepSeek-V3's numbering: the MTP layer after the decoder's, an MoE layer as the last one is
+    assert written["model.layers.2.eh_proj.weight"] == (32, 64)
+    assert (
+        "model.layers.2.mlp.experts.3.down_proj.weight" in written
+        and "model.layers.2.shared_head.norm.weight" in written
+    )
+    again = ml.GPTModule.from_pretrained(tmp_path / "hf").model  # the real import path
+    assert again.config.mtp_num_layers == 1
+    mine = dict(again.named_parameters())
+    assert mine.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(mine[name], p, rtol=0, atol=0, msg=name)
+    tokens = torch.randint(0, 97, (2, 13))
+    for m in (model, again):
+        m(tokens[:, :-1], tokens[:, 1:])
+    assert again.take_step_report()[MTP_LOSS].tolist() == model.take_step_report()[MTP_LOSS].tolist()

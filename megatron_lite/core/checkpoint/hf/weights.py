@@ -463,6 +463,7 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
         hf, ours = f"model.layers.{i}.", f"mtp.layers.{i}."
         out.update(_layer_to_hf(source, hf, ours + "transformer_layer.", moe, config))
         out.update({f"{hf}{hf_name}.weight": source[f"{ours}{our_name}.weight"] for hf_name, our_name in _MTP_NAMES})
-        out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
-        out[hf + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+        # copies (safetensors refuses tensors that share memory)
+        out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        out[hf + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
     return {name: t.contiguous() for name, t in out.items()}
