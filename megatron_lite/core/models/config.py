@@ -508,7 +508,32 @@ class GPTConfig:
         per_layer = attn + biases + 2 * norm + qk_norms
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
-        return L * per_layer + mlp_side_parameters(self, active) + emb + out + norm
+        return (
+            L * per_layer
+            + mlp_side_parameters(self, active)
+            + emb
+            + out
+            + norm
+            + self._mtp_parameters(per_layer, active)
+        )
+
+    def _mtp_parameters(self, per_layer: int, active: bool) -> int:
+        """The multi-token prediction depths': each a layer (``per_layer`` without its MLP, which is of the last
+        layer's kind), its three norms and the ``2H -> H`` projection."""
+        from megatron_lite.core.models.moe_config import moe_layer_pattern
+        from megatron_lite.core.models.moe_sizes import mlp_parameters, moe_layer_parameters
+
+        assert self.ffn_hidden_size is not None  # resolved by __post_init__
+        depth, h = self.mtp_num_layers or 0, self.hidden_size
+        if not depth:
+            return 0
+        mlp = (
+            moe_layer_parameters(self, active)
+            if moe_layer_pattern(self)[-1]
+            else mlp_parameters(self, self.ffn_hidden_size)
+        )
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        return depth * (per_layer + mlp + 3 * norm + 2 * h * h)
 
     def mla_parameters(self, norms: bool = True) -> int:
         """One multi-latent attention's parameters: projections and (with ``norms``) latent norms (no biases)."""
