@@ -70,3 +70,9 @@ def _check_pipeline(module: Any, run: RunSpec) -> None:
             "must be summed over the first and last stage before its bucket is reduced; set "
             "share_embeddings_and_output_weights=False or overlap_grad_reduce=False."
         )
+    if module.config.mtp_num_layers and run.overlap_grad_reduce:
+        raise ValueError(
+            "overlap_grad_reduce=True with multi-token prediction under pipeline parallelism: the MTP block's copy "
+            "of the embedding on the last stage must have its gradient summed with the first stage's before its "
+            "bucket is reduced; set overlap_grad_reduce=False or mtp_num_layers=None."
+        )

@@ -20,13 +20,15 @@ from megatron_lite.data import MockGPTDataModule
 # a matmul for ~60 ms to estimate one (~14% of a 2-rank run's CPU). Parity compares numbers, not throughput;
 # the measured peak is tested where MFU is (test_metrics_callback.py).
 PEAK_TFLOPS = 1.0
-# Metrics an MoE model's layers report each step (the objective's own report entries are compared by their tests)
+# Metrics an MoE model's layers and an MTP block report each step (the objective's own report entries are compared
+# by their tests)
 REPORTED = (
     "train/load_balancing_loss",
     "train/seq_load_balancing_loss",
     "train/global_load_balancing_loss",
     "train/z_loss",
     "train/moe/",
+    "train/mtp_loss",
 )
 
 

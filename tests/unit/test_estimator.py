@@ -122,7 +122,7 @@ def test_llama2_flops_are_six_n_per_token_plus_causal_attention(shape, published
     assert training_flops_per_step(config, gbs) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "gpt2_dropout", "mla_q_lora"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "gpt2_dropout", "mla_q_lora", "mtp_moe"])
 def test_flop_counter_agrees_on_one_forward_and_backward(variant):
     config = GPTConfig(**TINY, **SHAPE_VARIANTS[variant])
     model = GPTModel(config).train()
@@ -173,6 +173,8 @@ SHAPE_VARIANTS = {
         qk_pos_emb_head_dim=4,
         v_head_dim=10,
     ),
+    # multi-token prediction: two depths on the last stage, each an MoE layer as the model's last one is
+    "mtp_moe": dict(mtp_num_layers=2, num_moe_experts=4, moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32),
 }
 
 
@@ -536,6 +538,7 @@ PIPELINE_CUTS = {  # strategy options, model options
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
         dict(share_embeddings_and_output_weights=True, **VARIANTS["gpt2_dropout"]),
     ),
+    "pp2_mtp": (dict(pipeline_model_parallel_size=2), dict(mtp_num_layers=1)),  # the MTP block's embedding copy
     "pp2_v_placement_tied": (  # both ends on rank 0: one embedding, no copy
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="zbv"),
         dict(share_embeddings_and_output_weights=True),
@@ -563,8 +566,10 @@ def test_stage_parameters_are_the_real_stage_models(cut):
         assert (stages[p].params, stages[p].weights_bytes, stages[p].grads_bytes) == (numel, 4 * numel, 4 * numel)
         assert stages[p].layers == [int(i) for i in real.layers]  # in chunk order
         total += numel
-    # a tied embedding's copy on the last stage, unless the first stage's rank holds the last stage too (a V)
-    copy = config.share_embeddings_and_output_weights and parallel.last_stage_pp_rank != 0
+    # a tied embedding's (or the MTP block's) copy on the last stage, unless the first stage's rank holds the last
+    # stage too (a V)
+    copied = config.share_embeddings_and_output_weights or config.mtp_num_layers
+    copy = copied and parallel.last_stage_pp_rank != 0
     tied_copy = config.padded_vocab_size() * config.hidden_size if copy else 0
     assert total == config.num_parameters() + tied_copy
 

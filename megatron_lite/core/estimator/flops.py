@@ -39,6 +39,7 @@ from megatron_lite.core.estimator.parameters import parameter_shapes
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.models.moe_sizes import mlp_weights, moe_router_parameters
+from megatron_lite.core.models.mtp import mtp_depth
 from megatron_lite.core.peft.config import LoRAConfig
 
 
@@ -56,9 +57,12 @@ class FlopsBreakdown:
     """MLP of every layer (the fused gate/up projection of SwiGLU is 3/2 of a plain ``h -> ffn -> h`` MLP); in an
     MoE layer a token's top-k experts, the shared expert and its gate."""
     logits: float
-    """Output layer over the padded vocabulary."""
+    """Output layer over the padded vocabulary (once more per multi-token prediction depth)."""
     router: float = 0.0
     """Router GEMM (``H -> num_moe_experts``) of every MoE layer (0 for a dense model)."""
+    mtp_projection: float = 0.0
+    """Multi-token prediction: each depth's ``2H -> H`` projection of [embedding; hidden] (its transformer layer is
+    counted with the model's layers, of the last layer's kind)."""
 
     @property
     def total(self) -> float:
@@ -81,7 +85,8 @@ def forward_flops_breakdown(
     a dense attention kernel (or ``torch.utils.flop_counter``) does.
     """
     s = config.seq_length if seq_length is None else seq_length
-    h, layers, d = config.hidden_size, config.num_layers, config.kv_channels
+    depth = mtp_depth(config)
+    h, layers, d = config.hidden_size, config.num_layers + depth, config.kv_channels  # an MTP depth runs a layer
     # resolved by GPTConfig.__post_init__
     assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
     q_width = config.num_attention_heads * d
@@ -94,7 +99,8 @@ def forward_flops_breakdown(
         out_width = config.num_attention_heads * config.v_head_dim
         qkv_weights = config.mla_parameters(norms=False) - out_width * h
         attention_square = 2 * s * (q_width + out_width)
-    moe = sum(moe_layer_pattern(config))
+    pattern = moe_layer_pattern(config)
+    moe = sum(pattern) + (depth if pattern[-1] else 0)  # the MTP layers are of the last layer's kind
     mlp = (layers - moe) * mlp_weights(config, config.ffn_hidden_size)
     if moe:  # per token: its top-k experts, the shared expert and the shared expert's [1, H] gate
         assert config.moe_ffn_hidden_size is not None  # resolved for MoE models by the config checks
@@ -109,8 +115,9 @@ def forward_flops_breakdown(
         attention=layers * float(attention_square) / (2 if causal else 1),
         projection=layers * 2.0 * out_width * h,
         mlp=2.0 * mlp,
-        logits=2.0 * h * vocab,
+        logits=(1 + depth) * 2.0 * h * vocab,
         router=2.0 * moe * moe_router_parameters(config),
+        mtp_projection=depth * 2.0 * (2 * h) * h,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
+from megatron_lite.core.models.mtp import mtp_depth
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.pipeline_stages import PipelineLayout
 from megatron_lite.core.peft.config import LoRAConfig
@@ -176,14 +177,16 @@ def stage_parameter_shapes(
         linear(f"{prefix}.linear_proj", h, heads * config.v_head_dim, None)
 
     bias = config.add_bias_linear
-    if first or (last and tied):
-        # A lookup on the first stage; on the last stage of tied embeddings the output layer's matrix.
+    depth = mtp_depth(config)
+    if first or (last and (tied or depth)):
+        # A lookup on the first stage (and for the MTP block); on the last stage of tied embeddings the output
+        # layer's matrix.
         out.append(ParamShape("embedding.weight", (vocab // tp, h), last and tied))
     if first and config.position_embedding_type == "learned_absolute":
         out.append(ParamShape("position_embeddings.weight", (config.max_position_embeddings, h), False))
     is_moe = moe_layer_pattern(config)
-    for i in (i for chunk in chunks for i in chunk.layers):
-        p = f"layers.{i}"
+
+    def transformer_layer(p: str, moe_mlp: bool) -> None:
         norm(f"{p}.input_layernorm")
         if config.multi_latent_attention:
             mla(f"{p}.self_attention")
@@ -197,14 +200,26 @@ def stage_parameter_shapes(
             norm(f"{p}.self_attention.q_layernorm", d)
             norm(f"{p}.self_attention.k_layernorm", d)
         norm(f"{p}.pre_mlp_layernorm")
-        if is_moe[i]:
+        if moe_mlp:
             moe(f"{p}.mlp")
         else:
             mlp(f"{p}.mlp", f)
+
+    for i in (i for chunk in chunks for i in chunk.layers):
+        transformer_layer(f"layers.{i}", is_moe[i])
     if last:
         norm("final_layernorm")
         if not tied:
             out.append(ParamShape("output_layer.weight", (vocab // tp, h), True))
+        for i in range(config.num_layers, config.num_layers + depth):
+            # an MTP depth: its input norms, the column-parallel projection of [embedding; hidden], a layer of the
+            # last decoder layer's kind, its own final norm
+            p = f"mtp.layers.{i}"
+            norm(f"{p}.enorm")
+            norm(f"{p}.hnorm")
+            linear(f"{p}.eh_proj", h // tp, 2 * h, None)
+            transformer_layer(f"{p}.transformer_layer", is_moe[-1])
+            norm(f"{p}.final_layernorm")
     if lora is not None:
         out = [dataclasses.replace(p, trainable=is_adapter_parameter(p.name)) for p in out]
     return out

@@ -171,6 +171,11 @@ class GPTConfig:
     """Run the local experts as one grouped GEMM (torch._grouped_mm) where it runs, else one GEMM per expert."""
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
     """How tokens reach their experts' ranks: all-gather, all-to-all, or DeepEP ('flex', needs deep_ep)."""
+    # --- Multi-token prediction (DeepSeek-V3; Megatron's names; see core/models/mtp.py) ---
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths on the last stage, each predicting one token further ahead (None or 0: off)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss: this / mtp_num_layers x the sum of the depths' losses is added to the main loss."""
 
     def __post_init__(self) -> None:
         _refuse_non_finite(self)
@@ -237,6 +242,9 @@ class GPTConfig:
         from megatron_lite.core.models.moe_config import check_moe_fields
 
         check_moe_fields(self)
+        from megatron_lite.core.models.mtp import check_mtp_fields
+
+        check_mtp_fields(self)
 
     def _validate_mla(self) -> None:
         """MLA's shape fields come together (and only with it); what MLA does not support yet is refused by name.
@@ -445,6 +453,9 @@ class GPTConfig:
                     f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
                     f"choose a tensor_model_parallel_size that divides {value} or change {name}."
                 )
+        from megatron_lite.core.models.mtp import check_mtp_parallelism
+
+        check_mtp_parallelism(self, context_parallel_size)
         # How the layers split over pipeline stages (even, uneven, virtual) is checked by
         # ParallelConfig.stage_chunks, which knows the cut.
         if sequence_parallel and self.seq_length % tp != 0:
@@ -497,7 +508,32 @@ class GPTConfig:
         per_layer = attn + biases + 2 * norm + qk_norms
         emb = v * h + (self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0)
         out = 0 if self.share_embeddings_and_output_weights else v * h
-        return L * per_layer + mlp_side_parameters(self, active) + emb + out + norm
+        return (
+            L * per_layer
+            + mlp_side_parameters(self, active)
+            + emb
+            + out
+            + norm
+            + self._mtp_parameters(per_layer, active)
+        )
+
+    def _mtp_parameters(self, per_layer: int, active: bool) -> int:
+        """The multi-token prediction depths': each a layer (``per_layer`` without its MLP, which is of the last
+        layer's kind), its three norms and the ``2H -> H`` projection."""
+        from megatron_lite.core.models.moe_config import moe_layer_pattern
+        from megatron_lite.core.models.moe_sizes import mlp_parameters, moe_layer_parameters
+
+        assert self.ffn_hidden_size is not None  # resolved by __post_init__
+        depth, h = self.mtp_num_layers or 0, self.hidden_size
+        if not depth:
+            return 0
+        mlp = (
+            moe_layer_parameters(self, active)
+            if moe_layer_pattern(self)[-1]
+            else mlp_parameters(self, self.ffn_hidden_size)
+        )
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        return depth * (per_layer + mlp + 3 * norm + 2 * h * h)
 
     def mla_parameters(self, norms: bool = True) -> int:
         """One multi-latent attention's parameters: projections and (with ``norms``) latent norms (no biases)."""

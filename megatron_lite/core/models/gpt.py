@@ -20,6 +20,7 @@ from megatron_lite.core.models.mla import MultiLatentAttention
 from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.moe.step_state import MoEStepState
 from megatron_lite.core.models.moe_config import check_moe_parallelism, moe_layer_pattern
+from megatron_lite.core.models.mtp import MultiTokenPrediction, mtp_depth
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding
@@ -60,7 +61,8 @@ def hidden_dropout(
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the MLP is an MoE layer where
-    ``moe_layer_freq`` says so (``moe_state``: the model's, shared by its MoE layers)."""
+    ``moe_layer_freq`` says so, or ``moe`` (a layer outside the decoder: MTP's) (``moe_state``: the model's, shared
+    by its MoE layers)."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class TransformerLayer(nn.Module):
         layout: ParallelLayout,
         layer_number: int = 0,
         moe_state: Optional[MoEStepState] = None,
+        moe: Optional[bool] = None,
     ):
         super().__init__()
         sp = layout.sequence_parallel
@@ -80,7 +83,7 @@ class TransformerLayer(nn.Module):
             self.self_attention = SelfAttention(config, layout, out_std)
         self.pre_mlp_layernorm = Norm(config.normalization, config.hidden_size, config.layernorm_epsilon, sp)
         self.mlp: nn.Module
-        if moe_state is not None and moe_layer_pattern(config)[layer_number]:
+        if moe_state is not None and (moe_layer_pattern(config)[layer_number] if moe is None else moe):
             from megatron_lite.core.models.moe.layer import MoELayer
 
             self.mlp = MoELayer(config, layout, layer_number, out_std, moe_state)
@@ -139,6 +142,7 @@ class ModelChunk:
         hidden_states: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self.model(
             tokens,
@@ -147,7 +151,13 @@ class ModelChunk:
             cu_seqlens=cu_seqlens,
             hidden_states=hidden_states,
             chunk=self.index,
+            loss_mask=loss_mask,
         )
+
+    @property
+    def mtp(self) -> Optional[MultiTokenPrediction]:
+        """The model's multi-token prediction block, where this chunk ends the model (it takes the loss mask)."""
+        return self.model.mtp if self.post_process else None
 
     def __repr__(self) -> str:
         return f"ModelChunk(virtual_stage={self.stage.virtual_stage}, layers={self.stage.layers})"
@@ -189,11 +199,12 @@ class GPTModel(nn.Module):
         self.post_process = any(stage.post_process for stage in stages)
         tied = config.share_embeddings_and_output_weights and output_layer
         self.has_output_layer = output_layer
+        with_mtp = self.post_process and output_layer and mtp_depth(config) > 0
 
         self.embedding: Optional[VocabParallelEmbedding] = None
-        if self.pre_process or (self.post_process and tied):
-            # The last stage of a pipeline keeps its own copy of a tied embedding (drawn from the same
-            # seed and name, so equal); their gradients are summed over the first and last stage.
+        if self.pre_process or (self.post_process and tied) or with_mtp:
+            # The last stage of a pipeline keeps its own copy of a tied embedding, or of the one MTP embeds with
+            # (drawn from the same seed and name, so equal); their gradients are summed over the first and last stage.
             self.embedding = VocabParallelEmbedding(
                 self.padded_vocab_size,
                 config.hidden_size,
@@ -201,7 +212,8 @@ class GPTModel(nn.Module):
                 init_std=config.init_method_std,
                 vocab_size=config.vocab_size,
             )
-            if tied and layout.pp_size > 1 and not (self.pre_process and self.post_process):
+            copied = tied or (output_layer and mtp_depth(config) > 0)  # the last stage holds a copy
+            if copied and layout.pp_size > 1 and not (self.pre_process and self.post_process):
                 # (a V placement holds the first and the last stage on one rank: one embedding serves both)
                 # read with getattr by the engine (gradient sum) and gradient clipping (counted once)
                 setattr(self.embedding.weight, "shared_embedding", True)
@@ -221,8 +233,11 @@ class GPTModel(nn.Module):
             self.rotary = RotaryEmbedding(
                 rotated, config.rotary_percent, config.rotary_base, scaling=config.rope_scaling()
             )
-        self.moe_state: Optional[MoEStepState] = MoEStepState() if config.num_moe_experts is not None else None
-        """Shared by the MoE layers: the engine's backward multiplier for their auxiliary losses, their metrics."""
+        self.moe_state: Optional[MoEStepState] = (
+            MoEStepState() if config.num_moe_experts is not None or with_mtp else None
+        )
+        """Shared by the MoE layers and the MTP block: the engine's backward multiplier for their auxiliary losses,
+        their metrics."""
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, layout, i, self.moe_state) for stage in stages for i in stage.layers}
         )
@@ -243,6 +258,10 @@ class GPTModel(nn.Module):
                     skip_weight_param=tied,
                     unpadded_output_size=config.vocab_size,
                 )
+        self.mtp: Optional[MultiTokenPrediction] = None
+        if with_mtp:
+            assert self.moe_state is not None  # made for the MTP block just above
+            self.mtp = MultiTokenPrediction(config, layout, self.moe_state)
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
         self.chunks = [ModelChunk(self, index, stage) for index, stage in enumerate(stages)]
         # Per chunk: groups of its layers (global indices) for 'full' recompute (one plain group otherwise).
@@ -263,7 +282,7 @@ class GPTModel(nn.Module):
     def finalize_moe_step(self) -> None:
         """Once per optimizer step, after the backward passes (Megatron's finalize_model_grads): expert biases move
         towards balance from the step's loads (summed over the stage's ranks), global-aux-loss counts restart."""
-        if self.moe_state is None:
+        if self.config.num_moe_experts is None:
             return
         from megatron_lite.core.models.moe.aux_loss import update_expert_bias
         from megatron_lite.core.models.moe.router import TopKRouter
@@ -345,6 +364,7 @@ class GPTModel(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         hidden_states: Optional[torch.Tensor] = None,
         chunk: int = 0,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``tokens`` [b, s] -> logits [b, s, V_padded/tp] (padding at -inf), or per-token loss [b, s]
         given ``labels``.
@@ -356,7 +376,8 @@ class GPTModel(nn.Module):
         (:func:`~megatron_lite.core.parallel.context_parallel.context_parallel_microbatch`) while
         ``cu_seqlens`` describes the whole rows. Under pipeline parallelism ``chunk`` picks the
         virtual stage to run and ``hidden_states`` are the previous stage's activations (every stage
-        sees the tokens: they give the sequence length, the positions and the packing).
+        sees the tokens: they give the sequence length, the positions and the packing). ``loss_mask`` [b, s]
+        masks the multi-token prediction loss like the main one (only a model with ``mtp_num_layers`` reads it).
         """
         stage = self.chunks[chunk].stage
         s = tokens.shape[1]
@@ -400,7 +421,10 @@ class GPTModel(nn.Module):
             return mask_vocab_padding(logits, self.vocab_start, self.config.vocab_size).transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start, self.config.vocab_size)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
-        return loss.t().contiguous()
+        loss = loss.t().contiguous()
+        if self.mtp is not None:
+            loss = self.mtp.attach_loss(self, loss, x, tokens, labels, loss_mask, position_ids, rope, context)
+        return loss
 
     @torch.no_grad()
     def inference_forward(

@@ -79,7 +79,8 @@ class StageChunk:
 
 def parse_pipeline_layout(layout: PipelineLayout) -> list[list[str]]:
     """The layer names of each virtual stage of ``layout``, in pipeline order, read as megatron-core reads it
-    (``PipelineParallelLayerLayout``); a ValueError names the fix. Multi-token prediction ('m') is refused by name."""
+    (``PipelineParallelLayerLayout``); a ValueError names the fix. Multi-token prediction ('m') is refused by name:
+    the MTP block always sits on the last stage."""
     if isinstance(layout, str):
         text = layout.replace(",", "")
         for pattern in _LAYOUT_REPEATS:
@@ -113,8 +114,9 @@ def parse_pipeline_layout(layout: PipelineLayout) -> list[list[str]]:
         )
     if any("mtp" in stage for stage in stages):
         raise ValueError(
-            f"pipeline_model_parallel_layout {layout!r} places multi-token prediction layers ('m'), which "
-            f"megatron-lite does not have yet; remove them from the layout."
+            f"pipeline_model_parallel_layout {layout!r} places multi-token prediction layers ('m'): megatron-lite's "
+            f"MTP block always sits on the last pipeline stage, with the loss; remove 'm' from the layout and set "
+            f"the model's mtp_num_layers."
         )
     return stages
 

@@ -77,6 +77,8 @@ def gpt_forward_step(part, microbatch: dict, hidden_states: Optional[torch.Tenso
     if not getattr(part, "post_process", True):
         labels = None
     kwargs = dict(position_ids=microbatch.get("position_ids"), cu_seqlens=microbatch.get("cu_seqlens"))
+    if labels is not None and getattr(part, "mtp", None) is not None:
+        kwargs["loss_mask"] = microbatch.get("loss_mask")  # the MTP loss is masked like the main one
     if hidden_states is not None:
         kwargs["hidden_states"] = hidden_states
     return part(inputs, labels, **kwargs)

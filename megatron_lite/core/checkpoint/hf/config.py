@@ -292,6 +292,11 @@ def check_exportable(config: GPTConfig) -> None:
             "qk_layernorm with add_qkv_bias or add_bias_linear (HF Qwen3, the model with q/k norms, has biases "
             "on q/k/v and o_proj together or none)"
         )
+    if config.mtp_num_layers and not config.multi_latent_attention:
+        problems.append(
+            f"mtp_num_layers={config.mtp_num_layers} (of the HF models, only DeepSeek-V3, with multi_latent_attention, "
+            f"keeps multi-token prediction layers)"
+        )
     if problems:
         raise UnsupportedHFModel(f"this model cannot be written as an HF Llama: {'; '.join(problems)}.")
 

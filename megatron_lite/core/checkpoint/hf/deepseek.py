@@ -118,6 +118,8 @@ def gpt_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
         v_head_dim=hf["v_head_dim"],
     )
+    if hf.get("num_nextn_predict_layers"):  # the MTP layers kept after the decoder's (transformers ignores them)
+        fields["mtp_num_layers"] = int(hf["num_nextn_predict_layers"])
     fields.update(_moe_fields(hf))
     return fields
 
@@ -177,7 +179,7 @@ def hf_fields(config: GPTConfig) -> dict[str, Any]:
         rope_interleave=True,
         attention_bias=False,
         first_k_dense_replace=dense,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=config.mtp_num_layers or 0,
     )
     if config.num_moe_experts is None:
         hf.update(n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1, n_group=1, topk_group=1)

@@ -23,7 +23,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Collection, Iterator, Optional
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import torch
 
@@ -177,18 +177,30 @@ def _tie_rule(
     return dataclasses.replace(config, share_embeddings_and_output_weights=False)
 
 
+def _mtp_rule(config: GPTConfig, shapes: Mapping[str, tuple[int, ...]], overrides: dict[str, Any]) -> GPTConfig:
+    """``config`` without multi-token prediction when its config.json counts MTP layers
+    (``num_nextn_predict_layers``) that the files do not hold: transformers writes the count but never the layers
+    (it has none), DeepSeek's own checkpoints hold them."""
+    if not config.mtp_num_layers or "mtp_num_layers" in overrides:
+        return config
+    if f"model.layers.{config.num_layers}.eh_proj.weight" in shapes:
+        return config
+    return dataclasses.replace(config, mtp_num_layers=None)
+
+
 def read_hf_model_config(directory: str | os.PathLike, **overrides: Any) -> GPTConfig:
     """The :class:`GPTConfig` that :func:`load_hf` gives an HF directory, reading no weights but the output layer
     and the embedding of a tied config (see :func:`_tie_rule`)."""
-    return _tie_rule(gpt_config_from_hf(read_hf_config(directory), **overrides), directory, overrides)
+    config = _mtp_rule(gpt_config_from_hf(read_hf_config(directory), **overrides), read_hf_shapes(directory), overrides)
+    return _tie_rule(config, directory, overrides)
 
 
 def load_hf(directory: str | os.PathLike, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """(config, full state) of an HF Llama directory: GPTModel names, exactly ``vocab_size`` vocabulary rows,
     the saved dtype. ``overrides`` replace GPTConfig fields (a field that changes a shape is caught here)."""
     hf_config = read_hf_config(directory)
-    config = gpt_config_from_hf(hf_config, **overrides)
     shapes = read_hf_shapes(directory)
+    config = _mtp_rule(gpt_config_from_hf(hf_config, **overrides), shapes, overrides)
     check_hf_shapes(shapes, config)  # every shape, before any tensor is read
     tensors = read_hf_tensors(directory)
     untied = _tie_rule(config, directory, overrides, tensors)

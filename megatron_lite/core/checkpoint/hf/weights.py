@@ -188,9 +188,33 @@ def hf_shapes(config: GPTConfig, fused_experts: bool = False) -> dict[str, tuple
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for i, moe in enumerate(_moe_names(config, fused_experts)):
         shapes.update(_layer_names(i, config, moe))
+    for i, moe in _mtp_layers(config, fused_experts):
+        shapes.update(_layer_names(i, config, moe))
+        p = f"model.layers.{i}."
+        shapes.update({p + name: (h,) for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+        shapes.update({p + "eh_proj.weight": (h, 2 * h)})
+        shapes.update({p + name: (v, h) for name in _MTP_SHARED_COPIES})
     if not config.share_embeddings_and_output_weights:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+# DeepSeek-V3's MTP layer (``model.layers.{num_hidden_layers + k}``): its norms and projection (ours under
+# ``mtp.layers.{i}.``); its transformer layer is a decoder layer's tensors (ours under ``...transformer_layer.``).
+_MTP_NAMES = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("shared_head.norm", "final_layernorm"))
+# Copies of the embedding and the output layer DeepSeek's checkpoints keep in each MTP layer (the model shares them):
+# written on export for the engines that read them, optional on import.
+_MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _mtp_layers(config: GPTConfig, fused: bool) -> list[tuple[int, _MoENames | None]]:
+    """(global layer number, MoE names or None) of each MTP depth: a DeepSeek-V3 MTP layer is of its last layer's
+    kind."""
+    last = _moe_names(config, fused)[-1]
+    return [
+        (i, dataclasses.replace(last, p=f"model.layers.{i}.") if last is not None else None)
+        for i in range(config.num_layers, config.num_layers + (config.mtp_num_layers or 0))
+    ]
 
 
 def check_hf_shapes(saved: Mapping[str, tuple[int, ...]], config: GPTConfig) -> None:
@@ -200,6 +224,8 @@ def check_hf_shapes(saved: Mapping[str, tuple[int, ...]], config: GPTConfig) -> 
     saved = {k: tuple(v) for k, v in saved.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.share_embeddings_and_output_weights:
         saved.pop("lm_head.weight", None)
+    for name in [name for name in expected if name.endswith(_MTP_SHARED_COPIES) and name not in saved]:
+        del expected[name]  # optional: the model's own embedding and output layer
     raise_shape_mismatch(saved, expected, "the HF checkpoint", "its config")
 
 
@@ -334,6 +360,68 @@ def _moe_to_hf(source: _Tensors, names: _MoENames, config: GPTConfig, ours: str)
     return out
 
 
+def _layer_to_state(
+    source: _Tensors, hf: str, ours: str, moe: _MoENames | None, config: GPTConfig, interleaved_rope: bool
+) -> dict[str, torch.Tensor]:
+    """Our tensors (under ``ours``) of one HF decoder layer (under ``hf``)."""
+    state = {}
+    state[ours + "input_layernorm.weight"] = source[hf + "input_layernorm.weight"]
+    state[ours + "pre_mlp_layernorm.weight"] = source[hf + "post_attention_layernorm.weight"]
+    attn, mlp = hf + "self_attn.", hf + "mlp."
+    for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
+        state[f"{ours}self_attention.{our_norm}.weight"] = source[f"{attn}{hf_norm}.weight"]
+    kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
+    if config.multi_latent_attention:
+        state.update(deepseek.attention_to_state(source, attn, ours + "self_attention.", config, interleaved_rope))
+        kinds = []
+    for kind in kinds:
+        state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+            source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"], config
+        )
+    if moe is not None:
+        state.update(_moe_to_state(source, moe, config, ours + "mlp."))
+    for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
+        if not config.multi_latent_attention:
+            state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
+        if moe is None:
+            state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
+                [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0
+            )
+            state[f"{ours}mlp.linear_fc2.{kind}"] = source[f"{mlp}down_proj.{kind}"]
+    return state
+
+
+def _layer_to_hf(
+    source: _Tensors, hf: str, ours: str, moe: _MoENames | None, config: GPTConfig
+) -> dict[str, torch.Tensor]:
+    """One decoder layer's HF tensors (under ``hf``) from ours (under ``ours``)."""
+    assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
+    out = {}
+    out[hf + "input_layernorm.weight"] = source[ours + "input_layernorm.weight"]
+    out[hf + "post_attention_layernorm.weight"] = source[ours + "pre_mlp_layernorm.weight"]
+    attn, mlp = hf + "self_attn.", hf + "mlp."
+    for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
+        out[f"{attn}{hf_norm}.weight"] = source[f"{ours}self_attention.{our_norm}.weight"]
+    kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
+    if config.multi_latent_attention:
+        out.update(deepseek.attention_to_hf(source, attn, ours + "self_attention.", config))
+        kinds = []
+    for kind in kinds:
+        q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)
+        out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
+    if moe is not None:
+        out.update(_moe_to_hf(source, moe, config, ours + "mlp."))
+    for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
+        if not config.multi_latent_attention:
+            out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
+        if moe is None:
+            rest = (config.hidden_size,) if kind == "weight" else ()
+            gate_up = _gate_up(source[f"{ours}mlp.linear_fc1.{kind}"], config.ffn_hidden_size, rest)
+            out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate_up
+            out[f"{mlp}down_proj.{kind}"] = source[f"{ours}mlp.linear_fc2.{kind}"]
+    return out
+
+
 def hf_to_state(
     tensors: Mapping[str, torch.Tensor], config: GPTConfig, interleaved_rope: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -347,31 +435,13 @@ def hf_to_state(
     }
     if not config.share_embeddings_and_output_weights:
         state["output_layer.weight"] = source["lm_head.weight"]
-    for i, moe in enumerate(_moe_names(config, is_fused_expert_layout(tensors))):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        state[ours + "input_layernorm.weight"] = source[hf + "input_layernorm.weight"]
-        state[ours + "pre_mlp_layernorm.weight"] = source[hf + "post_attention_layernorm.weight"]
-        attn, mlp = hf + "self_attn.", hf + "mlp."
-        for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
-            state[f"{ours}self_attention.{our_norm}.weight"] = source[f"{attn}{hf_norm}.weight"]
-        kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
-        if config.multi_latent_attention:
-            state.update(deepseek.attention_to_state(source, attn, ours + "self_attention.", config, interleaved_rope))
-            kinds = []
-        for kind in kinds:
-            state[f"{ours}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                source[f"{attn}q_proj.{kind}"], source[f"{attn}k_proj.{kind}"], source[f"{attn}v_proj.{kind}"], config
-            )
-        if moe is not None:
-            state.update(_moe_to_state(source, moe, config, ours + "mlp."))
-        for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
-            if not config.multi_latent_attention:
-                state[f"{ours}self_attention.linear_proj.{kind}"] = source[f"{attn}o_proj.{kind}"]
-            if moe is None:
-                state[f"{ours}mlp.linear_fc1.{kind}"] = torch.cat(
-                    [source[f"{mlp}gate_proj.{kind}"], source[f"{mlp}up_proj.{kind}"]], dim=0
-                )
-                state[f"{ours}mlp.linear_fc2.{kind}"] = source[f"{mlp}down_proj.{kind}"]
+    fused = is_fused_expert_layout(tensors)
+    for i, moe in enumerate(_moe_names(config, fused)):
+        state.update(_layer_to_state(source, f"model.layers.{i}.", f"layers.{i}.", moe, config, interleaved_rope))
+    for i, moe in _mtp_layers(config, fused):
+        hf, ours = f"model.layers.{i}.", f"mtp.layers.{i}."
+        state.update(_layer_to_state(source, hf, ours + "transformer_layer.", moe, config, interleaved_rope))
+        state.update({f"{ours}{our_name}.weight": source[f"{hf}{hf_name}.weight"] for hf_name, our_name in _MTP_NAMES})
     return state
 
 
@@ -388,27 +458,12 @@ def state_to_hf(state: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[st
         out["lm_head.weight"] = fit_vocab_rows(source["output_layer.weight"], v)
     assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
     for i, moe in enumerate(_moe_names(config, fused=False)):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        out[hf + "input_layernorm.weight"] = source[ours + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = source[ours + "pre_mlp_layernorm.weight"]
-        attn, mlp = hf + "self_attn.", hf + "mlp."
-        for hf_norm, our_norm in _QK_NORMS if config.qk_layernorm else ():
-            out[f"{attn}{hf_norm}.weight"] = source[f"{ours}self_attention.{our_norm}.weight"]
-        kinds = ["weight", "bias"] if (config.add_bias_linear or config.add_qkv_bias) else ["weight"]
-        if config.multi_latent_attention:
-            out.update(deepseek.attention_to_hf(source, attn, ours + "self_attention.", config))
-            kinds = []
-        for kind in kinds:
-            q, k, vv = _split_qkv(source[f"{ours}self_attention.linear_qkv.{kind}"], config)
-            out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": vv})
-        if moe is not None:
-            out.update(_moe_to_hf(source, moe, config, ours + "mlp."))
-        for kind in ["weight", "bias"] if config.add_bias_linear else ["weight"]:
-            if not config.multi_latent_attention:
-                out[f"{attn}o_proj.{kind}"] = source[f"{ours}self_attention.linear_proj.{kind}"]
-            if moe is None:
-                rest = (config.hidden_size,) if kind == "weight" else ()
-                gate_up = _gate_up(source[f"{ours}mlp.linear_fc1.{kind}"], config.ffn_hidden_size, rest)
-                out[f"{mlp}gate_proj.{kind}"], out[f"{mlp}up_proj.{kind}"] = gate_up
-                out[f"{mlp}down_proj.{kind}"] = source[f"{ours}mlp.linear_fc2.{kind}"]
+        out.update(_layer_to_hf(source, f"model.layers.{i}.", f"layers.{i}.", moe, config))
+    for i, moe in _mtp_layers(config, fused=False):
+        hf, ours = f"model.layers.{i}.", f"mtp.layers.{i}."
+        out.update(_layer_to_hf(source, hf, ours + "transformer_layer.", moe, config))
+        out.update({f"{hf}{hf_name}.weight": source[f"{ours}{our_name}.weight"] for hf_name, our_name in _MTP_NAMES})
+        # copies (safetensors refuses tensors that share memory)
+        out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        out[hf + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
     return {name: t.contiguous() for name, t in out.items()}

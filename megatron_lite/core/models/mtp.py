@@ -1,0 +1,196 @@
+"""Multi-token prediction (DeepSeek-V3; megatron-core's ``MultiTokenPredictionBlock``).
+
+Depth ``k`` (1..D) predicts the token ``k + 1`` ahead of each position: ``h_k = norm_k(layer_k(eh_proj([enorm(
+Emb(tokens shifted by k)); hnorm(h_{k-1})])))``, with ``h_0`` the main model's final-norm output, its logits through
+the model's own (shared) output layer and embedding. Its loss is the cross-entropy against the labels shifted by k
+more, masked like the main loss (a position whose target lies past the row's end, or in the next packed document,
+counts zero). The MTP loss ``mtp_loss_scaling_factor / D x sum_k (masked sum of depth k's per-token losses)`` joins
+the objective as Megatron's per-token loss does: it is back-propagated with the engine's multiplier of the main
+summed loss (so the engine divides it by the same global token count) and reported as ``mtp_loss`` (its sum over
+the main loss's tokens), while the main loss's value stays the next-token loss. The block sits on the last
+pipeline stage, next to the output layer it shares.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from megatron_lite.core.models.moe.aux_loss import attach_aux_loss
+from megatron_lite.core.models.moe.step_state import MoEStepState
+from megatron_lite.core.models.norms import Norm
+from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.core.parallel.layout import ParallelLayout
+from megatron_lite.core.parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear
+
+if TYPE_CHECKING:
+    from megatron_lite.core.models.config import GPTConfig
+    from megatron_lite.core.models.gpt import GPTModel
+
+MTP_LOSS = "mtp_loss"
+"""The report name of the MTP loss (logged as ``train/mtp_loss``)."""
+
+
+def mtp_depth(config: "GPTConfig") -> int:
+    """The number of MTP depths D (0: multi-token prediction is off)."""
+    return config.mtp_num_layers or 0
+
+
+def check_mtp_fields(config: "GPTConfig") -> None:
+    """Raise a ValueError naming the fix for MTP fields that cannot work together with the rest of the model."""
+    depth, factor = config.mtp_num_layers, config.mtp_loss_scaling_factor
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
+        raise ValueError(f"mtp_num_layers must be None or a non-negative integer (0: off), got {depth!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
+        raise ValueError(
+            f"mtp_loss_scaling_factor must be a non-negative number (Megatron's default 0.1), got {factor!r}"
+        )
+    if not depth:
+        return
+    if config.position_embedding_type != "rope":
+        raise ValueError(
+            "mtp_num_layers with position_embedding_type='learned_absolute': the MTP block embeds the shifted tokens "
+            "alone, as DeepSeek-V3 does; use position_embedding_type='rope' or mtp_num_layers=None."
+        )
+
+
+def check_mtp_parallelism(config: "GPTConfig", context_parallel_size: int) -> None:
+    """Refuse, naming the fix, a layout the MTP block does not run on."""
+    if mtp_depth(config) and context_parallel_size > 1:
+        raise ValueError(
+            f"mtp_num_layers={config.mtp_num_layers} with context_parallel_size={context_parallel_size}: the MTP "
+            f"block shifts tokens along whole rows, which a context-parallel rank does not hold; set "
+            f"context_parallel_size=1 or mtp_num_layers=None."
+        )
+
+
+def shifted_left(x: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
+    """``x`` [b, s] moved k positions to the left along the sequence (``out[:, t] = x[:, t + k]``), ``fill`` past
+    the end."""
+    out = torch.full_like(x, fill)
+    out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+def depth_mask(
+    loss_mask: Optional[torch.Tensor], labels: torch.Tensor, position_ids: Optional[torch.Tensor], k: int
+) -> torch.Tensor:
+    """Which positions depth k is scored at [b, s] (float): those whose target ``labels[t + k]`` exists in the row,
+    in the same packed document (positions restart at 0 per document), and is scored by the main loss."""
+    mask = shifted_left(torch.ones_like(labels, dtype=torch.float32), k)
+    if loss_mask is not None:
+        mask = mask * shifted_left(loss_mask.to(torch.float32), k)
+    if position_ids is not None:
+        same_document = shifted_left(position_ids, k, fill=-1) == position_ids + k
+        mask = mask * same_document.to(torch.float32)
+    return mask
+
+
+class MTPLayer(nn.Module):
+    """One depth: the norms of its two inputs, their projection back to the hidden width, a transformer layer of the
+    model's kind (MoE where the model's last layer is) and its own final norm (DeepSeek's ``shared_head.norm``)."""
+
+    def __init__(
+        self, config: "GPTConfig", layout: ParallelLayout, layer_number: int, moe_state: Optional[MoEStepState]
+    ):
+        super().__init__()
+        from megatron_lite.core.models.gpt import TransformerLayer  # gpt.py builds this block
+
+        sp, h = layout.sequence_parallel, config.hidden_size
+        self.enorm = Norm(config.normalization, h, config.layernorm_epsilon, sp)
+        self.hnorm = Norm(config.normalization, h, config.layernorm_epsilon, sp)
+        # column-parallel and gathered (megatron-core's eh_proj): whole rows of the full width leave it on every rank
+        self.eh_proj = ColumnParallelLinear(
+            2 * h, h, layout, bias=False, gather_output=True, init_std=config.init_method_std
+        )
+        self.transformer_layer = TransformerLayer(
+            config, layout, layer_number, moe_state, moe=_last_layer_is_moe(config)
+        )
+        self.final_layernorm = Norm(config.normalization, h, config.layernorm_epsilon, sp)
+        self.tp_group = layout.group("tp")
+        self.sequence_parallel = sp
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, rng, context) -> torch.Tensor:
+        """``hidden`` h_{k-1} and ``embedded`` (the shifted tokens' embeddings), both [s(/tp), b, h] -> h_k."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        return self.final_layernorm(self.transformer_layer(x, rope, rng, context))
+
+
+def _last_layer_is_moe(config: "GPTConfig") -> bool:
+    from megatron_lite.core.models.moe_config import moe_layer_pattern
+
+    return moe_layer_pattern(config)[-1]
+
+
+class MultiTokenPrediction(nn.Module):
+    """The D MTP depths of a model's last stage; ``layers`` keyed by global layer number (after the decoder's), as
+    DeepSeek-V3 checkpoints number them."""
+
+    def __init__(self, config: "GPTConfig", layout: ParallelLayout, step_state: MoEStepState):
+        super().__init__()
+        first = config.num_layers
+        self.layers = nn.ModuleDict(
+            {str(first + k): MTPLayer(config, layout, first + k, step_state) for k in range(mtp_depth(config))}
+        )
+        self.scale = config.mtp_loss_scaling_factor / mtp_depth(config)
+        self.step_state = step_state
+
+    def depths(self) -> list[MTPLayer]:
+        """The depths in order (k = 1..D)."""
+        return [layer for _, layer in sorted(self.layers.items(), key=lambda item: int(item[0]))]  # type: ignore[misc]
+
+    def per_token_losses(
+        self,
+        model: "GPTModel",
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        rope,
+        context,
+    ) -> list[torch.Tensor]:
+        """Each depth's per-token loss [b, s] (unmasked; position t's target is ``labels[t + k]``), from the main
+        model's final-norm output ``hidden`` [s(/tp), b, h] and the microbatch's input ``tokens`` [b, s]."""
+        assert model.embedding is not None and model.output_layer is not None  # built with the block
+        losses = []
+        for k, layer in enumerate(self.depths(), start=1):
+            embedded = model.embedding(shifted_left(tokens, k).t())
+            hidden = layer(hidden, embedded, rope, model.rng_tracker, context)
+            logits = model.output_layer(hidden, model._output_weight())
+            target = shifted_left(labels, k).t()
+            loss = vocab_parallel_cross_entropy(
+                logits, target, model.tp_group, model.vocab_start, model.config.vocab_size
+            )
+            losses.append(loss.t())
+        return losses
+
+    def attach_loss(
+        self,
+        model: "GPTModel",
+        main_loss: torch.Tensor,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        rope,
+        context,
+    ) -> torch.Tensor:
+        """``main_loss`` [b, s] unchanged, carrying the MTP loss into its backward (with the engine's multiplier of
+        the summed main loss); the MTP loss and the main loss's token count are recorded for the step's report."""
+        total = sum(
+            (
+                (loss * depth_mask(loss_mask, labels, position_ids, k).to(loss.dtype)).sum()
+                for k, loss in enumerate(self.per_token_losses(model, hidden, tokens, labels, rope, context), start=1)
+            ),
+            start=torch.zeros((), dtype=main_loss.dtype, device=main_loss.device),
+        )
+        total = total * self.scale
+        count = loss_mask.sum() if loss_mask is not None else float(labels.numel())
+        self.step_state.record(MTP_LOSS, total.detach(), count)
+        return attach_aux_loss(main_loss, total, self.step_state.backward_scale)

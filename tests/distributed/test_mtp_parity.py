@@ -1,0 +1,26 @@
+"""Multi-token prediction through a real Trainer equals the single-process run, per step (losses, the reported
+MTP loss, the first step's full gradients, the final parameters): at TP2 with sequence parallelism (the MTP layer's
+projection gathered over TP and scattered over the sequence) and at PP2, where the block sits on the last stage
+with its own copy of the (untied) embedding, whose gradient is summed with the first stage's."""
+
+import pytest
+from parity_utils import assert_same_training, run, tiny_config
+
+MTP = dict(mtp_num_layers=2, mtp_loss_scaling_factor=0.5, seq_length=16)
+LAYOUTS = {"tp2-sp": dict(devices=2, tp=2, sp=True), "pp2": dict(devices=2, pp=2)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single"), devices=1, config=tiny_config(**MTP), steps=2, gbs=4)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mtp_matches_single_process(name, reference, tmp_path):
+    result = run(tmp_path, config=tiny_config(**MTP), steps=2, gbs=4, **LAYOUTS[name])
+    assert_same_training(result, reference)
+    assert reference["reported"][0]["train/mtp_loss"] > 0
+    for got, want in zip(result["reported"], reference["reported"]):
+        assert got.keys() == want.keys()
+        for metric, value in want.items():
+            assert got[metric] == pytest.approx(value, rel=1e-5), metric
