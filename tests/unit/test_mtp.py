@@ -154,3 +154,13 @@ def test_the_mtp_depth_drafts_for_speculative_decoding_with_greedy_tokens(mla):
     assert module_speculative_generate(model, prompts, 10, num_draft_tokens=2).tokens == expected
     with pytest.raises(ValueError, match="no multi-token prediction block"):
         mtp_draft(GPTModel(ml.GPTConfig(**CONFIG)))
+
+
+def test_an_eagle_head_stays_bound_when_only_the_mtp_loss_weight_changes():
+    import dataclasses
+
+    from megatron_lite.core.models.draft_head import config_digest
+
+    config = ml.GPTConfig(**CONFIG, mtp_num_layers=1)
+    assert config_digest(dataclasses.replace(config, mtp_loss_scaling_factor=0.3)) == config_digest(config)
+    assert config_digest(dataclasses.replace(config, mtp_num_layers=2)) != config_digest(config)
