@@ -45,6 +45,7 @@ from megatron_lite.core.models.draft_head import (
     base_fingerprint,
     config_digest,
 )
+from megatron_lite.core.models.mtp import MTPLayer, mtp_draft
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.loss_report import report_entry
@@ -309,12 +310,13 @@ def speculative_generate(
     prompts: Any,
     max_new_tokens: int,
     *,
-    draft: Optional[EagleDraftHead] = None,
+    draft: Optional[EagleDraftHead | MTPLayer] = None,
     num_draft_tokens: int = 4,
     stop_ids: Optional[Any] = None,
 ) -> SpeculativeResult:
     """Greedy speculative decoding with a GPTModule (or GPTModel) and its draft head: ``draft`` defaults to the
-    one :class:`~megatron_lite.callbacks.TrainDraftHead` attached (``model.draft_head``). The tokens equal the
+    one :class:`~megatron_lite.callbacks.TrainDraftHead` attached (``model.draft_head``), else to the model's first
+    multi-token prediction depth (a model with ``mtp_num_layers``). The tokens equal the
     module's greedy ``generate``; ``result.acceptance_length`` is tokens per base forward. See
     :func:`megatron_lite.core.inference.speculative.speculative_generate`."""
     model = getattr(module_or_model, "model", module_or_model)
@@ -322,10 +324,12 @@ def speculative_generate(
         module_or_model.configure_model()
         model = module_or_model.model
     draft = draft if draft is not None else draft_head_of(model)
+    if draft is None and getattr(model, "mtp", None) is not None:
+        draft = mtp_draft(model)
     if draft is None:
         raise ValueError(
-            "no draft head: pass draft=load_draft_head(path, model) or train one with "
-            "megatron_lite.callbacks.TrainDraftHead"
+            "no draft head: pass draft=load_draft_head(path, model), train one with "
+            "megatron_lite.callbacks.TrainDraftHead, or use a model with mtp_num_layers (it drafts with its MTP depth)"
         )
     return _speculative_generate(
         model, draft, prompts, max_new_tokens, num_draft_tokens=num_draft_tokens, stop_ids=stop_ids

@@ -1,13 +1,20 @@
 """Multi-token prediction through a real Trainer equals the single-process run, per step (losses, the reported
 MTP loss, the first step's full gradients, the final parameters): at TP2 with sequence parallelism (the MTP layer's
 projection gathered over TP and scattered over the sequence) and at PP2, where the block sits on the last stage
-with its own copy of the (untied) embedding, whose gradient is summed with the first stage's."""
+with its own copy of the (untied) embedding, whose gradient is summed with the first stage's, and in a V placement."""
 
 import pytest
 from parity_utils import assert_same_training, run, tiny_config
 
 MTP = dict(mtp_num_layers=2, mtp_loss_scaling_factor=0.5, seq_length=16)
-LAYOUTS = {"tp2-sp": dict(devices=2, tp=2, sp=True), "pp2": dict(devices=2, pp=2)}
+LAYOUTS = {
+    "tp2-sp": dict(devices=2, tp=2, sp=True),
+    "pp2": dict(devices=2, pp=2),
+    # a V placement: the last stage (and the MTP block) on rank 0 with the first, one embedding serving both
+    "pp2-zbv": dict(
+        devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_model_parallel_layout="E|t|t|L", pipeline_schedule="zbv")
+    ),
+}
 
 
 @pytest.fixture(scope="module")

@@ -132,3 +132,35 @@ def test_deepseek_v3_export_keeps_the_mtp_layer_and_reimports_it(tmp_path):
     for m in (model, again):
         m(tokens[:, :-1], tokens[:, 1:])
     assert again.take_step_report()[MTP_LOSS].tolist() == model.take_step_report()[MTP_LOSS].tolist()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_the_mtp_depth_drafts_for_speculative_decoding_with_greedy_tokens(mla):
+    from megatron_lite.core.inference.generate import generate
+    from megatron_lite.core.inference.speculative import speculative_generate
+    from megatron_lite.core.models.mtp import mtp_draft
+
+    attention = dict(multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    config = ml.GPTConfig(**{**CONFIG, "seq_length": 32}, mtp_num_layers=1, **(attention if mla else {}))
+    model = GPTModel(config, seed=11).eval()
+    prompts = [[5, 17, 3, 44, 9], [60, 2]]
+    expected = generate(model, prompts, max_new_tokens=10).tokens
+    result = speculative_generate(model, mtp_draft(model), prompts, max_new_tokens=10, num_draft_tokens=1)
+    assert result.tokens == expected  # the base verifies every draft: greedy decoding's tokens
+    assert sum(result.draft_steps) > 0 and result.acceptance_length >= 1.0
+    # the post-training entry point drafts with the model's MTP depth when no EAGLE head is attached
+    from megatron_lite.post_training import speculative_generate as module_speculative_generate
+
+    assert module_speculative_generate(model, prompts, 10, num_draft_tokens=2).tokens == expected
+    with pytest.raises(ValueError, match="no multi-token prediction block"):
+        mtp_draft(GPTModel(ml.GPTConfig(**CONFIG)))
+
+
+def test_an_eagle_head_stays_bound_when_only_the_mtp_loss_weight_changes():
+    import dataclasses
+
+    from megatron_lite.core.models.draft_head import config_digest
+
+    config = ml.GPTConfig(**CONFIG, mtp_num_layers=1)
+    assert config_digest(dataclasses.replace(config, mtp_loss_scaling_factor=0.3)) == config_digest(config)
+    assert config_digest(dataclasses.replace(config, mtp_num_layers=2)) != config_digest(config)

@@ -39,7 +39,7 @@ from megatron_lite.core.estimator.parameters import parameter_shapes
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.models.moe_sizes import mlp_weights, moe_router_parameters
-from megatron_lite.core.models.mtp import mtp_depth
+from megatron_lite.core.models.mtp_config import mtp_depth
 from megatron_lite.core.peft.config import LoRAConfig
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
-from megatron_lite.core.models.mtp import mtp_depth
+from megatron_lite.core.models.mtp_config import mtp_depth
 from megatron_lite.core.parallel.layout import ParallelConfig
 from megatron_lite.core.parallel.pipeline_stages import PipelineLayout
 from megatron_lite.core.peft.config import LoRAConfig

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from megatron_lite.core.models.gpt import GPTModel
@@ -57,9 +58,16 @@ class KVCache:
     @classmethod
     def for_model(cls, model: GPTModel, batch_size: int, max_len: int) -> "KVCache":
         """A cache for the layers ``model`` (this rank's pipeline stages) holds."""
-        param = next(model.parameters())
+        return cls.for_layers(model, [int(i) for i in model.layers.keys()], batch_size, max_len)
+
+    @classmethod
+    def for_layers(
+        cls, model: GPTModel, layers: Sequence[int], batch_size: int, max_len: int, like: Optional[nn.Module] = None
+    ) -> "KVCache":
+        """A cache for ``layers`` (ids) of ``model``'s attention kind: a draft's layer of the model's shape too (in
+        the dtype and on the device of ``like``'s parameters, default the model's)."""
+        param = next((like or model).parameters())
         config = model.config
-        layers = [int(i) for i in model.layers.keys()]
         if config.multi_latent_attention:
             assert config.kv_lora_rank is not None and config.qk_pos_emb_head_dim is not None  # resolved with MLA
             return cls(

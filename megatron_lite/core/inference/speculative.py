@@ -35,6 +35,7 @@ from megatron_lite.core.inference.prompts import check_prompts, check_stop_ids
 from megatron_lite.core.models.attention import rotary_tables
 from megatron_lite.core.models.draft_head import EagleDraftHead, base_fingerprint
 from megatron_lite.core.models.gpt import GPTModel
+from megatron_lite.core.models.mtp import MTPLayer
 from megatron_lite.core.parallel.vocab_padding import gather_real_vocab
 
 
@@ -64,10 +65,12 @@ def check_draft(model: GPTModel, draft: Any, num_draft_tokens: int, check_base: 
         raise ValueError(
             f"num_draft_tokens must be an integer >= 1 (tokens proposed per base forward), got {num_draft_tokens!r}"
         )
-    if not isinstance(draft, EagleDraftHead):
+    own_mtp = isinstance(draft, MTPLayer) and model.mtp is not None and any(d is draft for d in model.mtp.depths())
+    if not isinstance(draft, EagleDraftHead) and not own_mtp:
         raise TypeError(
             f"draft must be an EagleDraftHead (trained with megatron_lite.callbacks.TrainDraftHead or "
-            f"loaded with megatron_lite.post_training.load_draft_head), got {type(draft).__name__}"
+            f"loaded with megatron_lite.post_training.load_draft_head) or the model's own MTP depth "
+            f"(megatron_lite.core.models.mtp.mtp_draft(model)), got {type(draft).__name__}"
         )
     if model.layout.pp_size > 1:
         raise ValueError("speculative decoding runs the whole model on each rank: set pipeline_model_parallel_size=1")
@@ -84,6 +87,8 @@ def check_draft(model: GPTModel, draft: Any, num_draft_tokens: int, check_base: 
             "speculative decoding verifies the draft with the model's output layer: this model was built "
             "with output_layer=False"
         )
+    if own_mtp:
+        return  # part of the model: its layout, trained with it
     if draft.layout.tp_size != model.layout.tp_size or draft.layout.tp_rank != model.layout.tp_rank:
         raise ValueError(
             f"the draft head is built for TP rank {draft.layout.tp_rank} of {draft.layout.tp_size}, the "
@@ -109,7 +114,7 @@ def check_draft(model: GPTModel, draft: Any, num_draft_tokens: int, check_base: 
 @torch.no_grad()
 def speculative_generate(
     model: GPTModel,
-    draft: EagleDraftHead,
+    draft: EagleDraftHead | MTPLayer,
     prompts: Any,
     max_new_tokens: int,
     *,
@@ -118,7 +123,8 @@ def speculative_generate(
     check_base: bool = True,
 ) -> SpeculativeResult:
     """Greedy continuation of each of ``prompts`` (lists of token ids) by up to ``max_new_tokens`` tokens,
-    ``num_draft_tokens`` proposed by ``draft`` per base forward. ``model`` is a GPTModel (one pipeline stage;
+    ``num_draft_tokens`` proposed by ``draft`` (an EAGLE head, or the model's MTP depth: ``mtp_draft(model)``) per
+    base forward. ``model`` is a GPTModel (one pipeline stage;
     any TP: every rank of its replica calls this with the same arguments). ``check_base`` compares the
     draft head's recorded base model with ``model`` first (hashes every weight: turn it off only when the
     same pair was just checked)."""
@@ -152,7 +158,7 @@ class _Speculator:
     (its proposals and the base's choices together, to count what is accepted), so drafting never waits on
     the device."""
 
-    def __init__(self, model: GPTModel, draft: EagleDraftHead, max_len: int):
+    def __init__(self, model: GPTModel, draft: EagleDraftHead | MTPLayer, max_len: int):
         self.model, self.draft = model, draft
         # check_draft: one pipeline stage (it embeds and ends the model) with its output layer
         assert model.embedding is not None and model.final_layernorm is not None and model.output_layer is not None
@@ -164,19 +170,9 @@ class _Speculator:
         self.tp_group = model.layout.group("tp") if model.layout.tp_size > 1 else None
         self.device = next(model.parameters()).device
         self.cache = KVCache.for_model(model, 1, max_len)
-        config = model.config
-        # resolved by GPTConfig.__post_init__
-        assert config.num_query_groups is not None and config.kv_channels is not None
-        param = next(draft.parameters())
-        self.draft_cache = KVCache(
-            [0],
-            1,
-            max_len,
-            config.num_query_groups // model.layout.tp_size,
-            config.kv_channels,
-            param.dtype,
-            param.device,
-        )
+        self.draft_cache = KVCache.for_layers(
+            model, [0], 1, max_len, like=draft
+        )  # the draft's layer has the model's shape
         self.output_weight = model._output_weight()
         self.base_forwards = self.draft_steps = 0
         # Every slot's tables, sliced per step: RoPE is elementwise in the position, so a slice holds the bits

@@ -242,7 +242,7 @@ class GPTConfig:
         from megatron_lite.core.models.moe_config import check_moe_fields
 
         check_moe_fields(self)
-        from megatron_lite.core.models.mtp import check_mtp_fields
+        from megatron_lite.core.models.mtp_config import check_mtp_fields
 
         check_mtp_fields(self)
 
@@ -453,7 +453,7 @@ class GPTConfig:
                     f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
                     f"choose a tensor_model_parallel_size that divides {value} or change {name}."
                 )
-        from megatron_lite.core.models.mtp import check_mtp_parallelism
+        from megatron_lite.core.models.mtp_config import check_mtp_parallelism
 
         check_mtp_parallelism(self, context_parallel_size)
         # How the layers split over pipeline stages (even, uneven, virtual) is checked by

@@ -32,7 +32,7 @@ DRAFT_HEAD_ATTRIBUTE = "draft_head"
 """Name of the draft head as a sub-module of the base GPTModel while it trains (``model.draft_head``)."""
 
 # GPTConfig fields that do not change what a model computes in eval mode (lengths, dropout, init,
-# padding, recomputation): a draft head stays valid when only these differ.
+# padding, recomputation, the MTP loss's weight): a draft head stays valid when only these differ.
 _RUNTIME_FIELDS = frozenset(
     {
         "seq_length",
@@ -44,6 +44,7 @@ _RUNTIME_FIELDS = frozenset(
         "recompute_granularity",
         "recompute_method",
         "recompute_num_layers",
+        "mtp_loss_scaling_factor",  # weighs a training loss only
     }
 )
 

@@ -20,7 +20,8 @@ from megatron_lite.core.models.mla import MultiLatentAttention
 from megatron_lite.core.models.mlp import MLP
 from megatron_lite.core.models.moe.step_state import MoEStepState
 from megatron_lite.core.models.moe_config import check_moe_parallelism, moe_layer_pattern
-from megatron_lite.core.models.mtp import MultiTokenPrediction, mtp_depth
+from megatron_lite.core.models.mtp import MultiTokenPrediction
+from megatron_lite.core.models.mtp_config import mtp_depth
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.recompute import checkpoint, full_recompute_groups, recompute_active
 from megatron_lite.core.models.rope import RotaryEmbedding
@@ -261,7 +262,10 @@ class GPTModel(nn.Module):
         self.mtp: Optional[MultiTokenPrediction] = None
         if with_mtp:
             assert self.moe_state is not None  # made for the MTP block just above
-            self.mtp = MultiTokenPrediction(config, layout, self.moe_state)
+            state, last_is_moe = self.moe_state, moe_layer_pattern(config)[-1]
+            self.mtp = MultiTokenPrediction(
+                config, layout, state, lambda i: TransformerLayer(config, layout, i, state, moe=last_is_moe)
+            )
         self.rng_tracker = model_parallel_rng_tracker(seed, layout.tp_rank, layout.pp_rank)
         self.chunks = [ModelChunk(self, index, stage) for index, stage in enumerate(stages)]
         # Per chunk: groups of its layers (global indices) for 'full' recompute (one plain group otherwise).

@@ -13,14 +13,14 @@ pipeline stage, next to the output layer it shares.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
 from megatron_lite.core.models.moe.aux_loss import attach_aux_loss
 from megatron_lite.core.models.moe.step_state import MoEStepState
+from megatron_lite.core.models.mtp_config import mtp_depth
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -29,43 +29,10 @@ from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear
 
 if TYPE_CHECKING:
     from megatron_lite.core.models.config import GPTConfig
-    from megatron_lite.core.models.gpt import GPTModel
+    from megatron_lite.core.models.gpt import GPTModel, TransformerLayer
 
 MTP_LOSS = "mtp_loss"
 """The report name of the MTP loss (logged as ``train/mtp_loss``)."""
-
-
-def mtp_depth(config: "GPTConfig") -> int:
-    """The number of MTP depths D (0: multi-token prediction is off)."""
-    return config.mtp_num_layers or 0
-
-
-def check_mtp_fields(config: "GPTConfig") -> None:
-    """Raise a ValueError naming the fix for MTP fields that cannot work together with the rest of the model."""
-    depth, factor = config.mtp_num_layers, config.mtp_loss_scaling_factor
-    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
-        raise ValueError(f"mtp_num_layers must be None or a non-negative integer (0: off), got {depth!r}")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
-        raise ValueError(
-            f"mtp_loss_scaling_factor must be a non-negative number (Megatron's default 0.1), got {factor!r}"
-        )
-    if not depth:
-        return
-    if config.position_embedding_type != "rope":
-        raise ValueError(
-            "mtp_num_layers with position_embedding_type='learned_absolute': the MTP block embeds the shifted tokens "
-            "alone, as DeepSeek-V3 does; use position_embedding_type='rope' or mtp_num_layers=None."
-        )
-
-
-def check_mtp_parallelism(config: "GPTConfig", context_parallel_size: int) -> None:
-    """Refuse, naming the fix, a layout the MTP block does not run on."""
-    if mtp_depth(config) and context_parallel_size > 1:
-        raise ValueError(
-            f"mtp_num_layers={config.mtp_num_layers} with context_parallel_size={context_parallel_size}: the MTP "
-            f"block shifts tokens along whole rows, which a context-parallel rank does not hold; set "
-            f"context_parallel_size=1 or mtp_num_layers=None."
-        )
 
 
 def shifted_left(x: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
@@ -94,12 +61,8 @@ class MTPLayer(nn.Module):
     """One depth: the norms of its two inputs, their projection back to the hidden width, a transformer layer of the
     model's kind (MoE where the model's last layer is) and its own final norm (DeepSeek's ``shared_head.norm``)."""
 
-    def __init__(
-        self, config: "GPTConfig", layout: ParallelLayout, layer_number: int, moe_state: Optional[MoEStepState]
-    ):
+    def __init__(self, config: "GPTConfig", layout: ParallelLayout, transformer_layer: "TransformerLayer"):
         super().__init__()
-        from megatron_lite.core.models.gpt import TransformerLayer  # gpt.py builds this block
-
         sp, h = layout.sequence_parallel, config.hidden_size
         self.enorm = Norm(config.normalization, h, config.layernorm_epsilon, sp)
         self.hnorm = Norm(config.normalization, h, config.layernorm_epsilon, sp)
@@ -107,9 +70,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = ColumnParallelLinear(
             2 * h, h, layout, bias=False, gather_output=True, init_std=config.init_method_std
         )
-        self.transformer_layer = TransformerLayer(
-            config, layout, layer_number, moe_state, moe=_last_layer_is_moe(config)
-        )
+        self.transformer_layer = transformer_layer
         self.final_layernorm = Norm(config.normalization, h, config.layernorm_epsilon, sp)
         self.tp_group = layout.group("tp")
         self.sequence_parallel = sp
@@ -121,23 +82,40 @@ class MTPLayer(nn.Module):
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return self.final_layernorm(self.transformer_layer(x, rope, rng, context))
 
+    def inference_forward(self, features: torch.Tensor, token_embeddings: torch.Tensor, rope, kv, step) -> torch.Tensor:
+        """The same depth for generation (eval, sequence parallelism off), attention through the KV cache ``kv``:
+        as a speculative-decoding draft it reads the model's final-norm ``features`` [s, b, h] and the next tokens'
+        embeddings, and returns its own features, which the shared output layer turns into the token after."""
+        x = self.eh_proj(torch.cat([self.enorm(token_embeddings), self.hnorm(features)], dim=-1))
+        return self.final_layernorm(self.transformer_layer.inference_forward(x, rope, kv, step))
 
-def _last_layer_is_moe(config: "GPTConfig") -> bool:
-    from megatron_lite.core.models.moe_config import moe_layer_pattern
 
-    return moe_layer_pattern(config)[-1]
+def mtp_draft(model: "GPTModel") -> MTPLayer:
+    """The model's first MTP depth, as a speculative-decoding draft (``speculative_generate(model, mtp_draft(model),
+    ...)``): it predicts the token after next from the model's features, as DeepSeek-V3 drafts with it."""
+    if model.mtp is None:
+        raise ValueError(
+            "this model has no multi-token prediction block to draft with: build it with mtp_num_layers >= 1 (on its "
+            "last pipeline stage, with its output layer), or draft with an EAGLE head"
+        )
+    return model.mtp.depths()[0]
 
 
 class MultiTokenPrediction(nn.Module):
     """The D MTP depths of a model's last stage; ``layers`` keyed by global layer number (after the decoder's), as
-    DeepSeek-V3 checkpoints number them."""
+    DeepSeek-V3 checkpoints number them. ``transformer_layer`` builds a depth's layer from its global number (the
+    model's builder: a layer of the model's kind, MoE where its last layer is, sharing ``step_state``)."""
 
-    def __init__(self, config: "GPTConfig", layout: ParallelLayout, step_state: MoEStepState):
+    def __init__(
+        self,
+        config: "GPTConfig",
+        layout: ParallelLayout,
+        step_state: MoEStepState,
+        transformer_layer: Callable[[int], "TransformerLayer"],
+    ):
         super().__init__()
-        first = config.num_layers
-        self.layers = nn.ModuleDict(
-            {str(first + k): MTPLayer(config, layout, first + k, step_state) for k in range(mtp_depth(config))}
-        )
+        numbers = range(config.num_layers, config.num_layers + mtp_depth(config))
+        self.layers = nn.ModuleDict({str(i): MTPLayer(config, layout, transformer_layer(i)) for i in numbers})
         self.scale = config.mtp_loss_scaling_factor / mtp_depth(config)
         self.step_state = step_state
 
