@@ -44,11 +44,26 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One-process runs per (model options, micro-batch size), made once: the layouts of one model share theirs."""
+    cache: dict = {}
+
+    def reference(overrides: dict, mbs: int) -> dict:
+        key = (repr(sorted(overrides.items())), mbs)
+        if key not in cache:
+            config = tiny_config(**MLA, **overrides)
+            cache[key] = run(tmp_path_factory.mktemp("single"), devices=1, config=config, steps=2, mbs=mbs)
+        return cache[key]
+
+    return reference
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_mla_layout_matches_single_process(name, tmp_path):
+def test_mla_layout_matches_single_process(name, references, tmp_path):
     overrides, layout = CASES[name]
     config = tiny_config(**MLA, **overrides)
-    reference = run(tmp_path / "single", devices=1, config=config, steps=2, mbs=layout.get("mbs", 2))
+    reference = references(overrides, layout.get("mbs", 2))
     result = run(tmp_path / "parallel", config=config, steps=2, **{"devices": 2, **layout})
     assert_same_training(result, reference)
     torch.testing.assert_close(

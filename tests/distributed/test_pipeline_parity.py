@@ -39,7 +39,6 @@ LAYOUTS = {
     "tp2_pp2_sp": dict(devices=4, pp=2, tp=2, sp=True),
     "pp2_dp2": dict(devices=4, pp=2, mbs=1),
     "pp2_distopt": dict(devices=2, pp=2, distributed_optimizer=True),
-    "pp2_zb1p": dict(devices=2, pp=2, strategy_kwargs=dict(pipeline_schedule="zb1p")),
     "tp2_pp2_sp_zb1p": dict(devices=4, pp=2, tp=2, sp=True, strategy_kwargs=dict(pipeline_schedule="zb1p")),
     "pp2_dp2_distopt_overlap_zb1p": dict(
         devices=4,
@@ -48,7 +47,6 @@ LAYOUTS = {
         distributed_optimizer=True,
         strategy_kwargs=dict(overlap_grad_reduce=True, ddp_bucket_size=2000, pipeline_schedule="zb1p"),
     ),
-    "pp2_zbv": dict(devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_schedule="zbv")),
     "pp2_dp2_distopt_overlap_zbv": dict(  # two chunks per rank, each reducing after its own last W
         devices=4,
         pp=2,
@@ -103,6 +101,9 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
     assert result["global_step"] == 10
     if rank0_layers is not None:  # the cut asked for is the one that ran
         assert json.loads((tmp_path / "rank0_layers.json").read_text()) == rank0_layers
+    if kwargs.get("strategy_kwargs", {}).get("overlap_grad_reduce"):
+        # reductions launched from the hooks of each chunk's last backward (a zero-bubble schedule's: last W)
+        assert result["overlapped_reductions"] > 0
     # The distributed optimizer moves gradients into its DP shards: compared through the norm and the step.
     assert_same_training(result, reference, grads=not kwargs.get("distributed_optimizer"))
     # train/grad_norm is one norm over every stage's gradients (what clipping uses).
@@ -111,23 +112,29 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
     )
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp4", "pp2_zb1p", "pp2_zbv"])
-def test_tied_embeddings_match_single_process(layout, tmp_path):
+TIED = {
+    "pp2": LAYOUTS["pp2"],
+    "pp4": LAYOUTS["pp4"],
+    "pp2_zb1p": dict(devices=2, pp=2, strategy_kwargs=dict(pipeline_schedule="zb1p")),
+    "pp2_zbv": dict(devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_schedule="zbv")),
+}
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("single_tied"), devices=1, tied=True, steps=5)
+
+
+@pytest.mark.parametrize("layout", list(TIED))
+def test_tied_embeddings_match_single_process(layout, tied_reference, tmp_path):
     """The tied embedding lives on the first and last stage; its gradient is summed over both (in a V placement both
     stages are on rank 0, which holds one embedding for both)."""
-    reference = _run(tmp_path / "single", devices=1, tied=True, steps=5)
-    result = _run(tmp_path / layout, tied=True, steps=5, **LAYOUTS[layout])
+    reference = tied_reference
+    result = _run(tmp_path / layout, tied=True, steps=5, **TIED[layout])
     assert_same_training(result, reference)
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-5, atol=0
     )
-
-
-@pytest.mark.parametrize("layout", ["pp2_dp2_distopt_overlap", "pp2_dp2_distopt_overlap_zbv"])
-def test_overlapped_reduce_scatter_ran_during_the_pipeline(layout, tmp_path):
-    """Under a zero-bubble schedule a bucket's reduction starts from the hooks of the chunk's last W."""
-    result = _run(tmp_path, steps=2, **LAYOUTS[layout])
-    assert result["overlapped_reductions"] > 0
 
 
 @pytest.mark.slow
@@ -136,12 +143,17 @@ def test_tp2_pp2_dp2_on_eight_ranks(reference, tmp_path):
     assert_same_training(result, reference)
 
 
+@pytest.fixture(scope="module")
+def four_step_reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single_4"), devices=1, config=tiny_config(**CONFIG), steps=4)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_recompute_composes_with_pipeline(schedule, tmp_path):
+def test_recompute_composes_with_pipeline(schedule, four_step_reference, tmp_path):
     """Full recomputation under the zero-bubble split too: the input-gradient pass recomputes the layer and defers
     its weight GEMMs like any backward."""
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    reference = run(tmp_path / "single", devices=1, config=tiny_config(**CONFIG), steps=4)
+    reference = four_step_reference
     vpp = 2 if schedule == "zbv" else 1
     config = tiny_config(**CONFIG, **recompute)
     kwargs = dict(devices=2, pp=2, vpp=vpp, strategy_kwargs=dict(pipeline_schedule=schedule))
