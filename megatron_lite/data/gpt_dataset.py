@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from megatron_lite.core.object_staging import object_cache_dir, url_digest
 from megatron_lite.core.object_store import is_remote
 from megatron_lite.core.parallel.packing import cu_seqlens_from_eod, position_ids_from_cu_seqlens
 from megatron_lite.data._index_cache import array_digest, describe, load_or_build
-from megatron_lite.data.remote_file import object_cache_dir, url_digest
 from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
 
 if TYPE_CHECKING:

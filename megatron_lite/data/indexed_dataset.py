@@ -36,8 +36,9 @@ from typing import Any, BinaryIO, Optional, Union
 import numpy as np
 import torch
 
+from megatron_lite.core.object_staging import cached_copy
 from megatron_lite.core.object_store import errors_named, filesystem, is_remote
-from megatron_lite.data.remote_file import RemoteFile, cached_copy
+from megatron_lite.data.remote_file import RemoteFile
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _VERSION = 1

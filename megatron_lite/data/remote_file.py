@@ -1,67 +1,30 @@
 """Indexed datasets read from an object store (``s3://bucket/prefix``) without copying the corpus.
 
 - The ``.idx`` is read once and kept in a local cache, named by the object's URL, ETag and size
-  (:func:`cached_copy`): a changed object is downloaded again, an unchanged one never.
+  (:func:`megatron_lite.core.object_staging.cached_copy`): a changed object is downloaded again, an unchanged one
+  never.
 - The ``.bin`` is a :class:`RemoteFile`: each read is one ranged GET of exactly the bytes asked for (a sample's
   tokens), kept in a bounded in-memory cache, and the reads a dataset announces (:meth:`RemoteFile.prefetch`: the
   next samples of this rank) are fetched ahead in a background thread, so a step does not wait on the network once
   the read-ahead keeps up.
 
 Where the local copies go: ``$XDG_CACHE_HOME/megatron-lite/object-store`` (``~/.cache/...``), see
-:func:`object_cache_dir`.
+:func:`megatron_lite.core.object_staging.object_cache_dir`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Optional
 
+from megatron_lite.core.object_staging import object_identity
 from megatron_lite.core.object_store import errors_named, filesystem
-from megatron_lite.utils.files import write_atomic
 
 DEFAULT_CACHE_BYTES = 64 << 20
 """Bytes of ``.bin`` ranges a :class:`RemoteFile` keeps in memory (fetched ahead or read recently)."""
-
-
-def object_cache_dir() -> str:
-    """Where local copies of objects (``.idx`` files, dataset index caches) are kept."""
-    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(user_cache, "megatron-lite", "object-store")
-
-
-def url_digest(url: str) -> str:
-    """A short name for ``url`` in local cache paths."""
-    return hashlib.md5(url.encode()).hexdigest()[:16]
-
-
-def _identity(url: str) -> tuple[int, str]:
-    """(size, ETag) of the object at ``url``; ``FileNotFoundError`` naming it when there is none."""
-    fs = filesystem(url)
-    with errors_named(url):
-        fs.invalidate_cache(url)
-        info = fs.info(url)
-    return int(info["size"]), str(info.get("ETag") or info.get("etag") or "").strip('"')
-
-
-def cached_copy(url: str, cache_dir: Optional[str] = None) -> str:
-    """A local copy of the object ``url``, downloaded once per ETag and size into ``cache_dir`` (default
-    :func:`object_cache_dir`); written atomically, so concurrent ranks at worst download it twice."""
-    size, etag = _identity(url)
-    directory = cache_dir or object_cache_dir()
-    os.makedirs(directory, exist_ok=True)
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    path = os.path.join(directory, f"{url_digest(url)}-{etag or 'no-etag'}-{size}-{name}")
-    if not os.path.isfile(path) or os.path.getsize(path) != size:
-        with errors_named(url):
-            data = filesystem(url).cat_file(url)
-        if len(data) != size:
-            raise ValueError(f"{url}: read {len(data)} bytes, but the object has {size}: it changed while it was read")
-        write_atomic(path, lambda f: f.write(data))
-    return path
 
 
 class RemoteFile:
@@ -72,7 +35,7 @@ class RemoteFile:
 
     def __init__(self, url: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.url = url
-        self.size, self.etag = _identity(url)
+        self.size, self.etag = object_identity(url)
         self.cache_bytes = cache_bytes
         self.bytes_fetched = 0
         """Bytes received from the store."""
