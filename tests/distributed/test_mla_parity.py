@@ -71,14 +71,34 @@ def test_mla_layout_matches_single_process(name, references, tmp_path):
     )
 
 
-def test_an_mla_checkpoint_saved_at_tp2_sp_continues_in_one_process(tmp_path):
-    """Resharding: the heads' up-projections split over TP, the replicated down-projections and latent norms, the
-    experts and Adam's moments saved at TP2+SP load whole in one process, which continues the run exactly."""
-    config = tiny_config(**MLA, **DEEPSEEK_MOE)
+def test_a_deepseek_checkpoint_saved_at_tp2_sp_ep2_pp2_continues_at_cp2_ep2(tmp_path):
+    """Resharding a DeepSeek-V3-class model (MLA with query compression and YaRN, DeepSeek's MoE, a dense first layer,
+    an MTP depth): saved at TP2+SP x PP2 with its experts over EP2 (4 ranks: the heads' up-projections split over TP,
+    the replicated down-projections and latent norms, the MTP block and its embedding copy on the last stage), it
+    loads at CP2 x EP2 (whole heads, every layer and the MTP block on each rank, the sequence split) and continues
+    the run exactly: its losses and final parameters (Adam's moments resharded with them) are the source's."""
+    config = tiny_config(**MLA, **DEEPSEEK_MOE, mtp_num_layers=0)
     saving = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
-    source = run(tmp_path / "tp2", devices=2, tp=2, sp=True, config=config, steps=4, callbacks=[saving])
+    source = run(
+        tmp_path / "tp2pp2",
+        devices=4,
+        tp=2,
+        sp=True,
+        pp=2,
+        config=config,
+        steps=4,
+        callbacks=[saving],
+        strategy_kwargs=dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    )
     checkpoint = str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt")
-    resumed = run(tmp_path / "one", devices=1, config=config, steps=4, ckpt_path=checkpoint)
+    resumed = run(
+        tmp_path / "cp2",
+        devices=2,
+        config=config,
+        steps=4,
+        ckpt_path=checkpoint,
+        strategy_kwargs=dict(context_parallel_size=2, expert_model_parallel_size=2),
+    )
     assert resumed["global_step"] == 4
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(source["losses"][2:]), rtol=1e-5, atol=0)
     assert_same_params(resumed, source, rtol=1e-5)
