@@ -1,7 +1,8 @@
 """A GPTModel under context parallelism (core, no Lightning) computes the single-process model's loss
 and gradients: each CP rank runs its zigzag share of the rows, the loss sums and the gradients are
 summed over CP; with TP and sequence parallelism too, with packed rows, with recompute, with qk_layernorm, with
-multi-latent attention; full_logits
+multi-latent attention, with multi-token prediction (its shifts cross the CP chunks and packed documents; its loss
+summed over CP equals the reported one); full_logits
 and generation run the whole rows on every CP rank."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_lite.core.parallel.tensor_parallel import gather_full
 # Multi-latent attention with values narrower than its queries/keys and YaRN's softmax scale; attention far enough
 # from uniform that a wrong scale shows
 MLA = dict(TINY_MLA, **TINY_YARN, q_lora_rank=12, init_method_std=0.05)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def _config(**overrides) -> ml.GPTConfig:
@@ -73,7 +75,8 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
     model.train()
     mb = _microbatch(packed)
     loss, count = _loss_and_grads(model, context_parallel_microbatch(mb, layout.cp_size, layout.cp_rank))
-    totals = torch.stack([loss, torch.as_tensor(count, dtype=loss.dtype)])
+    report = model.take_step_report().get("mtp_loss", torch.zeros(2))  # [sum, count] of the MTP loss
+    totals = torch.cat([torch.stack([loss, torch.as_tensor(count, dtype=loss.dtype)]), report.to(loss.dtype)])
     dist.all_reduce(totals, group=layout.group("cp"))
     grads = {}
     for name, p in model.named_parameters():
@@ -90,7 +93,7 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
     "world,tp,sp,packed,overrides,comm_type",
     [
         (2, 1, False, False, {}, "p2p"),
-        (2, 1, False, True, {"qk_layernorm": True}, "all_gather"),
+        (2, 1, False, True, {"qk_layernorm": True, "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}, "all_gather"),
         (4, 1, False, True, {}, "p2p"),
         (4, 2, True, False, {"recompute_granularity": "selective", "qk_layernorm": True}, "p2p"),
         (
@@ -101,15 +104,15 @@ def _rank(rank, world_size, tp, sp, packed, overrides, comm_type):
             {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "activation": "gelu"},
             "p2p",
         ),
-        (4, 2, True, True, MLA, "p2p"),
+        (4, 2, True, True, dict(MLA, mtp_num_layers=1, **FULL_RECOMPUTE), "p2p"),
     ],
     ids=[
         "cp2",
-        "cp2-packed-allgather-qknorm",
+        "cp2-packed-allgather-qknorm-mtp",
         "cp4-packed",
         "tp2-cp2-sp-recompute-qknorm",
         "cp2-learned-pos",
-        "tp2-cp2-sp-packed-mla",
+        "tp2-cp2-sp-packed-mla-mtp-recompute",
     ],
 )
 def test_context_parallel_model_equals_single_process(world, tp, sp, packed, overrides, comm_type):
@@ -118,11 +121,14 @@ def test_context_parallel_model_equals_single_process(world, tp, sp, packed, ove
     reference.train()
     mb = _microbatch(packed)
     ref_loss, ref_count = _loss_and_grads(reference, mb)
+    ref_report = reference.take_step_report().get("mtp_loss", torch.zeros(2))
+    assert (ref_report[0] > 0) == ("mtp_num_layers" in overrides)
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     ref_logits = reference.full_logits(mb["tokens"][:, :-1])
     for totals, grads, logits in run_ranks(_rank, world, tp, sp, packed, overrides, comm_type):
         assert float(totals[1]) == float(ref_count)
         torch.testing.assert_close(totals[0], ref_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(totals[2:], ref_report.to(totals.dtype), rtol=1e-5, atol=1e-5)
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")

@@ -1,7 +1,8 @@
 """Multi-token prediction through a real Trainer equals the single-process run, per step (losses, the reported
 MTP loss, the first step's full gradients, the final parameters): at TP2 with sequence parallelism (the MTP layer's
 projection gathered over TP and scattered over the sequence) and at PP2, where the block sits on the last stage
-with its own copy of the (untied) embedding, whose gradient is summed with the first stage's, and in a V placement."""
+with its own copy of the (untied) embedding, whose gradient is summed with the first stage's, and in a V placement;
+at CP2 (the reported MTP loss summed over CP) with 'full' recompute of the decoder's and the MTP block's layers."""
 
 import pytest
 from parity_utils import assert_same_training, run, tiny_config
@@ -14,6 +15,13 @@ LAYOUTS = {
     "pp2-zbv": dict(
         devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_model_parallel_layout="E|t|t|L", pipeline_schedule="zbv")
     ),
+    # CP2, the shifts crossing the ranks' chunks, with the decoder's and the MTP depths' layers recomputed: tiny_config
+    # has no dropout, so recomputation changes no value and the same reference proves it exact
+    "cp2-full-recompute": dict(
+        devices=2,
+        strategy_kwargs=dict(context_parallel_size=2),
+        config=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ),
 }
 
 
@@ -24,7 +32,9 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mtp_matches_single_process(name, reference, tmp_path):
-    result = run(tmp_path, config=tiny_config(**MTP), steps=2, gbs=4, **LAYOUTS[name])
+    layout = dict(LAYOUTS[name])
+    config = tiny_config(**MTP, **layout.pop("config", {}))
+    result = run(tmp_path, config=config, steps=2, gbs=4, **layout)
     assert_same_training(result, reference)
     assert reference["reported"][0]["train/mtp_loss"] > 0
     for got, want in zip(result["reported"], reference["reported"]):

@@ -1,11 +1,13 @@
-"""Multi-token prediction: the loss and its gradient against a computation written out by hand, the packed-row
-mask, and bad configurations refused naming the fix."""
+"""Multi-token prediction: the loss and its gradient against a computation written out by hand, with 'full' recompute
+(the depths' layers rerun in the backward, gradients unchanged), the packed-row mask, bad configurations refused
+naming the fix, the estimator's count under context parallelism."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import megatron_lite as ml
+from megatron_lite.core.estimator import EstimateLayout, estimate_memory
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.mtp import MTP_LOSS, depth_mask
 from megatron_lite.core.parallel.pipeline_stages import parse_pipeline_layout
@@ -72,6 +74,25 @@ def test_mtp_loss_and_gradients_equal_the_computation_by_hand():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_full_recompute_reruns_the_mtp_layers_in_the_backward_with_the_same_gradients():
+    # with dropout: the recomputation must replay the dropout streams to drop what the forward dropped
+    fields = dict(CONFIG, mtp_num_layers=2, hidden_dropout=0.2, attention_dropout=0.2)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    row = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+    grads, runs = [], []
+    for config in (ml.GPTConfig(**fields), ml.GPTConfig(**fields, **recompute)):
+        model = GPTModel(config, seed=5)
+        calls = []
+        for layer in model.mtp.depths():
+            layer.eh_proj.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        model(row[:, :-1], row[:, 1:]).sum().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+        runs.append(len(calls))
+    assert runs == [2, 4]  # each depth's layer once, then again in the backward pass
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_a_depth_scores_only_targets_in_the_same_packed_document():
     # two documents packed in a row of 6: positions restart at 0 at index 4
     positions = torch.tensor([[0, 1, 2, 3, 0, 1]])
@@ -96,11 +117,15 @@ def test_bad_mtp_configs_are_refused_naming_the_fix(fields, message):
 
 
 def test_layouts_that_cannot_hold_mtp_are_refused_by_name():
-    config = ml.GPTConfig(**CONFIG, mtp_num_layers=1)
-    with pytest.raises(ValueError, match="set context_parallel_size=1 or mtp_num_layers=None"):
-        config.validate_parallelism(context_parallel_size=2)
     with pytest.raises(ValueError, match="always sits on the last pipeline stage"):
         parse_pipeline_layout("Et|tmL")
+
+
+def test_the_estimator_counts_mtp_under_context_parallelism():
+    # every CP rank holds the whole model, the MTP block included (its parity: tests/distributed/test_mtp_parity.py)
+    config = ml.GPTConfig(**CONFIG, mtp_num_layers=1)
+    estimate = estimate_memory(config, EstimateLayout(micro_batch_size=1, seq_length=12, context_parallel_size=2))
+    assert estimate.params == config.num_parameters()
 
 
 def test_deepseek_v3_export_keeps_the_mtp_layer_and_reimports_it(tmp_path):

@@ -453,9 +453,6 @@ class GPTConfig:
                     f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}); "
                     f"choose a tensor_model_parallel_size that divides {value} or change {name}."
                 )
-        from megatron_lite.core.models.mtp_config import check_mtp_parallelism
-
-        check_mtp_parallelism(self, context_parallel_size)
         # How the layers split over pipeline stages (even, uneven, virtual) is checked by
         # ParallelConfig.stage_chunks, which knows the cut.
         if sequence_parallel and self.seq_length % tp != 0:

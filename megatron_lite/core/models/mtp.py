@@ -8,7 +8,10 @@ counts zero). The MTP loss ``mtp_loss_scaling_factor / D x sum_k (masked sum of 
 the objective as Megatron's per-token loss does: it is back-propagated with the engine's multiplier of the main
 summed loss (so the engine divides it by the same global token count) and reported as ``mtp_loss`` (its sum over
 the main loss's tokens), while the main loss's value stays the next-token loss. The block sits on the last
-pipeline stage, next to the output layer it shares.
+pipeline stage, next to the output layer it shares. Under context parallelism a rank holds a zigzag share of the rows
+and a shift crosses chunks: the tokens, labels, mask and positions are gathered into whole rows over CP, shifted
+there and cut back (the hidden states are position-aligned and stay local; the depths' attention is context-parallel
+like the decoder's).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from megatron_lite.core.models.moe.aux_loss import attach_aux_loss
 from megatron_lite.core.models.moe.step_state import MoEStepState
 from megatron_lite.core.models.mtp_config import mtp_depth
 from megatron_lite.core.models.norms import Norm
+from megatron_lite.core.models.recompute import checkpoint, recompute_active
+from megatron_lite.core.parallel.context_parallel import rank_share
+from megatron_lite.core.parallel.context_parallel_rows import gather_whole_rows
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.mappings import scatter_to_sequence_parallel_region
@@ -55,6 +61,44 @@ def depth_mask(
         same_document = shifted_left(position_ids, k, fill=-1) == position_ids + k
         mask = mask * same_document.to(torch.float32)
     return mask
+
+
+def depth_inputs(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor],
+    depth: int,
+    context_parallel: Optional[ParallelLayout] = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each depth k = 1..``depth``: the input tokens and the targets shifted k to the left along the rows, and
+    the depth's mask (:func:`depth_mask`), all [b, s]. Under ``context_parallel`` (the layout of a CP run) the
+    arguments are this rank's zigzag share [b, s/C] of the rows: a shift crosses into other ranks' chunks, so the
+    shares are gathered into whole rows (once for every depth), shifted there, and this rank's share cut out again."""
+    rows = [tokens, labels]
+    if loss_mask is not None:
+        rows.append(loss_mask)
+    if position_ids is not None:
+        rows.append(position_ids)
+    if context_parallel is not None:
+        rows = gather_whole_rows(rows, context_parallel.group("cp"))
+
+    def share(x: torch.Tensor) -> torch.Tensor:
+        if context_parallel is None:
+            return x
+        return rank_share(x, context_parallel.cp_size, context_parallel.cp_rank)
+
+    tokens, labels = rows[0], rows[1]
+    loss_mask = rows[2] if loss_mask is not None else None
+    position_ids = rows[-1] if position_ids is not None else None
+    return [
+        (
+            share(shifted_left(tokens, k)),
+            share(shifted_left(labels, k)),
+            share(depth_mask(loss_mask, labels, position_ids, k)),
+        )
+        for k in range(1, depth + 1)
+    ]
 
 
 class MTPLayer(nn.Module):
@@ -127,22 +171,27 @@ class MultiTokenPrediction(nn.Module):
         self,
         model: "GPTModel",
         hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        labels: torch.Tensor,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         rope,
         context,
     ) -> list[torch.Tensor]:
-        """Each depth's per-token loss [b, s] (unmasked; position t's target is ``labels[t + k]``), from the main
-        model's final-norm output ``hidden`` [s(/tp), b, h] and the microbatch's input ``tokens`` [b, s]."""
+        """Each depth's per-token loss [b, s] (unmasked), from the main model's final-norm output ``hidden``
+        [s(/tp), b, h] and each depth's shifted tokens and targets (:func:`depth_inputs`). Under 'full' recompute
+        every depth's layer (its norms, projection and transformer layer: megatron-core's checkpointed MTP layer)
+        is rebuilt in the backward pass, its dropout streams replayed as the decoder's layers' are."""
         assert model.embedding is not None and model.output_layer is not None  # built with the block
+        recompute = model.config.recompute_granularity == "full" and recompute_active(model)
+        rng = model.rng_tracker
         losses = []
-        for k, layer in enumerate(self.depths(), start=1):
-            embedded = model.embedding(shifted_left(tokens, k).t())
-            hidden = layer(hidden, embedded, rope, model.rng_tracker, context)
+        for layer, (tokens, target, _) in zip(self.depths(), inputs):
+            embedded = model.embedding(tokens.t())
+            if recompute:
+                hidden = checkpoint(layer, hidden, embedded, rope, rng, context, rng_tracker=rng)
+            else:
+                hidden = layer(hidden, embedded, rope, rng, context)
             logits = model.output_layer(hidden, model._output_weight())
-            target = shifted_left(labels, k).t()
             loss = vocab_parallel_cross_entropy(
-                logits, target, model.tp_group, model.vocab_start, model.config.vocab_size
+                logits, target.t(), model.tp_group, model.vocab_start, model.config.vocab_size
             )
             losses.append(loss.t())
         return losses
@@ -160,11 +209,14 @@ class MultiTokenPrediction(nn.Module):
         context,
     ) -> torch.Tensor:
         """``main_loss`` [b, s] unchanged, carrying the MTP loss into its backward (with the engine's multiplier of
-        the summed main loss); the MTP loss and the main loss's token count are recorded for the step's report."""
+        the summed main loss); the MTP loss and the main loss's token count are recorded for the step's report (and
+        summed over CP by the engine with the main loss's)."""
+        cp = model.layout if model.context_parallel else None
+        inputs = depth_inputs(tokens, labels, loss_mask, position_ids, len(self.layers), cp)
         total = sum(
             (
-                (loss * depth_mask(loss_mask, labels, position_ids, k).to(loss.dtype)).sum()
-                for k, loss in enumerate(self.per_token_losses(model, hidden, tokens, labels, rope, context), start=1)
+                (loss * mask.to(loss.dtype)).sum()
+                for loss, (_, _, mask) in zip(self.per_token_losses(model, hidden, inputs, rope, context), inputs)
             ),
             start=torch.zeros((), dtype=main_loss.dtype, device=main_loss.device),
         )

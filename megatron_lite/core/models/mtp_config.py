@@ -31,13 +31,3 @@ def check_mtp_fields(config: "GPTConfig") -> None:
             "mtp_num_layers with position_embedding_type='learned_absolute': the MTP block embeds the shifted tokens "
             "alone, as DeepSeek-V3 does; use position_embedding_type='rope' or mtp_num_layers=None."
         )
-
-
-def check_mtp_parallelism(config: "GPTConfig", context_parallel_size: int) -> None:
-    """Refuse, naming the fix, a layout the MTP block does not run on."""
-    if mtp_depth(config) and context_parallel_size > 1:
-        raise ValueError(
-            f"mtp_num_layers={config.mtp_num_layers} with context_parallel_size={context_parallel_size}: the MTP "
-            f"block shifts tokens along whole rows, which a context-parallel rank does not hold; set "
-            f"context_parallel_size=1 or mtp_num_layers=None."
-        )

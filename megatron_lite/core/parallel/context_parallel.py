@@ -55,6 +55,11 @@ def zigzag_positions(
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(cp_size, cp_rank)])
 
 
+def rank_share(rows: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The ``[b, s/C, ...]`` share of whole ``rows`` [b, s, ...] that CP rank ``cp_rank`` holds."""
+    return rows[:, zigzag_positions(rows.shape[1], cp_size, cp_rank, rows.device)]
+
+
 def context_parallel_microbatch(microbatch: dict, cp_size: int, cp_rank: int) -> dict:
     """This CP rank's share of a ``{"tokens": [b, s+1], "loss_mask"?: [b, s], "position_ids"?: [b, s],
     "cu_seqlens"?: [b, k], ...}`` microbatch.
@@ -70,18 +75,18 @@ def context_parallel_microbatch(microbatch: dict, cp_size: int, cp_rank: int) ->
     tokens = microbatch["tokens"]
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     s = inputs.shape[1]
-    index = zigzag_positions(s, cp_size, cp_rank, tokens.device)
-    out = {"tokens": inputs[:, index], "labels": labels[:, index]}
+    out = {"tokens": rank_share(inputs, cp_size, cp_rank), "labels": rank_share(labels, cp_size, cp_rank)}
     for key, value in microbatch.items():
         if key in ("tokens", "cu_seqlens"):
             continue
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == s:
-            out[key] = value[:, index]
+            out[key] = rank_share(value, cp_size, cp_rank)
         else:
             out[key] = value
     if "cu_seqlens" in microbatch:
         out["cu_seqlens"] = microbatch["cu_seqlens"]
     if "position_ids" not in out:
+        index = zigzag_positions(s, cp_size, cp_rank, tokens.device)
         out["position_ids"] = index.unsqueeze(0).expand(inputs.shape[0], -1)
     return out
 
