@@ -77,7 +77,7 @@ def test_a_deepseek_checkpoint_saved_at_tp2_sp_ep2_pp2_continues_at_cp2_ep2(tmp_
     the replicated down-projections and latent norms, the MTP block and its embedding copy on the last stage), it
     loads at CP2 x EP2 (whole heads, every layer and the MTP block on each rank, the sequence split) and continues
     the run exactly: its losses and final parameters (Adam's moments resharded with them) are the source's."""
-    config = tiny_config(**MLA, **DEEPSEEK_MOE, mtp_num_layers=0)
+    config = tiny_config(**MLA, **DEEPSEEK_MOE, mtp_num_layers=1)
     saving = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
     source = run(
         tmp_path / "tp2pp2",
