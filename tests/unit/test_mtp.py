@@ -10,7 +10,13 @@ import megatron_lite as ml
 from megatron_lite.core.estimator import EstimateLayout, estimate_memory
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.mtp import MTP_LOSS, depth_mask
-from megatron_lite.core.parallel.pipeline_stages import parse_pipeline_layout
+from megatron_lite.core.models.run_checks import check_layout_mtp_layers
+from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.pipeline_stages import (
+    parse_pipeline_layout,
+    pipeline_layout_counts,
+    pipeline_layout_mtp_layers,
+)
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=12)
 
@@ -116,9 +122,21 @@ def test_bad_mtp_configs_are_refused_naming_the_fix(fields, message):
         ml.GPTConfig(**CONFIG, **fields)
 
 
-def test_layouts_that_cannot_hold_mtp_are_refused_by_name():
-    with pytest.raises(ValueError, match="always sits on the last pipeline stage"):
-        parse_pipeline_layout("Et|tmL")
+def test_megatron_layouts_placing_mtp_before_the_loss_are_read_and_others_refused_by_name():
+    # Megatron's DeepSeek-V3 layouts end with 'mL': the MTP layers on the last stage, counted, not decoder layers
+    assert parse_pipeline_layout("Et|tmL") == [["embedding", "decoder"], ["decoder", "mtp", "loss"]]
+    assert pipeline_layout_counts("Et|tm*2L", pp=2, vpp=1) == (1, 1)
+    assert pipeline_layout_mtp_layers("Et|tm*2L") == 2 and pipeline_layout_mtp_layers("Et|tL") == 0
+    for misplaced in ("Etm|tL", "Et|mtL", "Et|tmLm"):
+        with pytest.raises(ValueError, match="always sits on the last pipeline stage, right before the loss"):
+            parse_pipeline_layout(misplaced)
+    config = ml.GPTConfig(**CONFIG, mtp_num_layers=1)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tmmL")
+    with pytest.raises(ValueError, match=r"places 2 multi-token prediction layer\(s\) .* mtp_num_layers=1; put 1 'm'"):
+        check_layout_mtp_layers(parallel, config)
+    check_layout_mtp_layers(
+        ParallelConfig(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tL"), config
+    )
 
 
 def test_the_estimator_counts_mtp_under_context_parallelism():

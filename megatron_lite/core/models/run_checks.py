@@ -9,6 +9,7 @@ from typing import Any, Optional
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import check_moe_parallelism
 from megatron_lite.core.parallel.layout import ParallelConfig
+from megatron_lite.core.parallel.pipeline_stages import pipeline_layout_mtp_layers
 from megatron_lite.core.parallel.run_spec import RunSpec
 
 
@@ -36,6 +37,7 @@ def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None)
         parallel.sequence_parallel,
     )
     parallel.stage_chunks(model_config.num_layers, 0)  # the layers split into the pipeline stages
+    check_layout_mtp_layers(parallel, model_config)
     check_moe_parallelism(model_config, parallel)
     if seq_length is None:
         return
@@ -44,6 +46,21 @@ def check_run_fits_model(run: RunSpec, model_config: Optional[GPTConfig] = None)
         raise ValueError(
             f"the data's seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
             f"({parallel.tensor_model_parallel_size}) with sequence_parallel=True."
+        )
+
+
+def check_layout_mtp_layers(parallel: ParallelConfig, model_config: GPTConfig) -> None:
+    """A ``pipeline_model_parallel_layout`` that names multi-token prediction layers ('m', as Megatron's layouts of
+    DeepSeek-V3 do) must name as many as the model has (``mtp_num_layers``); one that names none is fine (the block
+    always sits on the last stage)."""
+    layout = parallel.pipeline_model_parallel_layout
+    placed = 0 if layout is None else pipeline_layout_mtp_layers(layout)
+    depth = model_config.mtp_num_layers or 0
+    if placed and placed != depth:
+        raise ValueError(
+            f"pipeline_model_parallel_layout {layout!r} places {placed} multi-token prediction layer(s) ('m'), but the "
+            f"model has mtp_num_layers={model_config.mtp_num_layers}; put {depth} 'm' before the final 'L' (or none) "
+            f"or set mtp_num_layers={placed}."
         )
 
 

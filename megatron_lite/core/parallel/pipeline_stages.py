@@ -50,8 +50,8 @@ _LAYOUT_LETTERS = {"E": "embedding", "t": "decoder", "L": "loss", "m": "mtp"}
 # megatron-core's parse_str_to_list, in its order: a group ``(...)*N`` is unrolled first, then a letter's ``x*N``.
 _LAYOUT_REPEATS = (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)")
 _LAYOUT_GRAMMAR = (
-    "E (embedding), t (transformer layer), L (loss), '|' between virtual stages, x*N or (...)*N to repeat, "
-    "commas ignored"
+    "E (embedding), t (transformer layer), m (multi-token prediction layer, in the last stage), L (loss), '|' "
+    "between virtual stages, x*N or (...)*N to repeat, commas ignored"
 )
 
 
@@ -79,8 +79,9 @@ class StageChunk:
 
 def parse_pipeline_layout(layout: PipelineLayout) -> list[list[str]]:
     """The layer names of each virtual stage of ``layout``, in pipeline order, read as megatron-core reads it
-    (``PipelineParallelLayerLayout``); a ValueError names the fix. Multi-token prediction ('m') is refused by name:
-    the MTP block always sits on the last stage."""
+    (``PipelineParallelLayerLayout``); a ValueError names the fix. Multi-token prediction layers ('m') may only sit
+    in the last virtual stage, before the loss (where our MTP block lives, beside the output layer it shares);
+    :func:`pipeline_layout_mtp_layers` counts them."""
     if isinstance(layout, str):
         text = layout.replace(",", "")
         for pattern in _LAYOUT_REPEATS:
@@ -104,7 +105,7 @@ def parse_pipeline_layout(layout: PipelineLayout) -> list[list[str]]:
             if unknown:
                 raise ValueError(
                     f"pipeline_model_parallel_layout: {unknown[0]!r} is not a layer name; use 'embedding', 'decoder' "
-                    f"(a transformer layer) and 'loss' in each virtual stage's list."
+                    f"(a transformer layer), 'mtp' and 'loss' in each virtual stage's list."
                 )
             stages.append(found)
     else:
@@ -112,13 +113,21 @@ def parse_pipeline_layout(layout: PipelineLayout) -> list[list[str]]:
             f"pipeline_model_parallel_layout must be a string such as 'E|tt|tt|L' or a list of lists of layer "
             f"names (one list per virtual stage), got {layout!r}."
         )
-    if any("mtp" in stage for stage in stages):
+    misplaced = any("mtp" in stage for stage in stages[:-1]) or (
+        "mtp" in stages[-1] and stages[-1][stages[-1].index("mtp") :] != ["mtp"] * stages[-1].count("mtp") + ["loss"]
+    )
+    if misplaced:
         raise ValueError(
-            f"pipeline_model_parallel_layout {layout!r} places multi-token prediction layers ('m'): megatron-lite's "
-            f"MTP block always sits on the last pipeline stage, with the loss; remove 'm' from the layout and set "
-            f"the model's mtp_num_layers."
+            f"pipeline_model_parallel_layout {layout!r} places multi-token prediction layers ('m') away from the "
+            f"loss: megatron-lite's MTP block always sits on the last pipeline stage, right before the loss; put "
+            f"every 'm' at the end of the last stage ('...|tmL') or leave them out (the block goes there anyway)."
         )
     return stages
+
+
+def pipeline_layout_mtp_layers(layout: PipelineLayout) -> int:
+    """How many multi-token prediction layers ('m') ``layout`` places (0 when it names none)."""
+    return sum(stage.count("mtp") for stage in parse_pipeline_layout(layout))
 
 
 def pipeline_layout_counts(layout: PipelineLayout, pp: int, vpp: int) -> tuple[int, ...]:
