@@ -5,7 +5,8 @@ the tokenizer the checkpoint carries), ``checkpoint inspect``, ``prune`` with it
 ``convert --to hf`` back into the bucket, which ``from_pretrained`` loads to the same logits; an export into a
 prefix that holds objects is refused without ``--overwrite`` and replaces it with. An export cut short (an error
 while it is written: nothing uploaded; a kill mid-upload: no ``config.json``, uploaded last) is refused by
-``from_pretrained`` naming what is missing. ``Distill`` takes its teacher from a URL. CLI calls are in-process."""
+``from_pretrained`` naming what is missing, as is a PEFT adapter without its ``adapter_config.json``. ``Distill``
+takes its teacher from a URL. CLI calls are in-process."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def hf_dir(s3, tmp_path_factory) -> Path:
     return directory
 
 
-def _cli(*argv: str, capsys=None) -> int:
+def _cli(*argv: str) -> int:
     with pytest.raises(SystemExit) as done:
         cli([str(a) for a in argv])
     return done.value.code
@@ -160,5 +161,11 @@ def test_teachers_and_draft_head_bases_at_urls(hf_dir):
     teacher = Distill(teacher=HF_URL).teacher
     torch.testing.assert_close(teacher.full_logits(_tokens()), _logits(hf_dir), rtol=0, atol=0)
     TrainDraftHead(base=HF_URL, save_path=f"s3://{BUCKET}/draft.safetensors")
+    # a PEFT adapter whose upload was cut short before its adapter_config.json (uploaded last)
+    _fs().pipe_file(f"s3://{BUCKET}/adapter/adapter_model.safetensors", b"partial")
+    with pytest.raises(
+        FileNotFoundError, match=rf"s3://{BUCKET}/adapter is not a PEFT adapter directory \(no adapter_"
+    ):
+        ml.GPTModule.from_pretrained(hf_dir, adapter=f"s3://{BUCKET}/adapter")
     with pytest.raises(FileNotFoundError, match=rf"s3://{BUCKET}/nothing is neither a Hugging Face model directory"):
         TrainDraftHead(base=f"s3://{BUCKET}/nothing")
