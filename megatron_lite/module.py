@@ -48,7 +48,7 @@ from megatron_lite.module_checks import check_module_run
 from megatron_lite.module_inference import GPTInference
 from megatron_lite.pretrained import load_pretrained, tokenizer_metadata
 from megatron_lite.tokenizers.build import TOKENIZER_KEY  # noqa: F401  (its old place: megatron_lite.module)
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _POST_STEP_CHECKPOINT_WARNING = (
@@ -124,8 +124,10 @@ class GPTModule(GPTInference, pl.LightningModule):
         base: Optional[str] = None,
         **config_overrides: Any,
     ) -> "GPTModule":
-        """A module holding the weights of ``path``: a local Hugging Face Llama/Mistral/Qwen2/Qwen3 directory
-        (config.json + safetensors) or one of our checkpoints (its saved config, optimizer settings and seed).
+        """A module holding the weights of ``path``: a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory
+        (config.json + safetensors) or one of our checkpoints (its saved config, optimizer settings and seed), local
+        or at an ``s3://`` URL (docs/object-storage.md: our checkpoint's tensors are read from the store, a Hugging
+        Face directory from a cached local copy).
 
         The model is built for one process and put in eval mode: ``module.full_logits(tokens)`` and
         ``module.generate(...)`` work at once, without a Trainer; ``trainer.fit/validate/predict(module, ...)``
@@ -143,9 +145,9 @@ class GPTModule(GPTInference, pl.LightningModule):
         A LoRA run's adapter-only checkpoint gives the adapted model: its base is loaded from where the checkpoint
         records it (or from ``base``, if it moved), checked against the recorded content hash, then the adapters.
         """
-        require_local_path(path, "GPTModule.from_pretrained path")
-        require_local_path(adapter, "adapter")
-        require_local_path(base, "base")
+        require_local_or_object_path(path, "GPTModule.from_pretrained path")
+        require_local_or_object_path(adapter, "adapter")
+        require_local_or_object_path(base, "base")
         return load_pretrained(
             cls, path, optimizer=optimizer, seed=seed, strict=strict, adapter=adapter, base=base, **config_overrides
         )

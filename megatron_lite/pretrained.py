@@ -31,8 +31,9 @@ from megatron_lite.core.checkpoint.full.reader import (
 )
 from megatron_lite.core.checkpoint.full.state import load_full_state, persistent_buffers
 from megatron_lite.core.checkpoint.hf.directory import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
-from megatron_lite.core.checkpoint.hf.peft import load_peft_adapter, read_peft_config
+from megatron_lite.core.checkpoint.hf.peft import ADAPTER_CONFIG, load_peft_adapter, read_peft_config
 from megatron_lite.core.checkpoint.hf.weights import fit_vocab_rows, raise_shape_mismatch
+from megatron_lite.core.checkpoint.remote_source import is_hf_url, local_directory, resolve_remote_checkpoint
 from megatron_lite.core.checkpoint.resume.entries import (
     QUANTIZATION_RECIPE,
     compare_entries,
@@ -42,6 +43,7 @@ from megatron_lite.core.checkpoint.resume.entries import (
 from megatron_lite.core.checkpoint.state import sharded_model_state
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.draft_head import DRAFT_HEAD_ATTRIBUTE
+from megatron_lite.core.object_store import Location, is_remote, location
 from megatron_lite.core.optim.config import OptimizerConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.tensor_parallel import full_shape
@@ -74,7 +76,7 @@ def _config_with(config: GPTConfig, overrides: dict[str, Any]) -> GPTConfig:
 
 
 def _load_checkpoint_weights(
-    model: nn.Module, path: Path, vocab_size: int, strict: bool, config: GPTConfig, base_loaded: bool = False
+    model: nn.Module, path: Location, vocab_size: int, strict: bool, config: GPTConfig, base_loaded: bool = False
 ) -> None:
     # base_loaded: ``model`` holds the base an adapter-only checkpoint leaves out (its parameters are not missing)
     # A speculative-decoding draft head trained with the model is no part of it (load_draft_head reads it)
@@ -115,7 +117,7 @@ def _load_checkpoint_weights(
 
 def _load_adapted(
     cls: type,
-    path: Path,
+    path: Location,
     recorded: WeightsSource,
     base: Optional[str | os.PathLike],
     optimizer: Optional[OptimizerConfig],
@@ -125,7 +127,7 @@ def _load_adapted(
 ):
     """The module of an adapter-only LoRA checkpoint: its base (``base``, else where the checkpoint records it),
     checked against the recorded hash, with the checkpoint's adapters on it."""
-    where = Path(base) if base is not None else Path(recorded.path)
+    where = base if base is not None else recorded.path
     reason = changed_source(recorded, where)
     if reason:
         raise ValueError(
@@ -160,10 +162,13 @@ def load_pretrained(
 ):
     """``cls(config, optimizer, seed)`` with the weights of ``path`` (an HF Llama directory or one of our
     checkpoints) in a one-process model, in eval mode, with the PEFT LoRA adapter directory ``adapter`` on it. See
-    :meth:`GPTModule.from_pretrained`."""
+    :meth:`GPTModule.from_pretrained`. At a URL, our checkpoint's tensors are read from the store and a Hugging Face
+    or adapter directory from a local copy (cached, :mod:`megatron_lite.core.object_staging`)."""
     if adapter is not None:
+        adapter = local_directory(adapter, ADAPTER_CONFIG, "a PEFT adapter directory")
         read_peft_config(adapter)  # a directory that is no adapter ours can hold is refused before any weight is read
-    path = Path(path)
+    given = path  # what the weights are recorded to come from (a LoRA run on them names it as its base)
+    path = _readable(path)
     recorded = recorded_base(read_meta_plain(path)) if is_checkpoint_directory(path) else None
     if recorded is not None:
         if adapter is not None:
@@ -203,11 +208,24 @@ def load_pretrained(
             f"{path} is neither a Hugging Face model directory (config.json + safetensors) nor a "
             f"megatron-lite checkpoint (DCP .metadata)"
         )
-    module.pretrained_source = LoadedWeights(path)  # a LoRA run on this base then saves only its adapters
+    module.pretrained_source = LoadedWeights(given)  # a LoRA run on this base then saves only its adapters
     if adapter is not None:
         load_peft_adapter(module.model, adapter, module.config, module.seed)
     module.model.eval()
     return module
+
+
+def _readable(path: str | os.PathLike) -> Location:
+    """Where ``load_pretrained`` reads ``path`` from: a local path itself; for a URL, the local copy of the Hugging
+    Face directory there or the prefix of the files of our checkpoint there (read where they are)."""
+    if not is_remote(path):
+        return Path(path)
+    url = str(location(path))
+    return (
+        local_directory(url, CONFIG, "a Hugging Face model directory")
+        if is_hf_url(url)
+        else resolve_remote_checkpoint(url)
+    )
 
 
 def tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
@@ -247,15 +265,16 @@ def save_weights_checkpoint(
     hf_source: Optional[str | os.PathLike] = None,
     metadata: Optional[dict[str, Any]] = None,
     tokenizer: Any = None,
-) -> Path:
+) -> Location:
     """Write ``module``'s one-process model as one of our checkpoints (weights and hyperparameters, no optimizer
     state). ``hf_source``: an HF directory the model came from; its tokenizer, generation config and
     config.json are kept in the checkpoint's ``hf/`` folder for a later export. ``tokenizer``: the model's
     tokenizer, recorded with copies of its files (:func:`tokenizer_metadata`). ``metadata``: more JSON entries
-    for the checkpoint's meta.json. Everything is written atomically and covered by the manifest."""
+    for the checkpoint's meta.json. Everything is written atomically and covered by the manifest; at a URL through
+    the object store's commit (:mod:`~megatron_lite.core.checkpoint.format.object_commit`)."""
     if module.model is None or getattr(module.model, "layout", ParallelLayout.single()).world_size != 1:
         raise ValueError("save_weights_checkpoint writes a one-process model (GPTModule.from_pretrained builds one)")
-    path = Path(path)
+    path = location(path)
     carried = tokenizer_metadata(tokenizer)
     extra = {
         "epoch": 0,

@@ -15,10 +15,11 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 
+from megatron_lite.core.object_store import is_remote
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.module import GPTModule
 from megatron_lite.post_training.distillation import Distillation, DistillationConfig
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 TeacherSource = Union[str, Path, Any]  # a checkpoint or HF directory, a GPTModule, or "self"
 
@@ -35,8 +36,8 @@ def load_teacher(teacher: TeacherSource) -> Any:
             )
         return teacher
     if isinstance(teacher, (str, Path)):
-        require_local_path(teacher, "Distill(teacher=...)")
-        if not Path(teacher).exists():
+        require_local_or_object_path(teacher, "Distill(teacher=...)")
+        if not is_remote(teacher) and not Path(teacher).exists():  # at a URL from_pretrained names what is missing
             raise FileNotFoundError(
                 f"teacher {str(teacher)!r} does not exist: pass one of our checkpoints, a "
                 f"Hugging Face model directory, a GPTModule or 'self'"
@@ -51,10 +52,10 @@ class Distill(pl.Callback):
     """Knowledge distillation of the trained module from ``teacher``.
 
     Args:
-        teacher: one of our checkpoints or a Hugging Face model directory (loaded once, in the launching
-            process), a :class:`~megatron_lite.GPTModule` holding weights, or ``"self"``: a frozen copy of the
-            student taken before any other extension (e.g. ``Quantize``) changes it -- quantization-aware
-            distillation, the unquantized model teaching its fake-quantized self.
+        teacher: one of our checkpoints or a Hugging Face model directory, local or at an ``s3://`` URL (loaded
+            once, in the launching process), a :class:`~megatron_lite.GPTModule` holding weights, or ``"self"``: a
+            frozen copy of the student taken before any other extension (e.g. ``Quantize``) changes it --
+            quantization-aware distillation, the unquantized model teaching its fake-quantized self.
         temperature, kd_loss_scale, skip_lm_loss, intermediate_layer_pairs, intermediate_loss,
         intermediate_loss_scale: see :class:`~megatron_lite.post_training.distillation.DistillationConfig`.
 

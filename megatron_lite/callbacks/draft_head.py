@@ -16,14 +16,16 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
+from megatron_lite.core.checkpoint.remote_source import local_files
 from megatron_lite.core.engine.extensions import add_extension
+from megatron_lite.core.object_store import is_remote
 from megatron_lite.post_training.speculative import (
     DraftHeadConfig,
     DraftHeadExtension,
     draft_head_of,
     save_draft_head,
 )
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 
 class TrainDraftHead(pl.Callback):
@@ -34,9 +36,12 @@ class TrainDraftHead(pl.Callback):
         regression_weight: weight of the feature-regression loss (EAGLE: 1.0).
         classification_weight: weight of the base-greedy-token cross entropy (EAGLE: 0.1).
         seed: seed of the head's initial weights.
-        save_path: write the trained head there at the end of fit (None: keep it in the module only).
+        save_path: write the trained head there at the end of fit (None: keep it in the module only); a path or
+            an ``s3://`` URL.
         base: load the frozen base model's weights from this checkpoint or Hugging Face directory first (None:
-            the module's own weights, e.g. from ``GPTModule.from_pretrained``); how the CLI names the base.
+            the module's own weights, e.g. from ``GPTModule.from_pretrained``); how the CLI names the base. At an
+            ``s3://`` URL it is looked at here, before launch (an HF directory is copied to the local cache then, so
+            the ranks read that copy).
     """
 
     def __init__(
@@ -51,9 +56,11 @@ class TrainDraftHead(pl.Callback):
         self.config = DraftHeadConfig(
             kind=kind, regression_weight=regression_weight, classification_weight=classification_weight, seed=seed
         )
-        require_local_path(save_path, "TrainDraftHead(save_path=...)")
-        require_local_path(base, "TrainDraftHead(base=...)")
-        if base is not None and not os.path.exists(base):
+        require_local_or_object_path(save_path, "TrainDraftHead(save_path=...)")
+        require_local_or_object_path(base, "TrainDraftHead(base=...)")
+        if base is not None and is_remote(base):
+            local_files(base)  # FileNotFoundError naming the URL when no model is there
+        elif base is not None and not os.path.exists(base):
             raise FileNotFoundError(f"TrainDraftHead(base={str(base)!r}): no such checkpoint or Hugging Face directory")
         self.save_path = save_path
         self.extension = DraftHeadExtension(self.config, base=base)

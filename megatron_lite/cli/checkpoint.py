@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_lite.cli.command import EXIT_FAILED, EXIT_OK, print_result, run_verb
 from megatron_lite.core.checkpoint.format.inspect import describe_checkpoint, is_healthy
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = verbs.add_parser("inspect", help="step, consumed samples, layout, configs, size, checksum verdict")
     inspect.add_argument(
         "path",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         help="a checkpoint directory (e.g. runs/ckpts/last.ckpt), or a directory of "
-        "checkpoints (its latest_checkpoint.json is followed)",
+        "checkpoints (its latest_checkpoint.json is followed); a path or an s3:// URL",
     )
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument("--no-checksums", action="store_true", help="skip reading every file to check it")

@@ -27,9 +27,14 @@ hf-peft``: ``adapter_config.json`` + ``adapter_model.safetensors`` for ``PeftMod
 on the base exported with ``--to hf``; :mod:`megatron_lite.core.checkpoint.hf.peft` maps the fused adapters);
 ``--to hf`` without ``--merge-lora`` refuses it rather than drop the adapters.
 
+``--input`` and ``--output`` may be ``s3://`` URLs (docs/object-storage.md): our checkpoints are read and written
+there natively (the object store's commit), an HF directory is read from a cached local copy, and an export is
+written locally and uploaded, its ``config.json`` (a PEFT adapter's ``adapter_config.json``) last, so an export cut
+short is never taken for a model.
+
 The output is never an input, inside one or a directory holding one; ``--overwrite`` replaces only an earlier
 output of megatron-lite with nothing else in it (:mod:`megatron_lite.core.checkpoint.format.output_dir`). Nothing is
-downloaded. Exit code 2 on bad input, with one line that says what to change.
+downloaded from the Hub. Exit code 2 on bad input, with one line that says what to change.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_lite.cli.command import run_verb
-from megatron_lite.core.checkpoint.format.output_dir import check_output, mark_output
+from megatron_lite.core.checkpoint.format.output_dir import check_output, mark_output, output_directory
 from megatron_lite.core.checkpoint.format.sharded import resolve_checkpoint
 from megatron_lite.core.checkpoint.full.reader import read_checkpoint_hparams, read_model_tensors
 from megatron_lite.core.checkpoint.full.state import gather_full_state
@@ -57,12 +62,14 @@ from megatron_lite.core.checkpoint.hf.directory import (
     read_hf_config,
     save_hf,
 )
-from megatron_lite.core.checkpoint.hf.peft import save_peft_adapter
+from megatron_lite.core.checkpoint.hf.peft import ADAPTER_CONFIG, save_peft_adapter
+from megatron_lite.core.checkpoint.remote_source import local_directory, local_files
+from megatron_lite.core.object_store import join, location
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft import LORA_RECIPE, has_adapters, is_adapter_parameter, lora_recipe, merge_lora
 from megatron_lite.post_training.export import has_quantizer_state
 from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -92,13 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="write an HF model directory (hf) or a LoRA checkpoint's adapters as a PEFT adapter directory (hf-peft)",
     )
     parser.add_argument(
-        "--input", type=local_path_argument, required=True, help="HF directory (--from hf) or our checkpoint (--to hf)"
+        "--input",
+        type=local_or_object_path_argument,
+        required=True,
+        help="HF directory (--from hf) or our checkpoint (--to hf); a path or an s3:// URL",
     )
     parser.add_argument(
         "--output",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
-        help="our checkpoint (--from hf) or an HF directory (--to hf)",
+        help="our checkpoint (--from hf) or an HF directory (--to hf); a path or an s3:// URL",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     parser.add_argument(
@@ -145,20 +155,21 @@ def from_hf(hf_dir: str, output: str, seq_length: Optional[int] = None, overwrit
     from megatron_lite.module import GPTModule  # imports Lightning: only for this direction
     from megatron_lite.pretrained import save_weights_checkpoint
 
-    limit = read_hf_config(hf_dir).get("max_position_embeddings")  # a missing config.json is named first
     if seq_length is not None and seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+    check_output(output, [hf_dir], overwrite)
+    local = local_directory(hf_dir, CONFIG, "a Hugging Face model directory")  # a URL's: a cached local copy
+    limit = read_hf_config(local).get("max_position_embeddings")
     if seq_length is not None and isinstance(limit, int) and seq_length > limit:
         raise ValueError(
             f"--seq-length {seq_length} is longer than the model's context, max_position_embeddings "
-            f"{limit} in {Path(hf_dir) / CONFIG} (positions past it were never trained); pass "
+            f"{limit} in {join(location(hf_dir), CONFIG)} (positions past it were never trained); pass "
             f"--seq-length {limit} or less, or leave it out"
         )
-    out = Path(output)
-    check_output(out, [hf_dir], overwrite)
+    out = location(output)
     overrides = {"seq_length": seq_length} if seq_length is not None else {}
-    module = GPTModule.from_pretrained(hf_dir, **overrides)
-    save_weights_checkpoint(module, out, hf_source=hf_dir)
+    module = GPTModule.from_pretrained(local, **overrides)
+    save_weights_checkpoint(module, out, hf_source=local)
     c = module.config
     return (
         f"wrote {out}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
@@ -209,13 +220,14 @@ def to_hf(
     checkpoint is refused unless ``merge_lora``, which folds its adapters into the weights."""
     config = read_checkpoint_hparams(checkpoint)["config"]
     source = resolve_checkpoint(checkpoint)
-    side = source / CHECKPOINT_SIDE_DIR
-    source_config = read_hf_config(side) if (side / CONFIG).is_file() else None
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise FileNotFoundError(
             f"--tokenizer {tokenizer} is not a directory; pass the folder holding tokenizer.json (or tokenizer.model)"
         )
     check_output(output, [checkpoint, source, tokenizer], overwrite)  # before reading any weights
+    files = local_files(source)  # the checkpoint's HF and tokenizer files (at a URL: a local copy of its small files)
+    side = files / CHECKPOINT_SIDE_DIR
+    source_config = read_hf_config(side) if (side / CONFIG).is_file() else None
     state = read_model_tensors(source)
     if is_lora_state(state) and not merge_lora:
         raise ValueError(
@@ -230,13 +242,16 @@ def to_hf(
                 f"--merge-lora: {checkpoint} is quantized; merging adapters into quantized weights is not supported"
             )
         state = _merged_state(source)
-    with tempfile.TemporaryDirectory(prefix="megatron-lite-side-") as gathered:
-        side_files = tokenizer if tokenizer is not None else gather_side_files(source, Path(gathered))
+    with (
+        output_directory(output, overwrite, last=(CONFIG,)) as target,
+        tempfile.TemporaryDirectory(prefix="megatron-lite-side-") as gathered,
+    ):
+        side_files = tokenizer if tokenizer is not None else gather_side_files(files, Path(gathered))
         if has_quantizer_state(state):
-            summary = _to_quantized_hf(source, output, dtype or "bfloat16", source_config, side_files, max_shard_bytes)
+            summary = _to_quantized_hf(source, target, dtype or "bfloat16", source_config, side_files, max_shard_bytes)
         else:
             save_hf(
-                output,
+                target,
                 config,
                 state,
                 dtype=dtype or "float32",
@@ -245,12 +260,12 @@ def to_hf(
                 max_shard_bytes=max_shard_bytes,
                 overwrite=True,
             )
-            files = sorted(p.name for p in Path(output).iterdir())
+            written = sorted(p.name for p in target.iterdir())
             summary = (
                 f"wrote {output}: {config.num_layers} layers, vocab {config.vocab_size}, {dtype or 'float32'}, "
-                f"files {files}"
+                f"files {written}"
             )
-    mark_output(output, "megatron-lite convert --to hf")
+        mark_output(target, "megatron-lite convert --to hf")
     return summary
 
 
@@ -259,7 +274,7 @@ def is_lora_state(state: dict) -> bool:
     return any(name == LORA_RECIPE or is_adapter_parameter(name) for name in state)
 
 
-def _merged_state(checkpoint: Path) -> dict:
+def _merged_state(checkpoint: str | Path) -> dict:
     """The full state of a LoRA checkpoint's model with its adapters folded into the weights (one process)."""
     from megatron_lite.module import GPTModule  # imports Lightning: only for this path
 
@@ -289,14 +304,16 @@ def to_hf_peft(
             f"hold adapters)"
         )
     if base_model is None:
-        side = source / CHECKPOINT_SIDE_DIR
+        side = local_files(source) / CHECKPOINT_SIDE_DIR
         named = read_hf_config(side).get("_name_or_path") if (side / CONFIG).is_file() else None
         base_model = named if isinstance(named, str) and named else None
-    with atomic_directory(output, overwrite=True) as tmp:
-        modules = save_peft_adapter(
-            tmp, module.model, module.config, dtype=DTYPES[dtype or "float32"], base_model_name_or_path=base_model
-        )
-    mark_output(output, "megatron-lite convert --to hf-peft")
+    # at a URL, adapter_config.json is uploaded last: an upload cut short is no adapter directory
+    with output_directory(output, overwrite, last=(ADAPTER_CONFIG,)) as target:
+        with atomic_directory(target, overwrite=True) as tmp:
+            modules = save_peft_adapter(
+                tmp, module.model, module.config, dtype=DTYPES[dtype or "float32"], base_model_name_or_path=base_model
+            )
+        mark_output(target, "megatron-lite convert --to hf-peft")
     recipe = lora_recipe(module.model)
     assert recipe is not None  # has_adapters
     return (
@@ -307,7 +324,7 @@ def to_hf_peft(
 
 def _to_quantized_hf(
     checkpoint: str | Path,
-    output: str,
+    output: Path,
     dtype: str,
     source_config: Optional[dict],
     side_files: Optional[str | Path],
@@ -329,7 +346,7 @@ def _to_quantized_hf(
         overwrite=True,
     )
     algo = (read_quant_config(output) or {}).get("quantization", {})
-    files = sorted(p.name for p in Path(output).iterdir())
+    files = sorted(p.name for p in output.iterdir())
     return (
         f"wrote {output}: {module.config.num_layers} layers, quantized {algo.get('quant_algo')} "
         f"(KV cache {algo.get('kv_cache_quant_algo')}), other tensors {dtype}, files {files}"

@@ -5,7 +5,7 @@
         --seed 1 --devices 2 --tensor-model-parallel-size 2
 
 ``--ckpt`` is one of our checkpoints (written by ``trainer.save_checkpoint``, ``ModelCheckpoint`` or
-``megatron-lite convert``) or a local Hugging Face Llama directory, loaded by
+``megatron-lite convert``) or a Hugging Face Llama directory, local or at an ``s3://`` URL, loaded by
 ``GPTModule.from_pretrained``. The tokenizer is the one the checkpoint records (the training data's), a
 converted model's own, or the Hugging Face directory's; ``--tokenizer-*`` overrides it. One device
 generates in this process; more run ``trainer.predict`` with a
@@ -20,12 +20,11 @@ import json
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.inference.sampling import SamplingParams
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -36,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ckpt",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
         help="one of our checkpoints, or a Hugging Face Llama directory",
     )
@@ -103,14 +102,15 @@ def _check_args(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Generate for every ``--prompt``; returns one record per prompt."""
+    from megatron_lite.core.checkpoint.remote_source import local_files
     from megatron_lite.data.prompts import PromptDataModule
     from megatron_lite.module import GPTModule
     from megatron_lite.tokenizers.model_tokenizer import model_tokenizer
 
     sampling = _check_args(args)
-    path = Path(args.ckpt)
-    module = GPTModule.from_pretrained(path)
-    tokenizer = model_tokenizer(path, **tokenizer_options(args))
+    module = GPTModule.from_pretrained(args.ckpt)
+    # the tokenizer's files (at a URL: a local copy of the checkpoint's small files; its weights are read there)
+    tokenizer = model_tokenizer(local_files(args.ckpt), **tokenizer_options(args))
     stop = [] if args.ignore_eod or tokenizer.eod is None else [tokenizer.eod]
     prompts = [tokenizer.tokenize(p) for p in args.prompt]
     data = PromptDataModule(

@@ -5,7 +5,7 @@
     megatron-lite prune --ckpt CKPT --data corpus.jsonl --hidden-size 96 --num-query-groups 1 \
         --layer-metric loss --calib-batches 16 --output pruned.ckpt
 
-``--ckpt`` is one of our checkpoints (or a local Hugging Face Llama directory), loaded for one process: the
+``--ckpt`` is one of our checkpoints (or a Hugging Face Llama directory), loaded for one process: the
 statistics are taken there, so the layout the checkpoint was trained with does not matter. ``--data`` is a
 JSONL corpus (``.gz`` allowed), the name of a bundled corpus (``shakespeare``) or the prefix of a preprocessed
 indexed dataset (``PREFIX.bin``/``PREFIX.idx``); text is tokenized with the checkpoint's tokenizer (or
@@ -14,19 +14,19 @@ layers, heads, neurons and channels; the next ``--eval-batches`` measure the los
 an ordinary checkpoint (weights, the smaller config, the source's tokenizer): ``GPTModule.from_pretrained``,
 ``megatron-lite generate --ckpt`` and ``trainer.validate/test/predict(ckpt_path=...)`` read it; distil it from the
 original with ``megatron_lite.callbacks.Distill``. ``--overwrite`` replaces an earlier output of megatron-lite,
-nothing else. Exit code 2 on bad input, with one line that says what to change.
+nothing else. ``--ckpt`` and ``--output`` may be ``s3://`` URLs (docs/object-storage.md). Exit code 2 on bad input,
+with one line that says what to change.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_lite.cli.command import print_result, run_verb
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ckpt",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
         help="one of our checkpoints, or a Hugging Face Llama directory",
     )
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="calibration text: a .jsonl[.gz] file, a bundled corpus name, or an indexed dataset prefix",
     )
-    p.add_argument("--output", type=local_path_argument, required=True, help="the pruned checkpoint to write")
+    p.add_argument("--output", type=local_or_object_path_argument, required=True, help="the pruned checkpoint to write")
     for name in _SHAPE_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"pruned {name} (default: keep)")
     p.add_argument(
@@ -78,6 +78,8 @@ def _mean_loss(module, batches) -> float:
 def run(args: argparse.Namespace) -> dict:
     """Prune ``--ckpt`` and write ``--output``; returns the summary."""
     from megatron_lite.core.checkpoint.format.output_dir import check_output
+    from megatron_lite.core.checkpoint.remote_source import local_files
+    from megatron_lite.core.object_store import location
     from megatron_lite.data.calibration import calibration_batches
     from megatron_lite.module import GPTModule
     from megatron_lite.post_training.pruning import PruneTarget, apply_plan, estimate_importance, plan_pruning
@@ -89,11 +91,12 @@ def run(args: argparse.Namespace) -> dict:
         if value is not None and value < (0 if name == "eval_batches" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'eval_batches' else 1}, got {value}")
     target = PruneTarget(**{name: getattr(args, name) for name in _SHAPE_FLAGS})
-    source, output = Path(args.ckpt), Path(args.output)
+    source, output = location(args.ckpt), location(args.output)
     check_output(output, [source], args.overwrite)
     module = GPTModule.from_pretrained(source)
     target.pruned_config(module.config)  # an impossible target is named before any data is read
-    tokenizer = model_tokenizer(source, **tokenizer_options(args))
+    files = local_files(source)  # its tokenizer and HF files (at a URL: a local copy; the weights stay there)
+    tokenizer = model_tokenizer(files, **tokenizer_options(args))
     seq_length = args.seq_length or module.config.seq_length
     batches = calibration_batches(
         args.data,
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     # the tokenizer and an HF model's files travel with the weights (of hf/config.json an export keeps only the
     # token ids and model type, never the shapes)
-    save_weights_checkpoint(pruned, output, hf_source=hf_side_directory(source), metadata=metadata, tokenizer=tokenizer)
+    save_weights_checkpoint(pruned, output, hf_source=hf_side_directory(files), metadata=metadata, tokenizer=tokenizer)
     summary = {
         "output": str(output),
         "kept_layers": plan.layers,

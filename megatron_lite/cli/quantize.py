@@ -6,7 +6,8 @@ of a trained checkpoint with nvidia-modelopt.
     megatron-lite quantize --ckpt CKPT --config FP8_DEFAULT_CFG --kv-cache FP8_KV_CFG --data corpus.jsonl.gz \
         --output out --json
 
-``--ckpt`` is one of our checkpoints or a local Hugging Face Llama directory (``GPTModule.from_pretrained``).
+``--ckpt`` is one of our checkpoints or a Hugging Face Llama directory (``GPTModule.from_pretrained``), and
+``--output`` a new checkpoint; either may be an ``s3://`` URL (docs/object-storage.md).
 ``--data`` is a JSONL corpus (``.gz`` allowed) or a bundled corpus name, tokenized with the checkpoint's
 tokenizer (as ``megatron-lite generate`` finds it; ``--tokenizer-*`` overrides), or the prefix of a preprocessed
 indexed dataset: its documents, each followed by the end-of-document token, are cut into windows of
@@ -30,7 +31,8 @@ from typing import Optional, Sequence
 from megatron_lite.cli.command import print_result, run_verb
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.checkpoint.format.output_dir import check_output
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.core.object_store import is_remote
+from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ckpt",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
         help="one of our checkpoints, or a Hugging Face Llama directory",
     )
@@ -56,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix",
     )
     p.add_argument("--json-key", default="text", help="the corpus's text field (default text)")
-    p.add_argument("--output", type=local_path_argument, required=True, help="directory for the quantized checkpoint")
+    p.add_argument(
+        "--output", type=local_or_object_path_argument, required=True, help="directory for the quantized checkpoint"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier output of megatron-lite there")
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches (default 8)")
     p.add_argument("--eval-batches", type=int, default=8, help="perplexity batches before/after (default 8; 0: none)")
@@ -75,13 +79,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-batches must be >= 0, got {args.eval_batches}")
     if args.seq_length is not None and args.seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
-    if not Path(args.ckpt).exists():
+    if not is_remote(args.ckpt) and not Path(args.ckpt).exists():  # a URL is checked by reading it
         raise FileNotFoundError(f"--ckpt {args.ckpt} does not exist")
     check_output(args.output, [args.ckpt], args.overwrite)
 
 
 def run(args: argparse.Namespace) -> dict:
     """Quantize ``args.ckpt`` and write ``args.output``; returns the figures printed."""
+    from megatron_lite.core.checkpoint.remote_source import local_files
     from megatron_lite.data.calibration import calibration_batches
     from megatron_lite.module import GPTModule
     from megatron_lite.post_training.quantization import perplexity, quantize, resolve_config
@@ -91,9 +96,9 @@ def run(args: argparse.Namespace) -> dict:
     _check_args(args)
     config = None if str(args.config).lower() == "none" else args.config
     resolve_config(config, args.kv_cache)  # an unknown name fails before anything is loaded
-    path = Path(args.ckpt)
-    tokenizer = model_tokenizer(path, **tokenizer_options(args))
-    module = GPTModule.from_pretrained(path)
+    files = local_files(args.ckpt)  # its tokenizer and HF files (at a URL: a local copy; the weights stay there)
+    tokenizer = model_tokenizer(files, **tokenizer_options(args))
+    module = GPTModule.from_pretrained(args.ckpt)
     seq_length = args.seq_length or module.config.seq_length
     total = args.calib_batches + args.eval_batches
     batches = calibration_batches(
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     if evaluation:
         result["perplexity_after"] = perplexity(module, evaluation)
         result["ratio"] = result["perplexity_after"] / result["perplexity_before"]
-    save_weights_checkpoint(module, args.output, hf_source=hf_side_directory(path), tokenizer=tokenizer)
+    save_weights_checkpoint(module, args.output, hf_source=hf_side_directory(files), tokenizer=tokenizer)
     return result
 
 

@@ -78,22 +78,34 @@ def cached_copy(url: str, cache_dir: Optional[str] = None) -> str:
     return path
 
 
-def cached_directory(url: str, cache_dir: Optional[str] = None) -> str:
-    """A local copy of every object under the prefix ``url`` (a directory in the store), keeping their relative
-    names; downloaded once per listing (names, ETags, sizes) into ``cache_dir`` (default :func:`object_cache_dir`).
-    ``FileNotFoundError`` naming ``url`` when nothing is under it."""
+def objects_under(url: str) -> dict[str, tuple[int, str]]:
+    """``{name relative to the prefix url: (size, ETag)}`` of every object under the prefix ``url``, listed afresh
+    (``{}`` when there is none)."""
     fs, prefix = filesystem(url), url.rstrip("/")
     with errors_named(url):
         fs.invalidate_cache(prefix)
-        listing = fs.find(prefix, detail=True)
+        try:
+            listing = fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
     bare = prefix.split("://", 1)[-1]
-    objects = {
+    return {
         path.split("://", 1)[-1][len(bare) + 1 :]: (int(info["size"]), _etag(info))
         for path, info in listing.items()
         if info.get("type") != "directory" and path.split("://", 1)[-1].startswith(bare + "/")
     }
-    if not objects:
+
+
+def cached_directory(url: str, cache_dir: Optional[str] = None, exclude: Sequence[str] = ()) -> str:
+    """A local copy of every object under the prefix ``url`` (a directory in the store), keeping their relative
+    names; downloaded once per listing (names, ETags, sizes) into ``cache_dir`` (default :func:`object_cache_dir`).
+    ``exclude``: name endings of objects left out (a checkpoint's tensor shards, ``.distcp``, for a reader of its
+    metadata). ``FileNotFoundError`` naming ``url`` when nothing is under it."""
+    fs, prefix = filesystem(url), url.rstrip("/")
+    listed = objects_under(prefix)
+    if not listed:
         raise FileNotFoundError(f"{url}: no objects under this prefix (is the URL right?)")
+    objects = {name: identity for name, identity in listed.items() if not name.endswith(tuple(exclude))}
     content = hashlib.md5(json.dumps(sorted(objects.items())).encode()).hexdigest()[:16]
     root = cache_dir or object_cache_dir()
     target = os.path.join(root, f"{url_digest(prefix)}-{content}-{prefix.rsplit('/', 1)[-1]}")
@@ -132,10 +144,12 @@ def local_input(value: str | os.PathLike[str]) -> str:
 
 
 @contextlib.contextmanager
-def published_directory(url: str, last: Sequence[str] = ()) -> Iterator[str]:
+def published_directory(url: str, last: Sequence[str] = (), replace: bool = False) -> Iterator[str]:
     """A fresh local folder to write a directory into; when the block ends without an error its files are uploaded
     under the prefix ``url`` (``last``: names relative to the folder uploaded after all others) and the folder is
-    removed. On an error nothing is uploaded."""
+    removed. On an error nothing is uploaded. ``replace``: the objects already under ``url`` are deleted before the
+    upload, the ``last`` ones first, so what a kill leaves there is never taken for a complete directory (the caller
+    decided that they may go: :func:`~megatron_lite.core.checkpoint.format.output_dir.check_output`)."""
     root = object_cache_dir()
     os.makedirs(root, exist_ok=True)
     folder = tempfile.mkdtemp(dir=root, prefix=".outgoing-")
@@ -147,6 +161,10 @@ def published_directory(url: str, last: Sequence[str] = ()) -> Iterator[str]:
             for name in names
         )
         fs, prefix = filesystem(url), url.rstrip("/")
+        if replace:
+            for relative in sorted(objects_under(prefix), key=lambda name: name not in last):
+                with errors_named(f"{prefix}/{relative}"):
+                    fs.rm_file(f"{prefix}/{relative}")
         for relative in sorted(files, key=lambda name: name in last):
             with errors_named(f"{prefix}/{relative}"):
                 fs.put_file(os.path.join(folder, relative), f"{prefix}/{relative}")

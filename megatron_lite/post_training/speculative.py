@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -46,6 +47,7 @@ from megatron_lite.core.models.draft_head import (
     config_digest,
 )
 from megatron_lite.core.models.mtp import MTPLayer, mtp_draft
+from megatron_lite.core.object_store import Location, is_remote, location, upload
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.loss_report import report_entry
@@ -241,9 +243,10 @@ def _base_forward(model: nn.Module, inputs: torch.Tensor, positions, cu_seqlens)
 
 
 # --- draft-head files -----------------------------------------------------------------------------
-def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[Path]:
+def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[Location]:
     """Write ``draft`` (full tensors, whatever its TP layout) with its base model's fingerprint to one
-    safetensors file, atomically. Collective over TP: every rank of the replica calls it; the first writes.
+    safetensors file, atomically (at an ``s3://`` URL: written locally, then one upload, which readers see whole or
+    not at all). Collective over TP: every rank of the replica calls it; the first writes.
     Returns the path on the writing rank, None elsewhere."""
     if not isinstance(draft, EagleDraftHead):
         raise TypeError(f"draft must be an EagleDraftHead, got {type(draft).__name__}")
@@ -254,8 +257,6 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
     state = gather_full_state(draft, draft.layout)
     if not holds_distinct_piece(draft.layout):
         return None
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": FORMAT,
         "kind": "eagle",
@@ -263,6 +264,14 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
         "base_weights_sha256": draft.base.weights,
         "gpt_config": json.dumps(dataclasses.asdict(draft.config)),
     }
+    if is_remote(path):
+        with tempfile.TemporaryDirectory(prefix="megatron-lite-draft-") as folder:
+            local = Path(folder) / "draft_head.safetensors"
+            save_safetensors(state, local, metadata=meta)
+            upload(str(local), str(location(path)))
+        return location(path)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(state, path, metadata=meta)
     return path
 

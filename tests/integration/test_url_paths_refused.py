@@ -1,7 +1,7 @@
 """A URL is never taken for a local path (issue 28): every entry point that takes a path refuses ``s3://...`` where
-object storage is not supported yet (and every other scheme everywhere) in one line naming the option, the URL and the
-fix, before anything is read, written or spawned. ``--output-prefix s3://data/shk`` once wrote a local folder ``s3:``
-in the working directory."""
+object storage is not supported yet (corpora, tokenizer files) and every other scheme everywhere, in one line naming
+the option, the URL and the fix, before anything is read, written or spawned. ``--output-prefix s3://data/shk`` once
+wrote a local folder ``s3:`` in the working directory."""
 
 from __future__ import annotations
 
@@ -83,15 +83,18 @@ def workdir(tmp_path, monkeypatch):
                 "100",
             ],
         ),
-        ("--input", ["convert", "--from", "hf", "--input", URL, "--output", "out"]),
-        ("--output", ["convert", "--to", "hf", "--input", "ckpt", "--output", URL]),
-        ("--ckpt", ["quantize", "--ckpt", URL, "--data", "corpus.jsonl", "--output", "out"]),
-        ("--output", ["quantize", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", URL]),
+        # checkpoints, HF directories and exports may be at s3:// URLs (test_object_storage_models.py), not at others
+        ("--input", ["convert", "--from", "hf", "--input", OTHER, "--output", "out"]),
+        ("--output", ["convert", "--to", "hf", "--input", "ckpt", "--output", OTHER]),
+        ("--ckpt", ["quantize", "--ckpt", OTHER, "--data", "corpus.jsonl", "--output", "out"]),
+        ("--output", ["quantize", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", OTHER]),
+        ("--data", ["quantize", "--ckpt", "ckpt", "--data", URL, "--output", "out"]),
         ("--data", ["prune", "--ckpt", "ckpt", "--data", URL, "--output", "out", "--num-layers", "1"]),
-        ("--output", ["prune", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", URL]),
-        ("--ckpt", ["generate", "--ckpt", URL, "--prompt", "hi"]),
+        ("--output", ["prune", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", OTHER]),
+        ("--ckpt", ["generate", "--ckpt", OTHER, "--prompt", "hi"]),
         ("--vocab-file", ["generate", "--ckpt", "ckpt", "--prompt", "hi", "--vocab-file", URL]),
-        ("path", ["checkpoint", "inspect", URL]),
+        ("--tokenizer", ["convert", "--to", "hf", "--input", "ckpt", "--output", "out", "--tokenizer", URL]),
+        ("path", ["checkpoint", "inspect", OTHER]),
     ],
 )
 def test_the_cli_refuses_a_url_by_option(workdir, capsys, option, argv):  # noqa: ARG001 (the fixture checks)
@@ -127,15 +130,24 @@ def test_the_library_refuses_a_url_for_data_and_tokenizers(workdir):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=URL)
 
 
-def test_the_library_refuses_a_url_for_checkpoints(workdir):
-    with _refused("GPTModule.from_pretrained path"):
-        ml.GPTModule.from_pretrained(URL)
-    with _refused("adapter"):
-        ml.GPTModule.from_pretrained("ckpt", adapter=URL)
-    with _refused(r"Distill\(teacher=...\)"):
-        Distill(teacher=URL)
-    with _refused(r"TrainDraftHead\(save_path=...\)"):
-        TrainDraftHead(save_path=URL)
+def _other_scheme(what: str):
+    return pytest.raises(ValueError, match=f"^{what} '{OTHER}' {OTHER_FIX}")
+
+
+def test_the_library_refuses_a_checkpoint_url_of_another_scheme(workdir):
+    # s3:// is taken there (tests/integration/test_object_storage_models.py)
+    with _other_scheme("GPTModule.from_pretrained path"):
+        ml.GPTModule.from_pretrained(OTHER)
+    with _other_scheme("adapter"):
+        ml.GPTModule.from_pretrained("ckpt", adapter=OTHER)
+    with _other_scheme("base"):
+        ml.GPTModule.from_pretrained("ckpt", base=OTHER)
+    with _other_scheme(r"Distill\(teacher=...\)"):
+        Distill(teacher=OTHER)
+    with _other_scheme(r"TrainDraftHead\(save_path=...\)"):
+        TrainDraftHead(save_path=OTHER)
+    with _other_scheme(r"TrainDraftHead\(base=...\)"):
+        TrainDraftHead(base=OTHER)
 
 
 def _fit(**trainer_options) -> L.Trainer:

@@ -7,7 +7,9 @@ whether it is still the same.
 
 The hash is cheap and deterministic: for one of our checkpoints, SHA-256 over its ``manifest.json``'s records (every
 file's name, size and CRC-32, which the save computed while writing: nothing is re-read); for a Hugging Face
-directory (or a checkpoint without a manifest), SHA-256 over its weight files' names and bytes.
+directory (or a checkpoint without a manifest), SHA-256 over its weight files' names and bytes. A model at an
+object-store URL is recorded by its URL and hashed the same way, from the local copy of its small files (ours) or of
+the whole directory (Hugging Face) that :func:`~megatron_lite.core.checkpoint.remote_source.local_files` makes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_lite.core.checkpoint.format.integrity import MANIFEST
+from megatron_lite.core.object_staging import objects_under
+from megatron_lite.core.object_store import is_remote, location
 
 _CHUNK = 8 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".distcp")
@@ -30,7 +34,7 @@ class WeightsSource:
     """A directory of weights and its content hash (see the module docstring)."""
 
     path: str
-    """The directory as it was given (absolute)."""
+    """The directory as it was given (absolute), or its URL."""
     sha256: str
     """The hash of its contents (:func:`weights_hash`)."""
 
@@ -45,8 +49,8 @@ class WeightsSource:
 
 
 def weights_hash(path: str | os.PathLike) -> str:
-    """The content hash of the weights directory ``path`` (see the module docstring)."""
-    path = Path(path)
+    """The content hash of the weights directory (or URL) ``path`` (see the module docstring)."""
+    path = _local(path)
     digest = hashlib.sha256()
     manifest = path / MANIFEST
     if manifest.is_file():
@@ -68,7 +72,19 @@ def weights_hash(path: str | os.PathLike) -> str:
 
 def weights_source(path: str | os.PathLike) -> WeightsSource:
     """The :class:`WeightsSource` of the weights directory ``path`` as it is now."""
-    return WeightsSource(str(Path(path).absolute()), weights_hash(path))
+    return WeightsSource(_named(path), weights_hash(path))
+
+
+def _named(path: str | os.PathLike) -> str:
+    """How a source is recorded: a local path made absolute, a URL as it is."""
+    return str(location(path)) if is_remote(path) else str(Path(path).absolute())
+
+
+def _local(path: str | os.PathLike) -> Path:
+    """``path``, or the local copy of what is at the URL ``path`` that its hash is computed from."""
+    from megatron_lite.core.checkpoint.remote_source import local_files  # reads checkpoints: imported when needed
+
+    return local_files(path)
 
 
 class LoadedWeights:
@@ -81,7 +97,7 @@ class LoadedWeights:
 
     def __init__(self, path: str | os.PathLike, sha256: Optional[str] = None) -> None:
         """``sha256``: the directory's hash if the caller has just computed it (not computed again)."""
-        self.path = str(Path(path).absolute())
+        self.path = _named(path)
         self._stamp = _stamp(self.path)
         self._source: Optional[WeightsSource] = WeightsSource(self.path, sha256) if sha256 is not None else None
 
@@ -96,9 +112,12 @@ class LoadedWeights:
 
 
 def _stamp(path: str) -> tuple:
-    """(name, size, mtime) of the files :func:`weights_hash` reads in ``path`` (its manifest, or its weight files)."""
+    """(name, size, mtime) of the files :func:`weights_hash` reads in ``path`` (its manifest, or its weight files);
+    at a URL, (name, size, ETag) of every object under it."""
     directory = Path(path)
     try:
+        if is_remote(path):
+            return tuple(sorted(objects_under(path).items()))
         files = [directory / MANIFEST] if (directory / MANIFEST).is_file() else sorted(directory.iterdir())
         return tuple(
             (f.name, f.stat().st_size, f.stat().st_mtime_ns)
@@ -112,8 +131,11 @@ def _stamp(path: str) -> tuple:
 def changed_source(recorded: WeightsSource, path: Optional[str | os.PathLike] = None) -> str:
     """Why the weights at ``path`` (default: the recorded path) are not ``recorded``'s: "" when they are the same,
     else a short reason ("... does not exist", "... changed since")."""
-    where = Path(path if path is not None else recorded.path)
-    if not where.is_dir():
+    where = path if path is not None else recorded.path
+    try:
+        if not _local(where).is_dir():
+            return f"{where} does not exist"
+    except FileNotFoundError:  # nothing at the URL
         return f"{where} does not exist"
     try:
         actual = weights_hash(where)

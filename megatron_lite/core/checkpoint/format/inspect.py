@@ -14,16 +14,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
-from megatron_lite.core.checkpoint.format import meta_json
+from megatron_lite.core.checkpoint.format import meta_json, object_commit
 from megatron_lite.core.checkpoint.format.commit import incomplete_leftovers, read_latest
 from megatron_lite.core.checkpoint.format.integrity import LEGACY_META, META, read_manifest, verify_checkpoint
 from megatron_lite.core.checkpoint.format.safe_reader import read_dcp_metadata
 from megatron_lite.core.checkpoint.format.sharded import read_checkpoint_meta
+from megatron_lite.core.object_staging import objects_under
+from megatron_lite.core.object_store import Location, is_file, is_remote, join, location, read_bytes
 
 
-def locate(path: str | os.PathLike) -> Path:
-    """The checkpoint directory ``path`` names (itself, or the latest one of a directory of checkpoints);
-    FileNotFoundError with what is there instead."""
+def locate(path: str | os.PathLike) -> Location:
+    """The checkpoint directory ``path`` names (itself, or the latest one of a directory of checkpoints; at a URL,
+    the prefix of the files its commit marker names); FileNotFoundError with what is there instead."""
+    if is_remote(path):
+        return object_commit.resolve(str(location(path)))
     path = Path(path)
     if path.is_dir() and not (path / ".metadata").is_file():
         name = read_latest(path)
@@ -46,20 +50,15 @@ def locate(path: str | os.PathLike) -> Path:
     )
 
 
-def _read_meta(path: Path) -> tuple[Optional[dict], str, Optional[str]]:
+def _read_meta(path: Location) -> tuple[Optional[dict], str, Optional[str]]:
     """(metadata or None, its file, the error that kept it from being read)."""
-    if (path / META).is_file():
+    meta = join(path, META)
+    if is_file(meta):
         try:
-            return (
-                meta_json.loads(
-                    (path / META).read_bytes(), allowed=None, unknown_classes="dict", source=str(path / META)
-                ),
-                META,
-                None,
-            )
+            return meta_json.loads(read_bytes(meta), allowed=None, unknown_classes="dict", source=str(meta)), META, None
         except ValueError as error:
             return None, META, str(error)
-    if (path / LEGACY_META).is_file():
+    if isinstance(path, Path) and (path / LEGACY_META).is_file():  # only ever written on disk
         try:
             return read_checkpoint_meta(path), LEGACY_META, None
         except ValueError as error:
@@ -103,8 +102,13 @@ def describe_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict
     a checkpoint that is not one raises FileNotFoundError.
     """
     path = locate(path)
-    files = [p for p in path.rglob("*") if p.is_file()]  # with the folders it carries (tokenizer/)
-    info: dict[str, Any] = {"path": str(path), "size_bytes": sum(p.stat().st_size for p in files), "files": len(files)}
+    # with the folders it carries (tokenizer/)
+    sizes = (
+        [size for size, _ in objects_under(path).values()]
+        if isinstance(path, str)
+        else [p.stat().st_size for p in path.rglob("*") if p.is_file()]
+    )
+    info: dict[str, Any] = {"path": str(path), "size_bytes": sum(sizes), "files": len(sizes)}
     if checksums:
         try:
             verdict = verify_checkpoint(path)
@@ -126,7 +130,7 @@ def describe_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict
     if manifest is not None:
         info["written_at"] = datetime.datetime.fromtimestamp(manifest.written_at).isoformat(timespec="seconds")
     try:
-        metadata = read_dcp_metadata(path / ".metadata")
+        metadata = read_dcp_metadata(join(path, ".metadata"))
         tensors = {k: m for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
         info["tensors"] = len(tensors)
         info["model_parameters"] = sum(math.prod(m.size) for k, m in tensors.items() if k.startswith("model."))

@@ -29,6 +29,7 @@ from typing import Any, Collection, Optional
 from megatron_lite.core.checkpoint.errors import CorruptCheckpointError
 from megatron_lite.core.checkpoint.format.commit import LATEST, latest_bytes, log_removed, parse_latest
 from megatron_lite.core.checkpoint.format.integrity import MANIFEST, check_file, read_manifest
+from megatron_lite.core.object_staging import objects_under
 from megatron_lite.core.object_store import errors_named, filesystem, join, name_of, parent_of, read_bytes, write_bytes
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,11 @@ log = logging.getLogger(__name__)
 MARKER = "commit.json"
 MARKER_FORMAT = "megatron-lite-commit/1"
 _VERSION = re.compile(r"^v-[0-9a-f]{8}$")
+
+
+def is_version(name: str) -> bool:
+    """Whether ``name`` is that of a save's prefix (``v-1f3a9c2e``)."""
+    return bool(_VERSION.match(name))
 
 
 def _listing(url: str) -> list[tuple[str, str]]:
@@ -93,7 +99,7 @@ def begin(checkpoint: str, in_flight: Collection[str] = ()) -> str:
 def commit(checkpoint: str, data: str, global_step: Optional[int], latest: bool) -> None:
     """Rank 0, once every file and the manifest are under ``data``: write the marker (the commit), delete the
     checkpoint's previous files, and with ``latest`` record it as its directory's latest."""
-    names = {name for name, _ in _listing(data)}
+    names = set(objects_under(data))  # nested ones too: the files a checkpoint carries (tokenizer/, hf/)
     manifest = read_manifest(data)
     missing = sorted(set(manifest.files) - names) if manifest is not None else [MANIFEST]
     if missing:
