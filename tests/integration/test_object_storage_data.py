@@ -18,7 +18,7 @@ import torch
 
 from megatron_lite.cli import main as cli
 from megatron_lite.core.object_store import ObjectStoreError
-from megatron_lite.data import PretrainDataModule
+from megatron_lite.data import PretrainDataModule, TextCorpusDataModule
 from megatron_lite.data.calibration import calibration_batches
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
@@ -159,6 +159,7 @@ def test_a_tp2_fit_reading_from_the_bucket_has_the_local_fits_losses(corpus, tmp
 
 # --- corpora and tokenizer files in the bucket --------------------------------------------------------------------
 SPM = HERE.parents[0] / "data" / "tokenizers" / "llama-sp" / "tokenizer.model"  # tests/data/README.md: origin, licence
+PARTS = ("part-0.jsonl", "part-1.jsonl.gz", "part-2.parquet")
 WORDS = (
     "to be or not that is the question whether tis nobler in mind suffer slings arrows of outrageous fortune".split()
 )
@@ -171,8 +172,8 @@ JSONL_MODULES = {
 
 @pytest.fixture(scope="module")
 def raw(corpus, tmp_path_factory):
-    """Raw inputs, locally and in the bucket (under raw/): two corpus parts (plain and gzipped JSON lines), the
-    JSONL files of the data modules and a SentencePiece model. Yields the local folder."""
+    """Raw inputs, locally and in the bucket (under raw/): three corpus parts (plain and gzipped JSON lines, parquet),
+    the JSONL files of the data modules and a SentencePiece model. Yields the local folder."""
     root = tmp_path_factory.mktemp("raw")
     rng = random.Random(1)
 
@@ -182,6 +183,8 @@ def raw(corpus, tmp_path_factory):
     lines = [json.dumps({"text": text(rng.randrange(3, 30))}) for _ in range(40)]
     (root / "part-0.jsonl").write_text("\n".join(lines[:25]) + "\n")
     (root / "part-1.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines[25:]) + "\n").encode()))
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": [text(12) for _ in range(6)]}), root / "part-2.parquet")
     for name, row in JSONL_MODULES.items():
         (root / f"{name}.jsonl").write_text("".join(json.dumps(row(i, text)) + "\n" for i in range(12)))
     shutil.copy(SPM, root / "tokenizer.model")
@@ -192,15 +195,16 @@ def raw(corpus, tmp_path_factory):
 
 
 def _copies(cache: Path) -> list[str]:
-    """The names of the local copies of objects in the object cache."""
+    """The names of the local copies of objects in the object cache (not the caches made beside them)."""
     folder = cache / "megatron-lite" / "object-store"
-    return sorted(p.name.rsplit("-", 1)[-1] for p in folder.iterdir()) if folder.is_dir() else []
+    copies = folder.iterdir() if folder.is_dir() else []
+    return sorted(p.name.rsplit("-", 1)[-1] for p in copies if not p.name.startswith("."))
 
 
 def test_preprocess_streams_a_corpus_in_the_bucket_and_reads_a_tokenizer_from_it(raw, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     runs = {
-        "local": ([str(raw / "part-0.jsonl"), str(raw / "part-1.jsonl.gz")], str(raw / "tokenizer.model")),
+        "local": ([str(raw / name) for name in PARTS], str(raw / "tokenizer.model")),
         "bucket": ([f"s3://{BUCKET}/raw/part-*"], f"s3://{BUCKET}/raw/tokenizer.model"),  # a glob over the prefix
     }
     for name, (inputs, model) in runs.items():
@@ -211,7 +215,7 @@ def test_preprocess_streams_a_corpus_in_the_bucket_and_reads_a_tokenizer_from_it
     for suffix in (".bin", ".idx"):
         local = (tmp_path / f"local_text_document{suffix}").read_bytes()
         assert (tmp_path / f"bucket_text_document{suffix}").read_bytes() == local
-    assert len(IndexedDataset(str(tmp_path / "bucket_text_document"))) == 40
+    assert len(IndexedDataset(str(tmp_path / "bucket_text_document"))) == 46
     assert _copies(tmp_path / "cache") == ["tokenizer.model"]  # the corpus was streamed, not copied
 
 
@@ -296,3 +300,19 @@ def test_a_sentencepiece_model_trains_on_a_corpus_streamed_from_the_bucket(raw, 
     assert streamed == local and len(local) == 300
     assert models[1].tokenize("To be or not to be") == models[0].tokenize("To be or not to be")
     assert _copies(tmp_path / "cache") == []
+
+
+def test_a_text_corpus_module_reads_its_corpus_and_tokenizer_from_the_bucket(raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sizes = {"seq_length": 16, "micro_batch_size": 1, "global_batch_size": 2, "split": "80,20"}
+    local, in_bucket = (
+        TextCorpusDataModule(f"{root}/part-1.jsonl.gz", tokenizer_model=f"{root}/tokenizer.model", **sizes)
+        for root in (str(raw), f"s3://{BUCKET}/raw")
+    )
+    for module in (local, in_bucket):
+        module.setup()
+    for split in ("train_dataset", "val_dataset"):
+        expected = getattr(local, split).tokens
+        np.testing.assert_array_equal(getattr(in_bucket, split).tokens, expected)
+        assert len(expected) > 16
+    assert _copies(tmp_path / "cache") == ["1.jsonl.gz", "tokenizer.model"]
