@@ -286,6 +286,8 @@ def test_a_missing_object_is_one_error_naming_its_url(raw, tmp_path, monkeypatch
         SFTDataModule(missing, tokenizer)
     with pytest.raises(FileNotFoundError, match=f"{missing}.model: no objects under this prefix"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=missing + ".model")
+    with pytest.raises(FileNotFoundError, match=f"{missing}: no such object in the store"):
+        build_tokenizer("SentencePieceTokenizer", train_corpus=missing, vocab_size=300, output_prefix=tmp_path / "spm")
     with pytest.raises(FileNotFoundError, match=f"--data {missing}: .* no object {missing}"):
         calibration_batches(missing, tokenizer, seq_length=16, batch_size=2, count=2)
 
