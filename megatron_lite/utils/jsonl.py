@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, Any
 
-from megatron_lite.core.object_store import errors_named, filesystem, is_remote
+from megatron_lite.core.object_store import is_remote, open_read
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -23,8 +23,7 @@ def _open_raw(path: str | os.PathLike[str]) -> IO[bytes]:
         return open(path, "rb")
     url = os.fspath(path)
     try:
-        with errors_named(url):
-            return filesystem(url).open(url, "rb")
+        return open_read(url)
     except FileNotFoundError:
         raise FileNotFoundError(f"{url}: no such object in the store; check the bucket and the key") from None
 
