@@ -64,12 +64,13 @@ from megatron_lite.core.checkpoint.hf.directory import (
 )
 from megatron_lite.core.checkpoint.hf.peft import ADAPTER_CONFIG, save_peft_adapter
 from megatron_lite.core.checkpoint.remote_source import local_directory, local_files
-from megatron_lite.core.object_store import join, location
+from megatron_lite.core.object_staging import local_input
+from megatron_lite.core.object_store import is_remote, join, location
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft import LORA_RECIPE, has_adapters, is_adapter_parameter, lora_recipe, merge_lora
 from megatron_lite.post_training.export import has_quantizer_state
 from megatron_lite.tokenizers.build import TOKENIZER_FOLDER
-from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -126,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tokenizer",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         default=None,
         help="--to hf: copy the tokenizer files of this directory (default: the checkpoint's hf/)",
     )
@@ -220,6 +221,9 @@ def to_hf(
     checkpoint is refused unless ``merge_lora``, which folds its adapters into the weights."""
     config = read_checkpoint_hparams(checkpoint)["config"]
     source = resolve_checkpoint(checkpoint)
+    if tokenizer is not None and is_remote(tokenizer):
+        check_output(output, [checkpoint, source, tokenizer], overwrite)  # before downloading the tokenizer
+        tokenizer = local_input(tokenizer)  # a local copy of the directory's objects (cached by their ETags)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise FileNotFoundError(
             f"--tokenizer {tokenizer} is not a directory; pass the folder holding tokenizer.json (or tokenizer.model)"

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.inference.sampling import SamplingParams
-from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
     p.add_argument(
         "--draft",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         default=None,
         help="speculative decoding with this draft head (a file or checkpoint "
         "of TrainDraftHead; greedy, one process): the same text, fewer base-model forwards",

@@ -17,7 +17,7 @@ from typing import Optional
 
 from megatron_lite.cli.command import run_verb
 from megatron_lite.data.preprocess import PreprocessResult, merge, preprocess
-from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,9 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--input",
         nargs="+",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
-        help="files or globs: .jsonl[.gz], .json, .parquet, or datasets save_to_disk directories",
+        help="files or globs: .jsonl[.gz], .json, .parquet, or datasets save_to_disk directories (local paths or "
+        "s3://bucket/key URLs, streamed)",
     )
     p.add_argument(
         "--json-keys",
@@ -59,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenizer-model",
-        type=local_path_argument,
-        help="SentencePiece .model, HF tokenizer dir/json, or tiktoken file",
+        type=local_or_object_path_argument,
+        help="SentencePiece .model, HF tokenizer dir/json, or tiktoken file (a local path or an s3:// URL)",
     )
-    p.add_argument("--vocab-file", type=local_path_argument, help="GPT-2 vocab.json")
-    p.add_argument("--merge-file", type=local_path_argument, help="GPT-2 merges.txt")
+    p.add_argument("--vocab-file", type=local_or_object_path_argument, help="GPT-2 vocab.json")
+    p.add_argument("--merge-file", type=local_or_object_path_argument, help="GPT-2 merges.txt")
     p.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, TikTokenizer)")
     p.add_argument("--log-interval", type=int, default=1000, help="documents between log lines without a tty")
     p.add_argument("--chunk-size", type=int, default=256, help="documents per task sent to a worker")
@@ -132,12 +133,14 @@ def merge_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--input",
         nargs="+",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
         help="prefixes (path without .bin/.idx), .idx/.bin files or globs of them, or a directory "
-        "(all its pairs, sorted by name)",
+        "(all its pairs, sorted by name); local paths or s3:// URLs",
     )
-    p.add_argument("--output-prefix", type=local_path_argument, required=True, help="writes OUT.bin and OUT.idx")
+    p.add_argument(
+        "--output-prefix", type=local_or_object_path_argument, required=True, help="writes OUT.bin and OUT.idx"
+    )
     args = p.parse_args(argv)
     return run_verb(
         "megatron-lite preprocess",

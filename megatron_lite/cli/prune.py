@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from megatron_lite.cli.command import print_result, run_verb
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
-from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 
@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
-        help="calibration text: a .jsonl[.gz] file, a bundled corpus name, or an indexed dataset prefix",
+        help="calibration text: a .jsonl[.gz] file, a bundled corpus name, or an indexed dataset prefix (paths or "
+        "s3:// URLs)",
     )
     p.add_argument("--output", type=local_or_object_path_argument, required=True, help="the pruned checkpoint to write")
     for name in _SHAPE_FLAGS:

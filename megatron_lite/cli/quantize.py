@@ -32,7 +32,7 @@ from megatron_lite.cli.command import print_result, run_verb
 from megatron_lite.cli.tokenizer_options import add_tokenizer_options, tokenizer_options
 from megatron_lite.core.checkpoint.format.output_dir import check_output
 from megatron_lite.core.object_store import is_remote
-from megatron_lite.utils.local_path import local_or_object_path_argument, local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", default=None, help="ModelOpt KV-cache preset, e.g. FP8_KV_CFG")
     p.add_argument(
         "--data",
-        type=local_path_argument,
+        type=local_or_object_path_argument,
         required=True,
-        help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix",
+        help="JSONL corpus (.gz allowed), a bundled corpus name, or an indexed dataset prefix (paths or s3:// URLs)",
     )
     p.add_argument("--json-key", default="text", help="the corpus's text field (default text)")
     p.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_lite.utils.local_path import local_path_argument
+from megatron_lite.utils.local_path import local_or_object_path_argument
 
 
 def add_tokenizer_options(parser: argparse.ArgumentParser) -> None:
@@ -13,9 +13,10 @@ def add_tokenizer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer-type", default=None, help="override the checkpoint's tokenizer (build_tokenizer type)"
     )
-    parser.add_argument("--tokenizer-model", type=local_path_argument, default=None)
-    parser.add_argument("--vocab-file", type=local_path_argument, default=None)
-    parser.add_argument("--merge-file", type=local_path_argument, default=None)
+    # local paths or s3:// URLs (build_tokenizer reads an object from a local copy)
+    parser.add_argument("--tokenizer-model", type=local_or_object_path_argument, default=None)
+    parser.add_argument("--vocab-file", type=local_or_object_path_argument, default=None)
+    parser.add_argument("--merge-file", type=local_or_object_path_argument, default=None)
 
 
 def tokenizer_options(args: argparse.Namespace) -> dict:

@@ -4,7 +4,8 @@ The verbs ``megatron-lite quantize`` and ``megatron-lite prune`` calibrate on th
 ``--json-key``, ``--calib-batches``, ``--eval-batches``, ``--batch-size`` and ``--seq-length``: the messages
 below name those options). The source is a preprocessed indexed dataset (``PREFIX.bin``/``PREFIX.idx``: its
 token ids), a JSONL corpus (``.gz`` allowed) or the name of a bundled corpus (its texts tokenized, each followed
-by the end-of-document token). Batch ``i``'s row ``r`` is window ``i * batch_size + r``: ``seq_length + 1``
+by the end-of-document token); the first two may be at ``s3://`` URLs (a corpus object is streamed, only as far as
+needed). Batch ``i``'s row ``r`` is window ``i * batch_size + r``: ``seq_length + 1``
 tokens starting at that many times ``seq_length`` in the token stream (inputs and shifted labels, as training
 windows are cut).
 """
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_lite.core.object_store import is_file, is_remote
 from megatron_lite.data.bundled import resolve_corpus
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.utils.jsonl import iter_jsonl_texts
@@ -31,7 +33,7 @@ def corpus_tokens(source: str, tokenizer: Any, needed: int, json_key: str = "tex
                 break
         return tokens
     try:
-        path = resolve_corpus(source)
+        path = _corpus_object(source) if is_remote(source) else resolve_corpus(source)
     except FileNotFoundError as err:
         raise FileNotFoundError(
             f"--data {source}: not an indexed dataset prefix (PREFIX.bin/.idx) either; {err}"
@@ -44,6 +46,13 @@ def corpus_tokens(source: str, tokenizer: Any, needed: int, json_key: str = "tex
         if len(tokens) >= needed:
             break
     return tokens
+
+
+def _corpus_object(url: str) -> str:
+    """``url`` if it names an object (a JSONL corpus, streamed as it is read); FileNotFoundError otherwise."""
+    if not is_file(url):
+        raise FileNotFoundError(f"no object {url} in the store; pass the URL of a .jsonl or .jsonl.gz object")
+    return url
 
 
 def calibration_batches(

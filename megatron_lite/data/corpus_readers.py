@@ -2,6 +2,10 @@
 
 JSON lines are handed on raw (the tokenizing workers parse them, so parsing runs in parallel), everything
 else as dict rows; chunks of them are what the workers receive. Nothing is ever fetched from the hub.
+
+Inputs may be objects in a store (``s3://bucket/key``, globs over a prefix too): JSON (lines) and parquet files are
+streamed by ranged reads, never downloaded whole; a ``save_to_disk`` directory, which ``datasets`` memory-maps, is
+copied to the local object cache first (:func:`~megatron_lite.core.object_staging.local_input`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
+from megatron_lite.core.object_staging import local_input
+from megatron_lite.core.object_store import errors_named, filesystem, is_file, is_remote, join, location, open_read
 from megatron_lite.utils.jsonl import decode_utf8, open_bytes, read_lines
 from megatron_lite.utils.optional import require
 
@@ -29,8 +35,12 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
     """Files (or ``save_to_disk`` directories) named or matched by ``patterns``, in order; each must match."""
     paths: list[str] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
-        if not matches or not os.path.exists(matches[0]):
+        if is_remote(pattern):
+            matches = object_matches(pattern)
+        else:
+            matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
+            matches = matches if matches and os.path.exists(matches[0]) else []
+        if not matches:
             raise FileNotFoundError(
                 f"--input {pattern}: no such file or directory; pass a .jsonl[.gz], .parquet or "
                 f"a datasets save_to_disk directory (globs allowed)"
@@ -39,10 +49,28 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
     return paths
 
 
+def object_matches(pattern: str) -> list[str]:
+    """The URLs of the objects (or prefixes) ``pattern`` names or, with wildcards, matches; [] when none."""
+    fs = filesystem(pattern)
+    with errors_named(pattern):
+        fs.invalidate_cache()
+        if glob.has_magic(pattern):
+            return sorted(fs.unstrip_protocol(path) for path in fs.glob(pattern))
+        return [pattern] if fs.exists(pattern) else []
+
+
+def is_dir(path: str) -> bool:
+    """Whether ``path`` is a local directory or a prefix of objects in a store."""
+    if not is_remote(path):
+        return os.path.isdir(path)
+    with errors_named(path):
+        return bool(filesystem(path).isdir(path))
+
+
 def input_kind(path: str) -> str:
     """``"hf"``, ``"parquet"`` or ``"json"``; PreprocessError for anything else."""
-    if os.path.isdir(path):
-        if any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
+    if is_dir(path):
+        if any(is_file(join(location(path), name)) for name in ("state.json", "dataset_dict.json")):
             return "hf"
         raise PreprocessError(
             f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json or "
@@ -76,7 +104,7 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
         pq = require("pyarrow.parquet", f"reading parquet input {path}")
 
         try:
-            table = pq.ParquetFile(path)
+            table = pq.ParquetFile(open_read(path) if is_remote(path) else path)  # an object: ranged reads
         except Exception as err:  # pyarrow's errors do not name the file
             raise PreprocessError(f"{path} is not a readable parquet file ({err})") from None
         _check_columns(path, table.schema_arrow.names, keys)
@@ -86,8 +114,9 @@ def read_items(path: str, keys: Sequence[str], hf_split: str) -> tuple[str, Iter
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # belt and braces: a local directory, never the hub
         datasets = require("datasets", f"reading the saved Hugging Face dataset {path}")
 
+        local = local_input(path)  # datasets memory-maps the directory: one in a store is copied first
         try:
-            ds = datasets.load_from_disk(path)
+            ds = datasets.load_from_disk(local)
         except Exception as err:  # a damaged directory: say which one
             raise PreprocessError(
                 f"{path}: cannot load the saved dataset ({err}); save it again with save_to_disk"

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from megatron_lite.core.object_staging import cached_copy
-from megatron_lite.core.object_store import errors_named, filesystem, is_remote
+from megatron_lite.core.object_store import errors_named, filesystem, is_remote, location, open_read
 from megatron_lite.data.remote_file import RemoteFile
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -488,7 +488,7 @@ class IndexedDatasetBuilder:
         self.document_indices.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())
         if self.sequence_modes is not None and other.sequence_modes is not None:
             self.sequence_modes.frombytes(other.sequence_modes.astype(np.int8).tobytes())
-        with open(get_bin_path(path_prefix), "rb") as src:
+        with open_read(location(get_bin_path(path_prefix))) as src:  # an object: streamed
             shutil.copyfileobj(src, self.data_file, 1 << 24)
 
     def finalize(self, idx_path: str) -> None:

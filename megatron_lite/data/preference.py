@@ -46,13 +46,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.object_staging import local_input
 from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import parse_object_line, read_lines
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 FIELDS = ("prompt", "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
@@ -359,8 +360,9 @@ class PreferenceDataModule(PretrainingDataModule):
         self.paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         if not self.paths:
             raise ValueError("PreferenceDataModule needs at least one path (a .jsonl or .jsonl.gz file)")
+        # s3:// objects are read from local copies (downloaded once per ETag)
+        self.paths = [local_input(require_local_or_object_path(p, "data.path")) for p in self.paths]
         for p in self.paths:
-            require_local_path(p, "data.path")
             if not os.path.isfile(p):
                 raise FileNotFoundError(
                     f"preference data {p} does not exist; pass data.path=<a .jsonl(.gz) file of "

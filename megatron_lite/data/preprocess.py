@@ -6,9 +6,10 @@
         --output-prefix out/ab_text_document
 
 Inputs (``--input``, files or globs): JSON lines (``.jsonl``/``.json``/``.ndjson``, gzipped or not), a JSON
-array file, ``.parquet``, or a local Hugging Face ``datasets`` directory written by ``save_to_disk``; nothing
-is ever fetched from the hub. Each key of ``--json-keys`` gives ``{output_prefix}_{key}_document.bin/.idx``
-(``_sentence`` with ``--split-sentences``). The main process reads the input and writes the output; worker
+array file, ``.parquet``, or a Hugging Face ``datasets`` directory written by ``save_to_disk``; local paths or
+``s3://`` URLs (streamed, see :mod:`megatron_lite.data.corpus_readers`); nothing is ever fetched from the hub.
+Each key of ``--json-keys`` gives ``{output_prefix}_{key}_document.bin/.idx`` (``_sentence`` with
+``--split-sentences``). The main process reads the input and writes the output; worker
 processes tokenize chunks of documents, and results are written in input order, so any ``--workers`` gives
 byte-identical files. Documents that tokenize to nothing are skipped and counted. Output goes to temporary
 names and is renamed at the end, so a failed run never leaves a half-written pair. The command line is
@@ -35,10 +36,18 @@ import numpy as np
 from megatron_lite.core.object_store import check_bucket, is_remote, upload
 
 # PreprocessError and resolve_inputs are part of this module's interface; they live with the input readers
-from megatron_lite.data.corpus_readers import PreprocessError, chunk_items, input_kind, read_items, resolve_inputs
+from megatron_lite.data.corpus_readers import (
+    PreprocessError,
+    chunk_items,
+    input_kind,
+    is_dir,
+    object_matches,
+    read_items,
+    resolve_inputs,
+)
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, merge_datasets, optimal_dtype
 from megatron_lite.utils.jsonl import parse_object_line, require_object
-from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 from megatron_lite.utils.optional import require
 
 
@@ -224,7 +233,7 @@ def preprocess(
             f"--workers ({workers}), --chunk-size ({chunk_size}) and --log-interval ({log_interval}) must be >= 1"
         )
     for pattern in inputs:
-        require_local_path(pattern, "--input")
+        require_local_or_object_path(pattern, "--input")
     require_local_or_object_path(output_prefix, "--output-prefix")
     paths = resolve_inputs(inputs)
     for path in paths:
@@ -281,10 +290,10 @@ def preprocess(
         # .bin first: a crash between the renames (uploads) leaves a pair that fails the size check, never a wrong
         # sample
         for key in json_keys:
-            for suffix in (".bin", ".idx"):
-                if remote:
-                    upload(temps[key] + suffix, finals[key] + suffix)
-                else:
+            if remote:
+                _upload_pair(temps[key], finals[key])
+            else:
+                for suffix in (".bin", ".idx"):
                     os.replace(temps[key] + suffix, finals[key] + suffix)
     except BaseException:
         for key, builder in builders.items():
@@ -363,27 +372,52 @@ def _run(
         pool.join()
 
 
+def _upload_pair(local_prefix: str, url_prefix: str) -> None:
+    """Upload a written pair, the ``.bin`` first: a run cut short in between leaves a pair that fails the size check,
+    never a wrong sample."""
+    for suffix in (".bin", ".idx"):
+        upload(local_prefix + suffix, url_prefix + suffix)
+
+
+def _matches(pattern: str) -> list[str]:
+    """The paths (or URLs) ``pattern`` matches when it has wildcards, else ``[pattern]``."""
+    if is_remote(pattern):
+        return object_matches(pattern) if glob.has_magic(pattern) else [pattern]
+    return sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+
+
 def merge(inputs: Sequence[str], output_prefix: str) -> list[str]:
     """Concatenate the ``.bin``/``.idx`` pairs ``inputs`` name, in order, into ``output_prefix``: prefixes (path
     without ``.bin``/``.idx``), ``.idx``/``.bin`` files or globs of them, or directories (all their pairs, sorted by
-    name). Returns the prefixes merged; PreprocessError naming the input that matches nothing."""
+    name); local paths or ``s3://`` URLs (inputs are streamed; an output at a URL is written locally, then
+    uploaded). Returns the prefixes merged; PreprocessError naming the input that matches nothing."""
     for pattern in inputs:
-        require_local_path(pattern, "--input")
-    require_local_path(output_prefix, "--output-prefix")
+        require_local_or_object_path(pattern, "--input")
+    require_local_or_object_path(output_prefix, "--output-prefix")
     prefixes: list[str] = []
     for pattern in inputs:
-        if os.path.isdir(pattern):
-            found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.idx")))
+        if is_dir(pattern):
+            found = _matches(glob.escape(pattern.rstrip("/")) + "/*.idx")
             if not found:
                 raise PreprocessError(f"--input {pattern} is a directory with no .idx files")
         else:
-            found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            found = _matches(pattern)
             if not found:
                 raise PreprocessError(f"--input {pattern} matches no file")
         for path in found:
             prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
             if prefix not in prefixes:
                 prefixes.append(prefix)
-    _check_output(output_prefix)
-    merge_datasets(prefixes, output_prefix)
+    if not is_remote(output_prefix):
+        _check_output(output_prefix)
+        merge_datasets(prefixes, output_prefix)
+        return prefixes
+    if output_prefix in prefixes:
+        raise PreprocessError(f"merge output {output_prefix} is also an input; choose another --output-prefix")
+    check_bucket(output_prefix)  # a missing bucket or refused credentials before any work
+    staging = tempfile.mkdtemp(prefix="megatron-lite-merge-")
+    try:
+        _upload_pair(merge_datasets(prefixes, os.path.join(staging, "merged")), output_prefix)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return prefixes

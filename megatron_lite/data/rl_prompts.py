@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.object_staging import local_input
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator
 from megatron_lite.data.datamodule import PretrainingDataModule, ResumableDataLoader
 from megatron_lite.data.prompts import pad_prompts
@@ -30,7 +31,7 @@ from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingS
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import parse_object_line, read_lines
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 
 def read_prompt_rows(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict[str, str]]:
@@ -123,7 +124,8 @@ class RLPromptDataModule(PretrainingDataModule):
                 "give the prompts as rows=[{'prompt': ..., 'answer': ...}, ...] or path=<a .jsonl file>, "
                 "exactly one of them"
             )
-        require_local_path(path, "path")
+        require_local_or_object_path(path, "path")
+        path = None if path is None else local_input(path)  # an s3:// object: a local copy, once per ETag
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(
                 f"prompt data {path} does not exist; pass path=<a .jsonl(.gz) file of "

@@ -23,13 +23,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.object_staging import local_input
 from megatron_lite.core.parallel.packing import check_cu_seqlens
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.datamodule import PretrainingDataModule
 from megatron_lite.data.splits import parse_split, split_boundaries
 from megatron_lite.tokenizers.base import Tokenizer
 from megatron_lite.utils.jsonl import read_lines
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 Render = Callable[[Sequence[dict], bool], str]
 ROLES = ("system", "user", "assistant", "tool")
@@ -232,7 +233,8 @@ class SFTDataModule(PretrainingDataModule):
         rampup_batch_size: Optional[list[int]] = None,
     ) -> None:
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
-        require_local_path(path, "data.path")
+        # an s3:// object is read from a local copy (downloaded once per ETag): every rank reads the whole file
+        path = local_input(require_local_or_object_path(path, "data.path"))
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"SFT data {path} does not exist; pass data.path=<a .jsonl or .jsonl.gz file "

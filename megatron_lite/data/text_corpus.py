@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron_lite.core.object_staging import local_input
+from megatron_lite.core.object_store import is_remote
 from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.data.bundled import resolve_corpus
 from megatron_lite.data.datamodule import PretrainingDataModule
@@ -20,7 +22,7 @@ from megatron_lite.tokenizers import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.sentencepiece_tokenizer import MIN_BYTE_FALLBACK_VOCAB
 from megatron_lite.utils.files import locked, write_atomic
 from megatron_lite.utils.jsonl import iter_jsonl_texts
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
 from megatron_lite.utils.optional import require
 
 # bump when the tokenizer settings or the array layout change, so old caches are not reused
@@ -93,7 +95,9 @@ def _file_sha256(path: str) -> str:
 class TextCorpusDataModule(PretrainingDataModule):
     """GPT pretraining batches from a JSONL corpus (``.gz`` allowed), tokenized once and cached.
 
-    ``path`` is a file or the name of a bundled corpus (``"shakespeare"``, see ``bundled_corpora()``).
+    ``path`` is a file, the URL of an object (``s3://bucket/corpus.jsonl.gz``, copied once into the local object
+    cache, see docs/object-storage.md) or the name of a bundled corpus (``"shakespeare"``, see
+    ``bundled_corpora()``); ``tokenizer_model`` a file or an object's URL too.
 
     Without ``tokenizer_model`` a byte-fallback SentencePiece BPE model of ``vocab_size`` pieces is trained on
     the corpus; with one, ``vocab_size`` is taken from that model. Documents are shuffled with ``seed``,
@@ -122,10 +126,13 @@ class TextCorpusDataModule(PretrainingDataModule):
         """Validate paths, corpus, split and sizes now, before any process is spawned; ``rampup_batch_size``
         ramps the training batch up (see :class:`PretrainingDataModule`)."""
         super().__init__(seq_length, micro_batch_size, global_batch_size, num_workers, rampup_batch_size)
-        require_local_path(path, "path")
+        require_local_or_object_path(path, "path")
         require_local_path(cache_dir, "cache_dir")
-        require_local_path(tokenizer_model, "tokenizer_model")
-        path = resolve_corpus(path)  # a file, or a bundled corpus name ("shakespeare") that works from any cwd
+        require_local_or_object_path(tokenizer_model, "tokenizer_model")
+        # a file, an object (read from a local copy, downloaded once per ETag: the corpus is read several times), or
+        # a bundled corpus name ("shakespeare") that works from any cwd
+        path = local_input(path) if is_remote(path) else resolve_corpus(path)
+        tokenizer_model = None if tokenizer_model is None else local_input(tokenizer_model)
         require("sentencepiece", "TextCorpusDataModule")  # here, before launch, not in every rank's prepare_data
         _check_corpus(path, json_key)
         self.split_fractions = parse_split(split)

@@ -47,7 +47,8 @@ from megatron_lite.core.models.draft_head import (
     config_digest,
 )
 from megatron_lite.core.models.mtp import MTPLayer, mtp_draft
-from megatron_lite.core.object_store import Location, is_remote, location, upload
+from megatron_lite.core.object_staging import local_input
+from megatron_lite.core.object_store import Location, is_file, is_remote, location, upload
 from megatron_lite.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.parallel.loss_report import report_entry
@@ -279,7 +280,16 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
 def load_draft_head(path: str | os.PathLike, model: nn.Module) -> EagleDraftHead:
     """The draft head saved at ``path`` (a :func:`save_draft_head` file, or one of our checkpoints written while
     TrainDraftHead trained), built for ``model``'s layout (each TP rank keeps its shard), after
-    checking that it was trained for ``model`` (same architecture and weights): else one ValueError."""
+    checking that it was trained for ``model`` (same architecture and weights): else one ValueError. A file at an
+    ``s3://`` URL is read from a local copy (cached by its ETag)."""
+    if is_remote(path):
+        url = os.fspath(path)
+        if not is_file(url):
+            raise FileNotFoundError(
+                f"no draft-head file at {url}: at a URL, give the file TrainDraftHead(save_path=...) or "
+                f"save_draft_head(...) wrote there (a TrainDraftHead run's checkpoint is read from a local path)"
+            )
+        path = local_input(url)
     path = Path(path)
     if is_checkpoint_directory(path):
         tensors = read_model_tensors(path, prefix=MODEL_PREFIX + DRAFT_HEAD_ATTRIBUTE + ".")

@@ -1,10 +1,13 @@
-"""``build_tokenizer``: Megatron's ``--tokenizer-type`` names -> a ``Tokenizer``, from local files only."""
+"""``build_tokenizer``: Megatron's ``--tokenizer-type`` names -> a ``Tokenizer``, from local files or objects in a
+store (``s3://``); never from the hub."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
 
+from megatron_lite.core.object_staging import local_input
+from megatron_lite.core.object_store import is_remote
 from megatron_lite.tokenizers.base import Tokenizer, require_file
 from megatron_lite.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_lite.tokenizers.huggingface import CONFIG_FILES as HF_CONFIG_FILES
@@ -13,7 +16,7 @@ from megatron_lite.tokenizers.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.tiktoken_tokenizer import TikTokenizer
 from megatron_lite.utils.jsonl import iter_jsonl_texts
-from megatron_lite.utils.local_path import require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -74,7 +77,12 @@ def _train(
             "SentencePieceTokenizer training (train_corpus given, no tokenizer_model) needs vocab_size "
             "and output_prefix (where <output_prefix>.model is written)"
         )
-    corpus = _local_file(train_corpus, "train_corpus", "pass a local .jsonl or .jsonl.gz file")
+    # an object is streamed (open_bytes): a corpus need not fit on the local disk
+    corpus = (
+        os.fspath(train_corpus)
+        if is_remote(train_corpus)
+        else _local_file(train_corpus, "train_corpus", "pass a .jsonl or .jsonl.gz file")
+    )
     errors: list[Exception] = []
 
     def texts() -> Iterator[str]:
@@ -119,7 +127,11 @@ def build_tokenizer(
     tiktoken_num_special_tokens: int = 1000,
     tiktoken_special_tokens: Sequence[str] | None = None,
 ) -> Tokenizer:
-    """Build a tokenizer by Megatron type name from local files; ``chat_template`` overrides the model's.
+    """Build a tokenizer by Megatron type name from its files; ``chat_template`` overrides the model's.
+
+    The files (and ``train_corpus``) may be local paths or ``s3://`` URLs: a file in a store (or a directory: every
+    object under the prefix) is read from a local copy, downloaded once per ETag
+    (:func:`~megatron_lite.core.object_staging.local_input`); a training corpus is streamed.
 
     - ``SentencePieceTokenizer``: ``tokenizer_model`` (a ``.model``), or ``train_corpus`` (JSONL, text under
       ``json_key``) + ``vocab_size`` + ``output_prefix`` to train one (every call trains; reuse the model after).
@@ -136,10 +148,13 @@ def build_tokenizer(
         (vocab_file, "vocab_file"),
         (merge_file, "merge_file"),
         (train_corpus, "train_corpus"),
-        (output_prefix, "output_prefix"),
     ):
-        require_local_path(value, what)
+        require_local_or_object_path(value, what)
+    require_local_path(output_prefix, "output_prefix")  # SentencePiece writes the trained model there
     kind = canonical_tokenizer_type(tokenizer_type)
+    tokenizer_model, vocab_file, merge_file = (
+        None if value is None else local_input(value) for value in (tokenizer_model, vocab_file, merge_file)
+    )
     tokenizer: Tokenizer
     if kind == "SentencePieceTokenizer":
         if tokenizer_model is not None and train_corpus is not None:

@@ -1,25 +1,49 @@
-"""Reading JSON-lines corpora (plain or gzipped, UTF-8) with errors that name ``file:line`` and the fix."""
+"""Reading JSON-lines corpora (plain or gzipped, UTF-8) with errors that name ``file:line`` and the fix.
+
+A corpus may be a local file or an object in a store (``s3://bucket/key``): an object is streamed (read ahead in
+blocks by ranged reads), never downloaded whole, so it may be larger than the local disk."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 from collections.abc import Iterator
 from typing import IO, Any
 
+from megatron_lite.core.object_store import is_remote, open_read
+
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def open_bytes(path: str | os.PathLike[str]) -> IO[bytes]:
-    """Open a file for reading bytes, gunzipped when it starts with gzip's magic bytes (whatever its name)."""
-    with open(path, "rb") as raw:
+def _open_raw(path: str | os.PathLike[str]) -> IO[bytes]:
+    """A local file, or an object streamed from its store (``FileNotFoundError`` naming the URL when there is none)."""
+    if not is_remote(path):
+        return open(path, "rb")
+    url = os.fspath(path)
+    try:
+        return open_read(url)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{url}: no such object in the store; check the bucket and the key") from None
+
+
+@contextlib.contextmanager
+def open_bytes(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+    """A local file or an object (a URL) open for reading bytes, gunzipped when it starts with gzip's magic bytes
+    (whatever its name); closed at the end of the ``with`` block."""
+    with _open_raw(path) as raw:
         gzipped = raw.read(2) == _GZIP_MAGIC
-    return gzip.open(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
+        raw.seek(0)
+        if not gzipped:
+            yield raw
+            return
+        with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+            yield unzipped
 
 
 def read_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
-    """``(line number, line)`` of a UTF-8 text file (gunzipped as :func:`open_bytes` does), newline included.
+    """``(line number, line)`` of a UTF-8 text file or object (gunzipped as :func:`open_bytes` does), newline included.
 
     Each line is decoded on its own, so a byte that is not UTF-8 raises ValueError naming ``file:line``, the byte
     and the fix (a text stream decodes blocks ahead of the line it hands out and names neither).

@@ -14,7 +14,10 @@ LAYOUTS = {
     # a V placement: the last stage (and the MTP block) on rank 0 with the first, one embedding serving both; the
     # layout names the MTP layer before the loss as Megatron's DeepSeek-V3 layouts do
     "pp2-zbv": dict(
-        devices=2, pp=2, vpp=2, strategy_kwargs=dict(pipeline_model_parallel_layout="E|t|t|mmL", pipeline_schedule="zbv")
+        devices=2,
+        pp=2,
+        vpp=2,
+        strategy_kwargs=dict(pipeline_model_parallel_layout="E|t|t|mmL", pipeline_schedule="zbv"),
     ),
     # CP2, the shifts crossing the ranks' chunks, with the decoder's and the MTP depths' layers recomputed: tiny_config
     # has no dropout, so recomputation changes no value and the same reference proves it exact

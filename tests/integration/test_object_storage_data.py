@@ -5,8 +5,10 @@ locally by ETag and size); a TP2 fit reading from the bucket has the local fit's
 error naming it."""
 
 import contextlib
+import gzip
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,9 +18,15 @@ import torch
 
 from megatron_lite.cli import main as cli
 from megatron_lite.core.object_store import ObjectStoreError
-from megatron_lite.data import PretrainDataModule
+from megatron_lite.data import PretrainDataModule, TextCorpusDataModule
+from megatron_lite.data.calibration import calibration_batches
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
+from megatron_lite.data.preference import PreferenceDataModule
+from megatron_lite.data.preprocess import merge
+from megatron_lite.data.rl_prompts import RLPromptDataModule
+from megatron_lite.data.sft import SFTDataModule
+from megatron_lite.tokenizers import build_tokenizer
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
@@ -147,3 +155,166 @@ def test_a_tp2_fit_reading_from_the_bucket_has_the_local_fits_losses(corpus, tmp
         losses.append(run(tmp_path / prefix[-5:], devices=2, tp=2, steps=3, gbs=4, config=config, data=data)["losses"])
     assert len(losses[0]) == 3 and losses[1] == losses[0]
     assert len(list((tmp_path / "cache").rglob("*.idx"))) == 1  # the bucket's .idx was read (in the launching process)
+
+
+# --- corpora and tokenizer files in the bucket --------------------------------------------------------------------
+SPM = HERE.parents[0] / "data" / "tokenizers" / "llama-sp" / "tokenizer.model"  # tests/data/README.md: origin, licence
+PARTS = ("part-0.jsonl", "part-1.jsonl.gz", "part-2.parquet")
+WORDS = (
+    "to be or not that is the question whether tis nobler in mind suffer slings arrows of outrageous fortune".split()
+)
+JSONL_MODULES = {
+    "sft": lambda i, r: {"messages": [{"role": "user", "content": r(5)}, {"role": "assistant", "content": r(8)}]},
+    "preference": lambda i, r: {"prompt": r(4), "chosen": r(6), "rejected": r(3)},
+    "rl": lambda i, r: {"prompt": r(4), "answer": str(i)},
+}
+
+
+@pytest.fixture(scope="module")
+def raw(corpus, tmp_path_factory):
+    """Raw inputs, locally and in the bucket (under raw/): three corpus parts (plain and gzipped JSON lines, parquet),
+    the JSONL files of the data modules and a SentencePiece model. Yields the local folder."""
+    root = tmp_path_factory.mktemp("raw")
+    rng = random.Random(1)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+    lines = [json.dumps({"text": text(rng.randrange(3, 30))}) for _ in range(40)]
+    (root / "part-0.jsonl").write_text("\n".join(lines[:25]) + "\n")
+    (root / "part-1.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines[25:]) + "\n").encode()))
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": [text(12) for _ in range(6)]}), root / "part-2.parquet")
+    for name, row in JSONL_MODULES.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(row(i, text)) + "\n" for i in range(12)))
+    shutil.copy(SPM, root / "tokenizer.model")
+    fs = _fs()  # one client: making one costs ~0.5 s
+    for path in root.iterdir():
+        fs.put_file(str(path), f"s3://{BUCKET}/raw/{path.name}")
+    yield root
+
+
+def _copies(cache: Path) -> list[str]:
+    """The names of the local copies of objects in the object cache (not the caches made beside them)."""
+    folder = cache / "megatron-lite" / "object-store"
+    copies = folder.iterdir() if folder.is_dir() else []
+    return sorted(p.name.rsplit("-", 1)[-1] for p in copies if not p.name.startswith("."))
+
+
+def test_preprocess_streams_a_corpus_in_the_bucket_and_reads_a_tokenizer_from_it(raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runs = {
+        "local": ([str(raw / name) for name in PARTS], str(raw / "tokenizer.model")),
+        "bucket": ([f"s3://{BUCKET}/raw/part-*"], f"s3://{BUCKET}/raw/tokenizer.model"),  # a glob over the prefix
+    }
+    for name, (inputs, model) in runs.items():
+        arguments = ["--input", *inputs, "--output-prefix", str(tmp_path / name), "--append-eod", "--no-progress"]
+        with pytest.raises(SystemExit) as done:
+            cli(["preprocess", *arguments, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model])
+        assert done.value.code == 0
+    for suffix in (".bin", ".idx"):
+        local = (tmp_path / f"local_text_document{suffix}").read_bytes()
+        assert (tmp_path / f"bucket_text_document{suffix}").read_bytes() == local
+    assert len(IndexedDataset(str(tmp_path / "bucket_text_document"))) == 46
+    assert _copies(tmp_path / "cache") == ["tokenizer.model"]  # the corpus was streamed, not copied
+
+
+def test_merge_reads_and_writes_pairs_in_the_bucket(corpus, tmp_path):
+    local, url = corpus
+    fs = _fs()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(local + suffix, tmp_path / f"again{suffix}")
+        fs.copy(url + suffix, f"s3://{BUCKET}/again{suffix}")
+    merge([local, str(tmp_path / "again")], str(tmp_path / "merged"))
+    merge([url, f"s3://{BUCKET}/again.idx"], f"s3://{BUCKET}/merged")
+    for suffix in (".bin", ".idx"):
+        assert fs.cat_file(f"s3://{BUCKET}/merged{suffix}") == (tmp_path / f"merged{suffix}").read_bytes()
+
+
+def _jsonl_module(name: str, path: str, tokenizer):
+    sizes = {"seq_length": 64, "micro_batch_size": 1, "global_batch_size": 2}
+    if name == "sft":
+        return SFTDataModule(path, tokenizer, split="80,20", **sizes)
+    if name == "preference":
+        return PreferenceDataModule(path, tokenizer, split="80,20", **sizes)
+    return RLPromptDataModule(tokenizer, path=path, split="80,20", **sizes)
+
+
+@pytest.mark.parametrize("name", sorted(JSONL_MODULES))
+def test_a_jsonl_data_module_reads_its_file_from_the_bucket(raw, name, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(raw / "tokenizer.model"))
+    modules = [
+        _jsonl_module(name, path, tokenizer) for path in (str(raw / f"{name}.jsonl"), f"s3://{BUCKET}/raw/{name}.jsonl")
+    ]
+    for module in modules:
+        module.setup()
+    for split in ("train", "validation"):
+        expected = modules[0].datasets[split]
+        assert len(modules[1].datasets[split]) == len(expected) > 0
+        for index in range(len(expected)):
+            _assert_same_sample(modules[1].datasets[split][index], expected[index])
+    assert _copies(tmp_path / "cache") == [f"{name}.jsonl"]  # one local copy, read by every rank
+
+
+def _assert_same_sample(got, expected) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value
+
+
+def test_calibration_streams_a_corpus_in_the_bucket(raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(raw / "tokenizer.model"))
+    batches = [
+        calibration_batches(source, tokenizer, seq_length=16, batch_size=2, count=2)
+        for source in (str(raw / "part-1.jsonl.gz"), f"s3://{BUCKET}/raw/part-1.jsonl.gz")
+    ]
+    assert len(batches[1]) == 2 and all(torch.equal(b["tokens"], a["tokens"]) for a, b in zip(*batches))
+    assert _copies(tmp_path / "cache") == []
+
+
+def test_a_missing_object_is_one_error_naming_its_url(raw, tmp_path, monkeypatch, capsys):  # noqa: ARG001
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    missing = f"s3://{BUCKET}/raw/missing.jsonl"
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB)
+    with pytest.raises(SystemExit) as done:
+        arguments = ["--input", missing, "--output-prefix", str(tmp_path / "x"), "--vocab-size", str(VOCAB)]
+        cli(["preprocess", *arguments, "--tokenizer-type", "null"])
+    assert done.value.code == 2 and missing in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match=f"{missing}: no objects under this prefix"):
+        SFTDataModule(missing, tokenizer)
+    with pytest.raises(FileNotFoundError, match=f"{missing}.model: no objects under this prefix"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=missing + ".model")
+    with pytest.raises(FileNotFoundError, match=f"{missing}: no such object in the store"):
+        build_tokenizer("SentencePieceTokenizer", train_corpus=missing, vocab_size=300, output_prefix=tmp_path / "spm")
+    with pytest.raises(FileNotFoundError, match=f"--data {missing}: .* no object {missing}"):
+        calibration_batches(missing, tokenizer, seq_length=16, batch_size=2, count=2)
+
+
+def test_a_sentencepiece_model_trains_on_a_corpus_streamed_from_the_bucket(raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    models = [
+        build_tokenizer("SentencePieceTokenizer", train_corpus=corpus, vocab_size=300, output_prefix=tmp_path / name)
+        for name, corpus in (("local", raw / "part-0.jsonl"), ("bucket", f"s3://{BUCKET}/raw/part-0.jsonl"))
+    ]
+    local, streamed = ([m.detokenize([i]) for i in range(m.vocab_size)] for m in models)  # (the files name their paths)
+    assert streamed == local and len(local) == 300
+    assert models[1].tokenize("To be or not to be") == models[0].tokenize("To be or not to be")
+    assert _copies(tmp_path / "cache") == []
+
+
+def test_a_text_corpus_module_reads_its_corpus_and_tokenizer_from_the_bucket(raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sizes = {"seq_length": 16, "micro_batch_size": 1, "global_batch_size": 2, "split": "80,20"}
+    local, in_bucket = (
+        TextCorpusDataModule(f"{root}/part-1.jsonl.gz", tokenizer_model=f"{root}/tokenizer.model", **sizes)
+        for root in (str(raw), f"s3://{BUCKET}/raw")
+    )
+    for module in (local, in_bucket):
+        module.setup()
+    for split in ("train_dataset", "val_dataset"):
+        expected = getattr(local, split).tokens
+        np.testing.assert_array_equal(getattr(in_bucket, split).tokens, expected)
+        assert len(expected) > 16
+    assert _copies(tmp_path / "cache") == ["1.jsonl.gz", "tokenizer.model"]

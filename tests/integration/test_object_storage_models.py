@@ -31,7 +31,9 @@ from test_hf_interop import VOCAB, _random_hf_model, _tokens  # noqa: E402
 import megatron_lite as ml  # noqa: E402
 from megatron_lite.callbacks import Distill, TrainDraftHead  # noqa: E402
 from megatron_lite.cli import main as cli  # noqa: E402
+from megatron_lite.core.models.draft_head import EagleDraftHead, base_fingerprint  # noqa: E402
 from megatron_lite.core.object_staging import objects_under, published_directory  # noqa: E402
+from megatron_lite.post_training.speculative import save_draft_head  # noqa: E402
 
 BUCKET = "models"
 HF_URL = f"s3://{BUCKET}/llama"
@@ -86,8 +88,9 @@ def test_an_hf_directory_at_a_url_loads_as_the_local_one(hf_dir):
     assert ml.GPTModule.from_pretrained(HF_URL).pretrained_source.path == HF_URL  # a LoRA run records the URL
 
 
-def _generate(ckpt, capsys) -> list[dict]:
+def _generate(ckpt, capsys, *options: str) -> list[dict]:
     argv = ["generate", "--ckpt", ckpt, "--prompt", "w5 w17 w42", "--prompt", "w7", "--max-new-tokens", "5", "--json"]
+    argv += options
     assert _cli(*argv) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
@@ -105,7 +108,16 @@ def test_convert_s3_to_s3_then_generate_inspect_prune_and_export_back(hf_dir, tm
     torch.testing.assert_close(_logits(CKPT_URL), _logits(hf_dir), rtol=0, atol=0)  # our format, read natively
 
     # the tokenizer came along in the checkpoint's hf/ and is read from the store
-    assert _generate(CKPT_URL, capsys) == _generate(local, capsys)
+    greedy = _generate(CKPT_URL, capsys)
+    assert greedy == _generate(local, capsys)
+    # a draft head file in the store (untrained: its proposals only change the speed) gives the same tokens
+    base = ml.GPTModule.from_pretrained(CKPT_URL).model
+    head = EagleDraftHead(base.config, seed=4)
+    head.bind(base_fingerprint(base))
+    save_draft_head(head, f"s3://{BUCKET}/draft.safetensors")
+    assert [r["new_tokens"] for r in _generate(CKPT_URL, capsys, "--draft", f"s3://{BUCKET}/draft.safetensors")] == [
+        r["new_tokens"] for r in greedy
+    ]
 
     remote, disk = _inspect(CKPT_URL, capsys), _inspect(local, capsys)
     assert remote["checksums"]["status"] == "ok" and remote["path"].startswith(f"{CKPT_URL}/v-")
@@ -126,8 +138,9 @@ def test_convert_s3_to_s3_then_generate_inspect_prune_and_export_back(hf_dir, tm
     torch.testing.assert_close(pruned.full_logits(_tokens()), _logits(tmp_path / "pruned"), rtol=0, atol=0)
 
     export = f"s3://{BUCKET}/export"
-    assert _cli("convert", "--to", "hf", "--input", CKPT_URL, "--output", export) == 0
+    assert _cli("convert", "--to", "hf", "--input", CKPT_URL, "--output", export, "--tokenizer", HF_URL) == 0
     torch.testing.assert_close(_logits(export), _logits(hf_dir), rtol=0, atol=0)
+    assert _fs().cat_file(f"{export}/tokenizer.json") == (hf_dir / "tokenizer.json").read_bytes()
     capsys.readouterr()
     assert _cli("convert", "--to", "hf", "--input", CKPT_URL, "--output", export) == 2
     assert f"--output {export} holds objects already; pass a new prefix, or --overwrite" in capsys.readouterr().err

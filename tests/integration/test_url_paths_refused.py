@@ -45,7 +45,7 @@ def workdir(tmp_path, monkeypatch):
             [
                 "preprocess",
                 "--input",
-                URL,
+                OTHER,
                 "--output-prefix",
                 "out/x",
                 "--tokenizer-type",
@@ -65,10 +65,10 @@ def workdir(tmp_path, monkeypatch):
                 "--tokenizer-type",
                 "SentencePieceTokenizer",
                 "--tokenizer-model",
-                URL,
+                OTHER,
             ],
         ),
-        ("--output-prefix", ["preprocess", "merge", "--input", "corpus", "--output-prefix", URL]),
+        ("--output-prefix", ["preprocess", "merge", "--input", "corpus", "--output-prefix", OTHER]),
         (
             "--output-prefix",
             [
@@ -83,17 +83,18 @@ def workdir(tmp_path, monkeypatch):
                 "100",
             ],
         ),
-        # checkpoints, HF directories and exports may be at s3:// URLs (test_object_storage_models.py), not at others
+        # checkpoints, HF directories, exports, corpora and tokenizer files may be at s3:// URLs
+        # (test_object_storage_models.py, test_object_storage_data.py), not at other schemes
         ("--input", ["convert", "--from", "hf", "--input", OTHER, "--output", "out"]),
         ("--output", ["convert", "--to", "hf", "--input", "ckpt", "--output", OTHER]),
         ("--ckpt", ["quantize", "--ckpt", OTHER, "--data", "corpus.jsonl", "--output", "out"]),
         ("--output", ["quantize", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", OTHER]),
-        ("--data", ["quantize", "--ckpt", "ckpt", "--data", URL, "--output", "out"]),
-        ("--data", ["prune", "--ckpt", "ckpt", "--data", URL, "--output", "out", "--num-layers", "1"]),
+        ("--data", ["quantize", "--ckpt", "ckpt", "--data", OTHER, "--output", "out"]),
+        ("--data", ["prune", "--ckpt", "ckpt", "--data", OTHER, "--output", "out", "--num-layers", "1"]),
         ("--output", ["prune", "--ckpt", "ckpt", "--data", "corpus.jsonl", "--output", OTHER]),
         ("--ckpt", ["generate", "--ckpt", OTHER, "--prompt", "hi"]),
-        ("--vocab-file", ["generate", "--ckpt", "ckpt", "--prompt", "hi", "--vocab-file", URL]),
-        ("--tokenizer", ["convert", "--to", "hf", "--input", "ckpt", "--output", "out", "--tokenizer", URL]),
+        ("--vocab-file", ["generate", "--ckpt", "ckpt", "--prompt", "hi", "--vocab-file", OTHER]),
+        ("--tokenizer", ["convert", "--to", "hf", "--input", "ckpt", "--output", "out", "--tokenizer", OTHER]),
         ("path", ["checkpoint", "inspect", OTHER]),
     ],
 )
@@ -118,16 +119,21 @@ def test_the_library_refuses_a_url_for_data_and_tokenizers(workdir):
         preprocess([corpus], OTHER, tokenizer)
     with pytest.raises(ValueError, match=f"^data path '{OTHER}' {OTHER_FIX}"):
         PretrainDataModule(["0.5", OTHER, "0.5", "local"], seq_length=8, micro_batch_size=1, global_batch_size=1)
-    with _refused("path"):
-        TextCorpusDataModule(URL)
-    with _refused("data.path"):
-        SFTDataModule(URL, tokenizer)
-    with _refused("data.path"):
-        PreferenceDataModule([corpus, URL], tokenizer)
-    with _refused("path"):
-        RLPromptDataModule(tokenizer, path=URL)
-    with _refused("tokenizer_model"):
-        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=URL)
+    # JSONL corpora and tokenizer files may be at s3:// URLs too (tests/integration/test_object_storage_data.py)
+    with pytest.raises(ValueError, match=f"^path '{OTHER}' {OTHER_FIX}"):
+        TextCorpusDataModule(OTHER)
+    with pytest.raises(ValueError, match=f"^data.path '{OTHER}' {OTHER_FIX}"):
+        SFTDataModule(OTHER, tokenizer)
+    with pytest.raises(ValueError, match=f"^data.path '{OTHER}' {OTHER_FIX}"):
+        PreferenceDataModule([corpus, OTHER], tokenizer)
+    with pytest.raises(ValueError, match=f"^path '{OTHER}' {OTHER_FIX}"):
+        RLPromptDataModule(tokenizer, path=OTHER)
+    with pytest.raises(ValueError, match=f"^tokenizer_model '{OTHER}' {OTHER_FIX}"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=OTHER)
+    with pytest.raises(ValueError, match=f"^train_corpus '{OTHER}' {OTHER_FIX}"):
+        build_tokenizer("SentencePieceTokenizer", train_corpus=OTHER, vocab_size=300, output_prefix="spm")
+    with _refused("output_prefix"):  # where SentencePiece writes the model it trains
+        build_tokenizer("SentencePieceTokenizer", train_corpus=corpus, vocab_size=300, output_prefix=URL)
 
 
 def _other_scheme(what: str):
