@@ -4,8 +4,10 @@ Supported: ``llama`` (Llama 2/3/3.1, SmolLM, ...), ``mistral`` without a sliding
 q/k/v only) and dense ``qwen3`` (per-head RMSNorm of queries and keys: ``qk_layernorm``; a head width of its own)
 -- RMSNorm, SwiGLU, RoPE (plain, ``linear`` or ``llama3`` scaling), grouped-query attention, tied or untied
 embeddings -- and their mixtures of experts ``mixtral``, ``qwen2_moe`` and ``qwen3_moe``
-(:mod:`~megatron_lite.core.checkpoint.hf.moe` maps the experts). Anything else is refused by name before a weight
-is read: a model we would load "successfully" but compute differently from transformers is worse than no model.
+(:mod:`~megatron_lite.core.checkpoint.hf.moe` maps the experts); weights unquantized or in block-scaled FP8
+(:mod:`~megatron_lite.core.checkpoint.hf.fp8_blocks`, dequantized as they are read). Anything else is refused by
+name before a weight is read: a model we would load "successfully" but compute differently from transformers is
+worse than no model.
 
 Both config formats are read: transformers 4's ``rope_theta`` / ``rope_scaling`` and transformers 5's
 ``rope_parameters``. Export writes the 4.x keys, which every transformers version since 4.43 (Llama 3.1) reads.
@@ -18,6 +20,7 @@ from typing import Any, Optional
 
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.checkpoint.hf import deepseek, moe
+from megatron_lite.core.checkpoint.hf.fp8_blocks import fp8_blocks
 from megatron_lite.core.models.config import GPTConfig
 
 CAUSAL_LM = {
@@ -165,13 +168,7 @@ def _check_architecture(hf: dict[str, Any]) -> str:
     other = [a for a in architectures if a != CAUSAL_LM[model_type]]
     if other:
         raise _refuse(f"architectures {other}", f"a {model_type} model is imported as {CAUSAL_LM[model_type]}")
-    if hf.get("quantization_config"):
-        method = (
-            hf["quantization_config"].get("quant_method", "?") if isinstance(hf["quantization_config"], dict) else "?"
-        )
-        raise _refuse(
-            f"quantization_config (quant_method {method!r})", "only unquantized bf16/fp16/fp32 weights are read"
-        )
+    fp8_blocks(hf)  # block-scaled FP8 is dequantized as it is read; any other quantization is refused
     for key in _MOE_KEYS if model_type not in (*moe.CAUSAL_LM, *deepseek.CAUSAL_LM) else ():
         if hf.get(key):
             raise _refuse(

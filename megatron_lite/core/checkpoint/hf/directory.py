@@ -1,8 +1,9 @@
 """Hugging Face Llama directories: read one into our config and full state, write one from them.
 
 Only safetensors are read (a single ``model.safetensors`` or shards listed in ``model.safetensors.index.json``;
-bf16, fp16 or fp32), with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened, nor a
-shard the index names outside the directory. The config is mapped by :mod:`~megatron_lite.core.checkpoint.hf.config`
+bf16, fp16 or fp32, or block-scaled FP8 dequantized per shard: :mod:`~megatron_lite.core.checkpoint.hf.fp8_blocks`),
+with our own torch-only reader: a pickle (``pytorch_model.bin``) is never opened, nor a shard the index names
+outside the directory. The config is mapped by :mod:`~megatron_lite.core.checkpoint.hf.config`
 (unsupported architectures and options refused by name), the tensors by
 :mod:`~megatron_lite.core.checkpoint.hf.weights`; every shape is checked against the config from the files' headers
 before any tensor is read. Where config.json and the files disagree on tied embeddings, the files win, as in
@@ -34,6 +35,7 @@ from megatron_lite.core.checkpoint.format.safetensors_io import (
     save_safetensors,
 )
 from megatron_lite.core.checkpoint.hf.config import gpt_config_from_hf, hf_config_from_gpt
+from megatron_lite.core.checkpoint.hf.fp8_blocks import SCALE_SUFFIX, dequantize_shard, dequantized_shapes, fp8_blocks
 from megatron_lite.core.checkpoint.hf.weights import check_hf_shapes, hf_to_state, state_to_hf
 from megatron_lite.core.models.config import GPTConfig
 
@@ -129,23 +131,42 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 
 
 def read_hf_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of an HF directory's weights, from the safetensors headers alone."""
+    """{tensor name: shape} of an HF directory's weights as they are read, from the safetensors headers alone: the
+    scales of block-scaled FP8 weights are checked against their weights and left out."""
     files = _weight_files(Path(directory))
-    shapes: dict[str, tuple[int, ...]] = {}
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in sorted(set(files.values())):
         names, _ = read_safetensors_header(path)
-        shapes.update({name: shape for name, (_, shape) in names.items() if files.get(name) == path})
-    return shapes
+        entries.update({name: entry for name, entry in names.items() if files.get(name) == path})
+    return dequantized_shapes(entries, fp8_blocks(read_hf_config(directory)), str(directory))
 
 
-def read_hf_tensors(directory: str | os.PathLike, names: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF directory's weights (in their saved dtype), or those of ``names`` it has."""
-    files = _weight_files(Path(directory))
-    tensors: dict[str, torch.Tensor] = {}
+def _read_by_file(files: Mapping[str, Path], names: Optional[Collection[str]]) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of ``names`` (all if None) that ``files`` ({name: file}) place, one file's at a time."""
     for path in sorted(set(files.values())):
         wanted = {name for name, file in files.items() if file == path and (names is None or name in names)}
         if wanted:
-            tensors.update(load_safetensors(path, wanted)[0])
+            yield load_safetensors(path, wanted)[0]
+
+
+def read_hf_tensors(directory: str | os.PathLike, names: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's weights (in their saved dtype), or those of ``names`` it has; block-scaled
+    FP8 weights are dequantized one shard at a time, to the dtype of config.json (bfloat16 if it names none), and
+    their scales are not returned."""
+    files = _weight_files(Path(directory))
+    hf_config = read_hf_config(directory)
+    blocks = fp8_blocks(hf_config)
+    if blocks is None:
+        return {name: t for shard in _read_by_file(files, names) for name, t in shard.items()}
+    dtype = DTYPES.get(str(hf_config.get("dtype") or hf_config.get("torch_dtype")), torch.bfloat16)
+
+    def read_scales(scales: Collection[str]) -> dict[str, torch.Tensor]:
+        return {name: t for shard in _read_by_file(files, scales) for name, t in shard.items()}
+
+    weights = [name for name in files if not name.endswith(SCALE_SUFFIX) and (names is None or name in names)]
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in _read_by_file(files, weights):
+        tensors.update(dequantize_shard(shard, read_scales, blocks, dtype))
     return tensors
 
 
