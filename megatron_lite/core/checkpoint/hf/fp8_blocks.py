@@ -1,5 +1,5 @@
-"""Block-scaled FP8 Hugging Face checkpoints (DeepSeek-V3/R1, Kimi K2, the Qwen3 ``-FP8`` models), dequantized as
-they are read.
+"""Block-scaled FP8 Hugging Face checkpoints (DeepSeek-V3/R1's hub format, also Kimi K2's and the Qwen3 ``-FP8``
+releases'), dequantized as they are read.
 
 The format, as ``config.json``'s ``quantization_config`` declares it (``quant_method: "fp8"``, ``fmt: "e4m3"``,
 ``activation_scheme: "dynamic"``, ``weight_block_size: [r, c]``): a quantized weight ``W`` [rows, cols] is stored
