@@ -143,10 +143,12 @@ def read_hf_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
 def _read_by_file(files: Mapping[str, Path], names: Optional[Collection[str]]) -> Iterator[dict[str, torch.Tensor]]:
     """The tensors of ``names`` (all if None) that ``files`` ({name: file}) place, one file's at a time."""
-    for path in sorted(set(files.values())):
-        wanted = {name for name, file in files.items() if file == path and (names is None or name in names)}
-        if wanted:
-            yield load_safetensors(path, wanted)[0]
+    by_file: dict[Path, set[str]] = {}
+    for name in files if names is None else names:  # (a hub model has ~100k tensors: no scan per file)
+        if name in files:
+            by_file.setdefault(files[name], set()).add(name)
+    for path in sorted(by_file):
+        yield load_safetensors(path, by_file[path])[0]
 
 
 def read_hf_tensors(directory: str | os.PathLike, names: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
