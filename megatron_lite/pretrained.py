@@ -30,7 +30,15 @@ from megatron_lite.core.checkpoint.full.reader import (
     read_model_tensors,
 )
 from megatron_lite.core.checkpoint.full.state import load_full_state, persistent_buffers
-from megatron_lite.core.checkpoint.hf.directory import CHECKPOINT_SIDE_DIR, CONFIG, SIDE_FILES, is_hf_directory, load_hf
+from megatron_lite.core.checkpoint.hf.directory import (
+    CHECKPOINT_SIDE_DIR,
+    CONFIG,
+    SIDE_FILES,
+    interleaved_rope,
+    is_hf_directory,
+    load_hf,
+    read_hf_config,
+)
 from megatron_lite.core.checkpoint.hf.peft import ADAPTER_CONFIG, load_peft_adapter, read_peft_config
 from megatron_lite.core.checkpoint.hf.weights import fit_vocab_rows, raise_shape_mismatch
 from megatron_lite.core.checkpoint.remote_source import is_hf_url, local_directory, resolve_remote_checkpoint
@@ -179,6 +187,7 @@ def load_pretrained(
         return _load_adapted(cls, path, recorded, base, optimizer, seed, strict, overrides)
     if base is not None:
         raise ValueError(f"base= names the base of an adapter-only LoRA checkpoint; {path} is not one")
+    interleaved = True  # an adapter on our checkpoint: PEFT's rows as `convert --to hf` writes the base's
     if is_checkpoint_directory(path):
         hparams = read_checkpoint_hparams(path)
         config = _config_with(hparams["config"], overrides)
@@ -191,6 +200,7 @@ def load_pretrained(
         _load_checkpoint_weights(module.model, path, config.vocab_size, strict, config)
     elif is_hf_directory(path):
         config, state = load_hf(path, **overrides)
+        interleaved = interleaved_rope(read_hf_config(path), config)
         module = cls(config, optimizer or OptimizerConfig(), seed if seed is not None else 1234)
         module.model = module.build_model(ParallelLayout.single())
         params = dict(module.model.named_parameters())
@@ -210,7 +220,7 @@ def load_pretrained(
         )
     module.pretrained_source = LoadedWeights(given)  # a LoRA run on this base then saves only its adapters
     if adapter is not None:
-        load_peft_adapter(module.model, adapter, module.config, module.seed)
+        load_peft_adapter(module.model, adapter, module.config, module.seed, interleaved_rope=interleaved)
     module.model.eval()
     return module
 

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 
 from megatron_lite.core.engine.extensions import ObjectiveExtension, add_extension
 from megatron_lite.core.parallel.run_spec import RunSpec
-from megatron_lite.core.peft import LINEAR_MODULES, LoRAConfig, apply_lora, lora_recipe
+from megatron_lite.core.peft import ALL_LINEAR, LoRAConfig, apply_lora, lora_recipe
 from megatron_lite.core.peft.lora import check_targets
 
 
@@ -30,8 +30,11 @@ class LoRA(pl.Callback):
         alpha: the scale's numerator (scale = alpha / dim).
         dropout: dropout probability on the adapters' path.
         dropout_position: "pre" (on the adapter's input) or "post" (on its output).
-        target_modules: linear layers to adapt by Megatron's names (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
-            ``linear_fc2``) or patterns over full names (``"*.layers.0.*.linear_qkv"``).
+        target_modules: linear layers to adapt: ``"all-linear"`` (every linear layer of the model, the default),
+            Megatron's names (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``; on an MLA model
+            ``linear_q_proj`` or ``linear_q_down_proj``/``linear_q_up_proj``, ``linear_kv_down_proj``,
+            ``linear_kv_up_proj`` instead of ``linear_qkv``) or patterns over full names
+            (``"*.layers.0.*.linear_qkv"``).
         lora_A_init_method: "xavier" or "normal" (``B`` starts at zero: the first step runs the base model).
         seed: seed of the adapters' initial values (None: the module's seed).
     """
@@ -42,7 +45,7 @@ class LoRA(pl.Callback):
         alpha: float = 32.0,
         dropout: float = 0.0,
         dropout_position: Literal["pre", "post"] = "pre",
-        target_modules: Sequence[str] = LINEAR_MODULES,
+        target_modules: Sequence[str] = (ALL_LINEAR,),
         lora_A_init_method: Literal["xavier", "normal"] = "xavier",
         seed: Optional[int] = None,
     ) -> None:

@@ -3,7 +3,10 @@ and the final adapters equal the one-process run's (rtol 1e-5) at TP2 (A replica
 on row-parallel ones), TP2 with sequence parallelism (the adapters' small activations gathered and scattered along
 the sequence), PP2, CP2, DP2 with the gradient reduction overlapped in small buckets, DP2 with the distributed
 optimizer, DP2 under FSDP2 (the frozen base sharded with the adapters) and TP2 with SP and full recomputation (the
-adapters rerun in the recomputed forward); the base stays frozen (no gradient, unchanged)."""
+adapters rerun in the recomputed forward); the base stays frozen (no gradient, unchanged). On a DeepSeek-style model
+(multi-latent attention with query compression, YaRN, grouped sigmoid MoE with a shared expert, a dense first layer)
+the default targets adapt every MLA projection -- the replicated down-projections' A and B whole, their gradients
+summed over TP under SP as the layer's own weight's -- and every expert, and TP2+SP equals one process."""
 
 import dataclasses
 import json
@@ -13,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from parity_utils import assert_same_training, run, tiny_config
+from test_mla_parity import DEEPSEEK_MOE, MLA
 
 import megatron_lite as ml
 from megatron_lite.callbacks import LoRA
@@ -117,3 +121,23 @@ def test_lora_equals_one_process(single, tmp_path, layout):
     torch.testing.assert_close(
         torch.tensor(result["grad_norms"]), torch.tensor(single["grad_norms"]), rtol=1e-5, atol=0
     )
+
+
+def test_lora_on_mla_and_deepseek_moe_at_tp2_sp_equals_one_process(tmp_path):
+    config = tiny_config(**MLA, **DEEPSEEK_MOE, seq_length=16)
+    # SGD: Adam would turn the rounding noise of the down-projections' tiny adapter gradients into full steps
+    optimizer = ml.OptimizerConfig(optimizer="sgd", lr=0.1, lr_warmup_iters=0, lr_decay_style="constant")
+
+    def lora_run(out: Path, **layout) -> dict:  # LoRA's default targets: every linear layer the model has
+        return run(out, config=config, steps=3, gbs=4, mbs=2, optimizer=optimizer, callbacks=[LoRA(dim=4)], **layout)
+
+    single = lora_run(tmp_path / "one")
+    attention = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    mlps = {0: ["mlp"], 1: ["mlp.experts", "mlp.shared_experts"]}
+    adapted = [f"layers.{i}.self_attention.{name}" for i in mlps for name in attention] + [
+        f"layers.{i}.{mlp}.{fc}" for i, names in mlps.items() for mlp in names for fc in ("linear_fc1", "linear_fc2")
+    ]
+    assert set(single["grads"]) == {f"{n}.adapter.{ab}.weight" for n in adapted for ab in ("linear_in", "linear_out")}
+    for name in ("layers.1.self_attention.linear_kv_down_proj", "layers.0.self_attention.linear_q_down_proj"):
+        assert single["params"][f"{name}.adapter.linear_out.weight"].abs().max() > 1e-5, f"{name} did not train"
+    assert_same_training(lora_run(tmp_path / "tp2-sp", devices=2, tp=2, sp=True), single)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from mla_utils import DEEPSEEK_V3_TINY  # noqa: E402
 
 import megatron_lite as ml  # noqa: E402
+from megatron_lite.pretrained import save_weights_checkpoint  # noqa: E402
 
 SHAPE = dict(DEEPSEEK_V3_TINY, vocab_size=VOCAB)
 CASES = {
@@ -87,3 +88,44 @@ def test_deepseek_v3_import_gives_transformers_logits_and_exports_back(case, tmp
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     assert type(loaded) is type(model)
     _assert_close(_hf_logits(loaded, tokens), reference)
+
+
+MLA_PROJECTIONS = {
+    "q_lora_yarn_interleaved": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "no_q_lora_plain_rope": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepseek_v3_peft_adapter_imports_with_peft_logits_and_exports_back(case, tmp_path):
+    """A PEFT LoRA adapter on every MLA projection (random non-zero A and B) gives PEFT's logits on our imported
+    model (the rotated rows of ``lora_B`` permuted as the weights', on the interleaved base; as they are on the
+    other) and, exported with ``--to hf-peft``, loads in PEFT with them on the base as ``--to hf`` writes it
+    (DeepSeek's interleaved layout)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[dev]')")
+    model = _random_deepseek(case, list(CASES).index(case))
+    model.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    base_logits = _hf_logits(model, tokens)
+    lora = peft.LoraConfig(r=4, lora_alpha=16, target_modules=MLA_PROJECTIONS[case])
+    adapted = peft.get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    adapted.save_pretrained(tmp_path / "peft")
+    expected = _hf_logits(adapted.eval(), tokens)
+    assert float((expected - base_logits).norm() / base_logits.norm()) > 1e-2  # the adapter changes the logits
+
+    module = ml.GPTModule.from_pretrained(tmp_path / "hf", adapter=tmp_path / "peft")
+    _assert_close(module.full_logits(tokens), expected)
+
+    save_weights_checkpoint(module, tmp_path / "ckpt", hf_source=tmp_path / "hf")
+    _convert("--to", "hf-peft", "--input", tmp_path / "ckpt", "--output", tmp_path / "back")
+    base = tmp_path / "hf"
+    if not CASES[case]["rope_interleave"]:  # the export's rows are DeepSeek's interleaved ones: so is its base
+        _convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "base_ckpt")
+        _convert("--to", "hf", "--input", tmp_path / "base_ckpt", "--output", base := tmp_path / "base")
+    back = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "back")
+    _assert_close(_hf_logits(back.eval(), tokens), expected)

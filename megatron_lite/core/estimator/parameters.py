@@ -124,7 +124,8 @@ def stage_parameter_shapes(
             out.append(ParamShape(f"{prefix}.bias", bias, False))
         if lora is not None and lora.selects(prefix):
             # A [dim, in] and B [out, dim] of the local shard [rows, cols]: on a column layer A is whole and B split
-            # like the weight's rows; on a row layer A is split like the weight's columns and B whole.
+            # like the weight's rows; on a row layer A is split like the weight's columns and B whole; on a
+            # replicated one (MLA's down-projections) both whole.
             out.append(ParamShape(f"{prefix}.adapter.linear_in.weight", (lora.dim, cols), True))
             out.append(ParamShape(f"{prefix}.adapter.linear_out.weight", (rows, lora.dim), True))
 
@@ -167,11 +168,11 @@ def stage_parameter_shapes(
         if config.q_lora_rank is None:
             linear(f"{prefix}.linear_q_proj", heads * q_head, h, None)
         else:
-            out.append(ParamShape(f"{prefix}.linear_q_down_proj.weight", (config.q_lora_rank, h), True))
+            linear(f"{prefix}.linear_q_down_proj", config.q_lora_rank, h, None)  # replicated: whole on every rank
             norm(f"{prefix}.q_layernorm", config.q_lora_rank)
             linear(f"{prefix}.linear_q_up_proj", heads * q_head, config.q_lora_rank, None)
         latent = config.kv_lora_rank
-        out.append(ParamShape(f"{prefix}.linear_kv_down_proj.weight", (latent + config.qk_pos_emb_head_dim, h), True))
+        linear(f"{prefix}.linear_kv_down_proj", latent + config.qk_pos_emb_head_dim, h, None)
         norm(f"{prefix}.kv_layernorm", latent)
         linear(f"{prefix}.linear_kv_up_proj", heads * (config.qk_head_dim + config.v_head_dim), latent, None)
         linear(f"{prefix}.linear_proj", h, heads * config.v_head_dim, None)

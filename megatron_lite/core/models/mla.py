@@ -37,18 +37,30 @@ from megatron_lite.core.parallel.tensor_parallel import ColumnParallelLinear, Ro
 
 class ReplicatedLinear(nn.Module):
     """``Y = X A^T`` with ``A`` whole on every TP rank (MLA's down-projections, Megatron's 'duplicated' linear):
-    under sequence parallelism each rank multiplies its own tokens, so the weight's gradient is partial over TP."""
+    under sequence parallelism each rank multiplies its own tokens, so the weight's gradient is partial over TP.
+
+    ``adapter``: a module whose output is added to the layer's (LoRA, ``megatron_lite.core.peft``), called with the
+    layer's input and whether the layer runs sequence-parallel, as on the tensor-parallel linears; None adds nothing."""
+
+    adapter: Optional[nn.Module]
 
     def __init__(self, input_size: int, output_size: int, layout: ParallelLayout, init_std: float):
         super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.sequence_parallel = layout.sequence_parallel
         self.weight = mark_parameter(
             nn.Parameter(torch.empty(output_size, input_size)),
             ("normal", init_std),
             sequence_parallel_grad=layout.sequence_parallel,
         )
+        self.register_module("adapter", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        y = F.linear(x, self.weight)
+        adapter = self.adapter
+        if adapter is not None and getattr(adapter, "enabled", True):
+            y = y + adapter(x, self.sequence_parallel)
+        return y
 
 
 class MultiLatentAttention(nn.Module):

@@ -1,7 +1,7 @@
 """Parameter-efficient fine-tuning: LoRA adapters on a built model (plain PyTorch; the callback is
 ``megatron_lite.callbacks.LoRA``)."""
 
-from megatron_lite.core.peft.config import LINEAR_MODULES, LoRAConfig
+from megatron_lite.core.peft.config import ALL_LINEAR, LINEAR_MODULES, MLA_LINEAR_MODULES, TARGET_NAMES, LoRAConfig
 from megatron_lite.core.peft.expert_lora import ExpertLoRAAdapter
 from megatron_lite.core.peft.lora import (
     LORA_RECIPE,
@@ -22,7 +22,10 @@ __all__ = [
     "carry_adapters",
     "lora_recipe",
     "restore_lora",
+    "ALL_LINEAR",
     "LINEAR_MODULES",
+    "MLA_LINEAR_MODULES",
+    "TARGET_NAMES",
     "LoRAAdapter",
     "ExpertLoRAAdapter",
     "LoRAConfig",

@@ -11,6 +11,25 @@ LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 output projection (row-parallel), the MLP's fc1 ([gate; up] for SwiGLU, column-parallel) and fc2 (row-parallel).
 In an MoE layer ``linear_fc1``/``linear_fc2`` are also the experts' (and the shared expert's)."""
 
+MLA_LINEAR_MODULES = (
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+"""Multi-latent attention's projections besides ``linear_proj`` (Megatron's names): the query projection without
+query compression, else its down (replicated) and up (column-parallel) projections, and the key/value latent's
+down (replicated) and up (column-parallel) projections."""
+
+TARGET_NAMES = LINEAR_MODULES + MLA_LINEAR_MODULES
+"""Every layer name a ``target_modules`` entry may give."""
+
+ALL_LINEAR = "all-linear"
+"""The ``target_modules`` entry selecting every linear layer the model has among :data:`TARGET_NAMES` (PEFT's name):
+the four of a GPT layer; on an MLA model its query/key/value projections instead of ``linear_qkv`` (Megatron-Bridge's
+all-linear set for DeepSeek). The default."""
+
 A_INIT_METHODS = ("xavier", "normal")
 
 
@@ -26,9 +45,9 @@ class LoRAConfig:
     """Dropout probability on the adapter's path (never on the base's)."""
     dropout_position: Literal["pre", "post"] = "pre"
     """Where the dropout sits: on the adapter's input ("pre", Bridge's default) or on its output ("post")."""
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LINEAR_MODULES))
-    """Layers to adapt: names from :data:`LINEAR_MODULES`, or patterns over full module names with ``*``
-    (``"*.layers.0.*.linear_qkv"``: layer 0's QKV only)."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: [ALL_LINEAR])
+    """Layers to adapt: ``"all-linear"`` (every linear layer of the model), names from :data:`TARGET_NAMES`, or
+    patterns over full module names with ``*`` (``"*.layers.0.*.linear_qkv"``: layer 0's QKV only)."""
     lora_A_init_method: Literal["xavier", "normal"] = "xavier"
     """How ``A`` is drawn: "xavier" (normal with std sqrt(2 / (in + dim)), Bridge's default) or "normal" (std 0.02);
     ``B`` starts at zero, so the adapted model starts as the base."""
@@ -52,12 +71,15 @@ class LoRAConfig:
             self.target_modules = [self.target_modules]
         self.target_modules = list(self.target_modules)
         if not self.target_modules:
-            raise ValueError(f"LoRA target_modules is empty: name the layers to adapt, e.g. {list(LINEAR_MODULES)}")
+            raise ValueError(
+                f"LoRA target_modules is empty: name the layers to adapt, e.g. {[ALL_LINEAR]} or {list(LINEAR_MODULES)}"
+            )
         for target in self.target_modules:
-            if not is_pattern(target) and target not in LINEAR_MODULES:
+            if not is_pattern(target) and target not in (ALL_LINEAR, *TARGET_NAMES):
                 raise ValueError(
                     f"LoRA target_modules: {target!r} is not a linear layer of this model; the valid names are "
-                    f"{list(LINEAR_MODULES)} (or a pattern over full module names such as '*.layers.0.*.linear_qkv')"
+                    f"{[ALL_LINEAR, *TARGET_NAMES]} (or a pattern over full module names such as "
+                    f"'*.layers.0.*.linear_qkv')"
                 )
 
     @property
@@ -69,7 +91,9 @@ class LoRAConfig:
         """Whether the linear layer named ``module_name`` (its full name in the model) is to be adapted."""
         short = module_name.rsplit(".", 1)[-1]
         return any(
-            fnmatch.fnmatchcase(module_name, target) if is_pattern(target) else short == target
+            fnmatch.fnmatchcase(module_name, target)
+            if is_pattern(target)
+            else short == target or (target == ALL_LINEAR and short in TARGET_NAMES)
             for target in self.target_modules
         )
 

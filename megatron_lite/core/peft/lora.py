@@ -11,6 +11,10 @@ is, so that every layout computes the single-process function with no gather of 
 - on a **row-parallel** layer (``linear_proj``, ``linear_fc2``; input split over TP) ``A`` is split on its input
   columns as the base weight is and ``B`` is replicated: the partial ``A x`` are summed over TP (reduce-scattered
   along the sequence under SP, so ``B`` then sees this rank's tokens and its gradient is partial over TP).
+- on a **replicated** layer (multi-latent attention's ``linear_q_down_proj``, ``linear_kv_down_proj``: the weight
+  whole on every TP rank) ``A`` and ``B`` are whole too and run on the layer's input as it arrives, with no
+  collective: their gradients are those of the layer's own weight -- partial over TP under SP (each rank's tokens),
+  summed like it; without SP the same on every rank (the up-projections all-reduce their input's gradient).
 
 Only ``[tokens, dim]`` activations cross ranks. The base's parameter names do not change (the adapter is the
 layer's ``adapter`` sub-module: ``...linear_qkv.adapter.linear_in.weight`` is ``A``, ``.linear_out.weight`` ``B``,
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.mla import ReplicatedLinear
 from megatron_lite.core.models.moe.experts import GroupedLinear
 from megatron_lite.core.models.moe_config import moe_layer_pattern
 from megatron_lite.core.parallel.layout import ParallelLayout
@@ -50,12 +55,13 @@ from megatron_lite.core.parallel.tensor_parallel import (
     initialize_parameter,
     mark_parameter,
 )
-from megatron_lite.core.peft.config import LINEAR_MODULES, LoRAConfig
+from megatron_lite.core.peft.config import ALL_LINEAR, TARGET_NAMES, LoRAConfig
 from megatron_lite.core.peft.expert_lora import ExpertLoRAAdapter, add_expert_rng_streams
 from megatron_lite.core.peft.parts import AdapterWeight, a_init_std, adapter_dropout
 
-ADAPTABLE = (ColumnParallelLinear, RowParallelLinear, GroupedLinear)
-"""The layers LoRA adapts: the tensor-parallel linears and the MoE experts' grouped ones."""
+ADAPTABLE = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, GroupedLinear)
+"""The layers LoRA adapts: the tensor-parallel linears, MLA's replicated down-projections and the MoE experts'
+grouped ones."""
 
 ADAPTER = "adapter"
 """The sub-module name of a layer's adapter (every adapter parameter's name holds ``.adapter.``)."""
@@ -77,13 +83,14 @@ class LoRAAdapter(nn.Module):
 
     def __init__(
         self,
-        base: ColumnParallelLinear | RowParallelLinear,
+        base: ColumnParallelLinear | RowParallelLinear | ReplicatedLinear,
         config: LoRAConfig,
         layout: ParallelLayout,
         rng: Optional[RNGStatesTracker] = None,
     ) -> None:
         super().__init__()
         self.column = isinstance(base, ColumnParallelLinear)
+        self.replicated = isinstance(base, ReplicatedLinear)
         if base.weight is None:
             raise ValueError("LoRA cannot adapt a layer without a weight of its own (a tied output layer)")
         weight_shard: Optional[TPShard] = getattr(base.weight, "tp_shard", None)
@@ -91,7 +98,20 @@ class LoRAAdapter(nn.Module):
         dim, (out_features, in_features) = config.dim, (base.output_size, base.input_size)
         a_std = a_init_std(config, in_features)
         dtype, device = base.weight.dtype, base.weight.device
-        if self.column:
+        if self.replicated:  # both whole, their gradients the layer weight's (partial over TP under SP only)
+            a = mark_parameter(
+                nn.Parameter(torch.empty(dim, in_features, dtype=dtype, device=device)),
+                ("normal", a_std),
+                None,
+                sequence_parallel_grad=True,
+            )
+            b = mark_parameter(
+                nn.Parameter(torch.empty(out_features, dim, dtype=dtype, device=device)),
+                ("zeros",),
+                None,
+                sequence_parallel_grad=True,
+            )
+        elif self.column:
             stride = weight_shard.stride if weight_shard is not None else 1
             a = mark_parameter(
                 nn.Parameter(torch.empty(dim, in_features, dtype=dtype, device=device)),
@@ -128,6 +148,11 @@ class LoRAAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
         """The adapter's output for the layer's input ``x``, shaped and sharded as the layer's output."""
+        if self.replicated:
+            # the input and output are the same on every TP rank without SP (dropped alike there), its tokens under SP
+            x = self._dropout(x, replicated=not sequence_parallel) if self.dropout_position == "pre" else x
+            out = F.linear(F.linear(x, self.linear_in.weight), self.linear_out.weight) * self.scale
+            return self._dropout(out, replicated=not sequence_parallel) if self.dropout_position == "post" else out
         if self.dropout_position == "pre":
             # Replicated over TP only on a column layer's whole-sequence input: there every TP rank drops alike.
             x = self._dropout(x, replicated=self.column and not sequence_parallel)
@@ -161,9 +186,9 @@ Adapter = LoRAAdapter | ExpertLoRAAdapter
 
 
 def adaptable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(full name, layer) of every linear layer of ``model`` LoRA can adapt (by :data:`LINEAR_MODULES` name)."""
+    """(full name, layer) of every linear layer of ``model`` LoRA can adapt (by :data:`TARGET_NAMES` name)."""
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in LINEAR_MODULES and isinstance(module, ADAPTABLE):
+        if name.rsplit(".", 1)[-1] in TARGET_NAMES and isinstance(module, ADAPTABLE):
             yield name, module
 
 
@@ -174,12 +199,20 @@ def adaptable_layer_names(config: GPTConfig) -> list[str]:
     names = []
     for index, is_moe in enumerate(pattern):
         layer = f"layers.{index}"
-        names += [f"{layer}.self_attention.linear_qkv", f"{layer}.self_attention.linear_proj"]
+        names += [f"{layer}.self_attention.{linear}" for linear in attention_linears(config)]
         mlps = [f"{layer}.mlp"] if not is_moe else [f"{layer}.mlp.experts"]
         if is_moe and config.moe_shared_expert_intermediate_size is not None:
             mlps.append(f"{layer}.mlp.shared_experts")
         names += [f"{mlp}.{fc}" for mlp in mlps for fc in ("linear_fc1", "linear_fc2")]
     return names
+
+
+def attention_linears(config: GPTConfig) -> list[str]:
+    """The names of the linear layers of a self-attention of ``config`` (MLA's projections, or the fused QKV's)."""
+    if not config.multi_latent_attention:
+        return ["linear_qkv", "linear_proj"]
+    queries = ["linear_q_proj"] if config.q_lora_rank is None else ["linear_q_down_proj", "linear_q_up_proj"]
+    return [*queries, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
 
 
 def check_targets(config: LoRAConfig, model_config: GPTConfig) -> list[str]:
@@ -189,9 +222,15 @@ def check_targets(config: LoRAConfig, model_config: GPTConfig) -> list[str]:
         if not any(LoRAConfig(target_modules=[target]).selects(name) for name in names):
             raise ValueError(
                 f"LoRA target_modules: {target!r} selects none of this model's linear layers (e.g. "
-                f"{', '.join(names[:4])}): name one of {list(LINEAR_MODULES)} or a pattern matching full names"
+                f"{', '.join(names[:4])}): name one of {_present(names)} or a pattern matching full names"
             )
     return [name for name in names if config.selects(name)]
+
+
+def _present(names: list[str]) -> list[str]:
+    """``"all-linear"`` and the layer names (of :data:`TARGET_NAMES`, in its order) that ``names`` hold."""
+    shorts = {name.rsplit(".", 1)[-1] for name in names}
+    return [ALL_LINEAR, *(short for short in TARGET_NAMES if short in shorts)]
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, layout: ParallelLayout, seed: int) -> list[str]:

@@ -229,8 +229,13 @@ def load_hf(directory: str | os.PathLike, **overrides: Any) -> tuple[GPTConfig, 
     untied = _tie_rule(config, directory, overrides, tensors)
     if untied is not config:
         check_hf_shapes(shapes, untied)  # lm_head.weight's shape, now that it is read
-    interleaved = config.multi_latent_attention and hf_config.get("rope_interleave", True) is not False
-    return untied, hf_to_state(tensors, untied, interleaved_rope=interleaved)
+    return untied, hf_to_state(tensors, untied, interleaved_rope=interleaved_rope(hf_config, config))
+
+
+def interleaved_rope(hf_config: dict[str, Any], config: GPTConfig) -> bool:
+    """Whether the HF weights of ``hf_config`` rotate interleaved channel pairs, whose rows (the base's and a PEFT
+    adapter's ``lora_B``) are permuted on import: a DeepSeek-V3's unless ``rope_interleave`` is false."""
+    return bool(config.multi_latent_attention) and hf_config.get("rope_interleave", True) is not False
 
 
 def copy_side_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:

@@ -18,6 +18,14 @@ dim] each and the scale ``alpha / dim``.
   stay zero under training (their gradients are zero); the zero blocks of B do not: a further fine-tune trains the
   fused adapter as a whole (a rank-``dim`` adapter of the whole layer, which exports exactly again).
 
+On a DeepSeek-V3 (multi-latent attention) model each of our MLA projections is one HF module (``q_proj`` or
+``q_a_proj``/``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``). The rows of ``lora_B`` that produce
+rotated channels (the queries' and the RoPE key's) are permuted exactly as the base weight's rows are
+(:mod:`~megatron_lite.core.checkpoint.hf.deepseek`: DeepSeek's interleaved pairs against our halves), so ``B A``
+stays the weight's update. Its MLP adapters have no PEFT form here: PEFT (>= 0.18 with transformers 5) turns
+``gate_proj``/``up_proj``/``down_proj`` targets on a DeepSeek-V3 into the routed experts' fused 3D parameters
+(``target_parameters``), dropping the dense layers' and the shared experts' -- refused both ways, merge them instead.
+
 What PEFT expresses and one fused adapter cannot is refused by name: DoRA, rsLoRA, biases, per-module ranks or
 alphas, trained copies of other modules (``modules_to_save``), adapters on other modules, pickled weights.
 """
@@ -35,10 +43,13 @@ import torch
 from torch import nn
 
 from megatron_lite.core.checkpoint.format.safetensors_io import load_safetensors, save_safetensors
+from megatron_lite.core.checkpoint.hf.deepseek import _names as mla_names
+from megatron_lite.core.checkpoint.hf.deepseek import _rotated_rows, attention_shapes
 from megatron_lite.core.checkpoint.hf.weights import _fuse_qkv, _gate_up, _split_qkv
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.parallel.layout import ParallelLayout
 from megatron_lite.core.peft import LoRAConfig, adapters, apply_lora, lora_recipe
+from megatron_lite.core.peft.config import TARGET_NAMES
 from megatron_lite.core.peft.lora import adaptable_layer_names
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,18 +57,33 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """What PEFT's saved names put before the base model's module names (``base_model.model.model.layers.0...``)."""
 
-# Our layer (under ``layers.{i}.``) -> its HF block and projections, in the order their rows lie in our weight.
-_PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "self_attention.linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "self_attention.linear_proj": ("self_attn", ("o_proj",)),
+Parts = dict[str, tuple[str, tuple[str, ...]]]
+"""Our layer (under ``layers.{i}.``) -> its HF block and projections, in the order their rows lie in our weight."""
+
+_MLP_PARTS: Parts = {
     "mlp.linear_fc1": ("mlp", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("mlp", ("down_proj",)),
 }
-_OURS_OF = {(block, part): ours for ours, (block, parts) in _PARTS.items() for part in parts}
-_OUR_LAYER = re.compile(r"layers\.(\d+)\.(" + "|".join(map(re.escape, _PARTS)) + ")")
+_PARTS: Parts = {
+    "self_attention.linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "self_attention.linear_proj": ("self_attn", ("o_proj",)),
+    **_MLP_PARTS,
+}
 _PEFT_KEY = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight")
-PROJECTIONS = tuple(part for _, parts in _PARTS.values() for part in parts)
-"""The HF modules an adapter may sit on: the seven projections of a Llama-family layer."""
+
+
+def _parts(config: GPTConfig) -> Parts:
+    """Our layers of a model of ``config`` that have a PEFT form and their HF projections: a Llama-family layer's,
+    or a DeepSeek-V3 layer's attention (each MLA projection one HF module; see the module docstring for its MLP)."""
+    if not config.multi_latent_attention:
+        return _PARTS
+    return {f"self_attention.{ours}": ("self_attn", (hf,)) for hf, ours in mla_names(config)}
+
+
+def _projections(parts: Parts) -> list[str]:
+    """The HF projection names of ``parts``, each once, in their order."""
+    return list(dict.fromkeys(part for _, names in parts.values() for part in names))
+
 
 # adapter_config.json fields whose non-default values change the adapter's function in a way ours cannot express.
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -94,15 +120,18 @@ def save_peft_adapter(
     lora = recipe[0]
     tensors: dict[str, torch.Tensor] = {}
     modules: list[str] = []
+    parts_of = _parts(config)
+    our_layer = re.compile(r"layers\.(\d+)\.(" + "|".join(map(re.escape, parts_of)) + ")")
     for name, adapter in adapters(model):
-        match = _OUR_LAYER.fullmatch(name)
+        match = our_layer.fullmatch(name)
         if match is None:
             raise ValueError(
                 f"the adapter on {name} has no PEFT counterpart (PEFT adapts the projections of attention and of a "
-                f"dense MLP); fold the adapters in with `convert --to hf --merge-lora` instead"
+                f"dense MLP; on a DeepSeek-V3 those of attention only); fold the adapters in with "
+                f"`convert --to hf --merge-lora` instead"
             )
         index, ours = match.groups()
-        block, parts = _PARTS[ours]
+        block, parts = parts_of[ours]
         a, b = adapter.linear_in.weight.detach(), adapter.linear_out.weight.detach()
         rows: tuple[torch.Tensor, ...]
         if ours == "self_attention.linear_qkv":
@@ -111,7 +140,8 @@ def save_peft_adapter(
             assert config.ffn_hidden_size is not None  # resolved by GPTConfig.__post_init__
             rows = _gate_up(b, config.ffn_hidden_size, (b.shape[-1],))
         else:
-            rows = (b,)
+            order = _rotated_rows(config, parts[0]) if config.multi_latent_attention else None
+            rows = (b[torch.argsort(order)] if order is not None else b,)  # DeepSeek's interleaved RoPE rows
         for part, b_rows in zip(parts, rows):
             module = f"model.layers.{index}.{block}.{part}"
             modules.append(module)
@@ -125,7 +155,7 @@ def save_peft_adapter(
         "lora_alpha": lora.alpha,
         # PEFT drops the adapter's input; a "post" dropout of ours has no PEFT form (it only matters in training)
         "lora_dropout": lora.dropout,
-        "target_modules": _target_modules(modules, config),
+        "target_modules": _target_modules(modules, config, parts_of),
         "bias": "none",
         "use_dora": False,
         "use_rslora": False,
@@ -142,18 +172,18 @@ def save_peft_adapter(
     return modules
 
 
-def _target_modules(modules: list[str], config: GPTConfig) -> list[str] | str:
+def _target_modules(modules: list[str], config: GPTConfig, parts_of: Parts) -> list[str] | str:
     """PEFT's ``target_modules`` selecting exactly ``modules``: the projections' names when every layer has them
     (and no MoE block holds a module of the same name), else a regular expression PEFT matches against full
     module names."""
     adapted = set(modules)
-    names = sorted({m.rsplit(".", 1)[-1] for m in modules}, key=PROJECTIONS.index)
+    names = sorted({m.rsplit(".", 1)[-1] for m in modules}, key=_projections(parts_of).index)
     every_layer = all(
         f"model.layers.{i}.{block}.{part}" in adapted
         for i in range(config.num_layers)
-        for part in names
-        for block in ("self_attn", "mlp")
-        if _OURS_OF.get((block, part))
+        for block, parts in parts_of.values()
+        for part in parts
+        if part in names
     )
     if every_layer and config.num_moe_experts is None:
         return names
@@ -196,9 +226,13 @@ class _Parts:
     b: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def load_peft_adapter(model: nn.Module, directory: str | os.PathLike, config: GPTConfig, seed: int) -> LoRAConfig:
+def load_peft_adapter(
+    model: nn.Module, directory: str | os.PathLike, config: GPTConfig, seed: int, *, interleaved_rope: bool = True
+) -> LoRAConfig:
     """Give ``model`` (one process, the base the adapter was trained on, without adapters) the LoRA adapters of the
-    PEFT directory ``directory``, exactly (see the module docstring); returns the :class:`LoRAConfig` they have."""
+    PEFT directory ``directory``, exactly (see the module docstring); returns the :class:`LoRAConfig` they have.
+    ``interleaved_rope``: on a DeepSeek-V3 base, whether its HF weights rotate interleaved channel pairs
+    (``rope_interleave``, what ``convert --to hf`` writes): the adapters' rotated rows are then permuted as its."""
     if lora_recipe(model) is not None:
         raise ValueError("the model has LoRA adapters already; load a PEFT adapter onto a base model")
     directory = Path(directory)
@@ -214,13 +248,16 @@ def load_peft_adapter(model: nn.Module, directory: str | os.PathLike, config: GP
     tensors, _ = load_safetensors(weights)
     rank, lora_alpha = int(document["r"]), float(document["lora_alpha"])
     layers: dict[str, _Parts] = {}
+    parts_of = _parts(config)
+    ours_of = {(block, part): ours for ours, (block, parts) in parts_of.items() for part in parts}
     for key, tensor in tensors.items():
         match = _PEFT_KEY.fullmatch(key)
-        ours = _OURS_OF.get((match.group(2), match.group(3))) if match else None
+        ours = ours_of.get((match.group(2), match.group(3))) if match else None
         if match is None or ours is None or int(match.group(1)) >= config.num_layers:
             raise ValueError(
-                f"{weights}: {key!r} is not an adapter ours can hold; only the projections {list(PROJECTIONS)} of "
-                f"the model's {config.num_layers} layers (base_model.model.model.layers.N.<block>.<proj>.lora_A/B) are"
+                f"{weights}: {key!r} is not an adapter ours can hold; only the projections "
+                f"{_projections(parts_of)} of the model's {config.num_layers} layers "
+                f"(base_model.model.model.layers.N.<block>.<proj>.lora_A/B) are"
             )
         ab = match.group(4)
         if tensor.dim() != 2 or tensor.shape[0 if ab == "A" else 1] != rank:
@@ -229,6 +266,9 @@ def load_peft_adapter(model: nn.Module, directory: str | os.PathLike, config: GP
                 f"(per-module ranks are not supported)"
             )
         parts = layers.setdefault(f"layers.{match.group(1)}.{ours}", _Parts())
+        order = _rotated_rows(config, match.group(3)) if config.multi_latent_attention and interleaved_rope else None
+        if ab == "B" and order is not None and tensor.shape[0] == len(order):  # DeepSeek's pairs -> our halves
+            tensor = tensor[order]
         (parts.a if ab == "A" else parts.b)[match.group(3)] = tensor.float()
     if not layers:
         raise ValueError(f"{weights} holds no LoRA weights")
@@ -248,7 +288,7 @@ def load_peft_adapter(model: nn.Module, directory: str | os.PathLike, config: GP
     apply_lora(model, lora, ParallelLayout.single(), seed)
     built = dict(adapters(model))
     for name, parts in layers.items():
-        a, b = _stacked(name, parts, rank, lora.dim, config)
+        a, b = _stacked(name, parts, rank, lora.dim, config, parts_of)
         adapter = built[name]
         for param, value in ((adapter.linear_in.weight, a), (adapter.linear_out.weight, b)):
             if tuple(param.shape) != tuple(value.shape):
@@ -261,9 +301,11 @@ def load_peft_adapter(model: nn.Module, directory: str | os.PathLike, config: GP
     return lora
 
 
-def _stacked(name: str, parts: _Parts, rank: int, dim: int, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked(
+    name: str, parts: _Parts, rank: int, dim: int, config: GPTConfig, parts_of: Parts
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Our (A, B) of rank ``dim`` computing the PEFT parts' ``B_p A_p`` each on its own rows."""
-    block, names = _PARTS[name.split(".", 2)[2]]
+    block, names = parts_of[name.split(".", 2)[2]]
     inputs = {a.shape[1] for a in parts.a.values()}
     if len(inputs) != 1:
         raise ValueError(f"the PEFT adapters of {name}'s parts take inputs of different widths {sorted(inputs)}")
@@ -293,7 +335,10 @@ def _stacked(name: str, parts: _Parts, rank: int, dim: int, config: GPTConfig) -
 
 
 def _part_rows(block: str, names: tuple[str, ...], config: GPTConfig) -> list[int]:
-    """Output rows of each HF projection in ``names``."""
+    """Output rows of each HF projection in ``names`` (of HF block ``block``)."""
+    if block == "self_attn" and config.multi_latent_attention:
+        shapes = attention_shapes("", config)
+        return [shapes[f"{n}.weight"][0] for n in names]
     groups, d = config.num_query_groups, config.kv_channels
     assert groups is not None and d is not None and config.ffn_hidden_size is not None  # resolved in __post_init__
     rows = {
@@ -313,7 +358,7 @@ def _our_targets(adapted: list[str], config: GPTConfig) -> list[str]:
     name is adapted, else the adapted layers' full names."""
     targets: list[str] = []
     every = adaptable_layer_names(config)
-    for short in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+    for short in TARGET_NAMES:
         mine = [n for n in adapted if n.endswith(short)]
         if not mine:
             continue
