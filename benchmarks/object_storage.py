@@ -5,17 +5,21 @@ fetched against the bytes the samples need.
 One synthetic corpus (``--documents`` documents of random uint16 tokens, lengths uniform in 1..2 x
 ``--mean-length``) is written locally with ``IndexedDatasetBuilder`` and uploaded to a moto S3 server started on
 127.0.0.1 (tests/integration/s3_server.py; the server keeps objects in memory, so the figures are those of a
-network round trip over loopback, not of a real store's latency). One rank's reads are replayed: ``GPTDataset``
-samples ``0 .. --samples - 1`` in order (what Megatron's sequential sampler gives one data-parallel rank), with
-``--compute-ms`` of simulated step time per sample, read
+network round trip over loopback, not of a real store's latency). A rank's reads are replayed as a fit makes them: the
+datamodule's loader (``ResumableDataLoader``, no workers) over ``GPTDataset`` with Megatron's sequential sampler, the
+first ``--samples`` samples in global batches of ``--global-batch-size``, with ``--compute-ms`` of simulated step time
+per sample of the rank's batch, read
 
 - from local disk (memory-mapped ``.bin``);
 - from the server without read-ahead (every read waits for its ranged GET);
-- from the server with read-ahead (the next ``GPTDataset.read_ahead`` samples' reads started in a background thread).
+- from the server with read-ahead (the sampler hands each next batch of the rank to the dataset, whose reads start
+  in a background thread);
+- the same at data-parallel size 2: rank 0 and rank 1, one after the other in this process, each with its own
+  dataset (its own connections and counters) reading only its half of each global batch.
 
 samples/s is the median of ``--repeats`` passes (each with a fresh dataset: nothing cached); ``bytes fetched`` is what
-the ``.bin``'s reads received (``RemoteFile.bytes_fetched``), ``bytes needed`` the tokens of the samples read, and the
-``.idx`` download is reported apart (once per ETag and size, then cached locally).
+the ``.bin``'s reads received (``RemoteFile.bytes_fetched``), ``bytes needed`` the tokens of the samples the rank read,
+and the ``.idx`` download is reported apart (once per ETag and size, then cached locally).
 
 Nothing is asserted. Run from the repository root (needs ``megatron-lite[s3]`` and ``moto[s3,server]``):
 ``python benchmarks/object_storage.py [--documents 4000 --samples 2000 ...]``; JSON in
@@ -47,8 +51,10 @@ for path in (REPO_ROOT, REPO_ROOT / "tests" / "integration"):
 
 from s3_server import ENVIRONMENT, s3_server  # noqa: E402
 
+from megatron_lite.data.datamodule import ResumableDataLoader  # noqa: E402
 from megatron_lite.data.gpt_dataset import GPTDataset  # noqa: E402
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from megatron_lite.data.samplers import MegatronPretrainingSampler  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "object_storage.json"
 BUCKET = "bench"
@@ -62,20 +68,28 @@ def write_corpus(prefix: str, documents: int, mean_length: int, seed: int) -> No
     builder.finalize(prefix + ".idx")
 
 
-def one_pass(prefix: str, samples: int, seq_length: int, read_ahead: int, compute_s: float, cache: str) -> dict:
-    """Open the dataset (nothing cached in memory) and read ``samples`` samples in order."""
+def one_pass(prefix: str, args: argparse.Namespace, read_ahead: bool, dp: int, rank: int, cache: str) -> dict:
+    """Open the dataset (nothing cached in memory) and read rank ``rank``'s batches of the first ``args.samples``."""
     data = IndexedDataset(prefix)
-    dataset = GPTDataset(data, prefix, np.arange(len(data)), samples, seq_length, 1234, "train", cache_dir=cache)
-    dataset.read_ahead = read_ahead
+    dataset = GPTDataset(
+        data, prefix, np.arange(len(data)), args.samples, args.seq_length, 1234, "train", cache_dir=cache
+    )
+    sampler_args = (args.samples, 0, args.global_batch_size, dp, rank)
+    sampler = MegatronPretrainingSampler(*sampler_args)
+    loader = ResumableDataLoader(dataset, batch_size=args.global_batch_size // dp, sampler=sampler, drop_last=True)
+    if not read_ahead:
+        sampler.read_ahead = None  # the hook the loader set: every read then waits for its GET
+    indices = [i for batch in MegatronPretrainingSampler(*sampler_args).iter_batches() for i in batch]
+    read = 0
     start = time.perf_counter()
-    for index in range(samples):
-        dataset.tokens(index)
-        if compute_s:
-            time.sleep(compute_s)  # the step's compute, which read-ahead overlaps
+    for batch in loader:
+        read += len(batch["tokens"])
+        time.sleep(args.compute_ms / 1e3 * len(batch["tokens"]))  # the step's compute, which read-ahead overlaps
     seconds = time.perf_counter() - start
-    needed = sum(length for i in range(samples) for _, _, length in dataset.reads(i)) * data.index.itemsize
+    assert read == len(indices)
+    needed = sum(length for i in indices for _, _, length in dataset.reads(i)) * data.index.itemsize
     remote = data.remote
-    row = {"seconds": seconds, "samples_per_s": samples / seconds, "bytes_needed": needed}
+    row = {"seconds": seconds, "samples_per_s": len(indices) / seconds, "bytes_needed": needed}
     if remote is not None:
         row.update(bytes_fetched=remote.bytes_fetched, requests=remote.requests, bin_bytes=remote.size)
         remote.close()
@@ -90,14 +104,21 @@ def main() -> None:
     p.add_argument("--mean-length", type=int, default=800, help="mean document length, tokens")
     p.add_argument("--samples", type=int, default=1000, help="samples one pass reads")
     p.add_argument("--seq-length", type=int, default=1024, help="sample length")
-    p.add_argument("--read-ahead", type=int, default=8, help="samples read ahead (GPTDataset.read_ahead)")
+    p.add_argument("--global-batch-size", type=int, default=16, help="samples per step over the DP ranks")
     p.add_argument("--compute-ms", type=float, default=2.0, help="simulated compute per sample")
     p.add_argument("--repeats", type=int, default=3, help="passes per reader (median)")
     p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO_ROOT)), help="JSON results file")
     args = p.parse_args()
 
     load_before = os.getloadavg()
-    rows: dict[str, list[dict]] = {"local disk": [], "s3, no read-ahead": [], "s3, read-ahead": []}
+    readers = {  # name: (on the server, read-ahead, DP size, rank)
+        "local disk": (False, True, 1, 0),
+        "s3, no read-ahead": (True, False, 1, 0),
+        "s3, read-ahead": (True, True, 1, 0),
+        "s3, read-ahead, DP2 rank 0": (True, True, 2, 0),
+        "s3, read-ahead, DP2 rank 1": (True, True, 2, 1),
+    }
+    rows: dict[str, list[dict]] = {name: [] for name in readers}
     with tempfile.TemporaryDirectory() as tmp, s3_server() as endpoint:
         os.environ.update({**ENVIRONMENT, "AWS_ENDPOINT_URL": endpoint, "XDG_CACHE_HOME": os.path.join(tmp, "xdg")})
         import s3fs
@@ -112,15 +133,10 @@ def main() -> None:
         start = time.perf_counter()
         IndexedDataset(url)  # the .idx downloaded once into the local cache
         idx_seconds = time.perf_counter() - start
-        readers = {
-            "local disk": (local, args.read_ahead),
-            "s3, no read-ahead": (url, 0),
-            "s3, read-ahead": (url, args.read_ahead),
-        }
         for _ in range(args.repeats):
-            for name, (prefix, ahead) in readers.items():
+            for name, (remote, read_ahead, dp, rank) in readers.items():
                 cache = os.path.join(tmp, f"indices-{name}")
-                rows[name].append(one_pass(prefix, args.samples, args.seq_length, ahead, args.compute_ms / 1e3, cache))
+                rows[name].append(one_pass(url if remote else local, args, read_ahead, dp, rank, cache))
     load_after = os.getloadavg()
 
     summary = []
@@ -131,16 +147,17 @@ def main() -> None:
         summary[-1]["requests"] = last.get("requests")
     print(
         f"corpus: {args.documents} documents, {rows['s3, read-ahead'][0]['bin_bytes']:,} bytes of .bin; "
-        f"{args.samples} samples of {args.seq_length} tokens, {args.compute_ms} ms compute each; "
+        f"{args.samples} samples of {args.seq_length} tokens in global batches of {args.global_batch_size}, "
+        f"{args.compute_ms} ms compute each; "
         f".idx download {idx_seconds * 1e3:.0f} ms (once); cpus {os.cpu_count()}, load {load_before[0]:.2f}/"
         f"{load_after[0]:.2f}"
     )
-    print(f"{'reader':<20}{'samples/s':>11}{'bytes needed':>15}{'bytes fetched':>15}{'fetched/needed':>16}{'GETs':>7}")
+    print(f"{'reader':<28}{'samples/s':>11}{'bytes needed':>15}{'bytes fetched':>15}{'fetched/needed':>16}{'GETs':>7}")
     for row in summary:
         fetched = row.get("bytes_fetched")
         ratio = f"{fetched / row['bytes_needed']:.3f}" if fetched is not None else "-"
         print(
-            f"{row['reader']:<20}{row['samples_per_s']:>11,.0f}{row['bytes_needed']:>15,}"
+            f"{row['reader']:<28}{row['samples_per_s']:>11,.0f}{row['bytes_needed']:>15,}"
             f"{fetched if fetched is not None else '-':>15}{ratio:>16}{row['requests'] or '-':>7}"
         )
     result = {

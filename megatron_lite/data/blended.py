@@ -12,6 +12,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from megatron_lite.data._index_cache import describe, load_or_build
+from megatron_lite.data.read_ahead import prefetch_samples
 
 # largest denominator when reading a float weight as the fraction it stands for (see _exact_weights)
 _MAX_DENOMINATOR = 10**12
@@ -159,3 +160,10 @@ class BlendedDataset(Dataset):
         if not 0 <= index < self.size:
             raise IndexError(f"sample index {index} out of range for a blend of {self.size} samples")
         return self.datasets[int(self.dataset_index[index])][int(self.dataset_sample_index[index])]
+
+    def prefetch_samples(self, indices: Sequence[int]) -> None:
+        """Start reading the blend's samples ``indices`` ahead: each dataset is handed its own samples of them."""
+        chosen = np.asarray(indices, dtype=np.int64)
+        owner = self.dataset_index[chosen]
+        for which, dataset in enumerate(self.datasets):
+            prefetch_samples(dataset, self.dataset_sample_index[chosen[owner == which]].tolist())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from megatron_lite.core.parallel.microbatches import NumMicroBatchesCalculator, consumed_samples_after
 from megatron_lite.data.eval_padding import PaddedEvaluationDataset, masked_padding_sample
 from megatron_lite.data.geometry import DataGeometry
+from megatron_lite.data.read_ahead import prefetch_samples
 from megatron_lite.data.samplers import GlobalBatchSampler, MegatronPretrainingSampler, RankBatchSampler
 
 if TYPE_CHECKING:  # the run description, for the pre-launch check's signature
@@ -25,6 +27,14 @@ class ResumableDataLoader(DataLoader):
     here. Implementing ``state_dict``/``load_state_dict`` only stops Lightning from warning that a mid-epoch
     resume "can cause unreliable results", which is not true of these loaders.
     """
+
+    def __init__(self, dataset: Dataset, *args: Any, **kwargs: Any) -> None:
+        """A DataLoader; reading in this process (``num_workers=0``), its sampler hands each next batch to the
+        dataset to read ahead (see :mod:`~megatron_lite.data.read_ahead`)."""
+        super().__init__(dataset, *args, **kwargs)
+        if isinstance(self.sampler, GlobalBatchSampler):
+            # with workers the dataset that reads is a copy in another process, out of the sampler's reach
+            self.sampler.read_ahead = functools.partial(prefetch_samples, dataset) if self.num_workers == 0 else None
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the datamodule's own state holds the resume position."""

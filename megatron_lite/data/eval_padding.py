@@ -8,10 +8,13 @@ gets whole microbatches) but add neither loss nor tokens to the token-weighted m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset
+
+from megatron_lite.data.read_ahead import prefetch_samples
 
 TOKEN_SAMPLE_KEYS = frozenset({"tokens", "loss_mask", "position_ids", "cu_seqlens"})
 """What a GPT token sample may hold (see GPTModule's loss); the padding of anything else is not known here."""
@@ -59,3 +62,7 @@ class PaddedEvaluationDataset(Dataset):
         if "loss_mask" not in sample:
             sample = {**sample, "loss_mask": torch.ones_like(self.padding["loss_mask"])}
         return sample
+
+    def prefetch_samples(self, indices: Sequence[int]) -> None:
+        """Start reading the split's samples among ``indices`` ahead (the padding is never read)."""
+        prefetch_samples(self.dataset, [i for i in indices if i < self.real_samples])

@@ -18,6 +18,7 @@ Megatron's GPT dataset (one sequence per document unless the data was preprocess
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -110,10 +111,6 @@ def build_gpt_indices(
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
-READ_AHEAD = 8
-"""Samples whose reads a dataset in an object store starts ahead of the one asked for (the sampler's next ones)."""
-
-
 def local_home(path_prefix: str) -> str:
     """Where a dataset's local caches go by default: beside a local prefix, under :func:`object_cache_dir` for a
     URL."""
@@ -188,8 +185,6 @@ class GPTDataset(Dataset):
         """The EOD id that ends a document (for the ``reset_*`` options)."""
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
-        self.read_ahead = READ_AHEAD
-        """Samples after the one asked for whose reads start in the background (a dataset in an object store)."""
         # Every input token can be an EOD (documents of a lone EOD are common with `preprocess --append-eod`),
         # so a row holds up to seq_length + 1 document starts (0, then one after each of the seq_length
         # inputs) plus its end: seq_length + 2 entries is the smallest fixed length no row can overflow.
@@ -263,14 +258,18 @@ class GPTDataset(Dataset):
         reads.append((int(self.document_index[last_doc]), 0, last_offset + 1))
         return reads
 
-    def tokens(self, index: int) -> np.ndarray:
-        """The ``seq_length + 1`` tokens of sample ``index`` (after the shuffle) as an int64 array. From an object
-        store, the reads of the next :attr:`read_ahead` samples are started in the background first."""
-        reads = self.reads(index)
+    def prefetch_samples(self, indices: Sequence[int]) -> None:
+        """Start the reads of samples ``indices`` in the background (a ``.bin`` in an object store; nothing for a
+        local one). A loader's sampler calls it with this rank's next batch (:mod:`~megatron_lite.data.read_ahead`),
+        so that batch arrives while the step computes."""
         if self.dataset.remote is not None:
-            ahead = range(index + 1, min(index + 1 + self.read_ahead, len(self)))
-            self.dataset.prefetch(read for i in ahead for read in self.reads(i))
-        parts = [self.dataset.get(sequence, offset=offset, length=length) for sequence, offset, length in reads]
+            self.dataset.prefetch(read for i in indices for read in self.reads(int(i)))
+
+    def tokens(self, index: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of sample ``index`` (after the shuffle) as an int64 array."""
+        parts = [
+            self.dataset.get(sequence, offset=offset, length=length) for sequence, offset, length in self.reads(index)
+        ]
         return np.concatenate(parts).astype(np.int64, copy=False)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:

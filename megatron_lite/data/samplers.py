@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 from torch.utils.data import Sampler
@@ -93,6 +93,9 @@ class GlobalBatchSampler(DistributedSampler):
         """Always True: incomplete trailing global batches are skipped."""
         self.calculator = calculator
         """Global batch size of each step from the samples consumed before it; None: always global_batch_size."""
+        self.read_ahead: Optional[Callable[[list[int]], None]] = None
+        """Called with this rank's next batch when a batch is taken, to start its reads early (the loader sets it
+        to the dataset's ``prefetch_samples`` when the dataset is read in this process); None: no read-ahead."""
         self.local_batch_size = global_batch_size // num_replicas
         """Samples this rank receives per full-size global batch."""
         self.usable_samples = total_samples - total_samples % global_batch_size
@@ -141,9 +144,19 @@ class GlobalBatchSampler(DistributedSampler):
             consumed += size
 
     def _rank_batches(self) -> Iterator[tuple[int, list[int]]]:
-        """``(global batch size, this rank's indices)`` of each step to the end of the pass."""
-        for epoch, offset, size in self._global_batches():
-            yield size, self._rank_indices(epoch, offset, size)
+        """``(global batch size, this rank's indices)`` of each step to the end of the pass; as each is taken, the
+        next one's indices go to :attr:`read_ahead`.
+
+        Looking one batch ahead changes nothing: the walk's position lives in its own variables and
+        ``consumed_samples`` is advanced by the consumer, batch by batch.
+        """
+        batches = ((size, self._rank_indices(epoch, offset, size)) for epoch, offset, size in self._global_batches())
+        following = next(batches, None)
+        while following is not None:
+            batch, following = following, next(batches, None)
+            if following is not None and self.read_ahead is not None:
+                self.read_ahead(following[1])
+            yield batch
 
     def __iter__(self) -> Iterator[int]:
         """Yield this rank's indices from the current position to the end of the pass."""

@@ -10,6 +10,7 @@ import json
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +20,15 @@ import torch
 from megatron_lite.cli import main as cli
 from megatron_lite.core.object_store import ObjectStoreError
 from megatron_lite.data import PretrainDataModule, TextCorpusDataModule
+from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.calibration import calibration_batches
+from megatron_lite.data.datamodule import ResumableDataLoader
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preference import PreferenceDataModule
 from megatron_lite.data.preprocess import merge
 from megatron_lite.data.rl_prompts import RLPromptDataModule
+from megatron_lite.data.samplers import MegatronPretrainingSampler
 from megatron_lite.data.sft import SFTDataModule
 from megatron_lite.tokenizers import build_tokenizer
 
@@ -107,6 +111,83 @@ def test_dataloader_workers_forked_after_a_read_read_the_bucket_too(corpus, tmp_
     (batch,) = list(loader)
     expected = np.stack([on_disk.tokens(i) for i in range(len(on_disk))])
     np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+
+
+def _rank_dataset(prefix: str, cache: Path, blended: bool):
+    """One GPTDataset over ``prefix`` (its own IndexedDataset, so its own RemoteFile), or a blend of two."""
+    datasets = []
+    for seed in (1234, 99) if blended else (1234,):
+        data = IndexedDataset(prefix)
+        docs = np.arange(len(data), dtype=np.int64)
+        datasets.append(GPTDataset(data, prefix, docs, None, SEQ, seed, "train", cache_dir=str(cache)))
+    if not blended:
+        return datasets[0]
+    return BlendedDataset(datasets, [0.5, 0.5], min(len(d) for d in datasets))
+
+
+def _bytes_needed(dataset, indices) -> dict:
+    """Bytes of the samples ``indices`` of ``dataset`` per RemoteFile (a blend's samples are its datasets')."""
+    if isinstance(dataset, BlendedDataset):
+        parts = [(dataset.datasets[dataset.dataset_index[n]], int(dataset.dataset_sample_index[n])) for n in indices]
+    else:
+        parts = [(dataset, n) for n in indices]
+    needed = {gpt.dataset.remote: 0 for gpt in getattr(dataset, "datasets", [dataset])}
+    for gpt, i in parts:
+        needed[gpt.dataset.remote] += sum(length for _, _, length in gpt.reads(i)) * 2  # uint16 tokens
+    return needed
+
+
+@pytest.mark.parametrize("blended", [False, True], ids=["one-prefix", "blended"])
+def test_under_dp2_each_rank_fetches_exactly_its_samples_and_reads_its_next_batch_ahead(
+    corpus, tmp_path, monkeypatch, blended
+):
+    """Each DP rank's loader (the datamodule's loader class and Megatron's sampler, no workers) fetches the bytes of
+    its own samples and no others, gives the local dataset's samples, and has the next batch fetched (by the
+    read-ahead thread) once the first batch is read."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    local, url = corpus
+    gbs, dp = 4, 2
+    for rank in range(dp):
+        on_disk = _rank_dataset(local, tmp_path / "local", blended)
+        in_bucket = _rank_dataset(url, tmp_path / "bucket", blended)
+        batches = list(MegatronPretrainingSampler(len(in_bucket), 0, gbs, dp, rank).iter_batches())
+        assert len(batches) > 4
+        sampler = MegatronPretrainingSampler(len(in_bucket), 0, gbs, dp, rank)
+        loader = iter(ResumableDataLoader(in_bucket, batch_size=gbs // dp, sampler=sampler, drop_last=True))
+        got = [next(loader)]
+
+        # the read-ahead: once batch 0 is read, batch 1's bytes arrive without being asked for (and nothing else)
+        ahead = _bytes_needed(in_bucket, batches[0] + batches[1])
+        deadline = time.monotonic() + 60
+        while any(remote.bytes_fetched < n for remote, n in ahead.items()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {remote: remote.bytes_fetched for remote in ahead} == ahead
+
+        got += list(loader)
+        assert len(got) == len(batches)
+        for batch, indices in zip(got, batches):
+            expected = torch.stack([on_disk[i]["tokens"] for i in indices])
+            torch.testing.assert_close(batch["tokens"], expected, rtol=0, atol=0)
+        needed = _bytes_needed(in_bucket, [i for indices in batches for i in indices])
+        assert {remote: remote.bytes_fetched for remote in needed} == needed
+        assert all(n > 0 for n in needed.values())
+
+
+def test_with_worker_processes_the_main_process_fetches_nothing(corpus, tmp_path, monkeypatch):
+    """With workers the sampler (main process) cannot reach the dataset copies that read: it announces nothing, so the
+    main process's copy fetches no bytes, and the workers give the rank's samples (the DataLoader's prefetch reads
+    ahead there)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    on_disk, in_bucket = _datasets(*corpus, tmp_path)
+    sampler = MegatronPretrainingSampler(len(in_bucket), 0, 4, 2, 1)
+    batches = list(MegatronPretrainingSampler(len(in_bucket), 0, 4, 2, 1).iter_batches())
+    loader = ResumableDataLoader(
+        in_bucket, batch_size=2, sampler=sampler, num_workers=1, multiprocessing_context="fork", timeout=60
+    )
+    got = list(loader)
+    assert len(got) == len(batches) and in_bucket.dataset.remote.bytes_fetched == 0
+    for batch, indices in zip(got, batches):
+        np.testing.assert_array_equal(batch["tokens"].numpy(), np.stack([on_disk.tokens(i) for i in indices]))
 
 
 def test_a_server_that_stopped_is_one_error_naming_the_object_after_bounded_retries(corpus, tmp_path, monkeypatch):

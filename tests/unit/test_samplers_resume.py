@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from megatron_lite.core.parallel.microbatches import build_num_microbatches_calculator
 from megatron_lite.data.indexed_dataset import write_dataset
 from megatron_lite.data.pretrain import PretrainDataModule
 from megatron_lite.data.random_sampler import MegatronPretrainingRandomSampler
@@ -139,6 +140,35 @@ def test_random_sampler_checks_and_state() -> None:
     # a position off the batch grid (the batch size changed) finishes the epoch and starts the next one
     odd = MegatronPretrainingRandomSampler(TOTAL, 45, GBS, 1, 0, seed=1)
     assert len(list(odd)) == 48 and odd.consumed_samples == 96
+
+
+def ramped(consumed: int, dp: int, rank: int) -> DistributedSampler:
+    calculator = build_num_microbatches_calculator(GBS, 1, dp, [2, 2, 24])
+    return MegatronPretrainingSampler(TOTAL, consumed, GBS, dp, rank, calculator=calculator)
+
+
+@pytest.mark.parametrize("make", [sequential, cyclic(True), ramped], ids=["sequential", "cyclic", "ramp-up"])
+def test_read_ahead_is_handed_each_next_batch_of_the_rank_and_changes_neither_order_nor_position(
+    make: MakeSampler,
+) -> None:
+    """The hook the loader sets (the dataset's prefetch_samples) gets this rank's next batch as each batch is taken,
+    never past the pass's end; the batches and consumed_samples are those of a sampler without it, also when the
+    consumer stops early (a limited epoch) and resumes with the next iteration."""
+    plain, hooked = make(3 * GBS, 2, 1), make(3 * GBS, 2, 1)
+    announced: list[list[int]] = []
+    hooked.read_ahead = announced.append
+    for _ in range(2):  # the rest of this pass, then the whole next one
+        batches = list(hooked.iter_batches())
+        assert batches == list(plain.iter_batches()) and len(batches) > 1
+        assert announced == batches[1:] and hooked.consumed_samples == plain.consumed_samples
+        announced.clear()
+    expected = list(make(hooked.consumed_samples, 2, 1).iter_batches())
+    for sampler in (plain, hooked):
+        taken = iter(sampler)
+        for _ in range(len(expected[0]) + 1):
+            next(taken)  # the first batch and the first index of the second, then stop
+    assert announced == expected[1:3] and hooked.consumed_samples == plain.consumed_samples
+    assert list(hooked) == list(plain)
 
 
 # ---------------------------------------------------------------- through PretrainDataModule, no Trainer
