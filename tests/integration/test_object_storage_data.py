@@ -7,6 +7,7 @@ object."""
 
 import contextlib
 import json
+import multiprocessing
 import random
 import sys
 import threading
@@ -26,7 +27,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
 sys.path.insert(0, str(HERE))
 from parity_utils import run, tiny_config  # noqa: E402
-from s3_server import TcpProxy, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
+from s3_server import TcpProxy, free_port, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
 
 BUCKET = "data"
 VOCAB = 1000
@@ -147,6 +148,24 @@ def test_a_read_while_the_server_restarts_is_retried_until_it_is_back_and_the_re
         for index in range(later + 1, later + 1 + in_bucket.read_ahead):  # what the read-ahead thread fetched
             np.testing.assert_array_equal(in_bucket.tokens(index), on_disk.tokens(index))
         in_bucket.dataset.remote.close()  # its reads ahead of these are not for the tests after this one
+
+
+def test_a_process_whose_store_is_down_exits_without_waiting_for_its_reads_ahead(corpus):
+    """Reads ahead are never worth waiting for at exit: each one queued would spend its retries on a store that is
+    down (seconds to minutes) before the process could end -- after an error, say."""
+    remote = IndexedDataset(corpus[1]).remote
+    assert remote is not None
+    with s3_environment(f"http://127.0.0.1:{free_port()}"):  # the store is down: nothing listens there
+        # a forked process makes its own connections and read-ahead thread, queues reads ahead, and ends
+        reads = [(offset, 2) for offset in range(0, 32, 2)]
+        child = multiprocessing.get_context("fork").Process(target=remote.prefetch, args=(reads,))
+        child.start()
+        child.join(timeout=30)  # a hang, not a timing: it ends at once, or after minutes of retries
+        hung = child.exitcode is None
+        if hung:
+            child.kill()
+            child.join()
+    assert not hung and child.exitcode == 0
 
 
 def test_a_truncated_object_is_one_error_naming_it(corpus, tmp_path, monkeypatch):
