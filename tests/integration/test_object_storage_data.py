@@ -168,6 +168,17 @@ def test_a_process_whose_store_is_down_exits_without_waiting_for_its_reads_ahead
     assert not hung and child.exitcode == 0
 
 
+def test_reads_of_the_ranges_whose_read_ahead_close_dropped_fetch_them(corpus):
+    local, url = corpus
+    remote = IndexedDataset(url).remote
+    assert remote is not None
+    reads = [(offset, 2) for offset in range(0, 64, 2)]
+    remote.prefetch(reads)
+    remote.close()  # the thread is fetching the first: the others are dropped
+    expected = Path(local + ".bin").read_bytes()
+    assert [remote.read(*read) for read in reads] == [expected[offset : offset + n] for offset, n in reads]
+
+
 def test_a_truncated_object_is_one_error_naming_it(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     local, url = corpus
