@@ -23,7 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_until_listening(port: int, process: subprocess.Popen, timeout: float = 30.0, name: str = "moto's server"):
+def _wait_until_listening(
+    port: int, process: subprocess.Popen, timeout: float = 30.0, name: str = "moto's server"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
