@@ -15,13 +15,17 @@ Where the local copies go: ``$XDG_CACHE_HOME/megatron-lite/object-store`` (``~/.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Iterable, Optional
 
 from megatron_lite.core.object_staging import object_identity
 from megatron_lite.core.object_store import errors_named, filesystem
+
+_ReadAhead = Optional[tuple[tuple[int, int], "Future[bytes]"]]
+"""An item of the read-ahead thread's queue: a range and the future its fetch completes; None: stop."""
 
 DEFAULT_CACHE_BYTES = 64 << 20
 """Bytes of ``.bin`` ranges a :class:`RemoteFile` keeps in memory (fetched ahead or read recently)."""
@@ -51,7 +55,8 @@ class RemoteFile:
         self._cached = 0
         self._pending: dict[tuple[int, int], Future[bytes]] = {}
         self._lock = threading.Lock()
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._queue: queue.SimpleQueue[_ReadAhead] = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes ``offset : offset + length`` of the object."""
@@ -71,11 +76,28 @@ class RemoteFile:
         if self._pid != os.getpid():
             self._start()
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-lite-read-ahead")
+            if self._thread is None:
+                # A daemon thread, not a ThreadPoolExecutor: the interpreter waits for an executor's queued work at
+                # exit, and reads ahead from a store that is down would hold the exit for all their retries.
+                self._thread = threading.Thread(
+                    target=self._read_ahead, args=(self._queue,), name="megatron-lite-read-ahead", daemon=True
+                )
+                self._thread.start()
             for key in ranges:
                 if key not in self._cache and key not in self._pending and key[1] > 0:
-                    self._pending[key] = self._executor.submit(self._fetch, key)
+                    future: Future[bytes] = Future()
+                    self._pending[key] = future
+                    self._queue.put((key, future))
+
+    def _read_ahead(self, work: queue.SimpleQueue[_ReadAhead]) -> None:
+        """The read-ahead thread: fetch the queued ranges in order until :meth:`close` queues None."""
+        while (item := work.get()) is not None:
+            key, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._fetch(key))
+                except BaseException as error:  # noqa: BLE001 - for the read that waits on it to raise
+                    future.set_exception(error)
 
     def _fetch(self, key: tuple[int, int]) -> bytes:
         offset, length = key
@@ -105,8 +127,14 @@ class RemoteFile:
                 self._pending.pop(key, None)
 
     def close(self) -> None:
-        """Stop the read-ahead thread (reads still work: they fetch in the caller's thread)."""
+        """Stop the read-ahead thread after the fetch it is doing, dropping those queued (reads still work: they fetch
+        in the caller's thread)."""
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            if self._thread is None:
+                return
+            self._thread = None
+            self._queue.put(None)
+            self._queue = queue.SimpleQueue()
+            for key, future in list(self._pending.items()):
+                if future.cancel():  # queued, not started: a read of it fetches it itself
+                    del self._pending[key]

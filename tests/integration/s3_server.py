@@ -1,8 +1,11 @@
 """A real S3-compatible server for tests: moto's standalone server, in a subprocess on 127.0.0.1 at a free port, with
-the AWS environment (endpoint, credentials, region) that botocore -- and so s3fs -- reads pointed at it."""
+the AWS environment (endpoint, credentials, region) that botocore -- and so s3fs -- reads pointed at it; and a TCP
+proxy in front of it (:class:`TcpProxy`) whose stop and restart cut and restore the network path to the server without
+losing the server's objects (a restarted moto server has none)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -20,15 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_until_listening(port: int, process: subprocess.Popen, timeout: float = 30.0) -> None:
+def _wait_until_listening(
+    port: int, process: subprocess.Popen, timeout: float = 30.0, name: str = "moto's server"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"moto's server exited with {process.returncode} before it listened on {port}")
+            raise RuntimeError(f"{name} exited with {process.returncode} before it listened on {port}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
             return
-        time.sleep(0.05)
-    raise RuntimeError(f"moto's server did not listen on {port} within {timeout} s")
+        time.sleep(0.01)
+    raise RuntimeError(f"{name} did not listen on {port} within {timeout} s")
 
 
 @contextlib.contextmanager
@@ -82,3 +87,60 @@ def make_bucket(name: str) -> None:
     import s3fs
 
     s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
+
+
+class TcpProxy:
+    """A TCP proxy on a free loopback port in front of ``endpoint`` (an ``http://127.0.0.1:port`` server), in a
+    subprocess: :attr:`endpoint` is the URL to point clients at. :meth:`stop` kills it (open connections are cut,
+    new ones refused, as when the server goes down); :meth:`start` starts it again on the same port (the server is
+    back, with its objects). A context manager: stopped at the end."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.target = int(endpoint.rsplit(":", 1)[1])
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        assert self._process is None, "the proxy is running"
+        self._process = subprocess.Popen([sys.executable, __file__, str(self.port), str(self.target)])
+        _wait_until_listening(self.port, self._process, name="the TCP proxy")
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait(timeout=10)
+
+    def __enter__(self) -> "TcpProxy":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+async def _forward(port: int, target: int) -> None:
+    """Accept on ``port``; copy each connection's bytes both ways to a connection to ``target``."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def serve(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port)  # SO_REUSEADDR: a restart gets the same port
+    await server.serve_forever()
+
+
+if __name__ == "__main__":  # the proxy's process (TcpProxy.start)
+    asyncio.run(_forward(int(sys.argv[1]), int(sys.argv[2])))

@@ -2,11 +2,13 @@
 fit checkpoints to ``s3://`` through DCP's fsspec writer, resumes from ``ckpt_path="last"`` with the losses of an
 uninterrupted run on local disk; a checkpoint whose commit marker is gone (a save killed before it committed) is
 refused by an explicit load before any rank starts, skipped by ``last`` and deleted by the next save. A re-save of
-the same name keeps the previous checkpoint loadable until its marker is replaced. The bad cases -- a missing
-bucket, refused credentials, a server that is down -- are one error naming the URL and the fix, before launch."""
+the same name keeps the previous checkpoint loadable until its marker is replaced; a load while the server restarts
+is retried until it is back. The bad cases -- a missing bucket, refused credentials, a server that is down -- are one
+error naming the URL and the fix, before launch."""
 
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -25,7 +27,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
 sys.path.insert(0, str(HERE))
 from parity_utils import run, tiny_config  # noqa: E402
-from s3_server import free_port, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
+from s3_server import TcpProxy, free_port, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
 
 BUCKET = "ckpt"
 
@@ -116,6 +118,24 @@ def test_a_resave_keeps_the_previous_checkpoint_until_the_new_marker_replaces_it
     versions = [p for p in _fs().ls(url) if "/v-" in p]
     assert versions == [object_commit.data_of(url).removeprefix("s3://")]  # the first and the killed one deleted
     assert first not in versions
+
+
+def test_a_load_while_the_server_restarts_is_retried_until_it_is_back(s3, monkeypatch):
+    monkeypatch.setenv("AWS_RETRY_MODE", "standard")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "10")  # a window of seconds at least: backoffs up to 1, 2, 4, ... s
+    url = f"s3://{BUCKET}/outage/last.ckpt"
+    saved = {"w": torch.arange(4.0)}
+    with TcpProxy(s3) as proxy, s3_environment(proxy.endpoint):
+        save_sharded(saved, url, extra={"global_step": 3}, latest=True)
+        proxy.stop()  # the server goes down: open connections are cut, new ones refused
+        restart = threading.Timer(0.5, proxy.start)  # ... and is back, with its objects, half a second later
+        restart.start()
+        loaded = {"w": torch.zeros(4)}
+        try:
+            assert load_sharded(loaded, url)["global_step"] == 3
+        finally:
+            restart.join()
+    torch.testing.assert_close(loaded["w"], saved["w"], rtol=0, atol=0)
 
 
 class Started(L.Callback):

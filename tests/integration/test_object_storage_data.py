@@ -1,15 +1,18 @@
 """Indexed datasets in an object store (issue 28), against a real S3 server (moto's, in a subprocess on loopback):
 ``megatron-lite preprocess --output-prefix s3://...`` uploads the same .bin/.idx it writes locally; a GPTDataset over
 the URL gives the local dataset's samples, fetching exactly their bytes by ranged reads (the .idx once, cached
-locally by ETag and size); a TP2 fit reading from the bucket has the local fit's losses; a truncated object is one
-error naming it."""
+locally by ETag and size); a TP2 fit reading from the bucket has the local fit's losses; a read while the server
+restarts is retried until it is back, a server that stays down and a truncated object are one error naming the
+object."""
 
 import contextlib
 import gzip
 import json
+import multiprocessing
 import random
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +39,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "distributed"))
 sys.path.insert(0, str(HERE))
 from parity_utils import run, tiny_config  # noqa: E402
-from s3_server import make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
+from s3_server import TcpProxy, free_port, make_bucket, s3_environment, s3_server, skip_without_s3_tools  # noqa: E402
 
 BUCKET = "data"
 VOCAB = 1000
@@ -44,23 +47,29 @@ SEQ = 32
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """One server for the module, the AWS environment pointed at it, and one corpus preprocessed twice through the
-    CLI: to local disk and to the bucket. Yields (local prefix, URL prefix)."""
+def server():
+    """One server for the module, the AWS environment pointed at it, and a bucket. Yields the server's endpoint."""
+    skip_without_s3_tools()
+    with s3_server() as endpoint, s3_environment(endpoint):
+        make_bucket(BUCKET)
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def corpus(server, tmp_path_factory):
+    """One corpus preprocessed twice through the CLI: to local disk and to the bucket. Yields (local prefix, URL
+    prefix)."""
     root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     documents = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(80)]
     lines = [json.dumps({"text": " ".join(map(str, tokens))}) for tokens in documents]
     (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
-    skip_without_s3_tools()
-    with s3_server() as endpoint, s3_environment(endpoint):
-        make_bucket(BUCKET)
-        for prefix in (str(root / "shk"), f"s3://{BUCKET}/shk"):
-            arguments = ["--input", str(root / "corpus.jsonl"), "--output-prefix", prefix]
-            with pytest.raises(SystemExit) as done:
-                cli(["preprocess", *arguments, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)])
-            assert done.value.code == 0
-        yield str(root / "shk_text_document"), f"s3://{BUCKET}/shk_text_document"
+    for prefix in (str(root / "shk"), f"s3://{BUCKET}/shk"):
+        arguments = ["--input", str(root / "corpus.jsonl"), "--output-prefix", prefix]
+        with pytest.raises(SystemExit) as done:
+            cli(["preprocess", *arguments, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)])
+        assert done.value.code == 0
+    return str(root / "shk_text_document"), f"s3://{BUCKET}/shk_text_document"
 
 
 def _fs():
@@ -205,6 +214,60 @@ def test_a_server_that_stopped_is_one_error_naming_the_object_after_bounded_retr
         stack.pop_all().close()  # the server stops; the environment still points at it
         with pytest.raises(ObjectStoreError, match=r"s3://other/shk.bin: the object store at .* cannot be reached"):
             dataset[1]
+
+
+def test_a_read_while_the_server_restarts_is_retried_until_it_is_back_and_the_read_ahead_goes_on(
+    server, corpus, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_RETRY_MODE", "standard")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "10")  # a window of seconds at least: backoffs up to 1, 2, 4, ... s
+    local, url = corpus
+    with TcpProxy(server) as proxy, s3_environment(proxy.endpoint):
+        on_disk, in_bucket = _datasets(local, url, tmp_path)
+        in_bucket.prefetch_samples([1, 2])
+        np.testing.assert_array_equal(in_bucket.tokens(0), on_disk.tokens(0))  # connections open, reads ahead started
+        proxy.stop()  # the server goes down: open connections are cut, new ones refused
+        restart = threading.Timer(0.5, proxy.start)  # ... and is back, with its objects, half a second later
+        restart.start()
+        later, ahead = 16, range(17, 25)
+        try:
+            in_bucket.prefetch_samples(list(ahead))  # a sampler's announcement during the outage: they meet it too
+            np.testing.assert_array_equal(in_bucket.tokens(later), on_disk.tokens(later))  # never announced
+        finally:
+            restart.join()
+        for index in ahead:  # what the read-ahead thread fetched through the outage
+            np.testing.assert_array_equal(in_bucket.tokens(index), on_disk.tokens(index))
+        in_bucket.dataset.remote.close()  # its reads ahead of these are not for the tests after this one
+
+
+def test_a_process_whose_store_is_down_exits_without_waiting_for_its_reads_ahead(corpus):
+    """Reads ahead are never worth waiting for at exit: each one queued would spend its retries on a store that is
+    down (seconds to minutes) before the process could end -- after an error, say."""
+    remote = IndexedDataset(corpus[1]).remote
+    assert remote is not None
+    with s3_environment(f"http://127.0.0.1:{free_port()}"):  # the store is down: nothing listens there
+        # a forked process makes its own connections and read-ahead thread, queues reads ahead, and ends
+        reads = [(offset, 2) for offset in range(0, 32, 2)]
+        child = multiprocessing.get_context("fork").Process(target=remote.prefetch, args=(reads,))
+        child.start()
+        child.join(timeout=30)  # a hang, not a timing: it ends at once, or after minutes of retries
+        hung = child.exitcode is None
+        if hung:
+            child.kill()
+            child.join()
+    assert not hung and child.exitcode == 0
+
+
+def test_reads_of_the_ranges_whose_read_ahead_close_dropped_fetch_them(corpus):
+    local, url = corpus
+    remote = IndexedDataset(url).remote
+    assert remote is not None
+    reads = [(offset, 2) for offset in range(0, 64, 2)]
+    remote.prefetch(reads)
+    remote.close()  # the thread is fetching the first: the others are dropped
+    expected = Path(local + ".bin").read_bytes()
+    assert [remote.read(*read) for read in reads] == [expected[offset : offset + n] for offset, n in reads]
 
 
 def test_a_truncated_object_is_one_error_naming_it(corpus, tmp_path, monkeypatch):

@@ -270,7 +270,10 @@ def test_layer_cuts():
             dict(pipeline_model_parallel_size=3, pipeline_model_parallel_layout="Et|tL"),
             r"give it a multiple of pipeline_model_parallel_size \(3\) stages",
         ),
-        (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Etm|tL"), "multi-token prediction layers .* away from the loss"),
+        (
+            dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Etm|tL"),
+            "multi-token prediction layers .* away from the loss",
+        ),
         (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tx"), "'x' is not part of the"),
         (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="(Et|)tL"), "'\\(' is not part of"),
         (
