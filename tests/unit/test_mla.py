@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.checkpoint.hf import deepseek
@@ -22,8 +23,8 @@ from megatron_lite.core.models.draft_head import EagleDraftHead
 from megatron_lite.core.models.gpt import GPTModel
 from megatron_lite.core.models.mla import set_absorption
 from megatron_lite.core.models.mla_absorbed import absorbs
-from megatron_lite.core.peft import LoRAConfig, apply_lora
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies, yarn_mscale
+from megatron_lite.core.peft import LoRAConfig, apply_lora
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from mla_utils import DEEPSEEK_V3_TINY, TINY_MLA, TINY_YARN  # noqa: E402
@@ -135,6 +136,40 @@ def test_absorbed_attention_equals_expanding_the_latents(q_lora_rank, lora):
     expanded = generate(model, prompts, max_new_tokens=6, return_log_probs=True)
     assert absorbed.tokens == expanded.tokens
     torch.testing.assert_close(torch.tensor(absorbed.log_probs), torch.tensor(expanded.log_probs))
+
+
+def test_absorbed_attention_in_bf16_is_as_close_to_fp32_as_the_plain_one():
+    config = GPTConfig(**{**MLA, "q_lora_rank": 24}, **TINY_YARN)
+    tokens = torch.randint(0, MLA_VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    exact = _step_logits(GPTModel(config, seed=1).eval(), tokens, 4, absorb=False)
+    half = GPTModel(config, seed=1).eval().to(torch.bfloat16)
+    plain, absorbed = (_step_logits(half, tokens, 4, absorb) for absorb in (False, True))
+    assert plain.dtype == absorbed.dtype == torch.bfloat16
+    plain_error, absorbed_error = ((x.float() - exact).abs().max().item() for x in (plain, absorbed))
+    assert 0 < absorbed_error <= 2 * plain_error
+
+
+class _NotLoRA(nn.Module):
+    """An adapter of no known factored form (it adds nothing): only its output is known, as of any adapter."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.width)
+
+
+def test_an_up_projection_that_cannot_be_absorbed_runs_plain_and_forcing_it_is_refused():
+    model = GPTModel(GPTConfig(**MLA), seed=1).eval()
+    reference = generate(model, [[5, 6, 7]], max_new_tokens=3).tokens
+    for index in range(model.config.num_layers):
+        up = model.layer(index).self_attention.linear_kv_up_proj
+        up.adapter = _NotLoRA(up.output_size_per_partition)
+    assert generate(model, [[5, 6, 7]], max_new_tokens=3).tokens == reference  # chosen per step: plain here
+    set_absorption(model, True)
+    with pytest.raises(ValueError, match="absorb=True, but _NotLoRA on linear_kv_up_proj is not a LoRA adapter"):
+        generate(model, [[5, 6, 7]], max_new_tokens=3)
 
 
 def test_yarn_frequencies_and_scales_by_hand():

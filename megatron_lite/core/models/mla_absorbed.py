@@ -37,11 +37,11 @@ def _lora_factors(layer: ColumnParallelLinear) -> Optional[tuple[torch.Tensor, t
     adapter = layer.adapter
     if adapter is None or not getattr(adapter, "enabled", True):
         return None
-    factors = getattr(adapter, "linear_in", None), getattr(adapter, "linear_out", None), getattr(adapter, "scale", None)
-    if any(f is None for f in factors) or (adapter.training and getattr(adapter, "dropout", 0.0)):
+    a, b, scale = (getattr(adapter, name, None) for name in ("linear_in", "linear_out", "scale"))
+    dropping = adapter.training and bool(getattr(adapter, "dropout", 0.0))
+    if a is None or b is None or not isinstance(scale, float) or dropping:
         raise TypeError(f"{type(adapter).__name__} on linear_kv_up_proj is not a LoRA adapter absorbable in eval mode")
-    a, b, scale = factors
-    return a.weight, b.weight, float(scale)
+    return a.weight, b.weight, scale
 
 
 def why_not_absorbable(attention: MultiLatentAttention) -> Optional[str]:
@@ -102,7 +102,9 @@ def absorbed_attention(
     q_pos = q_pos.permute(1, 2, 0, 3).reshape(b, heads * s, -1)
     latent, k_pos = latent[:, 0], k_pos[:, 0]  # [b, L, r], [b, L, pos]
     scores = torch.baddbmm(torch.bmm(q_pos, k_pos.transpose(1, 2)), q_latent, latent.transpose(1, 2))
-    scores = scores.view(b, heads, s, length) * attention.core_attention.softmax_scale
+    softmax_scale = attention.core_attention.softmax_scale
+    assert softmax_scale is not None  # MLA's is always set (YaRN's mscale in it)
+    scores = scores.view(b, heads, s, length) * softmax_scale
     if s > 1 and mask is None:
         mask = torch.ones(s, length, dtype=torch.bool, device=scores.device).tril(length - s)
     if mask is not None:  # [b, 1, s, L] broadcasts over the heads
@@ -113,4 +115,3 @@ def absorbed_attention(
     if lora is not None:
         out = out + torch.matmul(torch.matmul(out_latent, a.t()), b_v.transpose(1, 2)) * scale
     return out
-
