@@ -167,8 +167,11 @@ def test_an_up_projection_that_cannot_be_absorbed_runs_plain_and_forcing_it_is_r
         up = model.layer(index).self_attention.linear_kv_up_proj
         up.adapter = _NotLoRA(up.output_size_per_partition)
     assert generate(model, [[5, 6, 7]], max_new_tokens=3).tokens == reference  # chosen per step: plain here
-    set_absorption(model, True)
-    with pytest.raises(ValueError, match="absorb=True, but _NotLoRA on linear_kv_up_proj is not a LoRA adapter"):
+    message = "absorb=True, but _NotLoRA on linear_kv_up_proj is not a LoRA adapter"
+    with pytest.raises(ValueError, match=message):
+        set_absorption(model, True)
+    model.layer(0).self_attention.absorb = True  # set before the adapter came: refused at the step
+    with pytest.raises(ValueError, match=message):
         generate(model, [[5, 6, 7]], max_new_tokens=3)
 
 

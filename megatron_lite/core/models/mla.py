@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron_lite.core.models.attention import CoreAttention, rotate
 from megatron_lite.core.models.config import GPTConfig
-from megatron_lite.core.models.mla_absorbed import absorbed_attention, absorbs
+from megatron_lite.core.models.mla_absorbed import absorbed_attention, absorbs, why_not_absorbable
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.rope import apply_rotary
 from megatron_lite.core.parallel.context_parallel import AttentionContext
@@ -215,7 +215,11 @@ class MultiLatentAttention(nn.Module):
 
 def set_absorption(model: nn.Module, absorb: Optional[bool]) -> None:
     """Set every multi-latent attention layer of ``model`` to run its generation steps absorbed (True), plain
-    (False), or whichever takes fewer multiply-adds per step (None, the default)."""
-    for module in model.modules():
-        if isinstance(module, MultiLatentAttention):
-            module.absorb = absorb
+    (False), or whichever takes fewer multiply-adds per step (None, the default). True is refused, before any layer is
+    set, where a layer's up-projection cannot be absorbed (:func:`~megatron_lite.core.models.mla_absorbed.absorbs`)."""
+    layers = [module for module in model.modules() if isinstance(module, MultiLatentAttention)]
+    reasons = [reason for layer in layers if (reason := why_not_absorbable(layer)) is not None] if absorb else []
+    if reasons:
+        raise ValueError(f"absorb=True, but {reasons[0]}: set absorb=None (or False) to run the plain form")
+    for layer in layers:
+        layer.absorb = absorb

@@ -63,7 +63,7 @@ def absorbs(attention: MultiLatentAttention, queries: int, keys: int) -> bool:
     where it takes fewer multiply-adds per head than expanding the ``keys`` latents (the plain form)."""
     reason = why_not_absorbable(attention)
     if attention.absorb is not None:
-        if attention.absorb and reason is not None:
+        if attention.absorb and reason is not None:  # an adapter or a quantizer added after set_absorption(..., True)
             raise ValueError(f"absorb=True, but {reason}: set absorb=None (or False) to run the plain form")
         return attention.absorb
     if reason is not None:
