@@ -246,7 +246,9 @@ MLA = dict(TINY_MLA, q_lora_rank=24)
 
 
 def test_mla_tp2_sp_equals_reference():
-    """Multi-latent attention: each TP rank caches every token's latent and RoPE key and expands its own heads."""
+    """Multi-latent attention: each TP rank caches every token's latent and RoPE key; a prefill expands them to its
+    own heads' keys and values, a decode step attends them with its shard of linear_kv_up_proj absorbed
+    (mla_absorbed.py; the per-step rule picks it at these widths, test_mla.py checks that)."""
     reference = _expected(GPTModel(_config(**MLA), seed=3).eval())
     _check(run_ranks(_on_layout, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True), MLA), reference, True)
 

@@ -1,5 +1,6 @@
-"""Multi-latent attention without transformers: the config's refusals, YaRN's frequencies and scales by hand, the
-DeepSeek-V3 config.json mapping and its refusals, and the interleaved-RoPE row permutation."""
+"""Multi-latent attention without transformers: the config's refusals, generation through the latent cache (absorbed
+and plain), YaRN's frequencies and scales by hand, the DeepSeek-V3 config.json mapping and its refusals, and the
+interleaved-RoPE row permutation."""
 
 from __future__ import annotations
 
@@ -9,22 +10,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from megatron_lite.core.checkpoint.errors import UnsupportedHFModel
 from megatron_lite.core.checkpoint.hf import deepseek
 from megatron_lite.core.checkpoint.hf.config import gpt_config_from_hf, hf_config_from_gpt
 from megatron_lite.core.inference.generate import generate
-from megatron_lite.core.inference.kv_cache import KVCache
+from megatron_lite.core.inference.kv_cache import InferenceStep, KVCache
 from megatron_lite.core.inference.sampling import SamplingParams
 from megatron_lite.core.models import GPTConfig
 from megatron_lite.core.models.draft_head import EagleDraftHead
 from megatron_lite.core.models.gpt import GPTModel
+from megatron_lite.core.models.mla import set_absorption
+from megatron_lite.core.models.mla_absorbed import absorbs
 from megatron_lite.core.models.rope import RopeScaling, inverse_frequencies, yarn_mscale
+from megatron_lite.core.peft import LoRAConfig, apply_lora
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from mla_utils import DEEPSEEK_V3_TINY, TINY_MLA  # noqa: E402
+from mla_utils import DEEPSEEK_V3_TINY, TINY_MLA, TINY_YARN  # noqa: E402
 
 MLA = TINY_MLA
+MLA_VOCAB = GPTConfig(**MLA).vocab_size
 
 
 @pytest.mark.parametrize(
@@ -88,6 +94,85 @@ def test_generation_through_the_latent_cache_equals_recomputing_every_token(q_lo
     torch.testing.assert_close(torch.tensor(greedy.log_probs[0]), expected, rtol=0, atol=1e-6)
     cache = KVCache.for_model(model, 2, 11)
     assert cache.nbytes == config.num_layers * 2 * 11 * (16 + 4) * 4  # layers x rows x slots x (latent + key) x fp32
+
+
+def _step_logits(model: GPTModel, tokens: torch.Tensor, prefill: int, absorb) -> torch.Tensor:
+    """Each step's last-position logits [steps, b, V]: a prefill of ``prefill`` tokens, then one decode step per
+    further token, through a latent cache, every layer's attention absorbed or plain as ``absorb`` says."""
+    set_absorption(model, absorb)
+    b, length = tokens.shape
+    cache, positions = KVCache.for_model(model, b, length), torch.arange(length).expand(b, length)
+    steps = [(0, prefill)] + [(t, 1) for t in range(prefill, length)]
+    return torch.stack(
+        [
+            model.inference_forward(tokens[:, t : t + s], InferenceStep(t, positions[:, t : t + s], None, cache))
+            for t, s in steps
+        ]
+    )
+
+
+@pytest.mark.parametrize("q_lora_rank, lora", [(None, False), (24, False), (None, True)])
+def test_absorbed_attention_equals_expanding_the_latents(q_lora_rank, lora):
+    """Attention over the cached latents, linear_kv_up_proj absorbed into the queries and the output (a LoRA adapter
+    on it too, in factored form), gives the plain path's logits at every step (a causal prefill and decode steps),
+    with YaRN's softmax scale; by default decode steps run absorbed and a prefill plain, and greedy generation of
+    left-padded prompts gives the same tokens and log-probs either way."""
+    model = GPTModel(GPTConfig(**{**MLA, "q_lora_rank": q_lora_rank}, **TINY_YARN), seed=1).eval()
+    if lora:
+        apply_lora(model, LoRAConfig(dim=4, target_modules=["linear_kv_up_proj"]), model.layout, seed=2)
+        with torch.no_grad():  # B starts at zero: make the adapters count
+            for name, param in model.named_parameters():
+                if "adapter.linear_out" in name:
+                    param.normal_(0, 0.3)
+    attention = model.layer(0).self_attention
+    assert absorbs(attention, 1, 2) and absorbs(attention, 1, 1000) and not absorbs(attention, 5, 5)
+    tokens = torch.randint(0, MLA_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = _step_logits(model, tokens, 4, absorb=False)
+    torch.testing.assert_close(_step_logits(model, tokens, 4, absorb=True), plain)
+    torch.testing.assert_close(_step_logits(model, tokens, 4, absorb=None), plain)
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    absorbed = generate(model, prompts, max_new_tokens=6, return_log_probs=True)
+    set_absorption(model, False)
+    expanded = generate(model, prompts, max_new_tokens=6, return_log_probs=True)
+    assert absorbed.tokens == expanded.tokens
+    torch.testing.assert_close(torch.tensor(absorbed.log_probs), torch.tensor(expanded.log_probs))
+
+
+def test_absorbed_attention_in_bf16_is_as_close_to_fp32_as_the_plain_one():
+    config = GPTConfig(**{**MLA, "q_lora_rank": 24}, **TINY_YARN)
+    tokens = torch.randint(0, MLA_VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    exact = _step_logits(GPTModel(config, seed=1).eval(), tokens, 4, absorb=False)
+    half = GPTModel(config, seed=1).eval().to(torch.bfloat16)
+    plain, absorbed = (_step_logits(half, tokens, 4, absorb) for absorb in (False, True))
+    assert plain.dtype == absorbed.dtype == torch.bfloat16
+    plain_error, absorbed_error = ((x.float() - exact).abs().max().item() for x in (plain, absorbed))
+    assert 0 < absorbed_error <= 2 * plain_error
+
+
+class _NotLoRA(nn.Module):
+    """An adapter of no known factored form (it adds nothing): only its output is known, as of any adapter."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.width)
+
+
+def test_an_up_projection_that_cannot_be_absorbed_runs_plain_and_forcing_it_is_refused():
+    model = GPTModel(GPTConfig(**MLA), seed=1).eval()
+    reference = generate(model, [[5, 6, 7]], max_new_tokens=3).tokens
+    for index in range(model.config.num_layers):
+        up = model.layer(index).self_attention.linear_kv_up_proj
+        up.adapter = _NotLoRA(up.output_size_per_partition)
+    assert generate(model, [[5, 6, 7]], max_new_tokens=3).tokens == reference  # chosen per step: plain here
+    message = "absorb=True, but _NotLoRA on linear_kv_up_proj is not a LoRA adapter"
+    with pytest.raises(ValueError, match=message):
+        set_absorption(model, True)
+    model.layer(0).self_attention.absorb = True  # set before the adapter came: refused at the step
+    with pytest.raises(ValueError, match=message):
+        generate(model, [[5, 6, 7]], max_new_tokens=3)
 
 
 def test_yarn_frequencies_and_scales_by_hand():

@@ -26,6 +26,7 @@ from torch import nn
 
 from megatron_lite.core.models.attention import CoreAttention, rotate
 from megatron_lite.core.models.config import GPTConfig
+from megatron_lite.core.models.mla_absorbed import absorbed_attention, absorbs, why_not_absorbable
 from megatron_lite.core.models.norms import Norm
 from megatron_lite.core.models.rope import apply_rotary
 from megatron_lite.core.parallel.context_parallel import AttentionContext
@@ -100,6 +101,10 @@ class MultiLatentAttention(nn.Module):
         )
         self.core_attention = CoreAttention(config.attention_dropout, 1, softmax_scale)
         self.recompute_core_attention = config.recomputes("core_attn")
+        self.absorb: Optional[bool] = None
+        """How generation steps attend (``mla_absorbed.py``): None picks, per step, the form with fewer
+        multiply-adds (absorbed for decode steps, plain for a prefill); True or False forces absorbed or plain
+        (:func:`set_absorption`)."""
 
     def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` [s(/tp), b, h] -> this rank's heads' queries [s, b, heads, qk_head_dim] and [.., qk_pos_emb_head_dim]
@@ -165,8 +170,8 @@ class MultiLatentAttention(nn.Module):
         :class:`~megatron_lite.core.inference.kv_cache.KVCache`; None: this step's tokens only). ``rope`` is
         (cos, signed_sin) [s, b, 1, 1, dim] of :func:`~megatron_lite.core.models.attention.rotary_tables`.
 
-        The cached latents are expanded to keys and values at every step (the plain form; absorbing
-        ``linear_kv_up_proj`` into the queries and the output projection would skip that work)."""
+        A decode step attends the cached latents directly, the up-projection absorbed into the query and the output
+        (``mla_absorbed.py``); a prefill expands them to keys and values (the plain form, cheaper there)."""
         q_nope, q_pos = self.queries(x)
         latent, k_pos = self.latent(x)
         s, b = q_nope.shape[:2]
@@ -180,13 +185,41 @@ class MultiLatentAttention(nn.Module):
             kv[0].narrow(2, step.start, s).copy_(latent)
             kv[1].narrow(2, step.start, s).copy_(k_pos)
             latent, k_pos = kv[0].narrow(2, 0, end), kv[1].narrow(2, 0, end)
+        if absorbs(self, s, latent.shape[2]):
+            out = absorbed_attention(self, q_nope, q_pos, latent, k_pos, step.mask)
+        else:
+            out = self._expanded_attention(q_nope, q_pos, latent, k_pos, step.mask)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
+
+    def _expanded_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_pos: torch.Tensor,
+        latent: torch.Tensor,
+        k_pos: torch.Tensor,
+        mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The plain form of :func:`~megatron_lite.core.models.mla_absorbed.absorbed_attention` (same arguments and
+        result): the latents expanded to every head's keys and values."""
+        s, b = q_nope.shape[:2]
         k_nope, v = self.expand(latent[:, 0])  # [b, L, heads, nope], [b, L, heads, v]
         length = k_nope.shape[1]
         k = torch.cat([k_nope, k_pos.transpose(1, 2).expand(b, length, self.heads, self.pos)], dim=-1)
         q = torch.cat([q_nope, q_pos], dim=-1).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, L, d]
         # one query per row (a decode step) sees every cached slot; a prefill is causal unless a mask says more
-        causal = s > 1 and step.mask is None
+        causal = s > 1 and mask is None
         scale = self.core_attention.softmax_scale
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=causal, scale=scale)
-        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def set_absorption(model: nn.Module, absorb: Optional[bool]) -> None:
+    """Set every multi-latent attention layer of ``model`` to run its generation steps absorbed (True), plain
+    (False), or whichever takes fewer multiply-adds per step (None, the default). True is refused, before any layer is
+    set, where a layer's up-projection cannot be absorbed (:func:`~megatron_lite.core.models.mla_absorbed.absorbs`)."""
+    layers = [module for module in model.modules() if isinstance(module, MultiLatentAttention)]
+    reasons = [reason for layer in layers if (reason := why_not_absorbable(layer)) is not None] if absorb else []
+    if reasons:
+        raise ValueError(f"absorb=True, but {reasons[0]}: set absorb=None (or False) to run the plain form")
+    for layer in layers:
+        layer.absorb = absorb
