@@ -2,9 +2,12 @@
 the example configs runs in test_example_config_commands.py)."""
 
 import json
+import multiprocessing
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import lightning as L
@@ -42,6 +45,7 @@ def test_strategy_by_name_in_a_script(tmp_path):
     result = json.loads(out.read_text())
     assert result["strategy"] == "MegatronStrategy"
     assert (result["world_size"], result["dp"], result["tp"]) == (2, 2, 1)
+    assert result["cluster"] == "LightningEnvironment"  # Lightning's own launcher started the second rank
     assert len(result["losses"]) == 3 and all(5.0 < x < 6.0 for x in result["losses"])  # ~ln(256)
 
 
@@ -173,6 +177,7 @@ def test_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (result["world_size"], result["dp"]) == (2, 2) and len(result["losses"]) == 3
+    assert result["cluster"] == "TorchElasticEnvironment"
 
 
 def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
@@ -220,13 +225,33 @@ def test_two_torchrun_nodes_on_loopback_train_like_one_process(tmp_path):
     assert_same_training(torch.load(tmp_path / "run" / "result.pt", weights_only=False), reference)
 
 
+def _slurm_task(script: Path, out: Path, env: dict) -> None:
+    """One task of the allocation: the script as ``__main__`` in this forked process, with the task's environment
+    (the interpreter and Lightning are already loaded: a fresh one per task costs ~5 s of CPU to import them, and
+    how a task's process starts is srun's business, not what this test is about)."""
+    code = 1
+    try:
+        os.environ.update(env)
+        os.chdir(out.parent)
+        sys.argv = [str(script), str(out)]
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def test_in_a_slurm_allocation(tmp_path):
-    """Two tasks started the way `srun --ntasks=2` starts them; Lightning's SLURMEnvironment joins them."""
+    """Two tasks started the way `srun --ntasks=2` starts them (the SLURM variables of each task, nothing from a
+    launcher); Lightning's SLURMEnvironment joins them."""
     out = tmp_path / "result.json"
-    procs, port = [], str(_free_port())
+    tasks, port = [], str(_free_port())
     for rank in range(2):
         env = dict(
-            _env(),
+            OMP_NUM_THREADS="1",
             SLURM_NTASKS="2",
             SLURM_NTASKS_PER_NODE="2",
             SLURM_PROCID=str(rank),
@@ -237,21 +262,17 @@ def test_in_a_slurm_allocation(tmp_path):
             SLURM_JOB_NAME="train",
             SLURM_NODELIST="localhost",
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(REPO / "tests/integration/train_by_name.py"), str(out)],
-                cwd=tmp_path,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+        task = multiprocessing.get_context("fork").Process(
+            target=_slurm_task, args=(REPO / "tests/integration/train_by_name.py", out, env)
         )
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+        task.start()
+        tasks.append(task)
+    for task in tasks:
+        task.join(timeout=300)
+        assert task.exitcode == 0, f"a task ended with {task.exitcode} (its traceback is in the captured stderr)"
     result = json.loads(out.read_text())
     assert (result["world_size"], result["dp"]) == (2, 2) and len(result["losses"]) == 3
+    assert result["cluster"] == "SLURMEnvironment"  # the tasks joined as the allocation's ranks, no launcher
 
 
 def _free_port() -> int:

@@ -46,6 +46,7 @@ if __name__ == "__main__":
                     "dp": layout.dp_size,
                     "tp": layout.tp_size,
                     "world_size": layout.world_size,
+                    "cluster": type(trainer.strategy.cluster_environment).__name__,
                 },
                 f,
             )
