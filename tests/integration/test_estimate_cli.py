@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,21 +134,6 @@ def test_missing_and_unparsable_files_exit_2(capsys, tmp_path):
     assert main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "is not valid YAML" in err
-
-
-def test_module_entry_point_prints_the_same_json(capsys):
-    in_process = _run_json(capsys, "--config", str(TINY_YAML))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_lite", "estimate", "--config", str(TINY_YAML), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == in_process
 
 
 def test_the_strategy_makes_the_estimate_when_fit_starts(tmp_path):
