@@ -22,6 +22,7 @@ from megatron_lite.core.estimator.context_parallel import (
     context_parallel_attention_transient,
     layer_bytes_until_attention,
 )
+from megatron_lite.core.estimator.mla_activations import mla_attention_parts
 from megatron_lite.core.estimator.moe_activations import moe_dispatch_transient, moe_layer_parts
 from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, schedule_memory
@@ -92,22 +93,46 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
     module docstring)."""
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
-    s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
-    # resolved by GPTConfig.__post_init__
-    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
-    tokens = s * b  # inside TP regions every rank sees the whole (CP-local) sequence ...
+    h = config.hidden_size
+    assert config.num_query_groups is not None and config.ffn_hidden_size is not None  # resolved by GPTConfig
+    tokens = layout.local_seq_length * layout.micro_batch_size  # inside TP regions every rank sees them all ...
     local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
     c, r = pb.compute, pb.residual
-    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
     ffn = config.ffn_hidden_size // tp
-    gqa, rope = heads != groups, config.position_embedding_type == "rope"
-    math_attention = config.attention_dropout > 0 and kernels.attention_dropout_materializes_scores
-
-    def mask(element_bytes: int) -> int:
-        return kernels.dropout_mask_bytes or element_bytes
+    gqa, rope = config.num_attention_heads != config.num_query_groups, config.position_embedding_type == "rope"
 
     parts = {"norms": 2 * _norm_bytes(config, kernels, local * h, r)}
-    parts["qkv_input"] = tokens * h * c  # all-gathered under SP
+    if config.multi_latent_attention:
+        parts.update(mla_attention_parts(config, layout, selective))
+    else:
+        parts.update(_attention_parts(config, layout, selective))
+    if layout.context_parallel_size > 1 and not selective:
+        parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
+    if moe and config.recomputes("moe"):
+        parts["moe_input"] = local * h * r  # the checkpointed layer's input; the rest is rebuilt in backward
+    elif moe:
+        parts.update(moe_layer_parts(config, layout))
+    else:
+        parts["fc1_input"] = tokens * h * c  # all-gathered under SP
+        gated = config.activation == "swiglu"
+        parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
+    if config.hidden_dropout > 0:
+        branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
+        parts["dropout_masks"] = 2 * local * h * (kernels.dropout_mask_bytes or branch)
+    return parts
+
+
+def _attention_parts(config: GPTConfig, layout: EstimateLayout, selective: bool) -> dict:
+    """Bytes the fused-QKV attention of one layer keeps for backward, by tensor (see :func:`_layer_parts`)."""
+    tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
+    kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
+    s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
+    assert d is not None and config.num_query_groups is not None  # resolved by GPTConfig.__post_init__
+    tokens, c = s * b, pb.compute
+    heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+    gqa, rope = heads != groups, config.position_embedding_type == "rope"
+    math_attention = config.attention_dropout > 0 and kernels.attention_dropout_materializes_scores
+    parts = {"qkv_input": tokens * h * c}  # all-gathered under SP
     # q, k, v as the attention kernel keeps them: RoPE makes new q and k, cutting q out of GQA groups
     # copies it, GQA repeats k and v to every head, and whatever is still a view keeps the whole fused
     # QKV output alive. Under selective recompute the checkpoint keeps q, k, v before the GQA repeat
@@ -126,24 +151,11 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
         parts["attention_out"] = attn_out  # the projection's input
         if not selective:
             # softmax, dropout mask, dropped probabilities
-            parts["attention_scores"] = b * heads * s * s * (2 * dense + mask(dense))
+            parts["attention_scores"] = b * heads * s * s * (2 * dense + (kernels.dropout_mask_bytes or dense))
     else:
         copied = c == 4 and b > 1 and kernels.fp32_attention_output_is_copied
         parts["attention_out"] = attn_out * (2 if copied else 1)  # output = (or copied into) the projection's input
         parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
-    if layout.context_parallel_size > 1 and not selective:
-        parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
-    if moe and config.recomputes("moe"):
-        parts["moe_input"] = local * h * r  # the checkpointed layer's input; the rest is rebuilt in backward
-    elif moe:
-        parts.update(moe_layer_parts(config, layout))
-    else:
-        parts["fc1_input"] = tokens * h * c  # all-gathered under SP
-        gated = config.activation == "swiglu"
-        parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
-    if config.hidden_dropout > 0:
-        branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
-        parts["dropout_masks"] = 2 * local * h * mask(branch)
     return parts
 
 
@@ -160,7 +172,10 @@ def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, t
     if config.position_embedding_type != "rope":
         return 0
     assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
-    rot = int(config.kv_channels * config.rotary_percent)
+    # MLA rotates only the decoupled positional part of each head
+    rotated = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.kv_channels
+    assert rotated is not None  # checked by GPTConfig.__post_init__
+    rot = int(rotated * config.rotary_percent)
     rot -= rot % 2
     # Under CP the positions come per sample ([b, s/C], the zigzag share's), and so do the tables.
     rows = layout.local_seq_length * (layout.micro_batch_size if layout.context_parallel_size > 1 else 1)

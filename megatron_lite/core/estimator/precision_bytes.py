@@ -63,6 +63,9 @@ class KernelSaves:
     """The fp32 kernel's ``[b, s, ...]`` output makes the projection keep its own ``[s b, h]`` copy (b > 1)."""
     attention_rng_bytes: int
     """Bytes the fused attention kernel keeps besides q, k, v, output and logsumexp (CUDA: philox seed, offset)."""
+    fused_attention_takes_unequal_widths: bool = True
+    """A fused kernel runs values of another head width than queries and keys (multi-latent attention); False:
+    the dense kernel runs them (CPU's flash kernel needs equal widths)."""
 
 
 # Measured with the probe: torch 2.13 on CPU; torch 2.11 on an H200 (cuDNN attention for bf16, the
@@ -76,6 +79,7 @@ KERNEL_SAVES = {
         dense_attention_in_fp32=True,
         fp32_attention_output_is_copied=False,
         attention_rng_bytes=0,
+        fused_attention_takes_unequal_widths=False,
     ),
     "cuda": KernelSaves(
         rms_norm_saves_normalized=False,
