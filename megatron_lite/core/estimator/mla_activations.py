@@ -27,7 +27,7 @@ memory-efficient kernel for unequal head widths) are assumed to keep what they k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
 from megatron_lite.core.models.config import GPTConfig
@@ -36,12 +36,19 @@ if TYPE_CHECKING:  # memory.py imports activations.py, which imports this module
     from megatron_lite.core.estimator.memory import EstimateLayout
 
 
-def latent_norm_bytes(
-    config: GPTConfig, kernels: KernelSaves, rows: int, width: int, input_bytes: int, weight_bytes: int, stored: int
+def norm_bytes(
+    config: GPTConfig,
+    kernels: KernelSaves,
+    rows: int,
+    width: int,
+    input_bytes: int,
+    weight_bytes: int,
+    stored: Optional[int] = None,
 ) -> int:
     """What a norm of ``rows`` x ``width`` elements (input of ``input_bytes`` per element, its weight of
-    ``weight_bytes``) keeps besides its output; ``stored``: bytes of the storage its input is a view of (kept
-    whole where the norm keeps its input as it is)."""
+    ``weight_bytes``) keeps besides its output (whose dtype is its input's): its input and fp32 statistics (rstd;
+    LayerNorm also the mean), CPU's RMSNorm also ``x * rstd``. ``stored``: bytes of the storage the input is a view
+    of, kept whole where the norm keeps its input as it is (None: the input itself; 0: held by someone else)."""
     layer_norm = config.normalization == "LayerNorm"
     stats = rows * 4 * (2 if layer_norm else 1)
     elements = rows * width
@@ -50,21 +57,28 @@ def latent_norm_bytes(
         # normalized tensor it multiplies the weight with (LayerNorm's kernel takes mixed dtypes as they are)
         return 2 * elements * 4 + stats
     normalized = not layer_norm and kernels.rms_norm_saves_normalized
-    return stored + (elements * input_bytes if normalized else 0) + stats
+    kept = elements * input_bytes if stored is None else stored
+    return kept + (elements * input_bytes if normalized else 0) + stats
 
 
-def mla_attention_parts(config: GPTConfig, layout: "EstimateLayout", selective: bool) -> dict:
+def mla_attention_parts(config: GPTConfig, layout: "EstimateLayout", selective: bool, residual: int = 0) -> dict:
     """Bytes the attention side of one MLA layer keeps for backward on one rank for one microbatch, by part
     (see the module docstring): replaces the fused-QKV attention's ``qkv_input``, ``qkv``, ``attention_out`` and
-    ``logsumexp`` entries."""
+    ``logsumexp`` entries. ``residual``: bytes per element of the layer's residual stream (and so of its norm's
+    output) where it is not the precision's."""
     assert config.kv_lora_rank and config.qk_head_dim and config.qk_pos_emb_head_dim and config.v_head_dim  # MLA
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     s, b, h = layout.local_seq_length, layout.micro_batch_size, config.hidden_size
     tokens = s * b
     local = tokens // tp if layout.sequence_parallel else tokens
-    c, r = pb.compute, pb.residual
-    heads, nope, pos, vd = config.num_attention_heads // tp, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+    c, r = pb.compute, residual or pb.residual
+    heads, nope, pos, vd = (
+        config.num_attention_heads // tp,
+        config.qk_head_dim,
+        config.qk_pos_emb_head_dim,
+        config.v_head_dim,
+    )
     qd, rkv, rq = nope + pos, config.kv_lora_rank, config.q_lora_rank
     sp = layout.sequence_parallel
 
@@ -77,10 +91,10 @@ def mla_attention_parts(config: GPTConfig, layout: "EstimateLayout", selective: 
         inputs += tokens * h * c if copies or sp else 0  # linear_q_proj's, gathered under SP
     parts = {"mla_inputs": inputs}
 
-    latents = latent_norm_bytes(config, kernels, local, rkv, c, pb.weight, local * (rkv + pos) * c)
+    latents = norm_bytes(config, kernels, local, rkv, c, pb.weight, local * (rkv + pos) * c)
     latents += tokens * rkv * c  # linear_kv_up_proj's input (gathered under SP)
     if rq is not None:
-        latents += latent_norm_bytes(config, kernels, local, rq, c, pb.weight, local * rq * c)
+        latents += norm_bytes(config, kernels, local, rq, c, pb.weight, local * rq * c)
         latents += tokens * rq * c  # linear_q_up_proj's input
     parts["mla_latents"] = latents
 
