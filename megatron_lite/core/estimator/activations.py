@@ -9,7 +9,10 @@ and on an H200. Under pipeline parallelism the schedule decides how many chunk-m
 (:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`); under context parallelism every per-token
 tensor holds ``seq_length / C`` tokens and the attention is the blockwise kind
 (:mod:`megatron_lite.core.estimator.context_parallel`). An MoE layer keeps its router's, dispatcher's and experts'
-tensors in place of the dense MLP's (:mod:`megatron_lite.core.estimator.moe_activations`, balanced routing assumed).
+tensors in place of the dense MLP's (:mod:`megatron_lite.core.estimator.moe_activations`, balanced routing assumed);
+a multi-latent attention layer its projections', latent norms' and attention's in place of the fused QKV's
+(:mod:`megatron_lite.core.estimator.mla_activations`), and the last stage also the MTP depths'
+(:mod:`megatron_lite.core.estimator.mtp_activations`).
 """
 
 from __future__ import annotations
