@@ -453,27 +453,34 @@ def test_forward_peaks_while_the_loss_is_computed(variant, recompute, precision)
     assert acts.peak == acts.held_after_forward + max(acts.loss_transient, acts.recompute_working_set)
 
 
-def _tp_probe(rank: int, world: int, shape: dict, sequence_parallel: bool) -> int:
+def _tp_probe(rank: int, world: int, shape: dict, sequence_parallel: bool, precision: str) -> int:
     config = GPTConfig(**shape)
     layout = ParallelLayout.build(ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sequence_parallel))
     model = GPTModel(config, layout).train()
     tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
         return measure_activation_bytes(model, lambda: (tokens, tokens))
 
 
 @pytest.mark.parametrize(
-    "variant, sequence_parallel", [("gpt2_dropout", False), ("gpt2_dropout", True), ("mtp_mla", True)]
+    "variant, sequence_parallel, precision",
+    [
+        ("gpt2_dropout", False, "bf16-mixed"),
+        ("gpt2_dropout", True, "bf16-mixed"),
+        ("mtp_mla", True, "bf16-mixed"),
+        ("mtp_mla", True, "32-true"),
+    ],
 )
-def test_activation_estimate_matches_the_probe_on_tensor_parallel_ranks(variant, sequence_parallel):
-    """Each TP rank's share (under SP MLA's replicated down-projections and latent norms run on the rank's
-    tokens, the up-projections on the gathered ones; an MTP depth gathers eh_proj's input and output)."""
+def test_activation_estimate_matches_the_probe_on_tensor_parallel_ranks(variant, sequence_parallel, precision):
+    """Each TP rank's share. Under SP MLA's replicated down-projections and latent norms run on the rank's tokens,
+    the up-projections on the gathered ones; an MTP depth gathers eh_proj's input and output, and in fp32 its
+    layer's first norm keeps the whole gathered output its input is a slice of."""
     shape = dict(TINY, **{**VARIANTS, **DEEPSEEK_VARIANTS}[variant])
-    measured = run_ranks(_tp_probe, 2, shape, sequence_parallel)
+    measured = run_ranks(_tp_probe, 2, shape, sequence_parallel, precision)
     config = GPTConfig(**shape)
     est = estimate_for_run(
         config,
-        _run(config, 2, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, precision="bf16-mixed"),
+        _run(config, 2, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, precision=precision),
         device_type="cpu",
     )
     for rank_bytes in measured:

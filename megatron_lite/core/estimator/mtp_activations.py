@@ -10,7 +10,8 @@ Per depth k (``T`` the tokens of a microbatch, ``L`` the rank's sequence-paralle
   autocast casts one;
 * ``eh_proj``'s input, ``[enorm; hnorm]`` (gathered under SP; a 16-bit copy under autocast);
 * the transformer layer, a decoder layer of the model's kind (MoE where the model's last layer is) running on
-  ``eh_proj``'s output: under autocast a 16-bit residual stream, whose norms therefore take the mixed-dtype path;
+  ``eh_proj``'s output: under autocast a 16-bit residual stream, whose norms therefore take the mixed-dtype path
+  (under SP its input is a slice of the gathered output, which its first norm may keep whole);
 * the depth's final norm, the output layer's input and the loss (the fp32 softmax, the targets and their mask, as
   the main output layer's), and the depth's fp32 loss mask.
 
@@ -49,6 +50,10 @@ def mtp_depth_bytes(config: GPTConfig, layout: "EstimateLayout", layer: int, out
     ids = tokens * (8 + 1) if layout.world_size > 1 else tokens * 8  # shard-local ids and mask, or the shifted ids
     embedded = local * h * r
     recompute = config.recompute_granularity == "full"
+    # Under SP the layer's input is the rank's slice of eh_proj's gathered output, a view: a norm that keeps its
+    # input as it is (not RMSNorm's mixed-dtype path) keeps the whole gathered tensor.
+    keeps_input = c == w or config.normalization == "LayerNorm"
+    sliced = (tokens - local) * h * c if keeps_input else 0
     kept = rebuilt = 0
     for k in range(1, depths + 1):
         # The hidden input: the main final norm's output (residual dtype), then the previous depth's (16-bit: its
@@ -63,6 +68,7 @@ def mtp_depth_bytes(config: GPTConfig, layout: "EstimateLayout", layer: int, out
             + norm_bytes(config, kernels, local, h, hidden_bytes, w, stored=0)  # hnorm (its input: ``hidden``)
             + tokens * 2 * h * c  # eh_proj's input
             + layer
+            + sliced
             + norm_bytes(config, kernels, local, h, c, w)  # the depth's final norm, over the layer's output
         )
         outside = ids + embedded + hidden + output + tokens * 4  # + the depth's loss mask
