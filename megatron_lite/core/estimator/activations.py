@@ -25,10 +25,10 @@ from megatron_lite.core.estimator.context_parallel import (
     context_parallel_attention_transient,
     layer_bytes_until_attention,
 )
-from megatron_lite.core.estimator.mla_activations import mla_attention_parts, norm_bytes
+from megatron_lite.core.estimator.mla_activations import mla_attention_parts
 from megatron_lite.core.estimator.moe_activations import moe_dispatch_transient, moe_layer_parts
 from megatron_lite.core.estimator.mtp_activations import mtp_depth_bytes
-from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES
+from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, norm_bytes
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, schedule_memory
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
@@ -109,7 +109,7 @@ def _layer_parts(
     ffn = config.ffn_hidden_size // tp
     gqa, rope = config.num_attention_heads != config.num_query_groups, config.position_embedding_type == "rope"
 
-    parts = {"norms": 2 * norm_bytes(config, kernels, local, h, r, pb.weight)}
+    parts = {"norms": 2 * norm_bytes(config.normalization, kernels, local, h, r, pb.weight)}
     if config.multi_latent_attention:
         parts.update(mla_attention_parts(config, layout, selective, r))
     else:
@@ -255,7 +255,7 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
                 chunk_embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
         chunk_output = chunk_loss = mtp_rebuilt = 0
         if stage.post_process:
-            norm = norm_bytes(config, kernels, local, h, pb.residual, pb.weight)
+            norm = norm_bytes(config.normalization, kernels, local, h, pb.residual, pb.weight)
             vocab = config.padded_vocab_size(tp) // tp
             logits = tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # input, softmax, targets, mask
             # the MTP depths' layers: the model's last layer's kind, on their projection's (compute-dtype) output

@@ -27,38 +27,13 @@ memory-efficient kernel for unequal head widths) are assumed to keep what they k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
+from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, norm_bytes
 from megatron_lite.core.models.config import GPTConfig
 
 if TYPE_CHECKING:  # memory.py imports activations.py, which imports this module: the type only
     from megatron_lite.core.estimator.memory import EstimateLayout
-
-
-def norm_bytes(
-    config: GPTConfig,
-    kernels: KernelSaves,
-    rows: int,
-    width: int,
-    input_bytes: int,
-    weight_bytes: int,
-    stored: Optional[int] = None,
-) -> int:
-    """What a norm of ``rows`` x ``width`` elements (input of ``input_bytes`` per element, its weight of
-    ``weight_bytes``) keeps besides its output (whose dtype is its input's): its input and fp32 statistics (rstd;
-    LayerNorm also the mean), CPU's RMSNorm also ``x * rstd``. ``stored``: bytes of the storage the input is a view
-    of, kept whole where the norm keeps its input as it is (None: the input itself; 0: held by someone else)."""
-    layer_norm = config.normalization == "LayerNorm"
-    stats = rows * 4 * (2 if layer_norm else 1)
-    elements = rows * width
-    if input_bytes != weight_bytes and not layer_norm:
-        # RMSNorm over mixed dtypes runs torch's composite path: it keeps the fp32 upcast input and the fp32
-        # normalized tensor it multiplies the weight with (LayerNorm's kernel takes mixed dtypes as they are)
-        return 2 * elements * 4 + stats
-    normalized = not layer_norm and kernels.rms_norm_saves_normalized
-    kept = elements * input_bytes if stored is None else stored
-    return kept + (elements * input_bytes if normalized else 0) + stats
 
 
 def mla_attention_parts(config: GPTConfig, layout: "EstimateLayout", selective: bool, residual: int = 0) -> dict:
@@ -91,10 +66,10 @@ def mla_attention_parts(config: GPTConfig, layout: "EstimateLayout", selective: 
         inputs += tokens * h * c if copies or sp else 0  # linear_q_proj's, gathered under SP
     parts = {"mla_inputs": inputs}
 
-    latents = norm_bytes(config, kernels, local, rkv, c, pb.weight, local * (rkv + pos) * c)
+    latents = norm_bytes(config.normalization, kernels, local, rkv, c, pb.weight, local * (rkv + pos) * c)
     latents += tokens * rkv * c  # linear_kv_up_proj's input (gathered under SP)
     if rq is not None:
-        latents += norm_bytes(config, kernels, local, rq, c, pb.weight, local * rq * c)
+        latents += norm_bytes(config.normalization, kernels, local, rq, c, pb.weight, local * rq * c)
         latents += tokens * rq * c  # linear_q_up_proj's input
     parts["mla_latents"] = latents
 

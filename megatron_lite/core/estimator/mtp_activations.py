@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_lite.core.estimator.mla_activations import norm_bytes
-from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES
+from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, norm_bytes
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.mtp_config import mtp_depth
 
@@ -63,13 +62,14 @@ def mtp_depth_bytes(config: GPTConfig, layout: "EstimateLayout", layer: int, out
         copied = hidden_bytes != w and config.normalization == "RMSNorm" and not recompute
         shared = hidden_bytes == c and not layout.sequence_parallel
         hidden = 0 if shared or copied else local * h * hidden_bytes
+        norm = config.normalization
         inner = (
-            norm_bytes(config, kernels, local, h, r, w, stored=0)  # enorm (its input: ``embedded``)
-            + norm_bytes(config, kernels, local, h, hidden_bytes, w, stored=0)  # hnorm (its input: ``hidden``)
+            norm_bytes(norm, kernels, local, h, r, w, stored=0)  # enorm (its input: ``embedded``)
+            + norm_bytes(norm, kernels, local, h, hidden_bytes, w, stored=0)  # hnorm (its input: ``hidden``)
             + tokens * 2 * h * c  # eh_proj's input
             + layer
             + sliced
-            + norm_bytes(config, kernels, local, h, c, w)  # the depth's final norm, over the layer's output
+            + norm_bytes(norm, kernels, local, h, c, w)  # the depth's final norm, over the layer's output
         )
         outside = ids + embedded + hidden + output + tokens * 4  # + the depth's loss mask
         kept += outside + (0 if recompute else inner)
