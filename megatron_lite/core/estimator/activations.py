@@ -9,7 +9,10 @@ and on an H200. Under pipeline parallelism the schedule decides how many chunk-m
 (:func:`~megatron_lite.core.estimator.schedule_memory.schedule_memory`); under context parallelism every per-token
 tensor holds ``seq_length / C`` tokens and the attention is the blockwise kind
 (:mod:`megatron_lite.core.estimator.context_parallel`). An MoE layer keeps its router's, dispatcher's and experts'
-tensors in place of the dense MLP's (:mod:`megatron_lite.core.estimator.moe_activations`, balanced routing assumed).
+tensors in place of the dense MLP's (:mod:`megatron_lite.core.estimator.moe_activations`, balanced routing assumed);
+a multi-latent attention layer its projections', latent norms' and attention's in place of the fused QKV's
+(:mod:`megatron_lite.core.estimator.mla_activations`), and the last stage also the MTP depths'
+(:mod:`megatron_lite.core.estimator.mtp_activations`).
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from megatron_lite.core.estimator.context_parallel import (
     context_parallel_attention_transient,
     layer_bytes_until_attention,
 )
+from megatron_lite.core.estimator.mla_activations import mla_attention_parts
 from megatron_lite.core.estimator.moe_activations import moe_dispatch_transient, moe_layer_parts
-from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, KernelSaves
+from megatron_lite.core.estimator.mtp_activations import mtp_depth_bytes
+from megatron_lite.core.estimator.precision_bytes import KERNEL_SAVES, PRECISION_BYTES, norm_bytes
 from megatron_lite.core.estimator.schedule_memory import ChunkActivations, schedule_memory
 from megatron_lite.core.models.config import GPTConfig
 from megatron_lite.core.models.moe_config import moe_layer_pattern
+from megatron_lite.core.models.mtp_config import mtp_depth
 from megatron_lite.core.models.recompute import full_recompute_groups
 from megatron_lite.core.parallel.pipeline.schedules import schedule_order, splits_backward
 
@@ -87,27 +93,54 @@ class ActivationBreakdown:
         return self.held_after_forward + self.recompute_working_set
 
 
-def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = False, moe: bool = False) -> dict:
+def _layer_parts(
+    config: GPTConfig, layout: EstimateLayout, selective: bool = False, moe: bool = False, residual: int = 0
+) -> dict:
     """Bytes one layer (an MoE layer where ``moe``) saves, by tensor, for one microbatch on one rank (see the
-    module docstring)."""
+    module docstring); ``residual``: bytes per element of its residual stream where it is not the precision's
+    (an MTP depth's layer runs on its 16-bit projection's output under autocast)."""
+    tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
+    kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
+    h = config.hidden_size
+    assert config.num_query_groups is not None and config.ffn_hidden_size is not None  # resolved by GPTConfig
+    tokens = layout.local_seq_length * layout.micro_batch_size  # inside TP regions every rank sees them all ...
+    local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
+    c, r = pb.compute, residual or pb.residual
+    ffn = config.ffn_hidden_size // tp
+    gqa, rope = config.num_attention_heads != config.num_query_groups, config.position_embedding_type == "rope"
+
+    parts = {"norms": 2 * norm_bytes(config.normalization, kernels, local, h, r, pb.weight)}
+    if config.multi_latent_attention:
+        parts.update(mla_attention_parts(config, layout, selective, r))
+    else:
+        parts.update(_attention_parts(config, layout, selective))
+    if layout.context_parallel_size > 1 and not selective:
+        parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
+    if moe and config.recomputes("moe"):
+        parts["moe_input"] = local * h * r  # the checkpointed layer's input; the rest is rebuilt in backward
+    elif moe:
+        parts.update(moe_layer_parts(config, layout, r))
+    else:
+        parts["fc1_input"] = tokens * h * c  # all-gathered under SP
+        gated = config.activation == "swiglu"
+        parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
+    if config.hidden_dropout > 0:
+        branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
+        parts["dropout_masks"] = 2 * local * h * (kernels.dropout_mask_bytes or branch)
+    return parts
+
+
+def _attention_parts(config: GPTConfig, layout: EstimateLayout, selective: bool) -> dict:
+    """Bytes the fused-QKV attention of one layer keeps for backward, by tensor (see :func:`_layer_parts`)."""
     tp, pb = layout.tensor_model_parallel_size, PRECISION_BYTES[layout.precision]
     kernels = layout.kernels or KERNEL_SAVES[layout.device_type]
     s, b, h, d = layout.local_seq_length, layout.micro_batch_size, config.hidden_size, config.kv_channels
-    # resolved by GPTConfig.__post_init__
-    assert d is not None and config.num_query_groups is not None and config.ffn_hidden_size is not None
-    tokens = s * b  # inside TP regions every rank sees the whole (CP-local) sequence ...
-    local = tokens // tp if layout.sequence_parallel else tokens  # ... the residual stream may be split
-    c, r = pb.compute, pb.residual
+    assert d is not None and config.num_query_groups is not None  # resolved by GPTConfig.__post_init__
+    tokens, c = s * b, pb.compute
     heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
-    ffn = config.ffn_hidden_size // tp
     gqa, rope = heads != groups, config.position_embedding_type == "rope"
     math_attention = config.attention_dropout > 0 and kernels.attention_dropout_materializes_scores
-
-    def mask(element_bytes: int) -> int:
-        return kernels.dropout_mask_bytes or element_bytes
-
-    parts = {"norms": 2 * _norm_bytes(config, kernels, local * h, r)}
-    parts["qkv_input"] = tokens * h * c  # all-gathered under SP
+    parts = {"qkv_input": tokens * h * c}  # all-gathered under SP
     # q, k, v as the attention kernel keeps them: RoPE makes new q and k, cutting q out of GQA groups
     # copies it, GQA repeats k and v to every head, and whatever is still a view keeps the whole fused
     # QKV output alive. Under selective recompute the checkpoint keeps q, k, v before the GQA repeat
@@ -126,32 +159,12 @@ def _layer_parts(config: GPTConfig, layout: EstimateLayout, selective: bool = Fa
         parts["attention_out"] = attn_out  # the projection's input
         if not selective:
             # softmax, dropout mask, dropped probabilities
-            parts["attention_scores"] = b * heads * s * s * (2 * dense + mask(dense))
+            parts["attention_scores"] = b * heads * s * s * (2 * dense + (kernels.dropout_mask_bytes or dense))
     else:
         copied = c == 4 and b > 1 and kernels.fp32_attention_output_is_copied
         parts["attention_out"] = attn_out * (2 if copied else 1)  # output = (or copied into) the projection's input
         parts["logsumexp"] = b * heads * s * 4 + kernels.attention_rng_bytes
-    if layout.context_parallel_size > 1 and not selective:
-        parts.update(context_parallel_attention_parts(config, layout, c, rope=rope, gqa=gqa))
-    if moe and config.recomputes("moe"):
-        parts["moe_input"] = local * h * r  # the checkpointed layer's input; the rest is rebuilt in backward
-    elif moe:
-        parts.update(moe_layer_parts(config, layout))
-    else:
-        parts["fc1_input"] = tokens * h * c  # all-gathered under SP
-        gated = config.activation == "swiglu"
-        parts["mlp"] = tokens * ffn * c * (4 if gated else 2)  # fc1 output, [silu output, product | gelu output]
-    if config.hidden_dropout > 0:
-        branch = r if config.add_bias_linear else c  # an fp32 bias promotes the branch to fp32
-        parts["dropout_masks"] = 2 * local * h * mask(branch)
     return parts
-
-
-def _norm_bytes(config: GPTConfig, kernels: KernelSaves, elements: int, element_bytes: int) -> int:
-    """A norm keeps its input and fp32 statistics (rstd; LayerNorm also the mean), CPU's RMSNorm also ``x * rstd``."""
-    stats = elements // config.hidden_size * 4 * (2 if config.normalization == "LayerNorm" else 1)
-    normalized = config.normalization == "RMSNorm" and kernels.rms_norm_saves_normalized
-    return elements * element_bytes * (2 if normalized else 1) + stats
 
 
 def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, tables_held: bool) -> int:
@@ -160,7 +173,10 @@ def _rope_bytes(config: GPTConfig, layout: EstimateLayout, stored_layers: int, t
     if config.position_embedding_type != "rope":
         return 0
     assert config.kv_channels is not None  # resolved by GPTConfig.__post_init__
-    rot = int(config.kv_channels * config.rotary_percent)
+    # MLA rotates only the decoupled positional part of each head
+    rotated = config.qk_pos_emb_head_dim if config.multi_latent_attention else config.kv_channels
+    assert rotated is not None  # checked by GPTConfig.__post_init__
+    rot = int(rotated * config.rotary_percent)
     rot -= rot % 2
     # Under CP the positions come per sample ([b, s/C], the zigzag share's), and so do the tables.
     rows = layout.local_seq_length * (layout.micro_batch_size if layout.context_parallel_size > 1 else 1)
@@ -223,7 +239,12 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
         kept = [local * h * pb.residual if recomputed else size for (_, recomputed), size in zip(groups, full)]
         peak = max((sum(kept[:j]) + size for j, size in enumerate(full)), default=0)
         stored_layers = sum(len(positions) for positions, recomputed in groups if not recomputed)
-        chunk_embedding = _rope_bytes(config, layout, stored_layers, tables_held=stored_layers < n)
+        # The MTP depths' layers rotate too (on the last stage), checkpointed under 'full' recompute.
+        mtp_layers = mtp_depth(config) if stage.post_process else 0
+        mtp_stored = 0 if config.recompute_granularity == "full" else mtp_layers
+        chunk_embedding = _rope_bytes(
+            config, layout, stored_layers + mtp_stored, tables_held=stored_layers + mtp_stored < n + mtp_layers
+        )
         if stage.pre_process:
             # Shard-local ids and the out-of-shard mask: whenever the TP group exists, i.e. in any run of more than
             # one rank (ParallelLayout.build makes a TP group of size 1 too); alone, a plain lookup.
@@ -232,12 +253,18 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
                 chunk_embedding += layout.seq_length * 8  # the positions made in the forward (CP: the data's)
             if config.hidden_dropout > 0:
                 chunk_embedding += local * h * (kernels.dropout_mask_bytes or pb.residual)
-        chunk_output = chunk_loss = 0
+        chunk_output = chunk_loss = mtp_rebuilt = 0
         if stage.post_process:
-            norm = _norm_bytes(config, kernels, local * h, pb.residual)
+            norm = norm_bytes(config.normalization, kernels, local, h, pb.residual, pb.weight)
             vocab = config.padded_vocab_size(tp) // tp
-            chunk_output = norm + tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # + targets, mask
+            logits = tokens * h * pb.compute + tokens * vocab * 4 + tokens * (8 + 1)  # input, softmax, targets, mask
+            # the MTP depths' layers: the model's last layer's kind, on their projection's (compute-dtype) output
+            mtp_layer = _layer_parts(config, layout, selective, moe=is_moe[-1], residual=pb.compute)
+            mtp, mtp_rebuilt = mtp_depth_bytes(config, layout, sum(mtp_layer.values()), logits)
+            chunk_output = norm + logits + mtp
             chunk_loss = tokens * vocab * (pb.compute + 4)
+            # GPTModel.forward keeps the main logits referenced while the MTP depths compute their losses
+            chunk_loss += tokens * vocab * pb.compute if mtp_layers else 0
         attention_peak = 0
         if layout.context_parallel_size > 1 and n:
             # The last layer's attention: every earlier layer's tensors held, this layer's up to its attention.
@@ -266,7 +293,10 @@ def activation_breakdown(config: GPTConfig, layout: EstimateLayout, pipeline_sta
                 dispatch_peak=chunk_embedding + sum(kept) + dispatch if has_moe else 0,
                 # The output layer's activations are gone by the time the first group (or MoE layer) is rebuilt.
                 recompute_working_set=max(
-                    0, peak - sum(kept) - chunk_output, moe_rebuilt - chunk_output if has_moe else 0
+                    0,
+                    peak - sum(kept) - chunk_output,
+                    moe_rebuilt - chunk_output if has_moe else 0,
+                    mtp_rebuilt - logits if mtp_rebuilt else 0,  # the last depth's, its logits' bytes freed
                 ),
             )
         )

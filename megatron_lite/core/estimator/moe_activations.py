@@ -51,11 +51,12 @@ def _sizes(config: GPTConfig, layout: "EstimateLayout") -> tuple:
     return tokens, local, rows, combined
 
 
-def moe_layer_parts(config: GPTConfig, layout: "EstimateLayout") -> dict:
+def moe_layer_parts(config: GPTConfig, layout: "EstimateLayout", residual: int = 0) -> dict:
     """Bytes the MLP side of one MoE layer keeps for backward on one rank for one microbatch, by part (the
-    attention side and the norms are the dense layer's)."""
+    attention side and the norms are the dense layer's); ``residual``: bytes per element of the layer's residual
+    stream where it is not the precision's (an MTP depth's layer)."""
     pb = PRECISION_BYTES[layout.precision]
-    c, n = pb.compute, pb.residual  # matmul outputs; the norm's output (autocast leaves norms alone)
+    c, n = pb.compute, residual or pb.residual  # matmul outputs; the norm's output (autocast leaves norms alone)
     h, experts, k = config.hidden_size, config.num_moe_experts, config.moe_router_topk
     assert experts is not None and config.moe_ffn_hidden_size is not None  # an MoE layer
     tokens, local, rows, combined = _sizes(config, layout)

@@ -63,6 +63,9 @@ class KernelSaves:
     """The fp32 kernel's ``[b, s, ...]`` output makes the projection keep its own ``[s b, h]`` copy (b > 1)."""
     attention_rng_bytes: int
     """Bytes the fused attention kernel keeps besides q, k, v, output and logsumexp (CUDA: philox seed, offset)."""
+    fused_attention_takes_unequal_widths: bool = True
+    """A fused kernel runs values of another head width than queries and keys (multi-latent attention); False:
+    the dense kernel runs them (CPU's flash kernel needs equal widths)."""
 
 
 # Measured with the probe: torch 2.13 on CPU; torch 2.11 on an H200 (cuDNN attention for bf16, the
@@ -76,6 +79,7 @@ KERNEL_SAVES = {
         dense_attention_in_fp32=True,
         fp32_attention_output_is_copied=False,
         attention_rng_bytes=0,
+        fused_attention_takes_unequal_widths=False,
     ),
     "cuda": KernelSaves(
         rms_norm_saves_normalized=False,
@@ -86,3 +90,28 @@ KERNEL_SAVES = {
         attention_rng_bytes=16,
     ),
 }
+
+
+def norm_bytes(
+    normalization: str,
+    kernels: KernelSaves,
+    rows: int,
+    width: int,
+    input_bytes: int,
+    weight_bytes: int,
+    stored: Optional[int] = None,
+) -> int:
+    """What a norm of ``rows`` x ``width`` elements (input of ``input_bytes`` per element, its weight of
+    ``weight_bytes``) keeps besides its output (whose dtype is its input's): its input and fp32 statistics (rstd;
+    LayerNorm also the mean), CPU's RMSNorm also ``x * rstd``. ``stored``: bytes of the storage the input is a view
+    of, kept whole where the norm keeps its input as it is (None: the input itself; 0: held by someone else)."""
+    layer_norm = normalization == "LayerNorm"
+    stats = rows * 4 * (2 if layer_norm else 1)
+    elements = rows * width
+    if input_bytes != weight_bytes and not layer_norm:
+        # RMSNorm over mixed dtypes runs torch's composite path: it keeps the fp32 upcast input and the fp32
+        # normalized tensor it multiplies the weight with (LayerNorm's kernel takes mixed dtypes as they are)
+        return 2 * elements * 4 + stats
+    normalized = not layer_norm and kernels.rms_norm_saves_normalized
+    kept = elements * input_bytes if stored is None else stored
+    return kept + (elements * input_bytes if normalized else 0) + stats
