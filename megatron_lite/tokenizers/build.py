@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from megatron_lite.core.object_staging import local_input
-from megatron_lite.core.object_store import is_remote
+from megatron_lite.core.object_staging import local_input, object_cache_dir, url_digest
+from megatron_lite.core.object_store import is_remote, upload
 from megatron_lite.tokenizers.base import Tokenizer, require_file
 from megatron_lite.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_lite.tokenizers.huggingface import CONFIG_FILES as HF_CONFIG_FILES
@@ -16,7 +16,7 @@ from megatron_lite.tokenizers.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from megatron_lite.tokenizers.tiktoken_tokenizer import TikTokenizer
 from megatron_lite.utils.jsonl import iter_jsonl_texts
-from megatron_lite.utils.local_path import require_local_or_object_path, require_local_path
+from megatron_lite.utils.local_path import require_local_or_object_path
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -94,7 +94,17 @@ def _train(
             raise
 
     try:
-        return train_sentencepiece(texts(), os.fspath(output_prefix), vocab_size)
+        if not is_remote(output_prefix):
+            return train_sentencepiece(texts(), os.fspath(output_prefix), vocab_size)
+        # SentencePiece writes files: train into the local cache, then upload the pair (the .model last, so a pair
+        # cut short has no model), and load the local copy
+        url = os.fspath(output_prefix)
+        local = os.path.join(object_cache_dir(), f"trained-{url_digest(url)}", url.rstrip("/").rsplit("/", 1)[-1])
+        model = train_sentencepiece(texts(), local, vocab_size)
+        for suffix in (".vocab", ".model"):
+            if os.path.isfile(local + suffix):
+                upload(local + suffix, url + suffix)
+        return model
     except ValueError:
         if errors:
             raise errors[0] from None
@@ -150,7 +160,7 @@ def build_tokenizer(
         (train_corpus, "train_corpus"),
     ):
         require_local_or_object_path(value, what)
-    require_local_path(output_prefix, "output_prefix")  # SentencePiece writes the trained model there
+    require_local_or_object_path(output_prefix, "output_prefix")  # the trained model goes there
     kind = canonical_tokenizer_type(tokenizer_type)
     tokenizer_model, vocab_file, merge_file = (
         None if value is None else local_input(value) for value in (tokenizer_model, vocab_file, merge_file)

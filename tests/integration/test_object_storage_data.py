@@ -446,6 +446,12 @@ def test_a_sentencepiece_model_trains_on_a_corpus_streamed_from_the_bucket(raw, 
     assert streamed == local and len(local) == 300
     assert models[1].tokenize("To be or not to be") == models[0].tokenize("To be or not to be")
     assert _copies(tmp_path / "cache") == []
+    # trained into the bucket: the pair is uploaded, and a tokenizer read back from there is the same model
+    url = f"s3://{BUCKET}/tokenizers/trained"
+    build_tokenizer("SentencePieceTokenizer", train_corpus=raw / "part-0.jsonl", vocab_size=300, output_prefix=url)
+    again = build_tokenizer("SentencePieceTokenizer", tokenizer_model=url + ".model")
+    assert [again.detokenize([i]) for i in range(again.vocab_size)] == local
+    assert _fs().exists(url + ".vocab")
 
 
 def test_a_text_corpus_module_reads_its_corpus_and_tokenizer_from_the_bucket(raw, tmp_path, monkeypatch):

@@ -132,8 +132,10 @@ def test_the_library_refuses_a_url_for_data_and_tokenizers(workdir):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=OTHER)
     with pytest.raises(ValueError, match=f"^train_corpus '{OTHER}' {OTHER_FIX}"):
         build_tokenizer("SentencePieceTokenizer", train_corpus=OTHER, vocab_size=300, output_prefix="spm")
-    with _refused("output_prefix"):  # where SentencePiece writes the model it trains
-        build_tokenizer("SentencePieceTokenizer", train_corpus=corpus, vocab_size=300, output_prefix=URL)
+    with pytest.raises(ValueError, match=f"^output_prefix '{OTHER}' {OTHER_FIX}"):
+        build_tokenizer("SentencePieceTokenizer", train_corpus=corpus, vocab_size=300, output_prefix=OTHER)
+    with _refused("cache_dir"):  # a cache is local by nature, whatever the data's location
+        TextCorpusDataModule(corpus, cache_dir=URL)
 
 
 def _other_scheme(what: str):
