@@ -280,29 +280,31 @@ def save_draft_head(draft: EagleDraftHead, path: str | os.PathLike) -> Optional[
 def load_draft_head(path: str | os.PathLike, model: nn.Module) -> EagleDraftHead:
     """The draft head saved at ``path`` (a :func:`save_draft_head` file, or one of our checkpoints written while
     TrainDraftHead trained), built for ``model``'s layout (each TP rank keeps its shard), after
-    checking that it was trained for ``model`` (same architecture and weights): else one ValueError. A file at an
-    ``s3://`` URL is read from a local copy (cached by its ETag)."""
-    if is_remote(path):
-        url = os.fspath(path)
-        if not is_file(url):
-            raise FileNotFoundError(
-                f"no draft-head file at {url}: at a URL, give the file TrainDraftHead(save_path=...) or "
-                f"save_draft_head(...) wrote there (a TrainDraftHead run's checkpoint is read from a local path)"
-            )
-        path = local_input(url)
-    path = Path(path)
-    if is_checkpoint_directory(path):
-        tensors = read_model_tensors(path, prefix=MODEL_PREFIX + DRAFT_HEAD_ATTRIBUTE + ".")
-    elif path.is_file():
-        tensors, meta = load_safetensors(path)
-        if meta.get("format") != FORMAT:
-            raise ValueError(
-                f"{path} is not a megatron-lite draft-head file (format {meta.get('format')!r}, expected {FORMAT!r})"
-            )
+    checking that it was trained for ``model`` (same architecture and weights): else one ValueError. At an ``s3://``
+    URL a file is read from a local copy (cached by its ETag), a checkpoint where it is (its commit marker followed)."""
+    prefix = MODEL_PREFIX + DRAFT_HEAD_ATTRIBUTE + "."
+    if is_remote(path) and not is_file(os.fspath(path)):
+        tensors = read_model_tensors(path, prefix=prefix)  # one error naming the URL when no checkpoint is there
     else:
-        raise FileNotFoundError(
-            f"no draft-head file or checkpoint at {path}; write one with save_draft_head(...), "
-            f"TrainDraftHead(save_path=...) or a checkpoint of a TrainDraftHead run"
+        path = Path(local_input(path))
+        if is_checkpoint_directory(path):
+            tensors = read_model_tensors(path, prefix=prefix)
+        elif path.is_file():
+            tensors, meta = load_safetensors(path)
+            if meta.get("format") != FORMAT:
+                raise ValueError(
+                    f"{path} is not a megatron-lite draft-head file (format {meta.get('format')!r}, expected "
+                    f"{FORMAT!r})"
+                )
+        else:
+            raise FileNotFoundError(
+                f"no draft-head file or checkpoint at {path}; write one with save_draft_head(...), "
+                f"TrainDraftHead(save_path=...) or a checkpoint of a TrainDraftHead run"
+            )
+    if "base_config_digest" not in tensors:
+        raise ValueError(
+            f"{path} holds no draft head (no {prefix}* tensors): give the file TrainDraftHead(save_path=...) wrote, "
+            f"or a checkpoint of a TrainDraftHead run"
         )
     saved = BaseFingerprint(
         bytes(tensors["base_config_digest"].tolist()).hex(), bytes(tensors["base_weights_digest"].tolist()).hex()

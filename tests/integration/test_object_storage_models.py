@@ -33,7 +33,7 @@ from megatron_lite.callbacks import Distill, TrainDraftHead  # noqa: E402
 from megatron_lite.cli import main as cli  # noqa: E402
 from megatron_lite.core.models.draft_head import EagleDraftHead, base_fingerprint  # noqa: E402
 from megatron_lite.core.object_staging import objects_under, published_directory  # noqa: E402
-from megatron_lite.post_training.speculative import save_draft_head  # noqa: E402
+from megatron_lite.post_training.speculative import load_draft_head, save_draft_head  # noqa: E402
 
 BUCKET = "models"
 HF_URL = f"s3://{BUCKET}/llama"
@@ -118,6 +118,9 @@ def test_convert_s3_to_s3_then_generate_inspect_prune_and_export_back(hf_dir, tm
     assert [r["new_tokens"] for r in _generate(CKPT_URL, capsys, "--draft", f"s3://{BUCKET}/draft.safetensors")] == [
         r["new_tokens"] for r in greedy
     ]
+    # a checkpoint in the store is read where it is (this one, of a plain model, has no draft head in it)
+    with pytest.raises(ValueError, match=rf"{CKPT_URL} holds no draft head"):
+        load_draft_head(CKPT_URL, base)
 
     remote, disk = _inspect(CKPT_URL, capsys), _inspect(local, capsys)
     assert remote["checksums"]["status"] == "ok" and remote["path"].startswith(f"{CKPT_URL}/v-")

@@ -910,6 +910,14 @@ def test_context_parallel_activations_shrink_as_one_over_cp():
     held = {cp: acts(cp).held_after_forward for cp in (2, 4, 8)}
     assert held[2] == 2 * held[4] == 4 * held[8]
     assert acts(1).held_after_forward > held[2]
+    # multi-latent attention with MTP is estimated under CP too (approximately: its attention there counted as the
+    # fused-QKV form's), less per rank as C grows
+    mla = GPTConfig(**dict(TINY, seq_length=256, **DEEPSEEK_VARIANTS["mtp_mla"]))
+    held_mla = {
+        cp: estimate_for_run(mla, _run(mla, 2, context_parallel_size=cp), device_type="cpu").activations
+        for cp in (1, 2, 4)
+    }
+    assert held_mla[4].held_after_forward < held_mla[2].held_after_forward < held_mla[1].held_after_forward
     tokens = 256 // 4 * 2  # one CP4 rank's tokens of a microbatch
     block = 2 * tokens * config.num_query_groups * config.kv_channels * 4  # its stacked fp32 keys and values
     p2p, gathered = acts(4).chunks[0].attention_peak, acts(4, "all_gather").chunks[0].attention_peak

@@ -101,8 +101,10 @@ def block_transient(config: GPTConfig, layout: ContextParallelLayout) -> int:
 
 def layer_bytes_until_attention(parts: dict, recomputed: bool = False) -> int:
     """Bytes of one layer's kept tensors (``parts``) that exist when its context-parallel attention runs: the
-    first norm's, the QKV projection's input and output, and what the attention allocates first (its fp32
-    output and log-sum-exp); the rest (projection input, second norm, MLP, dropout masks) comes after. In a
-    recomputed layer (whose forward keeps nothing) the norm's own tensors are already freed by then."""
+    first norm's, the QKV projection's input and output (multi-latent attention: the down-projections' inputs and
+    the latents instead of the QKV input), and what the attention allocates first (its fp32 output and
+    log-sum-exp); the rest (projection input, second norm, MLP, dropout masks) comes after. In a recomputed layer
+    (whose forward keeps nothing) the norm's own tensors are already freed by then."""
     norm = 0 if recomputed else parts["norms"] // 2
-    return norm + parts["qkv_input"] + parts["qkv"] + parts.get("attention_fp32_out", 0) + parts.get("logsumexp", 0)
+    inputs = parts.get("qkv_input", 0) + parts.get("mla_inputs", 0) + parts.get("mla_latents", 0)
+    return norm + inputs + parts["qkv"] + parts.get("attention_fp32_out", 0) + parts.get("logsumexp", 0)
