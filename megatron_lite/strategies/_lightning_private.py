@@ -37,6 +37,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (  # noqa: F401  (re-exported for the strategy)
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -52,6 +53,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
+from megatron_lite.strategies.ports import rendezvous_port
 from megatron_lite.strategies.rank_failure import (
     RUN_DIR_ENV,
     next_run_number,
@@ -248,6 +250,7 @@ class _MegatronMultiProcessingLauncher(_Launcher):
             # Lightning's launcher sets MASTER_PORT (and more) in this process for the ranks it starts: the
             # notebook's environment is left as it was found.
             with restored_environment():
+                _choose_rendezvous_port(self._strategy)
                 result = self._launch_ranks(function, *args, trainer=trainer, **kwargs)
             if trainer is not None and trainer.state.fn == TrainerFn.PREDICTING:
                 result = self._launcher.rank_zero_predictions
@@ -288,6 +291,18 @@ def _heap_frozen_for_fork(forking: bool) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def _choose_rendezvous_port(strategy) -> None:
+    """``MASTER_PORT`` for the ranks this process starts, outside the kernel's ephemeral range
+    (:mod:`megatron_lite.strategies.ports`), unless the user set one or a cluster (torchrun, SLURM, ...) gives it.
+    Lightning's environment reads ``MASTER_PORT`` when it first needs the port (and keeps it for the Trainer's later
+    launches)."""
+    if "MASTER_PORT" in os.environ or type(strategy.cluster_environment) is not LightningEnvironment:
+        return
+    port = rendezvous_port()
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ tests compare: the loss of every step and the full (TP-gathered) gradients of th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -114,6 +115,7 @@ class Recorder(L.Callback):
                     "skipped_steps": mopt.skipped_steps,
                     "overlapped_reductions": getattr(mopt, "overlapped_reductions", 0),
                     "loss_scale": mopt.loss_scale,
+                    "master_port": int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None,
                 },
                 self.out / "result.pt",
             )

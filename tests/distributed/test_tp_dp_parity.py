@@ -5,10 +5,13 @@ gradients must match to fp32 tolerance (rtol 1e-5), the way Megatron checks itse
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
 from parity_utils import assert_same_training, run, tiny_config
+
+from megatron_lite.strategies.ports import ephemeral_range_start
 
 LAYOUTS = {
     "tp2": dict(devices=2, tp=2),
@@ -28,7 +31,10 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, tmp_path):
     kwargs = dict(LAYOUTS[name])
+    chosen_by_us = "MASTER_PORT" not in os.environ and ephemeral_range_start() is not None
     result = run(tmp_path, **kwargs)
+    if chosen_by_us:  # the fork launcher's rendezvous port, below the ephemeral range (strategies/ports.py)
+        assert result["master_port"] < ephemeral_range_start()
     assert len(result["losses"]) == 10
     assert result["global_step"] == 10
     assert_same_training(result, reference)
