@@ -50,7 +50,7 @@ from megatron_lite.core.parallel.run_spec import RunSpec
 from megatron_lite.core.parallel.schedules import gpt_forward_step, split_microbatches
 from megatron_lite.module import GPTModule
 from megatron_lite.rl.dpo_loss import check_dpo_options, dpo_terms
-from megatron_lite.rl.reference import base_is_reference, frozen_reference, run_as_base
+from megatron_lite.rl.reference import base_is_reference, freeze_multi_token_prediction, frozen_reference, run_as_base
 
 # GPTConfig fields that decide the weights' shapes: a reference must agree on all of them.
 SHAPE_FIELDS = (
@@ -114,7 +114,9 @@ def sequence_log_probs_step(
     """One chunk's forward of a :func:`pair_microbatch`: activations for the next stage, or on the last stage
     each sequence's sum of response-token log-probs ``[2b]`` (summed over the CP group, differentiably); for
     packed rows ``[2n]``, ``n = b·P`` pair slots, summed per sequence by ``sequence_slot`` (empty slots 0)."""
-    out = gpt_forward_step(part, microbatch, input_tensor)
+    # a policy's multi-token prediction loss would be summed over tokens and divided by DPO's pair count: it is
+    # left out, and the MTP depths stay as they were (frozen: configure_model)
+    out = gpt_forward_step(part, microbatch, input_tensor, with_mtp=False)
     if not getattr(part, "post_process", True):
         return out
     token_logps = -(out.float() * microbatch["loss_mask"].to(torch.float32))
@@ -285,6 +287,7 @@ class DPOModule(GPTModule):
 
     def configure_model(self) -> None:
         super().configure_model()  # the LoRA callback's adapters are attached here
+        freeze_multi_token_prediction(self.model)
         if self._reference_done:
             return
         if self._base_is_reference():

@@ -47,7 +47,7 @@ from megatron_lite.rl.grpo_loss import (
     truncated_is_weights,
     vocab_parallel_entropy,
 )
-from megatron_lite.rl.reference import base_is_reference, frozen_reference, run_as_base
+from megatron_lite.rl.reference import base_is_reference, freeze_multi_token_prediction, frozen_reference, run_as_base
 from megatron_lite.rl.rewards import RewardFn, WeightedRewards, exact_match
 from megatron_lite.rl.rollout import group_rows, make_samples, pack_rows, rollout_seed, score_samples
 
@@ -151,6 +151,7 @@ class GRPOModule(GPTModule):
     # --- model, reference and checks ---------------------------------------------------------
     def configure_model(self) -> None:
         super().configure_model()  # the LoRA callback's adapters are attached here
+        freeze_multi_token_prediction(self.model)  # the log-probs come from the main head's logits
         if self.grpo.beta == 0.0:
             return
         if base_is_reference(self.model):

@@ -31,6 +31,14 @@ def frozen_reference(
     return reference.requires_grad_(False).eval()
 
 
+def freeze_multi_token_prediction(model: Optional[nn.Module]) -> None:
+    """Freeze a policy's multi-token prediction depths (DeepSeek-V3's MTP): DPO and GRPO score sequences with the
+    main head, so the depths get no gradient and keep their weights (not even weight decay moves them)."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        mtp.requires_grad_(False)
+
+
 def base_is_reference(model: Optional[nn.Module]) -> bool:
     """Whether the policy ``model`` is its own reference: it carries LoRA adapters, so its frozen base (the adapters
     switched off) is the policy before any step -- B starts at zero -- and stays it, as the base never trains."""

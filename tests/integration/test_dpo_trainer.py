@@ -244,3 +244,34 @@ def test_example_script_learns(tmp_path):
     accuracy = float(re.search(r"held-out \(96 pairs\): reward accuracy ([0-9.]+)", proc.stdout).group(1))
     prefer = re.search(r"policy prefers the chosen reply: ([0-9.]+) before -> ([0-9.]+) after", proc.stdout)
     assert accuracy > 0.9 and float(prefer.group(2)) > 0.9 > float(prefer.group(1)), proc.stdout
+
+
+def test_a_policy_with_mtp_is_trained_on_its_main_head_only(tmp_path):
+    """DPO scores sequences with the main head: a policy's multi-token prediction loss (summed over tokens, it would
+    be divided by DPO's pair count) is left out and its MTP depths keep their weights, so the rest trains exactly as
+    the same policy without an MTP block (every weight is drawn from the seed and its name: the same weights)."""
+    data = PreferenceDataModule(
+        write_cued_pairs(tmp_path / "pairs.jsonl", 32),
+        NullTokenizer(VOCAB),
+        seq_length=16,
+        micro_batch_size=4,
+        global_batch_size=8,
+        split="100,0",
+    )
+    trained = {}
+    for name, depth in (("plain", None), ("mtp", 1)):
+        module = DPOModule(
+            ml.GPTConfig(**CONFIG, mtp_num_layers=depth), ml.OptimizerConfig(lr=1e-2, lr_decay_style="constant")
+        )
+        module.configure_model()
+        initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+        trainer = _trainer(tmp_path / name, max_steps=2, limit_val_batches=0)
+        trainer.fit(module, data)
+        assert "train/mtp_loss" not in trainer.callback_metrics
+        trained[name] = ({n: p.detach().clone() for n, p in module.model.named_parameters()}, initial)
+    (plain, plain_initial), (with_mtp, initial) = trained["plain"], trained["mtp"]
+    assert any(name.startswith("mtp.") for name in with_mtp)
+    assert any(not torch.equal(plain[name], plain_initial[name]) for name in plain)  # it trained
+    for name, value in with_mtp.items():
+        expected = initial[name] if name.startswith("mtp.") else plain[name]
+        torch.testing.assert_close(value, expected, rtol=1e-6, atol=0, msg=name)

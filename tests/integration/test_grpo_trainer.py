@@ -7,6 +7,8 @@
 - GRPO raises the mean reward from <= 0.2 to >= 0.8 from a random tiny model.
 """
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -128,3 +130,23 @@ def test_grpo_learns_addition_from_a_random_model(tmp_path):
     rewards = [r["train/reward_mean"] for r in rows]
     assert rewards[0] <= 0.2, rewards
     assert sum(rewards[-3:]) / 3 >= 0.8, rewards
+
+
+def test_a_policy_with_mtp_freezes_its_mtp_depths(tmp_path):
+    """GRPO's log-probs come from the main head's logits: a policy's MTP depths get no loss, and are frozen (not
+    moved by weight decay either); one step trains the rest."""
+    module, data = _setup()
+    module = GRPOModule(
+        dataclasses.replace(module.config, mtp_num_layers=1),
+        ml.OptimizerConfig(lr=3e-3, lr_decay_style="constant", weight_decay=0.1),
+        seed=7,
+        grpo=module.grpo,
+        reward_fn=module.reward_fn,
+    )
+    module.configure_model()
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    _fit(module, data, 1, tmp_path)
+    after = dict(module.model.named_parameters())
+    assert any(n.startswith("mtp.") for n in after)
+    for name, value in after.items():
+        assert torch.equal(value, initial[name]) == name.startswith("mtp."), name

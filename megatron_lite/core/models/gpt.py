@@ -144,6 +144,7 @@ class ModelChunk:
         position_ids: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        with_mtp: bool = True,
     ) -> torch.Tensor:
         return self.model(
             tokens,
@@ -153,6 +154,7 @@ class ModelChunk:
             hidden_states=hidden_states,
             chunk=self.index,
             loss_mask=loss_mask,
+            with_mtp=with_mtp,
         )
 
     @property
@@ -369,6 +371,7 @@ class GPTModel(nn.Module):
         hidden_states: Optional[torch.Tensor] = None,
         chunk: int = 0,
         loss_mask: Optional[torch.Tensor] = None,
+        with_mtp: bool = True,
     ) -> torch.Tensor:
         """``tokens`` [b, s] -> logits [b, s, V_padded/tp] (padding at -inf), or per-token loss [b, s]
         given ``labels``.
@@ -381,7 +384,8 @@ class GPTModel(nn.Module):
         ``cu_seqlens`` describes the whole rows. Under pipeline parallelism ``chunk`` picks the
         virtual stage to run and ``hidden_states`` are the previous stage's activations (every stage
         sees the tokens: they give the sequence length, the positions and the packing). ``loss_mask`` [b, s]
-        masks the multi-token prediction loss like the main one (only a model with ``mtp_num_layers`` reads it).
+        masks the multi-token prediction loss like the main one (only a model with ``mtp_num_layers`` reads it);
+        ``with_mtp=False`` leaves that loss out (objectives that score sequences with the main head: DPO).
         """
         stage = self.chunks[chunk].stage
         s = tokens.shape[1]
@@ -426,7 +430,7 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start, self.config.vocab_size)
         # contiguous: a [b, s] copy is cheap, and FSDP2 warns about (and cannot hook) view outputs
         loss = loss.t().contiguous()
-        if self.mtp is not None:
+        if self.mtp is not None and with_mtp:
             loss = self.mtp.attach_loss(self, loss, x, tokens, labels, loss_mask, position_ids, rope, context)
         return loss
 

@@ -50,9 +50,11 @@ class RewardModel(GPTModel):
         hidden_states: Optional[torch.Tensor] = None,
         chunk: int = 0,
         loss_mask: Optional[torch.Tensor] = None,
+        with_mtp: bool = True,
     ) -> torch.Tensor:
         """``tokens`` [b, s] -> per-token values [b, s] on the last stage (activations elsewhere);
-        the other arguments are GPTModel's (positions, packed-sequence ids, pipeline chunk; no MTP loss to mask)."""
+        the other arguments are GPTModel's (positions, packed-sequence ids, pipeline chunk; no MTP loss to mask or
+        leave out)."""
         if labels is not None:
             raise ValueError("RewardModel has no vocabulary and takes no labels; call it with tokens only")
         x = super().forward(

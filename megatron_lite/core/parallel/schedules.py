@@ -63,12 +63,15 @@ def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
     return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
-def gpt_forward_step(part, microbatch: dict, hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gpt_forward_step(
+    part, microbatch: dict, hidden_states: Optional[torch.Tensor] = None, with_mtp: bool = True
+) -> torch.Tensor:
     """One stage's forward of a ``{"tokens": [b, s+1], ...}`` microbatch: the per-token loss [b, s] on
     the last stage, the activations for the next stage elsewhere. ``part`` is a GPTModel (one stage)
     or one of its ``chunks``; packed samples also carry ``position_ids`` [b, s] and ``cu_seqlens`` [b, k].
     A microbatch that carries ``labels`` is already split into inputs and labels (a context-parallel
-    rank's share: ``tokens`` are then the inputs [b, s/C])."""
+    rank's share: ``tokens`` are then the inputs [b, s/C]). ``with_mtp=False``: a model's multi-token
+    prediction loss is left out (it is part of next-token objectives only)."""
     tokens = microbatch["tokens"]
     if "labels" in microbatch:
         inputs, labels = tokens, microbatch["labels"]
@@ -78,7 +81,10 @@ def gpt_forward_step(part, microbatch: dict, hidden_states: Optional[torch.Tenso
         labels = None
     kwargs = dict(position_ids=microbatch.get("position_ids"), cu_seqlens=microbatch.get("cu_seqlens"))
     if labels is not None and getattr(part, "mtp", None) is not None:
-        kwargs["loss_mask"] = microbatch.get("loss_mask")  # the MTP loss is masked like the main one
+        if with_mtp:
+            kwargs["loss_mask"] = microbatch.get("loss_mask")  # the MTP loss is masked like the main one
+        else:
+            kwargs["with_mtp"] = False
     if hidden_states is not None:
         kwargs["hidden_states"] = hidden_states
     return part(inputs, labels, **kwargs)
