@@ -818,7 +818,9 @@ def test_per_stage_activations_match_a_measured_pipeline_fit(tmp_path, run):
     est = estimate_for_run(config, _run(config, 2, gbs, precision=precision, **strategy), device_type="cpu")
     branch_output = 2 * config.seq_length * config.hidden_size * 4
     boundary = 2 * config.seq_length * config.hidden_size * 4  # one s b h fp32 tensor: what crosses between stages
-    late = 2 * boundary if "virtual_pipeline_model_parallel_size" in strategy else 0
+    # interleaved: up to two sent buffers still in transfer on the last stage (schedule_memory), and a third whose
+    # transfer completed but whose waiter thread (the one that frees it) has not run yet on a loaded machine
+    late = 3 * boundary if "virtual_pipeline_model_parallel_size" in strategy else 0
     for stage, held, peak in measured:
         acts = est.stages[stage].activations
         assert acts.held_after_forward * 0.998 <= held <= acts.held_after_forward * 1.002 + late, stage
