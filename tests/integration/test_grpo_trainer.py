@@ -132,21 +132,14 @@ def test_grpo_learns_addition_from_a_random_model(tmp_path):
     assert sum(rewards[-3:]) / 3 >= 0.8, rewards
 
 
-def test_a_policy_with_mtp_freezes_its_mtp_depths(tmp_path):
-    """GRPO's log-probs come from the main head's logits: a policy's MTP depths get no loss, and are frozen (not
-    moved by weight decay either); one step trains the rest."""
-    module, data = _setup()
+def test_a_policy_with_mtp_freezes_its_mtp_depths():
+    """GRPO's log-probs come from the main head's logits: a policy's MTP depths get no loss, and are frozen, so the
+    optimizer leaves them out (without it, weight decay moved them: seen in a one-step fit); the rest trains."""
+    module, _ = _setup()
     module = GRPOModule(
-        dataclasses.replace(module.config, mtp_num_layers=1),
-        ml.OptimizerConfig(lr=3e-3, lr_decay_style="constant", weight_decay=0.1),
-        seed=7,
-        grpo=module.grpo,
-        reward_fn=module.reward_fn,
+        dataclasses.replace(module.config, mtp_num_layers=1), module.optimizer_config, seed=7, grpo=module.grpo
     )
     module.configure_model()
-    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    _fit(module, data, 1, tmp_path)
-    after = dict(module.model.named_parameters())
-    assert any(n.startswith("mtp.") for n in after)
-    for name, value in after.items():
-        assert torch.equal(value, initial[name]) == name.startswith("mtp."), name
+    trainable = {name: p.requires_grad for name, p in module.model.named_parameters()}
+    assert any(name.startswith("mtp.") for name in trainable)
+    assert all(requires_grad != name.startswith("mtp.") for name, requires_grad in trainable.items())
