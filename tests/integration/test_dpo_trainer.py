@@ -104,6 +104,18 @@ class FirstLoss(L.Callback):
             torch.save(float(outputs["loss"]), self.out / "loss.pt")
 
 
+def _small_pairs(tmp_path) -> PreferenceDataModule:
+    """32 cued pairs, all for training, 8 per step."""
+    return PreferenceDataModule(
+        write_cued_pairs(tmp_path / "pairs.jsonl", 32),
+        NullTokenizer(VOCAB),
+        seq_length=16,
+        micro_batch_size=4,
+        global_batch_size=8,
+        split="100,0",
+    )
+
+
 def _first_loss(tmp_path, module, data):
     _trainer(tmp_path, max_steps=1, limit_val_batches=0, callbacks=[FirstLoss(tmp_path)]).fit(module, data)
     return torch.load(tmp_path / "loss.pt")
@@ -118,14 +130,7 @@ def _saved(tmp_path, name, **overrides):
 
 
 def test_reference_from_a_checkpoint_and_one_of_another_shape(tmp_path):
-    data = PreferenceDataModule(
-        write_cued_pairs(tmp_path / "pairs.jsonl", 32),
-        NullTokenizer(VOCAB),
-        seq_length=16,
-        micro_batch_size=4,
-        global_batch_size=8,
-        split="100,0",
-    )
+    data = _small_pairs(tmp_path)
     config = ml.GPTConfig(**CONFIG)
     # The policy's own initial weights as a checkpoint: policy == reference, so the first loss is log 2 ...
     same = _first_loss(tmp_path, DPOModule(config, seed=1234, reference=_saved(tmp_path, "same")), data)
@@ -250,14 +255,7 @@ def test_a_policy_with_mtp_is_trained_on_its_main_head_only(tmp_path):
     """DPO scores sequences with the main head: a policy's multi-token prediction loss (summed over tokens, it would
     be divided by DPO's pair count) is left out and its MTP depths keep their weights, so the rest trains exactly as
     the same policy without an MTP block (every weight is drawn from the seed and its name: the same weights)."""
-    data = PreferenceDataModule(
-        write_cued_pairs(tmp_path / "pairs.jsonl", 32),
-        NullTokenizer(VOCAB),
-        seq_length=16,
-        micro_batch_size=4,
-        global_batch_size=8,
-        split="100,0",
-    )
+    data = _small_pairs(tmp_path)
     trained = {}
     for name, depth in (("plain", None), ("mtp", 1)):
         module = DPOModule(
